@@ -1,0 +1,1 @@
+//! miles-r3 (skeleton).
