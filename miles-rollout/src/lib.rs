@@ -7,9 +7,19 @@
 //! and any [`miles_core::PolicyTrainer`] through miles-core's traits and never imports
 //! miles-train.
 //!
-//! Available now: the group-level checks every loop applies before training, with Miles'
-//! semantics — the staleness bound of the fully-async buffer ([`group_staleness`],
-//! `--max-weight-staleness`) and the dynamic-sampling filters ([`DynamicFilter`]).
+//! Available now:
+//! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
+//!   of returned groups;
+//! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
+//!   checker) implementing [`miles_core::RewardFn`];
+//! * [`manager`]: the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
+//!   concurrency, rewards, dynamic filters, over-sampling with abort of the surplus, partial
+//!   rollout;
+//! * [`loops`]: the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
+//!   (pause → flush → update → resume → version check), staleness control and resumable
+//!   checkpoints;
+//! * the group-level checks: the staleness bound ([`group_staleness`],
+//!   `--max-weight-staleness`) and the dynamic-sampling filters ([`DynamicFilter`]).
 //!
 //! ```
 //! use miles_core::{Prompt, Sample, WeightVersion};
@@ -31,6 +41,18 @@
 //!     FilterVerdict::Drop { reason: "zero_std_1".into() }
 //! );
 //! ```
+
+pub mod data;
+pub mod error;
+pub mod loops;
+pub mod manager;
+pub mod reward;
+
+pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
+pub use error::{Error, Result};
+pub use loops::{LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler};
+pub use manager::{PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager};
+pub use reward::BuiltinReward;
 
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,660 @@
+//! The rollout manager and the RL loops against a real (tiny) policy: a tabular softmax policy
+//! over 8 tokens served by an async engine that samples token by token, supports abort, pause
+//! modes and versioned in-place weight updates, and a REINFORCE / GRPO trainer for the same
+//! table. The task: answer "3" (exact match), so the reward must rise as the loops train.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use miles_core::{
+    EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, GenerateRequest,
+    InferenceEngine, MemoryMetricsSink, Metrics, NamedTensors, PauseMode, PolicyTrainer, Prompt,
+    RequestId, Result as CoreResult, Reward, RewardFn, Sample, SampleStatus, TensorBytes, TokenId,
+    WeightVersion, async_trait,
+};
+use miles_rollout::{
+    BuiltinReward, DataSource, DynamicFilter, LoopConfig, PromptEncoder, PromptRecord, RlLoop,
+    RolloutConfig, RolloutManager, SharedTrainer, UnusedSamplesHandler,
+};
+use tokio::sync::Notify;
+
+const VOCAB: usize = 8;
+
+/// (trainer version at train time, oldest version of a trained sample, sample index).
+type Seen = (WeightVersion, Option<WeightVersion>, Option<u64>);
+const STOP: TokenId = 7;
+
+fn softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::MIN, f32::max) as f64;
+    let exp: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
+    let sum: f64 = exp.iter().sum();
+    exp.into_iter().map(|e| e / sum).collect()
+}
+
+struct Rng(u64);
+impl Rng {
+    fn uniform(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+struct EngineState {
+    logits: Vec<f32>,
+    version: WeightVersion,
+    paused: Option<PauseMode>,
+}
+
+/// Samples from softmax(logits), one token per `delay`.
+struct TabularEngine {
+    state: Mutex<EngineState>,
+    resumed: Notify,
+    abort_epoch: AtomicU64,
+    aborted: Mutex<HashSet<RequestId>>,
+    delay: Duration,
+    /// Prompts whose second token is ≥ 2 ("q2", "q3", …) generate 10× slower.
+    slow_tail: bool,
+    counter: AtomicU64,
+    generated: AtomicUsize,
+}
+
+impl TabularEngine {
+    fn new(delay: Duration) -> Arc<Self> {
+        Self::with_slow_tail(delay, false)
+    }
+
+    fn with_slow_tail(delay: Duration, slow_tail: bool) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(EngineState {
+                logits: vec![0.0; VOCAB],
+                version: WeightVersion(0),
+                paused: None,
+            }),
+            resumed: Notify::new(),
+            abort_epoch: AtomicU64::new(0),
+            aborted: Mutex::new(HashSet::new()),
+            delay,
+            slow_tail,
+            counter: AtomicU64::new(0),
+            generated: AtomicUsize::new(0),
+        })
+    }
+}
+
+#[async_trait]
+impl InferenceEngine for TabularEngine {
+    async fn generate(&self, request: GenerateRequest) -> CoreResult<GenerateOutput> {
+        if request.input_ids.is_empty() {
+            return Err(CoreError::engine(
+                EngineErrorKind::InvalidRequest,
+                "empty input_ids",
+            ));
+        }
+        let epoch = self.abort_epoch.load(Ordering::SeqCst);
+        let seed = request
+            .sampling_params
+            .sampling_seed
+            .unwrap_or_else(|| self.counter.fetch_add(1, Ordering::SeqCst));
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD);
+        let max = request.sampling_params.max_new_tokens.unwrap_or(16);
+        let (mut ids, mut log_probs) = (Vec::new(), Vec::new());
+        let mut finish = FinishReason::Length;
+        let delay = if self.slow_tail && request.input_ids.get(1).is_some_and(|&t| t >= 2) {
+            self.delay * 10
+        } else {
+            self.delay
+        };
+        while ids.len() < max {
+            loop {
+                let paused = self.state.lock().unwrap().paused;
+                match paused {
+                    None => break,
+                    Some(PauseMode::Abort) => {
+                        finish = FinishReason::Abort;
+                        break;
+                    }
+                    Some(_) => self.resumed.notified().await,
+                }
+            }
+            let cancelled = self.abort_epoch.load(Ordering::SeqCst) != epoch
+                || request
+                    .request_id
+                    .as_ref()
+                    .is_some_and(|id| self.aborted.lock().unwrap().contains(id));
+            if cancelled || finish == FinishReason::Abort {
+                finish = FinishReason::Abort;
+                break;
+            }
+            let probs = softmax(&self.state.lock().unwrap().logits);
+            let u = rng.uniform();
+            let mut acc = 0.0;
+            let mut token = VOCAB - 1;
+            for (t, p) in probs.iter().enumerate() {
+                acc += p;
+                if u < acc {
+                    token = t;
+                    break;
+                }
+            }
+            ids.push(token as TokenId);
+            log_probs.push(probs[token].ln());
+            self.generated.fetch_add(1, Ordering::SeqCst);
+            if request
+                .sampling_params
+                .stop_token_ids
+                .contains(&(token as TokenId))
+            {
+                finish = FinishReason::Stop;
+                break;
+            }
+            tokio::time::sleep(delay).await;
+        }
+        Ok(GenerateOutput {
+            request_id: request.request_id,
+            output_ids: ids,
+            output_log_probs: log_probs,
+            routed_experts: None,
+            finish_reason: finish,
+            matched_stop: None,
+            weight_version: self.state.lock().unwrap().version,
+            prompt_tokens: request.input_ids.len(),
+            cached_tokens: 0,
+        })
+    }
+
+    async fn update_weights(
+        &self,
+        weights: &NamedTensors,
+        version: WeightVersion,
+    ) -> CoreResult<()> {
+        let logits = weights
+            .get("logits")
+            .ok_or_else(|| CoreError::engine(EngineErrorKind::WeightUpdate, "missing logits"))?
+            .to_f32()?;
+        let mut state = self.state.lock().unwrap();
+        if version < state.version {
+            return Err(CoreError::engine(
+                EngineErrorKind::WeightUpdate,
+                "version went backwards",
+            ));
+        }
+        state.logits = logits;
+        state.version = version;
+        Ok(())
+    }
+
+    async fn update_weights_from_disk(
+        &self,
+        _dir: &Path,
+        _version: WeightVersion,
+    ) -> CoreResult<()> {
+        Err(CoreError::engine(
+            EngineErrorKind::WeightUpdate,
+            "not supported",
+        ))
+    }
+
+    async fn pause(&self, mode: PauseMode) -> CoreResult<()> {
+        self.state.lock().unwrap().paused = Some(mode);
+        Ok(())
+    }
+
+    async fn resume(&self) -> CoreResult<()> {
+        self.state.lock().unwrap().paused = None;
+        self.resumed.notify_waiters();
+        Ok(())
+    }
+
+    async fn flush_cache(&self) -> CoreResult<()> {
+        Ok(())
+    }
+
+    async fn abort(&self, request_id: &RequestId) -> CoreResult<()> {
+        self.aborted.lock().unwrap().insert(request_id.clone());
+        Ok(())
+    }
+
+    async fn abort_all(&self) -> CoreResult<()> {
+        self.abort_epoch.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn health(&self) -> CoreResult<()> {
+        Ok(())
+    }
+
+    async fn weight_version(&self) -> CoreResult<WeightVersion> {
+        Ok(self.state.lock().unwrap().version)
+    }
+}
+
+/// Tokens are digits: prompt text bytes → ids, ids → digits (the stop token decodes to "").
+struct DigitEncoder;
+impl PromptEncoder for DigitEncoder {
+    fn encode(&self, sample: &Sample) -> CoreResult<Vec<TokenId>> {
+        match &sample.prompt {
+            Prompt::Text(t) => Ok(t.bytes().map(|b| TokenId::from(b) % VOCAB as u32).collect()),
+            Prompt::Messages(_) => Err(CoreError::Reward("text prompts only".into())),
+        }
+    }
+    fn decode(&self, tokens: &[TokenId]) -> String {
+        tokens
+            .iter()
+            .filter(|&&t| t != STOP)
+            .map(|t| t.to_string())
+            .collect()
+    }
+}
+
+/// REINFORCE with group-mean baselines on the logit table; records what it trained on.
+struct TabularTrainer {
+    logits: Vec<f32>,
+    lr: f32,
+    version: WeightVersion,
+    /// (trainer version at train time, oldest version of each trained sample, sample index).
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl PolicyTrainer for TabularTrainer {
+    fn train(&mut self, _rollout_id: u64, samples: &[Sample]) -> CoreResult<Metrics> {
+        let probs = softmax(&self.logits);
+        let mut grad = vec![0.0f64; VOCAB];
+        let mut groups: std::collections::BTreeMap<u64, Vec<&Sample>> = Default::default();
+        for s in samples {
+            groups
+                .entry(s.group_index.unwrap_or(0))
+                .or_default()
+                .push(s);
+            self.seen
+                .lock()
+                .unwrap()
+                .push((self.version, s.oldest_weight_version(), s.index));
+        }
+        for group in groups.values() {
+            let rewards: Vec<f64> = group
+                .iter()
+                .map(|s| {
+                    s.reward
+                        .as_ref()
+                        .and_then(|r| r.scalar(None))
+                        .unwrap_or(0.0)
+                })
+                .collect();
+            let mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
+            for (s, r) in group.iter().zip(&rewards) {
+                let mask = s.effective_loss_mask();
+                for (t, m) in s.response_tokens().iter().zip(mask) {
+                    if m == 0 {
+                        continue;
+                    }
+                    for (v, g) in grad.iter_mut().enumerate() {
+                        let onehot = if v == *t as usize { 1.0 } else { 0.0 };
+                        *g += (r - mean) * (onehot - probs[v]);
+                    }
+                }
+            }
+        }
+        let n = samples.len().max(1) as f64;
+        for (l, g) in self.logits.iter_mut().zip(&grad) {
+            *l += self.lr * (*g / n) as f32;
+        }
+        self.version = self.version.next();
+        Ok(Metrics::from([(
+            "train/p3".to_string(),
+            softmax(&self.logits)[3],
+        )]))
+    }
+
+    fn export_weights(&self) -> CoreResult<NamedTensors> {
+        let mut t = NamedTensors::new();
+        t.insert("logits", TensorBytes::from_f32(vec![VOCAB], &self.logits)?);
+        Ok(t)
+    }
+
+    fn weight_version(&self) -> WeightVersion {
+        self.version
+    }
+
+    fn save_checkpoint(&self, dir: &Path) -> CoreResult<()> {
+        std::fs::create_dir_all(dir).map_err(|e| CoreError::io(dir, e))?;
+        let mut t = self.export_weights()?;
+        t.set_metadata("version", self.version.to_string());
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, t.to_safetensors_bytes()).map_err(|e| CoreError::io(path, e))
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path) -> CoreResult<()> {
+        let path = dir.join("model.safetensors");
+        let bytes = std::fs::read(&path).map_err(|e| CoreError::io(path, e))?;
+        let t = NamedTensors::from_safetensors_bytes(&bytes)?;
+        self.logits = t
+            .get("logits")
+            .ok_or_else(|| CoreError::Trainer("no logits".into()))?
+            .to_f32()?;
+        self.version = t.metadata()["version"].parse()?;
+        Ok(())
+    }
+}
+
+fn trainer(seen: &Arc<Mutex<Vec<Seen>>>) -> SharedTrainer {
+    Arc::new(Mutex::new(Box::new(TabularTrainer {
+        logits: vec![0.0; VOCAB],
+        lr: 8.0,
+        version: WeightVersion(0),
+        seen: seen.clone(),
+    })))
+}
+
+fn prompts() -> Vec<PromptRecord> {
+    (0..6)
+        .map(|i| PromptRecord::text(format!("q{i}"), "3"))
+        .collect()
+}
+
+fn rollout_config(n: usize, batch: usize) -> RolloutConfig {
+    let mut config = RolloutConfig {
+        n_samples_per_prompt: n,
+        rollout_batch_size: batch,
+        rollout_max_response_len: 1,
+        max_concurrency: 16,
+        rollout_seed: Some(11),
+        ..RolloutConfig::default()
+    };
+    config.sampling.stop_token_ids = vec![STOP];
+    config
+}
+
+fn manager(
+    engine: &Arc<TabularEngine>,
+    config: RolloutConfig,
+    reward: Arc<dyn RewardFn>,
+) -> Arc<RolloutManager> {
+    Arc::new(RolloutManager::new(config, engine.clone(), Arc::new(DigitEncoder), reward).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_loop_learns_and_versions_every_update() {
+    let engine = TabularEngine::new(Duration::from_millis(0));
+    let seen = Arc::default();
+    let sink = Arc::new(MemoryMetricsSink::new());
+    let manager = manager(
+        &engine,
+        rollout_config(8, 4),
+        Arc::new(BuiltinReward::ExactMatch),
+    );
+    let data = DataSource::new(prompts(), 8, true, 1).unwrap();
+    let config = LoopConfig {
+        num_rollout: 12,
+        ..LoopConfig::default()
+    };
+    let mut rl = RlLoop::new(config, manager, trainer(&seen), sink.clone(), data).unwrap();
+    rl.run_sync().await.unwrap();
+    let steps = sink.steps();
+    assert_eq!(steps.len(), 12);
+    let reward = |i: usize| steps[i].1["rollout/raw_reward"];
+    let early = (reward(0) + reward(1)) / 2.0;
+    let late = (reward(10) + reward(11)) / 2.0;
+    assert!(
+        early < 0.4,
+        "uniform policy answers 3 one time in 8: {early}"
+    );
+    assert!(
+        late > 0.8 && late > 2.0 * early,
+        "reward did not rise: {early} -> {late}"
+    );
+    // Every step pushed a new version to the engine, and each batch came from the previous one.
+    assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(12));
+    for (step, metrics) in &steps {
+        assert_eq!(metrics["weight_version"], (*step + 1) as f64);
+    }
+    for (trainer_version, oldest, _) in seen.lock().unwrap().iter() {
+        assert_eq!(
+            *oldest,
+            Some(*trainer_version),
+            "sync loop trains on-policy"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_sampling_aborts_the_surplus_and_recycles_partial_groups() {
+    let engine = TabularEngine::with_slow_tail(Duration::from_millis(2), true);
+    let mut config = rollout_config(2, 2);
+    config.over_sampling_batch_size = Some(6);
+    config.rollout_max_response_len = 40;
+    config.sampling.stop_token_ids = vec![]; // run to the length limit unless aborted
+    config.partial_rollout = true;
+    let manager = manager(&engine, config, Arc::new(BuiltinReward::ExactMatch));
+    let mut data = DataSource::new(prompts(), 2, false, 0).unwrap();
+    let batch = manager.generate_rollout(4, &mut data).await.unwrap();
+    assert_eq!(batch.groups.len(), 2);
+    assert!(batch.metrics["rollout/aborted_groups"] >= 1.0);
+    // Kept groups are complete and ordered by index.
+    let first: Vec<u64> = batch.groups.iter().map(|g| g[0].index.unwrap()).collect();
+    assert!(first.windows(2).all(|w| w[0] < w[1]));
+    for s in batch.groups.iter().flatten() {
+        assert_eq!(s.status, SampleStatus::Truncated);
+        assert_eq!(s.response_length, 40);
+        assert_eq!(s.rollout_log_probs.as_ref().unwrap().len(), 40);
+        s.validate().unwrap();
+    }
+    // The aborted groups that had generated tokens wait in the buffer, tagged, to be resumed.
+    assert_eq!(first, [0, 2], "the two fast prompts finish first");
+    assert_eq!(batch.metrics["rollout/aborted_groups"], 4.0);
+    let recycled = batch.metrics["rollout/partial_groups_recycled"] as usize;
+    assert_eq!(recycled, 4, "slow groups had generated a few tokens each");
+    assert_eq!(data.buffered_groups(), recycled);
+    let resumed = data.get_groups(1).remove(0);
+    assert!(
+        resumed
+            .iter()
+            .any(|s| s.response_length > 0 && s.response_length < 40)
+    );
+    assert_eq!(resumed[0].metadata["start_rollout_id"], 4);
+    // Resuming continues the partial response up to the budget.
+    let finished = manager.generate_group(resumed.clone()).await;
+    for (before, after) in resumed.iter().zip(&finished) {
+        assert_eq!(&after.tokens[..before.tokens.len()], &before.tokens[..]);
+        assert_eq!(after.response_length, 40);
+    }
+}
+
+/// Fails for every sample whose response is "5"; the others get exact-match rewards.
+struct FlakyReward;
+#[async_trait]
+impl RewardFn for FlakyReward {
+    async fn reward(&self, sample: &Sample) -> CoreResult<Reward> {
+        if sample.response == "5" {
+            return Err(CoreError::Reward("checker crashed on 5".into()));
+        }
+        BuiltinReward::ExactMatch.reward(sample).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reward_failures_mark_samples_failed_and_filters_drop_flat_groups() {
+    let engine = TabularEngine::new(Duration::from_millis(0));
+    let mut config = rollout_config(4, 6);
+    config.dynamic_filters = vec![DynamicFilter::CheckRewardNonzeroStd];
+    let manager = manager(&engine, config, Arc::new(FlakyReward));
+    let mut data = DataSource::new(prompts(), 4, false, 0).unwrap();
+    let batch = manager.generate_rollout(0, &mut data).await.unwrap();
+    assert_eq!(batch.groups.len(), 6);
+    let drops: f64 = batch
+        .metrics
+        .iter()
+        .filter(|(k, _)| k.starts_with("rollout/dynamic_filter/drop_zero_std"))
+        .map(|(_, v)| v)
+        .sum();
+    assert!(
+        drops >= 1.0,
+        "a uniform policy gives many all-zero groups: {:?}",
+        batch.metrics
+    );
+    let mut failed = 0;
+    for group in &batch.groups {
+        let rewards: Vec<f64> = group
+            .iter()
+            .map(|s| {
+                s.reward
+                    .as_ref()
+                    .and_then(|r| r.scalar(None))
+                    .unwrap_or(0.0)
+            })
+            .collect();
+        assert!(rewards.iter().any(|&r| r != rewards[0]), "flat group kept");
+        for s in group {
+            if s.response == "5" {
+                failed += 1;
+                assert_eq!(s.status, SampleStatus::Failed);
+                assert!(s.remove_sample);
+                assert!(
+                    s.metadata["failure"]
+                        .as_str()
+                        .unwrap()
+                        .contains("checker crashed")
+                );
+            }
+        }
+    }
+    assert!(failed > 0, "seeded sampling produces some 5s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_loop_respects_the_staleness_bound_and_learns() {
+    for (max_staleness, handler) in [
+        (0, UnusedSamplesHandler::Retry),
+        (1, UnusedSamplesHandler::Drop),
+    ] {
+        let engine = TabularEngine::new(Duration::from_millis(1));
+        let seen = Arc::default();
+        let sink = Arc::new(MemoryMetricsSink::new());
+        let mut config = rollout_config(8, 2);
+        config.rollout_seed = None;
+        let manager = manager(&engine, config, Arc::new(BuiltinReward::ExactMatch));
+        let data = DataSource::new(prompts(), 8, true, 2).unwrap();
+        let loop_config = LoopConfig {
+            num_rollout: 10,
+            max_weight_staleness: Some(max_staleness),
+            unused_samples_handler: handler,
+            pause_generation_mode: PauseMode::InPlace,
+            ..LoopConfig::default()
+        };
+        let mut rl = RlLoop::new(loop_config, manager, trainer(&seen), sink.clone(), data).unwrap();
+        rl.run_async().await.unwrap();
+        let seen: Vec<Seen> = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 10 * 2 * 8);
+        for (trainer_version, oldest, index) in seen.iter() {
+            let oldest = oldest.expect("every sample carries its version");
+            assert!(
+                oldest.staleness(*trainer_version) <= max_staleness,
+                "sample {index:?} generated at {oldest} trained at {trainer_version}"
+            );
+        }
+        let steps = sink.steps();
+        let last = steps.last().unwrap().1["train/p3"];
+        assert!(last > 0.5, "async loop did not learn: p(3) = {last}");
+        assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(10));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_after_a_kill_continues_with_nothing_lost_or_trained_twice() {
+    let root = std::env::temp_dir().join(format!("miles-rollout-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let config = LoopConfig {
+        num_rollout: 6,
+        save_interval: Some(2),
+        save: Some(root.clone()),
+        ..LoopConfig::default()
+    };
+    // Reference: one uninterrupted run.
+    let reference_seen = Arc::default();
+    {
+        let engine = TabularEngine::new(Duration::from_millis(0));
+        let manager = manager(
+            &engine,
+            rollout_config(2, 2),
+            Arc::new(BuiltinReward::ExactMatch),
+        );
+        let data = DataSource::new(prompts(), 2, true, 5).unwrap();
+        let mut no_save = config.clone();
+        no_save.save = None;
+        let mut rl = RlLoop::new(
+            no_save,
+            manager,
+            trainer(&reference_seen),
+            Arc::new(MemoryMetricsSink::new()),
+            data,
+        )
+        .unwrap();
+        rl.run_sync().await.unwrap();
+    }
+    // A run "killed" after step 3 (checkpoint at step 3 = iter_0000003 after steps 0..=3).
+    let first_seen = Arc::default();
+    {
+        let engine = TabularEngine::new(Duration::from_millis(0));
+        let manager = manager(
+            &engine,
+            rollout_config(2, 2),
+            Arc::new(BuiltinReward::ExactMatch),
+        );
+        let data = DataSource::new(prompts(), 2, true, 5).unwrap();
+        let mut short = config.clone();
+        short.num_rollout = 4; // killed during step 4, after the step-3 checkpoint
+        let mut rl = RlLoop::new(
+            short,
+            manager,
+            trainer(&first_seen),
+            Arc::new(MemoryMetricsSink::new()),
+            data,
+        )
+        .unwrap();
+        rl.run_sync().await.unwrap();
+    }
+    // A fresh process resumes.
+    let resumed_seen = Arc::default();
+    let engine = TabularEngine::new(Duration::from_millis(0));
+    let manager = manager(
+        &engine,
+        rollout_config(2, 2),
+        Arc::new(BuiltinReward::ExactMatch),
+    );
+    let data = DataSource::new(prompts(), 2, true, 5).unwrap();
+    let mut rl = RlLoop::new(
+        config,
+        manager,
+        trainer(&resumed_seen),
+        Arc::new(MemoryMetricsSink::new()),
+        data,
+    )
+    .unwrap();
+    assert_eq!(
+        rl.resume().await.unwrap(),
+        4,
+        "resumes after the last checkpoint (step 3)"
+    );
+    assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(4));
+    rl.run_sync().await.unwrap();
+    // Steps 0..=3 from the first run plus 4..=5 from the resumed one train exactly the samples
+    // of the uninterrupted run, at the same versions.
+    let first = first_seen.lock().unwrap();
+    let resumed = resumed_seen.lock().unwrap();
+    let combined: Vec<_> = first[..4 * 4]
+        .iter()
+        .chain(resumed.iter())
+        .cloned()
+        .collect();
+    let reference = reference_seen.lock().unwrap();
+    let indices = |v: &[Seen]| -> Vec<(WeightVersion, Option<u64>)> {
+        v.iter().map(|(t, _, i)| (*t, *i)).collect()
+    };
+    assert_eq!(indices(&combined), indices(&reference));
+    std::fs::remove_dir_all(&root).unwrap();
+}
