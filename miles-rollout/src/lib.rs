@@ -38,7 +38,7 @@
 //! // Equal rewards carry no GRPO signal: the group is dropped.
 //! assert_eq!(
 //!     DynamicFilter::CheckRewardNonzeroStd.apply(&group, None),
-//!     FilterVerdict::Drop { reason: "zero_std_1".into() }
+//!     FilterVerdict::Drop { reason: "zero_std_1.0".into() }
 //! );
 //! ```
 
