@@ -15,6 +15,8 @@
 //! * [`manager`]: the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
 //!   concurrency, rewards, dynamic filters, over-sampling with abort of the surplus, partial
 //!   rollout;
+//! * [`router`]: a [`Router`] over engines (itself an engine) — sticky routing keys, least
+//!   outstanding requests, failover, health checks with re-creation and weight catch-up;
 //! * [`loops`]: the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
 //!   (pause → flush → update → resume → version check), staleness control and resumable
 //!   checkpoints;
@@ -47,12 +49,14 @@ pub mod error;
 pub mod loops;
 pub mod manager;
 pub mod reward;
+pub mod router;
 
 pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use error::{Error, Result};
 pub use loops::{LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler};
 pub use manager::{PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager};
 pub use reward::BuiltinReward;
+pub use router::{EngineFactory, Router};
 
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
