@@ -53,7 +53,9 @@ pub mod router;
 
 pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use error::{Error, Result};
-pub use loops::{LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler};
+pub use loops::{
+    EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,
+};
 pub use manager::{PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager};
 pub use reward::BuiltinReward;
 pub use router::{EngineFactory, Router};

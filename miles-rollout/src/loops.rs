@@ -78,6 +78,44 @@ pub struct RolloutCheckpoint {
     pub data: DataSourceState,
 }
 
+/// A held-out prompt set evaluated on the current weights (`--eval-prompt-data NAME PATH`),
+/// with its own reward and sampling (its manager's config).
+pub struct EvalSet {
+    /// Name used in the metric keys (`eval/<name>/...`).
+    pub name: String,
+    /// The prompts.
+    pub prompts: Vec<crate::data::PromptRecord>,
+    /// Generates and scores them (its config's `n_samples_per_prompt` applies).
+    pub manager: Arc<RolloutManager>,
+}
+
+impl EvalSet {
+    /// Generates every prompt's group on the current weights and returns
+    /// `eval/<name>/raw_reward`, `eval/<name>/response_len/mean`, `eval/<name>/truncated_ratio`
+    /// and `eval/<name>/samples`.
+    pub async fn evaluate(&self) -> Result<Metrics> {
+        let n = self.manager.config().n_samples_per_prompt;
+        let mut source = DataSource::new(self.prompts.clone(), n, false, 0)?;
+        let mut tasks = tokio::task::JoinSet::new();
+        for group in source.get_groups(self.prompts.len()) {
+            let manager = self.manager.clone();
+            tasks.spawn(async move { manager.generate_group(group).await });
+        }
+        let mut groups = Vec::with_capacity(self.prompts.len());
+        while let Some(joined) = tasks.join_next().await {
+            groups.push(joined.map_err(|e| Error::Task(format!("eval task failed: {e}")))?);
+        }
+        let reward_key = self.manager.config().reward_key.as_deref();
+        Ok(rollout_metrics(&groups, reward_key)
+            .into_iter()
+            .filter_map(|(key, value)| {
+                key.strip_prefix("rollout/")
+                    .map(|rest| (format!("eval/{}/{rest}", self.name), value))
+            })
+            .collect())
+    }
+}
+
 /// A trainer shared with blocking threads.
 pub type SharedTrainer = Arc<Mutex<Box<dyn PolicyTrainer>>>;
 
@@ -89,6 +127,8 @@ pub struct RlLoop {
     metrics: Arc<dyn MetricsSink>,
     data: DataSource,
     next_rollout_id: u64,
+    evals: Vec<EvalSet>,
+    eval_interval: Option<u64>,
 }
 
 impl RlLoop {
@@ -117,7 +157,51 @@ impl RlLoop {
             metrics,
             data,
             next_rollout_id: 0,
+            evals: Vec::new(),
+            eval_interval: None,
         })
+    }
+
+    /// Evaluates `sets` before training and after every `eval_interval` steps
+    /// (`--eval-interval`), logging `eval/<name>/...` at the step just finished.
+    pub fn with_eval(mut self, sets: Vec<EvalSet>, eval_interval: u64) -> Self {
+        self.evals = sets;
+        self.eval_interval = (eval_interval > 0).then_some(eval_interval);
+        self
+    }
+
+    /// Runs every eval set now and returns their metrics.
+    pub async fn evaluate(&self) -> Result<Metrics> {
+        let mut metrics = Metrics::new();
+        for set in &self.evals {
+            metrics.extend(set.evaluate().await?);
+        }
+        Ok(metrics)
+    }
+
+    async fn maybe_eval(&self, finished_step: Option<u64>, metrics: &mut Metrics) -> Result<()> {
+        let Some(interval) = self.eval_interval else {
+            return Ok(());
+        };
+        let due = match finished_step {
+            None => true,
+            Some(step) => {
+                (step + 1).is_multiple_of(interval) || step + 1 == self.config.num_rollout
+            }
+        };
+        if due && !self.evals.is_empty() {
+            metrics.extend(self.evaluate().await?);
+        }
+        Ok(())
+    }
+
+    async fn eval_before_training(&self) -> Result<()> {
+        if self.next_rollout_id == 0 && self.eval_interval.is_some() && !self.evals.is_empty() {
+            let mut metrics = Metrics::new();
+            self.maybe_eval(None, &mut metrics).await?;
+            self.metrics.log(0, &metrics)?;
+        }
+        Ok(())
     }
 
     /// The step the loop runs next.
@@ -166,6 +250,7 @@ impl RlLoop {
     /// The synchronous loop: for each step, generate a batch, train on it, then (every
     /// `update_weights_interval` steps) push the new weights to the engines.
     pub async fn run_sync(&mut self) -> Result<()> {
+        self.eval_before_training().await?;
         while self.next_rollout_id < self.config.num_rollout {
             let rollout_id = self.next_rollout_id;
             let started = Instant::now();
@@ -181,6 +266,7 @@ impl RlLoop {
                 .await?;
             metrics.insert("weight_version".into(), version.0 as f64);
             metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
+            self.maybe_eval(Some(rollout_id), &mut metrics).await?;
             self.metrics.log(rollout_id, &metrics)?;
             self.next_rollout_id += 1;
             self.maybe_save(rollout_id).await?;
@@ -231,6 +317,7 @@ impl RlLoop {
     /// than `max_weight_staleness` to the unused-samples handler, trains, and updates the
     /// engines' weights every `update_weights_interval` steps (generation paused meanwhile).
     pub async fn run_async(&mut self) -> Result<()> {
+        self.eval_before_training().await?;
         let batch_size = self.manager.config().rollout_batch_size;
         let capacity = ((self.config.async_data_buffer_capacity_factor * batch_size as f64).floor()
             as usize)
@@ -326,6 +413,7 @@ impl RlLoop {
                 .await?;
             metrics.insert("weight_version".into(), version.0 as f64);
             metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
+            self.maybe_eval(Some(rollout_id), &mut metrics).await?;
             self.metrics.log(rollout_id, &metrics)?;
             self.next_rollout_id += 1;
             if self.should_save(rollout_id) {

@@ -323,3 +323,49 @@ async fn resume_after_a_kill_continues_with_nothing_lost_or_trained_twice() {
     assert_eq!(indices(&combined), indices(&reference));
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_out_evaluation_is_logged_before_and_during_training() {
+    let engine = TabularEngine::new(Duration::from_millis(0));
+    let seen = Arc::default();
+    let sink = Arc::new(MemoryMetricsSink::new());
+    let train = manager(
+        &engine,
+        rollout_config(8, 4),
+        Arc::new(BuiltinReward::ExactMatch),
+    );
+    let eval_manager = manager(
+        &engine,
+        rollout_config(16, 1),
+        Arc::new(BuiltinReward::ExactMatch),
+    );
+    let held_out: Vec<PromptRecord> = (0..4)
+        .map(|i| PromptRecord::text(format!("held-out {i}"), "3"))
+        .collect();
+    let eval = miles_rollout::EvalSet {
+        name: "digits".into(),
+        prompts: held_out,
+        manager: eval_manager,
+    };
+    let data = DataSource::new(prompts(), 8, true, 1).unwrap();
+    let config = LoopConfig {
+        num_rollout: 10,
+        ..LoopConfig::default()
+    };
+    let mut rl = RlLoop::new(config, train, trainer(&seen), sink.clone(), data)
+        .unwrap()
+        .with_eval(vec![eval], 5);
+    rl.run_sync().await.unwrap();
+    let evals: Vec<(u64, f64)> = sink
+        .steps()
+        .iter()
+        .filter_map(|(step, m)| m.get("eval/digits/raw_reward").map(|r| (*step, *r)))
+        .collect();
+    // Before training (logged at step 0), after step 4 and after the last step (9).
+    assert_eq!(evals.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [0, 4, 9]);
+    assert!(evals[0].1 < 0.4, "before: {evals:?}");
+    assert!(evals[2].1 > 0.8, "after: {evals:?}");
+    let steps = sink.steps();
+    let last = &steps.last().unwrap().1;
+    assert_eq!(last["eval/digits/samples"], 64.0);
+}
