@@ -132,6 +132,56 @@ struct Measurement {
     nanos: f64,
 }
 
+/// A target a bench declares by printing `xtask-target: <bench id> <= <ratio>` (or `>=`): its
+/// time divided by its group's baseline must satisfy the comparison.
+#[derive(Debug, Clone, PartialEq)]
+struct Target {
+    id: String,
+    at_most: bool,
+    ratio: f64,
+}
+
+impl Target {
+    fn met(&self, ratio: f64) -> bool {
+        if self.at_most {
+            ratio <= self.ratio
+        } else {
+            ratio >= self.ratio
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} {:.3}x",
+            if self.at_most { "≤" } else { "≥" },
+            self.ratio
+        )
+    }
+}
+
+fn parse_targets(output: &str) -> Vec<Target> {
+    output
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("xtask-target:"))
+        .filter_map(|rest| {
+            let parts: Vec<&str> = rest.split_whitespace().collect();
+            let [id, op, ratio] = parts.as_slice() else {
+                return None;
+            };
+            let at_most = match *op {
+                "<=" => true,
+                ">=" => false,
+                _ => return None,
+            };
+            Some(Target {
+                id: (*id).to_string(),
+                at_most,
+                ratio: ratio.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
 fn bench(extra: &[String]) -> Result<(), String> {
     let mut command = cargo();
     command
@@ -149,7 +199,15 @@ fn bench(extra: &[String]) -> Result<(), String> {
     if !output.status.success() {
         return Err(format!("cargo bench failed with {}", output.status));
     }
-    println!("\n{}", render_table(&parse_criterion(&stdout)));
+    let table = render_table(&parse_criterion(&stdout), &parse_targets(&stdout));
+    println!("\n{table}");
+    let path = workspace_root().join("BENCHMARKS.md");
+    let document = format!(
+        "# Benchmarks\n\nWritten by `cargo xtask bench` (criterion point estimates; ratio = time / \
+         the group's `baseline` measured in the same run; lower is faster).\n\n{table}"
+    );
+    std::fs::write(&path, document).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    eprintln!("xtask: wrote {}", path.display());
     Ok(())
 }
 
@@ -210,24 +268,46 @@ fn human(nanos: f64) -> String {
     }
 }
 
-/// A Markdown table; `ratio` = time / time of the group's `baseline` (lower is faster).
-fn render_table(measurements: &[Measurement]) -> String {
+/// A Markdown table: bench, time, baseline time, ratio = time / time of the group's
+/// `baseline` (lower is faster), the declared target and whether it is met.
+fn render_table(measurements: &[Measurement], targets: &[Target]) -> String {
     let mut baselines = BTreeMap::new();
     for m in measurements {
         if let Some((group, "baseline")) = m.id.rsplit_once('/') {
             baselines.insert(group.to_string(), m.nanos);
         }
     }
-    let mut table = String::from("| bench | time | ratio to baseline |\n|---|---|---|\n");
+    let mut table = String::from(
+        "| bench | ours | baseline | ratio | target | met? |\n|---|---|---|---|---|---|\n",
+    );
     if measurements.is_empty() {
-        table.push_str("| (no benches yet) | | |\n");
+        table.push_str("| (no benches yet) | | | | | |\n");
     }
     for m in measurements {
-        let ratio =
+        let baseline =
             m.id.rsplit_once('/')
                 .and_then(|(group, _)| baselines.get(group))
-                .map_or_else(|| "-".to_string(), |b| format!("{:.2}x", m.nanos / b));
-        table.push_str(&format!("| {} | {} | {ratio} |\n", m.id, human(m.nanos)));
+                .copied();
+        let ratio = baseline.map(|b| m.nanos / b);
+        let target = targets.iter().find(|t| t.id == m.id);
+        let met = match (target, ratio) {
+            (Some(t), Some(r)) => {
+                if t.met(r) {
+                    "yes"
+                } else {
+                    "NO"
+                }
+            }
+            _ => "-",
+        };
+        table.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {met} |\n",
+            m.id,
+            human(m.nanos),
+            baseline.map_or_else(|| "-".to_string(), human),
+            ratio.map_or_else(|| "-".to_string(), |r| format!("{r:.2}x")),
+            target.map_or_else(|| "-".to_string(), Target::describe),
+        ));
     }
     table
 }
@@ -251,17 +331,22 @@ a/very/long/bench/name/that/wraps
         assert_eq!(m[0].nanos, 12e6);
         assert_eq!(m[2].id, "a/very/long/bench/name/that/wraps");
         assert_eq!(m[2].nanos, 1e6);
-        let table = render_table(&m);
+        let targets =
+            parse_targets("xtask-target: logprobs/fused <= 0.6\nxtask-target: bad line\n");
+        assert_eq!(targets.len(), 1);
+        let table = render_table(&m, &targets);
         assert!(
-            table.contains("| logprobs/fused | 6.000 ms | 0.50x |"),
+            table.contains("| logprobs/fused | 6.000 ms | 12.000 ms | 0.50x | ≤ 0.600x | yes |"),
             "{table}"
         );
-        assert!(table.contains("| logprobs/baseline | 12.000 ms | 1.00x |"));
-        assert!(table.contains("| a/very/long/bench/name/that/wraps | 1.000 ms | - |"));
+        assert!(table.contains("| logprobs/baseline | 12.000 ms | 12.000 ms | 1.00x | - | - |"));
+        assert!(table.contains("| a/very/long/bench/name/that/wraps | 1.000 ms | - | - | - | - |"));
+        let strict = parse_targets("xtask-target: logprobs/fused <= 0.4");
+        assert!(render_table(&m, &strict).contains("| NO |"));
     }
 
     #[test]
     fn empty_run_prints_an_empty_table() {
-        assert!(render_table(&[]).contains("(no benches yet)"));
+        assert!(render_table(&[], &[]).contains("(no benches yet)"));
     }
 }
