@@ -2,7 +2,8 @@
 //!
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
-//! * `ci`    — `cargo fmt --check`, clippy with warnings denied, then `test`.
+//! * `ci`    — the dependency rule (no burn / CubeCL under miles-core, miles-tito,
+//!   miles-session), `cargo fmt --check`, clippy with warnings denied, then `test`.
 //! * `bench` — runs every bench of the workspace and prints one table, with each bench's
 //!   ratio to the baseline measured in the same run (the function named `baseline` in its
 //!   group).
@@ -103,7 +104,54 @@ fn test(extra: &[String]) -> Result<(), String> {
     run(command)
 }
 
+/// Crates that must never pull burn or CubeCL (DESIGN.md: `cargo add miles-tito` stays light).
+const LIGHT_CRATES: [&str; 3] = ["miles-core", "miles-tito", "miles-session"];
+
+/// Fails when a light crate's normal dependency tree contains burn or CubeCL.
+fn check_light_crates() -> Result<(), String> {
+    for krate in LIGHT_CRATES {
+        let mut tree = cargo();
+        tree.args(["tree", "-p", krate, "-e", "normal", "--prefix", "none"]);
+        let output = tree
+            .output()
+            .map_err(|e| format!("cannot run cargo tree: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "cargo tree -p {krate} failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        let heavy = heavy_dependencies(&String::from_utf8_lossy(&output.stdout));
+        if !heavy.is_empty() {
+            return Err(format!(
+                "{krate} must not depend on burn / cubecl, found {heavy:?}"
+            ));
+        }
+        eprintln!("xtask: {krate}: no burn / cubecl in its dependency tree");
+    }
+    Ok(())
+}
+
+/// Names of burn / CubeCL crates in `cargo tree --prefix none` output.
+fn heavy_dependencies(tree: &str) -> Vec<String> {
+    let mut found: Vec<String> = tree
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .filter(|name| {
+            *name == "burn"
+                || name.starts_with("burn-")
+                || *name == "cubecl"
+                || name.starts_with("cubecl-")
+        })
+        .map(str::to_owned)
+        .collect();
+    found.sort();
+    found.dedup();
+    found
+}
+
 fn ci(extra: &[String]) -> Result<(), String> {
+    check_light_crates()?;
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--", "--check"]);
     run(fmt)?;
@@ -343,6 +391,17 @@ a/very/long/bench/name/that/wraps
         assert!(table.contains("| a/very/long/bench/name/that/wraps | 1.000 ms | - | - | - | - |"));
         let strict = parse_targets("xtask-target: logprobs/fused <= 0.4");
         assert!(render_table(&m, &strict).contains("| NO |"));
+    }
+
+    #[test]
+    fn heavy_dependencies_are_detected() {
+        let light = "miles-tito v0.1.0 (/w/miles-tito)\nminijinja v2.24.0\nserde v1.0.0\n";
+        assert!(heavy_dependencies(light).is_empty());
+        let heavy = "miles-x v0.1.0\nburn v0.22.1\nburn-flex v0.22.1\ncubecl-wgpu v0.11.3\nburnish v1.0.0\n";
+        assert_eq!(
+            heavy_dependencies(heavy),
+            ["burn", "burn-flex", "cubecl-wgpu"]
+        );
     }
 
     #[test]
