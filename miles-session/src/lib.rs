@@ -1,1 +1,8 @@
-//! miles-session (skeleton).
+//! miles-session (in progress).
+pub mod assembly;
+pub mod chat;
+pub mod codec;
+pub mod error;
+pub mod trajectory;
+
+pub use error::{Error, Result};

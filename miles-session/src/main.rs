@@ -1,0 +1,2 @@
+//! The `miles-session` binary (wired in a later commit).
+fn main() {}
