@@ -3,6 +3,9 @@ pub mod assembly;
 pub mod chat;
 pub mod codec;
 pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod server;
 pub mod trajectory;
 
 pub use error::{Error, Result};
