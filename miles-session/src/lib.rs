@@ -6,6 +6,7 @@ pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod server;
+pub mod sglang;
 pub mod trajectory;
 
 pub use error::{Error, Result};
