@@ -372,14 +372,13 @@ async fn session_server_over_sglang_client_end_to_end() {
         json!("You said: ping")
     );
     assert_eq!(v["choices"][0]["meta_info"]["weight_version"], json!("0"));
-    let seen = fake.seen.lock().unwrap();
+    let key = fake.seen.lock().unwrap()[0].2.clone();
     assert_eq!(
-        seen[0].2.as_deref(),
+        key.as_deref(),
         Some(id),
         "sticky routing key is the session id"
     );
     // Engine rejection (context too long) reaches the client as 400, unrecorded.
-    drop(seen);
     *fake.mode.lock().unwrap() = Mode::Reject400;
     let r = http
         .post_json(
