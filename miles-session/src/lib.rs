@@ -5,6 +5,7 @@ pub mod codec;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod parsers;
 pub mod server;
 pub mod sglang;
 pub mod trajectory;
