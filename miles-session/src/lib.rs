@@ -1,4 +1,5 @@
 //! miles-session (in progress).
+pub mod agent;
 pub mod assembly;
 pub mod chat;
 pub mod codec;
