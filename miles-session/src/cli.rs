@@ -181,6 +181,11 @@ pub async fn run(args: &CliArgs, loader: Option<&TokenizerLoader>) -> Result<()>
     let server = SessionServer::new(engine, tokenizer, args.server_config());
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
     let addr = listener.local_addr()?;
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::debug!(%error, "cannot set TCP_NODELAY");
+        }
+    });
     println!(
         "miles-session listening on http://{addr} (tito {}, engine {})",
         args.tito, args.engine_url

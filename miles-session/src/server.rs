@@ -390,10 +390,9 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
         });
     };
     map.remove("stream_options");
-    let request: ChatRequest =
-        serde_json::from_value(Value::Object(map.clone())).map_err(|e| Error::InvalidBody {
-            reason: e.to_string(),
-        })?;
+    let request = ChatRequest::deserialize(&body).map_err(|e| Error::InvalidBody {
+        reason: e.to_string(),
+    })?;
     if request.n.is_some_and(|n| n != 1) {
         return Err(Error::InvalidBody {
             reason: "only n=1 is supported in a session".into(),
