@@ -529,13 +529,12 @@ fn completion_body(
             .collect();
         message["tool_calls"] = Value::Array(calls);
     }
-    let mut logprob_entries = Vec::with_capacity(output.output_ids.len());
-    let mut content_logprobs = Vec::with_capacity(output.output_ids.len());
-    for (id, lp) in output.output_ids.iter().zip(&output.output_log_probs) {
-        logprob_entries.push(json!([lp, id, Value::Null]));
-        content_logprobs
-            .push(json!({"token": tok.decode(&[*id]), "logprob": lp, "top_logprobs": []}));
-    }
+    let logprob_entries: Vec<Value> = output
+        .output_ids
+        .iter()
+        .zip(&output.output_log_probs)
+        .map(|(id, lp)| json!([lp, id, Value::Null]))
+        .collect();
     let completion_tokens = output.output_ids.len();
     let mut finish = json!({"type": output.finish_reason.as_str()});
     if let Some(matched) = &output.matched_stop {
@@ -561,7 +560,6 @@ fn completion_body(
         "choices": [{
             "index": 0,
             "message": message,
-            "logprobs": {"content": content_logprobs},
             "finish_reason": finish_reason,
             "meta_info": meta,
         }],
@@ -571,10 +569,28 @@ fn completion_body(
     Ok((body, assistant))
 }
 
-/// The response the client sees: routed experts / indexer data removed from every choice.
-fn client_body(mut body: Value) -> Value {
+/// The response the client sees: OpenAI `logprobs.content` added (derived from
+/// `output_token_logprobs`, so records do not store it twice), routed experts / indexer data
+/// removed from every choice.
+fn client_body(tok: &dyn ChatTokenizer, mut body: Value) -> Value {
     if let Some(Value::Array(choices)) = body.get_mut("choices") {
         for choice in choices {
+            let content: Vec<Value> = choice
+                .pointer("/meta_info/output_token_logprobs")
+                .and_then(Value::as_array)
+                .map(|entries| {
+                    entries
+                        .iter()
+                        .map(|e| {
+                            let id = e.get(1).and_then(Value::as_u64).unwrap_or(0) as u32;
+                            json!({"token": tok.decode(&[id]), "logprob": e.get(0), "top_logprobs": []})
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            if let Value::Object(map) = choice {
+                map.insert("logprobs".into(), json!({"content": content}));
+            }
             if let Some(Value::Object(meta)) = choice.get_mut("meta_info") {
                 meta.remove("routed_experts");
                 meta.remove("routed_experts_num_layers");
@@ -724,7 +740,7 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
         .metrics
         .completion_tokens
         .fetch_add(output.output_ids.len() as u64, Ordering::Relaxed);
-    let body = client_body(body);
+    let body = client_body(state.tokenizer.as_ref(), body);
     let response = if chat.stream {
         sse_response(&body)
     } else {

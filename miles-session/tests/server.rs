@@ -196,6 +196,13 @@ async fn tool_calling_conversation_records_exact_tokens() {
         json!([toy_logprob(out1[0], 0), out1[0], null])
     );
     assert_eq!(v1["usage"]["prompt_tokens"], json!(seen.input_ids.len()));
+    let first = &choice["logprobs"]["content"][0];
+    assert_eq!(first["token"], json!("<think>"));
+    assert_eq!(first["logprob"], json!(toy_logprob(out1[0], 0)));
+    assert_eq!(
+        choice["logprobs"]["content"].as_array().unwrap().len(),
+        out1.len()
+    );
 
     // Turn 2: the agent echoes the assistant message and appends the tool result.
     let mut messages = turn1_messages();
@@ -242,6 +249,12 @@ async fn tool_calling_conversation_records_exact_tokens() {
     );
     assert_eq!(records[0]["path"], json!("/v1/chat/completions"));
     assert_eq!(records[0]["status_code"], json!(200));
+    assert!(
+        records[0]["response"]["choices"][0]
+            .get("logprobs")
+            .is_none(),
+        "records keep output_token_logprobs only"
+    );
     let acc: Vec<TokenId> =
         serde_json::from_value(s["metadata"]["accumulated_token_ids"].clone()).unwrap();
     assert_eq!(h.tok.decode(&acc), format!("{expected_prompt2}{OUT2}"));
