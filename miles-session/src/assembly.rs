@@ -49,13 +49,16 @@ fn ids_from(value: &Value, what: &str) -> Result<Vec<TokenId>> {
 impl RecordTurn {
     /// Reads a record. Missing or malformed fields are [`Error::Assembly`].
     pub fn from_record(record: &SessionRecord) -> Result<Self> {
-        let prompt_ids = ids_from(
-            record
-                .request
-                .get("input_ids")
-                .ok_or_else(|| Error::assembly("record request has no input_ids"))?,
-            "request.input_ids",
-        )?;
+        let prompt_ids = match &record.input_ids {
+            Some(ids) => ids.clone(),
+            None => ids_from(
+                record
+                    .request
+                    .get("input_ids")
+                    .ok_or_else(|| Error::assembly("record request has no input_ids"))?,
+                "request.input_ids",
+            )?,
+        };
         let choice = record
             .response
             .get("choices")
@@ -524,6 +527,7 @@ mod tests {
             method: "POST".into(),
             path: "/v1/chat/completions".into(),
             request: json!({"input_ids": [1, 2]}),
+            input_ids: None,
             response: json!({"choices": [{"meta_info": {"output_token_logprobs": [[-0.1, "x", null]]}}]}),
             status_code: 200,
         };

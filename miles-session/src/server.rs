@@ -698,8 +698,7 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
     let engine_time = engine_started.elapsed();
     state.metrics.engine_latency.observe(engine_time);
     let (body, assistant) = completion_body(state, &chat.request, prompt_len, &output, &tools)?;
-    let mut record_body = chat.record_body;
-    record_body["input_ids"] = json!(prepared.prompt_ids);
+    let record_body = chat.record_body;
 
     // Phase 3 (session lock): commit unless the session changed or is closing.
     {
@@ -718,6 +717,7 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
                 method: "POST".into(),
                 path: "/v1/chat/completions".into(),
                 request: record_body,
+                input_ids: Some(prepared.prompt_ids.clone()),
                 response: body.clone(),
                 status_code: 200,
             };

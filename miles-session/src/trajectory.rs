@@ -12,10 +12,12 @@ pub const MAX_ASSISTANT_ROLLBACK_STEPS: usize = 1;
 
 /// One committed chat-completion call, as Miles records it (`SessionRecord`).
 ///
-/// `request` is the final body sent on (including the server-set `input_ids`, `logprobs`,
-/// `return_meta_info`); `response` the full completion JSON including `meta_info` with
+/// `request` is the final body sent on (with the server-set `logprobs`, `return_meta_info`, …);
+/// its `input_ids` are kept typed in [`SessionRecord::input_ids`] (4 bytes a token instead of
+/// a JSON tree) and written back into `request` when the record is serialised, so the wire
+/// form is Miles'. `response` is the full completion JSON including `meta_info` with
 /// `output_token_logprobs` and, when asked, `routed_experts`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SessionRecord {
     /// Commit time, seconds since the Unix epoch.
     pub timestamp: f64,
@@ -25,12 +27,103 @@ pub struct SessionRecord {
     pub method: String,
     /// `/v1/chat/completions`.
     pub path: String,
-    /// The request body as sent to the engine side.
+    /// The request body as sent to the engine side (without `input_ids` when
+    /// [`SessionRecord::input_ids`] is set).
     pub request: Value,
+    /// The prompt ids sent to the engine (`request.input_ids` on the wire).
+    pub input_ids: Option<Vec<TokenId>>,
     /// The full response body.
     pub response: Value,
     /// HTTP status of the response.
     pub status_code: u16,
+}
+
+struct RequestWire<'a> {
+    body: &'a Value,
+    input_ids: Option<&'a [TokenId]>,
+}
+
+impl Serialize for RequestWire<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match (self.body, self.input_ids) {
+            (Value::Object(map), Some(ids)) => {
+                let mut out = serializer.serialize_map(Some(map.len() + 1))?;
+                for (k, v) in map.iter().filter(|(k, _)| k.as_str() != "input_ids") {
+                    out.serialize_entry(k, v)?;
+                }
+                out.serialize_entry("input_ids", ids)?;
+                out.end()
+            }
+            (body, _) => body.serialize(serializer),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct RecordOut<'a> {
+    timestamp: f64,
+    request_timestamp: Option<f64>,
+    method: &'a str,
+    path: &'a str,
+    request: RequestWire<'a>,
+    response: &'a Value,
+    status_code: u16,
+}
+
+#[derive(Deserialize)]
+struct RecordIn {
+    timestamp: f64,
+    #[serde(default)]
+    request_timestamp: Option<f64>,
+    method: String,
+    path: String,
+    request: Value,
+    response: Value,
+    status_code: u16,
+}
+
+impl Serialize for SessionRecord {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        RecordOut {
+            timestamp: self.timestamp,
+            request_timestamp: self.request_timestamp,
+            method: &self.method,
+            path: &self.path,
+            request: RequestWire {
+                body: &self.request,
+                input_ids: self.input_ids.as_deref(),
+            },
+            response: &self.response,
+            status_code: self.status_code,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for SessionRecord {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut wire = RecordIn::deserialize(deserializer)?;
+        let input_ids = match wire.request.get("input_ids") {
+            Some(v) => Some(Vec::<TokenId>::deserialize(v).map_err(serde::de::Error::custom)?),
+            None => None,
+        };
+        if input_ids.is_some()
+            && let Value::Object(map) = &mut wire.request
+        {
+            map.remove("input_ids");
+        }
+        Ok(Self {
+            timestamp: wire.timestamp,
+            request_timestamp: wire.request_timestamp,
+            method: wire.method,
+            path: wire.path,
+            request: wire.request,
+            input_ids,
+            response: wire.response,
+            status_code: wire.status_code,
+        })
+    }
 }
 
 /// What phase 1 of a turn computed: the prompt ids and the rollback to apply at commit.

@@ -21,16 +21,25 @@ fn record(prompt: &[TokenId], output: &[TokenId]) -> SessionRecord {
         .enumerate()
         .map(|(j, id)| json!([-((j + 1) as f64) / 10.0, id, null]))
         .collect();
-    SessionRecord {
-        timestamp: 0.0,
-        request_timestamp: None,
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        request: json!({"input_ids": prompt, "logprobs": true}),
-        response: json!({"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": ""},
-            "meta_info": {"output_token_logprobs": logprobs, "completion_tokens": output.len(), "weight_version": "3"}}]}),
-        status_code: 200,
-    }
+    // Built from the wire form, as GET /sessions/{id} returns it.
+    let record: SessionRecord = serde_json::from_value(json!({
+        "timestamp": 0.0,
+        "request_timestamp": null,
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "request": {"input_ids": prompt, "logprobs": true},
+        "response": {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": ""},
+            "meta_info": {"output_token_logprobs": logprobs, "completion_tokens": output.len(), "weight_version": "3"}}]},
+        "status_code": 200
+    }))
+    .unwrap();
+    assert_eq!(record.input_ids.as_deref(), Some(prompt));
+    assert!(record.request.get("input_ids").is_none());
+    assert_eq!(
+        serde_json::to_value(&record).unwrap()["request"]["input_ids"],
+        json!(prompt)
+    );
+    record
 }
 
 fn decode(ids: &[TokenId]) -> String {

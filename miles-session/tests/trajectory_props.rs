@@ -15,6 +15,7 @@ fn record() -> SessionRecord {
         method: "POST".into(),
         path: "/v1/chat/completions".into(),
         request: json!({}),
+        input_ids: None,
         response: json!({}),
         status_code: 200,
     }
