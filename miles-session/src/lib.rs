@@ -1,1 +1,80 @@
-//! miles-session (skeleton).
+//! # miles-session
+//!
+//! The OpenAI-compatible **session server** of miles-rs, as a library (an [`axum::Router`]
+//! builder, [`server::SessionServer`]) plus the thin `miles-session` binary. It sits between
+//! agent code and inference engines and records exactly what the model produced: for every
+//! chat turn the prompt ids (built incrementally, token-in-token-out, never re-tokenized), the
+//! output ids, their log-probs and the MoE routes. It talks to engines only through token-level
+//! `generate` ([`miles_core::InferenceEngine`]). Behaviour follows MILES_SPEC §2, §3 and §7.
+//!
+//! What the crate owns:
+//!
+//! * [`server`]: routes `/health`, `/sessions`, `/sessions/{id}` (GET / DELETE),
+//!   `/sessions/{id}/v1/chat/completions` (incl. fake SSE streaming), `/sessions/{id}/samples`,
+//!   `/metrics` (Prometheus text); the session registry and three-phase locking; typed
+//!   OpenAI-shaped JSON errors.
+//! * [`trajectory`]: the linear trajectory with one-step rollback, and the records.
+//! * [`chat`]: the [`chat::ChatTokenizer`] seam (render, incremental tokenization, output
+//!   parsing, decode) that miles-tito plugs into, strict append-only validation and the
+//!   token-sequence comparator behind the `tito_session_mismatch` metric.
+//! * [`parsers`]: reasoning / tool-call parsers with SGLang's names (`qwen3`, `glm45`,
+//!   `kimi_k2`; `qwen25`, `glm45`, `glm47`, `kimi_k2`).
+//! * [`assembly`] and [`codec`]: records → training [`miles_core::Sample`]s (trailing-token
+//!   trim, truncation, merge) and Miles' safetensors samples wire format.
+//! * [`agent`]: the agent driver (`agentic_tool_call.generate`).
+//! * [`sglang`]: the SGLang-protocol HTTP client implementing `InferenceEngine`.
+//! * [`testkit`]: a byte-level ChatML tokenizer and a deterministic engine (tests, load tests,
+//!   trying the binary without a model).
+//!
+//! It never depends on burn.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use miles_session::server::{SessionServer, SessionServerConfig};
+//! use miles_session::testkit::{ByteChatml, ToyEngine};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let server = SessionServer::new(ToyEngine::new(), Arc::new(ByteChatml::default()), SessionServerConfig::default());
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! let base = format!("http://{}", listener.local_addr()?);
+//! tokio::spawn(axum::serve(listener, server.router()).into_future());
+//!
+//! // An agent opens a session and chats through it like any OpenAI endpoint.
+//! let http = miles_session::http::HttpClient::new(std::time::Duration::from_secs(10));
+//! let created: serde_json::Value = http.post_json(&format!("{base}/sessions"), &serde_json::json!({}), &[]).await?.json()?;
+//! let session = format!("{base}/sessions/{}", created["session_id"].as_str().unwrap());
+//! let body = serde_json::json!({"messages": [{"role": "user", "content": "hello"}]});
+//! let reply: serde_json::Value = http.post_json(&format!("{session}/v1/chat/completions"), &body, &[]).await?.json()?;
+//! assert_eq!(reply["choices"][0]["message"]["content"], "You said: hello");
+//!
+//! // The recorded turn becomes a training sample: prompt + response ids, loss mask, log-probs.
+//! let samples: serde_json::Value = http
+//!     .post_json(&format!("{session}/samples"), &serde_json::json!({}), &[("accept", "application/json")])
+//!     .await?
+//!     .json()?;
+//! let sample: miles_core::Sample = serde_json::from_value(samples["samples"][0].clone())?;
+//! assert_eq!(sample.status, miles_core::SampleStatus::Completed);
+//! assert_eq!(sample.loss_mask.as_ref().map(Vec::len), Some(sample.response_length));
+//! assert_eq!(server.sessions_open(), 1);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+
+pub mod agent;
+pub mod assembly;
+pub mod chat;
+pub mod cli;
+pub mod codec;
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod parsers;
+pub mod server;
+pub mod sglang;
+pub mod testkit;
+pub mod trajectory;
+
+pub use chat::{ChatTokenizer, ParsedAssistant};
+pub use error::{Error, Result};
+pub use server::{SessionServer, SessionServerConfig};
+pub use sglang::{SglangConfig, SglangEngine};

@@ -1,0 +1,252 @@
+//! The agent driver (MILES_SPEC §3.1, Miles' `agentic_tool_call.generate`): open a session,
+//! let a user agent talk to it through an OpenAI-style client, collect the samples, delete the
+//! session. Failures never propagate: they become an ABORTED copy of the input sample.
+
+use std::time::Duration;
+
+use hyper::Method;
+use miles_core::{Message, Prompt, Sample, SampleStatus, SamplingParams, async_trait};
+use serde_json::{Map, Value, json};
+
+use crate::codec::decode_samples;
+use crate::error::{Error, Result};
+use crate::http::HttpClient;
+
+/// What an agent gets: where to send chat completions, the prompt, sampling kwargs in OpenAI
+/// names, and metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentContext {
+    /// `http://host:port/sessions/<id>`: an OpenAI client's `base_url` (append
+    /// `/v1/chat/completions`).
+    pub base_url: String,
+    /// The sample's prompt messages.
+    pub prompt: Vec<Message>,
+    /// Sampling fields for the chat request (`max_tokens`, `temperature`, `top_p`, `seed`, …).
+    pub request_kwargs: Map<String, Value>,
+    /// The sample's metadata + `max_seq_len` + `session_server_id`.
+    pub metadata: Map<String, Value>,
+}
+
+/// A user agent: drives a conversation against `ctx.base_url` and returns its own metadata
+/// (merged into the sample's; `agent_metrics.total_tool_time` becomes `non_generation_time`).
+#[async_trait]
+pub trait Agent: Send + Sync {
+    /// Runs the agent. An error is logged and turns the sample ABORTED.
+    async fn run(&self, ctx: AgentContext) -> std::result::Result<Map<String, Value>, String>;
+}
+
+/// Settings of [`generate`].
+#[derive(Debug, Clone)]
+pub struct AgentDriverConfig {
+    /// The session server, `http://host:port`.
+    pub server_url: String,
+    /// `max_seq_len` for sample assembly.
+    pub max_seq_len: Option<usize>,
+    /// Wall-clock limit of the agent (`None`: none).
+    pub agent_timeout: Option<Duration>,
+    /// Timeout of session create / samples / delete calls (Miles: 120 s).
+    pub http_timeout: Duration,
+    /// ABORT the sample when the agent fails or times out (default). `false` keeps Miles'
+    /// behaviour: log and train on whatever the session recorded.
+    pub abort_on_agent_error: bool,
+}
+
+impl AgentDriverConfig {
+    /// Defaults for a server URL.
+    pub fn new(server_url: impl Into<String>) -> Self {
+        Self {
+            server_url: server_url.into().trim_end_matches('/').to_owned(),
+            max_seq_len: None,
+            agent_timeout: None,
+            http_timeout: Duration::from_secs(120),
+            abort_on_agent_error: true,
+        }
+    }
+}
+
+/// Rollout sampling parameters as chat-completion fields (`max_new_tokens → max_tokens`,
+/// `min_new_tokens → min_tokens`, `sampling_seed → seed`), unset ones dropped.
+pub fn request_kwargs(params: &SamplingParams) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("temperature".into(), json!(params.temperature));
+    m.insert("top_p".into(), json!(params.top_p));
+    m.insert("top_k".into(), json!(params.top_k));
+    m.insert("min_p".into(), json!(params.min_p));
+    if let Some(v) = params.max_new_tokens {
+        m.insert("max_tokens".into(), json!(v));
+    }
+    if params.min_new_tokens > 0 {
+        m.insert("min_tokens".into(), json!(params.min_new_tokens));
+    }
+    if let Some(v) = params.sampling_seed {
+        m.insert("seed".into(), json!(v));
+    }
+    if !params.stop.is_empty() {
+        m.insert("stop".into(), json!(params.stop));
+    }
+    if !params.stop_token_ids.is_empty() {
+        m.insert("stop_token_ids".into(), json!(params.stop_token_ids));
+    }
+    if params.frequency_penalty != 0.0 {
+        m.insert("frequency_penalty".into(), json!(params.frequency_penalty));
+    }
+    if params.presence_penalty != 0.0 {
+        m.insert("presence_penalty".into(), json!(params.presence_penalty));
+    }
+    m
+}
+
+fn aborted(sample: &Sample, reason: &str) -> Sample {
+    let mut out = sample.clone();
+    out.status = SampleStatus::Aborted;
+    out.metadata.insert("abort_reason".into(), json!(reason));
+    out
+}
+
+/// Runs `agent` on `sample` through the session server and returns the assembled sample;
+/// any failure (server unreachable, agent error or timeout, empty session, undecodable
+/// samples) gives an ABORTED copy of `sample` with `metadata.abort_reason`. The session is
+/// always deleted.
+pub async fn generate(
+    agent: &dyn Agent,
+    sample: &Sample,
+    sampling: &SamplingParams,
+    config: &AgentDriverConfig,
+    http: &HttpClient,
+) -> Sample {
+    let server = &config.server_url;
+    let session_id = match create_session(http, server).await {
+        Ok(id) => id,
+        Err(e) => {
+            tracing::warn!(%e, "agentic generate: cannot create a session");
+            return aborted(sample, &format!("session create failed: {e}"));
+        }
+    };
+    let base_url = format!("{server}/sessions/{session_id}");
+    let mut metadata = sample.metadata.clone();
+    if let Some(max) = config.max_seq_len {
+        metadata.insert("max_seq_len".into(), json!(max));
+    }
+    metadata.insert(
+        "session_server_id".into(),
+        json!(server.trim_start_matches("http://")),
+    );
+    let prompt = match &sample.prompt {
+        Prompt::Messages(m) => m.clone(),
+        Prompt::Text(t) => vec![Message::user(t.clone())],
+    };
+    let ctx = AgentContext {
+        base_url: base_url.clone(),
+        prompt,
+        request_kwargs: request_kwargs(sampling),
+        metadata,
+    };
+    let run = agent.run(ctx);
+    let agent_result = match config.agent_timeout {
+        Some(limit) => match tokio::time::timeout(limit, run).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("agent timed out after {} s", limit.as_secs_f64())),
+        },
+        None => run.await,
+    };
+    let collected = collect(http, &base_url, config.max_seq_len, sample).await;
+    if let Err(e) = http
+        .send(Method::DELETE, &base_url, &[], None)
+        .await
+        .and_then(|r| {
+            if r.status.is_success() {
+                Ok(())
+            } else {
+                Err(Error::upstream(format!("delete answered {}", r.status)))
+            }
+        })
+    {
+        tracing::warn!(%e, session = session_id, "agentic generate: delete failed");
+    }
+    let agent_metadata = match agent_result {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(error = %e, session = session_id, "agent failed");
+            if config.abort_on_agent_error {
+                return aborted(sample, &format!("agent failed: {e}"));
+            }
+            Map::new()
+        }
+    };
+    let (mut out, session_metadata) = match collected {
+        Ok(Some(v)) => v,
+        Ok(None) => return aborted(sample, "empty session"),
+        Err(e) => {
+            tracing::warn!(%e, session = session_id, "agentic generate: collecting samples failed");
+            return aborted(sample, &format!("collect failed: {e}"));
+        }
+    };
+    if let Some(t) = agent_metadata
+        .get("agent_metrics")
+        .and_then(|m| m.get("total_tool_time"))
+        .and_then(Value::as_f64)
+    {
+        out.non_generation_time = t;
+    }
+    out.metadata.extend(agent_metadata);
+    out.metadata.extend(session_metadata);
+    out
+}
+
+async fn create_session(http: &HttpClient, server: &str) -> Result<String> {
+    let r = http
+        .post_json(&format!("{server}/sessions"), &json!({}), &[])
+        .await?;
+    if !r.status.is_success() {
+        return Err(Error::upstream(format!(
+            "POST /sessions answered {}",
+            r.status
+        )));
+    }
+    let v: Value = r.json()?;
+    v.get("session_id")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| Error::upstream("POST /sessions answered without session_id"))
+}
+
+/// Collects the session's sample: `Ok(None)` when the session is empty.
+async fn collect(
+    http: &HttpClient,
+    base_url: &str,
+    max_seq_len: Option<usize>,
+    sample: &Sample,
+) -> Result<Option<(Sample, Map<String, Value>)>> {
+    let r = http
+        .post_json(
+            &format!("{base_url}/samples"),
+            &json!({"max_seq_len": max_seq_len}),
+            &[("accept", "application/octet-stream")],
+        )
+        .await?;
+    if !r.status.is_success() {
+        return Err(Error::upstream(format!(
+            "samples answered {}: {}",
+            r.status,
+            r.text()
+        )));
+    }
+    let mut base = sample.clone();
+    base.weight_versions.clear();
+    base.prefix_cache_info = Default::default();
+    base.spec_info = Default::default();
+    base.teacher_log_probs = None;
+    let payload = decode_samples(&r.body, &base)?;
+    if payload.empty_reason.is_some() {
+        return Ok(None);
+    }
+    let mut samples = payload.samples;
+    if samples.len() != 1 {
+        return Err(Error::assembly(format!(
+            "expected one sample, got {}",
+            samples.len()
+        )));
+    }
+    let out = samples.pop().ok_or_else(|| Error::assembly("no sample"))?;
+    Ok(Some((out, payload.session_metadata)))
+}

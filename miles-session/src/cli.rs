@@ -1,0 +1,223 @@
+//! Command line of the `miles-session` binary, and the function that runs it.
+//!
+//! ```text
+//! miles-session --engine-url URL --model DIR --tito FAMILY [--host H] [--port P]
+//!               [--max-body-bytes N] [--routed-experts --num-layers N] [--max-context-len N]
+//!               [--default-max-tokens N] [--engine-timeout-s S] [--instance-id ID]
+//! ```
+//!
+//! `--engine-url toy` serves the in-process [`crate::testkit::ToyEngine`] and `--tito
+//! byte_chatml` the [`crate::testkit::ByteChatml`] tokenizer (no model needed), for trying the
+//! server and for load tests.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use miles_core::InferenceEngine;
+
+use crate::chat::ChatTokenizer;
+use crate::error::{Error, Result};
+use crate::server::{SessionServer, SessionServerConfig};
+use crate::sglang::{SglangConfig, SglangEngine};
+use crate::testkit::{ByteChatml, ToyEngine};
+
+/// Builds the chat tokenizer of a family from a model directory (the miles-tito adapter
+/// plugs in here).
+pub type TokenizerLoader = dyn Fn(&std::path::Path, &str) -> Result<Arc<dyn ChatTokenizer>>;
+
+/// Parsed command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CliArgs {
+    /// SGLang-compatible engine base URL, or `toy`.
+    pub engine_url: String,
+    /// Model directory (tokenizer + chat template).
+    pub model: Option<PathBuf>,
+    /// TITO family (`qwen3`, `glm47`, …, or `byte_chatml`).
+    pub tito: String,
+    /// Bind address.
+    pub host: String,
+    /// Port (0: any free port).
+    pub port: u16,
+    /// Server settings.
+    pub max_body_bytes: usize,
+    /// Ask the engine for routed experts.
+    pub routed_experts: bool,
+    /// MoE layers (needed with `--routed-experts` over SGLang).
+    pub num_layers: Option<usize>,
+    /// Context limit.
+    pub max_context_len: Option<usize>,
+    /// Default `max_tokens`.
+    pub default_max_tokens: Option<usize>,
+    /// Engine timeout in seconds.
+    pub engine_timeout_s: f64,
+    /// Instance id reported by `/health`.
+    pub instance_id: Option<String>,
+}
+
+/// The usage text.
+pub const USAGE: &str = "usage: miles-session --engine-url URL --model DIR --tito FAMILY [--host H] [--port P] \
+[--max-body-bytes N] [--routed-experts --num-layers N] [--max-context-len N] [--default-max-tokens N] \
+[--engine-timeout-s S] [--instance-id ID]";
+
+fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T> {
+    value
+        .parse()
+        .map_err(|_| Error::Config(format!("{flag} expects a number, got {value:?}")))
+}
+
+impl CliArgs {
+    /// Parses arguments (without the program name).
+    pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Self> {
+        let mut out = CliArgs {
+            engine_url: String::new(),
+            model: None,
+            tito: String::new(),
+            host: "127.0.0.1".into(),
+            port: 30010,
+            max_body_bytes: SessionServerConfig::default().max_body_bytes,
+            routed_experts: false,
+            num_layers: None,
+            max_context_len: None,
+            default_max_tokens: None,
+            engine_timeout_s: 600.0,
+            instance_id: None,
+        };
+        let mut it = args.into_iter();
+        while let Some(flag) = it.next() {
+            if flag == "--routed-experts" {
+                out.routed_experts = true;
+                continue;
+            }
+            if flag == "--help" || flag == "-h" {
+                return Err(Error::Config(USAGE.into()));
+            }
+            let value = it
+                .next()
+                .ok_or_else(|| Error::Config(format!("{flag} needs a value\n{USAGE}")))?;
+            match flag.as_str() {
+                "--engine-url" => out.engine_url = value,
+                "--model" => out.model = Some(PathBuf::from(value)),
+                "--tito" | "--tito-model" => out.tito = value,
+                "--host" => out.host = value,
+                "--port" => out.port = number(&flag, &value)?,
+                "--max-body-bytes" => out.max_body_bytes = number(&flag, &value)?,
+                "--num-layers" => out.num_layers = Some(number(&flag, &value)?),
+                "--max-context-len" => out.max_context_len = Some(number(&flag, &value)?),
+                "--default-max-tokens" => out.default_max_tokens = Some(number(&flag, &value)?),
+                "--engine-timeout-s" => out.engine_timeout_s = number(&flag, &value)?,
+                "--instance-id" => out.instance_id = Some(value),
+                other => return Err(Error::Config(format!("unknown flag {other}\n{USAGE}"))),
+            }
+        }
+        if out.engine_url.is_empty() || out.tito.is_empty() {
+            return Err(Error::Config(format!(
+                "--engine-url and --tito are required\n{USAGE}"
+            )));
+        }
+        if out.model.is_none() && out.tito != "byte_chatml" {
+            return Err(Error::Config(format!(
+                "--model is required for --tito {}\n{USAGE}",
+                out.tito
+            )));
+        }
+        if !(out.engine_timeout_s > 0.0 && out.engine_timeout_s.is_finite()) {
+            return Err(Error::Config("--engine-timeout-s must be positive".into()));
+        }
+        Ok(out)
+    }
+
+    /// The server settings these arguments ask for.
+    pub fn server_config(&self) -> SessionServerConfig {
+        SessionServerConfig {
+            max_body_bytes: self.max_body_bytes,
+            model_name: self
+                .model
+                .as_ref()
+                .and_then(|m| m.file_name())
+                .map_or_else(|| "miles".to_owned(), |n| n.to_string_lossy().into_owned()),
+            return_routed_experts: self.routed_experts,
+            default_max_tokens: self.default_max_tokens,
+            max_context_len: self.max_context_len,
+            engine_timeout: Duration::from_secs_f64(self.engine_timeout_s),
+            instance_id: self.instance_id.clone(),
+        }
+    }
+
+    /// The engine: the SGLang client for a URL, or the toy engine for `toy`.
+    pub fn engine(&self) -> Arc<dyn InferenceEngine> {
+        if self.engine_url == "toy" {
+            return ToyEngine::new();
+        }
+        let mut config = SglangConfig::new(&self.engine_url);
+        config.generate_timeout = Duration::from_secs_f64(self.engine_timeout_s);
+        config.num_layers = self.num_layers;
+        Arc::new(SglangEngine::new(config))
+    }
+
+    /// The tokenizer: `byte_chatml` built in, any other family through `loader`.
+    pub fn tokenizer(&self, loader: Option<&TokenizerLoader>) -> Result<Arc<dyn ChatTokenizer>> {
+        if self.tito == "byte_chatml" {
+            return Ok(Arc::new(ByteChatml::default()));
+        }
+        let model = self
+            .model
+            .as_deref()
+            .ok_or_else(|| Error::Config("--model is required".into()))?;
+        match loader {
+            Some(load) => load(model, &self.tito),
+            None => Err(Error::Config(format!(
+                "no chat tokenizer for --tito {} in this build: model families come from the miles-tito adapter",
+                self.tito
+            ))),
+        }
+    }
+}
+
+/// Binds, prints the address and serves until the process ends.
+pub async fn run(args: &CliArgs, loader: Option<&TokenizerLoader>) -> Result<()> {
+    let tokenizer = args.tokenizer(loader)?;
+    let engine = args.engine();
+    let server = SessionServer::new(engine, tokenizer, args.server_config());
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
+    let addr = listener.local_addr()?;
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::debug!(%error, "cannot set TCP_NODELAY");
+        }
+    });
+    println!(
+        "miles-session listening on http://{addr} (tito {}, engine {})",
+        args.tito, args.engine_url
+    );
+    axum::serve(listener, server.router()).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Result<CliArgs> {
+        CliArgs::parse(s.split_whitespace().map(str::to_owned))
+    }
+
+    #[test]
+    fn parses_the_documented_command_line() {
+        let a = args("--engine-url http://e:30000 --model /m/Qwen3-4B --tito qwen3 --host 0.0.0.0 --port 9000 --routed-experts --num-layers 48").unwrap();
+        assert_eq!(a.engine_url, "http://e:30000");
+        assert_eq!(a.port, 9000);
+        assert!(a.routed_experts);
+        assert_eq!(a.num_layers, Some(48));
+        assert_eq!(a.server_config().model_name, "Qwen3-4B");
+        assert!(matches!(a.tokenizer(None), Err(Error::Config(_))));
+        assert!(
+            args("--engine-url x --tito qwen3").is_err(),
+            "model required"
+        );
+        assert!(args("--engine-url x --tito byte_chatml --port nine").is_err());
+        assert!(args("--engine-url x --tito byte_chatml --bogus 1").is_err());
+        let toy = args("--engine-url toy --tito byte_chatml").unwrap();
+        assert!(toy.tokenizer(None).is_ok());
+    }
+}

@@ -1,0 +1,207 @@
+//! The crate's error type and its mapping onto HTTP status codes.
+
+/// Every way a session operation, a sample assembly or an engine call made by this crate can
+/// fail.
+///
+/// Each variant has a stable [`Error::label`] (used in `/metrics` and as the OpenAI error
+/// `code`) and an HTTP status ([`Error::status`]) following MILES_SPEC §2.1.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No session with this id exists (never created, deleted, or being deleted).
+    #[error("session {session_id} not found")]
+    SessionNotFound {
+        /// The id asked for.
+        session_id: String,
+    },
+    /// The request body is not valid JSON or has wrong field types.
+    #[error("invalid request body: {reason}")]
+    InvalidBody {
+        /// What was wrong.
+        reason: String,
+    },
+    /// The request body exceeds the configured limit.
+    #[error("request body larger than {limit} bytes")]
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The messages are not an append-only extension of the session's history, use a role
+    /// the family cannot append, or a rollback would discard more than one assistant turn.
+    #[error("message validation failed: {reason}")]
+    MessageValidation {
+        /// What was wrong.
+        reason: String,
+    },
+    /// `chat_template_kwargs` conflicts with the family's forced kwargs or is malformed.
+    #[error("chat template kwarg {key}={value} conflicts with the value registered for {family}")]
+    KwargConflict {
+        /// The conflicting key.
+        key: String,
+        /// The value the request asked for.
+        value: String,
+        /// The TITO family.
+        family: String,
+    },
+    /// Rendering or tokenizing failed, or the new token sequence does not extend the stored
+    /// one (MILES_SPEC §1.9).
+    #[error("tokenization error: {reason}")]
+    Tokenization {
+        /// What was wrong.
+        reason: String,
+    },
+    /// The engine's answer breaks the protocol (missing log-probs, length mismatch, …).
+    #[error("upstream response invalid: {reason}")]
+    UpstreamResponse {
+        /// What was wrong.
+        reason: String,
+    },
+    /// The engine failed or could not be reached.
+    #[error("engine error: {0}")]
+    Engine(#[source] miles_core::Error),
+    /// Sample assembly found records that break an invariant (trim too large, cursor check).
+    #[error("sample assembly failed: {reason}")]
+    Assembly {
+        /// What was wrong.
+        reason: String,
+    },
+    /// The samples wire codec cannot encode or decode a value.
+    #[error("samples codec error on {field}: {reason}")]
+    Codec {
+        /// The field or tensor concerned.
+        field: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A sample operation from miles-core failed.
+    #[error(transparent)]
+    Core(miles_core::Error),
+    /// An HTTP transport failure talking to an engine.
+    #[error("transport error to {url}: {reason}")]
+    Transport {
+        /// The URL called.
+        url: String,
+        /// What failed.
+        reason: String,
+    },
+    /// An engine call took longer than its timeout.
+    #[error("request to {url} timed out after {seconds} s")]
+    Timeout {
+        /// The URL called.
+        url: String,
+        /// The timeout in seconds.
+        seconds: f64,
+    },
+    /// Invalid configuration (command line, server config).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// An I/O error (binding a socket, …).
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// The stable, bounded label of the error kind (metrics label and OpenAI error `code`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::SessionNotFound { .. } => "session_not_found",
+            Self::InvalidBody { .. } => "invalid_body",
+            Self::BodyTooLarge { .. } => "body_too_large",
+            Self::MessageValidation { .. } => "message_validation",
+            Self::KwargConflict { .. } => "kwarg_conflict",
+            Self::Tokenization { .. } => "tokenization",
+            Self::UpstreamResponse { .. } => "upstream_response",
+            Self::Engine(e) => match e {
+                miles_core::Error::Engine { kind, .. } => match kind {
+                    miles_core::EngineErrorKind::InvalidRequest => "engine_invalid_request",
+                    miles_core::EngineErrorKind::Unavailable => "engine_unavailable",
+                    miles_core::EngineErrorKind::Aborted => "engine_aborted",
+                    miles_core::EngineErrorKind::Protocol => "upstream_response",
+                    _ => "engine_error",
+                },
+                _ => "engine_error",
+            },
+            Self::Assembly { .. } => "assembly",
+            Self::Codec { .. } => "codec",
+            Self::Core(_) => "sample",
+            Self::Transport { .. } => "transport",
+            Self::Timeout { .. } => "timeout",
+            Self::Config(_) => "config",
+            Self::Io(_) => "io",
+        }
+    }
+
+    /// The HTTP status the session server answers with (MILES_SPEC §2.1: not found 404,
+    /// validation 400, tokenization 500, upstream 502; assembly 422; engine timeout 504).
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::SessionNotFound { .. } => 404,
+            Self::InvalidBody { .. }
+            | Self::MessageValidation { .. }
+            | Self::KwargConflict { .. } => 400,
+            Self::BodyTooLarge { .. } => 413,
+            Self::Tokenization { .. } | Self::Core(_) | Self::Config(_) | Self::Io(_) => 500,
+            Self::UpstreamResponse { .. } | Self::Transport { .. } => 502,
+            Self::Timeout { .. } => 504,
+            Self::Assembly { .. } | Self::Codec { .. } => 422,
+            Self::Engine(e) => match e {
+                miles_core::Error::Engine { kind, .. } => match kind {
+                    miles_core::EngineErrorKind::InvalidRequest => 400,
+                    miles_core::EngineErrorKind::Unavailable => 503,
+                    _ => 502,
+                },
+                _ => 502,
+            },
+        }
+    }
+
+    /// The OpenAI error `type` for the body (`invalid_request_error` for 4xx, `server_error`
+    /// otherwise).
+    pub fn openai_type(&self) -> &'static str {
+        if self.status() < 500 {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        }
+    }
+
+    /// Shorthand for [`Error::Tokenization`].
+    pub fn tokenization(reason: impl Into<String>) -> Self {
+        Self::Tokenization {
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::MessageValidation`].
+    pub fn validation(reason: impl Into<String>) -> Self {
+        Self::MessageValidation {
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::UpstreamResponse`].
+    pub fn upstream(reason: impl Into<String>) -> Self {
+        Self::UpstreamResponse {
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Assembly`].
+    pub fn assembly(reason: impl Into<String>) -> Self {
+        Self::Assembly {
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<miles_core::Error> for Error {
+    fn from(error: miles_core::Error) -> Self {
+        match error {
+            miles_core::Error::Engine { .. } => Self::Engine(error),
+            other => Self::Core(other),
+        }
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,835 @@
+//! The session server as an [`axum::Router`] (MILES_SPEC §2): registry, three-phase locking,
+//! chat completions over a token-level [`InferenceEngine`], records, samples, metrics.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use miles_core::{
+    FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message, RequestId, Sample,
+    SamplingParams, ToolArguments, ToolSpec,
+};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use tokio::sync::Mutex;
+
+use crate::assembly::{
+    compute_samples_from_records, merge_samples, truncate_samples_by_total_tokens,
+};
+use crate::chat::{ChatTokenizer, Mismatch};
+use crate::codec::{EmptyReason, SamplesPayload, encode_samples};
+use crate::error::{Error, Result};
+use crate::metrics::ServerMetrics;
+use crate::trajectory::{LinearTrajectory, SessionRecord};
+
+/// The sticky routing header sent to engines with every call of a session.
+pub const ROUTING_KEY_HEADER: &str = "X-SMG-Routing-Key";
+
+/// Session server settings.
+#[derive(Debug, Clone)]
+pub struct SessionServerConfig {
+    /// Largest accepted request body, in bytes (larger → 413).
+    pub max_body_bytes: usize,
+    /// The `model` reported in responses when the request names none.
+    pub model_name: String,
+    /// Ask engines for routed experts (R3) and keep them in the records.
+    pub return_routed_experts: bool,
+    /// `max_new_tokens` when the request sets neither `max_tokens` nor
+    /// `max_completion_tokens`.
+    pub default_max_tokens: Option<usize>,
+    /// Context limit: prompts at or over it are rejected with 400 before reaching the engine,
+    /// and `max_new_tokens` is capped to what is left.
+    pub max_context_len: Option<usize>,
+    /// Timeout of one engine call (→ 504).
+    pub engine_timeout: Duration,
+    /// Reported by `/health` as `session_server_instance_id`.
+    pub instance_id: Option<String>,
+}
+
+impl Default for SessionServerConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 16 << 20,
+            model_name: "miles".to_owned(),
+            return_routed_experts: false,
+            default_max_tokens: None,
+            max_context_len: None,
+            engine_timeout: Duration::from_secs(600),
+            instance_id: None,
+        }
+    }
+}
+
+/// One open session: its trajectory behind an async lock, and the closing flag.
+#[derive(Debug, Default)]
+struct Session {
+    trajectory: Mutex<LinearTrajectory>,
+    closing: AtomicBool,
+}
+
+/// Shared state behind the router.
+struct AppState {
+    engine: Arc<dyn InferenceEngine>,
+    tokenizer: Arc<dyn ChatTokenizer>,
+    config: SessionServerConfig,
+    sessions: RwLock<HashMap<String, Arc<Session>>>,
+    metrics: ServerMetrics,
+}
+
+/// A handle on a running session server's state, for embedding (metrics, session counts).
+#[derive(Clone)]
+pub struct SessionServer {
+    state: Arc<AppState>,
+}
+
+impl std::fmt::Debug for SessionServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionServer")
+            .field("family", &self.state.tokenizer.family())
+            .field("sessions_open", &self.sessions_open())
+            .finish()
+    }
+}
+
+impl SessionServer {
+    /// A server over `engine`, rendering and parsing with `tokenizer`.
+    pub fn new(
+        engine: Arc<dyn InferenceEngine>,
+        tokenizer: Arc<dyn ChatTokenizer>,
+        config: SessionServerConfig,
+    ) -> Self {
+        Self {
+            state: Arc::new(AppState {
+                engine,
+                tokenizer,
+                config,
+                sessions: RwLock::new(HashMap::new()),
+                metrics: ServerMetrics::default(),
+            }),
+        }
+    }
+
+    /// The routes of MILES_SPEC §2.1 (+ `/metrics`).
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/health", get(health))
+            .route("/metrics", get(metrics))
+            .route("/sessions", post(create_session))
+            .route("/sessions/{id}", get(get_session).delete(delete_session))
+            .route("/sessions/{id}/v1/chat/completions", post(chat_completions))
+            .route("/sessions/{id}/samples", post(samples))
+            .fallback(not_found)
+            .layer(DefaultBodyLimit::disable())
+            .with_state(self.state.clone())
+    }
+
+    /// Sessions currently open.
+    pub fn sessions_open(&self) -> usize {
+        self.state.sessions.read().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// The server's metrics.
+    pub fn metrics(&self) -> &ServerMetrics {
+        &self.state.metrics
+    }
+}
+
+type AppStateRef = State<Arc<AppState>>;
+
+fn now_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// The OpenAI-shaped error body `{"error": {"message", "type", "code"}}`.
+pub fn error_body(error: &Error) -> Value {
+    json!({"error": {"message": error.to_string(), "type": error.openai_type(), "code": error.label()}})
+}
+
+fn error_response(state: &AppState, error: Error) -> Response {
+    state.metrics.error(error.label());
+    tracing::debug!(label = error.label(), %error, "request failed");
+    let status = StatusCode::from_u16(error.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, axum::Json(error_body(&error))).into_response()
+}
+
+fn respond(state: &AppState, result: Result<Response>) -> Response {
+    result.unwrap_or_else(|e| error_response(state, e))
+}
+
+async fn not_found(State(state): AppStateRef, request: Request) -> Response {
+    let err = Error::InvalidBody {
+        reason: format!("no route for {} {}", request.method(), request.uri().path()),
+    };
+    state.metrics.error("not_found");
+    (StatusCode::NOT_FOUND, axum::Json(json!({"error": {"message": err.to_string(), "type": "invalid_request_error", "code": "not_found"}})))
+        .into_response()
+}
+
+async fn health(State(state): AppStateRef) -> Response {
+    let mut body = json!({"status": "ok"});
+    if let Some(id) = &state.config.instance_id {
+        body["session_server_instance_id"] = json!(id);
+    }
+    axum::Json(body).into_response()
+}
+
+async fn metrics(State(state): AppStateRef) -> Response {
+    let open = state.sessions.read().map(|m| m.len()).unwrap_or(0);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(open),
+    )
+        .into_response()
+}
+
+async fn create_session(State(state): AppStateRef) -> Response {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    if let Ok(mut map) = state.sessions.write() {
+        map.insert(id.clone(), Arc::new(Session::default()));
+    }
+    state
+        .metrics
+        .sessions_created
+        .fetch_add(1, Ordering::Relaxed);
+    axum::Json(json!({"session_id": id})).into_response()
+}
+
+fn lookup(state: &AppState, id: &str) -> Result<Arc<Session>> {
+    let session = state
+        .sessions
+        .read()
+        .ok()
+        .and_then(|m| m.get(id).cloned())
+        .ok_or_else(|| Error::SessionNotFound {
+            session_id: id.to_owned(),
+        })?;
+    if session.closing.load(Ordering::Acquire) {
+        return Err(Error::SessionNotFound {
+            session_id: id.to_owned(),
+        });
+    }
+    Ok(session)
+}
+
+async fn delete_session(State(state): AppStateRef, Path(id): Path<String>) -> Response {
+    let result = async {
+        let session = lookup(&state, &id)?;
+        if session.closing.swap(true, Ordering::AcqRel) {
+            return Err(Error::SessionNotFound {
+                session_id: id.clone(),
+            });
+        }
+        // Wait for in-flight phase 1 / phase 3 critical sections.
+        let _guard = session.trajectory.lock().await;
+        if let Ok(mut map) = state.sessions.write() {
+            map.remove(&id);
+        }
+        state
+            .metrics
+            .sessions_deleted
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(StatusCode::NO_CONTENT.into_response())
+    }
+    .await;
+    respond(&state, result)
+}
+
+/// The effective template kwargs of a request body (`chat_template_kwargs` must be an object).
+fn request_kwargs(tokenizer: &dyn ChatTokenizer, body: &Value) -> Result<Map<String, Value>> {
+    match body.get("chat_template_kwargs") {
+        None | Some(Value::Null) => tokenizer.resolve_kwargs(&Map::new()),
+        Some(Value::Object(map)) => tokenizer.resolve_kwargs(map),
+        Some(other) => Err(Error::InvalidBody {
+            reason: format!("chat_template_kwargs must be an object, got {other}"),
+        }),
+    }
+}
+
+fn mismatches(state: &AppState, trajectory: &LinearTrajectory) -> Option<Vec<Mismatch>> {
+    if trajectory.token_ids().is_empty() {
+        return None;
+    }
+    let last_request = trajectory.records().last().map(|r| &r.request)?;
+    let kwargs = request_kwargs(state.tokenizer.as_ref(), last_request).ok()?;
+    match state.tokenizer.render(
+        trajectory.messages(),
+        &trajectory.last_tools(),
+        false,
+        &kwargs,
+    ) {
+        Ok(expected) => {
+            let found = state
+                .tokenizer
+                .compare_sequences(&expected, trajectory.token_ids());
+            let kinds: Vec<_> = found.iter().map(|m| m.kind).collect();
+            state.metrics.mismatch_check(&kinds);
+            Some(found)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "mismatch metric: rendering the session failed");
+            None
+        }
+    }
+}
+
+fn session_metadata(state: &AppState, trajectory: &LinearTrajectory) -> Map<String, Value> {
+    let mut meta = Map::new();
+    if let Some(found) = mismatches(state, trajectory) {
+        meta.insert("tito_session_mismatch".into(), json!(found));
+    }
+    meta.insert(
+        "accumulated_token_ids".into(),
+        json!(trajectory.token_ids()),
+    );
+    meta.insert(
+        "max_trim_tokens".into(),
+        json!(state.tokenizer.max_trim_tokens()),
+    );
+    meta
+}
+
+async fn get_session(State(state): AppStateRef, Path(id): Path<String>) -> Response {
+    let result = async {
+        let session = lookup(&state, &id)?;
+        let trajectory = session.trajectory.lock().await;
+        let body = json!({
+            "session_id": id,
+            "records": trajectory.records(),
+            "metadata": session_metadata(&state, &trajectory),
+        });
+        Ok(axum::Json(body).into_response())
+    }
+    .await;
+    respond(&state, result)
+}
+
+async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Bytes)> {
+    let (parts, body) = request.into_parts();
+    let limit = state.config.max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| Error::BodyTooLarge { limit })?;
+    Ok((parts.headers, bytes))
+}
+
+/// `stop` as OpenAI allows it: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StopSpec {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The typed view of a chat-completions body (validated once; unknown fields are kept in the
+/// recorded body and ignored).
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    messages: Vec<Message>,
+    #[serde(default)]
+    tools: Option<Vec<ToolSpec>>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    min_tokens: Option<usize>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<i32>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stop: Option<StopSpec>,
+    #[serde(default)]
+    stop_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    n: Option<usize>,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+/// A validated chat request: the typed fields, the body to record, the kwargs to render with.
+struct PreparedChat {
+    request: ChatRequest,
+    record_body: Value,
+    kwargs: Map<String, Value>,
+    stream: bool,
+}
+
+fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
+    let mut body: Value = serde_json::from_slice(bytes).map_err(|e| Error::InvalidBody {
+        reason: format!("invalid JSON: {e}"),
+    })?;
+    let Value::Object(map) = &mut body else {
+        return Err(Error::InvalidBody {
+            reason: "body must be a JSON object".into(),
+        });
+    };
+    map.remove("stream_options");
+    let request = ChatRequest::deserialize(&body).map_err(|e| Error::InvalidBody {
+        reason: e.to_string(),
+    })?;
+    if request.n.is_some_and(|n| n != 1) {
+        return Err(Error::InvalidBody {
+            reason: "only n=1 is supported in a session".into(),
+        });
+    }
+    let kwargs = request_kwargs(state.tokenizer.as_ref(), &body)?;
+    let Value::Object(map) = &mut body else {
+        unreachable!("checked above")
+    };
+    map.remove("stream");
+    map.insert("logprobs".into(), json!(true));
+    map.insert("return_meta_info".into(), json!(true));
+    map.insert("no_stop_trim".into(), json!(false));
+    if state.config.return_routed_experts {
+        map.insert("return_routed_experts".into(), json!(true));
+    }
+    if kwargs.is_empty() {
+        map.remove("chat_template_kwargs");
+    } else {
+        map.insert("chat_template_kwargs".into(), Value::Object(kwargs.clone()));
+    }
+    let stream = request.stream.unwrap_or(false);
+    Ok(PreparedChat {
+        request,
+        record_body: body,
+        kwargs,
+        stream,
+    })
+}
+
+fn sampling_params(
+    state: &AppState,
+    request: &ChatRequest,
+    prompt_len: usize,
+) -> Result<SamplingParams> {
+    let mut params = SamplingParams::default();
+    if let Some(v) = request.temperature {
+        params.temperature = v;
+    }
+    if let Some(v) = request.top_p {
+        params.top_p = v;
+    }
+    if let Some(v) = request.top_k {
+        params.top_k = v;
+    }
+    if let Some(v) = request.min_p {
+        params.min_p = v;
+    }
+    params.min_new_tokens = request.min_tokens.unwrap_or(0);
+    params.sampling_seed = request.seed;
+    params.frequency_penalty = request.frequency_penalty.unwrap_or(0.0);
+    params.presence_penalty = request.presence_penalty.unwrap_or(0.0);
+    params.stop = match &request.stop {
+        None => Vec::new(),
+        Some(StopSpec::One(s)) => vec![s.clone()],
+        Some(StopSpec::Many(v)) => v.clone(),
+    };
+    params.stop_token_ids = state.tokenizer.stop_token_ids();
+    for id in request.stop_token_ids.iter().flatten() {
+        if !params.stop_token_ids.contains(id) {
+            params.stop_token_ids.push(*id);
+        }
+    }
+    // The session needs the stop token in the output ids (they come from the log-probs).
+    params.no_stop_trim = true;
+    let mut max_new = request
+        .max_completion_tokens
+        .or(request.max_tokens)
+        .or(state.config.default_max_tokens);
+    if let Some(limit) = state.config.max_context_len {
+        if prompt_len >= limit {
+            return Err(Error::validation(format!(
+                "the prompt has {prompt_len} tokens, at or over the context length {limit}"
+            )));
+        }
+        let room = limit - prompt_len;
+        max_new = Some(max_new.map_or(room, |m| m.min(room)));
+    }
+    params.max_new_tokens = max_new;
+    Ok(params)
+}
+
+/// Builds the chat-completion JSON (with `meta_info`) from an engine output.
+fn completion_body(
+    state: &AppState,
+    request: &ChatRequest,
+    prompt_len: usize,
+    output: &GenerateOutput,
+    tools: &[ToolSpec],
+) -> Result<(Value, Message)> {
+    if output.output_log_probs.len() != output.output_ids.len() {
+        return Err(Error::upstream(format!(
+            "engine returned {} log-probs for {} output tokens",
+            output.output_log_probs.len(),
+            output.output_ids.len()
+        )));
+    }
+    let tok = state.tokenizer.as_ref();
+    let mut parsed = tok.parse_assistant(&output.output_ids, tools)?;
+    if output.finish_reason == FinishReason::Stop
+        && let Some(Value::String(stop)) = &output.matched_stop
+        && let Some(stripped) = parsed.content.strip_suffix(stop.as_str())
+    {
+        parsed.content = stripped.to_owned();
+    }
+    for (i, call) in parsed.tool_calls.iter_mut().enumerate() {
+        call.index = Some(i as u32);
+        if call.id.is_none() {
+            call.id = Some(format!(
+                "call_{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..24]
+            ));
+        }
+        // Stored in the OpenAI wire form, so the agent's echo matches strictly.
+        call.function.arguments = ToolArguments::Json(call.function.arguments.to_json_string());
+    }
+    let finish_reason = match output.finish_reason {
+        FinishReason::Stop if !parsed.tool_calls.is_empty() => "tool_calls",
+        other => other.as_str(),
+    };
+    let assistant = parsed.to_message();
+    let mut message = json!({"role": "assistant", "content": parsed.content});
+    if let Some(reasoning) = &parsed.reasoning_content {
+        message["reasoning_content"] = json!(reasoning);
+    }
+    if !parsed.tool_calls.is_empty() {
+        let calls: Vec<Value> = parsed
+            .tool_calls
+            .iter()
+            .map(|c| {
+                json!({"id": c.id, "index": c.index, "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments.to_json_string()}})
+            })
+            .collect();
+        message["tool_calls"] = Value::Array(calls);
+    }
+    let logprob_entries: Vec<Value> = output
+        .output_ids
+        .iter()
+        .zip(&output.output_log_probs)
+        .map(|(id, lp)| json!([lp, id, Value::Null]))
+        .collect();
+    let completion_tokens = output.output_ids.len();
+    let mut finish = json!({"type": output.finish_reason.as_str()});
+    if let Some(matched) = &output.matched_stop {
+        finish["matched"] = matched.clone();
+    }
+    let mut meta = json!({
+        "finish_reason": finish,
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": output.cached_tokens,
+        "output_token_logprobs": logprob_entries,
+        "weight_version": output.weight_version.to_string(),
+    });
+    if let Some(table) = &output.routed_experts {
+        meta["routed_experts"] = json!(table.to_base64());
+        meta["routed_experts_num_layers"] = json!(table.layers());
+    }
+    let body = json!({
+        "id": format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        "object": "chat.completion",
+        "created": now_secs() as u64,
+        "model": request.model.clone().unwrap_or_else(|| state.config.model_name.clone()),
+        "choices": [{
+            "index": 0,
+            "message": message,
+            "finish_reason": finish_reason,
+            "meta_info": meta,
+        }],
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_len + completion_tokens},
+    });
+    Ok((body, assistant))
+}
+
+/// The response the client sees: OpenAI `logprobs.content` added (derived from
+/// `output_token_logprobs`, so records do not store it twice), routed experts / indexer data
+/// removed from every choice.
+fn client_body(tok: &dyn ChatTokenizer, mut body: Value) -> Value {
+    if let Some(Value::Array(choices)) = body.get_mut("choices") {
+        for choice in choices {
+            let content: Vec<Value> = choice
+                .pointer("/meta_info/output_token_logprobs")
+                .and_then(Value::as_array)
+                .map(|entries| {
+                    entries
+                        .iter()
+                        .map(|e| {
+                            let id = e.get(1).and_then(Value::as_u64).unwrap_or(0) as u32;
+                            json!({"token": tok.decode(&[id]), "logprob": e.get(0), "top_logprobs": []})
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            if let Value::Object(map) = choice {
+                map.insert("logprobs".into(), json!({"content": content}));
+            }
+            if let Some(Value::Object(meta)) = choice.get_mut("meta_info") {
+                meta.remove("routed_experts");
+                meta.remove("routed_experts_num_layers");
+                meta.remove("indexer_topk");
+            }
+        }
+    }
+    body
+}
+
+/// Miles' fake streaming: one `chat.completion.chunk` event, then `[DONE]`.
+fn sse_response(body: &Value) -> Response {
+    let choice = &body["choices"][0];
+    let message = &choice["message"];
+    let mut delta = json!({"role": "assistant", "content": message["content"]});
+    if let Some(r) = message.get("reasoning_content") {
+        delta["reasoning_content"] = r.clone();
+    }
+    if let Some(calls) = message.get("tool_calls") {
+        delta["tool_calls"] = calls.clone();
+    }
+    let mut chunk = json!({
+        "id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"],
+        "choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"]}],
+    });
+    if let Some(usage) = body.get("usage") {
+        chunk["usage"] = usage.clone();
+    }
+    let text = format!("data: {chunk}\n\ndata: [DONE]\n\n");
+    let mut response = Response::new(Body::from(text));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}
+
+async fn chat_completions(
+    State(state): AppStateRef,
+    Path(id): Path<String>,
+    request: Request,
+) -> Response {
+    let started = Instant::now();
+    let result = chat_turn(&state, &id, request).await;
+    respond(
+        &state,
+        result.map(|(r, engine_time)| {
+            let total = started.elapsed();
+            state.metrics.turn_latency.observe(total);
+            state
+                .metrics
+                .added_latency
+                .observe(total.saturating_sub(engine_time));
+            r
+        }),
+    )
+}
+
+async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Response, Duration)> {
+    let request_timestamp = now_secs();
+    let session = lookup(state, id)?;
+    let (_, bytes) = read_body(state, request).await?;
+    let chat = prepare_chat(state, &bytes)?;
+    let tools = chat.request.tools.clone().unwrap_or_default();
+
+    // Phase 1 (session lock): closing check, TITO-prepare the prompt ids.
+    let prepared = {
+        let trajectory = session.trajectory.lock().await;
+        if session.closing.load(Ordering::Acquire) {
+            return Err(Error::SessionNotFound {
+                session_id: id.to_owned(),
+            });
+        }
+        trajectory.prepare(
+            &chat.request.messages,
+            &tools,
+            &chat.kwargs,
+            state.tokenizer.as_ref(),
+        )?
+    };
+
+    // Phase 2 (no lock): the engine call.
+    let prompt_len = prepared.prompt_ids.len();
+    let params = sampling_params(state, &chat.request, prompt_len)?;
+    let mut generate = GenerateRequest::new(prepared.prompt_ids.clone(), params);
+    generate.routing_key = Some(id.to_owned());
+    generate.request_id = Some(RequestId::new(uuid::Uuid::new_v4().simple().to_string()));
+    generate.return_routed_experts = state.config.return_routed_experts;
+    let engine_started = Instant::now();
+    let output =
+        match tokio::time::timeout(state.config.engine_timeout, state.engine.generate(generate))
+            .await
+        {
+            Ok(result) => result?,
+            Err(_) => {
+                return Err(Error::Timeout {
+                    url: "engine generate".into(),
+                    seconds: state.config.engine_timeout.as_secs_f64(),
+                });
+            }
+        };
+    let engine_time = engine_started.elapsed();
+    state.metrics.engine_latency.observe(engine_time);
+    let (body, assistant) = completion_body(state, &chat.request, prompt_len, &output, &tools)?;
+    let record_body = chat.record_body;
+
+    // Phase 3 (session lock): commit unless the session changed or is closing.
+    {
+        let mut trajectory = session.trajectory.lock().await;
+        if session.closing.load(Ordering::Acquire) || trajectory.generation() != prepared.generation
+        {
+            state.metrics.turns_skipped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                session = id,
+                "session changed or closing during the engine call; turn not recorded"
+            );
+        } else {
+            let record = SessionRecord {
+                timestamp: now_secs(),
+                request_timestamp: Some(request_timestamp),
+                method: "POST".into(),
+                path: "/v1/chat/completions".into(),
+                request: record_body,
+                input_ids: Some(prepared.prompt_ids.clone()),
+                response: body.clone(),
+                status_code: 200,
+            };
+            trajectory.commit(
+                &prepared,
+                &chat.request.messages,
+                &output.output_ids,
+                assistant,
+                record,
+                state.tokenizer.max_trim_tokens(),
+            )?;
+            state.metrics.turns.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    state
+        .metrics
+        .prompt_tokens
+        .fetch_add(prompt_len as u64, Ordering::Relaxed);
+    state
+        .metrics
+        .completion_tokens
+        .fetch_add(output.output_ids.len() as u64, Ordering::Relaxed);
+    let body = client_body(state.tokenizer.as_ref(), body);
+    let response = if chat.stream {
+        sse_response(&body)
+    } else {
+        axum::Json(body).into_response()
+    };
+    Ok((response, engine_time))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct SamplesRequest {
+    #[serde(default)]
+    max_seq_len: Option<usize>,
+}
+
+/// Assembles the session's samples (compute → truncate → merge).
+fn assemble(
+    state: &AppState,
+    trajectory: &LinearTrajectory,
+    max_seq_len: Option<usize>,
+) -> Result<SamplesPayload> {
+    let tok = state.tokenizer.as_ref();
+    let decode = |ids: &[u32]| tok.decode(ids);
+    let session_metadata = session_metadata(state, trajectory);
+    if trajectory.records().is_empty() {
+        return Ok(SamplesPayload {
+            samples: Vec::new(),
+            session_metadata,
+            empty_reason: Some(EmptyReason::NoRecords),
+        });
+    }
+    let mut samples = compute_samples_from_records(
+        &Sample::default(),
+        trajectory.records(),
+        Some(trajectory.token_ids()),
+        tok.max_trim_tokens(),
+        &decode,
+    )?;
+    if let Some(max) = max_seq_len {
+        samples = truncate_samples_by_total_tokens(samples, max, &decode)?;
+        if samples.is_empty() {
+            return Ok(SamplesPayload {
+                samples,
+                session_metadata,
+                empty_reason: Some(EmptyReason::AllTruncated),
+            });
+        }
+    }
+    let mut merged = merge_samples(samples, &decode)?;
+    merged
+        .metadata
+        .insert("messages".into(), json!(trajectory.messages()));
+    Ok(SamplesPayload {
+        samples: vec![merged],
+        session_metadata,
+        empty_reason: None,
+    })
+}
+
+async fn samples(State(state): AppStateRef, Path(id): Path<String>, request: Request) -> Response {
+    let result = async {
+        let session = lookup(&state, &id)?;
+        let (headers, bytes) = read_body(&state, request).await?;
+        let params: SamplesRequest = if bytes.iter().all(u8::is_ascii_whitespace) {
+            SamplesRequest::default()
+        } else {
+            serde_json::from_slice(&bytes).map_err(|e| Error::InvalidBody {
+                reason: e.to_string(),
+            })?
+        };
+        let payload = {
+            let trajectory = session.trajectory.lock().await;
+            assemble(&state, &trajectory, params.max_seq_len)?
+        };
+        let wants_json = headers
+            .get(header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.contains("application/json"));
+        if wants_json {
+            let body = json!({
+                "samples": payload.samples,
+                "session_metadata": payload.session_metadata,
+                "empty_reason": payload.empty_reason,
+            });
+            Ok(axum::Json(body).into_response())
+        } else {
+            let bytes = encode_samples(&payload)?;
+            Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+        }
+    }
+    .await;
+    respond(&state, result)
+}

@@ -1,0 +1,416 @@
+//! An [`InferenceEngine`] that talks to an SGLang-compatible server over HTTP (MILES_SPEC
+//! §7.1–7.4): `/generate` with `input_ids`, `sampling_params`, `return_logprob`,
+//! `return_routed_experts`; pause / continue / flush / abort; `update_weights_from_disk`.
+//!
+//! Every malformed answer is an [`miles_core::Error::Engine`] of kind `Protocol`, transport
+//! failures and timeouts are `Unavailable`, an HTTP 400 is `InvalidRequest`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper::Method;
+use miles_core::{
+    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors,
+    PauseMode, RequestId, RoutedExperts, TokenId, WeightVersion, async_trait,
+};
+use serde_json::{Value, json};
+
+use crate::error::Error;
+use crate::http::{HttpClient, HttpResponse};
+use crate::server::ROUTING_KEY_HEADER;
+
+/// Settings of an [`SglangEngine`].
+#[derive(Debug, Clone)]
+pub struct SglangConfig {
+    /// Base URL, e.g. `http://127.0.0.1:30000`.
+    pub base_url: String,
+    /// Timeout of `/generate` calls (Miles: `--miles-router-timeout`, 600 s).
+    pub generate_timeout: Duration,
+    /// Timeout of control calls (pause, flush, weight updates, health).
+    pub control_timeout: Duration,
+    /// MoE layers of the model: needed to shape `meta_info.routed_experts`.
+    pub num_layers: Option<usize>,
+    /// A directory the engine can read, for [`InferenceEngine::update_weights`]: tensors are
+    /// written there as `v<version>/model.safetensors`, then loaded with
+    /// `update_weights_from_disk`.
+    pub shared_weights_dir: Option<PathBuf>,
+}
+
+impl SglangConfig {
+    /// Defaults for `base_url`: 600 s generate timeout, 60 s control timeout.
+    pub fn new(base_url: impl Into<String>) -> Self {
+        Self {
+            base_url: base_url.into().trim_end_matches('/').to_owned(),
+            generate_timeout: Duration::from_secs(600),
+            control_timeout: Duration::from_secs(60),
+            num_layers: None,
+            shared_weights_dir: None,
+        }
+    }
+}
+
+/// The SGLang-protocol HTTP client.
+#[derive(Debug, Clone)]
+pub struct SglangEngine {
+    config: SglangConfig,
+    http: HttpClient,
+}
+
+fn protocol(message: impl Into<String>) -> miles_core::Error {
+    miles_core::Error::engine(EngineErrorKind::Protocol, message)
+}
+
+fn to_engine_error(error: Error) -> miles_core::Error {
+    match error {
+        Error::Engine(e) | Error::Core(e) => e,
+        Error::Timeout { .. } | Error::Transport { .. } => {
+            miles_core::Error::engine(EngineErrorKind::Unavailable, error.to_string())
+        }
+        other => protocol(other.to_string()),
+    }
+}
+
+fn status_error(url: &str, response: &HttpResponse) -> miles_core::Error {
+    let body = response.text();
+    let message = serde_json::from_str::<Value>(&body)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("error"))
+                .or_else(|| v.get("message"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| body.chars().take(300).collect());
+    let kind = match response.status.as_u16() {
+        400 | 413 | 422 => EngineErrorKind::InvalidRequest,
+        502..=504 => EngineErrorKind::Unavailable,
+        _ => EngineErrorKind::Internal,
+    };
+    miles_core::Error::engine(
+        kind,
+        format!("{url} answered {}: {message}", response.status),
+    )
+}
+
+/// Parses a weight version as SGLang reports it (`"7"`, `7`; `"default"` before the first
+/// update is version 0).
+pub fn parse_weight_version(value: Option<&Value>) -> miles_core::Result<WeightVersion> {
+    match value {
+        None | Some(Value::Null) => Ok(WeightVersion(0)),
+        Some(Value::String(s)) if s == "default" => Ok(WeightVersion(0)),
+        Some(Value::String(s)) => s.parse(),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .map(WeightVersion)
+            .ok_or_else(|| protocol(format!("weight_version {n} is not a version"))),
+        Some(other) => Err(protocol(format!("weight_version {other} is not a version"))),
+    }
+}
+
+/// Parses a `/generate` response body (MILES_SPEC §7.2) for `request`.
+pub fn parse_generate_response(
+    request: &GenerateRequest,
+    body: &Value,
+    num_layers: Option<usize>,
+) -> miles_core::Result<GenerateOutput> {
+    let meta = body
+        .get("meta_info")
+        .and_then(Value::as_object)
+        .ok_or_else(|| protocol("/generate response has no meta_info object"))?;
+    let finish = meta
+        .get("finish_reason")
+        .ok_or_else(|| protocol("meta_info has no finish_reason"))?;
+    let (finish_type, matched_stop) = match finish {
+        Value::Object(o) => (
+            o.get("type").and_then(Value::as_str).unwrap_or(""),
+            o.get("matched").cloned().filter(|v| !v.is_null()),
+        ),
+        Value::String(s) => (s.as_str(), None),
+        _ => ("", None),
+    };
+    let finish_reason = match finish_type {
+        "stop" => FinishReason::Stop,
+        "length" => FinishReason::Length,
+        "abort" => FinishReason::Abort,
+        other => return Err(protocol(format!("unknown finish_reason type {other:?}"))),
+    };
+    let completion_tokens =
+        meta.get("completion_tokens")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| protocol("meta_info has no completion_tokens"))? as usize;
+    let mut output_ids: Vec<TokenId> = Vec::with_capacity(completion_tokens);
+    let mut output_log_probs = Vec::with_capacity(completion_tokens);
+    match meta.get("output_token_logprobs") {
+        Some(Value::Array(entries)) => {
+            for (i, entry) in entries.iter().enumerate() {
+                let lp = entry.get(0).and_then(Value::as_f64);
+                let id = entry
+                    .get(1)
+                    .and_then(Value::as_u64)
+                    .and_then(|v| TokenId::try_from(v).ok());
+                let (Some(lp), Some(id)) = (lp, id) else {
+                    return Err(protocol(format!(
+                        "output_token_logprobs[{i}] = {entry} is not [logprob, token_id, text]"
+                    )));
+                };
+                output_log_probs.push(lp);
+                output_ids.push(id);
+            }
+            if entries.len() != completion_tokens {
+                return Err(protocol(format!(
+                    "{} output_token_logprobs for completion_tokens = {completion_tokens}",
+                    entries.len()
+                )));
+            }
+        }
+        _ if request.return_logprob => {
+            return Err(protocol("meta_info has no output_token_logprobs"));
+        }
+        _ => {
+            let ids = body
+                .get("output_ids")
+                .and_then(Value::as_array)
+                .ok_or_else(|| {
+                    protocol("response has neither output_token_logprobs nor output_ids")
+                })?;
+            for v in ids {
+                output_ids.push(
+                    v.as_u64()
+                        .and_then(|x| TokenId::try_from(x).ok())
+                        .ok_or_else(|| protocol(format!("output id {v} is not a token id")))?,
+                );
+            }
+        }
+    }
+    if let Some(Value::Array(ids)) = body.get("output_ids")
+        && request.return_logprob
+    {
+        let same = ids.len() == output_ids.len()
+            && ids
+                .iter()
+                .zip(&output_ids)
+                .all(|(a, b)| a.as_u64() == Some(u64::from(*b)));
+        if !same {
+            return Err(protocol("output_ids disagree with output_token_logprobs"));
+        }
+    }
+    let prompt_tokens = meta
+        .get("prompt_tokens")
+        .and_then(Value::as_u64)
+        .map_or(request.input_ids.len(), |v| v as usize);
+    let routed_experts = match meta.get("routed_experts") {
+        Some(Value::String(b64)) if request.return_routed_experts => {
+            let layers = num_layers.ok_or_else(|| {
+                protocol("routed_experts returned but the client was not told num_layers")
+            })?;
+            let start = request.routed_experts_start_len.unwrap_or(0);
+            let rows = (prompt_tokens + output_ids.len())
+                .saturating_sub(1)
+                .saturating_sub(start);
+            Some(
+                RoutedExperts::from_base64(b64, rows, layers)
+                    .map_err(|e| protocol(e.to_string()))?,
+            )
+        }
+        _ => None,
+    };
+    Ok(GenerateOutput {
+        request_id: request.request_id.clone(),
+        output_ids,
+        output_log_probs,
+        routed_experts,
+        finish_reason,
+        matched_stop,
+        weight_version: parse_weight_version(meta.get("weight_version"))?,
+        prompt_tokens,
+        cached_tokens: meta
+            .get("cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize,
+    })
+}
+
+impl SglangEngine {
+    /// A client for the server at `config.base_url`.
+    pub fn new(config: SglangConfig) -> Self {
+        let http = HttpClient::new(config.control_timeout);
+        Self { config, http }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SglangConfig {
+        &self.config
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.config.base_url)
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+        timeout: Duration,
+        headers: &[(&str, &str)],
+    ) -> miles_core::Result<HttpResponse> {
+        let url = self.url(path);
+        let payload = match body {
+            Some(v) => Some((
+                "application/json",
+                serde_json::to_vec(&v).map_err(miles_core::Error::from)?,
+            )),
+            None => None,
+        };
+        let response = self
+            .http
+            .send_with_timeout(method, &url, headers, payload, timeout)
+            .await
+            .map_err(to_engine_error)?;
+        if !response.status.is_success() {
+            return Err(status_error(&url, &response));
+        }
+        Ok(response)
+    }
+
+    async fn control(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> miles_core::Result<HttpResponse> {
+        self.call(method, path, body, self.config.control_timeout, &[])
+            .await
+    }
+}
+
+#[async_trait]
+impl InferenceEngine for SglangEngine {
+    async fn generate(&self, request: GenerateRequest) -> miles_core::Result<GenerateOutput> {
+        if request.input_ids.is_empty() {
+            return Err(miles_core::Error::engine(
+                EngineErrorKind::InvalidRequest,
+                "empty input_ids",
+            ));
+        }
+        let body = serde_json::to_value(&request)?;
+        let headers: Vec<(&str, &str)> = request
+            .routing_key
+            .as_deref()
+            .map(|key| vec![(ROUTING_KEY_HEADER, key)])
+            .unwrap_or_default();
+        let response = self
+            .call(
+                Method::POST,
+                "/generate",
+                Some(body),
+                self.config.generate_timeout,
+                &headers,
+            )
+            .await?;
+        let value: Value = serde_json::from_slice(&response.body).map_err(|e| {
+            protocol(format!(
+                "/generate answered non-JSON ({e}): {}",
+                String::from_utf8_lossy(&response.body[..response.body.len().min(200)])
+            ))
+        })?;
+        parse_generate_response(&request, &value, self.config.num_layers)
+    }
+
+    async fn update_weights(
+        &self,
+        weights: &NamedTensors,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        let Some(root) = &self.config.shared_weights_dir else {
+            return Err(miles_core::Error::engine(
+                EngineErrorKind::WeightUpdate,
+                "update_weights over HTTP needs shared_weights_dir (a directory the engine can read)",
+            ));
+        };
+        let dir = root.join(format!("v{}", version.0));
+        std::fs::create_dir_all(&dir).map_err(|e| miles_core::Error::io(&dir, e))?;
+        let file = dir.join("model.safetensors");
+        std::fs::write(&file, weights.to_safetensors_bytes())
+            .map_err(|e| miles_core::Error::io(&file, e))?;
+        self.update_weights_from_disk(&dir, version).await
+    }
+
+    async fn update_weights_from_disk(
+        &self,
+        dir: &Path,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        let body = json!({"model_path": dir.to_string_lossy(), "weight_version": version.to_string(), "flush_cache": true});
+        let response = self
+            .control(Method::POST, "/update_weights_from_disk", Some(body))
+            .await?;
+        let value: Value = response.json().map_err(to_engine_error)?;
+        if value.get("success").and_then(Value::as_bool) != Some(true) {
+            let message = value
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("no message");
+            return Err(miles_core::Error::engine(
+                EngineErrorKind::WeightUpdate,
+                message.to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn pause(&self, mode: PauseMode) -> miles_core::Result<()> {
+        self.control(
+            Method::POST,
+            "/pause_generation",
+            Some(json!({"mode": mode})),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn resume(&self) -> miles_core::Result<()> {
+        self.control(Method::POST, "/continue_generation", Some(json!({})))
+            .await
+            .map(drop)
+    }
+
+    async fn flush_cache(&self) -> miles_core::Result<()> {
+        self.control(Method::GET, "/flush_cache", None)
+            .await
+            .map(drop)
+    }
+
+    async fn abort(&self, request_id: &RequestId) -> miles_core::Result<()> {
+        self.control(
+            Method::POST,
+            "/abort_request",
+            Some(json!({"rid": request_id.0})),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn abort_all(&self) -> miles_core::Result<()> {
+        self.control(
+            Method::POST,
+            "/abort_request",
+            Some(json!({"abort_all": true})),
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn health(&self) -> miles_core::Result<()> {
+        self.control(Method::GET, "/health", None).await.map(drop)
+    }
+
+    async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
+        let response = self
+            .control(Method::GET, "/get_weight_version", None)
+            .await?;
+        let value: Value = response.json().map_err(to_engine_error)?;
+        parse_weight_version(value.get("weight_version"))
+    }
+}

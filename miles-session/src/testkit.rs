@@ -1,0 +1,466 @@
+//! Small but real implementations of the two seams, for tests, benchmarks and trying the
+//! binary without a model: [`ByteChatml`], a byte-level tokenizer (ids 0–255 are bytes, 256–263
+//! the specials) with a ChatML / Qwen3-style template and Qwen3's TITO boundary rule, and
+//! [`ToyEngine`], a deterministic engine that reads the prompt ids and answers with token ids
+//! and log-probs computed from them (a weather tool call for "weather in X", a sentence using a
+//! tool response, an echo otherwise).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::Mutex;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::Error;
+use crate::chat::{ChatTokenizer, ParsedAssistant};
+use miles_core::{
+    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message,
+    NamedTensors, PauseMode, RequestId, Role, RoutedExperts, TokenId, ToolCall, ToolSpec,
+    WeightVersion, async_trait,
+};
+use serde_json::{Map, Value, json};
+
+/// Id of `<|im_start|>`.
+pub const IM_START: TokenId = 256;
+/// Id of `<|im_end|>`.
+pub const IM_END: TokenId = 257;
+/// The special tokens and their ids.
+pub const SPECIALS: [(&str, TokenId); 8] = [
+    ("<|im_start|>", 256),
+    ("<|im_end|>", 257),
+    ("<think>", 258),
+    ("</think>", 259),
+    ("<tool_call>", 260),
+    ("</tool_call>", 261),
+    ("<tool_response>", 262),
+    ("</tool_response>", 263),
+];
+
+/// Bytes are ids 0..=255; the 8 specials above are 256..=263.
+#[derive(Debug, Clone)]
+pub struct ByteChatml {
+    /// Roles that may be appended after a stored assistant turn.
+    pub allowed: Vec<Role>,
+}
+
+impl Default for ByteChatml {
+    fn default() -> Self {
+        Self {
+            allowed: vec![Role::Tool, Role::User, Role::System, Role::Assistant],
+        }
+    }
+}
+
+impl ByteChatml {
+    /// Encodes text: specials matched greedily, every other byte its own id.
+    pub fn encode(&self, text: &str) -> Vec<TokenId> {
+        let bytes = text.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut i = 0;
+        'outer: while i < bytes.len() {
+            if bytes[i] == b'<' {
+                for (s, id) in SPECIALS {
+                    if bytes[i..].starts_with(s.as_bytes()) {
+                        out.push(id);
+                        i += s.len();
+                        continue 'outer;
+                    }
+                }
+            }
+            out.push(bytes[i] as TokenId);
+            i += 1;
+        }
+        out
+    }
+
+    fn call_json(call: &ToolCall) -> String {
+        let args = call.function.arguments.to_object().unwrap_or_default();
+        json!({"name": call.function.name, "arguments": Value::Object(args)}).to_string()
+    }
+
+    /// The template, as text.
+    pub fn render_text(
+        &self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Value>,
+    ) -> String {
+        let mut out = String::new();
+        let mut rest = messages;
+        if !tools.is_empty() {
+            out.push_str("<|im_start|>system\n");
+            if let Some(first) = messages.first().filter(|m| m.role == Role::System) {
+                out.push_str(&first.text());
+                out.push_str("\n\n");
+                rest = &messages[1..];
+            }
+            out.push_str("# Tools\n<tools>");
+            for tool in tools {
+                out.push('\n');
+                out.push_str(&serde_json::to_string(tool).unwrap_or_default());
+            }
+            out.push_str("\n</tools><|im_end|>\n");
+        }
+        for (i, m) in rest.iter().enumerate() {
+            match m.role {
+                Role::System | Role::User => {
+                    out.push_str(&format!(
+                        "<|im_start|>{}\n{}<|im_end|>\n",
+                        m.role.as_str(),
+                        m.text()
+                    ));
+                }
+                Role::Assistant => {
+                    out.push_str("<|im_start|>assistant\n");
+                    if let Some(r) = m.reasoning_content.as_deref() {
+                        out.push_str(&format!("<think>\n{r}\n</think>\n\n"));
+                    }
+                    let content = m.text();
+                    out.push_str(&content);
+                    for (k, call) in m.tool_calls.iter().flatten().enumerate() {
+                        if k > 0 || !content.is_empty() {
+                            out.push('\n');
+                        }
+                        out.push_str(&format!(
+                            "<tool_call>\n{}\n</tool_call>",
+                            Self::call_json(call)
+                        ));
+                    }
+                    out.push_str("<|im_end|>\n");
+                }
+                Role::Tool => {
+                    if i == 0 || rest[i - 1].role != Role::Tool {
+                        out.push_str("<|im_start|>user");
+                    }
+                    out.push_str(&format!(
+                        "\n<tool_response>\n{}\n</tool_response>",
+                        m.text()
+                    ));
+                    if i + 1 == rest.len() || rest[i + 1].role != Role::Tool {
+                        out.push_str("<|im_end|>\n");
+                    }
+                }
+            }
+        }
+        if add_generation_prompt {
+            out.push_str("<|im_start|>assistant\n");
+            if kwargs.get("enable_thinking") == Some(&Value::Bool(false)) {
+                out.push_str("<think>\n\n</think>\n\n");
+            }
+        }
+        out
+    }
+}
+
+impl ChatTokenizer for ByteChatml {
+    fn family(&self) -> &str {
+        "byte_chatml"
+    }
+
+    fn render(
+        &self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Value>,
+    ) -> crate::Result<Vec<TokenId>> {
+        Ok(self.encode(&self.render_text(messages, tools, add_generation_prompt, kwargs)))
+    }
+
+    fn tokenize_additional(
+        &self,
+        old: &[Message],
+        new: &[Message],
+        tools: &[ToolSpec],
+        kwargs: &Map<String, Value>,
+    ) -> crate::Result<Vec<TokenId>> {
+        let mut dummy = Message::assistant("").with_reasoning(" ");
+        dummy.tool_calls = Some(
+            old.last()
+                .and_then(|m| m.tool_calls.clone())
+                .unwrap_or_default(),
+        );
+        let base = vec![Message::system("dummy system"), dummy];
+        let without = self.render_text(&base, tools, false, kwargs);
+        let mut all = base;
+        all.extend_from_slice(&new[old.len()..]);
+        let with = self.render_text(&all, tools, true, kwargs);
+        let suffix = with
+            .strip_prefix(&without)
+            .ok_or_else(|| Error::tokenization("rendered suffix diff failed"))?;
+        Ok(self.encode(suffix))
+    }
+
+    fn parse_assistant(
+        &self,
+        ids: &[TokenId],
+        _tools: &[ToolSpec],
+    ) -> crate::Result<ParsedAssistant> {
+        let text = self.decode(ids);
+        let text = text.strip_suffix("<|im_end|>").unwrap_or(&text);
+        let (reasoning, rest) = match text
+            .strip_prefix("<think>\n")
+            .and_then(|t| t.split_once("\n</think>\n\n"))
+        {
+            Some((r, rest)) => (Some(r.to_owned()), rest),
+            None => (None, text),
+        };
+        let (content, calls_text) = match rest.split_once("<tool_call>") {
+            Some((c, calls)) => (
+                c.strip_suffix('\n').unwrap_or(c),
+                Some(format!("<tool_call>{calls}")),
+            ),
+            None => (rest, None),
+        };
+        let mut tool_calls = Vec::new();
+        if let Some(calls) = calls_text {
+            for part in calls.split("<tool_call>\n").skip(1) {
+                let body = part.trim_start_matches('\n');
+                let Some((json_text, _)) = body.split_once("\n</tool_call>") else {
+                    return Err(Error::upstream(format!("unterminated tool call: {body}")));
+                };
+                let v: Value =
+                    serde_json::from_str(json_text).map_err(|e| Error::upstream(e.to_string()))?;
+                let name = v["name"].as_str().unwrap_or_default().to_owned();
+                let args = v["arguments"].as_object().cloned().unwrap_or_default();
+                let mut call = ToolCall::function("", name, args);
+                call.id = None;
+                tool_calls.push(call);
+            }
+        }
+        Ok(ParsedAssistant {
+            content: content.to_owned(),
+            reasoning_content: reasoning,
+            tool_calls,
+        })
+    }
+
+    fn decode(&self, ids: &[TokenId]) -> String {
+        let mut bytes = Vec::with_capacity(ids.len());
+        for &id in ids {
+            if id < 256 {
+                bytes.push(id as u8);
+            } else if let Some((s, _)) = SPECIALS.iter().find(|(_, i)| *i == id) {
+                bytes.extend_from_slice(s.as_bytes());
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    fn is_special(&self, id: TokenId) -> bool {
+        id >= 256
+    }
+
+    fn allowed_append_roles(&self) -> &[Role] {
+        &self.allowed
+    }
+
+    fn forced_kwargs(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("clear_thinking".into(), json!(false));
+        m
+    }
+
+    fn trailing_token_ids(&self) -> &[TokenId] {
+        &[10]
+    }
+
+    fn assistant_start_str(&self) -> Option<&str> {
+        Some("<|im_start|>assistant")
+    }
+
+    fn stop_token_ids(&self) -> Vec<TokenId> {
+        vec![IM_END]
+    }
+
+    fn fix_prefix_boundary(&self, prefix: &[TokenId]) -> Vec<TokenId> {
+        let mut ids = prefix.to_vec();
+        if ids.last() == Some(&IM_END) {
+            ids.push(10);
+        }
+        ids
+    }
+}
+
+/// The log-prob the toy engine gives token `id` at output position `pos` (exact in binary).
+pub fn toy_logprob(id: TokenId, pos: usize) -> f64 {
+    -(((id as u64 * 31 + pos as u64) % 17) as f64 + 1.0) / 8.0
+}
+
+/// The expert id the toy engine routes row `row`, layer `layer`, slot `k` to.
+pub fn toy_expert(row: usize, layer: usize, k: usize) -> i32 {
+    ((row * 3 + layer * 5 + k) % 8) as i32
+}
+
+/// A deterministic engine speaking token ids: it decodes the prompt, looks at the last block and
+/// answers (tool call for "weather in X", a sentence using a tool response, else an echo).
+pub struct ToyEngine {
+    /// The tokenizer it reads prompts and writes answers with.
+    pub tok: ByteChatml,
+    /// Current weight version (7 at start).
+    pub version: AtomicU64,
+    /// Optional delay before answering.
+    pub delay: Mutex<Option<Duration>>,
+    /// Number of generate calls.
+    pub calls: AtomicUsize,
+    /// The last request seen.
+    pub last_request: Mutex<Option<GenerateRequest>>,
+}
+
+impl ToyEngine {
+    /// A new engine behind an `Arc`.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            tok: ByteChatml::default(),
+            version: AtomicU64::new(7),
+            delay: Mutex::new(None),
+            calls: AtomicUsize::new(0),
+            last_request: Mutex::new(None),
+        })
+    }
+
+    /// The reply text for a prompt (public so tests can state expectations).
+    pub fn reply_for(prompt: &str) -> Result<String, miles_core::Error> {
+        let body = prompt
+            .strip_suffix("<|im_start|>assistant\n")
+            .ok_or_else(|| {
+                miles_core::Error::engine(EngineErrorKind::InvalidRequest, "no generation prompt")
+            })?;
+        let last = body.rsplit("<|im_start|>").next().unwrap_or("");
+        let content = last.split_once('\n').map(|(_, c)| c).unwrap_or("");
+        let content = content.strip_suffix("<|im_end|>\n").unwrap_or(content);
+        if content.contains("FAIL") {
+            return Err(miles_core::Error::engine(
+                EngineErrorKind::Internal,
+                "scripted failure",
+            ));
+        }
+        if let Some((_, resp)) = content.split_once("<tool_response>\n") {
+            let resp = resp.split("\n</tool_response>").next().unwrap_or("");
+            return Ok(format!(
+                "<think>\nThe tool answered.\n</think>\n\nThe weather is {resp}.<|im_end|>"
+            ));
+        }
+        if let Some((_, place)) = content.split_once("weather in ") {
+            let city: String = place.chars().take_while(|c| c.is_alphabetic()).collect();
+            return Ok(format!(
+                "<think>\nI should call the weather tool.\n</think>\n\n<tool_call>\n{}\n</tool_call><|im_end|>",
+                json!({"name": "get_weather", "arguments": {"city": city}})
+            ));
+        }
+        Ok(format!(
+            "<think>\nEchoing.\n</think>\n\nYou said: {content}<|im_end|>"
+        ))
+    }
+}
+
+#[async_trait]
+impl InferenceEngine for ToyEngine {
+    async fn generate(&self, request: GenerateRequest) -> miles_core::Result<GenerateOutput> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        *self
+            .last_request
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(request.clone());
+        let delay = *self
+            .delay
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(d) = delay {
+            tokio::time::sleep(d).await;
+        }
+        let prompt = self.tok.decode(&request.input_ids);
+        let reply = Self::reply_for(&prompt)?;
+        let mut ids = self.tok.encode(&reply);
+        let mut finish = FinishReason::Stop;
+        let mut matched = Some(json!(IM_END));
+        if let Some(max) = request.sampling_params.max_new_tokens
+            && ids.len() > max
+        {
+            ids.truncate(max);
+            finish = FinishReason::Length;
+            matched = None;
+        }
+        let mut log_probs: Vec<f64> = ids
+            .iter()
+            .enumerate()
+            .map(|(p, id)| toy_logprob(*id, p))
+            .collect();
+        if prompt.contains("GARBAGE") {
+            log_probs.pop();
+        }
+        let routed_experts = if request.return_routed_experts {
+            let rows = request.input_ids.len() + ids.len() - 1;
+            let mut data = Vec::with_capacity(rows * 4);
+            for row in 0..rows {
+                for layer in 0..2 {
+                    for k in 0..2 {
+                        data.push(toy_expert(row, layer, k));
+                    }
+                }
+            }
+            Some(RoutedExperts::new(rows, 2, 2, data)?)
+        } else {
+            None
+        };
+        Ok(GenerateOutput {
+            request_id: request.request_id.clone(),
+            output_ids: ids,
+            output_log_probs: log_probs,
+            routed_experts,
+            finish_reason: finish,
+            matched_stop: matched,
+            weight_version: WeightVersion(self.version.load(Ordering::SeqCst)),
+            prompt_tokens: request.input_ids.len(),
+            cached_tokens: 0,
+        })
+    }
+
+    async fn update_weights(
+        &self,
+        _weights: &NamedTensors,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        self.version.store(version.0, Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn update_weights_from_disk(
+        &self,
+        _dir: &Path,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        self.version.store(version.0, Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn pause(&self, _mode: PauseMode) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn resume(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn flush_cache(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn abort(&self, _request_id: &RequestId) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn abort_all(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn health(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
+        Ok(WeightVersion(self.version.load(Ordering::SeqCst)))
+    }
+}

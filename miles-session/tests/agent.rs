@@ -1,0 +1,218 @@
+//! The agent driver against a real session server on loopback; agents talk to it with a real
+//! HTTP client in the OpenAI chat-completions shape.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{ByteChatml, ToyEngine, serve, weather_tool};
+use miles_core::{Message, Prompt, Sample, SampleStatus, SamplingParams, async_trait};
+use miles_session::agent::{Agent, AgentContext, AgentDriverConfig, generate, request_kwargs};
+use miles_session::http::HttpClient;
+use miles_session::server::{SessionServer, SessionServerConfig};
+use serde_json::{Map, Value, json};
+
+/// Calls the weather tool until the model answers in text.
+struct WeatherAgent {
+    fail_after_first_turn: bool,
+}
+
+#[async_trait]
+impl Agent for WeatherAgent {
+    async fn run(&self, ctx: AgentContext) -> Result<Map<String, Value>, String> {
+        let http = HttpClient::new(Duration::from_secs(10));
+        let mut messages: Vec<Value> = ctx
+            .prompt
+            .iter()
+            .map(|m| serde_json::to_value(m).unwrap())
+            .collect();
+        let mut turns = 0;
+        loop {
+            let mut body = json!({"model": "toy", "messages": messages, "tools": [weather_tool()]});
+            for (k, v) in &ctx.request_kwargs {
+                body[k] = v.clone();
+            }
+            let r = http
+                .post_json(&format!("{}/v1/chat/completions", ctx.base_url), &body, &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            if r.status != 200 {
+                return Err(format!("chat answered {}: {}", r.status, r.text()));
+            }
+            turns += 1;
+            if self.fail_after_first_turn {
+                return Err("tool crashed".into());
+            }
+            let v: Value = r.json().map_err(|e| e.to_string())?;
+            let message = v["choices"][0]["message"].clone();
+            messages.push(message.clone());
+            let Some(calls) = message["tool_calls"].as_array() else {
+                break;
+            };
+            for call in calls {
+                messages
+                    .push(json!({"role": "tool", "tool_call_id": call["id"], "content": "sunny"}));
+            }
+        }
+        let mut meta = Map::new();
+        meta.insert("turns".into(), json!(turns));
+        meta.insert("agent_metrics".into(), json!({"total_tool_time": 0.25}));
+        Ok(meta)
+    }
+}
+
+struct SleepyAgent;
+
+#[async_trait]
+impl Agent for SleepyAgent {
+    async fn run(&self, _ctx: AgentContext) -> Result<Map<String, Value>, String> {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        Ok(Map::new())
+    }
+}
+
+struct IdleAgent;
+
+#[async_trait]
+impl Agent for IdleAgent {
+    async fn run(&self, ctx: AgentContext) -> Result<Map<String, Value>, String> {
+        assert!(ctx.base_url.contains("/sessions/"));
+        Ok(Map::new())
+    }
+}
+
+async fn setup() -> (String, SessionServer) {
+    let server = SessionServer::new(
+        ToyEngine::new(),
+        Arc::new(ByteChatml::default()),
+        SessionServerConfig::default(),
+    );
+    (serve(server.router()).await, server)
+}
+
+fn input_sample() -> Sample {
+    let mut s = Sample::builder(Prompt::Messages(vec![
+        Message::system("You are helpful."),
+        Message::user("What is the weather in Lyon?"),
+    ]))
+    .ids(3, 12)
+    .label("sunny")
+    .build()
+    .unwrap();
+    s.metadata.insert("task".into(), json!("weather"));
+    s
+}
+
+#[tokio::test]
+async fn agent_conversation_becomes_one_merged_sample() {
+    let (url, server) = setup().await;
+    let http = HttpClient::new(Duration::from_secs(10));
+    let params = SamplingParams {
+        max_new_tokens: Some(200),
+        sampling_seed: Some(5),
+        ..SamplingParams::default()
+    };
+    let config = AgentDriverConfig::new(&url);
+    let agent = WeatherAgent {
+        fail_after_first_turn: false,
+    };
+    let out = generate(&agent, &input_sample(), &params, &config, &http).await;
+    assert_eq!(
+        out.status,
+        SampleStatus::Completed,
+        "{:?}",
+        out.metadata.get("abort_reason")
+    );
+    assert_eq!(
+        (out.group_index, out.index, out.label.as_deref()),
+        (Some(3), Some(12), Some("sunny"))
+    );
+    assert_eq!(out.metadata["task"], json!("weather"));
+    assert_eq!(out.metadata["turns"], json!(2));
+    assert_eq!(out.non_generation_time, 0.25);
+    assert_eq!(out.weight_versions, vec!["7", "7"]);
+    let acc: Vec<u32> =
+        serde_json::from_value(out.metadata["accumulated_token_ids"].clone()).unwrap();
+    assert_eq!(out.tokens, acc);
+    assert!(
+        out.response.ends_with("The weather is sunny.<|im_end|>"),
+        "{}",
+        out.response
+    );
+    let mask = out.loss_mask.clone().unwrap();
+    assert_eq!(mask.len(), out.response_length);
+    assert_eq!((mask[0], *mask.last().unwrap()), (1, 1));
+    assert!(mask.contains(&0), "tool observation is masked");
+    assert_eq!(server.sessions_open(), 0, "session deleted");
+}
+
+#[tokio::test]
+async fn failures_become_aborted_samples_and_sessions_are_deleted() {
+    let (url, server) = setup().await;
+    let http = HttpClient::new(Duration::from_secs(10));
+    let params = SamplingParams::default();
+    let mut config = AgentDriverConfig::new(&url);
+    config.agent_timeout = Some(Duration::from_millis(200));
+    let input = input_sample();
+
+    let failing = WeatherAgent {
+        fail_after_first_turn: true,
+    };
+    let out = generate(&failing, &input, &params, &config, &http).await;
+    assert_eq!(out.status, SampleStatus::Aborted);
+    assert!(
+        out.metadata["abort_reason"]
+            .as_str()
+            .unwrap()
+            .contains("tool crashed")
+    );
+    assert_eq!(out.tokens, input.tokens);
+
+    let out = generate(&SleepyAgent, &input, &params, &config, &http).await;
+    assert_eq!(out.status, SampleStatus::Aborted);
+    assert!(
+        out.metadata["abort_reason"]
+            .as_str()
+            .unwrap()
+            .contains("timed out")
+    );
+
+    let out = generate(&IdleAgent, &input, &params, &config, &http).await;
+    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(out.metadata["abort_reason"], json!("empty session"));
+    assert_eq!(server.sessions_open(), 0);
+
+    // Miles' behaviour on request: a failed agent's recorded turns are still trained on.
+    config.abort_on_agent_error = false;
+    let out = generate(&failing, &input, &params, &config, &http).await;
+    assert_eq!(out.status, SampleStatus::Completed);
+    assert!(out.response_length > 0);
+
+    // Unreachable server.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let dead = AgentDriverConfig::new(format!("http://127.0.0.1:{port}"));
+    let out = generate(&IdleAgent, &input, &params, &dead, &http).await;
+    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(server.sessions_open(), 0);
+}
+
+#[test]
+fn sampling_params_are_renamed_for_chat_requests() {
+    let params = SamplingParams {
+        max_new_tokens: Some(32),
+        min_new_tokens: 2,
+        sampling_seed: Some(9),
+        stop: vec!["END".into()],
+        ..SamplingParams::default()
+    };
+    let kw = request_kwargs(&params);
+    assert_eq!(kw["max_tokens"], json!(32));
+    assert_eq!(kw["min_tokens"], json!(2));
+    assert_eq!(kw["seed"], json!(9));
+    assert_eq!(kw["stop"], json!(["END"]));
+    assert_eq!(kw["temperature"], json!(1.0));
+    assert!(!kw.contains_key("max_new_tokens") && !kw.contains_key("frequency_penalty"));
+}

@@ -1,0 +1,26 @@
+//! Test helpers: the testkit seams plus a loopback server helper.
+#![allow(dead_code)]
+
+pub use miles_session::testkit::*;
+
+use miles_core::ToolSpec;
+use serde_json::json;
+
+/// Serves `router` on 127.0.0.1 (ephemeral port); returns the base URL.
+pub async fn serve(router: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    format!("http://{addr}")
+}
+
+/// A weather tool spec.
+pub fn weather_tool() -> ToolSpec {
+    ToolSpec::function(
+        "get_weather",
+        "Weather of a city",
+        json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+    )
+}
