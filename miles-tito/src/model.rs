@@ -68,6 +68,12 @@ impl HfChat {
     /// rendering then fails with [`Error::NoChatTemplate`].
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_owned();
+        if !dir.is_dir() {
+            return Err(Error::Io {
+                path: dir,
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
+            });
+        }
         let config_path = dir.join("tokenizer_config.json");
         let config: Map<String, Json> = if config_path.exists() {
             match serde_json::from_str(&read_text(&config_path)?) {

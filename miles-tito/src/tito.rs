@@ -188,6 +188,12 @@ impl TitoFamily {
         }
     }
 
+    /// Merges the family's forced kwargs into `kwargs`; a caller value that differs from a
+    /// forced one is [`Error::KwargConflict`].
+    pub fn merge_kwargs(self, kwargs: Map<String, Json>) -> Result<Map<String, Json>> {
+        merge_forced(self, kwargs)
+    }
+
     /// Texts whose ids form `trailing_token_ids` (where the model may stop, stripped by the
     /// verifier and comparator).
     fn trailing_token_texts(self) -> &'static [&'static str] {
@@ -560,6 +566,64 @@ impl TitoTokenizer {
         let mut out = self.fix_boundary(prefix_ids);
         out.extend(incremental);
         Ok(out)
+    }
+}
+
+impl TitoTokenizer {
+    /// The ids the model would have generated for the assistant message `messages[index]`:
+    /// the text its render adds after the generation prompt of `messages[..index]`, encoded,
+    /// with trailing `trailing_token_ids` (where the model stops) removed.
+    pub fn assistant_output_ids(
+        &self,
+        messages: &[Message],
+        index: usize,
+        tools: Option<&[Json]>,
+    ) -> Result<Vec<u32>> {
+        let prompt = self.render(&messages[..index], tools, true)?;
+        let full = self.render(&messages[..=index], tools, false)?;
+        let Some(output) = full.strip_prefix(&prompt) else {
+            return Err(Error::SuffixDiff {
+                roles: vec![Role::Assistant.as_str().to_owned()],
+            });
+        };
+        let mut ids = self.encode(output)?;
+        while ids.last().is_some_and(|id| self.trailing_ids.contains(id)) {
+            ids.pop();
+        }
+        Ok(ids)
+    }
+
+    /// Replays a conversation through a simulated session: every assistant message is taken
+    /// as model output ([`TitoTokenizer::assistant_output_ids`]); the first prompt is a full
+    /// render of the messages before it, each later prompt is
+    /// [`TitoTokenizer::merge_tokens`] over the stored ids. Messages after the last assistant
+    /// message are not used.
+    pub fn replay_conversation(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+    ) -> Result<crate::TokenTrajectory> {
+        let mut trajectory = crate::TokenTrajectory::new(self.max_trim_tokens());
+        let mut stored_end = 0usize;
+        for (index, message) in messages.iter().enumerate() {
+            if message.role != Role::Assistant {
+                continue;
+            }
+            let prompt = if trajectory.num_turns() == 0 {
+                self.apply_chat_template(&messages[..index], tools, true)?
+            } else {
+                self.merge_tokens(
+                    &messages[..stored_end],
+                    &messages[..index],
+                    trajectory.ids(),
+                    tools,
+                )?
+            };
+            let output = self.assistant_output_ids(messages, index, tools)?;
+            trajectory.extend(&prompt, &output)?;
+            stored_end = index + 1;
+        }
+        Ok(trajectory)
     }
 }
 
