@@ -276,7 +276,11 @@ pub struct ToolSpec {
 
 impl ToolSpec {
     /// A function tool with a description and a JSON-schema `parameters` object.
-    pub fn function(name: impl Into<String>, description: impl Into<String>, parameters: Value) -> Self {
+    pub fn function(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        parameters: Value,
+    ) -> Self {
         Self {
             kind: function_type(),
             function: FunctionSpec {
@@ -332,7 +336,10 @@ mod tests {
         // Null content is dropped, as HF transformers does before rendering.
         let back = message.to_template_value();
         assert!(back.get("content").is_none());
-        assert_eq!(back["tool_calls"][0]["function"]["arguments"], json!("{\"city\": \"Paris\"}"));
+        assert_eq!(
+            back["tool_calls"][0]["function"]["arguments"],
+            json!("{\"city\": \"Paris\"}")
+        );
     }
 
     #[test]
@@ -341,7 +348,10 @@ mod tests {
         args.insert("x".into(), json!(1));
         args.insert("y".into(), json!("é"));
         let call = ToolCall::function("c", "f", args);
-        assert_eq!(call.function.arguments.to_json_string(), r#"{"x":1,"y":"é"}"#);
+        assert_eq!(
+            call.function.arguments.to_json_string(),
+            r#"{"x":1,"y":"é"}"#
+        );
         let value = serde_json::to_value(&call).unwrap();
         assert_eq!(value["type"], json!("function"));
         assert_eq!(value["function"]["arguments"], json!({"x": 1, "y": "é"}));
@@ -353,7 +363,10 @@ mod tests {
         assert!(matches!(args.to_object(), Err(Error::Parse { .. })));
         let broken = ToolArguments::Json("{not json".into());
         assert!(matches!(broken.to_object(), Err(Error::Json(_))));
-        assert_eq!(ToolArguments::Json("  ".into()).to_object().unwrap(), Map::new());
+        assert_eq!(
+            ToolArguments::Json("  ".into()).to_object().unwrap(),
+            Map::new()
+        );
     }
 
     #[test]
