@@ -12,7 +12,7 @@ use miles_bridge::{
     BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput, TensorMap,
     ids_tensor, names::internal_to_hf, token_logprobs,
 };
-use miles_r3::Fallthrough;
+use miles_r3::{Fallthrough, MoeLayerInfo, R3Error, RouterHook};
 use safetensors::SafeTensors;
 
 fn fixture() -> PathBuf {
@@ -367,4 +367,58 @@ fn import_errors_name_the_tensor() {
         Err(BridgeError::ShapeMismatch { name, expected, got })
             if name == "model.norm.weight" && expected == vec![64] && got == vec![63]
     ));
+}
+
+/// A hook that routes every token to experts 6 and 1, whatever the scores say.
+struct Forced;
+
+impl RouterHook for Forced {
+    fn select_experts(
+        &self,
+        layer: &MoeLayerInfo,
+        scores: Tensor<2>,
+    ) -> Result<Tensor<2, Int>, R3Error> {
+        let tokens = scores.dims()[0];
+        let ids: Vec<i32> = (0..tokens).flat_map(|_| [6, 1]).collect();
+        assert_eq!(layer.top_k, 2);
+        Ok(Tensor::from_data(
+            TensorData::new(ids, [tokens, 2]),
+            &scores.device(),
+        ))
+    }
+}
+
+#[test]
+fn hook_chooses_experts_and_weights_come_from_router_scores() {
+    let device = Device::flex();
+    let model = load(&device);
+    let ids = ids_tensor(&inputs(), &device).unwrap();
+    let out = model.forward(&ModelInput::new(ids), &Forced).unwrap();
+    let reference_out = reference("reference_outputs.safetensors");
+    // Layer 1 is the first MoE layer, so its router input (and logits) do not depend on the hook.
+    let routing = &out.routing[0];
+    assert_eq!(routing.layer_index, 1);
+    let experts = routing
+        .experts
+        .clone()
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .unwrap();
+    assert!(experts.chunks(2).all(|r| r == [6, 1]));
+    let weights = routing
+        .weights
+        .clone()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
+    let logits = &reference_out["layer1.router_logits"].1;
+    for (t, w) in weights.chunks(2).enumerate() {
+        let s = |e: usize| 1.0 / (1.0 + (-logits[t * 8 + e]).exp());
+        let (s6, s1) = (s(6), s(1));
+        let want = [2.5 * s6 / (s6 + s1), 2.5 * s1 / (s6 + s1)];
+        for (g, w) in w.iter().zip(want) {
+            assert!((*g as f64 - w).abs() <= 1e-5, "token {t}: {g} vs {w}");
+        }
+    }
 }
