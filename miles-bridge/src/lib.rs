@@ -1,1 +1,59 @@
-//! miles-bridge (skeleton).
+//! miles-bridge: the model layer of miles-rs.
+//!
+//! This crate owns the architectures RL users post-train, written once in burn and shared by
+//! the trainer and the embedded inference engine, and the bridges to HF checkpoints:
+//!
+//! - [`CausalLm`], one burn model for every [`Architecture`], keyed by HF `model_type`:
+//!   `glm4_moe` (GLM-4.5 / 4.6 / 4.7 MoE: sigmoid routing with `e_score_correction_bias`,
+//!   group-limited top-k, shared experts, dense first layers, partial RoPE), `qwen3` (qk-norm),
+//!   `qwen3_moe` (softmax routing) and `llama` (Llama-3 RoPE scaling), configured by
+//!   [`ModelConfig`] read from HF `config.json` (transformers-5 `rope_parameters` layout and the
+//!   older top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` layout);
+//! - one forward for training (padded or packed batches, per-token positions, routed expert
+//!   table per MoE layer) and inference ([`KvCache`] prefill + decode); every MoE layer asks a
+//!   [`miles_r3::RouterHook`] for its experts, so routing can be recorded or replayed;
+//! - import of HF safetensors (single file or sharded, f32 / bf16 / f16) and export to
+//!   HF-named safetensors in a chosen dtype, through one declarative name table
+//!   ([`names`]) that stacks / splits per-expert tensors;
+//! - typed errors ([`BridgeError`]) naming the offending tensor or field.
+//!
+//! Parameters keep their HF names and HF `[out, in]` layouts, so export is the identity on
+//! bytes for f32 checkpoints.
+//!
+//! ```
+//! use burn::tensor::Device;
+//! use miles_bridge::{CausalLm, ModelConfig, ModelInput, ids_tensor, token_logprobs};
+//! use miles_r3::Fallthrough;
+//!
+//! let config = ModelConfig::from_hf_json(r#"{
+//!     "model_type": "glm4_moe", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+//!     "moe_intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+//!     "num_key_value_heads": 1, "head_dim": 8, "n_routed_experts": 4,
+//!     "num_experts_per_tok": 2, "rope_theta": 10000.0, "partial_rotary_factor": 0.5
+//! }"#).unwrap();
+//! let device = Device::flex();
+//! let model = CausalLm::init(&config, &device).unwrap();
+//! let ids = ids_tensor(&[vec![1, 5, 7, 2]], &device).unwrap();
+//! let out = model.forward(&ModelInput::new(ids.clone()), &Fallthrough).unwrap();
+//! assert_eq!(out.logits.dims(), [1, 4, 32]);
+//! assert_eq!(out.routing.len(), 1); // layer 0 is dense, layer 1 is MoE
+//! assert_eq!(out.routing[0].experts.dims(), [4, 2]);
+//! let lp = token_logprobs(out.logits, ids);
+//! assert_eq!(lp.dims(), [1, 3]);
+//! ```
+
+pub mod checkpoint;
+mod config;
+mod error;
+mod model;
+pub mod names;
+pub mod nn;
+pub mod parallel;
+
+pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
+pub use config::{Architecture, Llama3RopeScaling, ModelConfig, RouterKind};
+pub use error::BridgeError;
+pub use model::{
+    CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, KvCache, ModelInput, ModelOutput,
+    MoeBlock, MoeRouting, TopkRouter, ids_tensor, token_logprobs,
+};

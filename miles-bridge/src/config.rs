@@ -1,0 +1,587 @@
+//! [`ModelConfig`]: the hyper-parameters of every supported architecture, read from HF
+//! `config.json` and keyed by its `model_type` ([`Architecture`]).
+
+use std::path::Path;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::BridgeError;
+
+/// The architectures this crate implements, keyed by HF `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    /// `glm4_moe`: GLM-4.5 / 4.6 / 4.7 MoE (sigmoid, group-limited routing, shared experts).
+    Glm4Moe,
+    /// `qwen3`: dense Qwen3 (qk-norm).
+    Qwen3,
+    /// `qwen3_moe`: Qwen3 MoE (softmax routing).
+    Qwen3Moe,
+    /// `llama`: Llama 2 / 3 (Llama-3 RoPE scaling).
+    Llama,
+}
+
+impl Architecture {
+    /// Every architecture, in registry order.
+    pub const ALL: [Architecture; 4] = [Self::Glm4Moe, Self::Qwen3, Self::Qwen3Moe, Self::Llama];
+
+    /// The HF `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Glm4Moe => "glm4_moe",
+            Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Llama => "llama",
+        }
+    }
+
+    /// The HF model class name.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Self::Glm4Moe => "Glm4MoeForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::Llama => "LlamaForCausalLM",
+        }
+    }
+
+    /// Looks an architecture up by HF `model_type`.
+    pub fn from_model_type(model_type: &str) -> Result<Self, BridgeError> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.model_type() == model_type)
+            .ok_or_else(|| BridgeError::UnsupportedArchitecture {
+                model_type: model_type.to_string(),
+            })
+    }
+}
+
+/// How an MoE layer scores its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterKind {
+    /// GLM-4-MoE / DeepSeek-V3: sigmoid scores, `e_score_correction_bias` for selection only,
+    /// group-limited top-k.
+    SigmoidGrouped,
+    /// Qwen3-MoE / Mixtral: softmax probabilities, plain top-k.
+    Softmax,
+}
+
+/// Llama-3 RoPE frequency scaling (`rope_type = "llama3"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    /// `factor`.
+    pub factor: f64,
+    /// `low_freq_factor`.
+    pub low_freq_factor: f64,
+    /// `high_freq_factor`.
+    pub high_freq_factor: f64,
+    /// `original_max_position_embeddings`.
+    pub original_max_position_embeddings: f64,
+}
+
+/// Hyper-parameters of a decoder-only model of any supported [`Architecture`].
+///
+/// Field names are the HF ones (`n_routed_experts` also holds Qwen3-MoE's `num_experts`).
+/// Build it with [`ModelConfig::from_hf_json`], which dispatches on `model_type` (for
+/// `glm4_moe` both the transformers-5 layout with `rope_parameters` and the older top-level
+/// `rope_theta` / `partial_rotary_factor` layout are accepted), or by hand, then call
+/// [`ModelConfig::validate`] (done by `init` / the loaders).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Which architecture (HF `model_type`).
+    pub architecture: Architecture,
+    /// How MoE layers route (ignored by dense models).
+    pub router: RouterKind,
+    /// Llama-3 RoPE scaling, if any.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Qwen3-MoE: every `decoder_sparse_step`-th layer is MoE.
+    pub decoder_sparse_step: usize,
+    /// Qwen3-MoE: layers that stay dense.
+    pub mlp_only_layers: Vec<usize>,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Intermediate size of the dense MLP layers (`first_k_dense_replace` first layers).
+    pub intermediate_size: usize,
+    /// Intermediate size of one routed (and one shared) expert.
+    pub moe_intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key / value heads (grouped-query attention).
+    pub num_key_value_heads: usize,
+    /// Width of one attention head.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Fraction of each head's channels that is rotated (GLM: 0.5).
+    pub partial_rotary_factor: f64,
+    /// Whether q/k/v projections have a bias.
+    pub attention_bias: bool,
+    /// Whether q and k are RMS-normalised per head before RoPE.
+    pub use_qk_norm: bool,
+    /// Number of routed experts.
+    pub n_routed_experts: usize,
+    /// Number of shared experts (their widths are concatenated into one MLP).
+    pub n_shared_experts: usize,
+    /// Experts per token.
+    pub num_experts_per_tok: usize,
+    /// Number of expert groups for group-limited routing.
+    pub n_group: usize,
+    /// Number of groups kept per token.
+    pub topk_group: usize,
+    /// Whether the chosen gate weights are renormalised to sum to one.
+    pub norm_topk_prob: bool,
+    /// Factor applied to the routed experts' gate weights.
+    pub routed_scaling_factor: f64,
+    /// The first `first_k_dense_replace` layers use a dense MLP instead of the MoE.
+    pub first_k_dense_replace: usize,
+    /// Whether `lm_head` shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Longest position the model was trained for (informational).
+    pub max_position_embeddings: usize,
+    /// Standard deviation of the random initialisation used by `init`.
+    pub initializer_range: f64,
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    #[serde(default)]
+    moe_intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    #[serde(default = "default_eps")]
+    rms_norm_eps: f64,
+    rope_theta: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+    rope_parameters: Option<Value>,
+    rope_scaling: Option<Value>,
+    attention_bias: Option<bool>,
+    #[serde(default)]
+    mlp_bias: bool,
+    #[serde(default)]
+    use_qk_norm: bool,
+    n_routed_experts: Option<usize>,
+    #[serde(alias = "num_local_experts")]
+    num_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: usize,
+    #[serde(default = "one")]
+    n_group: usize,
+    #[serde(default = "one")]
+    topk_group: usize,
+    norm_topk_prob: Option<bool>,
+    #[serde(default = "unit")]
+    routed_scaling_factor: f64,
+    #[serde(default = "one")]
+    first_k_dense_replace: usize,
+    #[serde(default = "one")]
+    decoder_sparse_step: usize,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default = "default_max_pos")]
+    max_position_embeddings: usize,
+    #[serde(default = "default_init")]
+    initializer_range: f64,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+fn one() -> usize {
+    1
+}
+fn unit() -> f64 {
+    1.0
+}
+fn default_max_pos() -> usize {
+    131_072
+}
+fn default_init() -> f64 {
+    0.02
+}
+
+/// Reads `key` of a `rope_parameters` / `rope_scaling` object as f64.
+fn rope_field(obj: Option<&Value>, key: &str) -> Option<f64> {
+    obj.and_then(|v| v.get(key)).and_then(Value::as_f64)
+}
+
+/// The RoPE variant named by a `rope_parameters` / `rope_scaling` object.
+fn rope_type(obj: Option<&Value>) -> &str {
+    obj.and_then(|o| o.get("rope_type").or_else(|| o.get("type")))
+        .and_then(Value::as_str)
+        .unwrap_or("default")
+}
+
+fn llama3_scaling(obj: &Value, field: &str) -> Result<Llama3RopeScaling, BridgeError> {
+    let get = |key: &str| {
+        rope_field(Some(obj), key)
+            .ok_or_else(|| BridgeError::config(field, format!("llama3 scaling needs `{key}`")))
+    };
+    Ok(Llama3RopeScaling {
+        factor: get("factor")?,
+        low_freq_factor: get("low_freq_factor")?,
+        high_freq_factor: get("high_freq_factor")?,
+        original_max_position_embeddings: get("original_max_position_embeddings")?,
+    })
+}
+
+impl ModelConfig {
+    /// Parses an HF `config.json` text, choosing the architecture by `model_type`
+    /// (default `glm4_moe` when absent), and validates it.
+    pub fn from_hf_json(text: &str) -> Result<Self, BridgeError> {
+        let raw: RawConfig = serde_json::from_str(text)
+            .map_err(|e| BridgeError::config("config.json", e.to_string()))?;
+        let architecture =
+            Architecture::from_model_type(raw.model_type.as_deref().unwrap_or("glm4_moe"))?;
+        // transformers 5 keeps RoPE settings in `rope_parameters`; older checkpoints (and real
+        // GLM-4.5 files) keep `rope_theta` / `partial_rotary_factor` at the top level and the
+        // scaling in `rope_scaling`.
+        let params = raw.rope_parameters.as_ref().filter(|v| !v.is_null());
+        let scaling = raw.rope_scaling.as_ref().filter(|v| !v.is_null());
+        let mut rope_scaling = None;
+        for (field, obj) in [("rope_parameters", params), ("rope_scaling", scaling)] {
+            match (rope_type(obj), architecture) {
+                ("default", _) => {}
+                ("llama3", Architecture::Llama) => {
+                    rope_scaling = obj.map(|o| llama3_scaling(o, field)).transpose()?;
+                }
+                (kind, _) => {
+                    return Err(BridgeError::config(
+                        field,
+                        format!(
+                            "rope_type `{kind}` is not supported for {}",
+                            architecture.model_type()
+                        ),
+                    ));
+                }
+            }
+        }
+        let default_theta = match architecture {
+            Architecture::Qwen3 | Architecture::Qwen3Moe => 1_000_000.0,
+            _ => 10_000.0,
+        };
+        let rope_theta = rope_field(params, "rope_theta")
+            .or(raw.rope_theta)
+            .unwrap_or(default_theta);
+        let default_partial = if architecture == Architecture::Glm4Moe {
+            0.5
+        } else {
+            1.0
+        };
+        let partial_rotary_factor = rope_field(params, "partial_rotary_factor")
+            .or(raw.partial_rotary_factor)
+            .unwrap_or(default_partial);
+        let head_dim = raw
+            .head_dim
+            .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
+        if raw.mlp_bias {
+            return Err(BridgeError::config(
+                "mlp_bias",
+                "MLP biases are not supported",
+            ));
+        }
+        let (router, n_routed_experts, n_shared_experts, norm_default) = match architecture {
+            Architecture::Glm4Moe => (
+                RouterKind::SigmoidGrouped,
+                raw.n_routed_experts.unwrap_or(0),
+                raw.n_shared_experts.unwrap_or(1),
+                true,
+            ),
+            Architecture::Qwen3Moe => (RouterKind::Softmax, raw.num_experts.unwrap_or(0), 0, false),
+            Architecture::Qwen3 | Architecture::Llama => (RouterKind::Softmax, 0, 0, false),
+        };
+        let config = Self {
+            architecture,
+            router,
+            rope_scaling,
+            decoder_sparse_step: raw.decoder_sparse_step,
+            mlp_only_layers: raw.mlp_only_layers,
+            vocab_size: raw.vocab_size,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            moe_intermediate_size: raw.moe_intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: raw.num_attention_heads,
+            num_key_value_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
+            head_dim,
+            rms_norm_eps: raw.rms_norm_eps,
+            rope_theta,
+            partial_rotary_factor,
+            attention_bias: raw.attention_bias.unwrap_or(false),
+            use_qk_norm: raw.use_qk_norm
+                || architecture == Architecture::Qwen3
+                || architecture == Architecture::Qwen3Moe,
+            n_routed_experts,
+            n_shared_experts,
+            num_experts_per_tok: raw.num_experts_per_tok,
+            n_group: raw.n_group,
+            topk_group: raw.topk_group,
+            norm_topk_prob: raw.norm_topk_prob.unwrap_or(norm_default),
+            routed_scaling_factor: raw.routed_scaling_factor,
+            first_k_dense_replace: raw.first_k_dense_replace,
+            tie_word_embeddings: raw.tie_word_embeddings,
+            max_position_embeddings: raw.max_position_embeddings,
+            initializer_range: raw.initializer_range,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// RoPE inverse frequencies (`rotary_dim / 2` of them), in f32 as transformers computes
+    /// them, with Llama-3 scaling applied when configured.
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let dim = self.rotary_dim();
+        let base: Vec<f32> = (0..dim / 2)
+            .map(|i| 1.0 / (self.rope_theta as f32).powf((2 * i) as f32 / dim as f32))
+            .collect();
+        let Some(s) = self.rope_scaling else {
+            return base;
+        };
+        let (factor, low, high) = (
+            s.factor as f32,
+            s.low_freq_factor as f32,
+            s.high_freq_factor as f32,
+        );
+        let old = s.original_max_position_embeddings as f32;
+        let (low_wavelen, high_wavelen) = (old / low, old / high);
+        base.into_iter()
+            .map(|f| {
+                let wavelen = 2.0 * std::f32::consts::PI / f;
+                if wavelen < high_wavelen {
+                    f
+                } else if wavelen > low_wavelen {
+                    f / factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * f / factor + smooth * f
+                }
+            })
+            .collect()
+    }
+
+    /// Reads and parses `path` (a `config.json`).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, BridgeError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| BridgeError::io(path, e))?;
+        Self::from_hf_json(&text)
+    }
+
+    /// Number of channels of each head that RoPE rotates.
+    pub fn rotary_dim(&self) -> usize {
+        (self.head_dim as f64 * self.partial_rotary_factor) as usize
+    }
+
+    /// Whether layer `layer` is an MoE layer (else a dense MLP).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        match self.architecture {
+            Architecture::Glm4Moe => layer >= self.first_k_dense_replace,
+            Architecture::Qwen3Moe => {
+                self.n_routed_experts > 0
+                    && !self.mlp_only_layers.contains(&layer)
+                    && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+            }
+            Architecture::Qwen3 | Architecture::Llama => false,
+        }
+    }
+
+    /// Whether any layer is an MoE layer.
+    pub fn has_moe(&self) -> bool {
+        (0..self.num_hidden_layers).any(|l| self.is_moe_layer(l))
+    }
+
+    /// Checks internal consistency.
+    pub fn validate(&self) -> Result<(), BridgeError> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+        ];
+        let moe = [
+            ("n_group", self.n_group),
+            ("topk_group", self.topk_group),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("n_routed_experts", self.n_routed_experts),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+        ];
+        let has_moe = self.has_moe();
+        for (field, value) in positive
+            .into_iter()
+            .chain(moe.into_iter().filter(|_| has_moe))
+        {
+            if value == 0 {
+                return Err(BridgeError::config(field, "must be positive"));
+            }
+        }
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
+            return Err(BridgeError::config(
+                "num_key_value_heads",
+                "must divide num_attention_heads",
+            ));
+        }
+        let rotary = self.rotary_dim();
+        if !(0.0..=1.0).contains(&self.partial_rotary_factor) || !rotary.is_multiple_of(2) {
+            return Err(BridgeError::config(
+                "partial_rotary_factor",
+                format!("head_dim * factor = {rotary} must be an even channel count"),
+            ));
+        }
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+            return Err(BridgeError::config("rms_norm_eps", "must be positive"));
+        }
+        if !has_moe {
+            return Ok(());
+        }
+        if !self.n_routed_experts.is_multiple_of(self.n_group) {
+            return Err(BridgeError::config(
+                "n_group",
+                "must divide n_routed_experts",
+            ));
+        }
+        if self.topk_group > self.n_group {
+            return Err(BridgeError::config("topk_group", "must be at most n_group"));
+        }
+        if self.n_group > 1 && self.n_routed_experts / self.n_group < 2 {
+            return Err(BridgeError::config(
+                "n_group",
+                "groups need at least two experts",
+            ));
+        }
+        let kept = self.topk_group * self.n_routed_experts / self.n_group;
+        if self.num_experts_per_tok > kept {
+            return Err(BridgeError::config(
+                "num_experts_per_tok",
+                format!("must be at most the {kept} experts of the kept groups"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The config as HF `config.json` (transformers-5 layout), for export.
+    pub fn to_hf_json(&self) -> Value {
+        let mut rope = serde_json::json!({
+            "rope_type": "default",
+            "rope_theta": self.rope_theta,
+            "partial_rotary_factor": self.partial_rotary_factor,
+        });
+        if let Some(s) = self.rope_scaling {
+            rope["rope_type"] = "llama3".into();
+            rope["factor"] = s.factor.into();
+            rope["low_freq_factor"] = s.low_freq_factor.into();
+            rope["high_freq_factor"] = s.high_freq_factor.into();
+            rope["original_max_position_embeddings"] = s.original_max_position_embeddings.into();
+        }
+        let mut json = serde_json::json!({
+            "architectures": [self.architecture.hf_class()],
+            "model_type": self.architecture.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "attention_bias": self.attention_bias,
+            "use_qk_norm": self.use_qk_norm,
+            "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": self.n_shared_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "hidden_act": "silu",
+        });
+        if self.architecture == Architecture::Qwen3Moe {
+            json["num_experts"] = self.n_routed_experts.into();
+            json["decoder_sparse_step"] = self.decoder_sparse_step.into();
+            json["mlp_only_layers"] = serde_json::json!(self.mlp_only_layers);
+        }
+        json
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V5: &str = r#"{"model_type":"glm4_moe","vocab_size":512,"hidden_size":64,
+        "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":3,
+        "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"n_routed_experts":8,
+        "num_experts_per_tok":2,"rope_parameters":{"rope_type":"default","rope_theta":500.0,
+        "partial_rotary_factor":0.25}}"#;
+
+    #[test]
+    fn rope_parameters_layout_is_read() {
+        let c = ModelConfig::from_hf_json(V5).unwrap();
+        assert_eq!(c.rope_theta, 500.0);
+        assert_eq!(c.rotary_dim(), 4);
+        assert!(c.is_moe_layer(1) && !c.is_moe_layer(0));
+    }
+
+    #[test]
+    fn llama3_inv_freq_matches_hand_computation() {
+        let json = r#"{"model_type":"llama","vocab_size":8,"hidden_size":8,"intermediate_size":8,
+            "num_hidden_layers":1,"num_attention_heads":1,"head_dim":8,"rope_theta":10000.0,
+            "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+            "high_freq_factor":4.0,"original_max_position_embeddings":64}}"#;
+        let c = ModelConfig::from_hf_json(json).unwrap();
+        assert!(!c.has_moe() && c.rotary_dim() == 8);
+        // base: 1, 0.1, 0.01, 0.001 -> wavelengths 6.28 (kept), 62.8 (smoothed), 628, 6283
+        // (both > 64: divided by 8). smooth = (64 / 62.83 - 1) / 3.
+        let f = c.inv_freq();
+        let smooth = (64.0 / (2.0 * std::f64::consts::PI / 0.1) - 1.0) / 3.0;
+        let want = [
+            1.0,
+            (1.0 - smooth) * 0.1 / 8.0 + smooth * 0.1,
+            0.01 / 8.0,
+            0.001 / 8.0,
+        ];
+        for (got, want) in f.iter().zip(want) {
+            assert!((*got as f64 - want).abs() < 1e-6 * want.max(1e-3), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn bad_configs_are_typed_errors() {
+        let yarn = V5.replace("\"default\"", "\"yarn\"");
+        assert!(matches!(
+            ModelConfig::from_hf_json(&yarn),
+            Err(BridgeError::Config { field, .. }) if field == "rope_parameters"
+        ));
+        let qwen = V5.replace("glm4_moe", "qwen2");
+        assert!(matches!(
+            ModelConfig::from_hf_json(&qwen),
+            Err(BridgeError::UnsupportedArchitecture { .. })
+        ));
+        let heads = V5.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
+        assert!(ModelConfig::from_hf_json(&heads).is_err());
+        assert!(ModelConfig::from_hf_json("{").is_err());
+    }
+}

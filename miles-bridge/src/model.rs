@@ -1,0 +1,780 @@
+//! [`CausalLm`]: the decoder-only model shared by every [`Architecture`] — GLM-4.5 / 4.6 / 4.7
+//! MoE (`glm4_moe`), Qwen3 (`qwen3`), Qwen3-MoE (`qwen3_moe`) and Llama (`llama`). The
+//! architectures differ only in configuration: attention bias, qk-norm, partial rotary and
+//! Llama-3 RoPE scaling, which layers are MoE, the router kind and shared experts.
+//!
+//! GLM routing (transformers' `Glm4MoeTopkRouter`, DeepSeek-V3 "noaux_tc"): router logits
+//! `x W_gate^T` in f32, scores `s = sigmoid(logits)`, selection scores
+//! `c = s + e_score_correction_bias` (used only to choose), group score = sum of the two best
+//! `c` of each of `n_group` groups, experts outside the best `topk_group` groups set to `-inf`,
+//! top-k of `c` chosen by the [`RouterHook`]; gate weights `w = s[chosen]`, renormalised when
+//! `norm_topk_prob` (`w / (sum w + 1e-20)`) and multiplied by `routed_scaling_factor`; output
+//! `sum_k w_k Expert_k(x) + SharedExperts(x)`. Layers `< first_k_dense_replace` are dense.
+//! Qwen3-MoE routing: `p = softmax(logits)`, top-k of `p` chosen by the hook, `w = p[chosen]`,
+//! renormalised (`w / sum w`) when `norm_topk_prob`; no shared experts.
+//!
+//! Expert dispatch runs entirely on the device with static shapes (no host round trip, no
+//! `sort` / `one_hot`): the chosen weights are scattered into a `[tokens, experts]` combine
+//! matrix, all experts' gate / up projections run as one `[tokens, E*I]` matmul, the
+//! activations are scaled by the combine weights (exact zeros for unchosen experts) and one
+//! `[tokens, E*I] x [E*I, hidden]` matmul applies every down projection and sums. This costs
+//! `E / top_k` times the FLOPs of sparse dispatch in exchange for two large matmuls and no
+//! synchronisation; a grouped-GEMM kernel is the path to sparse FLOPs.
+
+use std::path::Path;
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{log_softmax, sigmoid, silu, softmax};
+use burn::tensor::module::embedding;
+use burn::tensor::{Bool, Device, IndexingUpdateOp, Int, Tensor, TensorData};
+use miles_r3::{MoeLayerInfo, RouterHook};
+
+use crate::checkpoint::{FloatDtype, HostTensor, TensorMap, read_checkpoint_dir};
+use crate::config::{Architecture, RouterKind};
+use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
+use crate::nn::{
+    Attention, AttentionShape, Builder, Init, LayerCache, Linear, Mlp, ParamRef, ParamVisitor,
+    RmsNorm, Rope, WeightSource, attention_mask,
+};
+use crate::{BridgeError, ModelConfig};
+
+/// The router of one MoE layer (`mlp.gate`).
+#[derive(Module, Debug)]
+pub struct TopkRouter {
+    /// `[n_routed_experts, hidden]`.
+    pub weight: Param<Tensor<2>>,
+    /// GLM only: `[n_routed_experts]`, a buffer used only for expert selection, never trained.
+    pub e_score_correction_bias: Option<Param<Tensor<1>>>,
+}
+
+/// Routed experts of one layer, stacked on dim 0 (HF `[out, in]` per expert).
+#[derive(Module, Debug)]
+pub struct Experts {
+    /// `[E, moe_intermediate, hidden]`.
+    pub gate_proj: Param<Tensor<3>>,
+    /// `[E, moe_intermediate, hidden]`.
+    pub up_proj: Param<Tensor<3>>,
+    /// `[E, hidden, moe_intermediate]`.
+    pub down_proj: Param<Tensor<3>>,
+}
+
+/// The MoE MLP of one layer: router, routed experts and shared experts.
+#[derive(Module, Debug)]
+pub struct MoeBlock {
+    /// `mlp.gate`.
+    pub gate: TopkRouter,
+    /// `mlp.experts.*`.
+    pub experts: Experts,
+    /// `mlp.shared_experts` (absent when `n_shared_experts = 0`).
+    pub shared_experts: Option<Mlp>,
+    /// How experts are scored.
+    #[module(skip)]
+    pub router: RouterKind,
+    /// Model layer index (for the router hook).
+    pub layer_index: usize,
+    /// Index among MoE layers.
+    pub moe_index: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Expert groups.
+    pub n_group: usize,
+    /// Groups kept per token.
+    pub topk_group: usize,
+    /// Renormalise chosen weights.
+    pub norm_topk_prob: bool,
+    /// Scale of routed weights.
+    pub routed_scaling_factor: f64,
+}
+
+/// What one MoE layer computed for its tokens.
+#[derive(Debug, Clone)]
+pub struct MoeRouting {
+    /// Model layer index.
+    pub layer_index: usize,
+    /// Chosen experts, `[tokens, top_k]` in the order the hook returned them
+    /// (rows are the tokens of the batch in row-major `[batch, seq]` order).
+    pub experts: Tensor<2, Int>,
+    /// Final gate weights of the chosen experts, `[tokens, top_k]`.
+    pub weights: Tensor<2>,
+}
+
+impl MoeBlock {
+    fn info(&self) -> MoeLayerInfo {
+        MoeLayerInfo {
+            layer_index: self.layer_index,
+            moe_index: self.moe_index,
+            num_experts: self.gate.weight.val().dims()[0],
+            top_k: self.top_k,
+        }
+    }
+
+    /// Routes and applies the experts to `[tokens, hidden]` rows.
+    pub fn forward(
+        &self,
+        x: Tensor<2>,
+        hook: &dyn RouterHook,
+    ) -> Result<(Tensor<2>, MoeRouting), BridgeError> {
+        let [tokens, hidden] = x.dims();
+        let info = self.info();
+        let experts = info.num_experts;
+        let logits = x.clone().matmul(self.gate.weight.val().transpose());
+        let scores = match self.router {
+            RouterKind::SigmoidGrouped => sigmoid(logits),
+            RouterKind::Softmax => softmax(logits, 1),
+        };
+        let mut choice = scores.clone().detach();
+        if let Some(bias) = &self.gate.e_score_correction_bias {
+            choice = choice + bias.val().unsqueeze_dim(0);
+        }
+        if self.router == RouterKind::SigmoidGrouped && self.n_group > 1 {
+            let per_group = experts / self.n_group;
+            let grouped = choice.clone().reshape([tokens, self.n_group, per_group]);
+            let group_scores = grouped
+                .topk(2, 2)
+                .sum_dim(2)
+                .reshape([tokens, self.n_group]);
+            let (_, keep) = group_scores.topk_with_indices(self.topk_group, 1);
+            let kept = Tensor::<2>::zeros([tokens, self.n_group], &x.device()).scatter(
+                1,
+                keep,
+                Tensor::ones([tokens, self.topk_group], &x.device()),
+                IndexingUpdateOp::Add,
+            );
+            let dropped = kept
+                .reshape([tokens, self.n_group, 1])
+                .expand([tokens, self.n_group, per_group])
+                .reshape([tokens, experts])
+                .equal_elem(0.0);
+            choice = choice.mask_fill(dropped, f32::NEG_INFINITY);
+        }
+        let chosen = hook.select_experts(&info, choice)?;
+        if chosen.dims() != [tokens, self.top_k] {
+            return Err(BridgeError::input(format!(
+                "router hook returned shape {:?} for layer {}, expected [{tokens}, {}]",
+                chosen.dims(),
+                self.layer_index,
+                self.top_k
+            )));
+        }
+        let mut weights = scores.gather(1, chosen.clone());
+        if self.norm_topk_prob {
+            weights = match self.router {
+                RouterKind::SigmoidGrouped => weights.clone() / (weights.sum_dim(1) + 1e-20),
+                RouterKind::Softmax => weights.clone() / weights.sum_dim(1),
+            };
+        }
+        if self.routed_scaling_factor != 1.0 {
+            weights = weights * self.routed_scaling_factor;
+        }
+        let combine = Tensor::<2>::zeros([tokens, experts], &x.device()).scatter(
+            1,
+            chosen.clone(),
+            weights.clone(),
+            IndexingUpdateOp::Add,
+        );
+        let [_, inter, _] = self.experts.gate_proj.val().dims();
+        let gate_all = self
+            .experts
+            .gate_proj
+            .val()
+            .reshape([experts * inter, hidden]);
+        let up_all = self
+            .experts
+            .up_proj
+            .val()
+            .reshape([experts * inter, hidden]);
+        let act =
+            silu(x.clone().matmul(gate_all.transpose())) * x.clone().matmul(up_all.transpose());
+        let act = act.reshape([tokens, experts, inter]) * combine.unsqueeze_dim(2);
+        let down_all = self
+            .experts
+            .down_proj
+            .val()
+            .swap_dims(1, 2)
+            .reshape([experts * inter, hidden]);
+        let mut out = act.reshape([tokens, experts * inter]).matmul(down_all);
+        if let Some(shared) = &self.shared_experts {
+            out = out + shared.forward(x);
+        }
+        Ok((
+            out,
+            MoeRouting {
+                layer_index: self.layer_index,
+                experts: chosen,
+                weights,
+            },
+        ))
+    }
+
+    fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        f(
+            &format!("{name}.gate.weight"),
+            ParamRef::R2(&self.gate.weight),
+        );
+        if let Some(bias) = &self.gate.e_score_correction_bias {
+            f(
+                &format!("{name}.gate.e_score_correction_bias"),
+                ParamRef::R1(bias),
+            );
+        }
+        let stacks = [
+            &self.experts.gate_proj,
+            &self.experts.up_proj,
+            &self.experts.down_proj,
+        ];
+        for (stack, param) in EXPERT_STACKS.iter().zip(stacks) {
+            let layer_prefix = name.strip_suffix("mlp").unwrap_or(name);
+            f(&stack.internal_name(layer_prefix), ParamRef::R3(param));
+        }
+        if let Some(shared) = &self.shared_experts {
+            shared.visit(&format!("{name}.shared_experts"), f);
+        }
+    }
+}
+
+/// The MLP of a decoder layer.
+// Layers are few and long-lived; boxing the MoE variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum FeedForward {
+    /// Dense SwiGLU (`first_k_dense_replace` first layers).
+    Dense(Mlp),
+    /// Routed + shared experts.
+    Moe(MoeBlock),
+}
+
+/// One decoder layer: pre-norm attention and pre-norm MLP with residuals.
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    /// `input_layernorm`.
+    pub input_layernorm: RmsNorm,
+    /// `self_attn`.
+    pub self_attn: Attention,
+    /// `post_attention_layernorm`.
+    pub post_attention_layernorm: RmsNorm,
+    /// `mlp`.
+    pub mlp: FeedForward,
+}
+
+/// `model.*`: embeddings, decoder layers, final norm.
+#[derive(Module, Debug)]
+pub struct DecoderModel {
+    /// `embed_tokens.weight`, `[vocab, hidden]`.
+    pub embed_tokens: Param<Tensor<2>>,
+    /// `layers.{i}`.
+    pub layers: Vec<DecoderLayer>,
+    /// `norm`.
+    pub norm: RmsNorm,
+}
+
+/// A causal LM of any [`Architecture`]: [`DecoderModel`] + `lm_head` (absent when tied to
+/// the embeddings). Built by [`CausalLm::init`] (random), [`CausalLm::from_hf_tensors`] or
+/// [`CausalLm::from_pretrained`] (the registry: the architecture comes from `model_type`).
+#[derive(Module, Debug)]
+pub struct CausalLm {
+    /// `model`.
+    pub model: DecoderModel,
+    /// `lm_head` (no bias); `None` with `tie_word_embeddings`.
+    pub lm_head: Option<Linear>,
+    /// Hyper-parameters.
+    #[module(skip)]
+    pub config: ModelConfig,
+}
+
+/// Input of one forward pass over a padded or packed batch.
+#[derive(Debug, Clone)]
+pub struct ModelInput {
+    /// Token ids, `[batch, seq]`.
+    pub input_ids: Tensor<2, Int>,
+    /// RoPE positions, `[batch, seq]`; default `0..seq` in every row (or, with a cache,
+    /// continuing from the cached length).
+    pub position_ids: Option<Tensor<2, Int>>,
+    /// Real-token mask, `[batch, seq]` (false = padding, never attended to).
+    pub attention_mask: Option<Tensor<2, Bool>>,
+    /// Packed-sequence segment ids, `[batch, seq]`: tokens attend only within their segment.
+    /// Not combinable with a KV cache.
+    pub segment_ids: Option<Tensor<2, Int>>,
+}
+
+impl ModelInput {
+    /// Plain causal input: every row one sequence starting at position 0.
+    pub fn new(input_ids: Tensor<2, Int>) -> Self {
+        Self {
+            input_ids,
+            position_ids: None,
+            attention_mask: None,
+            segment_ids: None,
+        }
+    }
+}
+
+/// Output of a forward pass.
+#[derive(Debug, Clone)]
+pub struct ModelOutput {
+    /// Next-token logits, `[batch, seq, vocab]`.
+    pub logits: Tensor<3>,
+    /// One entry per MoE layer, in layer order.
+    pub routing: Vec<MoeRouting>,
+}
+
+/// Per-layer keys / values and key validity for incremental decoding.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<LayerCache>>,
+    key_valid: Option<Tensor<2, Bool>>,
+    next_position: Option<Tensor<2, Int>>,
+}
+
+impl KvCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of cached key positions (padding included).
+    pub fn len(&self) -> usize {
+        self.key_valid.as_ref().map_or(0, |v| v.dims()[1])
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl CausalLm {
+    /// The model's architecture.
+    pub fn architecture(&self) -> Architecture {
+        self.config.architecture
+    }
+
+    fn build(
+        config: &ModelConfig,
+        device: &Device,
+        source: WeightSource<'_>,
+    ) -> Result<Self, BridgeError> {
+        config.validate()?;
+        let c = config;
+        let mut b = Builder {
+            device: device.clone(),
+            source,
+        };
+        let embed_tokens = b.param(
+            "model.embed_tokens.weight",
+            [c.vocab_size, c.hidden_size],
+            Init::Normal,
+        )?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        let mut moe_index = 0;
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let shape = AttentionShape {
+                hidden: c.hidden_size,
+                num_heads: c.num_attention_heads,
+                num_kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                bias: c.attention_bias,
+                qk_norm: c.use_qk_norm,
+                eps: c.rms_norm_eps,
+            };
+            let input_layernorm = RmsNorm::build(
+                &mut b,
+                &format!("{p}.input_layernorm"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )?;
+            let self_attn = Attention::build(&mut b, &format!("{p}.self_attn"), shape)?;
+            let post_attention_layernorm = RmsNorm::build(
+                &mut b,
+                &format!("{p}.post_attention_layernorm"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )?;
+            let mlp = if c.is_moe_layer(l) {
+                let (e, h, i) = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size);
+                let gate = TopkRouter {
+                    weight: b.param(&format!("{p}.mlp.gate.weight"), [e, h], Init::Normal)?,
+                    e_score_correction_bias: match c.router {
+                        RouterKind::SigmoidGrouped => Some(
+                            b.param(
+                                &format!("{p}.mlp.gate.e_score_correction_bias"),
+                                [e],
+                                Init::Zeros,
+                            )?
+                            .set_require_grad(false),
+                        ),
+                        RouterKind::Softmax => None,
+                    },
+                };
+                let layer_prefix = format!("{p}.");
+                let stack = |b: &mut Builder<'_>, k: usize, shape| {
+                    b.param(
+                        &EXPERT_STACKS[k].internal_name(&layer_prefix),
+                        shape,
+                        Init::Normal,
+                    )
+                };
+                let experts = Experts {
+                    gate_proj: stack(&mut b, 0, [e, i, h])?,
+                    up_proj: stack(&mut b, 1, [e, i, h])?,
+                    down_proj: stack(&mut b, 2, [e, h, i])?,
+                };
+                let shared_experts = if c.n_shared_experts > 0 {
+                    Some(Mlp::build(
+                        &mut b,
+                        &format!("{p}.mlp.shared_experts"),
+                        h,
+                        i * c.n_shared_experts,
+                    )?)
+                } else {
+                    None
+                };
+                let block = MoeBlock {
+                    router: c.router,
+                    gate,
+                    experts,
+                    shared_experts,
+                    layer_index: l,
+                    moe_index,
+                    top_k: c.num_experts_per_tok,
+                    n_group: c.n_group,
+                    topk_group: c.topk_group,
+                    norm_topk_prob: c.norm_topk_prob,
+                    routed_scaling_factor: c.routed_scaling_factor,
+                };
+                moe_index += 1;
+                FeedForward::Moe(block)
+            } else {
+                FeedForward::Dense(Mlp::build(
+                    &mut b,
+                    &format!("{p}.mlp"),
+                    c.hidden_size,
+                    c.intermediate_size,
+                )?)
+            };
+            layers.push(DecoderLayer {
+                input_layernorm,
+                self_attn,
+                post_attention_layernorm,
+                mlp,
+            });
+        }
+        let norm = RmsNorm::build(&mut b, "model.norm", c.hidden_size, c.rms_norm_eps)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(Linear::build(
+                &mut b,
+                "lm_head",
+                c.hidden_size,
+                c.vocab_size,
+                false,
+            )?)
+        };
+        Ok(Self {
+            model: DecoderModel {
+                embed_tokens,
+                layers,
+                norm,
+            },
+            lm_head,
+            config: c.clone(),
+        })
+    }
+
+    /// A randomly initialised model (normal(0, `initializer_range`) weights, unit norms,
+    /// zero biases) on `device`.
+    pub fn init(config: &ModelConfig, device: &Device) -> Result<Self, BridgeError> {
+        Self::build(
+            config,
+            device,
+            WeightSource::Random {
+                std: config.initializer_range,
+            },
+        )
+    }
+
+    /// Builds the model from HF-named host tensors (per-expert keys, any float dtype).
+    /// Missing, unexpected and wrongly shaped tensors are errors naming the tensor.
+    pub fn from_hf_tensors(
+        config: &ModelConfig,
+        tensors: TensorMap,
+        device: &Device,
+    ) -> Result<Self, BridgeError> {
+        let mut internal = hf_to_internal(tensors, config.n_routed_experts)?;
+        if config.tie_word_embeddings {
+            internal.remove("lm_head.weight");
+        }
+        let model = Self::build(config, device, WeightSource::Loaded(&mut internal))?;
+        if let Some(name) = internal_to_hf(internal).into_keys().next() {
+            return Err(BridgeError::UnexpectedTensor { name });
+        }
+        Ok(model)
+    }
+
+    /// Loads `dir/config.json` and its safetensors weights (single file or sharded).
+    pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device) -> Result<Self, BridgeError> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_file(dir.join("config.json"))?;
+        let tensors = read_checkpoint_dir(dir)?;
+        Self::from_hf_tensors(&config, tensors, device)
+    }
+
+    /// Calls `f(our name, parameter)` for every parameter, in a fixed order.
+    pub fn visit_params(&self, f: &mut ParamVisitor<'_>) {
+        f(
+            "model.embed_tokens.weight",
+            ParamRef::R2(&self.model.embed_tokens),
+        );
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            layer
+                .input_layernorm
+                .visit(&format!("{p}.input_layernorm"), f);
+            layer.self_attn.visit(&format!("{p}.self_attn"), f);
+            layer
+                .post_attention_layernorm
+                .visit(&format!("{p}.post_attention_layernorm"), f);
+            match &layer.mlp {
+                FeedForward::Dense(mlp) => mlp.visit(&format!("{p}.mlp"), f),
+                FeedForward::Moe(moe) => moe.visit(&format!("{p}.mlp"), f),
+            }
+        }
+        self.model.norm.visit("model.norm", f);
+        if let Some(head) = &self.lm_head {
+            head.visit("lm_head", f);
+        }
+    }
+
+    /// Total number of parameter elements (buffers such as `e_score_correction_bias` included).
+    pub fn num_params(&self) -> usize {
+        let mut n = 0;
+        self.visit_params(&mut |_, p| n += p.shape().iter().product::<usize>());
+        n
+    }
+
+    /// All weights as HF-named host tensors (per-expert keys), stored in `dtype`.
+    pub fn to_hf_tensors(&self, dtype: FloatDtype) -> Result<TensorMap, BridgeError> {
+        let mut internal = TensorMap::new();
+        let mut failure = None;
+        self.visit_params(&mut |name, p| {
+            let data = p.to_data();
+            match data.try_to_vec::<f32>() {
+                Ok(values) => {
+                    let host = HostTensor::from_f32(data.shape().to_vec(), &values);
+                    internal.insert(name.to_string(), host.to_dtype(dtype));
+                }
+                Err(e) => {
+                    failure.get_or_insert(BridgeError::UnsupportedDtype {
+                        name: name.to_string(),
+                        dtype: format!("{e:?}"),
+                    });
+                }
+            }
+        });
+        match failure {
+            Some(err) => Err(err),
+            None => Ok(internal_to_hf(internal)),
+        }
+    }
+
+    /// Writes `config.json` and the weights in `dtype` into `dir` (sharded when
+    /// `max_shard_bytes` is exceeded).
+    pub fn save_pretrained(
+        &self,
+        dir: impl AsRef<Path>,
+        dtype: FloatDtype,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<(), BridgeError> {
+        let dir = dir.as_ref();
+        let tensors = self.to_hf_tensors(dtype)?;
+        crate::checkpoint::write_checkpoint_dir(dir, &tensors, None, max_shard_bytes)?;
+        let mut config = self.config.to_hf_json();
+        config["torch_dtype"] = serde_json::Value::String(
+            match dtype {
+                FloatDtype::F32 => "float32",
+                FloatDtype::Bf16 => "bfloat16",
+                FloatDtype::F16 => "float16",
+            }
+            .to_string(),
+        );
+        let path = dir.join("config.json");
+        let text = serde_json::to_string_pretty(&config).map_err(|e| BridgeError::Json {
+            path: path.clone(),
+            source: e,
+        })?;
+        std::fs::write(&path, text).map_err(|e| BridgeError::io(&path, e))
+    }
+
+    fn check_input(&self, input: &ModelInput) -> Result<[usize; 2], BridgeError> {
+        let dims = input.input_ids.dims();
+        for (name, other) in [
+            (
+                "position_ids",
+                input.position_ids.as_ref().map(Tensor::dims),
+            ),
+            (
+                "attention_mask",
+                input.attention_mask.as_ref().map(Tensor::dims),
+            ),
+            ("segment_ids", input.segment_ids.as_ref().map(Tensor::dims)),
+        ] {
+            if let Some(other) = other
+                && other != dims
+            {
+                return Err(BridgeError::input(format!(
+                    "{name} has shape {other:?}, input_ids {dims:?}"
+                )));
+            }
+        }
+        if dims[0] == 0 || dims[1] == 0 {
+            return Err(BridgeError::input("empty batch"));
+        }
+        Ok(dims)
+    }
+
+    /// Training / scoring forward over a padded or packed batch (no cache).
+    pub fn forward(
+        &self,
+        input: &ModelInput,
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        self.run(input, None, hook)
+    }
+
+    /// Inference forward that appends to `cache` (prefill when empty, then decode steps).
+    ///
+    /// Rows may have different lengths: mark padding with `attention_mask = false` (padded
+    /// keys are never attended to, in this step or later ones). Positions default to the
+    /// number of real tokens each row has seen so far.
+    pub fn forward_cached(
+        &self,
+        input: &ModelInput,
+        cache: &mut KvCache,
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        if input.segment_ids.is_some() {
+            return Err(BridgeError::input(
+                "segment_ids cannot be used with a KV cache",
+            ));
+        }
+        self.run(input, Some(cache), hook)
+    }
+
+    fn run(
+        &self,
+        input: &ModelInput,
+        mut cache: Option<&mut KvCache>,
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        let [batch, seq] = self.check_input(input)?;
+        let device = input.input_ids.device();
+        let c = &self.config;
+        let valid = input
+            .attention_mask
+            .clone()
+            .unwrap_or_else(|| Tensor::<2, Int>::ones([batch, seq], &device).equal_elem(1));
+        let past = cache.as_ref().map_or(0, |cache| cache.len());
+        let start = match cache.as_ref().and_then(|c| c.next_position.clone()) {
+            Some(next) if next.dims()[0] != batch => {
+                return Err(BridgeError::input(format!(
+                    "cache holds {} rows, input has {batch}",
+                    next.dims()[0]
+                )));
+            }
+            Some(next) => next,
+            None => Tensor::<2, Int>::zeros([batch, 1], &device),
+        };
+        // Default positions: count of real tokens before each one (plus the cached ones).
+        let positions = match &input.position_ids {
+            Some(p) => p.clone(),
+            None => {
+                let counted = valid.clone().int().cumsum(1) - valid.clone().int();
+                counted + start.clone()
+            }
+        };
+        let key_valid = match cache.as_ref().and_then(|c| c.key_valid.clone()) {
+            Some(old) => Tensor::cat(vec![old, valid.clone()], 1),
+            None => valid.clone(),
+        };
+        let needs_key_mask = input.attention_mask.is_some() || past > 0;
+        let mask = attention_mask(
+            batch,
+            seq,
+            past,
+            needs_key_mask.then(|| key_valid.clone()),
+            input.segment_ids.clone(),
+            &device,
+        );
+        let rope = Rope::new(positions, c.inv_freq());
+        let mut hidden = embedding(self.model.embed_tokens.val(), input.input_ids.clone());
+        let mut routing = Vec::new();
+        if let Some(cache) = cache.as_deref_mut()
+            && cache.layers.len() != self.model.layers.len()
+        {
+            cache.layers = vec![None; self.model.layers.len()];
+        }
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
+            let attn = layer.self_attn.forward(
+                layer.input_layernorm.forward(hidden.clone()),
+                &rope,
+                mask.clone(),
+                slot,
+            );
+            hidden = hidden + attn;
+            let normed = layer
+                .post_attention_layernorm
+                .forward(hidden.clone())
+                .reshape([batch * seq, c.hidden_size]);
+            let mlp_out = match &layer.mlp {
+                FeedForward::Dense(mlp) => mlp.forward(normed),
+                FeedForward::Moe(moe) => {
+                    let (out, r) = moe.forward(normed, hook)?;
+                    routing.push(r);
+                    out
+                }
+            };
+            hidden = hidden + mlp_out.reshape([batch, seq, c.hidden_size]);
+        }
+        if let Some(cache) = cache {
+            cache.next_position = Some(start + valid.int().sum_dim(1));
+            cache.key_valid = Some(key_valid);
+        }
+        let normed = self
+            .model
+            .norm
+            .forward(hidden)
+            .reshape([batch * seq, c.hidden_size]);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(normed),
+            None => normed.matmul(self.model.embed_tokens.val().transpose()),
+        };
+        Ok(ModelOutput {
+            logits: logits.reshape([batch, seq, c.vocab_size]),
+            routing,
+        })
+    }
+}
+
+/// `log p(token t+1 | tokens <= t)` for each row: `[batch, seq - 1]` from `[batch, seq, vocab]`
+/// logits and `[batch, seq]` ids.
+pub fn token_logprobs(logits: Tensor<3>, input_ids: Tensor<2, Int>) -> Tensor<2> {
+    let [batch, seq, _] = logits.dims();
+    let lp = log_softmax(logits.narrow(1, 0, seq - 1), 2);
+    let targets = input_ids.narrow(1, 1, seq - 1).reshape([batch, seq - 1, 1]);
+    lp.gather(2, targets).reshape([batch, seq - 1])
+}
+
+/// Builds `[batch, seq]` id tensors from host rows of equal length.
+pub fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor<2, Int>, BridgeError> {
+    let seq = rows.first().map_or(0, Vec::len);
+    if rows.iter().any(|r| r.len() != seq) {
+        return Err(BridgeError::input("rows of different lengths"));
+    }
+    let flat: Vec<i32> = rows.iter().flatten().map(|&t| t as i32).collect();
+    Ok(Tensor::from_data(
+        TensorData::new(flat, [rows.len(), seq]),
+        device,
+    ))
+}

@@ -1,0 +1,533 @@
+//! Building blocks shared by the architectures: HF-layout linear layers, RMSNorm, SwiGLU MLP,
+//! partial non-interleaved RoPE with per-token positions, attention masks and grouped-query
+//! attention with an optional KV cache, plus the weight builder used by `init` and the
+//! importers and the parameter visitor used by export and gradient checks.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
+
+use crate::BridgeError;
+use crate::checkpoint::TensorMap;
+
+/// Value used for masked attention scores (finite, so fully masked padding rows stay NaN-free).
+const MASKED: f32 = -1.0e30;
+
+/// How a freshly initialised parameter is filled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Init {
+    /// Normal(0, initializer_range).
+    Normal,
+    /// All ones (norm weights).
+    Ones,
+    /// All zeros (biases).
+    Zeros,
+}
+
+/// Where parameter values come from while a model is being built.
+pub(crate) enum WeightSource<'a> {
+    /// Random initialisation with the given standard deviation.
+    Random {
+        /// Standard deviation of `Init::Normal` parameters.
+        std: f64,
+    },
+    /// Tensors by our name (see [`crate::names`]); each one is removed when used.
+    Loaded(&'a mut TensorMap),
+}
+
+/// Creates parameters by name on one device.
+pub(crate) struct Builder<'a> {
+    pub(crate) device: Device,
+    pub(crate) source: WeightSource<'a>,
+}
+
+impl Builder<'_> {
+    /// A trainable parameter `name` of `shape`.
+    pub(crate) fn param<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+        init: Init,
+    ) -> Result<Param<Tensor<D>>, BridgeError> {
+        let tensor = match &mut self.source {
+            WeightSource::Random { std } => match init {
+                Init::Normal => {
+                    Tensor::<D>::random(shape, Distribution::Normal(0.0, *std), &self.device)
+                }
+                Init::Ones => Tensor::<D>::ones(shape, &self.device),
+                Init::Zeros => Tensor::<D>::zeros(shape, &self.device),
+            },
+            WeightSource::Loaded(map) => {
+                let host = map.remove(name).ok_or_else(|| BridgeError::MissingTensor {
+                    name: name.to_string(),
+                })?;
+                if host.shape != shape {
+                    return Err(BridgeError::ShapeMismatch {
+                        name: name.to_string(),
+                        expected: shape.to_vec(),
+                        got: host.shape,
+                    });
+                }
+                Tensor::<D>::from_data(TensorData::new(host.to_f32(), shape), &self.device)
+            }
+        };
+        Ok(Param::from_tensor(tensor))
+    }
+}
+
+/// A borrowed parameter of any rank, as handed out by the parameter visitors.
+#[derive(Debug, Clone, Copy)]
+pub enum ParamRef<'a> {
+    /// A vector (norm weights, biases).
+    R1(&'a Param<Tensor<1>>),
+    /// A matrix (projections, embeddings).
+    R2(&'a Param<Tensor<2>>),
+    /// A stack of matrices (routed experts).
+    R3(&'a Param<Tensor<3>>),
+}
+
+impl ParamRef<'_> {
+    /// Shape of the parameter.
+    pub fn shape(&self) -> Vec<usize> {
+        match self {
+            Self::R1(p) => p.val().dims().to_vec(),
+            Self::R2(p) => p.val().dims().to_vec(),
+            Self::R3(p) => p.val().dims().to_vec(),
+        }
+    }
+
+    /// Current value, copied to the host.
+    pub fn to_data(&self) -> TensorData {
+        match self {
+            Self::R1(p) => p.val().into_data(),
+            Self::R2(p) => p.val().into_data(),
+            Self::R3(p) => p.val().into_data(),
+        }
+    }
+
+    /// Its gradient in `grads`, copied to the host (`None` when it received none).
+    pub fn grad(&self, grads: &burn::tensor::Gradients) -> Option<TensorData> {
+        match self {
+            Self::R1(p) => p.val().grad(grads).map(Tensor::into_data),
+            Self::R2(p) => p.val().grad(grads).map(Tensor::into_data),
+            Self::R3(p) => p.val().grad(grads).map(Tensor::into_data),
+        }
+    }
+}
+
+/// Callback type of the parameter visitors: `(our parameter name, parameter)`.
+pub type ParamVisitor<'v> = dyn FnMut(&str, ParamRef<'_>) + 'v;
+
+/// `y = x W^T + b` with `W` in HF layout `[out, in]`.
+#[derive(Module, Debug)]
+pub struct Linear {
+    /// `[out, in]`.
+    pub weight: Param<Tensor<2>>,
+    /// `[out]`, if the layer has a bias.
+    pub bias: Option<Param<Tensor<1>>>,
+}
+
+impl Linear {
+    pub(crate) fn build(
+        b: &mut Builder<'_>,
+        name: &str,
+        d_in: usize,
+        d_out: usize,
+        bias: bool,
+    ) -> Result<Self, BridgeError> {
+        let weight = b.param(&format!("{name}.weight"), [d_out, d_in], Init::Normal)?;
+        let bias = if bias {
+            Some(b.param(&format!("{name}.bias"), [d_out], Init::Zeros)?)
+        } else {
+            None
+        };
+        Ok(Self { weight, bias })
+    }
+
+    /// Applies the layer to `[tokens, in]` rows.
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let y = x.matmul(self.weight.val().transpose());
+        match &self.bias {
+            Some(bias) => y + bias.val().unsqueeze_dim(0),
+            None => y,
+        }
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        f(&format!("{name}.weight"), ParamRef::R2(&self.weight));
+        if let Some(bias) = &self.bias {
+            f(&format!("{name}.bias"), ParamRef::R1(bias));
+        }
+    }
+}
+
+/// RMSNorm over the last dimension: `w * x / sqrt(mean(x²) + eps)`.
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    /// Scale, `[d]`.
+    pub weight: Param<Tensor<1>>,
+    /// Epsilon.
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub(crate) fn build(
+        b: &mut Builder<'_>,
+        name: &str,
+        d: usize,
+        eps: f64,
+    ) -> Result<Self, BridgeError> {
+        Ok(Self {
+            weight: b.param(&format!("{name}.weight"), [d], Init::Ones)?,
+            eps,
+        })
+    }
+
+    /// Normalises the last dimension of `x`.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let inv_rms = (x.clone().square().mean_dim(D - 1) + self.eps)
+            .sqrt()
+            .recip();
+        x * inv_rms * self.weight.val().unsqueeze()
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        f(&format!("{name}.weight"), ParamRef::R1(&self.weight));
+    }
+}
+
+/// SwiGLU MLP `down(silu(gate(x)) * up(x))` (no biases).
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// `gate_proj`.
+    pub gate_proj: Linear,
+    /// `up_proj`.
+    pub up_proj: Linear,
+    /// `down_proj`.
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    pub(crate) fn build(
+        b: &mut Builder<'_>,
+        name: &str,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<Self, BridgeError> {
+        Ok(Self {
+            gate_proj: Linear::build(b, &format!("{name}.gate_proj"), hidden, intermediate, false)?,
+            up_proj: Linear::build(b, &format!("{name}.up_proj"), hidden, intermediate, false)?,
+            down_proj: Linear::build(b, &format!("{name}.down_proj"), intermediate, hidden, false)?,
+        })
+    }
+
+    /// Applies the MLP to `[tokens, hidden]` rows.
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x);
+        self.down_proj.forward(h)
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        self.gate_proj.visit(&format!("{name}.gate_proj"), f);
+        self.up_proj.visit(&format!("{name}.up_proj"), f);
+        self.down_proj.visit(&format!("{name}.down_proj"), f);
+    }
+}
+
+/// cos / sin tables of partial, non-interleaved ("rotate half") RoPE for one batch.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// `[batch, 1, seq, rotary_dim]`.
+    cos: Tensor<4>,
+    /// `[batch, 1, seq, rotary_dim]`.
+    sin: Tensor<4>,
+    rotary_dim: usize,
+}
+
+impl Rope {
+    /// Tables for per-token `positions` (`[batch, seq]`) and the `rotary_dim / 2` inverse
+    /// frequencies (see [`crate::ModelConfig::inv_freq`]).
+    pub fn new(positions: Tensor<2, Int>, inv_freq: Vec<f32>) -> Self {
+        let device = positions.device();
+        let [batch, seq] = positions.dims();
+        let half = inv_freq.len();
+        let rotary_dim = 2 * half;
+        let inv_freq = Tensor::<1>::from_data(TensorData::new(inv_freq, [half]), &device)
+            .reshape([1, 1, half]);
+        let freqs = positions.float().reshape([batch, seq, 1]) * inv_freq;
+        let emb = Tensor::cat(vec![freqs.clone(), freqs], 2).unsqueeze_dim::<4>(1);
+        Self {
+            cos: emb.clone().cos(),
+            sin: emb.sin(),
+            rotary_dim,
+        }
+    }
+
+    /// Rotates the first `rotary_dim` channels of `x` (`[batch, heads, seq, head_dim]`).
+    pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
+        if self.rotary_dim == 0 {
+            return x;
+        }
+        let [_, _, _, head_dim] = x.dims();
+        let half = self.rotary_dim / 2;
+        let rot = x.clone().narrow(3, 0, self.rotary_dim);
+        let x1 = rot.clone().narrow(3, 0, half);
+        let x2 = rot.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        let out = rot * self.cos.clone() + rotated * self.sin.clone();
+        if self.rotary_dim == head_dim {
+            out
+        } else {
+            let pass = x.narrow(3, self.rotary_dim, head_dim - self.rotary_dim);
+            Tensor::cat(vec![out, pass], 3)
+        }
+    }
+}
+
+/// Builds the `[batch, 1, seq, past + seq]` mask (true = masked) for queries at cache
+/// indices `past..past+seq` over keys `0..past+seq`: causal by index, keys with
+/// `key_valid = false` hidden, and, for packed rows, keys of other segments hidden.
+pub fn attention_mask(
+    batch: usize,
+    seq: usize,
+    past: usize,
+    key_valid: Option<Tensor<2, Bool>>,
+    segment_ids: Option<Tensor<2, Int>>,
+    device: &Device,
+) -> Tensor<4, Bool> {
+    let total = past + seq;
+    let q = Tensor::<1, Int>::arange(past as i64..total as i64, device).reshape([1, seq, 1]);
+    let k = Tensor::<1, Int>::arange(0..total as i64, device).reshape([1, 1, total]);
+    let mut masked = k
+        .expand([batch, seq, total])
+        .greater(q.expand([batch, seq, total]));
+    if let Some(valid) = key_valid {
+        let hidden = valid
+            .bool_not()
+            .reshape([batch, 1, total])
+            .expand([batch, seq, total]);
+        masked = masked.bool_or(hidden);
+    }
+    if let Some(seg) = segment_ids {
+        let sq = seg
+            .clone()
+            .reshape([batch, seq, 1])
+            .expand([batch, seq, total]);
+        let sk = seg.reshape([batch, 1, total]).expand([batch, seq, total]);
+        masked = masked.bool_or(sq.equal(sk).bool_not());
+    }
+    masked.unsqueeze_dim(1)
+}
+
+/// Keys and values of one attention layer kept across decoding steps.
+#[derive(Debug, Clone)]
+pub struct LayerCache {
+    /// `[batch, kv_heads, cached, head_dim]`.
+    pub keys: Tensor<4>,
+    /// `[batch, kv_heads, cached, head_dim]`.
+    pub values: Tensor<4>,
+}
+
+/// Grouped-query self-attention with optional q/k bias, optional per-head qk RMSNorm and
+/// partial RoPE; scale `1/sqrt(head_dim)`.
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// `q_proj`.
+    pub q_proj: Linear,
+    /// `k_proj`.
+    pub k_proj: Linear,
+    /// `v_proj`.
+    pub v_proj: Linear,
+    /// `o_proj` (no bias).
+    pub o_proj: Linear,
+    /// Per-head RMSNorm of queries (`use_qk_norm`).
+    pub q_norm: Option<RmsNorm>,
+    /// Per-head RMSNorm of keys (`use_qk_norm`).
+    pub k_norm: Option<RmsNorm>,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key / value heads.
+    pub num_kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+}
+
+/// Shape parameters of an [`Attention`] layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionShape {
+    pub hidden: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub bias: bool,
+    pub qk_norm: bool,
+    pub eps: f64,
+}
+
+impl Attention {
+    pub(crate) fn build(
+        b: &mut Builder<'_>,
+        name: &str,
+        s: AttentionShape,
+    ) -> Result<Self, BridgeError> {
+        let q_out = s.num_heads * s.head_dim;
+        let kv_out = s.num_kv_heads * s.head_dim;
+        let (q_norm, k_norm) = if s.qk_norm {
+            (
+                Some(RmsNorm::build(
+                    b,
+                    &format!("{name}.q_norm"),
+                    s.head_dim,
+                    s.eps,
+                )?),
+                Some(RmsNorm::build(
+                    b,
+                    &format!("{name}.k_norm"),
+                    s.head_dim,
+                    s.eps,
+                )?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q_proj: Linear::build(b, &format!("{name}.q_proj"), s.hidden, q_out, s.bias)?,
+            k_proj: Linear::build(b, &format!("{name}.k_proj"), s.hidden, kv_out, s.bias)?,
+            v_proj: Linear::build(b, &format!("{name}.v_proj"), s.hidden, kv_out, s.bias)?,
+            o_proj: Linear::build(b, &format!("{name}.o_proj"), q_out, s.hidden, false)?,
+            q_norm,
+            k_norm,
+            num_heads: s.num_heads,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+        })
+    }
+
+    fn heads(&self, x: Tensor<2>, batch: usize, seq: usize, heads: usize) -> Tensor<4> {
+        x.reshape([batch, seq, heads, self.head_dim])
+            .swap_dims(1, 2)
+    }
+
+    /// Attends `x` (`[batch, seq, hidden]`); `mask` is `[batch, 1, seq, cached + seq]`.
+    /// With a cache, the new keys / values are appended to it first.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: Tensor<4, Bool>,
+        cache: Option<&mut Option<LayerCache>>,
+    ) -> Tensor<3> {
+        let [batch, seq, hidden] = x.dims();
+        let rows = x.reshape([batch * seq, hidden]);
+        let mut q = self.heads(
+            self.q_proj.forward(rows.clone()),
+            batch,
+            seq,
+            self.num_heads,
+        );
+        let mut k = self.heads(
+            self.k_proj.forward(rows.clone()),
+            batch,
+            seq,
+            self.num_kv_heads,
+        );
+        let mut v = self.heads(self.v_proj.forward(rows), batch, seq, self.num_kv_heads);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(q);
+            k = kn.forward(k);
+        }
+        q = rope.apply(q);
+        k = rope.apply(k);
+        if let Some(slot) = cache {
+            if let Some(old) = slot.take() {
+                k = Tensor::cat(vec![old.keys, k], 2);
+                v = Tensor::cat(vec![old.values, v], 2);
+            }
+            *slot = Some(LayerCache {
+                keys: k.clone(),
+                values: v.clone(),
+            });
+        }
+        let total = k.dims()[2];
+        let group = self.num_heads / self.num_kv_heads;
+        let expand = |t: Tensor<4>| -> Tensor<4> {
+            if group == 1 {
+                return t;
+            }
+            t.unsqueeze_dim::<5>(2)
+                .expand([batch, self.num_kv_heads, group, total, self.head_dim])
+                .reshape([batch, self.num_heads, total, self.head_dim])
+        };
+        let (k, v) = (expand(k), expand(v));
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scores = q.matmul(k.swap_dims(2, 3)) * scale;
+        let scores = scores.mask_fill(mask.expand([batch, self.num_heads, seq, total]), MASKED);
+        let out = softmax(scores, 3).matmul(v);
+        let out = out
+            .swap_dims(1, 2)
+            .reshape([batch * seq, self.num_heads * self.head_dim]);
+        self.o_proj.forward(out).reshape([batch, seq, hidden])
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        self.q_proj.visit(&format!("{name}.q_proj"), f);
+        self.k_proj.visit(&format!("{name}.k_proj"), f);
+        self.v_proj.visit(&format!("{name}.v_proj"), f);
+        self.o_proj.visit(&format!("{name}.o_proj"), f);
+        if let Some(n) = &self.q_norm {
+            n.visit(&format!("{name}.q_norm"), f);
+        }
+        if let Some(n) = &self.k_norm {
+            n.visit(&format!("{name}.k_norm"), f);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_rotates_halves_by_hand_computed_angles() {
+        let device = Device::flex();
+        // head_dim 6, rotary 4: channels (0,2) and (1,3) rotate, 4..6 pass through.
+        let x = Tensor::<4>::from_data([[[[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]]], &device);
+        let pos = Tensor::<2, Int>::from_data([[3]], &device);
+        let y = Rope::new(pos, vec![1.0, 0.1])
+            .apply(x)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let (a0, a1) = (3.0f64, 3.0f64 * 0.1f32 as f64);
+        let expect = [
+            1.0 * a0.cos() - 3.0 * a0.sin(),
+            2.0 * a1.cos() - 4.0 * a1.sin(),
+            3.0 * a0.cos() + 1.0 * a0.sin(),
+            4.0 * a1.cos() + 2.0 * a1.sin(),
+            5.0,
+            6.0,
+        ];
+        for (got, want) in y.iter().zip(expect) {
+            assert!((*got as f64 - want).abs() < 1e-5, "{y:?}");
+        }
+    }
+
+    #[test]
+    fn mask_is_causal_with_padding_and_segments() {
+        let device = Device::flex();
+        let seg = Tensor::<2, Int>::from_data([[0, 0, 1]], &device);
+        let m = attention_mask(1, 3, 0, None, Some(seg), &device);
+        let got = m.into_data().try_to_vec::<bool>().unwrap();
+        #[rustfmt::skip]
+        let want = [false, true, true,
+                    false, false, true,
+                    true, true, false];
+        assert_eq!(got, want);
+        let valid = Tensor::<2, Bool>::from_data([[true, false, true, true]], &device);
+        let m = attention_mask(1, 1, 3, Some(valid), None, &device);
+        assert_eq!(
+            m.into_data().try_to_vec::<bool>().unwrap(),
+            [false, true, false, false]
+        );
+    }
+}
