@@ -1,1 +1,75 @@
-//! miles-core (skeleton).
+//! # miles-core
+//!
+//! The shared vocabulary and seams of miles-rs. Every other crate speaks these types, and
+//! meets the others only through the traits defined here:
+//!
+//! * [`Sample`]: one trajectory with tokens, loss mask, rollout log-probs, routed experts,
+//!   reward, status and weight versions — every field of Miles' `Sample`, with its invariants
+//!   checked at construction and on deserialisation.
+//! * [`Message`], [`ToolCall`], [`ToolSpec`]: OpenAI-shaped chat messages.
+//! * [`RoutedExperts`]: the `[rows, layers, top_k]` MoE routing table with SGLang's base64
+//!   little-endian int32 codec, merge and truncation (R3).
+//! * [`WeightVersion`], [`NamedTensors`]: versioned HF-named weights, to / from safetensors
+//!   bytes.
+//! * [`GenerateRequest`], [`GenerateOutput`], [`SamplingParams`]: the token-level generation
+//!   protocol with SGLang's field names.
+//! * The seams: [`InferenceEngine`] (async, object-safe), [`PolicyTrainer`] (blocking),
+//!   [`RewardFn`] (async, object-safe), [`MetricsSink`] (+ [`JsonlMetricsSink`]).
+//!
+//! It depends only on serde, serde_json, thiserror and async-trait, so `cargo add miles-core`
+//! stays light.
+//!
+//! ```
+//! use miles_core::{Prompt, RoutedExperts, Sample, SampleStatus};
+//!
+//! // A two-token response to a three-token prompt, routed through 2 layers with top-2 experts.
+//! let routes = RoutedExperts::from_base64(
+//!     "AAAAAAEAAAACAAAAAwAAAAQAAAAFAAAABgAAAAcAAAAIAAAACQAAAAoAAAALAAAADAAAAA0AAAAOAAAADwAAAA==",
+//!     4, 2,
+//! )?;
+//! assert_eq!(routes.shape(), [4, 2, 2]);
+//! let sample = Sample::builder(Prompt::Text("1+1=".into()))
+//!     .tokens(vec![10, 11, 12, 13, 14], 2)
+//!     .loss_mask(vec![1, 1])
+//!     .rollout_log_probs(vec![-0.1, -0.2])
+//!     .routed_experts(routes)
+//!     .status(SampleStatus::Completed)
+//!     .build()?;
+//! assert_eq!(sample.response_tokens(), &[13, 14]);
+//!
+//! // A loss mask with the wrong length is a typed error, not a panic.
+//! let bad = Sample::builder(Prompt::Text("x".into())).tokens(vec![1, 2], 1).loss_mask(vec![1, 1]).build();
+//! assert!(matches!(bad, Err(miles_core::Error::SampleLength { field: "loss_mask", .. })));
+//! # Ok::<(), miles_core::Error>(())
+//! ```
+
+pub mod base64;
+pub mod engine;
+pub mod error;
+pub mod message;
+pub mod metrics;
+pub mod reward;
+pub mod routed;
+pub mod sample;
+pub mod trainer;
+pub mod weights;
+
+pub use engine::{
+    FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, PauseMode, RequestId,
+    SamplingParams,
+};
+pub use error::{EngineErrorKind, Error, Result};
+pub use message::{
+    Content, FunctionCall, FunctionSpec, Message, Role, ToolArguments, ToolCall, ToolSpec,
+};
+pub use metrics::{JsonlMetricsSink, MemoryMetricsSink, Metrics, MetricsSink, metrics_line};
+pub use reward::RewardFn;
+pub use routed::RoutedExperts;
+pub use sample::{
+    PrefixCacheInfo, Prompt, Reward, Sample, SampleBuilder, SampleStatus, SpecInfo, TokenId,
+};
+pub use trainer::PolicyTrainer;
+pub use weights::{DType, NamedTensors, TensorBytes, WeightVersion};
+
+/// Re-exported so implementors of the async seams use the same macro version.
+pub use async_trait::async_trait;

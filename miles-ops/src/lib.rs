@@ -15,6 +15,8 @@
 //! - [`logprobs`] and [`fused`]: per-token log-probs and entropy from logits, and the fused,
 //!   chunked version from hidden states and `lm_head` with a custom backward that never
 //!   materialises `[tokens, vocab]`.
+//! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
+//!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
 //!
 //! Built-in choices are serde enums whose values are Miles' CLI values; configs carry
 //! Miles' defaults and are validated once (`init`). Tensor code uses burn's
@@ -52,6 +54,7 @@ pub mod advantages;
 pub mod corrections;
 mod error;
 pub mod fused;
+pub mod kernel_device;
 pub mod kl;
 pub mod logprobs;
 pub mod policy;

@@ -1,1 +1,239 @@
-//! miles-rollout (skeleton).
+//! # miles-rollout
+//!
+//! Engines and orchestration for RL post-training: the embedded burn inference engine, an
+//! SGLang-compatible server and a router over engines, the rollout manager (groups, rewards,
+//! dynamic filters, over-sampling with abort, staleness control, partial rollout) and the
+//! synchronous / fully-asynchronous RL loops. It drives any [`miles_core::InferenceEngine`]
+//! and any [`miles_core::PolicyTrainer`] through miles-core's traits and never imports
+//! miles-train.
+//!
+//! Available now:
+//! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
+//!   of returned groups;
+//! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
+//!   checker) implementing [`miles_core::RewardFn`];
+//! * [`manager`]: the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
+//!   concurrency, rewards, dynamic filters, over-sampling with abort of the surplus, partial
+//!   rollout;
+//! * [`router`]: a [`Router`] over engines (itself an engine) — sticky routing keys, least
+//!   outstanding requests, failover, health checks with re-creation and weight catch-up;
+//! * [`loops`]: the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
+//!   (pause → flush → update → resume → version check), staleness control and resumable
+//!   checkpoints;
+//! * the group-level checks: the staleness bound ([`group_staleness`],
+//!   `--max-weight-staleness`) and the dynamic-sampling filters ([`DynamicFilter`]).
+//!
+//! ```
+//! use miles_core::{Prompt, Sample, WeightVersion};
+//! use miles_rollout::{DynamicFilter, FilterVerdict, group_staleness};
+//!
+//! let mut group: Vec<Sample> = (0..2)
+//!     .map(|_| Sample::builder(Prompt::Text("q".into())).build().unwrap())
+//!     .collect();
+//! group[0].weight_versions = vec!["3".into()];
+//! group[1].weight_versions = vec!["5".into(), "6".into()];
+//! // Generated with weights as old as version 3, the trainer is at 7: 4 versions stale.
+//! assert_eq!(group_staleness(&group, WeightVersion(7)), Some(4));
+//!
+//! group[0].reward = Some(1.0.into());
+//! group[1].reward = Some(1.0.into());
+//! // Equal rewards carry no GRPO signal: the group is dropped.
+//! assert_eq!(
+//!     DynamicFilter::CheckRewardNonzeroStd.apply(&group, None),
+//!     FilterVerdict::Drop { reason: "zero_std_1.0".into() }
+//! );
+//! ```
+
+pub mod data;
+pub mod error;
+pub mod loops;
+pub mod manager;
+pub mod reward;
+pub mod router;
+
+pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
+pub use error::{Error, Result};
+pub use loops::{
+    EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,
+};
+pub use manager::{PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager};
+pub use reward::BuiltinReward;
+pub use router::{EngineFactory, Router};
+
+use miles_core::{Sample, SampleStatus, WeightVersion};
+use serde::{Deserialize, Serialize};
+
+/// Staleness of a group for the trainer at `current`: `current − min over samples of their
+/// oldest weight version` (MILES_SPEC §6.3). `None` when no sample carries a numeric version.
+pub fn group_staleness(group: &[Sample], current: WeightVersion) -> Option<u64> {
+    group
+        .iter()
+        .filter_map(Sample::oldest_weight_version)
+        .min()
+        .map(|oldest| oldest.staleness(current))
+}
+
+/// Whether a group may reach the trainer under `--max-weight-staleness` (`None` = no bound).
+/// Groups without a numeric version are never stale.
+pub fn within_staleness(group: &[Sample], current: WeightVersion, max: Option<u64>) -> bool {
+    match (max, group_staleness(group, current)) {
+        (Some(max), Some(staleness)) => staleness <= max,
+        _ => true,
+    }
+}
+
+/// The verdict of a dynamic-sampling filter on one group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FilterVerdict {
+    /// Keep the group.
+    Keep,
+    /// Drop it, with Miles' reason label.
+    Drop {
+        /// Why (`zero_std_<r0>`, `group_has_aborted`).
+        reason: String,
+    },
+}
+
+/// Built-in dynamic-sampling filters, named as Miles' `filter_hub` functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DynamicFilter {
+    /// Keep a group iff the float64 standard deviation of its rewards exceeds 1e-8; the drop
+    /// reason is `zero_std_<first reward rounded to 1 decimal>`.
+    CheckRewardNonzeroStd,
+    /// Drop a group if any sample was aborted (`group_has_aborted`).
+    CheckNoAborted,
+}
+
+impl DynamicFilter {
+    /// Applies the filter; `reward_key` selects a component of dict rewards. Missing rewards
+    /// count as 0.
+    pub fn apply(self, group: &[Sample], reward_key: Option<&str>) -> FilterVerdict {
+        match self {
+            Self::CheckRewardNonzeroStd => {
+                let rewards: Vec<f64> = group
+                    .iter()
+                    .map(|s| {
+                        s.reward
+                            .as_ref()
+                            .and_then(|r| r.scalar(reward_key))
+                            .unwrap_or(0.0)
+                    })
+                    .collect();
+                if rewards.is_empty() {
+                    return FilterVerdict::Drop {
+                        reason: "empty_group".into(),
+                    };
+                }
+                let n = rewards.len() as f64;
+                let mean = rewards.iter().sum::<f64>() / n;
+                let std = (rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n).sqrt();
+                if std > 1e-8 {
+                    FilterVerdict::Keep
+                } else {
+                    FilterVerdict::Drop {
+                        reason: format!("zero_std_{}", python_round_1(rewards[0])),
+                    }
+                }
+            }
+            Self::CheckNoAborted => {
+                if group.iter().any(|s| s.status == SampleStatus::Aborted) {
+                    FilterVerdict::Drop {
+                        reason: "group_has_aborted".into(),
+                    }
+                } else {
+                    FilterVerdict::Keep
+                }
+            }
+        }
+    }
+}
+
+/// Formats `round(x, 1)` as Python prints it: Rust's `{:.1}` rounds the exact binary value
+/// half-to-even, which is what Python's `round` does (`0.25 → 0.2`, `0.35 → 0.3`).
+fn python_round_1(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.1}")
+    } else if x.is_nan() {
+        "nan".into()
+    } else if x > 0.0 {
+        "inf".into()
+    } else {
+        "-inf".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::Prompt;
+
+    fn sample(reward: f64, versions: &[&str]) -> Sample {
+        let mut s = Sample::builder(Prompt::Text(String::new()))
+            .reward(reward)
+            .build()
+            .unwrap();
+        s.weight_versions = versions.iter().map(|v| v.to_string()).collect();
+        s
+    }
+
+    #[test]
+    fn staleness_uses_the_oldest_version_of_any_sample() {
+        let group = [sample(0.0, &["4", "2"]), sample(1.0, &["5"])];
+        assert_eq!(group_staleness(&group, WeightVersion(5)), Some(3));
+        assert!(within_staleness(&group, WeightVersion(5), Some(3)));
+        assert!(!within_staleness(&group, WeightVersion(6), Some(3)));
+        assert!(within_staleness(&group, WeightVersion(100), None));
+        let unversioned = [sample(0.0, &["default"])];
+        assert_eq!(group_staleness(&unversioned, WeightVersion(9)), None);
+        assert!(within_staleness(&unversioned, WeightVersion(9), Some(0)));
+    }
+
+    #[test]
+    fn reward_std_filter_matches_miles_labels() {
+        let varied = [sample(0.0, &[]), sample(1.0, &[])];
+        assert_eq!(
+            DynamicFilter::CheckRewardNonzeroStd.apply(&varied, None),
+            FilterVerdict::Keep
+        );
+        let flat = [sample(0.25, &[]), sample(0.25, &[])];
+        // Python: f"zero_std_{round(0.25, 1)}" == "zero_std_0.2" (banker's rounding).
+        assert_eq!(
+            DynamicFilter::CheckRewardNonzeroStd.apply(&flat, None),
+            FilterVerdict::Drop {
+                reason: "zero_std_0.2".into()
+            }
+        );
+        let tricky = [sample(0.35, &[]), sample(0.35, &[])];
+        // Python: round(0.35, 1) == 0.3 (0.35 is stored just below the tie).
+        assert_eq!(
+            DynamicFilter::CheckRewardNonzeroStd.apply(&tricky, None),
+            FilterVerdict::Drop {
+                reason: "zero_std_0.3".into()
+            }
+        );
+        let negative = [sample(-1.0, &[]), sample(-1.0, &[])];
+        assert_eq!(
+            DynamicFilter::CheckRewardNonzeroStd.apply(&negative, None),
+            FilterVerdict::Drop {
+                reason: "zero_std_-1.0".into()
+            }
+        );
+    }
+
+    #[test]
+    fn aborted_filter() {
+        let mut group = [sample(0.0, &[]), sample(1.0, &[])];
+        assert_eq!(
+            DynamicFilter::CheckNoAborted.apply(&group, None),
+            FilterVerdict::Keep
+        );
+        group[1].status = SampleStatus::Aborted;
+        assert_eq!(
+            DynamicFilter::CheckNoAborted.apply(&group, None),
+            FilterVerdict::Drop {
+                reason: "group_has_aborted".into()
+            }
+        );
+    }
+}

@@ -1,0 +1,326 @@
+//! The token-level generation protocol and the [`InferenceEngine`] seam.
+//!
+//! Field names follow SGLang's `/generate` API (MILES_SPEC §7.1–7.2), so the embedded engine and
+//! the SGLang HTTP client speak the same vocabulary.
+
+use std::fmt;
+use std::path::Path;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::Result;
+use crate::routed::RoutedExperts;
+use crate::sample::TokenId;
+use crate::weights::{NamedTensors, WeightVersion};
+
+/// Identifies a generation request (for abort and tracing).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RequestId(pub String);
+
+impl RequestId {
+    /// A request id from any string.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self(id.into())
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Sampling parameters with SGLang's names and defaults (`temperature` 1, `top_p` 1, `top_k`
+/// −1 = off, `min_p` 0). Optional fields are omitted from the wire form when unset.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    pub top_p: f32,
+    /// Keep the `top_k` most likely tokens; −1 disables.
+    pub top_k: i32,
+    /// Drop tokens whose probability is below `min_p` × the top probability.
+    pub min_p: f32,
+    /// Maximum tokens to generate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_new_tokens: Option<usize>,
+    /// Minimum tokens before a stop may end generation.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub min_new_tokens: usize,
+    /// Stop strings.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stop: Vec<String>,
+    /// Stop token ids.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<TokenId>,
+    /// Drop special tokens when detokenising the output text.
+    pub skip_special_tokens: bool,
+    /// Keep the matched stop token / string in the output (Miles sends `true`).
+    pub no_stop_trim: bool,
+    /// Insert spaces between special tokens when detokenising.
+    pub spaces_between_special_tokens: bool,
+    /// Seed for reproducible sampling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampling_seed: Option<u64>,
+    /// Number of completions to sample for the prompt.
+    #[serde(skip_serializing_if = "is_one")]
+    pub n: usize,
+    /// OpenAI frequency penalty.
+    #[serde(skip_serializing_if = "is_zero_f32")]
+    pub frequency_penalty: f32,
+    /// OpenAI presence penalty.
+    #[serde(skip_serializing_if = "is_zero_f32")]
+    pub presence_penalty: f32,
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+
+fn is_one(v: &usize) -> bool {
+    *v == 1
+}
+
+fn is_zero_f32(v: &f32) -> bool {
+    *v == 0.0
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            min_p: 0.0,
+            max_new_tokens: None,
+            min_new_tokens: 0,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            skip_special_tokens: false,
+            no_stop_trim: true,
+            spaces_between_special_tokens: false,
+            sampling_seed: None,
+            n: 1,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+}
+
+/// One token-level generation request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    /// The prompt, as token ids.
+    pub input_ids: Vec<TokenId>,
+    /// How to sample.
+    #[serde(default)]
+    pub sampling_params: SamplingParams,
+    /// Id for abort / tracing (`rid` in SGLang).
+    #[serde(default, rename = "rid", skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<RequestId>,
+    /// Sticky routing key (sent as the `X-SMG-Routing-Key` header, not in the body).
+    #[serde(skip)]
+    pub routing_key: Option<String>,
+    /// Return per-token log-probs of the sampled tokens.
+    #[serde(default)]
+    pub return_logprob: bool,
+    /// Return the MoE expert choices of every forwarded position.
+    #[serde(default)]
+    pub return_routed_experts: bool,
+    /// With addition-R3: only rows from this position on are returned (MILES_SPEC §4.3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_experts_start_len: Option<usize>,
+}
+
+impl GenerateRequest {
+    /// A request for `input_ids` with default sampling, log-probs on.
+    pub fn new(input_ids: Vec<TokenId>, sampling_params: SamplingParams) -> Self {
+        Self {
+            input_ids,
+            sampling_params,
+            request_id: None,
+            routing_key: None,
+            return_logprob: true,
+            return_routed_experts: false,
+            routed_experts_start_len: None,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token or stop string was produced.
+    Stop,
+    /// `max_new_tokens` or the context limit was reached.
+    Length,
+    /// The request was aborted.
+    Abort,
+}
+
+impl FinishReason {
+    /// SGLang's wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
+}
+
+/// The result of one generation request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateOutput {
+    /// The request's id, if it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<RequestId>,
+    /// Generated token ids (stop token included when `no_stop_trim`).
+    pub output_ids: Vec<TokenId>,
+    /// Log-prob of each generated token under the generating weights (empty unless asked).
+    #[serde(default)]
+    pub output_log_probs: Vec<f64>,
+    /// Expert choices `[prompt + output − 1, layers, top_k]` (or from
+    /// `routed_experts_start_len` on), when asked and the model is MoE.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_experts: Option<RoutedExperts>,
+    /// Why generation ended.
+    pub finish_reason: FinishReason,
+    /// The stop token id or string that ended generation, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matched_stop: Option<Value>,
+    /// The weight version every token was generated with.
+    pub weight_version: WeightVersion,
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    #[serde(default)]
+    pub cached_tokens: usize,
+}
+
+/// What happens to in-flight requests when generation is paused (SGLang's `pause_generation`
+/// modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseMode {
+    /// Abort in-flight requests (they return with finish reason `abort`).
+    #[default]
+    Abort,
+    /// Stop scheduling; in-flight requests keep their state and continue after resume.
+    InPlace,
+    /// Retract in-flight requests to the waiting queue, releasing their KV cache.
+    Retract,
+}
+
+/// A token-in-token-out inference engine: the embedded burn engine, a remote SGLang server, or
+/// a router over many. Object-safe, used as `Arc<dyn InferenceEngine>`.
+///
+/// Contract: every output carries the weight version it was generated with, and a weight
+/// update never lands in the middle of a generation step.
+#[async_trait]
+pub trait InferenceEngine: Send + Sync {
+    /// Generates a completion for one request.
+    async fn generate(&self, request: GenerateRequest) -> Result<GenerateOutput>;
+
+    /// Replaces the weights in place with HF-named tensors and sets the version.
+    async fn update_weights(&self, weights: &NamedTensors, version: WeightVersion) -> Result<()>;
+
+    /// Loads HF-named safetensors from a directory (SGLang's `update_weights_from_disk`) and
+    /// sets the version.
+    async fn update_weights_from_disk(&self, dir: &Path, version: WeightVersion) -> Result<()>;
+
+    /// Pauses generation.
+    async fn pause(&self, mode: PauseMode) -> Result<()>;
+
+    /// Resumes generation after a pause.
+    async fn resume(&self) -> Result<()>;
+
+    /// Drops cached prefixes (after a weight update they are stale).
+    async fn flush_cache(&self) -> Result<()>;
+
+    /// Aborts one request; unknown ids are not an error (it may have finished).
+    async fn abort(&self, request_id: &RequestId) -> Result<()>;
+
+    /// Aborts every in-flight request.
+    async fn abort_all(&self) -> Result<()>;
+
+    /// `Ok` when the engine can serve.
+    async fn health(&self) -> Result<()>;
+
+    /// The version of the weights currently loaded.
+    async fn weight_version(&self) -> Result<WeightVersion>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn request_wire_form_uses_sglang_names() {
+        let mut params = SamplingParams {
+            max_new_tokens: Some(16),
+            sampling_seed: Some(7),
+            ..SamplingParams::default()
+        };
+        params.stop_token_ids.push(2);
+        let mut request = GenerateRequest::new(vec![1, 2, 3], params);
+        request.request_id = Some(RequestId::new("r1"));
+        request.routing_key = Some("session-1".into());
+        request.return_routed_experts = true;
+        let wire = serde_json::to_value(&request).unwrap();
+        assert_eq!(
+            wire,
+            json!({
+                "input_ids": [1, 2, 3],
+                "sampling_params": {
+                    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                    "max_new_tokens": 16, "stop_token_ids": [2],
+                    "skip_special_tokens": false, "no_stop_trim": true,
+                    "spaces_between_special_tokens": false, "sampling_seed": 7
+                },
+                "rid": "r1",
+                "return_logprob": true,
+                "return_routed_experts": true
+            })
+        );
+        let back: GenerateRequest = serde_json::from_value(wire).unwrap();
+        assert_eq!(
+            back.routing_key, None,
+            "the routing key travels as a header"
+        );
+        assert_eq!(back.sampling_params, request.sampling_params);
+    }
+
+    #[test]
+    fn output_and_pause_mode_round_trip() {
+        let output = GenerateOutput {
+            request_id: None,
+            output_ids: vec![5, 6],
+            output_log_probs: vec![-0.5, -1.5],
+            routed_experts: None,
+            finish_reason: FinishReason::Length,
+            matched_stop: None,
+            weight_version: WeightVersion(3),
+            prompt_tokens: 4,
+            cached_tokens: 0,
+        };
+        let wire = serde_json::to_value(&output).unwrap();
+        assert_eq!(wire["finish_reason"], json!("length"));
+        assert_eq!(wire["weight_version"], json!("3"));
+        assert_eq!(
+            serde_json::from_value::<GenerateOutput>(wire).unwrap(),
+            output
+        );
+        assert_eq!(
+            serde_json::to_value(PauseMode::InPlace).unwrap(),
+            json!("in_place")
+        );
+    }
+}

@@ -1,0 +1,172 @@
+//! Metrics: named scalar values per step, and where they go.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde_json::{Map, Number, Value};
+
+use crate::error::{Error, Result};
+
+/// Metric name (Miles' names: `train/pg_loss`, `rollout/raw_reward`, `perf/...`) → value.
+pub type Metrics = BTreeMap<String, f64>;
+
+/// Receives metrics. Object-safe and shareable (`Arc<dyn MetricsSink>`).
+pub trait MetricsSink: Send + Sync {
+    /// Records the metrics of one step.
+    fn log(&self, step: u64, metrics: &Metrics) -> Result<()>;
+
+    /// Flushes buffered output. The default does nothing.
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes one JSON object per call: `{"step": 3, "train/pg_loss": 0.12, …}`, keys in name
+/// order; non-finite values are written as `null` (JSON has no NaN). Lines are flushed as
+/// they are written, so a crashed run keeps every step it logged.
+pub struct JsonlMetricsSink {
+    path: PathBuf,
+    writer: Mutex<BufWriter<File>>,
+}
+
+impl JsonlMetricsSink {
+    /// Creates (truncating) the file at `path`, creating its parent folders.
+    pub fn create(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open(path.as_ref(), false)
+    }
+
+    /// Opens the file at `path` for appending (resuming a run).
+    pub fn append(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open(path.as_ref(), true)
+    }
+
+    fn open(path: &Path, append: bool) -> Result<Self> {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        let file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|e| Error::io(path, e))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            writer: Mutex::new(BufWriter::new(file)),
+        })
+    }
+
+    /// The file written to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The JSON line [`JsonlMetricsSink`] writes for one step.
+pub fn metrics_line(step: u64, metrics: &Metrics) -> String {
+    let mut object = Map::new();
+    object.insert("step".into(), Value::from(step));
+    for (name, value) in metrics {
+        let value = Number::from_f64(*value).map_or(Value::Null, Value::Number);
+        object.insert(name.clone(), value);
+    }
+    Value::Object(object).to_string()
+}
+
+impl MetricsSink for JsonlMetricsSink {
+    fn log(&self, step: u64, metrics: &Metrics) -> Result<()> {
+        let line = metrics_line(step, metrics);
+        let mut writer = self
+            .writer
+            .lock()
+            .map_err(|_| Error::Metrics("sink lock poisoned".into()))?;
+        writeln!(writer, "{line}")
+            .and_then(|()| writer.flush())
+            .map_err(|e| Error::io(&self.path, e))
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.writer
+            .lock()
+            .map_err(|_| Error::Metrics("sink lock poisoned".into()))?
+            .flush()
+            .map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// Keeps every logged step in memory (for tests and in-process dashboards).
+#[derive(Default)]
+pub struct MemoryMetricsSink {
+    steps: Mutex<Vec<(u64, Metrics)>>,
+}
+
+impl MemoryMetricsSink {
+    /// An empty sink.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A copy of everything logged so far, in order.
+    pub fn steps(&self) -> Vec<(u64, Metrics)> {
+        self.steps.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+impl MetricsSink for MemoryMetricsSink {
+    fn log(&self, step: u64, metrics: &Metrics) -> Result<()> {
+        self.steps
+            .lock()
+            .map_err(|_| Error::Metrics("sink lock poisoned".into()))?
+            .push((step, metrics.clone()));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jsonl_sink_writes_one_object_per_step() {
+        let dir = std::env::temp_dir().join(format!("miles-core-metrics-{}", std::process::id()));
+        let path = dir.join("nested/metrics.jsonl");
+        let sink = JsonlMetricsSink::create(&path).unwrap();
+        let mut m = Metrics::new();
+        m.insert("train/pg_loss".into(), 0.25);
+        m.insert("train/grad_norm".into(), f64::NAN);
+        sink.log(1, &m).unwrap();
+        m.insert("train/pg_loss".into(), -1.5);
+        sink.log(2, &m).unwrap();
+        drop(sink);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                r#"{"step":1,"train/grad_norm":null,"train/pg_loss":0.25}"#,
+                r#"{"step":2,"train/grad_norm":null,"train/pg_loss":-1.5}"#,
+            ]
+        );
+        let appended = JsonlMetricsSink::append(&path).unwrap();
+        appended.log(3, &Metrics::new()).unwrap();
+        drop(appended);
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 3);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn memory_sink_keeps_order() {
+        let sink = MemoryMetricsSink::new();
+        sink.log(5, &Metrics::from([("a".to_string(), 1.0)]))
+            .unwrap();
+        sink.log(6, &Metrics::new()).unwrap();
+        let steps = sink.steps();
+        assert_eq!(steps.len(), 2);
+        assert_eq!(steps[0].0, 5);
+        assert_eq!(steps[0].1["a"], 1.0);
+    }
+}

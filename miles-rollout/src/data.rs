@@ -1,0 +1,424 @@
+//! Prompt data: JSONL datasets, epochs, seeded shuffling, a resumable cursor and a buffer of
+//! returned groups (MILES_SPEC §6.1).
+
+use std::collections::VecDeque;
+use std::path::Path;
+
+use miles_core::{Message, Prompt, Sample};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+/// Which JSON keys of a dataset line hold what (Miles' `--input-key`, `--label-key`,
+/// `--metadata-key`, `--tool-key`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DatasetKeys {
+    /// The prompt: a string, or a list of chat messages.
+    pub input_key: String,
+    /// The reference answer (any JSON scalar; kept as text). `None`: no labels.
+    pub label_key: Option<String>,
+    /// An object merged into the sample's metadata.
+    pub metadata_key: String,
+    /// The tool list for the prompt, stored as `metadata["tools"]`.
+    pub tool_key: String,
+}
+
+impl Default for DatasetKeys {
+    fn default() -> Self {
+        Self {
+            input_key: "input".into(),
+            label_key: Some("label".into()),
+            metadata_key: "metadata".into(),
+            tool_key: "tools".into(),
+        }
+    }
+}
+
+/// One prompt of a dataset.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptRecord {
+    /// Text or chat messages.
+    pub prompt: Prompt,
+    /// Reference answer.
+    pub label: Option<String>,
+    /// Metadata (including `tools` when the line had them).
+    pub metadata: Map<String, Value>,
+}
+
+impl PromptRecord {
+    /// A text prompt with a label.
+    pub fn text(prompt: impl Into<String>, label: impl Into<String>) -> Self {
+        Self {
+            prompt: Prompt::Text(prompt.into()),
+            label: Some(label.into()),
+            metadata: Map::new(),
+        }
+    }
+}
+
+/// Parses a JSONL dataset. Blank lines are skipped; every other line must be a JSON object
+/// with the input key, else an [`Error::Dataset`] names the line.
+pub fn parse_jsonl(text: &str, keys: &DatasetKeys) -> Result<Vec<PromptRecord>> {
+    let mut out = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line_no = number + 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |reason: String| Error::Dataset {
+            line: line_no,
+            reason,
+        };
+        let Value::Object(mut object) =
+            serde_json::from_str::<Value>(line).map_err(|e| bad(e.to_string()))?
+        else {
+            return Err(bad("not a JSON object".into()));
+        };
+        let prompt = match object.remove(&keys.input_key) {
+            Some(Value::String(text)) => Prompt::Text(text),
+            Some(messages @ Value::Array(_)) => Prompt::Messages(
+                serde_json::from_value::<Vec<Message>>(messages)
+                    .map_err(|e| bad(format!("invalid messages: {e}")))?,
+            ),
+            Some(other) => {
+                return Err(bad(format!(
+                    "{:?} must be a string or a message list, found {other}",
+                    keys.input_key
+                )));
+            }
+            None => return Err(bad(format!("missing {:?}", keys.input_key))),
+        };
+        let label = match keys.label_key.as_ref().and_then(|k| object.remove(k)) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s),
+            Some(other) => Some(other.to_string()),
+        };
+        let mut metadata = match object.remove(&keys.metadata_key) {
+            None | Some(Value::Null) => Map::new(),
+            Some(Value::Object(map)) => map,
+            Some(other) => {
+                return Err(bad(format!(
+                    "{:?} must be an object, found {other}",
+                    keys.metadata_key
+                )));
+            }
+        };
+        if let Some(tools) = object.remove(&keys.tool_key) {
+            metadata.insert("tools".into(), tools);
+        }
+        out.push(PromptRecord {
+            prompt,
+            label,
+            metadata,
+        });
+    }
+    Ok(out)
+}
+
+/// Reads and parses a JSONL dataset file.
+pub fn load_jsonl(path: &Path, keys: &DatasetKeys) -> Result<Vec<PromptRecord>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    parse_jsonl(&text, keys)
+}
+
+/// Where the data source is: saved in checkpoints so a resumed run continues with the next
+/// prompt (Miles' `global_dataset_state_dict` fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DataCursor {
+    /// Next prompt position within the current epoch's order.
+    pub sample_offset: usize,
+    /// Current epoch (the shuffle seed is `seed + epoch_id`).
+    pub epoch_id: u64,
+    /// Next group index to assign.
+    pub sample_group_index: u64,
+    /// Next sample index to assign.
+    pub sample_index: u64,
+}
+
+/// Everything the data source must persist: its cursor and the groups waiting in its buffer
+/// (recycled or partially generated samples).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct DataSourceState {
+    /// The cursor.
+    pub cursor: DataCursor,
+    /// Buffered groups, served before new prompts.
+    pub buffer: Vec<Vec<Sample>>,
+}
+
+/// Serves groups of `n_samples_per_prompt` samples per prompt, epoch after epoch, serving
+/// buffered (returned) groups first.
+#[derive(Debug, Clone)]
+pub struct DataSource {
+    prompts: Vec<PromptRecord>,
+    n_samples_per_prompt: usize,
+    shuffle: bool,
+    seed: u64,
+    order: Vec<usize>,
+    cursor: DataCursor,
+    buffer: VecDeque<Vec<Sample>>,
+}
+
+impl DataSource {
+    /// A data source over `prompts` (non-empty). With `shuffle`, each epoch's order is a
+    /// permutation seeded by `seed + epoch_id` (`--rollout-shuffle`, `--rollout-seed`).
+    pub fn new(
+        prompts: Vec<PromptRecord>,
+        n_samples_per_prompt: usize,
+        shuffle: bool,
+        seed: u64,
+    ) -> Result<Self> {
+        if prompts.is_empty() {
+            return Err(Error::Config("the dataset has no prompts".into()));
+        }
+        if n_samples_per_prompt == 0 {
+            return Err(Error::Config("n_samples_per_prompt must be >= 1".into()));
+        }
+        let mut source = Self {
+            prompts,
+            n_samples_per_prompt,
+            shuffle,
+            seed,
+            order: Vec::new(),
+            cursor: DataCursor::default(),
+            buffer: VecDeque::new(),
+        };
+        source.order = source.epoch_order(0);
+        Ok(source)
+    }
+
+    fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.prompts.len()).collect();
+        if self.shuffle {
+            shuffle(&mut order, self.seed.wrapping_add(epoch));
+        }
+        order
+    }
+
+    /// Samples per group.
+    pub fn n_samples_per_prompt(&self) -> usize {
+        self.n_samples_per_prompt
+    }
+
+    /// Number of prompts in the dataset.
+    pub fn len(&self) -> usize {
+        self.prompts.len()
+    }
+
+    /// Always false: a data source is never empty (checked at construction).
+    pub fn is_empty(&self) -> bool {
+        self.prompts.is_empty()
+    }
+
+    /// Groups waiting in the buffer.
+    pub fn buffered_groups(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// The next `n_groups` groups: buffered groups first, then fresh prompts (wrapping into the
+    /// next epoch as needed), each as `n_samples_per_prompt` copies with increasing
+    /// `group_index` / `index`.
+    pub fn get_groups(&mut self, n_groups: usize) -> Vec<Vec<Sample>> {
+        let mut out = Vec::with_capacity(n_groups);
+        while out.len() < n_groups {
+            if let Some(group) = self.buffer.pop_front() {
+                out.push(group);
+                continue;
+            }
+            if self.cursor.sample_offset >= self.order.len() {
+                self.cursor.epoch_id += 1;
+                self.cursor.sample_offset = 0;
+                self.order = self.epoch_order(self.cursor.epoch_id);
+            }
+            let record = &self.prompts[self.order[self.cursor.sample_offset]];
+            self.cursor.sample_offset += 1;
+            let group_index = self.cursor.sample_group_index;
+            self.cursor.sample_group_index += 1;
+            let mut group = Vec::with_capacity(self.n_samples_per_prompt);
+            for _ in 0..self.n_samples_per_prompt {
+                let mut sample = Sample {
+                    prompt: record.prompt.clone(),
+                    label: record.label.clone(),
+                    metadata: record.metadata.clone(),
+                    ..Sample::default()
+                };
+                sample.group_index = Some(group_index);
+                sample.index = Some(self.cursor.sample_index);
+                self.cursor.sample_index += 1;
+                group.push(sample);
+            }
+            out.push(group);
+        }
+        out
+    }
+
+    /// Returns groups to the buffer (recycled stale groups, partially generated groups). Each
+    /// must have `n_samples_per_prompt` samples; a wrong size is an error and nothing is added.
+    pub fn add_groups(&mut self, groups: Vec<Vec<Sample>>) -> Result<()> {
+        if let Some(bad) = groups.iter().find(|g| g.len() != self.n_samples_per_prompt) {
+            return Err(Error::Config(format!(
+                "a returned group has {} samples, expected {}",
+                bad.len(),
+                self.n_samples_per_prompt
+            )));
+        }
+        self.buffer.extend(groups);
+        Ok(())
+    }
+
+    /// The state to checkpoint.
+    pub fn state(&self) -> DataSourceState {
+        DataSourceState {
+            cursor: self.cursor,
+            buffer: self.buffer.iter().cloned().collect(),
+        }
+    }
+
+    /// Restores a checkpointed state (the dataset and settings must be the same).
+    pub fn restore(&mut self, state: DataSourceState) -> Result<()> {
+        if state.cursor.sample_offset > self.prompts.len() {
+            return Err(Error::Config(format!(
+                "checkpoint offset {} exceeds the {} prompts of the dataset",
+                state.cursor.sample_offset,
+                self.prompts.len()
+            )));
+        }
+        self.order = self.epoch_order(state.cursor.epoch_id);
+        self.cursor = state.cursor;
+        self.buffer = state.buffer.into();
+        Ok(())
+    }
+}
+
+/// SplitMix64: a tiny, well-mixed deterministic generator (for shuffling only).
+pub(crate) struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (Lemire's multiply-shift; bias below 2⁻³² for our sizes).
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+    }
+}
+
+/// Fisher–Yates shuffle seeded by `seed`.
+fn shuffle(items: &mut [usize], seed: u64) {
+    let mut rng = SplitMix64::new(seed);
+    for i in (1..items.len()).rev() {
+        let j = rng.below(i + 1);
+        items.swap(i, j);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::Role;
+
+    const JSONL: &str = r#"{"input": "1+1=", "label": 2}
+{"input": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "label": "hello", "metadata": {"source": "chat"}, "tools": [{"type": "function", "function": {"name": "f"}}]}
+
+{"input": "3+4=", "label": "7"}
+"#;
+
+    #[test]
+    fn parses_text_messages_labels_metadata_and_tools() {
+        let records = parse_jsonl(JSONL, &DatasetKeys::default()).unwrap();
+        assert_eq!(records.len(), 3);
+        assert_eq!(records[0].prompt, Prompt::Text("1+1=".into()));
+        assert_eq!(records[0].label.as_deref(), Some("2"));
+        let Prompt::Messages(messages) = &records[1].prompt else {
+            panic!("expected messages")
+        };
+        assert_eq!(messages[1].role, Role::User);
+        assert_eq!(records[1].metadata["source"], "chat");
+        assert_eq!(records[1].metadata["tools"][0]["function"]["name"], "f");
+    }
+
+    #[test]
+    fn bad_lines_name_the_line() {
+        let err = parse_jsonl("{\"input\": \"a\"}\n[1]\n", &DatasetKeys::default()).unwrap_err();
+        assert!(matches!(err, Error::Dataset { line: 2, .. }), "{err}");
+        let err = parse_jsonl("{\"question\": \"a\"}", &DatasetKeys::default()).unwrap_err();
+        assert!(matches!(err, Error::Dataset { line: 1, .. }));
+        let err = parse_jsonl("{\"input\": 5}", &DatasetKeys::default()).unwrap_err();
+        assert!(err.to_string().contains("string or a message list"));
+        assert!(DataSource::new(Vec::new(), 2, false, 0).is_err());
+    }
+
+    #[test]
+    fn groups_wrap_epochs_with_increasing_indices() {
+        let records = parse_jsonl(JSONL, &DatasetKeys::default()).unwrap();
+        let mut source = DataSource::new(records, 2, false, 0).unwrap();
+        let groups = source.get_groups(4);
+        assert_eq!(groups.len(), 4);
+        assert_eq!(
+            groups[3][0].prompt,
+            Prompt::Text("1+1=".into()),
+            "epoch wrapped"
+        );
+        let indices: Vec<_> = groups.iter().flatten().map(|s| s.index.unwrap()).collect();
+        assert_eq!(indices, (0..8).collect::<Vec<_>>());
+        assert_eq!(groups[2][1].group_index, Some(2));
+        assert_eq!(source.state().cursor.epoch_id, 1);
+    }
+
+    #[test]
+    fn shuffle_is_a_seeded_permutation_per_epoch() {
+        let records: Vec<_> = (0..50)
+            .map(|i| PromptRecord::text(format!("q{i}"), i.to_string()))
+            .collect();
+        let mut a = DataSource::new(records.clone(), 1, true, 7).unwrap();
+        let mut b = DataSource::new(records.clone(), 1, true, 7).unwrap();
+        let labels = |groups: Vec<Vec<Sample>>| -> Vec<String> {
+            groups
+                .into_iter()
+                .map(|g| g[0].label.clone().unwrap())
+                .collect()
+        };
+        let epoch0 = labels(a.get_groups(50));
+        assert_eq!(epoch0, labels(b.get_groups(50)), "same seed, same order");
+        let mut sorted = epoch0.clone();
+        sorted.sort_by_key(|l| l.parse::<u32>().unwrap());
+        assert_eq!(sorted, (0..50).map(|i| i.to_string()).collect::<Vec<_>>());
+        assert_ne!(epoch0, (0..50).map(|i| i.to_string()).collect::<Vec<_>>());
+        let epoch1 = labels(a.get_groups(50));
+        assert_ne!(epoch0, epoch1, "each epoch reshuffles");
+    }
+
+    #[test]
+    fn resume_continues_with_the_next_prompt_and_buffer() {
+        let records: Vec<_> = (0..5)
+            .map(|i| PromptRecord::text(format!("q{i}"), i.to_string()))
+            .collect();
+        let mut source = DataSource::new(records.clone(), 2, true, 3).unwrap();
+        let first = source.get_groups(3);
+        source.add_groups(vec![first[0].clone()]).unwrap();
+        assert!(source.add_groups(vec![vec![Sample::default()]]).is_err());
+        let saved = serde_json::to_string(&source.state()).unwrap();
+        let expected_next = source.clone().get_groups(4);
+
+        let mut resumed = DataSource::new(records, 2, true, 3).unwrap();
+        resumed
+            .restore(serde_json::from_str(&saved).unwrap())
+            .unwrap();
+        let next = resumed.get_groups(4);
+        assert_eq!(next, expected_next);
+        assert_eq!(next[0], first[0], "the buffered group is served first");
+    }
+}

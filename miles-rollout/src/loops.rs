@@ -1,0 +1,591 @@
+//! The RL loops: synchronous (rollout → train → update weights) and fully asynchronous
+//! (generation keeps running while the trainer trains), with versioned weight updates,
+//! staleness control and checkpoints that carry the rollout side (MILES_SPEC §6.3–6.5).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use miles_core::{
+    InferenceEngine, Metrics, MetricsSink, PauseMode, PolicyTrainer, Sample, WeightVersion,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::data::{DataSource, DataSourceState};
+use crate::error::{Error, Result};
+use crate::manager::{RolloutManager, mask_unusable, rollout_metrics};
+use crate::{FilterVerdict, group_staleness};
+
+/// What to do with groups that are too stale to train on
+/// (`--async-unused-samples-handler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnusedSamplesHandler {
+    /// Drop them (Miles' default).
+    #[default]
+    Drop,
+    /// Reset them and re-queue their prompts to be generated again.
+    Retry,
+}
+
+/// Loop settings, with Miles' flag names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoopConfig {
+    /// Training steps (`--num-rollout`).
+    pub num_rollout: u64,
+    /// Push weights to the engines every this many steps (`--update-weights-interval`, 1).
+    pub update_weights_interval: u64,
+    /// Maximum versions a group may lag the trainer (`--max-weight-staleness`; `None` = no bound).
+    pub max_weight_staleness: Option<u64>,
+    /// Handling of stale groups in the async loop.
+    pub unused_samples_handler: UnusedSamplesHandler,
+    /// How engines pause for a weight update (`--pause-generation-mode`, Miles: retract).
+    pub pause_generation_mode: PauseMode,
+    /// Async buffer capacity = factor × rollout_batch_size groups
+    /// (`--async-data-buffer-capacity-factor`, 2.0).
+    pub async_data_buffer_capacity_factor: f64,
+    /// Save a checkpoint every this many steps (`--save-interval`).
+    pub save_interval: Option<u64>,
+    /// Where checkpoints go (`--save`).
+    pub save: Option<PathBuf>,
+}
+
+impl Default for LoopConfig {
+    fn default() -> Self {
+        Self {
+            num_rollout: 1,
+            update_weights_interval: 1,
+            max_weight_staleness: None,
+            unused_samples_handler: UnusedSamplesHandler::Drop,
+            pause_generation_mode: PauseMode::Retract,
+            async_data_buffer_capacity_factor: 2.0,
+            save_interval: None,
+            save: None,
+        }
+    }
+}
+
+/// The rollout side of a checkpoint (the trainer saves its own part beside it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutCheckpoint {
+    /// The step to run next.
+    pub next_rollout_id: u64,
+    /// The weight version the engines hold.
+    pub weight_version: WeightVersion,
+    /// Data cursor and buffered groups.
+    pub data: DataSourceState,
+}
+
+/// A held-out prompt set evaluated on the current weights (`--eval-prompt-data NAME PATH`),
+/// with its own reward and sampling (its manager's config).
+pub struct EvalSet {
+    /// Name used in the metric keys (`eval/<name>/...`).
+    pub name: String,
+    /// The prompts.
+    pub prompts: Vec<crate::data::PromptRecord>,
+    /// Generates and scores them (its config's `n_samples_per_prompt` applies).
+    pub manager: Arc<RolloutManager>,
+}
+
+impl EvalSet {
+    /// Generates every prompt's group on the current weights and returns
+    /// `eval/<name>/raw_reward`, `eval/<name>/response_len/mean`, `eval/<name>/truncated_ratio`
+    /// and `eval/<name>/samples`.
+    pub async fn evaluate(&self) -> Result<Metrics> {
+        let n = self.manager.config().n_samples_per_prompt;
+        let mut source = DataSource::new(self.prompts.clone(), n, false, 0)?;
+        let mut tasks = tokio::task::JoinSet::new();
+        for group in source.get_groups(self.prompts.len()) {
+            let manager = self.manager.clone();
+            tasks.spawn(async move { manager.generate_group(group).await });
+        }
+        let mut groups = Vec::with_capacity(self.prompts.len());
+        while let Some(joined) = tasks.join_next().await {
+            groups.push(joined.map_err(|e| Error::Task(format!("eval task failed: {e}")))?);
+        }
+        let reward_key = self.manager.config().reward_key.as_deref();
+        Ok(rollout_metrics(&groups, reward_key)
+            .into_iter()
+            .filter_map(|(key, value)| {
+                key.strip_prefix("rollout/")
+                    .map(|rest| (format!("eval/{}/{rest}", self.name), value))
+            })
+            .collect())
+    }
+}
+
+/// A trainer shared with blocking threads.
+pub type SharedTrainer = Arc<Mutex<Box<dyn PolicyTrainer>>>;
+
+/// Drives one [`RolloutManager`] and one [`PolicyTrainer`].
+pub struct RlLoop {
+    config: LoopConfig,
+    manager: Arc<RolloutManager>,
+    trainer: SharedTrainer,
+    metrics: Arc<dyn MetricsSink>,
+    data: DataSource,
+    next_rollout_id: u64,
+    evals: Vec<EvalSet>,
+    eval_interval: Option<u64>,
+}
+
+impl RlLoop {
+    /// A loop starting at step 0.
+    pub fn new(
+        config: LoopConfig,
+        manager: Arc<RolloutManager>,
+        trainer: SharedTrainer,
+        metrics: Arc<dyn MetricsSink>,
+        data: DataSource,
+    ) -> Result<Self> {
+        if config.update_weights_interval == 0 {
+            return Err(Error::Config("update_weights_interval must be >= 1".into()));
+        }
+        if config.async_data_buffer_capacity_factor.is_nan()
+            || config.async_data_buffer_capacity_factor <= 0.0
+        {
+            return Err(Error::Config(
+                "async_data_buffer_capacity_factor must be > 0".into(),
+            ));
+        }
+        Ok(Self {
+            config,
+            manager,
+            trainer,
+            metrics,
+            data,
+            next_rollout_id: 0,
+            evals: Vec::new(),
+            eval_interval: None,
+        })
+    }
+
+    /// Evaluates `sets` before training and after every `eval_interval` steps
+    /// (`--eval-interval`), logging `eval/<name>/...` at the step just finished.
+    pub fn with_eval(mut self, sets: Vec<EvalSet>, eval_interval: u64) -> Self {
+        self.evals = sets;
+        self.eval_interval = (eval_interval > 0).then_some(eval_interval);
+        self
+    }
+
+    /// Runs every eval set now and returns their metrics.
+    pub async fn evaluate(&self) -> Result<Metrics> {
+        let mut metrics = Metrics::new();
+        for set in &self.evals {
+            metrics.extend(set.evaluate().await?);
+        }
+        Ok(metrics)
+    }
+
+    async fn maybe_eval(&self, finished_step: Option<u64>, metrics: &mut Metrics) -> Result<()> {
+        let Some(interval) = self.eval_interval else {
+            return Ok(());
+        };
+        let due = match finished_step {
+            None => true,
+            Some(step) => {
+                (step + 1).is_multiple_of(interval) || step + 1 == self.config.num_rollout
+            }
+        };
+        if due && !self.evals.is_empty() {
+            metrics.extend(self.evaluate().await?);
+        }
+        Ok(())
+    }
+
+    async fn eval_before_training(&self) -> Result<()> {
+        if self.next_rollout_id == 0 && self.eval_interval.is_some() && !self.evals.is_empty() {
+            let mut metrics = Metrics::new();
+            self.maybe_eval(None, &mut metrics).await?;
+            self.metrics.log(0, &metrics)?;
+        }
+        Ok(())
+    }
+
+    /// The step the loop runs next.
+    pub fn next_rollout_id(&self) -> u64 {
+        self.next_rollout_id
+    }
+
+    /// The data source (its cursor advances as the loop runs).
+    pub fn data(&self) -> &DataSource {
+        &self.data
+    }
+
+    /// Resumes from the latest checkpoint under `save` if there is one: trainer state, data
+    /// cursor and buffer, and the engines get the trainer's weights at its version. Returns
+    /// the step it resumes at (0 when there was nothing to resume).
+    pub async fn resume(&mut self) -> Result<u64> {
+        let Some(dir) = self.config.save.clone().and_then(|d| latest_checkpoint(&d)) else {
+            return Ok(0);
+        };
+        let state_path = dir.join("rollout_state.json");
+        let text = std::fs::read_to_string(&state_path).map_err(|source| Error::Io {
+            path: state_path.clone(),
+            source,
+        })?;
+        let state: RolloutCheckpoint = serde_json::from_str(&text)
+            .map_err(|e| Error::Config(format!("{}: {e}", state_path.display())))?;
+        let trainer_dir = dir.join("trainer");
+        let trainer = self.trainer.clone();
+        blocking(move || {
+            lock(&trainer)?
+                .load_checkpoint(&trainer_dir)
+                .map_err(Error::from)
+        })
+        .await?;
+        self.data.restore(state.data)?;
+        self.next_rollout_id = state.next_rollout_id;
+        update_weights(
+            self.manager.engine(),
+            &self.trainer,
+            self.config.pause_generation_mode,
+        )
+        .await?;
+        Ok(self.next_rollout_id)
+    }
+
+    /// The synchronous loop: for each step, generate a batch, train on it, then (every
+    /// `update_weights_interval` steps) push the new weights to the engines.
+    pub async fn run_sync(&mut self) -> Result<()> {
+        self.eval_before_training().await?;
+        while self.next_rollout_id < self.config.num_rollout {
+            let rollout_id = self.next_rollout_id;
+            let started = Instant::now();
+            let batch = self
+                .manager
+                .generate_rollout(rollout_id, &mut self.data)
+                .await?;
+            let rollout_time = started.elapsed().as_secs_f64();
+            let mut metrics = batch.metrics.clone();
+            metrics.insert("perf/rollout_time".into(), rollout_time);
+            let version = self
+                .train_and_update(rollout_id, batch.samples(), &mut metrics)
+                .await?;
+            metrics.insert("weight_version".into(), version.0 as f64);
+            metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
+            self.maybe_eval(Some(rollout_id), &mut metrics).await?;
+            self.metrics.log(rollout_id, &metrics)?;
+            self.next_rollout_id += 1;
+            self.maybe_save(rollout_id).await?;
+        }
+        Ok(())
+    }
+
+    async fn train_and_update(
+        &self,
+        rollout_id: u64,
+        samples: Vec<Sample>,
+        metrics: &mut Metrics,
+    ) -> Result<WeightVersion> {
+        let trainer = self.trainer.clone();
+        let train_started = Instant::now();
+        let train_metrics = blocking(move || {
+            lock(&trainer)?
+                .train(rollout_id, &samples)
+                .map_err(Error::from)
+        })
+        .await?;
+        metrics.insert(
+            "perf/train_time".into(),
+            train_started.elapsed().as_secs_f64(),
+        );
+        metrics.extend(train_metrics);
+        if (rollout_id + 1).is_multiple_of(self.config.update_weights_interval) {
+            let update_started = Instant::now();
+            let version = update_weights(
+                self.manager.engine(),
+                &self.trainer,
+                self.config.pause_generation_mode,
+            )
+            .await?;
+            metrics.insert(
+                "perf/update_weights_time".into(),
+                update_started.elapsed().as_secs_f64(),
+            );
+            Ok(version)
+        } else {
+            Ok(self.manager.engine().weight_version().await?)
+        }
+    }
+
+    /// The fully asynchronous loop: a background worker keeps up to
+    /// `rollout_batch_size` groups generating and pushes finished, filtered groups into a
+    /// bounded buffer; each step drains `rollout_batch_size` groups, routes groups staler
+    /// than `max_weight_staleness` to the unused-samples handler, trains, and updates the
+    /// engines' weights every `update_weights_interval` steps (generation paused meanwhile).
+    pub async fn run_async(&mut self) -> Result<()> {
+        self.eval_before_training().await?;
+        let batch_size = self.manager.config().rollout_batch_size;
+        let capacity = ((self.config.async_data_buffer_capacity_factor * batch_size as f64).floor()
+            as usize)
+            .max(1);
+        let (sender, mut receiver) = mpsc::channel::<Vec<Sample>>(capacity);
+        let placeholder = placeholder_source(&self.data)?;
+        let data = Arc::new(tokio::sync::Mutex::new(std::mem::replace(
+            &mut self.data,
+            placeholder,
+        )));
+        let worker = tokio::spawn(generation_worker(
+            self.manager.clone(),
+            data.clone(),
+            sender,
+            batch_size,
+        ));
+        let outcome = self.async_steps(&mut receiver, &data, batch_size).await;
+        worker.abort();
+        let _ = worker.await;
+        // Groups still buffered were generated but not trained on: return them to the data
+        // source so a checkpoint keeps them.
+        receiver.close();
+        let mut leftover = Vec::new();
+        while let Ok(group) = receiver.try_recv() {
+            leftover.push(group);
+        }
+        let mut source = Arc::try_unwrap(data)
+            .map_err(|_| Error::Task("generation worker still holds the data source".into()))?
+            .into_inner();
+        source.add_groups(leftover)?;
+        self.data = source;
+        outcome
+    }
+
+    async fn async_steps(
+        &mut self,
+        receiver: &mut mpsc::Receiver<Vec<Sample>>,
+        data: &Arc<tokio::sync::Mutex<DataSource>>,
+        batch_size: usize,
+    ) -> Result<()> {
+        while self.next_rollout_id < self.config.num_rollout {
+            let rollout_id = self.next_rollout_id;
+            let started = Instant::now();
+            let current = lock(&self.trainer)?.weight_version();
+            let mut groups = Vec::with_capacity(batch_size);
+            let mut stale = 0u64;
+            let mut staleness = Vec::new();
+            while groups.len() < batch_size {
+                let Some(group) = receiver.recv().await else {
+                    return Err(Error::Task("the generation worker stopped".into()));
+                };
+                let lag = group_staleness(&group, current);
+                let too_stale = matches!(
+                    (self.config.max_weight_staleness, lag),
+                    (Some(max), Some(lag)) if lag > max
+                );
+                if too_stale {
+                    stale += 1;
+                    if self.config.unused_samples_handler == UnusedSamplesHandler::Retry {
+                        let mut group = group;
+                        group.iter_mut().for_each(Sample::reset_for_retry);
+                        data.lock().await.add_groups(vec![group])?;
+                    }
+                    continue;
+                }
+                staleness.push(lag.unwrap_or(0) as f64);
+                groups.push(group);
+            }
+            let wait_time = started.elapsed().as_secs_f64();
+            let mut metrics = rollout_metrics(&groups, self.manager.config().reward_key.as_deref());
+            metrics.insert("perf/rollout_wait_time".into(), wait_time);
+            metrics.insert(
+                "rollout/fully_async/stale_groups_filtered".into(),
+                stale as f64,
+            );
+            if !staleness.is_empty() {
+                metrics.insert(
+                    "rollout/fully_async/avg_staleness".into(),
+                    staleness.iter().sum::<f64>() / staleness.len() as f64,
+                );
+                metrics.insert(
+                    "rollout/fully_async/max_staleness".into(),
+                    staleness.iter().copied().fold(0.0, f64::max),
+                );
+            }
+            metrics.insert(
+                "rollout/fully_async/queue_size".into(),
+                receiver.len() as f64,
+            );
+            let samples: Vec<Sample> = groups.into_iter().flatten().collect();
+            let version = self
+                .train_and_update(rollout_id, samples, &mut metrics)
+                .await?;
+            metrics.insert("weight_version".into(), version.0 as f64);
+            metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
+            self.maybe_eval(Some(rollout_id), &mut metrics).await?;
+            self.metrics.log(rollout_id, &metrics)?;
+            self.next_rollout_id += 1;
+            if self.should_save(rollout_id) {
+                // The checkpoint needs the data source: borrow it back from the worker's lock.
+                let state = data.lock().await.state();
+                self.save_checkpoint(rollout_id, state).await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn should_save(&self, rollout_id: u64) -> bool {
+        matches!(
+            (self.config.save_interval, &self.config.save),
+            (Some(every), Some(_)) if every > 0 && ((rollout_id + 1).is_multiple_of(every) || rollout_id + 1 == self.config.num_rollout)
+        )
+    }
+
+    async fn maybe_save(&self, rollout_id: u64) -> Result<()> {
+        if self.should_save(rollout_id) {
+            self.save_checkpoint(rollout_id, self.data.state()).await?;
+        }
+        Ok(())
+    }
+
+    async fn save_checkpoint(&self, rollout_id: u64, data: DataSourceState) -> Result<()> {
+        let Some(root) = self.config.save.clone() else {
+            return Ok(());
+        };
+        let dir = root.join(format!("iter_{rollout_id:07}"));
+        let partial = root.join(format!(".iter_{rollout_id:07}.partial"));
+        let _ = std::fs::remove_dir_all(&partial);
+        let trainer = self.trainer.clone();
+        let trainer_dir = partial.join("trainer");
+        let version = blocking(move || {
+            let trainer = lock(&trainer)?;
+            trainer.save_checkpoint(&trainer_dir)?;
+            Ok(trainer.weight_version())
+        })
+        .await?;
+        let state = RolloutCheckpoint {
+            next_rollout_id: rollout_id + 1,
+            weight_version: version,
+            data,
+        };
+        let path = partial.join("rollout_state.json");
+        let json = serde_json::to_vec_pretty(&state)
+            .map_err(|e| Error::Config(format!("cannot serialise the rollout state: {e}")))?;
+        std::fs::write(&path, json).map_err(|source| Error::Io { path, source })?;
+        // Publish atomically: a run killed mid-save leaves only a `.partial` folder behind.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&partial, &dir).map_err(|source| Error::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(())
+    }
+}
+
+/// The newest complete `iter_NNNNNNN` checkpoint under `root`.
+pub fn latest_checkpoint(root: &Path) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(root).ok()?;
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let step: u64 = name.strip_prefix("iter_")?.parse().ok()?;
+            e.path()
+                .join("rollout_state.json")
+                .exists()
+                .then_some((step, e.path()))
+        })
+        .max_by_key(|(step, _)| *step)
+        .map(|(_, path)| path)
+}
+
+/// Pushes the trainer's weights to `engine` at the trainer's version: pause, flush (unless
+/// paused in place), update, resume, then check the engine reports that version.
+pub async fn update_weights(
+    engine: &Arc<dyn InferenceEngine>,
+    trainer: &SharedTrainer,
+    mode: PauseMode,
+) -> Result<WeightVersion> {
+    let shared = trainer.clone();
+    let (weights, version) = blocking(move || {
+        let trainer = lock(&shared)?;
+        Ok((trainer.export_weights()?, trainer.weight_version()))
+    })
+    .await?;
+    engine.pause(mode).await?;
+    let updated = async {
+        if mode != PauseMode::InPlace {
+            engine.flush_cache().await?;
+        }
+        engine.update_weights(&weights, version).await
+    }
+    .await;
+    // Always resume, even when the update failed, so generation is never left paused.
+    let resumed = engine.resume().await;
+    updated?;
+    resumed?;
+    let reported = engine.weight_version().await?;
+    if reported != version {
+        return Err(Error::Task(format!(
+            "engine reports weight version {reported} after updating to {version}"
+        )));
+    }
+    Ok(version)
+}
+
+/// Keeps `in_flight` groups generating, pushing finished groups that pass the filters (and
+/// hold no aborted sample) into `sender`; stops when the receiver is gone.
+async fn generation_worker(
+    manager: Arc<RolloutManager>,
+    data: Arc<tokio::sync::Mutex<DataSource>>,
+    sender: mpsc::Sender<Vec<Sample>>,
+    in_flight: usize,
+) {
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        while tasks.len() < in_flight {
+            let groups = data.lock().await.get_groups(1);
+            for group in groups {
+                let manager = manager.clone();
+                tasks.spawn(async move { manager.generate_group(group).await });
+            }
+        }
+        let Some(joined) = tasks.join_next().await else {
+            continue;
+        };
+        let Ok(mut group) = joined else { continue };
+        if group
+            .iter()
+            .any(|s| s.status == miles_core::SampleStatus::Aborted)
+        {
+            // Aborted by a pause in abort mode: regenerate from scratch later.
+            group.iter_mut().for_each(Sample::reset_for_retry);
+            if data.lock().await.add_groups(vec![group]).is_err() {
+                return;
+            }
+            continue;
+        }
+        if let FilterVerdict::Drop { .. } = manager.verdict(&group) {
+            continue;
+        }
+        mask_unusable(&mut group);
+        if sender.send(group).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A data source standing in while the real one is shared with the async worker.
+fn placeholder_source(like: &DataSource) -> Result<DataSource> {
+    DataSource::new(
+        vec![crate::data::PromptRecord::text("", "")],
+        like.n_samples_per_prompt(),
+        false,
+        0,
+    )
+}
+
+fn lock(trainer: &SharedTrainer) -> Result<std::sync::MutexGuard<'_, Box<dyn PolicyTrainer>>> {
+    trainer
+        .lock()
+        .map_err(|_| Error::Task("the trainer lock is poisoned (a train step panicked)".into()))
+}
+
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::Task(format!("blocking task failed: {e}")))?
+}

@@ -1,0 +1,465 @@
+//! The rollout manager: groups of samples per prompt, bounded concurrency, rewards, dynamic
+//! filters, over-sampling with abort of the surplus and partial rollout (MILES_SPEC §6.2).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use miles_core::{
+    FinishReason, GenerateRequest, InferenceEngine, Metrics, RequestId, RewardFn, Sample,
+    SampleStatus, SamplingParams, TokenId,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::data::DataSource;
+use crate::error::{Error, Result};
+use crate::{DynamicFilter, FilterVerdict};
+
+/// Turns a sample's prompt into token ids and response tokens back into text. miles-tito's
+/// chat templates implement it for chat models; a plain tokenizer does for text prompts.
+pub trait PromptEncoder: Send + Sync {
+    /// The prompt token ids of a fresh sample (chat template applied, generation prompt
+    /// added, tools from `metadata["tools"]`).
+    fn encode(&self, sample: &Sample) -> miles_core::Result<Vec<TokenId>>;
+
+    /// Decodes response tokens.
+    fn decode(&self, tokens: &[TokenId]) -> String;
+}
+
+/// Rollout settings, with Miles' flag names and defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RolloutConfig {
+    /// Samples per prompt (`--n-samples-per-prompt`, 1).
+    pub n_samples_per_prompt: usize,
+    /// Groups per training step (`--rollout-batch-size`).
+    pub rollout_batch_size: usize,
+    /// Groups fetched each time the scheduler has room (`--over-sampling-batch-size`,
+    /// defaults to `rollout_batch_size`).
+    pub over_sampling_batch_size: Option<usize>,
+    /// Concurrent generate calls (`--sglang-server-concurrency` × engines).
+    pub max_concurrency: usize,
+    /// Sampling (`--rollout-temperature`, `--rollout-top-p`, `--rollout-top-k`,
+    /// `--rollout-stop`, `--rollout-stop-token-ids`).
+    pub sampling: SamplingParams,
+    /// Maximum response tokens (`--rollout-max-response-len`).
+    pub rollout_max_response_len: usize,
+    /// Maximum prompt + response tokens (`--rollout-max-context-len`).
+    pub rollout_max_context_len: Option<usize>,
+    /// With a seed, `sampling_seed = rollout_seed + sample index` (deterministic rollout).
+    pub rollout_seed: Option<u64>,
+    /// Dynamic-sampling filters applied to each finished group (`--dynamic-sampling-filter-path`).
+    pub dynamic_filters: Vec<DynamicFilter>,
+    /// Key of dict rewards (`--reward-key`).
+    pub reward_key: Option<String>,
+    /// Return aborted, partially generated groups to the data source to be resumed
+    /// (`--partial-rollout`).
+    pub partial_rollout: bool,
+    /// Ask engines for routed experts (`--use-rollout-routing-replay`).
+    pub return_routed_experts: bool,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            n_samples_per_prompt: 1,
+            rollout_batch_size: 1,
+            over_sampling_batch_size: None,
+            max_concurrency: 512,
+            sampling: SamplingParams::default(),
+            rollout_max_response_len: 1024,
+            rollout_max_context_len: None,
+            rollout_seed: None,
+            dynamic_filters: Vec::new(),
+            reward_key: None,
+            partial_rollout: false,
+            return_routed_experts: false,
+        }
+    }
+}
+
+impl RolloutConfig {
+    /// Checks the values once.
+    pub fn validate(self) -> Result<Self> {
+        if self.n_samples_per_prompt == 0 || self.rollout_batch_size == 0 {
+            return Err(Error::Config(
+                "n_samples_per_prompt and rollout_batch_size must be >= 1".into(),
+            ));
+        }
+        if self.max_concurrency == 0 {
+            return Err(Error::Config("max_concurrency must be >= 1".into()));
+        }
+        if self.over_sampling_batch_size == Some(0) {
+            return Err(Error::Config(
+                "over_sampling_batch_size must be >= 1".into(),
+            ));
+        }
+        Ok(self)
+    }
+}
+
+/// What one rollout step produced.
+#[derive(Debug, Clone, Default)]
+pub struct RolloutBatch {
+    /// Kept groups, ordered by their first sample's index.
+    pub groups: Vec<Vec<Sample>>,
+    /// Metrics under Miles' names (`rollout/raw_reward`, `rollout/response_len`,
+    /// `rollout/truncated_ratio`, `rollout/dynamic_filter/drop_<reason>`, …).
+    pub metrics: Metrics,
+}
+
+impl RolloutBatch {
+    /// All samples, group after group.
+    pub fn samples(&self) -> Vec<Sample> {
+        self.groups.iter().flatten().cloned().collect()
+    }
+}
+
+/// Generates groups through one engine (a router over many is itself an engine).
+pub struct RolloutManager {
+    config: RolloutConfig,
+    engine: Arc<dyn InferenceEngine>,
+    encoder: Arc<dyn PromptEncoder>,
+    reward: Arc<dyn RewardFn>,
+    permits: Arc<Semaphore>,
+    next_request: Arc<AtomicU64>,
+}
+
+impl RolloutManager {
+    /// A manager over `engine`, scoring with `reward`.
+    pub fn new(
+        config: RolloutConfig,
+        engine: Arc<dyn InferenceEngine>,
+        encoder: Arc<dyn PromptEncoder>,
+        reward: Arc<dyn RewardFn>,
+    ) -> Result<Self> {
+        let config = config.validate()?;
+        Ok(Self {
+            permits: Arc::new(Semaphore::new(config.max_concurrency)),
+            config,
+            engine,
+            encoder,
+            reward,
+            next_request: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RolloutConfig {
+        &self.config
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<dyn InferenceEngine> {
+        &self.engine
+    }
+
+    fn group_worker(&self) -> GroupWorker {
+        GroupWorker {
+            config: Arc::new(self.config.clone()),
+            engine: self.engine.clone(),
+            encoder: self.encoder.clone(),
+            reward: self.reward.clone(),
+            permits: self.permits.clone(),
+            next_request: self.next_request.clone(),
+        }
+    }
+
+    /// Generates, scores and filters groups until `rollout_batch_size` groups are kept, then
+    /// aborts the surplus in flight. With `partial_rollout`, aborted groups that generated
+    /// something go back to `data` (tagged `metadata.start_rollout_id = rollout_id`) to be
+    /// resumed; otherwise they are dropped.
+    pub async fn generate_rollout(
+        &self,
+        rollout_id: u64,
+        data: &mut DataSource,
+    ) -> Result<RolloutBatch> {
+        let target = self.config.rollout_batch_size;
+        let fetch = self.config.over_sampling_batch_size.unwrap_or(target);
+        let worker = self.group_worker();
+        let mut in_flight: JoinSet<Vec<Sample>> = JoinSet::new();
+        let mut kept: Vec<Vec<Sample>> = Vec::new();
+        let mut drops: BTreeMap<String, u64> = BTreeMap::new();
+        let mut failed_tasks = 0u64;
+        while kept.len() < target {
+            // Group scheduler: room while pending groups < remaining budget.
+            while in_flight.len() < target - kept.len() {
+                for group in data.get_groups(fetch) {
+                    let worker = worker.clone();
+                    in_flight.spawn(async move { worker.run_group(group).await });
+                }
+            }
+            match in_flight.join_next().await {
+                Some(Ok(mut group)) => match self.verdict(&group) {
+                    FilterVerdict::Keep => {
+                        mask_unusable(&mut group);
+                        kept.push(group);
+                    }
+                    FilterVerdict::Drop { reason } => *drops.entry(reason).or_default() += 1,
+                },
+                Some(Err(join_error)) => {
+                    failed_tasks += 1;
+                    tracing::warn!(%join_error, "a rollout group task failed; skipped");
+                    if failed_tasks > 8 * target as u64 {
+                        return Err(Error::Task(format!(
+                            "{failed_tasks} group tasks failed: {join_error}"
+                        )));
+                    }
+                }
+                None => unreachable!("the scheduler keeps at least one group in flight"),
+            }
+        }
+        let leftovers = in_flight.len();
+        let mut recycled = 0u64;
+        if leftovers > 0 {
+            self.engine.abort_all().await?;
+            let mut returned = Vec::new();
+            while let Some(joined) = in_flight.join_next().await {
+                let Ok(mut group) = joined else { continue };
+                let generated = group.iter().any(|s| s.response_length > 0);
+                if self.config.partial_rollout && generated {
+                    for sample in &mut group {
+                        sample
+                            .metadata
+                            .entry("start_rollout_id")
+                            .or_insert(Value::from(rollout_id));
+                        if sample.status == SampleStatus::Failed {
+                            sample.reset_for_retry();
+                        }
+                    }
+                    returned.push(group);
+                }
+            }
+            recycled = returned.len() as u64;
+            data.add_groups(returned)?;
+        }
+        kept.sort_by_key(|g| g.first().and_then(|s| s.index).unwrap_or(u64::MAX));
+        let mut metrics = rollout_metrics(&kept, self.config.reward_key.as_deref());
+        for (reason, count) in drops {
+            metrics.insert(
+                format!("rollout/dynamic_filter/drop_{reason}"),
+                count as f64,
+            );
+        }
+        metrics.insert("rollout/aborted_groups".into(), leftovers as f64);
+        metrics.insert("rollout/partial_groups_recycled".into(), recycled as f64);
+        Ok(RolloutBatch {
+            groups: kept,
+            metrics,
+        })
+    }
+
+    /// Generates and scores one group (no filters): for evaluation and the async loop.
+    pub async fn generate_group(&self, group: Vec<Sample>) -> Vec<Sample> {
+        self.group_worker().run_group(group).await
+    }
+
+    /// The dynamic-filter verdict on a finished group (first drop wins).
+    pub fn verdict(&self, group: &[Sample]) -> FilterVerdict {
+        for filter in &self.config.dynamic_filters {
+            if let drop @ FilterVerdict::Drop { .. } =
+                filter.apply(group, self.config.reward_key.as_deref())
+            {
+                return drop;
+            }
+        }
+        FilterVerdict::Keep
+    }
+}
+
+/// Everything a group task needs, cheap to clone into it.
+#[derive(Clone)]
+struct GroupWorker {
+    config: Arc<RolloutConfig>,
+    engine: Arc<dyn InferenceEngine>,
+    encoder: Arc<dyn PromptEncoder>,
+    reward: Arc<dyn RewardFn>,
+    permits: Arc<Semaphore>,
+    next_request: Arc<AtomicU64>,
+}
+
+impl GroupWorker {
+    async fn run_group(&self, group: Vec<Sample>) -> Vec<Sample> {
+        let mut tasks = JoinSet::new();
+        let size = group.len();
+        for (slot, sample) in group.into_iter().enumerate() {
+            let worker = self.clone();
+            tasks.spawn(async move { (slot, worker.run_sample(sample).await) });
+        }
+        let mut out: Vec<Option<Sample>> = vec![None; size];
+        while let Some(joined) = tasks.join_next().await {
+            if let Ok((slot, sample)) = joined {
+                out[slot] = Some(sample);
+            }
+        }
+        let mut samples: Vec<Sample> = out
+            .into_iter()
+            .map(|s| {
+                s.unwrap_or_else(|| {
+                    let mut failed = Sample {
+                        status: SampleStatus::Failed,
+                        remove_sample: true,
+                        ..Sample::default()
+                    };
+                    failed
+                        .metadata
+                        .insert("failure".into(), Value::from("generation task panicked"));
+                    failed
+                })
+            })
+            .collect();
+        // Rewards for the samples that finished generating (group-level reward functions see
+        // the whole group).
+        let scored: Vec<usize> = (0..samples.len())
+            .filter(|&i| {
+                matches!(
+                    samples[i].status,
+                    SampleStatus::Completed | SampleStatus::Truncated
+                )
+            })
+            .collect();
+        if !scored.is_empty() {
+            let subset: Vec<Sample> = scored.iter().map(|&i| samples[i].clone()).collect();
+            let rewards = self.reward.reward_group(&subset).await;
+            for (&i, reward) in scored.iter().zip(rewards) {
+                match reward {
+                    Ok(reward) => samples[i].reward = Some(reward),
+                    Err(error) => {
+                        samples[i].status = SampleStatus::Failed;
+                        samples[i]
+                            .metadata
+                            .insert("failure".into(), Value::from(format!("reward: {error}")));
+                    }
+                }
+            }
+        }
+        samples
+    }
+
+    async fn run_sample(&self, mut sample: Sample) -> Sample {
+        let Ok(_permit) = self.permits.acquire().await else {
+            sample.status = SampleStatus::Aborted;
+            return sample;
+        };
+        if let Err(reason) = self.generate_into(&mut sample).await {
+            sample.status = SampleStatus::Failed;
+            sample
+                .metadata
+                .insert("failure".into(), Value::from(reason.to_string()));
+        }
+        sample
+    }
+
+    /// One generate call for `sample`, resuming a partial response if there is one.
+    async fn generate_into(&self, sample: &mut Sample) -> Result<()> {
+        let config = &self.config;
+        if sample.tokens.is_empty() {
+            sample.tokens = self.encoder.encode(sample)?;
+            sample.response_length = 0;
+        }
+        let mut budget = config
+            .rollout_max_response_len
+            .saturating_sub(sample.response_length);
+        if let Some(context) = config.rollout_max_context_len {
+            budget = budget.min(context.saturating_sub(sample.tokens.len()));
+        }
+        if budget == 0 {
+            sample.status = SampleStatus::Truncated;
+            return Ok(());
+        }
+        let mut sampling = config.sampling.clone();
+        sampling.max_new_tokens = Some(budget);
+        if let (Some(seed), Some(index)) = (config.rollout_seed, sample.index) {
+            sampling.sampling_seed = Some(seed.wrapping_add(index));
+        }
+        let mut request = GenerateRequest::new(sample.tokens.clone(), sampling);
+        request.request_id = Some(RequestId::new(format!(
+            "rollout-{}",
+            self.next_request.fetch_add(1, Ordering::Relaxed)
+        )));
+        request.routing_key = sample.routing_key.clone();
+        request.return_routed_experts = config.return_routed_experts;
+        let output = match self.engine.generate(request).await {
+            Ok(output) => output,
+            Err(error) => {
+                sample.status = SampleStatus::Aborted;
+                sample
+                    .metadata
+                    .insert("engine_error".into(), Value::from(error.to_string()));
+                return Ok(());
+            }
+        };
+        let log_probs = (output.output_log_probs.len() == output.output_ids.len())
+            .then_some(output.output_log_probs.as_slice());
+        sample.append_response(&output.output_ids, log_probs, 1)?;
+        if let Some(routes) = output.routed_experts {
+            let rows = sample.tokens.len().saturating_sub(1);
+            if routes.rows() != rows {
+                return Err(Error::Core(miles_core::Error::SampleLength {
+                    field: "rollout_routed_experts",
+                    expected: rows,
+                    got: routes.rows(),
+                }));
+            }
+            sample.rollout_routed_experts = Some(routes);
+        }
+        sample
+            .weight_versions
+            .push(output.weight_version.to_string());
+        sample.prefix_cache_info.cached_tokens += output.cached_tokens as u64;
+        sample.prefix_cache_info.total_prompt_tokens += output.prompt_tokens as u64;
+        sample.response = self.encoder.decode(sample.response_tokens());
+        sample.status = match output.finish_reason {
+            FinishReason::Stop => SampleStatus::Completed,
+            FinishReason::Length => SampleStatus::Truncated,
+            FinishReason::Abort => SampleStatus::Aborted,
+        };
+        Ok(())
+    }
+}
+
+/// Aborted or failed samples of a kept group stay in it (group statistics need them) but are
+/// never trained on: `remove_sample` zeroes their loss mask.
+pub fn mask_unusable(group: &mut [Sample]) {
+    for sample in group {
+        if matches!(sample.status, SampleStatus::Aborted | SampleStatus::Failed) {
+            sample.remove_sample = true;
+        }
+    }
+}
+
+/// Miles' rollout metrics over kept groups.
+pub fn rollout_metrics(groups: &[Vec<Sample>], reward_key: Option<&str>) -> Metrics {
+    let samples: Vec<&Sample> = groups.iter().flatten().collect();
+    let mut metrics = Metrics::new();
+    let n = samples.len().max(1) as f64;
+    let rewards: Vec<f64> = samples
+        .iter()
+        .map(|s| {
+            s.reward
+                .as_ref()
+                .and_then(|r| r.scalar(reward_key))
+                .unwrap_or(0.0)
+        })
+        .collect();
+    metrics.insert("rollout/raw_reward".into(), rewards.iter().sum::<f64>() / n);
+    let lengths: Vec<f64> = samples.iter().map(|s| s.response_length as f64).collect();
+    metrics.insert(
+        "rollout/response_len/mean".into(),
+        lengths.iter().sum::<f64>() / n,
+    );
+    metrics.insert(
+        "rollout/response_len/max".into(),
+        lengths.iter().copied().fold(0.0, f64::max),
+    );
+    let truncated = samples
+        .iter()
+        .filter(|s| s.status == SampleStatus::Truncated)
+        .count();
+    metrics.insert("rollout/truncated_ratio".into(), truncated as f64 / n);
+    metrics.insert("rollout/samples".into(), samples.len() as f64);
+    metrics
+}

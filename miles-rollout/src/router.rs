@@ -1,0 +1,355 @@
+//! A router over inference engines, itself an [`InferenceEngine`]: sticky by routing key
+//! (`X-SMG-Routing-Key` / session), otherwise least outstanding requests; engines that fail
+//! are taken out of rotation and re-admitted once a health check passes (after catching up
+//! to the current weights); a request is retried on another engine only when that is safe.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use miles_core::{
+    EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
+    NamedTensors, PauseMode, RequestId, Result as CoreResult, WeightVersion, async_trait,
+};
+
+/// Re-creates an engine that died (in-process engines); `None` for engines that come back
+/// on their own (HTTP servers restarted by their supervisor) and are only health-checked.
+pub type EngineFactory = Arc<dyn Fn() -> CoreResult<Arc<dyn InferenceEngine>> + Send + Sync>;
+
+struct Slot {
+    name: String,
+    engine: RwLock<Arc<dyn InferenceEngine>>,
+    factory: Option<EngineFactory>,
+    healthy: AtomicBool,
+    outstanding: AtomicUsize,
+}
+
+impl Slot {
+    fn engine(&self) -> Arc<dyn InferenceEngine> {
+        self.engine
+            .read()
+            .map(|e| e.clone())
+            .unwrap_or_else(|poisoned| poisoned.into_inner().clone())
+    }
+}
+
+/// The weights the fleet should hold, so a re-admitted engine can catch up.
+#[derive(Clone)]
+enum LatestWeights {
+    None,
+    Tensors(Arc<NamedTensors>, WeightVersion),
+    Disk(PathBuf, WeightVersion),
+}
+
+/// Spreads requests over engines. See the module docs.
+pub struct Router {
+    slots: Vec<Arc<Slot>>,
+    affinity: Mutex<HashMap<String, usize>>,
+    latest: Mutex<LatestWeights>,
+    paused: Mutex<Option<PauseMode>>,
+}
+
+/// Decrements a slot's outstanding count when a request ends, however it ends.
+struct Outstanding(Arc<Slot>);
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        self.0.outstanding.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Router {
+    /// A router over named engines (all assumed healthy at first). An engine with a factory
+    /// is re-created when it fails its health check.
+    pub fn new(engines: Vec<(String, Arc<dyn InferenceEngine>, Option<EngineFactory>)>) -> Self {
+        Self {
+            slots: engines
+                .into_iter()
+                .map(|(name, engine, factory)| {
+                    Arc::new(Slot {
+                        name,
+                        engine: RwLock::new(engine),
+                        factory,
+                        healthy: AtomicBool::new(true),
+                        outstanding: AtomicUsize::new(0),
+                    })
+                })
+                .collect(),
+            affinity: Mutex::new(HashMap::new()),
+            latest: Mutex::new(LatestWeights::None),
+            paused: Mutex::new(None),
+        }
+    }
+
+    /// Names of the engines currently in rotation.
+    pub fn healthy_engines(&self) -> Vec<String> {
+        self.slots
+            .iter()
+            .filter(|s| s.healthy.load(Ordering::SeqCst))
+            .map(|s| s.name.clone())
+            .collect()
+    }
+
+    /// Outstanding requests per engine, in engine order.
+    pub fn outstanding(&self) -> Vec<usize> {
+        self.slots
+            .iter()
+            .map(|s| s.outstanding.load(Ordering::SeqCst))
+            .collect()
+    }
+
+    fn pick(&self, routing_key: Option<&str>, exclude: &[usize]) -> Option<usize> {
+        let usable =
+            |i: &usize| self.slots[*i].healthy.load(Ordering::SeqCst) && !exclude.contains(i);
+        if let Some(key) = routing_key {
+            let mut affinity = self.affinity.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(&i) = affinity.get(key).filter(|i| usable(i)) {
+                return Some(i);
+            }
+            let chosen = self.least_loaded(&usable)?;
+            affinity.insert(key.to_owned(), chosen);
+            return Some(chosen);
+        }
+        self.least_loaded(&usable)
+    }
+
+    fn least_loaded(&self, usable: &dyn Fn(&usize) -> bool) -> Option<usize> {
+        (0..self.slots.len())
+            .filter(|i| usable(i))
+            .min_by_key(|&i| self.slots[i].outstanding.load(Ordering::SeqCst))
+    }
+
+    fn mark_unhealthy(&self, index: usize, reason: &str) {
+        if self.slots[index].healthy.swap(false, Ordering::SeqCst) {
+            tracing::warn!(engine = %self.slots[index].name, reason, "engine removed from rotation");
+        }
+    }
+
+    /// Health-checks every engine out of rotation: re-creates it if it has a factory, checks
+    /// health, brings it to the fleet's weights and pause state, then re-admits it. Engines in
+    /// rotation that fail their health check are removed. Returns the engines now in rotation.
+    pub async fn check_health(&self) -> Vec<String> {
+        for (index, slot) in self.slots.iter().enumerate() {
+            if slot.healthy.load(Ordering::SeqCst) {
+                if let Err(error) = slot.engine().health().await {
+                    self.mark_unhealthy(index, &error.to_string());
+                }
+                continue;
+            }
+            if let Err(error) = self.readmit(slot).await {
+                tracing::info!(engine = %slot.name, %error, "engine still unavailable");
+            }
+        }
+        self.healthy_engines()
+    }
+
+    async fn readmit(&self, slot: &Slot) -> CoreResult<()> {
+        let engine = match &slot.factory {
+            Some(factory) => factory()?,
+            None => slot.engine(),
+        };
+        engine.health().await?;
+        let latest = self
+            .latest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let current = engine.weight_version().await?;
+        match latest {
+            LatestWeights::Tensors(weights, version) if current != version => {
+                engine.update_weights(&weights, version).await?
+            }
+            LatestWeights::Disk(dir, version) if current != version => {
+                engine.update_weights_from_disk(&dir, version).await?
+            }
+            _ => {}
+        }
+        let paused = *self.paused.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mode) = paused {
+            engine.pause(mode).await?;
+        }
+        *slot.engine.write().unwrap_or_else(|p| p.into_inner()) = engine;
+        slot.healthy.store(true, Ordering::SeqCst);
+        tracing::info!(engine = %slot.name, "engine re-admitted");
+        Ok(())
+    }
+
+    /// Runs `op` on every engine in rotation; an engine whose call fails is taken out of
+    /// rotation (it catches up when re-admitted). Fails only if no engine succeeded.
+    async fn broadcast(&self, op: FleetOp<'_>) -> CoreResult<()> {
+        let mut succeeded = 0;
+        let mut last_error = None;
+        for (index, slot) in self.slots.iter().enumerate() {
+            if !slot.healthy.load(Ordering::SeqCst) {
+                continue;
+            }
+            match op.apply(slot.engine().as_ref()).await {
+                Ok(()) => succeeded += 1,
+                Err(error) => {
+                    self.mark_unhealthy(index, &format!("{} failed: {error}", op.name()));
+                    last_error = Some(error);
+                }
+            }
+        }
+        if succeeded == 0 {
+            return Err(last_error.unwrap_or_else(|| {
+                CoreError::engine(EngineErrorKind::Unavailable, "no engine in rotation")
+            }));
+        }
+        Ok(())
+    }
+}
+
+/// An operation sent to every engine of the fleet.
+#[derive(Clone, Copy)]
+enum FleetOp<'a> {
+    Update(&'a NamedTensors, WeightVersion),
+    Disk(&'a Path, WeightVersion),
+    Pause(PauseMode),
+    Resume,
+    Flush,
+    Abort(&'a RequestId),
+    AbortAll,
+}
+
+impl FleetOp<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Update(..) => "update_weights",
+            Self::Disk(..) => "update_weights_from_disk",
+            Self::Pause(_) => "pause",
+            Self::Resume => "resume",
+            Self::Flush => "flush_cache",
+            Self::Abort(_) => "abort",
+            Self::AbortAll => "abort_all",
+        }
+    }
+
+    async fn apply(self, engine: &dyn InferenceEngine) -> CoreResult<()> {
+        match self {
+            Self::Update(weights, version) => engine.update_weights(weights, version).await,
+            Self::Disk(dir, version) => engine.update_weights_from_disk(dir, version).await,
+            Self::Pause(mode) => engine.pause(mode).await,
+            Self::Resume => engine.resume().await,
+            Self::Flush => engine.flush_cache().await,
+            Self::Abort(id) => engine.abort(id).await,
+            Self::AbortAll => engine.abort_all().await,
+        }
+    }
+}
+
+#[async_trait]
+impl InferenceEngine for Router {
+    async fn generate(&self, request: GenerateRequest) -> CoreResult<GenerateOutput> {
+        let mut tried = Vec::new();
+        loop {
+            let Some(index) = self.pick(request.routing_key.as_deref(), &tried) else {
+                return Err(CoreError::engine(
+                    EngineErrorKind::Unavailable,
+                    format!("no healthy engine (tried {})", tried.len()),
+                ));
+            };
+            let slot = self.slots[index].clone();
+            slot.outstanding.fetch_add(1, Ordering::SeqCst);
+            let _guard = Outstanding(slot.clone());
+            match slot.engine().generate(request.clone()).await {
+                Ok(output) => return Ok(output),
+                Err(CoreError::Engine {
+                    kind: EngineErrorKind::Unavailable,
+                    message,
+                }) => {
+                    // The engine never took the request: safe to try another one.
+                    self.mark_unhealthy(index, &message);
+                    tried.push(index);
+                }
+                Err(CoreError::Engine {
+                    kind: EngineErrorKind::InvalidRequest,
+                    message,
+                }) => {
+                    return Err(CoreError::engine(EngineErrorKind::InvalidRequest, message));
+                }
+                Err(error) => {
+                    // It may have generated tokens we will never see: not safe to retry.
+                    self.mark_unhealthy(index, &error.to_string());
+                    return Err(CoreError::engine(
+                        EngineErrorKind::Aborted,
+                        format!("engine {} failed mid-request: {error}", slot.name),
+                    ));
+                }
+            }
+        }
+    }
+
+    async fn update_weights(
+        &self,
+        weights: &NamedTensors,
+        version: WeightVersion,
+    ) -> CoreResult<()> {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
+            LatestWeights::Tensors(Arc::new(weights.clone()), version);
+        self.broadcast(FleetOp::Update(weights, version)).await
+    }
+
+    async fn update_weights_from_disk(&self, dir: &Path, version: WeightVersion) -> CoreResult<()> {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
+            LatestWeights::Disk(dir.to_path_buf(), version);
+        self.broadcast(FleetOp::Disk(dir, version)).await
+    }
+
+    async fn pause(&self, mode: PauseMode) -> CoreResult<()> {
+        *self.paused.lock().unwrap_or_else(|p| p.into_inner()) = Some(mode);
+        self.broadcast(FleetOp::Pause(mode)).await
+    }
+
+    async fn resume(&self) -> CoreResult<()> {
+        *self.paused.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.broadcast(FleetOp::Resume).await
+    }
+
+    async fn flush_cache(&self) -> CoreResult<()> {
+        self.broadcast(FleetOp::Flush).await
+    }
+
+    async fn abort(&self, request_id: &RequestId) -> CoreResult<()> {
+        self.broadcast(FleetOp::Abort(request_id)).await
+    }
+
+    async fn abort_all(&self) -> CoreResult<()> {
+        self.broadcast(FleetOp::AbortAll).await
+    }
+
+    async fn health(&self) -> CoreResult<()> {
+        if self.healthy_engines().is_empty() {
+            return Err(CoreError::engine(
+                EngineErrorKind::Unavailable,
+                "no engine in rotation",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The version every engine in rotation holds; engines that disagree are an error.
+    async fn weight_version(&self) -> CoreResult<WeightVersion> {
+        let mut version = None;
+        for slot in self
+            .slots
+            .iter()
+            .filter(|s| s.healthy.load(Ordering::SeqCst))
+        {
+            let v = slot.engine().weight_version().await?;
+            match version {
+                None => version = Some(v),
+                Some(seen) if seen != v => {
+                    return Err(CoreError::engine(
+                        EngineErrorKind::WeightUpdate,
+                        format!("engines disagree: {seen} vs {v} on {}", slot.name),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        version
+            .ok_or_else(|| CoreError::engine(EngineErrorKind::Unavailable, "no engine in rotation"))
+    }
+}

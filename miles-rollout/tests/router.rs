@@ -1,0 +1,220 @@
+//! The router: sticky routing, least outstanding requests, failover, re-admission with weight
+//! catch-up, and an RL loop that survives an engine dying mid-run.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use miles_core::{
+    EngineErrorKind, Error as CoreError, GenerateRequest, InferenceEngine, MemoryMetricsSink,
+    NamedTensors, SamplingParams, TensorBytes, WeightVersion,
+};
+use miles_rollout::{
+    BuiltinReward, DataSource, EngineFactory, LoopConfig, PromptRecord, RlLoop, RolloutConfig,
+    RolloutManager, Router,
+};
+
+fn request(key: Option<&str>, tokens: usize) -> GenerateRequest {
+    let mut request = GenerateRequest::new(
+        vec![1, 2],
+        SamplingParams {
+            max_new_tokens: Some(tokens),
+            ..SamplingParams::default()
+        },
+    );
+    request.routing_key = key.map(str::to_owned);
+    request
+}
+
+fn engines(n: usize, delay: Duration) -> Vec<Arc<TabularEngine>> {
+    (0..n).map(|_| TabularEngine::new(delay)).collect()
+}
+
+fn router(engines: &[Arc<TabularEngine>], factory: Option<EngineFactory>) -> Arc<Router> {
+    Arc::new(Router::new(
+        engines
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let engine: Arc<dyn InferenceEngine> = e.clone();
+                (format!("engine-{i}"), engine, factory.clone())
+            })
+            .collect(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sticky_keys_and_least_outstanding_spreading() {
+    let fleet = engines(3, Duration::from_millis(2));
+    let router = router(&fleet, None);
+    // Same routing key → same engine, every time.
+    for _ in 0..5 {
+        router
+            .generate(request(Some("session-a"), 2))
+            .await
+            .unwrap();
+    }
+    let counts: Vec<usize> = fleet
+        .iter()
+        .map(|e| e.generated.load(Ordering::SeqCst))
+        .collect();
+    assert_eq!(counts.iter().filter(|&&c| c > 0).count(), 1, "{counts:?}");
+    assert_eq!(counts.iter().sum::<usize>(), 10);
+    // Concurrent unkeyed requests spread over the least loaded engines.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        let router = router.clone();
+        tasks.spawn(async move { router.generate(request(None, 20)).await.unwrap() });
+    }
+    while tasks.join_next().await.is_some() {}
+    let after: Vec<usize> = fleet
+        .iter()
+        .map(|e| e.generated.load(Ordering::SeqCst))
+        .collect();
+    let added: Vec<usize> = after.iter().zip(&counts).map(|(a, b)| a - b).collect();
+    assert_eq!(added, [40, 40, 40], "two 20-token requests per engine");
+    assert_eq!(router.outstanding(), [0, 0, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_abort_and_readmission_with_weight_catch_up() {
+    let fleet = engines(2, Duration::from_millis(2));
+    let replacement = TabularEngine::new(Duration::from_millis(2));
+    let spare = replacement.clone();
+    let factory: EngineFactory = Arc::new(move || Ok(spare.clone() as Arc<dyn InferenceEngine>));
+    let router = router(&fleet, Some(factory));
+    let mut weights = NamedTensors::new();
+    weights.insert(
+        "logits",
+        TensorBytes::from_f32(vec![VOCAB], &[0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0]).unwrap(),
+    );
+    router
+        .update_weights(&weights, WeightVersion(3))
+        .await
+        .unwrap();
+    assert_eq!(router.weight_version().await.unwrap(), WeightVersion(3));
+
+    // A request in flight on a dying engine ends ABORTED, never silently lost.
+    let keyed = router.clone();
+    let in_flight = tokio::spawn(async move { keyed.generate(request(Some("s"), 200)).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let victim = fleet
+        .iter()
+        .position(|e| e.generated.load(Ordering::SeqCst) > 0)
+        .unwrap();
+    fleet[victim].dead.store(true, Ordering::SeqCst);
+    let outcome = in_flight.await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Err(CoreError::Engine {
+                kind: EngineErrorKind::Aborted,
+                ..
+            })
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(router.healthy_engines(), [format!("engine-{}", 1 - victim)]);
+    // New requests, even with the same key, go to the survivor.
+    let output = router.generate(request(Some("s"), 3)).await.unwrap();
+    assert_eq!(output.weight_version, WeightVersion(3));
+
+    // A dead engine that refuses connections is retried elsewhere transparently.
+    fleet[victim].dead.store(false, Ordering::SeqCst);
+    fleet[1 - victim].dead.store(true, Ordering::SeqCst);
+    // engine-(1-victim) is still in rotation but refuses: the router retries on nobody else
+    // healthy yet, so it reports unavailable; the health check then swaps in the replacement.
+    let refused = router.generate(request(None, 3)).await;
+    assert!(matches!(
+        refused,
+        Err(CoreError::Engine {
+            kind: EngineErrorKind::Unavailable,
+            ..
+        })
+    ));
+    let healthy = router.check_health().await;
+    assert_eq!(
+        healthy.len(),
+        2,
+        "both slots re-created from the factory: {healthy:?}"
+    );
+    // The re-created engine caught up to the fleet's weights before re-admission.
+    assert_eq!(
+        replacement.weight_version().await.unwrap(),
+        WeightVersion(3)
+    );
+    let output = router.generate(request(None, 5)).await.unwrap();
+    assert_eq!(output.weight_version, WeightVersion(3));
+    assert!(
+        output.output_ids.iter().filter(|&&t| t == 3).count() >= 4,
+        "weights applied: {:?}",
+        output.output_ids
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_completes_when_an_engine_dies_mid_run() {
+    let fleet = engines(2, Duration::from_millis(1));
+    let spare = TabularEngine::new(Duration::from_millis(1));
+    let factory_engine = spare.clone();
+    let factory: EngineFactory =
+        Arc::new(move || Ok(factory_engine.clone() as Arc<dyn InferenceEngine>));
+    let router = router(&fleet, Some(factory));
+    let seen = Arc::default();
+    let sink = Arc::new(MemoryMetricsSink::new());
+    let mut config = RolloutConfig {
+        n_samples_per_prompt: 8,
+        rollout_batch_size: 2,
+        rollout_max_response_len: 1,
+        ..RolloutConfig::default()
+    };
+    config.sampling.stop_token_ids = vec![STOP];
+    let manager = Arc::new(
+        RolloutManager::new(
+            config,
+            router.clone(),
+            Arc::new(DigitEncoder),
+            Arc::new(BuiltinReward::ExactMatch),
+        )
+        .unwrap(),
+    );
+    let prompts = (0..4)
+        .map(|i| PromptRecord::text(format!("q{i}"), "3"))
+        .collect();
+    let data = DataSource::new(prompts, 8, false, 0).unwrap();
+    let loop_config = LoopConfig {
+        num_rollout: 10,
+        ..LoopConfig::default()
+    };
+    let mut rl = RlLoop::new(loop_config, manager, trainer(&seen), sink.clone(), data).unwrap();
+    let killer_fleet = fleet.clone();
+    let killer_router = router.clone();
+    let chaos = tokio::spawn(async move {
+        // Kill engine 0 once training is under way, then let the health checker restart it.
+        while killer_fleet[1].generated.load(Ordering::SeqCst) < 20 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        killer_fleet[0].dead.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        killer_router.check_health().await
+    });
+    rl.run_sync().await.unwrap();
+    let healthy = chaos.await.unwrap();
+    let steps = sink.steps();
+    assert_eq!(steps.len(), 10, "every step ran");
+    assert!(!healthy.is_empty());
+    assert!(
+        steps.last().unwrap().1["rollout/raw_reward"] > 0.5,
+        "still learned"
+    );
+    // Every trained sample came from the current weights: nothing stale slipped through.
+    for (trainer_version, oldest, _) in seen.lock().unwrap().iter() {
+        if let Some(oldest) = oldest {
+            assert_eq!(oldest, trainer_version);
+        }
+    }
+    assert_eq!(router.weight_version().await.unwrap(), WeightVersion(10));
+}
