@@ -1,20 +1,63 @@
 //! # miles-ops
 //!
-//! The math of RL post-training on burn, generic over devices: policy losses (PPO clip, dual
-//! clip, GSPO), importance-sampling corrections (TIS, MIS, ICEPOP), KL estimators, entropy,
-//! advantage estimators (GRPO, Dr.GRPO, REINFORCE++, REINFORCE++-baseline, GAE), aggregation,
-//! fused memory-lean log-probs with a custom backward, and CubeCL kernels (crate features
-//! `wgpu` / `cuda`) each with a plain-op `*_reference` twin.
+//! The math of RL post-training for miles-rs, matching Miles' formulas and flag names
+//! (MILES_SPEC §5):
 //!
-//! Kernel tests run on [`kernel_device`]'s software adapter; see that module for the policy on
-//! machines without one.
+//! - [`advantages`]: reward normalisation and the estimators `grpo` (Dr.GRPO with
+//!   `disable_grpo_std_normalization`), `gspo`, `reinforce_plus_plus`,
+//!   `reinforce_plus_plus_baseline` and `ppo` (GAE), plus `--normalize-advantages`.
+//! - [`policy`]: the policy loss (PPO clip, asymmetric `eps_clip_high`, dual clip
+//!   `eps_clip_c`, GSPO sequence ratio, OPSM), KL loss, entropy bonus, value and SFT losses.
+//! - [`corrections`]: TIS (`vanilla_tis`), ICEPOP and MIS importance-sampling corrections.
+//! - [`kl`]: the k1 / k2 / k3 / `low_var_kl` estimators.
+//! - [`reduce`]: `sum_of_sample_mean` / per-token aggregation with loss masks, and metrics
+//!   under Miles' names.
+//! - [`logprobs`] and [`fused`]: per-token log-probs and entropy from logits, and the fused,
+//!   chunked version from hidden states and `lm_head` with a custom backward that never
+//!   materialises `[tokens, vocab]`.
+//! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
+//!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
+//!
+//! Built-in choices are serde enums whose values are Miles' CLI values; configs carry
+//! Miles' defaults and are validated once (`init`). Tensor code uses burn's
+//! device-at-run-time API, so it runs on any device, with or without autodiff.
 //!
 //! ```
-//! use miles_ops::kernel_device::{REQUIRE_KERNEL_TESTS_ENV, kernel_tests_required};
+//! use burn::tensor::{Device, Tensor};
+//! use miles_ops::advantages::{AdvantageConfig, AdvantageSample, Grouping};
+//! use miles_ops::policy::{PolicyLossConfig, PolicyLossInput};
 //!
-//! assert_eq!(REQUIRE_KERNEL_TESTS_ENV, "MILES_REQUIRE_KERNEL_TESTS");
-//! // CI sets it so a missing adapter fails the kernel tests instead of skipping them.
-//! let _required: bool = kernel_tests_required();
+//! // GRPO: one prompt, four samples.
+//! let calc = AdvantageConfig::default().with_n_samples_per_prompt(4).init()?;
+//! let rewards = calc.normalize_rewards(&[1.0, 0.0, 0.0, 1.0], Grouping::FanOut, None)?;
+//! assert!((rewards[0] - 0.866_025).abs() < 1e-5); // (1 − 0.5) / (std=0.577… + 1e-6)
+//!
+//! let mask = [1.0f32, 1.0];
+//! let adv = calc.compute(&[AdvantageSample::new(rewards[0], &mask)])?;
+//! assert_eq!(adv[0].advantages.len(), 2);
+//!
+//! // PPO-clip loss on a [1, 2] batch, on the flex CPU device.
+//! let device = Device::flex();
+//! let lp = Tensor::<2>::from_floats([[-1.0, -2.0]], &device);
+//! let a = Tensor::<2>::from_floats([[adv[0].advantages[0], adv[0].advantages[1]]], &device);
+//! let m = Tensor::<2>::from_floats([[1.0, 1.0]], &device);
+//! let out = PolicyLossConfig::default()
+//!     .init()?
+//!     .forward(PolicyLossInput::new(lp.clone(), lp, a, m))?;
+//! // On-policy (ratio 1): pg_loss = −A.
+//! let pg: f32 = out.metrics.get("pg_loss").unwrap().clone().into_scalar();
+//! assert!((pg + rewards[0]).abs() < 1e-5);
+//! # Ok::<(), miles_ops::OpsError>(())
 //! ```
 
+pub mod advantages;
+pub mod corrections;
+mod error;
+pub mod fused;
 pub mod kernel_device;
+pub mod kl;
+pub mod logprobs;
+pub mod policy;
+pub mod reduce;
+
+pub use error::{OpsError, Result};

@@ -1,0 +1,412 @@
+//! Fused, chunked per-token log-probs and entropy from hidden states and `lm_head`.
+//!
+//! For `hidden` `[tokens, hidden]`, `lm_head` `[vocab, hidden]` (HF layout) and target ids
+//! `[tokens]`, computes `log p(target)` and the entropy of `softmax(hidden · lm_headᵀ)` chunk
+//! by chunk: over tokens, and over the vocabulary with an online log-sum-exp. The backward
+//! pass is custom: it recomputes each chunk's logits, so neither the `[tokens, vocab]`
+//! logits nor their gradient are ever materialised. Peak extra memory is
+//! O(`token_chunk × vocab_chunk`) instead of O(`tokens × vocab`).
+//!
+//! Math, per token with logits `z`, `p = softmax(z)`, `lse = log Σ exp z`,
+//! `E = Σ p·z`: `logp = z_y − lse`, `H = lse − E`, and for upstream gradients `g_lp`, `g_H`:
+//! `∂/∂z = g_lp·onehot(y) − p ⊙ (g_lp + g_H·(z − E))`, so
+//! `∂hidden = (∂/∂z)·lm_head` and `∂lm_head = (∂/∂z)ᵀ·hidden`, accumulated per chunk.
+//!
+//! The operation is a burn backend extension ([`FusedLogProbOps`]) implemented for `Flex`
+//! (and, with the `wgpu` feature, the CubeCL backend) from plain backend ops, and for
+//! `Autodiff<B>` with the custom backward.
+
+use burn::backend::autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::{
+    Backend, Dispatch, Shape, Slice, TensorMetadata, backend_extension,
+    tensor::{FloatTensor, IntTensor},
+};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor};
+
+use crate::{OpsError, Result};
+
+/// Default number of tokens per chunk.
+pub const DEFAULT_TOKEN_CHUNK: usize = 1024;
+/// Default number of vocabulary rows per chunk.
+pub const DEFAULT_VOCAB_CHUNK: usize = 8192;
+
+/// Chunk sizes of the fused computation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FusedLogProbConfig {
+    /// Tokens per chunk (≥ 1).
+    pub token_chunk: usize,
+    /// Vocabulary rows per chunk (≥ 1).
+    pub vocab_chunk: usize,
+}
+
+impl Default for FusedLogProbConfig {
+    fn default() -> Self {
+        Self {
+            token_chunk: DEFAULT_TOKEN_CHUNK,
+            vocab_chunk: DEFAULT_VOCAB_CHUNK,
+        }
+    }
+}
+
+impl FusedLogProbConfig {
+    /// Sets the chunk sizes.
+    pub fn new(token_chunk: usize, vocab_chunk: usize) -> Self {
+        Self {
+            token_chunk,
+            vocab_chunk,
+        }
+    }
+
+    /// Computes `(log_probs, entropy)`, both `[tokens]`, from `hidden` `[tokens, hidden]`,
+    /// `lm_head` `[vocab, hidden]` and `targets` `[tokens]`.
+    ///
+    /// Differentiable with respect to `hidden` and `lm_head` on autodiff devices. Checks
+    /// shapes and that every target id is inside the vocabulary (one host read of
+    /// `targets`).
+    pub fn forward(
+        &self,
+        hidden: Tensor<2>,
+        lm_head: Tensor<2>,
+        targets: Tensor<1, Int>,
+    ) -> Result<(Tensor<1>, Tensor<1>)> {
+        if self.token_chunk == 0 || self.vocab_chunk == 0 {
+            return Err(OpsError::InvalidConfig {
+                flag: "fused-log-probs-chunk",
+                reason: "chunk sizes must be at least 1".into(),
+            });
+        }
+        let [tokens, h] = hidden.dims();
+        let [vocab, h2] = lm_head.dims();
+        if h != h2 {
+            return Err(OpsError::ShapeMismatch {
+                what: "lm_head",
+                expected: vec![vocab, h],
+                got: vec![vocab, h2],
+            });
+        }
+        if targets.dims() != [tokens] {
+            return Err(OpsError::ShapeMismatch {
+                what: "targets",
+                expected: vec![tokens],
+                got: targets.dims().to_vec(),
+            });
+        }
+        let ids: Vec<i64> = targets
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap_or_default();
+        if let Some((position, &token)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t < 0 || **t as usize >= vocab)
+        {
+            return Err(OpsError::TokenOutOfRange {
+                position,
+                token,
+                vocab,
+            });
+        }
+        if tokens == 0 {
+            let device = hidden.device();
+            return Ok((Tensor::zeros([0], &device), Tensor::zeros([0], &device)));
+        }
+        let out =
+            Tensor::<2>::from_dispatch(<Dispatch as FusedLogProbOps>::fused_log_prob_entropy(
+                hidden.into_dispatch(),
+                lm_head.into_dispatch(),
+                targets.into_dispatch(),
+                self.token_chunk,
+                self.vocab_chunk,
+            ));
+        let log_probs = out.clone().slice([0..tokens, 0..1]).reshape([tokens]);
+        let entropy = out.slice([0..tokens, 1..2]).reshape([tokens]);
+        Ok((log_probs, entropy))
+    }
+}
+
+/// `(log_probs, entropy)` with the default chunk sizes; see [`FusedLogProbConfig::forward`].
+pub fn fused_log_probs_and_entropy(
+    hidden: Tensor<2>,
+    lm_head: Tensor<2>,
+    targets: Tensor<1, Int>,
+) -> Result<(Tensor<1>, Tensor<1>)> {
+    FusedLogProbConfig::default().forward(hidden, lm_head, targets)
+}
+
+/// Backend extension carrying the fused op. Output is `[tokens, 2]`: column 0 the target
+/// log-prob, column 1 the entropy.
+#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "wgpu"))]
+pub trait FusedLogProbOps: Backend {
+    /// Forward pass (no autodiff bookkeeping on plain backends).
+    fn fused_log_prob_entropy(
+        hidden: FloatTensor<Self>,
+        lm_head: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        token_chunk: usize,
+        vocab_chunk: usize,
+    ) -> FloatTensor<Self>;
+}
+
+impl FusedLogProbOps for burn::backend::Flex {
+    fn fused_log_prob_entropy(
+        hidden: FloatTensor<Self>,
+        lm_head: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        token_chunk: usize,
+        vocab_chunk: usize,
+    ) -> FloatTensor<Self> {
+        forward_reference::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
+    }
+}
+
+#[cfg(feature = "wgpu")]
+impl FusedLogProbOps for burn::backend::Cube {
+    fn fused_log_prob_entropy(
+        hidden: FloatTensor<Self>,
+        lm_head: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        token_chunk: usize,
+        vocab_chunk: usize,
+    ) -> FloatTensor<Self> {
+        forward_reference::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
+    }
+}
+
+/// Forward results kept for the backward pass.
+#[derive(Debug, Clone)]
+pub struct ForwardState<B: Backend> {
+    /// `[tokens, 2]` log-prob and entropy.
+    pub output: FloatTensor<B>,
+    /// `[tokens, 1]` log-sum-exp of the logits.
+    pub lse: FloatTensor<B>,
+    /// `[tokens, 1]` expected logit `Σ p·z`.
+    pub expected_logit: FloatTensor<B>,
+}
+
+fn rows<B: Backend>(t: FloatTensor<B>, start: usize, end: usize) -> FloatTensor<B> {
+    let cols = t.shape()[1];
+    B::float_slice(t, &[Slice::from(start..end), Slice::from(0..cols)])
+}
+
+fn expand<B: Backend>(t: FloatTensor<B>, shape: [usize; 2]) -> FloatTensor<B> {
+    B::float_expand(t, Shape::from(shape))
+}
+
+/// Chunked forward from plain backend ops (the reference implementation).
+pub fn forward_reference<B: Backend>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    token_chunk: usize,
+    vocab_chunk: usize,
+) -> ForwardState<B> {
+    let [tokens, _h] = [hidden.shape()[0], hidden.shape()[1]];
+    let vocab = lm_head.shape()[0];
+    // Target logits z_y = <h_t, W[y_t]> without touching the rest of the vocabulary.
+    let w_y = B::float_select(lm_head.clone(), 0, targets);
+    let z_y = B::float_sum_dim(B::float_mul(hidden.clone(), w_y), 1);
+
+    let mut lse_chunks = Vec::new();
+    let mut ez_chunks = Vec::new();
+    for t0 in (0..tokens).step_by(token_chunk) {
+        let t1 = (t0 + token_chunk).min(tokens);
+        let n = t1 - t0;
+        let h_c = rows::<B>(hidden.clone(), t0, t1);
+        // Online log-sum-exp: running max m, Σ exp(z − m), Σ exp(z − m)·z.
+        let mut state: Option<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> = None;
+        for v0 in (0..vocab).step_by(vocab_chunk) {
+            let v1 = (v0 + vocab_chunk).min(vocab);
+            let w_c = rows::<B>(lm_head.clone(), v0, v1);
+            let z = B::float_matmul(h_c.clone(), B::float_transpose(w_c));
+            let chunk_max = B::float_max_dim(z.clone(), 1);
+            let m_new = match &state {
+                Some((m, _, _)) => B::float_max_dim(B::float_cat(vec![m.clone(), chunk_max], 1), 1),
+                None => chunk_max,
+            };
+            let e = B::float_exp(B::float_sub(
+                z.clone(),
+                expand::<B>(m_new.clone(), [n, v1 - v0]),
+            ));
+            let s_c = B::float_sum_dim(e.clone(), 1);
+            let u_c = B::float_sum_dim(B::float_mul(e, z), 1);
+            state = Some(match state {
+                Some((m, s, u)) => {
+                    let scale = B::float_exp(B::float_sub(m, m_new.clone()));
+                    (
+                        m_new,
+                        B::float_add(B::float_mul(s, scale.clone()), s_c),
+                        B::float_add(B::float_mul(u, scale), u_c),
+                    )
+                }
+                None => (m_new, s_c, u_c),
+            });
+        }
+        let (m, s, u) = state.expect("vocab is non-empty");
+        lse_chunks.push(B::float_add(m, B::float_log(s.clone())));
+        ez_chunks.push(B::float_div(u, s));
+    }
+    let lse = B::float_cat(lse_chunks, 0);
+    let expected_logit = B::float_cat(ez_chunks, 0);
+    let log_prob = B::float_sub(z_y, lse.clone());
+    let entropy = B::float_sub(lse.clone(), expected_logit.clone());
+    ForwardState {
+        output: B::float_cat(vec![log_prob, entropy], 1),
+        lse,
+        expected_logit,
+    }
+}
+
+/// Chunked backward from plain backend ops: returns `(∂hidden, ∂lm_head)` for the upstream
+/// gradient `grad` (`[tokens, 2]`: log-prob and entropy columns).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_reference<B: Backend>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    lse: FloatTensor<B>,
+    expected_logit: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    token_chunk: usize,
+    vocab_chunk: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let tokens = hidden.shape()[0];
+    let h = hidden.shape()[1];
+    let vocab = lm_head.shape()[0];
+    let g_lp = B::float_slice(grad.clone(), &[Slice::from(0..tokens), Slice::from(0..1)]);
+    let g_ent = B::float_slice(grad, &[Slice::from(0..tokens), Slice::from(1..2)]);
+
+    let mut d_hidden_chunks = Vec::new();
+    let mut d_head_chunks: Vec<Option<FloatTensor<B>>> =
+        (0..vocab.div_ceil(vocab_chunk)).map(|_| None).collect();
+    for t0 in (0..tokens).step_by(token_chunk) {
+        let t1 = (t0 + token_chunk).min(tokens);
+        let n = t1 - t0;
+        let h_c = rows::<B>(hidden.clone(), t0, t1);
+        let lse_c = rows::<B>(lse.clone(), t0, t1);
+        let ez_c = rows::<B>(expected_logit.clone(), t0, t1);
+        let glp_c = rows::<B>(g_lp.clone(), t0, t1);
+        let gent_c = rows::<B>(g_ent.clone(), t0, t1);
+        let mut dh_c: Option<FloatTensor<B>> = None;
+        for (k, v0) in (0..vocab).step_by(vocab_chunk).enumerate() {
+            let v1 = (v0 + vocab_chunk).min(vocab);
+            let shape = [n, v1 - v0];
+            let w_c = rows::<B>(lm_head.clone(), v0, v1);
+            let z = B::float_matmul(h_c.clone(), B::float_transpose(w_c.clone()));
+            let p = B::float_exp(B::float_sub(z.clone(), expand::<B>(lse_c.clone(), shape)));
+            // coef = −p ⊙ (g_lp + g_H·(z − E))
+            let centred = B::float_sub(z, expand::<B>(ez_c.clone(), shape));
+            let inner = B::float_add(
+                B::float_mul(centred, expand::<B>(gent_c.clone(), shape)),
+                expand::<B>(glp_c.clone(), shape),
+            );
+            let coef = B::float_neg(B::float_mul(p, inner));
+            let dh = B::float_matmul(coef.clone(), w_c);
+            dh_c = Some(match dh_c {
+                Some(acc) => B::float_add(acc, dh),
+                None => dh,
+            });
+            let dw = B::float_matmul(B::float_transpose(coef), h_c.clone());
+            d_head_chunks[k] = Some(match d_head_chunks[k].take() {
+                Some(acc) => B::float_add(acc, dw),
+                None => dw,
+            });
+        }
+        d_hidden_chunks.push(dh_c.expect("vocab is non-empty"));
+    }
+    let d_hidden = B::float_cat(d_hidden_chunks, 0);
+    let d_head = B::float_cat(d_head_chunks.into_iter().flatten().collect(), 0);
+    // One-hot part: ∂hidden += g_lp·W[y], ∂lm_head[y] += g_lp·hidden.
+    let g_lp_h = expand::<B>(g_lp, [tokens, h]);
+    let w_y = B::float_select(lm_head, 0, targets.clone());
+    let d_hidden = B::float_add(d_hidden, B::float_mul(g_lp_h.clone(), w_y));
+    let d_head = B::float_select_assign(
+        d_head,
+        0,
+        targets,
+        B::float_mul(g_lp_h, hidden),
+        IndexingUpdateOp::Add,
+    );
+    (d_hidden, d_head)
+}
+
+#[derive(Debug)]
+struct FusedBackward;
+
+impl<B: Backend> Backward<B, 2> for FusedBackward {
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        IntTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        usize,
+        usize,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_hidden, node_head] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (hidden, lm_head, targets, lse, ez, tc, vc) = ops.state;
+        let (d_hidden, d_head) =
+            backward_reference::<B>(hidden, lm_head, targets, lse, ez, grad, tc, vc);
+        if let Some(node) = node_hidden {
+            grads.register::<B>(node.id, d_hidden);
+        }
+        if let Some(node) = node_head {
+            grads.register::<B>(node.id, d_head);
+        }
+    }
+}
+
+impl<B: Backend + FusedLogProbOps, C: CheckpointStrategy> FusedLogProbOps for Autodiff<B, C> {
+    fn fused_log_prob_entropy(
+        hidden: FloatTensor<Self>,
+        lm_head: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        token_chunk: usize,
+        vocab_chunk: usize,
+    ) -> FloatTensor<Self> {
+        let guards = [hidden.node(), lm_head.node()];
+        let hidden = hidden.into_primitive();
+        let lm_head = lm_head.into_primitive();
+        match FusedBackward
+            .prepare::<C>(guards)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let fwd = forward_reference::<B>(
+                    hidden.clone(),
+                    lm_head.clone(),
+                    targets.clone(),
+                    token_chunk,
+                    vocab_chunk,
+                );
+                let state = (
+                    hidden,
+                    lm_head,
+                    targets,
+                    fwd.lse,
+                    fwd.expected_logit,
+                    token_chunk,
+                    vocab_chunk,
+                );
+                prep.finish(state, fwd.output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_log_prob_entropy(
+                hidden,
+                lm_head,
+                targets,
+                token_chunk,
+                vocab_chunk,
+            )),
+        }
+    }
+}
