@@ -1,0 +1,317 @@
+//! `miles-tito`: render chat templates, replay TITO sessions and verify templates from the
+//! command line.
+//!
+//! ```text
+//! miles-tito render --model DIR [--template FILE] [--tito FAMILY] --messages FILE [--tools FILE] [--kwargs JSON] [--add-generation-prompt]
+//! miles-tito incremental --model DIR --tito FAMILY --messages FILE [--tools FILE] [--kwargs JSON]
+//! miles-tito verify --model DIR [--template FILE] [--tito FAMILY] [--thinking on|off|both] [--kwargs JSON] [--trajectories FILE]
+//! ```
+//!
+//! Exit codes: 0 success (verify: all cases pass), 1 verify found failures, 2 bad arguments,
+//! unreadable files or any other error (one line on stderr).
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+
+use miles_core::Message;
+use miles_tito::tito::miles_normalise;
+use miles_tito::verify::{ThinkingMode, VerifyTarget, parse_trajectories, verify};
+use miles_tito::{ChatTemplate, HfChat, RenderArgs, TitoFamily, TitoTokenizer};
+use serde_json::{Map, Value as Json, json};
+
+const USAGE: &str = "usage:
+  miles-tito render --model DIR [--template FILE] [--tito FAMILY] --messages FILE [--tools FILE] [--kwargs JSON] [--add-generation-prompt]
+  miles-tito incremental --model DIR --tito FAMILY --messages FILE [--tools FILE] [--kwargs JSON]
+  miles-tito verify --model DIR [--template FILE] [--tito FAMILY] [--thinking on|off|both] [--kwargs JSON] [--trajectories FILE]";
+
+const DEFAULT_TRAJECTORIES: &str =
+    include_str!("../../data/verify_chat_template_trajectories.json");
+
+struct Args {
+    command: String,
+    values: BTreeMap<String, String>,
+    flags: Vec<String>,
+}
+
+fn parse_args(argv: &[String]) -> Result<Args, String> {
+    let Some((command, rest)) = argv.split_first() else {
+        return Err("missing command".into());
+    };
+    let (value_opts, flag_opts): (&[&str], &[&str]) = match command.as_str() {
+        "render" => (
+            &[
+                "--model",
+                "--template",
+                "--tito",
+                "--messages",
+                "--tools",
+                "--kwargs",
+            ],
+            &["--add-generation-prompt"],
+        ),
+        "incremental" => (
+            &["--model", "--tito", "--messages", "--tools", "--kwargs"],
+            &[],
+        ),
+        "verify" => (
+            &[
+                "--model",
+                "--template",
+                "--tito",
+                "--thinking",
+                "--kwargs",
+                "--trajectories",
+            ],
+            &[],
+        ),
+        "-h" | "--help" | "help" => return Err(String::new()),
+        other => return Err(format!("unknown command {other:?}")),
+    };
+    let mut values = BTreeMap::new();
+    let mut flags = Vec::new();
+    let mut iter = rest.iter();
+    while let Some(arg) = iter.next() {
+        if flag_opts.contains(&arg.as_str()) {
+            flags.push(arg.clone());
+        } else if value_opts.contains(&arg.as_str()) {
+            let Some(value) = iter.next() else {
+                return Err(format!("{arg} needs a value"));
+            };
+            if values.insert(arg.clone(), value.clone()).is_some() {
+                return Err(format!("{arg} given twice"));
+            }
+        } else {
+            return Err(format!("unknown argument {arg:?} for {command}"));
+        }
+    }
+    Ok(Args {
+        command: command.clone(),
+        values,
+        flags,
+    })
+}
+
+impl Args {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.values.get(key).map(String::as_str)
+    }
+
+    fn require(&self, key: &str) -> Result<&str, String> {
+        self.get(key)
+            .ok_or_else(|| format!("{} needs {key}", self.command))
+    }
+}
+
+fn read(path: &str) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))
+}
+
+fn read_json_array(path: &str, what: &str) -> Result<Vec<Json>, String> {
+    match serde_json::from_str::<Json>(&read(path)?) {
+        Ok(Json::Array(items)) => Ok(items),
+        Ok(_) => Err(format!("{what} file {path} must hold a JSON array")),
+        Err(e) => Err(format!("{what} file {path} is not valid JSON: {e}")),
+    }
+}
+
+fn kwargs(args: &Args) -> Result<Map<String, Json>, String> {
+    match args.get("--kwargs") {
+        None => Ok(Map::new()),
+        Some(text) => match serde_json::from_str::<Json>(text) {
+            Ok(Json::Object(map)) => Ok(map),
+            Ok(_) => Err("--kwargs must be a JSON object".into()),
+            Err(e) => Err(format!("--kwargs is not valid JSON: {e}")),
+        },
+    }
+}
+
+fn typed_messages(values: &[Json]) -> Result<Vec<Message>, String> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            serde_json::from_value(v.clone()).map_err(|e| format!("message {i} is invalid: {e}"))
+        })
+        .collect()
+}
+
+fn load(args: &Args) -> Result<HfChat, String> {
+    let chat = HfChat::load(args.require("--model")?).map_err(|e| e.to_string())?;
+    match args.get("--template") {
+        Some(path) => chat
+            .with_template_source(read(path)?)
+            .map_err(|e| e.to_string()),
+        None => Ok(chat),
+    }
+}
+
+fn family(args: &Args) -> Result<Option<TitoFamily>, String> {
+    args.get("--tito")
+        .map(|name| TitoFamily::parse(name).map_err(|e| e.to_string()))
+        .transpose()
+}
+
+fn tito(args: &Args, chat: &HfChat, family: TitoFamily) -> Result<TitoTokenizer, String> {
+    let kwargs = kwargs(args)?;
+    let result = if args.get("--template").is_some() {
+        let template = chat.template(false).map_err(|e| e.to_string())?.clone();
+        TitoTokenizer::with_template(chat, template, family, kwargs)
+    } else {
+        TitoTokenizer::new(chat, family, kwargs)
+    };
+    result.map_err(|e| e.to_string())
+}
+
+fn cmd_render(args: &Args) -> Result<ExitCode, String> {
+    let chat = load(args)?;
+    let messages = read_json_array(args.require("--messages")?, "messages")?;
+    let tools = args
+        .get("--tools")
+        .map(|p| read_json_array(p, "tools"))
+        .transpose()?;
+    let add_generation_prompt = args.flags.iter().any(|f| f == "--add-generation-prompt");
+    let out = match family(args)? {
+        None => {
+            let rendered = chat
+                .apply_chat_template(RenderArgs {
+                    messages: &messages,
+                    tools: tools.as_deref(),
+                    add_generation_prompt,
+                    kwargs: &kwargs(args)?,
+                })
+                .map_err(|e| e.to_string())?;
+            json!({"text": rendered.text, "ids": rendered.ids})
+        }
+        Some(family) => {
+            // The family's template (unless --template overrides it), forced kwargs and
+            // Miles' message normalisation; ids only when the directory has a tokenizer.
+            let template = match (args.get("--template"), family.fixed_template()) {
+                (None, Some((_, source))) => ChatTemplate::new(source)
+                    .map_err(|e| e.to_string())?
+                    .with_special_tokens(chat.special_tokens().clone()),
+                _ => chat.template(false).map_err(|e| e.to_string())?.clone(),
+            };
+            let kwargs = family
+                .merge_kwargs(kwargs(args)?)
+                .map_err(|e| e.to_string())?;
+            let typed = typed_messages(&messages)?;
+            let normalised = miles_normalise(&typed).map_err(|e| e.to_string())?;
+            let tools = tools.as_deref().map(miles_tito::tito::canonical_tools);
+            let text = template
+                .render(RenderArgs {
+                    messages: &normalised,
+                    tools: tools.as_deref(),
+                    add_generation_prompt,
+                    kwargs: &kwargs,
+                })
+                .map_err(|e| e.to_string())?;
+            let ids = match chat.tokenizer() {
+                Some(_) => Some(chat.encode(&text).map_err(|e| e.to_string())?),
+                None => None,
+            };
+            json!({"text": text, "ids": ids})
+        }
+    };
+    println!("{out}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cmd_incremental(args: &Args) -> Result<ExitCode, String> {
+    let chat = load(args)?;
+    let family = family(args)?.ok_or("incremental needs --tito")?;
+    let tito = tito(args, &chat, family)?;
+    let messages = typed_messages(&read_json_array(args.require("--messages")?, "messages")?)?;
+    let tools = args
+        .get("--tools")
+        .map(|p| read_json_array(p, "tools"))
+        .transpose()?;
+    let trajectory = tito
+        .replay_conversation(&messages, tools.as_deref())
+        .map_err(|e| e.to_string())?;
+    let out = json!({
+        "ids": trajectory.ids(),
+        "loss_mask": trajectory.loss_mask(),
+        "turns": trajectory.turns(),
+    });
+    println!("{out}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cmd_verify(args: &Args) -> Result<ExitCode, String> {
+    let chat = load(args)?;
+    let thinking =
+        ThinkingMode::parse(args.get("--thinking").unwrap_or("on")).map_err(|e| e.to_string())?;
+    let trajectories = match args.get("--trajectories") {
+        Some(path) => parse_trajectories(&read(path)?),
+        None => parse_trajectories(DEFAULT_TRAJECTORIES),
+    }
+    .map_err(|e| e.to_string())?;
+    let source = args
+        .get("--template")
+        .map(str::to_owned)
+        .unwrap_or_else(|| chat.dir().display().to_string());
+    let report = match family(args)? {
+        None => {
+            let template = chat.template(false).map_err(|e| e.to_string())?;
+            verify(
+                &VerifyTarget::Raw {
+                    template,
+                    kwargs: kwargs(args)?,
+                    source,
+                },
+                &trajectories,
+                thinking,
+            )
+        }
+        Some(family) => {
+            let tito = tito(args, &chat, family)?;
+            let source = match (args.get("--template"), family.fixed_template()) {
+                (None, Some((name, _))) => format!("{name} (fixed template of --tito {family})"),
+                _ => source,
+            };
+            verify(
+                &VerifyTarget::Tito {
+                    tito: &tito,
+                    kwargs: kwargs(args)?,
+                    source,
+                },
+                &trajectories,
+                thinking,
+            )
+        }
+    }
+    .map_err(|e| e.to_string())?;
+    print!("{}", report.render());
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args = match parse_args(&argv) {
+        Ok(args) => args,
+        Err(message) if message.is_empty() => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(message) => {
+            eprintln!("error: {message} (see miles-tito --help)");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match args.command.as_str() {
+        "render" => cmd_render(&args),
+        "incremental" => cmd_incremental(&args),
+        _ => cmd_verify(&args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("error: {}", message.replace('\n', " "));
+            ExitCode::from(2)
+        }
+    }
+}

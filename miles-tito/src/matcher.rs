@@ -1,0 +1,240 @@
+//! Message matching and append-only validation (MILES_SPEC §1.6).
+//!
+//! Only the template-relevant keys are compared: `role`, `content`, `reasoning_content` and
+//! `tool_calls`. `null`, `""` and `[]` compare equal (falsy collapse); anything else,
+//! whitespace included, must be identical. Inside `tool_calls` the wire-only key `index` is
+//! ignored.
+
+use miles_core::{Message, Role};
+use serde_json::Value as Json;
+
+use crate::error::{Error, Result};
+
+/// Template-relevant keys compared by the matchers.
+pub const TEMPLATE_KEYS: [&str; 4] = ["role", "content", "reasoning_content", "tool_calls"];
+
+/// How a stored message is compared with its replayed counterpart.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MessageMatcher {
+    /// Normalised equality of the four template keys (Miles' default).
+    #[default]
+    Strict,
+    /// Only `role` and `content` (high risk: reasoning and tool calls may silently change).
+    RoleContentOnly,
+}
+
+impl MessageMatcher {
+    /// Parses Miles' `--session-message-matcher` names (`strict`, `role_content_only`).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "strict" => Ok(Self::Strict),
+            "role_content_only" => Ok(Self::RoleContentOnly),
+            other => Err(Error::InvalidInput(format!(
+                "unknown message matcher {other:?} (supported: strict, role_content_only)"
+            ))),
+        }
+    }
+
+    fn keys(self) -> &'static [&'static str] {
+        match self {
+            Self::Strict => &TEMPLATE_KEYS,
+            Self::RoleContentOnly => &TEMPLATE_KEYS[..2],
+        }
+    }
+
+    /// Whether `stored` and `replayed` match.
+    pub fn matches(self, stored: &Message, replayed: &Message) -> bool {
+        self.diffs(stored, replayed).is_empty()
+    }
+
+    /// The differing keys with their normalised stored and replayed values.
+    pub fn diffs(self, stored: &Message, replayed: &Message) -> Vec<(&'static str, Json, Json)> {
+        let a = stored.to_template_value();
+        let b = replayed.to_template_value();
+        self.keys()
+            .iter()
+            .filter_map(|key| {
+                let x = normalise(key, a.get(*key));
+                let y = normalise(key, b.get(*key));
+                (x != y).then_some((*key, x, y))
+            })
+            .collect()
+    }
+}
+
+fn is_falsy(value: Option<&Json>) -> bool {
+    match value {
+        None | Some(Json::Null) => true,
+        Some(Json::String(s)) => s.is_empty(),
+        Some(Json::Array(a)) => a.is_empty(),
+        _ => false,
+    }
+}
+
+fn normalise(key: &str, value: Option<&Json>) -> Json {
+    if is_falsy(value) {
+        return Json::Null;
+    }
+    let value = value.cloned().unwrap_or(Json::Null);
+    if key == "tool_calls"
+        && let Json::Array(calls) = value
+    {
+        return Json::Array(
+            calls
+                .into_iter()
+                .map(|call| match call {
+                    Json::Object(mut map) => {
+                        map.shift_remove("index");
+                        Json::Object(map)
+                    }
+                    other => other,
+                })
+                .collect(),
+        );
+    }
+    value
+}
+
+fn short_repr(value: &Json) -> String {
+    let text = value.to_string();
+    text.chars().take(200).collect()
+}
+
+/// `assert_messages_append_only_with_allowed_role`: `new` must start with (matching copies
+/// of) every `stored` message, and every appended message's role must be in `allowed`.
+pub fn assert_append_only(
+    stored: &[Message],
+    new: &[Message],
+    allowed: &[Role],
+    matcher: MessageMatcher,
+) -> Result<()> {
+    if stored.is_empty() {
+        return Ok(());
+    }
+    if new.len() < stored.len() {
+        return Err(Error::MessageValidation {
+            index: Some(new.len()),
+            reason: format!(
+                "new messages ({}) are fewer than stored messages ({})",
+                new.len(),
+                stored.len()
+            ),
+        });
+    }
+    for (i, (s, n)) in stored.iter().zip(new).enumerate() {
+        let diffs = matcher.diffs(s, n);
+        if !diffs.is_empty() {
+            let detail: Vec<String> = diffs
+                .iter()
+                .map(|(k, a, b)| {
+                    format!("{k}: {{stored: {}, new: {}}}", short_repr(a), short_repr(b))
+                })
+                .collect();
+            return Err(Error::MessageValidation {
+                index: Some(i),
+                reason: format!(
+                    "message mismatch at index {i} (role: stored={}, new={}). Diffs: {{{}}}",
+                    s.role.as_str(),
+                    n.role.as_str(),
+                    detail.join(", ")
+                ),
+            });
+        }
+    }
+    check_roles(stored.len(), &new[stored.len()..], allowed)
+}
+
+fn check_roles(offset: usize, appended: &[Message], allowed: &[Role]) -> Result<()> {
+    for (k, m) in appended.iter().enumerate() {
+        if !allowed.contains(&m.role) {
+            let names: Vec<&str> = allowed.iter().map(|r| r.as_str()).collect();
+            return Err(Error::MessageValidation {
+                index: Some(offset + k),
+                reason: format!(
+                    "appended message at index {} has role={}, allowed={names:?}",
+                    offset + k,
+                    m.role.as_str()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::ToolCall;
+    use serde_json::json;
+
+    fn msg(v: Json) -> Message {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn falsy_collapse_and_index_ignored() {
+        let a = msg(json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c", "type": "function", "index": 0, "function": {"name": "f", "arguments": "{}"}}]}));
+        let b = msg(json!({"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}));
+        assert!(MessageMatcher::Strict.matches(&a, &b));
+        let c = msg(json!({"role": "assistant", "content": " ", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}));
+        assert!(!MessageMatcher::Strict.matches(&a, &c));
+        let d = Message::assistant("").with_reasoning("r");
+        let e = Message::assistant("");
+        assert!(!MessageMatcher::Strict.matches(&d, &e));
+        assert!(MessageMatcher::RoleContentOnly.matches(&d, &e));
+        let f = Message::assistant("").with_tool_calls(vec![]);
+        assert!(MessageMatcher::Strict.matches(&e, &f));
+        let g = Message::assistant("").with_tool_calls(vec![ToolCall::function(
+            "x",
+            "f",
+            Default::default(),
+        )]);
+        assert!(!MessageMatcher::Strict.matches(&e, &g));
+    }
+
+    #[test]
+    fn append_only_errors() {
+        let stored = vec![Message::user("a"), Message::assistant("b")];
+        let all = [Role::Tool, Role::User, Role::System, Role::Assistant];
+        assert!(
+            assert_append_only(
+                &stored,
+                &[stored.clone(), vec![Message::user("c")]].concat(),
+                &all,
+                MessageMatcher::Strict
+            )
+            .is_ok()
+        );
+        let err =
+            assert_append_only(&stored, &stored[..1], &all, MessageMatcher::Strict).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::MessageValidation { index: Some(1), .. }
+        ));
+        let changed = vec![Message::user("a"), Message::assistant("B")];
+        let err = assert_append_only(&stored, &changed, &all, MessageMatcher::Strict).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("message mismatch at index 1 (role: stored=assistant, new=assistant)"),
+            "{err}"
+        );
+        let sys = [stored.clone(), vec![Message::system("s")]].concat();
+        let err = assert_append_only(
+            &stored,
+            &sys,
+            &[Role::Tool, Role::User],
+            MessageMatcher::Strict,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("appended message at index 2 has role=system"),
+            "{err}"
+        );
+        assert!(assert_append_only(&[], &sys, &all, MessageMatcher::Strict).is_ok());
+    }
+}

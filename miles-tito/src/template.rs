@@ -1,0 +1,488 @@
+//! Chat-template rendering configured like HF transformers' sandbox.
+//!
+//! [`ChatTemplate`] compiles a Jinja chat template with minijinja set up the way
+//! `transformers.utils.chat_template_utils` sets up Jinja2: `trim_blocks` and
+//! `lstrip_blocks` on, loop controls, Python `str`/`dict`/`list` methods (minijinja-contrib
+//! `pycompat`), HF's `tojson` (`json.dumps` with `ensure_ascii=False` and Python's
+//! separators), `raise_exception`, `strftime_now`, `namespace` and `dict`, and values printed
+//! the way Python prints them (`None`, `True`, `{'a': 1}`). Before rendering, messages are
+//! normalised exactly as `apply_chat_template` does: keys whose value is `null` are dropped
+//! and the reasoning aliases (`thinking`, `reasoning_content`) are filled in. Mutating methods
+//! such as `list.append` do not exist, matching HF's immutable sandbox: such templates fail
+//! with [`Error::Render`] where HF raises `SecurityError`.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use minijinja::value::{Kwargs, Rest, Value, ValueKind};
+use minijinja::{Environment, Error as JinjaError, ErrorKind, State};
+use serde_json::{Map, Value as Json};
+
+use miles_core::{Message, ToolSpec};
+
+use crate::error::{Error, Result};
+use crate::pyfmt::{self, CivilTime, JsonDumpOptions};
+
+const TEMPLATE_NAME: &str = "chat_template";
+const RAISE_MARKER: &str = "\u{1}raise_exception\u{1}";
+const RESERVED_KWARGS: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// A compiled chat template plus the special-token variables HF passes to it.
+#[derive(Clone)]
+pub struct ChatTemplate {
+    env: Arc<Environment<'static>>,
+    source: Arc<str>,
+    special_tokens: Map<String, Json>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source_len", &self.source.len())
+            .field("special_tokens", &self.special_tokens)
+            .finish()
+    }
+}
+
+/// What to render: the HF `apply_chat_template` arguments other than the template itself.
+#[derive(Debug, Clone, Copy)]
+pub struct RenderArgs<'a> {
+    /// The conversation, as JSON objects (OpenAI message shape).
+    pub messages: &'a [Json],
+    /// Tool specifications (`tools=`), or `None`.
+    pub tools: Option<&'a [Json]>,
+    /// Append the assistant generation prompt.
+    pub add_generation_prompt: bool,
+    /// Extra template variables (`chat_template_kwargs`: `enable_thinking`, …).
+    pub kwargs: &'a Map<String, Json>,
+}
+
+impl ChatTemplate {
+    /// Compiles `source` (the Jinja text of a chat template).
+    pub fn new(source: impl Into<String>) -> Result<Self> {
+        let source: String = source.into();
+        let mut env = Environment::new();
+        configure(&mut env);
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
+            .map_err(|e| Error::TemplateSyntax {
+                message: describe(&e),
+            })?;
+        Ok(Self {
+            env: Arc::new(env),
+            source: source.into(),
+            special_tokens: Map::new(),
+        })
+    }
+
+    /// Sets the special-token variables (`bos_token`, `eos_token`, …) passed to every render,
+    /// as HF passes `tokenizer.special_tokens_map`. Caller kwargs override them.
+    pub fn with_special_tokens(mut self, special_tokens: Map<String, Json>) -> Self {
+        self.special_tokens = special_tokens;
+        self
+    }
+
+    /// The special-token variables.
+    pub fn special_tokens(&self) -> &Map<String, Json> {
+        &self.special_tokens
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders like `tokenizer.apply_chat_template(messages, tools=…, add_generation_prompt=…,
+    /// tokenize=False, **kwargs)`.
+    pub fn render(&self, args: RenderArgs<'_>) -> Result<String> {
+        if args.messages.is_empty() {
+            return Err(Error::InvalidInput(
+                "Cannot apply chat template to an empty conversation. Provide at least one message.".into(),
+            ));
+        }
+        if let Some(key) = RESERVED_KWARGS
+            .iter()
+            .find(|k| args.kwargs.contains_key(**k))
+        {
+            return Err(Error::InvalidInput(format!(
+                "render() got multiple values for keyword argument {key:?}"
+            )));
+        }
+        let messages = normalise_messages(args.messages)?;
+        let mut ctx = self.special_tokens.clone();
+        for (k, v) in args.kwargs {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), Json::Array(messages));
+        ctx.insert(
+            "tools".into(),
+            args.tools.map_or(Json::Null, |t| Json::Array(t.to_vec())),
+        );
+        ctx.insert("documents".into(), Json::Null);
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Json::Bool(args.add_generation_prompt),
+        );
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| Error::TemplateSyntax {
+                message: describe(&e),
+            })?;
+        template
+            .render(Value::from_serialize(&ctx))
+            .map_err(render_error)
+    }
+
+    /// Renders typed messages and tool specs (see [`ChatTemplate::render`]).
+    pub fn render_messages(
+        &self,
+        messages: &[Message],
+        tools: Option<&[ToolSpec]>,
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Json>,
+    ) -> Result<String> {
+        let messages: Vec<Json> = messages.iter().map(Message::to_template_value).collect();
+        let tools: Option<Vec<Json>> = tools.map(tools_to_json);
+        self.render(RenderArgs {
+            messages: &messages,
+            tools: tools.as_deref(),
+            add_generation_prompt,
+            kwargs,
+        })
+    }
+}
+
+/// Tool specs as the JSON objects templates see.
+pub fn tools_to_json(tools: &[ToolSpec]) -> Vec<Json> {
+    tools
+        .iter()
+        .map(|t| serde_json::to_value(t).unwrap_or(Json::Null))
+        .collect()
+}
+
+/// HF's message normalisation: every message must be an object; keys whose value is `null`
+/// are dropped; a reasoning text found under `reasoning_content`, `thinking` or `reasoning`
+/// is exposed as both `thinking` (first key, unless present) and `reasoning_content`.
+pub fn normalise_messages(messages: &[Json]) -> Result<Vec<Json>> {
+    messages
+        .iter()
+        .map(|message| {
+            let Json::Object(map) = message else {
+                return Err(Error::InvalidInput(format!(
+                    "Chat messages should be dicts, dataclasses or pydantic models, but got {message}."
+                )));
+            };
+            let map: Map<String, Json> = map
+                .iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            let reasoning = REASONING_FIELDS
+                .iter()
+                .find_map(|key| map.get(*key).cloned());
+            let Some(reasoning) = reasoning else {
+                return Ok(Json::Object(map));
+            };
+            let mut out = Map::new();
+            out.insert("thinking".into(), reasoning.clone());
+            for (k, v) in map {
+                out.insert(k, v);
+            }
+            out.insert("reasoning_content".into(), reasoning);
+            Ok(Json::Object(out))
+        })
+        .collect()
+}
+
+fn describe(err: &JinjaError) -> String {
+    let mut text = match err.detail() {
+        Some(detail) => format!("{}: {}", err.kind(), detail.replace(RAISE_MARKER, "")),
+        None => err.kind().to_string(),
+    };
+    if let (Some(name), Some(line)) = (err.name(), err.line()) {
+        let _ = write!(text, " (in {name}:{line})");
+    }
+    let mut source = std::error::Error::source(err);
+    while let Some(inner) = source {
+        let _ = write!(text, ": {inner}");
+        source = inner.source();
+    }
+    text
+}
+
+fn find_raise(err: &JinjaError) -> Option<String> {
+    if let Some(detail) = err.detail()
+        && let Some(message) = detail.strip_prefix(RAISE_MARKER)
+    {
+        return Some(message.to_owned());
+    }
+    let mut source = std::error::Error::source(err);
+    while let Some(inner) = source {
+        if let Some(inner) = inner.downcast_ref::<JinjaError>()
+            && let Some(message) = inner.detail().and_then(|d| d.strip_prefix(RAISE_MARKER))
+        {
+            return Some(message.to_owned());
+        }
+        source = inner.source();
+    }
+    None
+}
+
+fn render_error(err: JinjaError) -> Error {
+    match find_raise(&err) {
+        Some(message) => Error::TemplateRaised { message },
+        None => Error::Render {
+            message: describe(&err),
+        },
+    }
+}
+
+fn write_err(_: std::fmt::Error) -> JinjaError {
+    JinjaError::new(ErrorKind::WriteFailure, "formatter write failed")
+}
+
+/// Applies HF's sandbox configuration to a minijinja environment.
+fn configure(env: &mut Environment<'static>) {
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_keep_trailing_newline(false);
+    env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_formatter(|out, _state, value| out.write_str(&pyfmt::py_str(value)).map_err(write_err));
+    env.add_filter("tojson", tojson_filter);
+    env.add_filter("string", |value: Value| pyfmt::py_str(&value));
+    env.add_filter("join", join_filter);
+    env.add_filter("trim", |value: Value, chars: Option<String>| {
+        // Jinja2: `soft_str(value).strip(chars)`, so non-strings print as Python does.
+        let text = pyfmt::py_str(&value);
+        match chars {
+            Some(chars) => text.trim_matches(|c| chars.contains(c)).to_owned(),
+            None => text.trim().to_owned(),
+        }
+    });
+    env.add_filter("items", items_filter);
+    env.add_test("sequence", |value: Value| {
+        matches!(
+            value.kind(),
+            ValueKind::Seq | ValueKind::String | ValueKind::Map
+        )
+    });
+    env.add_test("iterable", |value: Value| {
+        matches!(
+            value.kind(),
+            ValueKind::Seq | ValueKind::String | ValueKind::Map | ValueKind::Iterable
+        )
+    });
+    env.add_function(
+        "raise_exception",
+        |message: Value| -> Result<Value, JinjaError> {
+            Err(JinjaError::new(
+                ErrorKind::InvalidOperation,
+                format!("{RAISE_MARKER}{}", pyfmt::py_str(&message)),
+            ))
+        },
+    );
+    env.add_function("strftime_now", |format: String| {
+        pyfmt::strftime(&format, &CivilTime::now())
+    });
+}
+
+/// HF's `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
+fn tojson_filter(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<String, JinjaError> {
+    let mut positional = args.iter();
+    let mut options = JsonDumpOptions::default();
+    let ensure_ascii = kwargs
+        .get::<Option<Value>>("ensure_ascii")?
+        .or_else(|| positional.next().cloned());
+    if let Some(v) = ensure_ascii {
+        options.ensure_ascii = v.is_true();
+    }
+    let indent = kwargs
+        .get::<Option<Value>>("indent")?
+        .or_else(|| positional.next().cloned());
+    if let Some(v) = indent {
+        options.indent = match v.kind() {
+            ValueKind::None | ValueKind::Undefined => None,
+            ValueKind::String => Some(v.as_str().unwrap_or_default().to_owned()),
+            _ => {
+                let n = i64::try_from(v.clone()).map_err(|_| {
+                    JinjaError::new(
+                        ErrorKind::InvalidOperation,
+                        "indent must be an int or string",
+                    )
+                })?;
+                Some(" ".repeat(n.max(0) as usize))
+            }
+        };
+    }
+    let separators = kwargs
+        .get::<Option<Value>>("separators")?
+        .or_else(|| positional.next().cloned());
+    if let Some(v) = separators
+        && !v.is_none()
+        && !v.is_undefined()
+    {
+        let parts: Vec<Value> = v.try_iter()?.collect();
+        if parts.len() != 2 {
+            return Err(JinjaError::new(
+                ErrorKind::InvalidOperation,
+                "separators must be a (item_separator, key_separator) pair",
+            ));
+        }
+        options.separators = Some((pyfmt::py_str(&parts[0]), pyfmt::py_str(&parts[1])));
+    }
+    let sort_keys = kwargs
+        .get::<Option<Value>>("sort_keys")?
+        .or_else(|| positional.next().cloned());
+    if let Some(v) = sort_keys {
+        options.sort_keys = v.is_true();
+    }
+    kwargs.assert_all_used()?;
+    if value.is_undefined() {
+        return Err(JinjaError::new(
+            ErrorKind::UndefinedError,
+            "Object of type Undefined is not JSON serializable",
+        ));
+    }
+    pyfmt::json_dumps(&value, &options)
+}
+
+/// Jinja2's `join(d="", attribute=None)`, which applies Python `str()` to the items.
+fn join_filter(
+    state: &State<'_, '_>,
+    value: Value,
+    sep: Option<String>,
+    kwargs: Kwargs,
+) -> Result<String, JinjaError> {
+    let attribute: Option<String> = kwargs.get("attribute")?;
+    kwargs.assert_all_used()?;
+    let sep = sep.unwrap_or_default();
+    if value.is_undefined() || value.is_none() {
+        return Ok(String::new());
+    }
+    if let Some(s) = value.as_str() {
+        // Joining a string joins its characters.
+        return Ok(s.chars().map(String::from).collect::<Vec<_>>().join(&sep));
+    }
+    let _ = state;
+    let mut out = String::new();
+    for (i, item) in value.try_iter()?.enumerate() {
+        if i > 0 {
+            out.push_str(&sep);
+        }
+        let item = match &attribute {
+            Some(attr) => attr.split('.').try_fold(item, |v, part| v.get_attr(part))?,
+            None => item,
+        };
+        out.push_str(&pyfmt::py_str(&item));
+    }
+    Ok(out)
+}
+
+/// Jinja2's `items` filter: pairs of a mapping; undefined yields nothing; anything else is
+/// the `TypeError` Jinja2 raises.
+fn items_filter(value: Value) -> Result<Value, JinjaError> {
+    match value.kind() {
+        ValueKind::Undefined => Ok(Value::from(Vec::<Value>::new())),
+        ValueKind::Map => {
+            let mut pairs = Vec::new();
+            for key in value.try_iter()? {
+                let item = value.get_item(&key)?;
+                pairs.push(Value::from(vec![key, item]));
+            }
+            Ok(Value::from(pairs))
+        }
+        _ => Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            "Can only get item pairs from a mapping.",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn render(source: &str, messages: Json, kwargs: Json) -> Result<String> {
+        let template = ChatTemplate::new(source)?;
+        let messages = messages.as_array().cloned().unwrap_or_default();
+        let kwargs = kwargs.as_object().cloned().unwrap_or_default();
+        template.render(RenderArgs {
+            messages: &messages,
+            tools: None,
+            add_generation_prompt: false,
+            kwargs: &kwargs,
+        })
+    }
+
+    #[test]
+    fn python_value_printing_and_tojson() {
+        let out = render(
+            "{{ messages[0].x }}|{{ messages[0].y }}|{{ messages[0].z|tojson }}|{{ messages[0].z|tojson(indent=1) }}",
+            json!([{"role": "user", "x": true, "y": [1, "a"], "z": {"k": "é<"}}]),
+            json!({}),
+        )
+        .unwrap();
+        assert_eq!(out, "True|[1, 'a']|{\"k\": \"é<\"}|{\n \"k\": \"é<\"\n}");
+    }
+
+    #[test]
+    fn null_keys_dropped_and_reasoning_aliased() {
+        let out = render(
+            "{% for m in messages %}{{ m|tojson }}\n{% endfor %}",
+            json!([
+                {"role": "user", "content": null, "name": "a"},
+                {"role": "assistant", "content": "x", "reasoning": "r"}
+            ]),
+            json!({}),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "{\"role\": \"user\", \"name\": \"a\"}\n{\"thinking\": \"r\", \"role\": \"assistant\", \"content\": \"x\", \"reasoning\": \"r\", \"reasoning_content\": \"r\"}\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_is_typed() {
+        let err = render(
+            "{{ raise_exception('nope ' ~ 1) }}",
+            json!([{"role": "user"}]),
+            json!({}),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, Error::TemplateRaised { ref message } if message == "nope 1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn list_append_is_rejected_like_the_sandbox() {
+        let err = render(
+            "{% set xs = [] %}{% set _ = xs.append(1) %}{{ xs }}",
+            json!([{"role": "user"}]),
+            json!({}),
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Render { .. }), "{err}");
+    }
+
+    #[test]
+    fn kwargs_namespace_loop_and_blocks() {
+        let source = "{%- set ns = namespace(n=0) %}\n{%- for m in messages %}\n  {%- if loop.first %}[{{ flag }}]{% endif %}\n  {%- set ns.n = ns.n + 1 %}\n{%- endfor %}\n{{ ns.n }} {{ 'a,b'.split(',')|length }} {{ '  x '.strip() }}{{ {'a': 1}.get('b', 2) }}\n";
+        let out = render(
+            source,
+            json!([{"role": "user"}, {"role": "user"}]),
+            json!({"flag": false}),
+        )
+        .unwrap();
+        assert_eq!(out, "[False]2 2 x2");
+        let err = render(source, json!([]), json!({})).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)));
+        let err = render(source, json!([{"role": "user"}]), json!({"messages": 1})).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)));
+    }
+}

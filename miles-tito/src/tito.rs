@@ -1,0 +1,693 @@
+//! TITO tokenizer families and incremental tokenization (MILES_SPEC §1.2, §1.4).
+//!
+//! A [`TitoTokenizer`] pins one chat template (the family's fixed template, or the model's
+//! own), the kwargs the family forces, the roles that may be appended to a session, and the
+//! family's boundary rule. [`TitoTokenizer::tokenize_additional_messages`] renders only the
+//! appended messages (plus the next generation prompt) against a two-message synthetic
+//! context, and [`TitoTokenizer::merge_tokens`] joins them to the stored token prefix after
+//! fixing the boundary where the model stopped.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use miles_core::{Message, Role};
+use serde_json::{Map, Value as Json, json};
+use tokenizers::Tokenizer;
+
+use crate::comparator::TokenSeqComparator;
+use crate::error::{Error, Result};
+use crate::matcher::{MessageMatcher, assert_append_only};
+use crate::model::{self, HfChat};
+use crate::template::ChatTemplate;
+
+/// All four appendable roles (`VALID_APPEND_ROLES`).
+pub const ALL_ROLES: [Role; 4] = [Role::Tool, Role::User, Role::System, Role::Assistant];
+const NO_SYSTEM: [Role; 3] = [Role::Tool, Role::User, Role::Assistant];
+
+/// A TITO tokenizer family, named as Miles' `--tito-model` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TitoFamily {
+    /// The model's own template, plain concatenation, no forced kwargs.
+    Default,
+    /// Qwen3 with `qwen3_fixed.jinja`.
+    Qwen3,
+    /// Qwen3.5 with `qwen3.5_fixed.jinja` (no mid-session system messages).
+    Qwen35,
+    /// Qwen3 thinking-2507 / Qwen3-Next with `qwen3_thinking_2507_and_next_fixed.jinja`.
+    QwenNext,
+    /// GLM-4.7: native template, `<|observation|>`/`<|user|>` trim.
+    Glm47,
+    /// Nemotron 3: native template, `truncate_history_thinking=False`.
+    Nemotron3,
+    /// Kimi K2.5 with `kimi_k25_fixed.jinja`.
+    Kimi25,
+    /// Kimi K2.6: native template, `preserve_thinking=True`.
+    Kimi26,
+    /// MiniMax M2.5 with `minimax_m25_fixed.jinja`.
+    MinimaxM25,
+    /// MiniMax M2.7 with `minimax_m27_fixed.jinja`.
+    MinimaxM27,
+}
+
+/// How the stored prefix is joined to the incremental tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BoundaryRule {
+    /// Plain concatenation (default, Kimi).
+    Concat,
+    /// The template writes `END\n` after every message but the model stops at `END`: when
+    /// the prefix ends with `END`, append the `\n` token (Qwen, Nemotron: `<|im_end|>`;
+    /// MiniMax: `[e~[`).
+    NewlineAfter(&'static str),
+    /// The model's stop tokens double as the next message's opener: drop one trailing
+    /// `<|observation|>` or `<|user|>` (GLM-4.7, `max_trim_tokens = 1`).
+    TrimStopOpeners,
+}
+
+impl TitoFamily {
+    /// Every supported family.
+    pub const ALL: [TitoFamily; 10] = [
+        Self::Default,
+        Self::Qwen3,
+        Self::Qwen35,
+        Self::QwenNext,
+        Self::Glm47,
+        Self::Nemotron3,
+        Self::Kimi25,
+        Self::Kimi26,
+        Self::MinimaxM25,
+        Self::MinimaxM27,
+    ];
+
+    /// Miles' name (`qwen3`, `glm47`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Default => "default",
+            Self::Qwen3 => "qwen3",
+            Self::Qwen35 => "qwen35",
+            Self::QwenNext => "qwennext",
+            Self::Glm47 => "glm47",
+            Self::Nemotron3 => "nemotron3",
+            Self::Kimi25 => "kimi25",
+            Self::Kimi26 => "kimi26",
+            Self::MinimaxM25 => "minimax_m25",
+            Self::MinimaxM27 => "minimax_m27",
+        }
+    }
+
+    /// Parses a Miles family name.
+    pub fn parse(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| Error::UnknownFamily {
+                name: name.to_owned(),
+                known: Self::ALL.map(Self::name).join(", "),
+            })
+    }
+
+    /// The fixed template's file name and Jinja source, or `None` for the model's own.
+    pub fn fixed_template(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Self::Qwen3 => Some((
+                "qwen3_fixed.jinja",
+                include_str!("../templates/qwen3_fixed.jinja"),
+            )),
+            Self::Qwen35 => Some((
+                "qwen3.5_fixed.jinja",
+                include_str!("../templates/qwen3.5_fixed.jinja"),
+            )),
+            Self::QwenNext => Some((
+                "qwen3_thinking_2507_and_next_fixed.jinja",
+                include_str!("../templates/qwen3_thinking_2507_and_next_fixed.jinja"),
+            )),
+            Self::Kimi25 => Some((
+                "kimi_k25_fixed.jinja",
+                include_str!("../templates/kimi_k25_fixed.jinja"),
+            )),
+            Self::MinimaxM25 => Some((
+                "minimax_m25_fixed.jinja",
+                include_str!("../templates/minimax_m25_fixed.jinja"),
+            )),
+            Self::MinimaxM27 => Some((
+                "minimax_m27_fixed.jinja",
+                include_str!("../templates/minimax_m27_fixed.jinja"),
+            )),
+            Self::Default | Self::Glm47 | Self::Nemotron3 | Self::Kimi26 => None,
+        }
+    }
+
+    /// The kwargs the family forces (`extra_kwargs`).
+    pub fn forced_kwargs(self) -> Map<String, Json> {
+        let (key, value) = match self {
+            Self::Default => return Map::new(),
+            Self::Qwen3 | Self::Qwen35 | Self::QwenNext | Self::Glm47 => ("clear_thinking", false),
+            Self::MinimaxM25 | Self::MinimaxM27 => ("clear_thinking", false),
+            Self::Nemotron3 => ("truncate_history_thinking", false),
+            Self::Kimi25 | Self::Kimi26 => ("preserve_thinking", true),
+        };
+        let mut map = Map::new();
+        map.insert(key.to_owned(), Json::Bool(value));
+        map
+    }
+
+    /// Roles that may be appended to a session.
+    pub fn allowed_append_roles(self) -> &'static [Role] {
+        match self {
+            Self::Qwen35 | Self::MinimaxM25 | Self::MinimaxM27 => &NO_SYSTEM,
+            _ => &ALL_ROLES,
+        }
+    }
+
+    /// The text that opens an assistant turn (comparator classification), if known.
+    pub fn assistant_start_str(self) -> Option<&'static str> {
+        match self {
+            Self::Default => None,
+            Self::Qwen3 | Self::Qwen35 | Self::QwenNext => Some("<|im_start|>assistant"),
+            Self::Nemotron3 => Some("<|im_start|>assistant\n"),
+            Self::Glm47 => Some("<|assistant|>"),
+            Self::Kimi25 | Self::Kimi26 => Some("<|im_assistant|>"),
+            Self::MinimaxM25 | Self::MinimaxM27 => Some("]~b]ai"),
+        }
+    }
+
+    /// How many trailing stored tokens the next prompt may drop (§1.9).
+    pub fn max_trim_tokens(self) -> usize {
+        usize::from(self == Self::Glm47)
+    }
+
+    /// The family's boundary rule.
+    pub fn boundary_rule(self) -> BoundaryRule {
+        match self {
+            Self::Default | Self::Kimi25 | Self::Kimi26 => BoundaryRule::Concat,
+            Self::Qwen3 | Self::Qwen35 | Self::QwenNext | Self::Nemotron3 => {
+                BoundaryRule::NewlineAfter("<|im_end|>")
+            }
+            Self::MinimaxM25 | Self::MinimaxM27 => BoundaryRule::NewlineAfter("[e~["),
+            Self::Glm47 => BoundaryRule::TrimStopOpeners,
+        }
+    }
+
+    /// Merges the family's forced kwargs into `kwargs`; a caller value that differs from a
+    /// forced one is [`Error::KwargConflict`].
+    pub fn merge_kwargs(self, kwargs: Map<String, Json>) -> Result<Map<String, Json>> {
+        merge_forced(self, kwargs)
+    }
+
+    /// Texts whose ids form `trailing_token_ids` (where the model may stop, stripped by the
+    /// verifier and comparator).
+    fn trailing_token_texts(self) -> &'static [&'static str] {
+        match self {
+            Self::Default | Self::Kimi25 | Self::Kimi26 => &[],
+            Self::Glm47 => &["<|observation|>", "<|user|>"],
+            _ => &["\n"],
+        }
+    }
+}
+
+impl std::fmt::Display for TitoFamily {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Boundary rule resolved to token ids.
+#[derive(Debug, Clone, Copy)]
+enum Boundary {
+    Concat,
+    NewlineAfter { end: u32, newline: u32 },
+    Trim { observation: u32, user: u32 },
+}
+
+/// A family-bound incremental tokenizer (Miles' `TITOTokenizer` subclasses).
+#[derive(Debug, Clone)]
+pub struct TitoTokenizer {
+    family: TitoFamily,
+    template: ChatTemplate,
+    tokenizer: Arc<Tokenizer>,
+    kwargs: Map<String, Json>,
+    boundary: Boundary,
+    special_ids: BTreeSet<u32>,
+    trailing_ids: BTreeSet<u32>,
+}
+
+fn token_id(tokenizer: &Tokenizer, family: TitoFamily, text: &str) -> Result<u32> {
+    tokenizer
+        .token_to_id(text)
+        .ok_or_else(|| Error::FamilyTokenizer {
+            family: family.name().into(),
+            reason: format!("token {text:?} is not in the vocabulary"),
+        })
+}
+
+fn single_token(tokenizer: &Tokenizer, family: TitoFamily, text: &str) -> Result<u32> {
+    let ids = model::encode(tokenizer, text)?;
+    match ids.as_slice() {
+        [id] => Ok(*id),
+        _ => Err(Error::FamilyTokenizer {
+            family: family.name().into(),
+            reason: format!("{text:?} must encode to exactly one token, got {ids:?}"),
+        }),
+    }
+}
+
+fn merge_forced(family: TitoFamily, mut kwargs: Map<String, Json>) -> Result<Map<String, Json>> {
+    for (key, value) in family.forced_kwargs() {
+        match kwargs.get(&key) {
+            Some(given) if *given != value => {
+                return Err(Error::KwargConflict {
+                    key,
+                    value: given.to_string(),
+                    family: family.name().into(),
+                });
+            }
+            _ => {
+                kwargs.insert(key, value);
+            }
+        }
+    }
+    Ok(kwargs)
+}
+
+/// Miles' message normalisation before rendering: assistant `content: null` becomes `""`,
+/// and tool-call arguments given as a JSON string are parsed into an object.
+pub fn miles_normalise(messages: &[Message]) -> Result<Vec<Json>> {
+    messages
+        .iter()
+        .map(|m| {
+            let mut value = m.to_template_value();
+            if let Json::Object(map) = &mut value {
+                if m.role == Role::Assistant && m.content.is_none() {
+                    map.insert("content".into(), Json::String(String::new()));
+                }
+                if let Some(calls) = &m.tool_calls {
+                    let mut out = Vec::with_capacity(calls.len());
+                    for call in calls {
+                        let mut call_json =
+                            serde_json::to_value(call).map_err(|e| Error::json("tool call", e))?;
+                        let args = call
+                            .function
+                            .arguments
+                            .to_object()
+                            .map_err(|e| Error::json("tool-call arguments", e))?;
+                        call_json["function"]["arguments"] = Json::Object(args);
+                        out.push(call_json);
+                    }
+                    map.insert("tool_calls".into(), Json::Array(out));
+                }
+            }
+            Ok(value)
+        })
+        .collect()
+}
+
+impl TitoTokenizer {
+    /// Builds the family's tokenizer over a loaded model directory. The family's fixed
+    /// template is used when it has one, else the directory's own; `kwargs` are the caller's
+    /// chat-template kwargs, merged with the family's forced ones (a conflicting value is an
+    /// error).
+    pub fn new(chat: &HfChat, family: TitoFamily, kwargs: Map<String, Json>) -> Result<Self> {
+        let template = match family.fixed_template() {
+            Some((_, source)) => {
+                ChatTemplate::new(source)?.with_special_tokens(chat.special_tokens().clone())
+            }
+            None => chat.template(false)?.clone(),
+        };
+        Self::with_template(chat, template, family, kwargs)
+    }
+
+    /// Like [`TitoTokenizer::new`] with an explicit template (a user override).
+    pub fn with_template(
+        chat: &HfChat,
+        template: ChatTemplate,
+        family: TitoFamily,
+        kwargs: Map<String, Json>,
+    ) -> Result<Self> {
+        let tokenizer = chat.tokenizer().cloned().ok_or(Error::NoTokenizer)?;
+        let kwargs = merge_forced(family, kwargs)?;
+        let boundary = match family.boundary_rule() {
+            BoundaryRule::Concat => Boundary::Concat,
+            BoundaryRule::NewlineAfter(end) => Boundary::NewlineAfter {
+                end: token_id(&tokenizer, family, end)?,
+                newline: single_token(&tokenizer, family, "\n")?,
+            },
+            BoundaryRule::TrimStopOpeners => Boundary::Trim {
+                observation: token_id(&tokenizer, family, "<|observation|>")?,
+                user: token_id(&tokenizer, family, "<|user|>")?,
+            },
+        };
+        let mut trailing_ids = BTreeSet::new();
+        for text in family.trailing_token_texts() {
+            let id = if *text == "\n" {
+                single_token(&tokenizer, family, text)?
+            } else {
+                token_id(&tokenizer, family, text)?
+            };
+            trailing_ids.insert(id);
+        }
+        let mut special_ids: BTreeSet<u32> = tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
+        if matches!(family, TitoFamily::Kimi25 | TitoFamily::Kimi26)
+            && let Some(id) = tokenizer.token_to_id("<|im_middle|>")
+        {
+            special_ids.remove(&id);
+        }
+        Ok(Self {
+            family,
+            template,
+            tokenizer,
+            kwargs,
+            boundary,
+            special_ids,
+            trailing_ids,
+        })
+    }
+
+    /// `clone_with_chat_template_kwargs`: a tokenizer of the same family whose kwargs are
+    /// these merged with `request` (request wins; forced kwargs still conflict).
+    pub fn clone_with_chat_template_kwargs(&self, request: &Map<String, Json>) -> Result<Self> {
+        let mut kwargs = self.kwargs.clone();
+        for (k, v) in request {
+            kwargs.insert(k.clone(), v.clone());
+        }
+        let kwargs = merge_forced(self.family, kwargs)?;
+        Ok(Self {
+            kwargs,
+            ..self.clone()
+        })
+    }
+
+    /// The family.
+    pub fn family(&self) -> TitoFamily {
+        self.family
+    }
+
+    /// The effective chat-template kwargs.
+    pub fn kwargs(&self) -> &Map<String, Json> {
+        &self.kwargs
+    }
+
+    /// The template in use.
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Ids the comparator treats as segment boundaries.
+    pub fn special_token_ids(&self) -> &BTreeSet<u32> {
+        &self.special_ids
+    }
+
+    /// Ids the model may stop on that a later prompt re-renders (stripped by the verifier).
+    pub fn trailing_token_ids(&self) -> &BTreeSet<u32> {
+        &self.trailing_ids
+    }
+
+    /// How many trailing stored tokens a later prompt may drop.
+    pub fn max_trim_tokens(&self) -> usize {
+        self.family.max_trim_tokens()
+    }
+
+    /// A comparator configured for this family (§1.10).
+    pub fn comparator(&self) -> TokenSeqComparator {
+        TokenSeqComparator::new(
+            self.tokenizer.clone(),
+            self.special_ids.clone(),
+            self.trailing_ids.clone(),
+            self.family.assistant_start_str().map(str::to_owned),
+        )
+    }
+
+    /// Renders `messages` (normalised as Miles does) with the family's template and kwargs.
+    /// When rendering with tools fails, it is retried once with only the inner `function`
+    /// objects of the tools, as Miles does.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let messages = miles_normalise(messages)?;
+        self.render_json(&messages, tools, add_generation_prompt)
+    }
+
+    fn render_json(
+        &self,
+        messages: &[Json],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let tools = tools.map(canonical_tools);
+        let args = crate::RenderArgs {
+            messages,
+            tools: tools.as_deref(),
+            add_generation_prompt,
+            kwargs: &self.kwargs,
+        };
+        match self.template.render(args) {
+            Ok(text) => Ok(text),
+            Err(first) => {
+                let Some(tools) = tools.as_deref() else {
+                    return Err(first);
+                };
+                let inner: Vec<Json> = tools
+                    .iter()
+                    .map(|t| t.get("function").cloned().unwrap_or_else(|| t.clone()))
+                    .collect();
+                self.template.render(crate::RenderArgs {
+                    tools: Some(&inner),
+                    ..args
+                })
+            }
+        }
+    }
+
+    /// Encodes text without special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        model::encode(&self.tokenizer, text)
+    }
+
+    /// Decodes ids, keeping special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        model::decode(&self.tokenizer, ids)
+    }
+
+    /// Full render + encode of a conversation (what a fresh session does).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        self.encode(&self.render(messages, tools, add_generation_prompt)?)
+    }
+
+    /// `tokenize_additional_messages` (§1.4): validates that `new` extends `old` with allowed
+    /// roles, renders the appended messages plus the generation prompt after the synthetic
+    /// context `[dummy system, dummy assistant carrying old's last tool calls]`, checks the
+    /// rendered text extends the context's render, and encodes the difference.
+    pub fn tokenize_additional_messages(
+        &self,
+        old: &[Message],
+        new: &[Message],
+        tools: Option<&[Json]>,
+    ) -> Result<Vec<u32>> {
+        assert_append_only(
+            old,
+            new,
+            self.family.allowed_append_roles(),
+            MessageMatcher::Strict,
+        )?;
+        let appended = &new[old.len().min(new.len())..];
+        let last_calls = old
+            .last()
+            .and_then(|m| m.tool_calls.as_ref())
+            .map(|calls| miles_normalise(&[Message::assistant("").with_tool_calls(calls.clone())]))
+            .transpose()?
+            .and_then(|v| v.into_iter().next())
+            .and_then(|m| m.get("tool_calls").cloned())
+            .unwrap_or_else(|| json!([]));
+        let base = vec![
+            json!({"role": "system", "content": "dummy system"}),
+            json!({"role": "assistant", "content": "", "reasoning_content": " ", "tool_calls": last_calls}),
+        ];
+        let without = self.render_json(&base, tools, false)?;
+        let mut full = base;
+        full.extend(miles_normalise(appended)?);
+        let with = self.render_json(&full, tools, true)?;
+        let Some(suffix) = with.strip_prefix(&without) else {
+            return Err(Error::SuffixDiff {
+                roles: appended
+                    .iter()
+                    .map(|m| m.role.as_str().to_owned())
+                    .collect(),
+            });
+        };
+        self.encode(suffix)
+    }
+
+    /// Applies the family's boundary rule to the stored prefix (where the model stopped).
+    pub fn fix_boundary(&self, prefix: &[u32]) -> Vec<u32> {
+        let mut out = prefix.to_vec();
+        match self.boundary {
+            Boundary::Concat => {}
+            Boundary::NewlineAfter { end, newline } => {
+                if out.last() == Some(&end) {
+                    out.push(newline);
+                }
+            }
+            Boundary::Trim { observation, user } => {
+                if matches!(out.last(), Some(&id) if id == observation || id == user) {
+                    out.pop();
+                }
+            }
+        }
+        out
+    }
+
+    /// `merge_tokens` (§1.4): the boundary-fixed stored prefix followed by the incremental
+    /// tokens of `new` beyond `old`.
+    pub fn merge_tokens(
+        &self,
+        old: &[Message],
+        new: &[Message],
+        prefix_ids: &[u32],
+        tools: Option<&[Json]>,
+    ) -> Result<Vec<u32>> {
+        let incremental = self.tokenize_additional_messages(old, new, tools)?;
+        let mut out = self.fix_boundary(prefix_ids);
+        out.extend(incremental);
+        Ok(out)
+    }
+}
+
+impl TitoTokenizer {
+    /// The ids the model would have generated for the assistant message `messages[index]`:
+    /// the text its render adds after the generation prompt of `messages[..index]`, encoded,
+    /// with trailing `trailing_token_ids` (where the model stops) removed.
+    pub fn assistant_output_ids(
+        &self,
+        messages: &[Message],
+        index: usize,
+        tools: Option<&[Json]>,
+    ) -> Result<Vec<u32>> {
+        let prompt = self.render(&messages[..index], tools, true)?;
+        let full = self.render(&messages[..=index], tools, false)?;
+        let Some(output) = full.strip_prefix(&prompt) else {
+            return Err(Error::SuffixDiff {
+                roles: vec![Role::Assistant.as_str().to_owned()],
+            });
+        };
+        let mut ids = self.encode(output)?;
+        while ids.last().is_some_and(|id| self.trailing_ids.contains(id)) {
+            ids.pop();
+        }
+        Ok(ids)
+    }
+
+    /// Replays a conversation through a simulated session: every assistant message is taken
+    /// as model output ([`TitoTokenizer::assistant_output_ids`]); the first prompt is a full
+    /// render of the messages before it, each later prompt is
+    /// [`TitoTokenizer::merge_tokens`] over the stored ids. Messages after the last assistant
+    /// message are not used.
+    pub fn replay_conversation(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Json]>,
+    ) -> Result<crate::TokenTrajectory> {
+        let mut trajectory = crate::TokenTrajectory::new(self.max_trim_tokens());
+        let mut stored_end = 0usize;
+        for (index, message) in messages.iter().enumerate() {
+            if message.role != Role::Assistant {
+                continue;
+            }
+            let prompt = if trajectory.num_turns() == 0 {
+                self.apply_chat_template(&messages[..index], tools, true)?
+            } else {
+                self.merge_tokens(
+                    &messages[..stored_end],
+                    &messages[..index],
+                    trajectory.ids(),
+                    tools,
+                )?
+            };
+            let output = self.assistant_output_ids(messages, index, tools)?;
+            trajectory.extend(&prompt, &output)?;
+            stored_end = index + 1;
+        }
+        Ok(trajectory)
+    }
+}
+
+/// Tools as full OpenAI tool objects: a bare function declaration (`{"name": …}`) is
+/// wrapped into `{"type": "function", "function": …}`.
+pub fn canonical_tools(tools: &[Json]) -> Vec<Json> {
+    tools
+        .iter()
+        .map(|t| {
+            if t.get("function").is_some() {
+                t.clone()
+            } else {
+                json!({"type": "function", "function": t})
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn family_names_round_trip_and_unknown_is_typed() {
+        for family in TitoFamily::ALL {
+            assert_eq!(TitoFamily::parse(family.name()).unwrap(), family);
+        }
+        assert!(matches!(
+            TitoFamily::parse("gpt"),
+            Err(Error::UnknownFamily { .. })
+        ));
+    }
+
+    #[test]
+    fn forced_kwargs_conflict() {
+        let mut kwargs = Map::new();
+        kwargs.insert("clear_thinking".into(), Json::Bool(true));
+        let err = merge_forced(TitoFamily::Qwen3, kwargs).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "chat template kwarg clear_thinking=true conflicts with the value registered for qwen3"
+        );
+        let mut kwargs = Map::new();
+        kwargs.insert("clear_thinking".into(), Json::Bool(false));
+        kwargs.insert("enable_thinking".into(), Json::Bool(true));
+        let merged = merge_forced(TitoFamily::Qwen3, kwargs).unwrap();
+        assert_eq!(merged.len(), 2);
+        assert!(
+            merge_forced(TitoFamily::Default, Map::new())
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn miles_normalisation_parses_string_arguments() {
+        let m: Message = serde_json::from_value(json!({"role": "assistant", "content": null,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}))
+        .unwrap();
+        let out = miles_normalise(&[m]).unwrap();
+        assert_eq!(out[0]["content"], json!(""));
+        assert_eq!(
+            out[0]["tool_calls"][0]["function"]["arguments"],
+            json!({"a": 1})
+        );
+    }
+}
