@@ -5,7 +5,7 @@
 //! whitespace included, must be identical. Inside `tool_calls` the wire-only key `index` is
 //! ignored.
 
-use miles_core::{Message, Role};
+use miles_core::{Content, Message, Role, ToolCall};
 use serde_json::Value as Json;
 
 use crate::error::{Error, Result};
@@ -43,9 +43,20 @@ impl MessageMatcher {
         }
     }
 
-    /// Whether `stored` and `replayed` match.
+    /// Whether `stored` and `replayed` match. Compares the typed fields directly (the same
+    /// relation as comparing the normalised JSON of [`MessageMatcher::diffs`], without
+    /// serialising), so validating a long history stays cheap.
     pub fn matches(self, stored: &Message, replayed: &Message) -> bool {
-        self.diffs(stored, replayed).is_empty()
+        if stored.role != replayed.role || !content_eq(&stored.content, &replayed.content) {
+            return false;
+        }
+        match self {
+            Self::RoleContentOnly => true,
+            Self::Strict => {
+                str_eq(&stored.reasoning_content, &replayed.reasoning_content)
+                    && calls_eq(&stored.tool_calls, &replayed.tool_calls)
+            }
+        }
     }
 
     /// The differing keys with their normalised stored and replayed values.
@@ -61,6 +72,33 @@ impl MessageMatcher {
             })
             .collect()
     }
+}
+
+fn content_eq(a: &Option<Content>, b: &Option<Content>) -> bool {
+    let falsy = |c: &Option<Content>| match c {
+        None => true,
+        Some(Content::Text(t)) => t.is_empty(),
+        Some(Content::Parts(p)) => p.is_empty(),
+    };
+    match (falsy(a), falsy(b)) {
+        (true, true) => true,
+        (false, false) => a == b,
+        _ => false,
+    }
+}
+
+fn str_eq(a: &Option<String>, b: &Option<String>) -> bool {
+    a.as_deref().unwrap_or_default() == b.as_deref().unwrap_or_default()
+}
+
+fn calls_eq(a: &Option<Vec<ToolCall>>, b: &Option<Vec<ToolCall>>) -> bool {
+    let a = a.as_deref().unwrap_or_default();
+    let b = b.as_deref().unwrap_or_default();
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            // `index` is wire-only and ignored.
+            x.id == y.id && x.kind == y.kind && x.function == y.function
+        })
 }
 
 fn is_falsy(value: Option<&Json>) -> bool {
@@ -123,8 +161,11 @@ pub fn assert_append_only(
         });
     }
     for (i, (s, n)) in stored.iter().zip(new).enumerate() {
+        if matcher.matches(s, n) {
+            continue;
+        }
         let diffs = matcher.diffs(s, n);
-        if !diffs.is_empty() {
+        {
             let detail: Vec<String> = diffs
                 .iter()
                 .map(|(k, a, b)| {
@@ -165,7 +206,6 @@ fn check_roles(offset: usize, appended: &[Message], allowed: &[Role]) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use miles_core::ToolCall;
     use serde_json::json;
 
     fn msg(v: Json) -> Message {
@@ -194,6 +234,37 @@ mod tests {
             Default::default(),
         )]);
         assert!(!MessageMatcher::Strict.matches(&e, &g));
+    }
+
+    #[test]
+    fn typed_match_equals_json_diff() {
+        let variants = [
+            json!({"role": "assistant"}),
+            json!({"role": "assistant", "content": ""}),
+            json!({"role": "assistant", "content": []}),
+            json!({"role": "assistant", "content": " "}),
+            json!({"role": "assistant", "content": [{"type": "text", "text": " "}]}),
+            json!({"role": "user", "content": " "}),
+            json!({"role": "assistant", "reasoning_content": ""}),
+            json!({"role": "assistant", "reasoning_content": "r"}),
+            json!({"role": "assistant", "tool_calls": []}),
+            json!({"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": {}}}]}),
+            json!({"role": "assistant", "tool_calls": [{"id": "a", "index": 3, "type": "function", "function": {"name": "f", "arguments": {}}}]}),
+            json!({"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}),
+            json!({"role": "assistant", "tool_calls": [{"id": "b", "type": "function", "function": {"name": "f", "arguments": {}}}]}),
+        ];
+        let messages: Vec<Message> = variants.iter().cloned().map(msg).collect();
+        for matcher in [MessageMatcher::Strict, MessageMatcher::RoleContentOnly] {
+            for a in &messages {
+                for b in &messages {
+                    assert_eq!(
+                        matcher.matches(a, b),
+                        matcher.diffs(a, b).is_empty(),
+                        "{a:?} {b:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
