@@ -227,6 +227,20 @@ mod tests {
             let tok = a.tokenizer(None).unwrap();
             assert_eq!(tok.family(), family);
         }
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizers");
+        for (model, family) in [
+            ("glm-4.5", "glm47"),
+            ("kimi-k2", "kimi25"),
+            ("kimi-k2", "kimi26"),
+        ] {
+            let a = args(&format!(
+                "--engine-url toy --model {root}/{model} --tito {family}"
+            ))
+            .unwrap();
+            let tok = a.tokenizer(None).unwrap();
+            assert_eq!(tok.family(), family);
+            assert!(!tok.stop_token_ids().is_empty(), "{family}");
+        }
         let bad = args(&format!("--engine-url toy --model {dir} --tito qwen9")).unwrap();
         assert!(matches!(bad.tokenizer(None), Err(Error::Config(_))));
     }
