@@ -22,8 +22,8 @@ use crate::server::{SessionServer, SessionServerConfig};
 use crate::sglang::{SglangConfig, SglangEngine};
 use crate::testkit::{ByteChatml, ToyEngine};
 
-/// Builds the chat tokenizer of a family from a model directory (the miles-tito adapter
-/// plugs in here).
+/// Builds the chat tokenizer of a family from a model directory (default:
+/// [`crate::tito_adapter::load_tokenizer`]).
 pub type TokenizerLoader = dyn Fn(&std::path::Path, &str) -> Result<Arc<dyn ChatTokenizer>>;
 
 /// Parsed command line.
@@ -155,7 +155,8 @@ impl CliArgs {
         Arc::new(SglangEngine::new(config))
     }
 
-    /// The tokenizer: `byte_chatml` built in, any other family through `loader`.
+    /// The tokenizer: `byte_chatml` built in, any other family through `loader`, or through
+    /// the miles-tito adapter ([`crate::tito_adapter::TitoChat`]) when `loader` is `None`.
     pub fn tokenizer(&self, loader: Option<&TokenizerLoader>) -> Result<Arc<dyn ChatTokenizer>> {
         if self.tito == "byte_chatml" {
             return Ok(Arc::new(ByteChatml::default()));
@@ -166,10 +167,7 @@ impl CliArgs {
             .ok_or_else(|| Error::Config("--model is required".into()))?;
         match loader {
             Some(load) => load(model, &self.tito),
-            None => Err(Error::Config(format!(
-                "no chat tokenizer for --tito {} in this build: model families come from the miles-tito adapter",
-                self.tito
-            ))),
+            None => crate::tito_adapter::load_tokenizer(model, &self.tito),
         }
     }
 }
@@ -219,5 +217,31 @@ mod tests {
         assert!(args("--engine-url x --tito byte_chatml --bogus 1").is_err());
         let toy = args("--engine-url toy --tito byte_chatml").unwrap();
         assert!(toy.tokenizer(None).is_ok());
+    }
+
+    #[test]
+    fn model_families_load_through_the_miles_tito_adapter() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizers/qwen3");
+        for family in ["qwen3", "qwen35", "qwennext", "nemotron3", "default"] {
+            let a = args(&format!("--engine-url toy --model {dir} --tito {family}")).unwrap();
+            let tok = a.tokenizer(None).unwrap();
+            assert_eq!(tok.family(), family);
+        }
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizers");
+        for (model, family) in [
+            ("glm-4.5", "glm47"),
+            ("kimi-k2", "kimi25"),
+            ("kimi-k2", "kimi26"),
+        ] {
+            let a = args(&format!(
+                "--engine-url toy --model {root}/{model} --tito {family}"
+            ))
+            .unwrap();
+            let tok = a.tokenizer(None).unwrap();
+            assert_eq!(tok.family(), family);
+            assert!(!tok.stop_token_ids().is_empty(), "{family}");
+        }
+        let bad = args(&format!("--engine-url toy --model {dir} --tito qwen9")).unwrap();
+        assert!(matches!(bad.tokenizer(None), Err(Error::Config(_))));
     }
 }

@@ -23,6 +23,9 @@
 //!   trim, truncation, merge) and Miles' safetensors samples wire format.
 //! * [`agent`]: the agent driver (`agentic_tool_call.generate`).
 //! * [`sglang`]: the SGLang-protocol HTTP client implementing `InferenceEngine`.
+//! * [`tito_adapter`]: [`tito_adapter::TitoChat`], the [`chat::ChatTokenizer`] over
+//!   miles-tito (HF-exact templates, the TITO families, incremental tokenization) that the
+//!   binary serves for `--model DIR --tito FAMILY`.
 //! * [`testkit`]: a byte-level ChatML tokenizer and a deterministic engine (tests, load tests,
 //!   trying the binary without a model).
 //!
@@ -72,9 +75,11 @@ pub mod parsers;
 pub mod server;
 pub mod sglang;
 pub mod testkit;
+pub mod tito_adapter;
 pub mod trajectory;
 
 pub use chat::{ChatTokenizer, ParsedAssistant};
 pub use error::{Error, Result};
 pub use server::{SessionServer, SessionServerConfig};
 pub use sglang::{SglangConfig, SglangEngine};
+pub use tito_adapter::TitoChat;
