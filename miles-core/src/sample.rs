@@ -261,6 +261,12 @@ impl Sample {
         Ok(())
     }
 
+    /// The scalar reward (`reward_key` selects a component of dict rewards), or `None` when
+    /// there is no usable reward.
+    pub fn scalar_reward(&self, reward_key: Option<&str>) -> Option<f64> {
+        self.reward.as_ref().and_then(|r| r.scalar(reward_key))
+    }
+
     /// The rollout id, falling back to `index` as Miles does.
     pub fn rollout_id(&self) -> Option<u64> {
         self.rollout_id.or(self.index)

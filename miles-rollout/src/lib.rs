@@ -113,12 +113,7 @@ impl DynamicFilter {
             Self::CheckRewardNonzeroStd => {
                 let rewards: Vec<f64> = group
                     .iter()
-                    .map(|s| {
-                        s.reward
-                            .as_ref()
-                            .and_then(|r| r.scalar(reward_key))
-                            .unwrap_or(0.0)
-                    })
+                    .map(|s| s.scalar_reward(reward_key).unwrap_or(0.0))
                     .collect();
                 if rewards.is_empty() {
                     return FilterVerdict::Drop {

@@ -438,12 +438,7 @@ pub fn rollout_metrics(groups: &[Vec<Sample>], reward_key: Option<&str>) -> Metr
     let n = samples.len().max(1) as f64;
     let rewards: Vec<f64> = samples
         .iter()
-        .map(|s| {
-            s.reward
-                .as_ref()
-                .and_then(|r| r.scalar(reward_key))
-                .unwrap_or(0.0)
-        })
+        .map(|s| s.scalar_reward(reward_key).unwrap_or(0.0))
         .collect();
     metrics.insert("rollout/raw_reward".into(), rewards.iter().sum::<f64>() / n);
     let lengths: Vec<f64> = samples.iter().map(|s| s.response_length as f64).collect();

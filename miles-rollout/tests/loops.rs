@@ -166,12 +166,7 @@ async fn reward_failures_mark_samples_failed_and_filters_drop_flat_groups() {
     for group in &batch.groups {
         let rewards: Vec<f64> = group
             .iter()
-            .map(|s| {
-                s.reward
-                    .as_ref()
-                    .and_then(|r| r.scalar(None))
-                    .unwrap_or(0.0)
-            })
+            .map(|s| s.scalar_reward(None).unwrap_or(0.0))
             .collect();
         assert!(rewards.iter().any(|&r| r != rewards[0]), "flat group kept");
         for s in group {

@@ -295,12 +295,7 @@ impl PolicyTrainer for TabularTrainer {
         for group in groups.values() {
             let rewards: Vec<f64> = group
                 .iter()
-                .map(|s| {
-                    s.reward
-                        .as_ref()
-                        .and_then(|r| r.scalar(None))
-                        .unwrap_or(0.0)
-                })
+                .map(|s| s.scalar_reward(None).unwrap_or(0.0))
                 .collect();
             let mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
             for (s, r) in group.iter().zip(&rewards) {
