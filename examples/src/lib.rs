@@ -12,10 +12,8 @@
 //! ```
 //! use miles_examples::{FixtureError, fixture_path};
 //!
-//! match fixture_path("no/such/fixture.json") {
-//!     Err(FixtureError::Missing { searched, .. }) => assert!(!searched.is_empty()),
-//!     Ok(path) => panic!("unexpected fixture {path:?}"),
-//! }
+//! let missing = fixture_path("no/such/fixture.json").unwrap_err();
+//! assert!(matches!(missing, FixtureError::Missing { ref searched, .. } if searched.len() == 2));
 //! ```
 
 use std::path::{Path, PathBuf};
