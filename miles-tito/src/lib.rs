@@ -56,6 +56,7 @@
 
 pub mod comparator;
 pub mod error;
+pub mod fastenc;
 pub mod matcher;
 pub mod model;
 pub mod pyfmt;
@@ -66,6 +67,7 @@ pub mod verify;
 
 pub use comparator::{Mismatch, MismatchMetric, MismatchType, TokenSeqComparator};
 pub use error::{Error, Result};
+pub use fastenc::FastEncoder;
 pub use matcher::{MessageMatcher, assert_append_only};
 pub use model::{HfChat, Rendered};
 pub use template::{ChatTemplate, RenderArgs};

@@ -13,6 +13,7 @@ use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
 use crate::error::{Error, Result};
+use crate::fastenc::FastEncoder;
 use crate::template::{ChatTemplate, RenderArgs};
 
 /// The special-token attributes HF passes to templates, in `special_tokens_map` order.
@@ -34,6 +35,7 @@ pub struct HfChat {
     named_templates: BTreeMap<String, ChatTemplate>,
     special_tokens: Map<String, Json>,
     tokenizer: Option<Arc<Tokenizer>>,
+    fast: Option<Arc<FastEncoder>>,
 }
 
 /// Output of [`HfChat::apply_chat_template`]: the rendered text and, when a tokenizer is
@@ -166,12 +168,14 @@ impl HfChat {
         } else {
             None
         };
+        let fast = tokenizer.clone().and_then(FastEncoder::new).map(Arc::new);
         Ok(Self {
             dir,
             default_template,
             named_templates,
             special_tokens,
             tokenizer,
+            fast,
         })
     }
 
@@ -199,6 +203,12 @@ impl HfChat {
     /// The tokenizer, when the directory has a `tokenizer.json`.
     pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
         self.tokenizer.as_ref()
+    }
+
+    /// The accelerated id-exact encoder, when the tokenizer's pipeline is one
+    /// [`FastEncoder`] reproduces (Qwen2/3, Llama 3, GLM-4.x byte-level BPE).
+    pub fn fast_encoder(&self) -> Option<&Arc<FastEncoder>> {
+        self.fast.as_ref()
     }
 
     /// Names of the available templates (`default` for the main one).
@@ -240,6 +250,9 @@ impl HfChat {
     /// Encodes text without adding special tokens (what `apply_chat_template(tokenize=True)`
     /// does after rendering).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        if let Some(fast) = &self.fast {
+            return fast.encode(text);
+        }
         let tokenizer = self.tokenizer.as_ref().ok_or(Error::NoTokenizer)?;
         encode(tokenizer, text)
     }
@@ -248,7 +261,7 @@ impl HfChat {
     pub fn apply_chat_template(&self, args: RenderArgs<'_>) -> Result<Rendered> {
         let text = self.render(args)?;
         let ids = match &self.tokenizer {
-            Some(tokenizer) => Some(encode(tokenizer, &text)?),
+            Some(_) => Some(self.encode(&text)?),
             None => None,
         };
         Ok(Rendered { text, ids })

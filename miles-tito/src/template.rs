@@ -12,7 +12,7 @@
 //! with [`Error::Render`] where HF raises `SecurityError`.
 
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use minijinja::value::{Kwargs, Rest, Value, ValueKind};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, State};
@@ -29,11 +29,17 @@ const RESERVED_KWARGS: [&str; 4] = ["messages", "tools", "documents", "add_gener
 const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
 
 /// A compiled chat template plus the special-token variables HF passes to it.
+///
+/// The template is compiled once; the special tokens are converted to template values once;
+/// the last `tools` list's template value is memoised (a session renders the same tools on
+/// every turn), so a render converts only the messages.
 #[derive(Clone)]
 pub struct ChatTemplate {
     env: Arc<Environment<'static>>,
     source: Arc<str>,
     special_tokens: Map<String, Json>,
+    special_values: Arc<[(String, Value)]>,
+    tools_cache: Arc<Mutex<Option<(Vec<Json>, Value)>>>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -72,12 +78,33 @@ impl ChatTemplate {
             env: Arc::new(env),
             source: source.into(),
             special_tokens: Map::new(),
+            special_values: Arc::new([]),
+            tools_cache: Arc::default(),
         })
+    }
+
+    /// The template value of `tools`, memoised for the last list seen.
+    fn tools_value(&self, tools: &[Json]) -> Value {
+        if let Ok(cache) = self.tools_cache.lock()
+            && let Some((cached, value)) = cache.as_ref()
+            && cached.as_slice() == tools
+        {
+            return value.clone();
+        }
+        let value = Value::from_serialize(tools);
+        if let Ok(mut cache) = self.tools_cache.lock() {
+            *cache = Some((tools.to_vec(), value.clone()));
+        }
+        value
     }
 
     /// Sets the special-token variables (`bos_token`, `eos_token`, …) passed to every render,
     /// as HF passes `tokenizer.special_tokens_map`. Caller kwargs override them.
     pub fn with_special_tokens(mut self, special_tokens: Map<String, Json>) -> Self {
+        self.special_values = special_tokens
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::from_serialize(v)))
+            .collect();
         self.special_tokens = special_tokens;
         self
     }
@@ -109,29 +136,33 @@ impl ChatTemplate {
             )));
         }
         let messages = normalise_messages(args.messages)?;
-        let mut ctx = self.special_tokens.clone();
-        for (k, v) in args.kwargs {
-            ctx.insert(k.clone(), v.clone());
+        let mut ctx: Vec<(&str, Value)> =
+            Vec::with_capacity(self.special_values.len() + args.kwargs.len() + 4);
+        for (k, v) in self.special_values.iter() {
+            if !args.kwargs.contains_key(k) {
+                ctx.push((k, v.clone()));
+            }
         }
-        ctx.insert("messages".into(), Json::Array(messages));
-        ctx.insert(
-            "tools".into(),
-            args.tools.map_or(Json::Null, |t| Json::Array(t.to_vec())),
-        );
-        ctx.insert("documents".into(), Json::Null);
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(args.add_generation_prompt),
-        );
+        for (k, v) in args.kwargs {
+            ctx.push((k, Value::from_serialize(v)));
+        }
+        ctx.push(("messages", Value::from_serialize(&messages)));
+        ctx.push((
+            "tools",
+            args.tools.map_or(Value::from(()), |t| self.tools_value(t)),
+        ));
+        ctx.push(("documents", Value::from(())));
+        ctx.push((
+            "add_generation_prompt",
+            Value::from(args.add_generation_prompt),
+        ));
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| Error::TemplateSyntax {
                 message: describe(&e),
             })?;
-        template
-            .render(Value::from_serialize(&ctx))
-            .map_err(render_error)
+        template.render(Value::from_iter(ctx)).map_err(render_error)
     }
 
     /// Renders typed messages and tool specs (see [`ChatTemplate::render`]).
@@ -249,7 +280,13 @@ fn configure(env: &mut Environment<'static>) {
     env.set_keep_trailing_newline(false);
     env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.set_formatter(|out, _state, value| out.write_str(&pyfmt::py_str(value)).map_err(write_err));
+    env.set_formatter(|out, _state, value| {
+        match value.as_str() {
+            Some(text) if value.kind() == ValueKind::String => out.write_str(text),
+            _ => out.write_str(&pyfmt::py_str(value)),
+        }
+        .map_err(write_err)
+    });
     env.add_filter("tojson", tojson_filter);
     env.add_filter("string", |value: Value| pyfmt::py_str(&value));
     env.add_filter("join", join_filter);

@@ -16,6 +16,7 @@ use tokenizers::Tokenizer;
 
 use crate::comparator::TokenSeqComparator;
 use crate::error::{Error, Result};
+use crate::fastenc::FastEncoder;
 use crate::matcher::{MessageMatcher, assert_append_only};
 use crate::model::{self, HfChat};
 use crate::template::ChatTemplate;
@@ -225,6 +226,7 @@ pub struct TitoTokenizer {
     family: TitoFamily,
     template: ChatTemplate,
     tokenizer: Arc<Tokenizer>,
+    fast: Option<Arc<FastEncoder>>,
     kwargs: Map<String, Json>,
     boundary: Boundary,
     special_ids: BTreeSet<u32>,
@@ -360,6 +362,7 @@ impl TitoTokenizer {
             family,
             template,
             tokenizer,
+            fast: chat.fast_encoder().cloned(),
             kwargs,
             boundary,
             special_ids,
@@ -472,7 +475,10 @@ impl TitoTokenizer {
 
     /// Encodes text without special tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        model::encode(&self.tokenizer, text)
+        match &self.fast {
+            Some(fast) => fast.encode(text),
+            None => model::encode(&self.tokenizer, text),
+        }
     }
 
     /// Decodes ids, keeping special tokens.
