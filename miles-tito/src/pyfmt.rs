@@ -284,22 +284,43 @@ impl DumpCtx<'_> {
                 out.push(']');
             }
             ValueKind::Map => {
-                let mut keys: Vec<Value> = value.try_iter()?.collect();
-                if keys.is_empty() {
+                let mut pairs: Vec<(Value, Value)> =
+                    match value.as_object().and_then(|o| o.try_iter_pairs()) {
+                        Some(pairs) => pairs.collect(),
+                        None => {
+                            let keys: Vec<Value> = value.try_iter()?.collect();
+                            let mut pairs = Vec::with_capacity(keys.len());
+                            for key in keys {
+                                let item = value.get_item(&key)?;
+                                pairs.push((key, item));
+                            }
+                            pairs
+                        }
+                    };
+                if pairs.is_empty() {
                     out.push_str("{}");
                     return Ok(());
                 }
                 if self.options.sort_keys {
-                    keys.sort();
+                    pairs.sort_by(|a, b| a.0.cmp(&b.0));
                 }
                 out.push('{');
-                for (i, key) in keys.iter().enumerate() {
+                for (i, (key, item)) in pairs.iter().enumerate() {
                     if i > 0 {
                         out.push_str(self.item_sep);
                     }
                     self.newline(out, level + 1);
                     let key_text = match key.kind() {
-                        ValueKind::String => key.as_str().unwrap_or_default().to_owned(),
+                        ValueKind::String => {
+                            write_json_str(
+                                out,
+                                key.as_str().unwrap_or_default(),
+                                self.options.ensure_ascii,
+                            );
+                            out.push_str(self.key_sep);
+                            self.write(out, item, level + 1)?;
+                            continue;
+                        }
                         ValueKind::None => "null".to_owned(),
                         ValueKind::Bool => {
                             (if key.is_true() { "true" } else { "false" }).to_owned()
@@ -317,7 +338,7 @@ impl DumpCtx<'_> {
                     };
                     write_json_str(out, &key_text, self.options.ensure_ascii);
                     out.push_str(self.key_sep);
-                    self.write(out, &value.get_item(key)?, level + 1)?;
+                    self.write(out, item, level + 1)?;
                 }
                 self.newline(out, level);
                 out.push('}');
@@ -335,7 +356,13 @@ impl DumpCtx<'_> {
 
 fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
-    for c in s.chars() {
+    let needs_escape = |b: u8| b == b'"' || b == b'\\' || b < 0x20 || (ensure_ascii && b > 0x7e);
+    let mut rest = s;
+    while let Some(at) = rest.bytes().position(needs_escape) {
+        out.push_str(&rest[..at]);
+        let Some(c) = rest[at..].chars().next() else {
+            break;
+        };
         match c {
             '"' => out.push_str("\\\""),
             '\\' => out.push_str("\\\\"),
@@ -347,15 +374,17 @@ fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
             c if (c as u32) < 0x20 => {
                 let _ = write!(out, "\\u{:04x}", c as u32);
             }
-            c if ensure_ascii && (c as u32) > 0x7e => {
+            c => {
+                // ensure_ascii and c > 0x7e.
                 let mut buf = [0u16; 2];
                 for unit in c.encode_utf16(&mut buf) {
                     let _ = write!(out, "\\u{unit:04x}");
                 }
             }
-            c => out.push(c),
         }
+        rest = &rest[at + c.len_utf8()..];
     }
+    out.push_str(rest);
     out.push('"');
 }
 

@@ -135,7 +135,7 @@ impl ChatTemplate {
                 "render() got multiple values for keyword argument {key:?}"
             )));
         }
-        let messages = normalise_messages(args.messages)?;
+        let messages = messages_value(args.messages)?;
         let mut ctx: Vec<(&str, Value)> =
             Vec::with_capacity(self.special_values.len() + args.kwargs.len() + 4);
         for (k, v) in self.special_values.iter() {
@@ -146,7 +146,7 @@ impl ChatTemplate {
         for (k, v) in args.kwargs {
             ctx.push((k, Value::from_serialize(v)));
         }
-        ctx.push(("messages", Value::from_serialize(&messages)));
+        ctx.push(("messages", messages));
         ctx.push((
             "tools",
             args.tools.map_or(Value::from(()), |t| self.tools_value(t)),
@@ -224,6 +224,37 @@ pub fn normalise_messages(messages: &[Json]) -> Result<Vec<Json>> {
             Ok(Json::Object(out))
         })
         .collect()
+}
+
+/// [`normalise_messages`] straight into the template value (no intermediate JSON copy).
+fn messages_value(messages: &[Json]) -> Result<Value> {
+    let mut out = Vec::with_capacity(messages.len());
+    for message in messages {
+        let Json::Object(map) = message else {
+            return Err(Error::InvalidInput(format!(
+                "Chat messages should be dicts, dataclasses or pydantic models, but got {message}."
+            )));
+        };
+        let reasoning = REASONING_FIELDS
+            .iter()
+            .find_map(|key| map.get(*key).filter(|v| !v.is_null()));
+        let mut entries: Vec<(&str, Value)> = Vec::with_capacity(map.len() + 2);
+        // Insertion order as in `normalise_messages`: a re-inserted key keeps its first
+        // position and takes the later value.
+        if let Some(reasoning) = reasoning {
+            entries.push(("thinking", Value::from_serialize(reasoning)));
+        }
+        for (k, v) in map {
+            if !v.is_null() {
+                entries.push((k, Value::from_serialize(v)));
+            }
+        }
+        if let Some(reasoning) = reasoning {
+            entries.push(("reasoning_content", Value::from_serialize(reasoning)));
+        }
+        out.push(Value::from_iter(entries));
+    }
+    Ok(Value::from(out))
 }
 
 fn describe(err: &JinjaError) -> String {
@@ -327,6 +358,9 @@ fn configure(env: &mut Environment<'static>) {
 
 /// HF's `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
 fn tojson_filter(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<String, JinjaError> {
+    if args.is_empty() && kwargs.args().next().is_none() && !value.is_undefined() {
+        return pyfmt::json_dumps(&value, &JsonDumpOptions::default());
+    }
     let mut positional = args.iter();
     let mut options = JsonDumpOptions::default();
     let ensure_ascii = kwargs

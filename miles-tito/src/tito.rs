@@ -448,7 +448,13 @@ impl TitoTokenizer {
         tools: Option<&[Json]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let tools = tools.map(canonical_tools);
+        let tools = tools.map(|t| {
+            if t.iter().all(|tool| tool.get("function").is_some()) {
+                std::borrow::Cow::Borrowed(t)
+            } else {
+                std::borrow::Cow::Owned(canonical_tools(t))
+            }
+        });
         let args = crate::RenderArgs {
             messages,
             tools: tools.as_deref(),
@@ -542,7 +548,13 @@ impl TitoTokenizer {
 
     /// Applies the family's boundary rule to the stored prefix (where the model stopped).
     pub fn fix_boundary(&self, prefix: &[u32]) -> Vec<u32> {
-        let mut out = prefix.to_vec();
+        let mut out = Vec::with_capacity(prefix.len() + 1);
+        out.extend_from_slice(prefix);
+        self.fix_boundary_in_place(&mut out);
+        out
+    }
+
+    fn fix_boundary_in_place(&self, out: &mut Vec<u32>) {
         match self.boundary {
             Boundary::Concat => {}
             Boundary::NewlineAfter { end, newline } => {
@@ -556,7 +568,6 @@ impl TitoTokenizer {
                 }
             }
         }
-        out
     }
 
     /// `merge_tokens` (§1.4): the boundary-fixed stored prefix followed by the incremental
@@ -569,7 +580,9 @@ impl TitoTokenizer {
         tools: Option<&[Json]>,
     ) -> Result<Vec<u32>> {
         let incremental = self.tokenize_additional_messages(old, new, tools)?;
-        let mut out = self.fix_boundary(prefix_ids);
+        let mut out = Vec::with_capacity(prefix_ids.len() + 1 + incremental.len());
+        out.extend_from_slice(prefix_ids);
+        self.fix_boundary_in_place(&mut out);
         out.extend(incremental);
         Ok(out)
     }
