@@ -164,6 +164,28 @@ fn median_ms(batches: usize, per_batch: usize, mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
+/// CPU time of the calling thread in seconds (`/proc/thread-self/stat` utime + stime, in
+/// clock ticks of 10 ms), or `None` off Linux.
+fn thread_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
+/// Milliseconds of this thread's CPU time per call over `iters` calls (on a shared machine
+/// this leaves out the time other processes held the core), or `None` off Linux.
+fn cpu_ms(iters: usize, mut f: impl FnMut()) -> Option<f64> {
+    let start = thread_cpu_seconds()?;
+    for _ in 0..iters {
+        f();
+    }
+    Some((thread_cpu_seconds()? - start) * 1e3 / iters as f64)
+}
+
 fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
 }
@@ -240,6 +262,25 @@ fn bench(c: &mut Criterion) {
     let render_64 = median_ms(11, 20, || {
         black_box(tito.render(&messages, Some(&tools), true).expect("render"));
     });
+    let cpu_inc_2 = cpu_ms(10_000, || {
+        black_box(incremental(&tito, &turn_2, &tools));
+    });
+    let cpu_inc_64 = cpu_ms(10_000, || {
+        black_box(incremental(&tito, &turn_64, &tools));
+    });
+    let cpu_full_64 = cpu_ms(300, || {
+        black_box(full(&tito, &turn_64, &tools));
+    });
+    if let (Some(i2), Some(i64_), Some(f64_)) = (cpu_inc_2, cpu_inc_64, cpu_full_64) {
+        println!(
+            "tito_turns (thread CPU time, excludes time other processes held the core): \
+             incremental {i2:.4} ms at turn 2, {i64_:.4} ms at turn 64 (<= 0.10 ms: {}; turn 64 / turn 2 = {:.2}); \
+             full re-render + re-tokenize at turn 64 {f64_:.3} ms = {:.0}x the incremental step",
+            verdict(i64_ <= 0.10),
+            i64_ / i2,
+            f64_ / i64_
+        );
+    }
     println!(
         "tito_turns reference (Miles Python TITO, constants from issue 3, not measured here): \
          incremental {MILES_INCREMENTAL_TURN_2} ms at turn 2, {MILES_INCREMENTAL_TURN_64} ms at turn 64; \

@@ -1,6 +1,7 @@
 //! Per-turn cost of TITO incremental tokenization vs full re-render + re-tokenize on a
 //! 64-turn tool-calling conversation with the real Qwen3 tokenizer and the `qwen3` family
-//! (issue 3 item 7, measured with `std::time::Instant`; a criterion bench is future work).
+//! (issue 3 item 7), a quick `std::time::Instant` version of the criterion bench
+//! `benches/tito_turns.rs` (`cargo bench -p miles-tito`).
 //!
 //! `cargo run -p miles-tito --release --example turn_cost`
 //!

@@ -36,6 +36,11 @@
 //!   transformers 5.24 exactly on 3762 renders over 33 real templates
 //!   (`tests/hf_exact.rs`). Where HF raises (`raise_exception`, `list.append`, undefined
 //!   values), rendering returns a typed [`Error`].
+//! * [`FastEncoder`] ([`fastenc`]): an id-exact faster path for
+//!   `encode(text, add_special_tokens=False)` on byte-level BPE tokenizers with the
+//!   GPT-4-style split regex (Qwen2/Qwen3, Llama 3, GLM-4.x), used by [`HfChat`] and
+//!   [`TitoTokenizer`] when the tokenizer qualifies; anything else goes through HF
+//!   tokenizers unchanged.
 //! * [`TitoFamily`] / [`TitoTokenizer`] ([`tito`]): Miles' families (`default`, `qwen3`,
 //!   `qwen35`, `qwennext`, `glm47`, `nemotron3`, `kimi25`, `kimi26`, `minimax_m25`,
 //!   `minimax_m27`) with their embedded fixed templates, forced kwargs (conflicts are errors),

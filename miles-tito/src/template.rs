@@ -28,6 +28,9 @@ const RAISE_MARKER: &str = "\u{1}raise_exception\u{1}";
 const RESERVED_KWARGS: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
 const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
 
+/// The last `tools` list rendered and its template value.
+type ToolsEntry = (Vec<Json>, Value);
+
 /// A compiled chat template plus the special-token variables HF passes to it.
 ///
 /// The template is compiled once; the special tokens are converted to template values once;
@@ -39,7 +42,7 @@ pub struct ChatTemplate {
     source: Arc<str>,
     special_tokens: Map<String, Json>,
     special_values: Arc<[(String, Value)]>,
-    tools_cache: Arc<Mutex<Option<(Vec<Json>, Value)>>>,
+    tools_cache: Arc<Mutex<Option<ToolsEntry>>>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
