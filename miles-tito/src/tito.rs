@@ -283,24 +283,29 @@ pub fn miles_normalise(messages: &[Message]) -> Result<Vec<Json>> {
                     map.insert("content".into(), Json::String(String::new()));
                 }
                 if let Some(calls) = &m.tool_calls {
-                    let mut out = Vec::with_capacity(calls.len());
-                    for call in calls {
-                        let mut call_json =
-                            serde_json::to_value(call).map_err(|e| Error::json("tool call", e))?;
-                        let args = call
-                            .function
-                            .arguments
-                            .to_object()
-                            .map_err(|e| Error::json("tool-call arguments", e))?;
-                        call_json["function"]["arguments"] = Json::Object(args);
-                        out.push(call_json);
-                    }
-                    map.insert("tool_calls".into(), Json::Array(out));
+                    map.insert("tool_calls".into(), tool_calls_json(calls)?);
                 }
             }
             Ok(value)
         })
         .collect()
+}
+
+/// Tool calls as Miles renders them: each call as sent, with `function.arguments` an object
+/// (a JSON-string argument is parsed).
+fn tool_calls_json(calls: &[miles_core::ToolCall]) -> Result<Json> {
+    let mut out = Vec::with_capacity(calls.len());
+    for call in calls {
+        let mut call_json = serde_json::to_value(call).map_err(|e| Error::json("tool call", e))?;
+        let args = call
+            .function
+            .arguments
+            .to_object()
+            .map_err(|e| Error::json("tool-call arguments", e))?;
+        call_json["function"]["arguments"] = Json::Object(args);
+        out.push(call_json);
+    }
+    Ok(Json::Array(out))
 }
 
 impl TitoTokenizer {
@@ -519,14 +524,10 @@ impl TitoTokenizer {
             MessageMatcher::Strict,
         )?;
         let appended = &new[old.len().min(new.len())..];
-        let last_calls = old
-            .last()
-            .and_then(|m| m.tool_calls.as_ref())
-            .map(|calls| miles_normalise(&[Message::assistant("").with_tool_calls(calls.clone())]))
-            .transpose()?
-            .and_then(|v| v.into_iter().next())
-            .and_then(|m| m.get("tool_calls").cloned())
-            .unwrap_or_else(|| json!([]));
+        let last_calls = match old.last().and_then(|m| m.tool_calls.as_deref()) {
+            Some(calls) => tool_calls_json(calls)?,
+            None => json!([]),
+        };
         let base = vec![
             json!({"role": "system", "content": "dummy system"}),
             json!({"role": "assistant", "content": "", "reasoning_content": " ", "tool_calls": last_calls}),
