@@ -38,6 +38,8 @@ const REGEX_DIGITS_3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 
 /// Pieces memoised before the cache is cleared.
 const CACHE_CAPACITY: usize = 1 << 16;
+/// Longer pieces (long whitespace or punctuation runs) are not memoised.
+const CACHE_MAX_PIECE: usize = 256;
 
 /// An id-exact accelerated encoder for one tokenizer (see the module docs).
 #[derive(Debug)]
@@ -251,7 +253,9 @@ impl FastEncoder {
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let piece_ids: Box<[u32]> = tokens.iter().map(|t| t.id).collect();
         ids.extend_from_slice(&piece_ids);
-        if let Ok(mut cache) = self.cache.write() {
+        if piece.len() <= CACHE_MAX_PIECE
+            && let Ok(mut cache) = self.cache.write()
+        {
             if cache.len() >= CACHE_CAPACITY {
                 cache.clear();
             }
