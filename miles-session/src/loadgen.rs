@@ -65,6 +65,15 @@ const CITIES: [&str; 8] = [
     "Paris", "Lyon", "Oslo", "Rome", "Kyoto", "Lima", "Accra", "Perth",
 ];
 
+/// The chat-completions body, serialised from borrowed parts (no copy of the history).
+#[derive(serde::Serialize)]
+struct ChatBody<'a> {
+    model: &'a str,
+    messages: &'a [Value],
+    tools: &'a Value,
+    max_tokens: u32,
+}
+
 fn fail(reason: String) -> Error {
     Error::UpstreamResponse { reason }
 }
@@ -96,9 +105,22 @@ pub async fn run_session(
             Some(call_id) => messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": format!("sunny and {} degrees", 10 + t)})),
             None => messages.push(json!({"role": "user", "content": format!("What is the weather in {}?", CITIES[(seed + t) % CITIES.len()])})),
         }
-        let body = json!({"model": "m", "messages": messages, "tools": tools, "max_tokens": 256});
+        let body = serde_json::to_vec(&ChatBody {
+            model: "m",
+            messages: &messages,
+            tools: &tools,
+            max_tokens: 256,
+        })
+        .map_err(|e| fail(e.to_string()))?;
         let started = Instant::now();
-        let response = http.post_json(&chat, &body, &[]).await?;
+        let response = http
+            .send(
+                hyper::Method::POST,
+                &chat,
+                &[],
+                Some(("application/json", body)),
+            )
+            .await?;
         latencies.push(started.elapsed());
         if response.status != 200 {
             return Err(fail(format!(
