@@ -14,6 +14,27 @@ unsafe extern "C" {
     /// mimalloc's `mi_collect`: frees the calling thread's unused pages and returns
     /// (purges) free memory to the OS; `force` purges at once instead of after a delay.
     fn mi_collect(force: bool);
+    /// mimalloc's `mi_option_set(option, value)`.
+    fn mi_option_set(option: i32, value: std::ffi::c_long);
+}
+
+/// `mi_option_arena_eager_commit` (mimalloc 3 `mi_option_e`).
+const MI_OPTION_ARENA_EAGER_COMMIT: i32 = 4;
+/// `mi_option_purge_delay` (mimalloc 3 `mi_option_e`).
+const MI_OPTION_PURGE_DELAY: i32 = 15;
+
+/// Commit arena memory on demand and purge freed pages after 500 ms: with the defaults (eager
+/// commit, 1 s purge delay) the pages of deleted sessions stayed resident (+40 % after
+/// 10,000 sessions although the live heap was flat). Runs as an ELF constructor ahead of
+/// mimalloc's own (prioritised `.init_array` entries run first), because the Rust runtime
+/// allocates (and so reserves mimalloc's first arena) before `main`.
+extern "C" fn tune_allocator() {
+    // SAFETY: `mi_option_set` only stores an integer option; both options may be changed at
+    // run time (they are read when arenas are reserved and when pages are purged).
+    unsafe {
+        mi_option_set(MI_OPTION_ARENA_EAGER_COMMIT, 0);
+        mi_option_set(MI_OPTION_PURGE_DELAY, 500);
+    }
 }
 
 /// Returns the calling thread's free memory to the OS.
@@ -51,7 +72,14 @@ fn nudge_workers(handle: tokio::runtime::Handle, workers: usize) {
     }
 }
 
+#[cfg(target_os = "linux")]
+#[used]
+#[unsafe(link_section = ".init_array.00050")]
+static TUNE_ALLOCATOR: extern "C" fn() = tune_allocator;
+
 fn main() -> ExitCode {
+    #[cfg(not(target_os = "linux"))]
+    tune_allocator();
     let args = match miles_session::cli::CliArgs::parse(std::env::args().skip(1)) {
         Ok(args) => args,
         Err(e) => {
