@@ -79,6 +79,23 @@ pub trait ChatTokenizer: Send + Sync {
     /// Decodes ids to text, special tokens included.
     fn decode(&self, ids: &[TokenId]) -> String;
 
+    /// Decodes one id (the `token` of OpenAI `logprobs.content`); implementations may cache.
+    fn decode_token(&self, id: TokenId) -> std::sync::Arc<str> {
+        self.decode(&[id]).into()
+    }
+
+    /// Encodes text to ids, special tokens recognised (used to script test and benchmark
+    /// engines such as [`crate::testkit::InstantEngine`]). Default: not supported.
+    fn encode(&self, text: &str) -> Result<Vec<TokenId>> {
+        Err(Error::Tokenization {
+            reason: format!(
+                "family {} cannot encode text ({} bytes)",
+                self.family(),
+                text.len()
+            ),
+        })
+    }
+
     /// Whether `id` is a special token (comparator segment boundary).
     fn is_special(&self, id: TokenId) -> bool;
 

@@ -4,11 +4,14 @@
 //! miles-session --engine-url URL --model DIR --tito FAMILY [--host H] [--port P]
 //!               [--max-body-bytes N] [--routed-experts --num-layers N] [--max-context-len N]
 //!               [--default-max-tokens N] [--engine-timeout-s S] [--instance-id ID]
+//!               [--worker-threads N]
 //! ```
 //!
 //! `--engine-url toy` serves the in-process [`crate::testkit::ToyEngine`] and `--tito
 //! byte_chatml` the [`crate::testkit::ByteChatml`] tokenizer (no model needed), for trying the
-//! server and for load tests.
+//! server and for load tests. `--engine-url instant` serves the in-process
+//! [`crate::testkit::InstantEngine`] (pre-tokenized tool-call / answer replies in the family's
+//! own tokens, no engine cost) for measuring the server's added latency with a real tokenizer.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,7 +23,7 @@ use crate::chat::ChatTokenizer;
 use crate::error::{Error, Result};
 use crate::server::{SessionServer, SessionServerConfig};
 use crate::sglang::{SglangConfig, SglangEngine};
-use crate::testkit::{ByteChatml, ToyEngine};
+use crate::testkit::{ByteChatml, InstantEngine, ToyEngine};
 
 /// Builds the chat tokenizer of a family from a model directory (default:
 /// [`crate::tito_adapter::load_tokenizer`]).
@@ -53,12 +56,14 @@ pub struct CliArgs {
     pub engine_timeout_s: f64,
     /// Instance id reported by `/health`.
     pub instance_id: Option<String>,
+    /// Tokio worker threads (default: one per core).
+    pub worker_threads: Option<usize>,
 }
 
 /// The usage text.
 pub const USAGE: &str = "usage: miles-session --engine-url URL --model DIR --tito FAMILY [--host H] [--port P] \
 [--max-body-bytes N] [--routed-experts --num-layers N] [--max-context-len N] [--default-max-tokens N] \
-[--engine-timeout-s S] [--instance-id ID]";
+[--engine-timeout-s S] [--instance-id ID] [--worker-threads N]";
 
 fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T> {
     value
@@ -82,6 +87,7 @@ impl CliArgs {
             default_max_tokens: None,
             engine_timeout_s: 600.0,
             instance_id: None,
+            worker_threads: None,
         };
         let mut it = args.into_iter();
         while let Some(flag) = it.next() {
@@ -107,6 +113,13 @@ impl CliArgs {
                 "--default-max-tokens" => out.default_max_tokens = Some(number(&flag, &value)?),
                 "--engine-timeout-s" => out.engine_timeout_s = number(&flag, &value)?,
                 "--instance-id" => out.instance_id = Some(value),
+                "--worker-threads" => {
+                    let n: usize = number(&flag, &value)?;
+                    if n == 0 {
+                        return Err(Error::Config("--worker-threads must be at least 1".into()));
+                    }
+                    out.worker_threads = Some(n);
+                }
                 other => return Err(Error::Config(format!("unknown flag {other}\n{USAGE}"))),
             }
         }
@@ -144,15 +157,19 @@ impl CliArgs {
         }
     }
 
-    /// The engine: the SGLang client for a URL, or the toy engine for `toy`.
-    pub fn engine(&self) -> Arc<dyn InferenceEngine> {
+    /// The engine: the SGLang client for a URL, the toy engine for `toy`, or the
+    /// [`InstantEngine`] scripted in `tokenizer`'s tokens for `instant` (benchmarks).
+    pub fn engine(&self, tokenizer: &dyn ChatTokenizer) -> Result<Arc<dyn InferenceEngine>> {
         if self.engine_url == "toy" {
-            return ToyEngine::new();
+            return Ok(ToyEngine::new());
+        }
+        if self.engine_url == "instant" {
+            return Ok(InstantEngine::for_chatml(tokenizer)?);
         }
         let mut config = SglangConfig::new(&self.engine_url);
         config.generate_timeout = Duration::from_secs_f64(self.engine_timeout_s);
         config.num_layers = self.num_layers;
-        Arc::new(SglangEngine::new(config))
+        Ok(Arc::new(SglangEngine::new(config)))
     }
 
     /// The tokenizer: `byte_chatml` built in, any other family through `loader`, or through
@@ -172,11 +189,16 @@ impl CliArgs {
     }
 }
 
-/// Binds, prints the address and serves until the process ends.
-pub async fn run(args: &CliArgs, loader: Option<&TokenizerLoader>) -> Result<()> {
+/// Builds the server the arguments ask for (loads the tokenizer, sets up the engine client).
+pub fn build(args: &CliArgs, loader: Option<&TokenizerLoader>) -> Result<SessionServer> {
     let tokenizer = args.tokenizer(loader)?;
-    let engine = args.engine();
-    let server = SessionServer::new(engine, tokenizer, args.server_config());
+    let engine = args.engine(tokenizer.as_ref())?;
+    Ok(SessionServer::new(engine, tokenizer, args.server_config()))
+}
+
+/// Binds, prints `miles-session listening on http://ADDR …` and serves `server` until the
+/// process ends.
+pub async fn serve(args: &CliArgs, server: SessionServer) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
     let addr = listener.local_addr()?;
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
@@ -190,6 +212,12 @@ pub async fn run(args: &CliArgs, loader: Option<&TokenizerLoader>) -> Result<()>
     );
     axum::serve(listener, server.router()).await?;
     Ok(())
+}
+
+/// [`build`] then [`serve`].
+pub async fn run(args: &CliArgs, loader: Option<&TokenizerLoader>) -> Result<()> {
+    let server = build(args, loader)?;
+    serve(args, server).await
 }
 
 #[cfg(test)]
@@ -217,6 +245,11 @@ mod tests {
         assert!(args("--engine-url x --tito byte_chatml --bogus 1").is_err());
         let toy = args("--engine-url toy --tito byte_chatml").unwrap();
         assert!(toy.tokenizer(None).is_ok());
+        assert_eq!(toy.worker_threads, None);
+        let instant = args("--engine-url instant --tito byte_chatml --worker-threads 3").unwrap();
+        assert_eq!(instant.worker_threads, Some(3));
+        assert!(build(&instant, None).is_ok());
+        assert!(args("--engine-url x --tito byte_chatml --worker-threads 0").is_err());
     }
 
     #[test]

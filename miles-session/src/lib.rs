@@ -26,8 +26,10 @@
 //! * [`tito_adapter`]: [`tito_adapter::TitoChat`], the [`chat::ChatTokenizer`] over
 //!   miles-tito (HF-exact templates, the TITO families, incremental tokenization) that the
 //!   binary serves for `--model DIR --tito FAMILY`.
-//! * [`testkit`]: a byte-level ChatML tokenizer and a deterministic engine (tests, load tests,
-//!   trying the binary without a model).
+//! * [`testkit`]: a byte-level ChatML tokenizer, a deterministic engine and an instant engine
+//!   (tests, load tests, benchmarks, trying the binary without a model).
+//! * [`loadgen`]: the closed-loop load generator (8-turn tool-calling sessions over HTTP) and a
+//!   handle on a server process, behind the example, the benchmark and the memory test.
 //!
 //! It never depends on burn.
 //!
@@ -70,6 +72,7 @@ pub mod cli;
 pub mod codec;
 pub mod error;
 pub mod http;
+pub mod loadgen;
 pub mod metrics;
 pub mod parsers;
 pub mod server;

@@ -569,36 +569,153 @@ fn completion_body(
     Ok((body, assistant))
 }
 
-/// The response the client sees: OpenAI `logprobs.content` added (derived from
-/// `output_token_logprobs`, so records do not store it twice), routed experts / indexer data
-/// removed from every choice.
-fn client_body(tok: &dyn ChatTokenizer, mut body: Value) -> Value {
-    if let Some(Value::Array(choices)) = body.get_mut("choices") {
-        for choice in choices {
-            let content: Vec<Value> = choice
-                .pointer("/meta_info/output_token_logprobs")
-                .and_then(Value::as_array)
-                .map(|entries| {
-                    entries
+/// Keys of a choice's `meta_info` that stay in the record but never reach the client.
+const CLIENT_HIDDEN_META: [&str; 3] = [
+    "routed_experts",
+    "routed_experts_num_layers",
+    "indexer_topk",
+];
+
+/// The response the client sees, serialised straight from the recorded body (no copy of it):
+/// OpenAI `logprobs.content` added to every choice (derived from
+/// `meta_info.output_token_logprobs`, so records do not store it twice), routed experts /
+/// indexer data removed from every choice's `meta_info`.
+struct ClientView<'a> {
+    body: &'a Value,
+    tok: &'a dyn ChatTokenizer,
+}
+
+impl serde::Serialize for ClientView<'_> {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let Value::Object(map) = self.body else {
+            return self.body.serialize(serializer);
+        };
+        let mut out = serializer.serialize_map(Some(map.len()))?;
+        for (key, value) in map {
+            match (key.as_str(), value) {
+                ("choices", Value::Array(choices)) => {
+                    let choices: Vec<ClientChoice<'_>> = choices
                         .iter()
-                        .map(|e| {
-                            let id = e.get(1).and_then(Value::as_u64).unwrap_or(0) as u32;
-                            json!({"token": tok.decode(&[id]), "logprob": e.get(0), "top_logprobs": []})
+                        .map(|choice| ClientChoice {
+                            choice,
+                            tok: self.tok,
                         })
-                        .collect()
-                })
-                .unwrap_or_default();
-            if let Value::Object(map) = choice {
-                map.insert("logprobs".into(), json!({"content": content}));
-            }
-            if let Some(Value::Object(meta)) = choice.get_mut("meta_info") {
-                meta.remove("routed_experts");
-                meta.remove("routed_experts_num_layers");
-                meta.remove("indexer_topk");
+                        .collect();
+                    out.serialize_entry(key, &choices)?;
+                }
+                _ => out.serialize_entry(key, value)?,
             }
         }
+        out.end()
     }
-    body
+}
+
+struct ClientChoice<'a> {
+    choice: &'a Value,
+    tok: &'a dyn ChatTokenizer,
+}
+
+impl serde::Serialize for ClientChoice<'_> {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let Value::Object(map) = self.choice else {
+            return self.choice.serialize(serializer);
+        };
+        let mut out = serializer.serialize_map(None)?;
+        for (key, value) in map {
+            match (key.as_str(), value) {
+                ("logprobs", _) => {}
+                ("meta_info", Value::Object(meta)) => {
+                    out.serialize_entry(key, &FilteredMeta(meta))?;
+                }
+                _ => out.serialize_entry(key, value)?,
+            }
+        }
+        let entries = map
+            .get("meta_info")
+            .and_then(|m| m.get("output_token_logprobs"))
+            .and_then(Value::as_array)
+            .map_or(&[][..], Vec::as_slice);
+        out.serialize_entry(
+            "logprobs",
+            &LogprobsContent {
+                entries,
+                tok: self.tok,
+            },
+        )?;
+        out.end()
+    }
+}
+
+struct FilteredMeta<'a>(&'a Map<String, Value>);
+
+impl serde::Serialize for FilteredMeta<'_> {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        serializer.collect_map(
+            self.0
+                .iter()
+                .filter(|(k, _)| !CLIENT_HIDDEN_META.contains(&k.as_str())),
+        )
+    }
+}
+
+/// `{"content": [{"token", "logprob", "top_logprobs": []}, …]}` from SGLang
+/// `[logprob, id, text]` triples.
+struct LogprobsContent<'a> {
+    entries: &'a [Value],
+    tok: &'a dyn ChatTokenizer,
+}
+
+impl serde::Serialize for LogprobsContent<'_> {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        struct Entry<'a>(&'a Value, &'a dyn ChatTokenizer);
+        impl serde::Serialize for Entry<'_> {
+            fn serialize<S: serde::Serializer>(
+                &self,
+                serializer: S,
+            ) -> std::result::Result<S::Ok, S::Error> {
+                use serde::ser::SerializeMap;
+                let id = self.0.get(1).and_then(Value::as_u64).unwrap_or(0) as u32;
+                let mut out = serializer.serialize_map(Some(3))?;
+                out.serialize_entry("token", &*self.1.decode_token(id))?;
+                out.serialize_entry("logprob", &self.0.get(0))?;
+                out.serialize_entry("top_logprobs", &[(); 0])?;
+                out.end()
+            }
+        }
+        let mut out = serializer.serialize_map(Some(1))?;
+        out.serialize_entry(
+            "content",
+            &self
+                .entries
+                .iter()
+                .map(|e| Entry(e, self.tok))
+                .collect::<Vec<_>>(),
+        )?;
+        out.end()
+    }
+}
+
+/// The client's JSON body (see [`ClientView`]).
+fn client_json(tok: &dyn ChatTokenizer, body: &Value) -> Result<Vec<u8>> {
+    serde_json::to_vec(&ClientView { body, tok }).map_err(|e| Error::Codec {
+        field: "response".into(),
+        reason: e.to_string(),
+    })
 }
 
 /// Miles' fake streaming: one `chat.completion.chunk` event, then `[DONE]`.
@@ -699,6 +816,7 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
     state.metrics.engine_latency.observe(engine_time);
     let (body, assistant) = completion_body(state, &chat.request, prompt_len, &output, &tools)?;
     let record_body = chat.record_body;
+    let client_bytes = client_json(state.tokenizer.as_ref(), &body)?;
 
     // Phase 3 (session lock): commit unless the session changed or is closing.
     {
@@ -718,7 +836,7 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
                 path: "/v1/chat/completions".into(),
                 request: record_body,
                 input_ids: Some(prepared.prompt_ids.clone()),
-                response: body.clone(),
+                response: body,
                 status_code: 200,
             };
             trajectory.commit(
@@ -740,11 +858,21 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
         .metrics
         .completion_tokens
         .fetch_add(output.output_ids.len() as u64, Ordering::Relaxed);
-    let body = client_body(state.tokenizer.as_ref(), body);
     let response = if chat.stream {
+        let body: Value = serde_json::from_slice(&client_bytes).map_err(|e| Error::Codec {
+            field: "response".into(),
+            reason: e.to_string(),
+        })?;
         sse_response(&body)
     } else {
-        axum::Json(body).into_response()
+        (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            client_bytes,
+        )
+            .into_response()
     };
     Ok((response, engine_time))
 }

@@ -249,6 +249,10 @@ impl ChatTokenizer for ByteChatml {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    fn encode(&self, text: &str) -> crate::Result<Vec<TokenId>> {
+        Ok(ByteChatml::encode(self, text))
+    }
+
     fn is_special(&self, id: TokenId) -> bool {
         id >= 256
     }
@@ -462,5 +466,191 @@ impl InferenceEngine for ToyEngine {
 
     async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
         Ok(WeightVersion(self.version.load(Ordering::SeqCst)))
+    }
+}
+
+/// An engine that answers instantly with pre-tokenized replies, for measuring the session
+/// server's own cost (benchmarks, load tests): when the prompt's last turn holds a tool
+/// response it answers with [`InstantEngine::ANSWER`], otherwise with a `get_weather` tool call
+/// ([`InstantEngine::TOOL_CALL`]). Deciding costs one backwards scan of the last turn; the
+/// log-probs are [`toy_logprob`].
+#[derive(Debug, Clone)]
+pub struct InstantEngine {
+    turn_start: Vec<TokenId>,
+    tool_response: Vec<TokenId>,
+    tool_call_ids: Vec<TokenId>,
+    answer_ids: Vec<TokenId>,
+    stop: TokenId,
+    version: WeightVersion,
+}
+
+/// Whether `needle` occurs in `hay`.
+fn contains_seq(hay: &[TokenId], needle: &[TokenId]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+impl InstantEngine {
+    /// The tool-call reply (Qwen3 / ChatML form; the stop token is appended).
+    pub const TOOL_CALL: &'static str = "<think>\nI should call the weather tool.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    /// The reply after a tool response (the stop token is appended).
+    pub const ANSWER: &'static str =
+        "<think>\nThe tool answered.\n</think>\n\nThe weather in Paris is sunny.";
+
+    /// Builds the engine for a chat tokenizer whose turns open with `<|im_start|>`, tool
+    /// results are wrapped in `<tool_response>` and turns end with `stop` (its first stop token
+    /// id: `<|im_end|>` for Qwen3 / ChatML).
+    pub fn for_chatml(tok: &dyn ChatTokenizer) -> crate::Result<Arc<Self>> {
+        let stop = *tok
+            .stop_token_ids()
+            .first()
+            .ok_or_else(|| Error::Config(format!("family {} has no stop token", tok.family())))?;
+        let with_stop = |text: &str| -> crate::Result<Vec<TokenId>> {
+            let mut ids = tok.encode(text)?;
+            ids.push(stop);
+            Ok(ids)
+        };
+        Ok(Arc::new(Self {
+            turn_start: tok.encode("<|im_start|>")?,
+            tool_response: tok.encode("<tool_response>")?,
+            tool_call_ids: with_stop(Self::TOOL_CALL)?,
+            answer_ids: with_stop(Self::ANSWER)?,
+            stop,
+            version: WeightVersion(1),
+        }))
+    }
+
+    /// The reply ids for a prompt.
+    pub fn reply(&self, prompt: &[TokenId]) -> &[TokenId] {
+        // The last turn is the generation prompt; the one before it the newest message.
+        let n = self.turn_start.len();
+        let mut starts = (0..prompt.len().saturating_sub(n - 1))
+            .rev()
+            .filter(|&i| prompt[i..i + n] == self.turn_start[..]);
+        let _generation_prompt = starts.next();
+        let from = starts.next().unwrap_or(0);
+        if contains_seq(&prompt[from..], &self.tool_response) {
+            &self.answer_ids
+        } else {
+            &self.tool_call_ids
+        }
+    }
+}
+
+#[async_trait]
+impl InferenceEngine for InstantEngine {
+    async fn generate(&self, request: GenerateRequest) -> miles_core::Result<GenerateOutput> {
+        let mut ids = self.reply(&request.input_ids).to_vec();
+        let mut finish = FinishReason::Stop;
+        let mut matched = Some(json!(self.stop));
+        if let Some(max) = request.sampling_params.max_new_tokens
+            && ids.len() > max
+        {
+            ids.truncate(max);
+            finish = FinishReason::Length;
+            matched = None;
+        }
+        let output_log_probs = ids
+            .iter()
+            .enumerate()
+            .map(|(p, id)| toy_logprob(*id, p))
+            .collect();
+        Ok(GenerateOutput {
+            request_id: request.request_id,
+            output_ids: ids,
+            output_log_probs,
+            routed_experts: None,
+            finish_reason: finish,
+            matched_stop: matched,
+            weight_version: self.version,
+            prompt_tokens: request.input_ids.len(),
+            cached_tokens: 0,
+        })
+    }
+
+    async fn update_weights(
+        &self,
+        _weights: &NamedTensors,
+        _version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn update_weights_from_disk(
+        &self,
+        _dir: &Path,
+        _version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn pause(&self, _mode: PauseMode) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn resume(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn flush_cache(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn abort(&self, _request_id: &RequestId) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn abort_all(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn health(&self) -> miles_core::Result<()> {
+        Ok(())
+    }
+
+    async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
+        Ok(self.version)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::SamplingParams;
+
+    #[test]
+    fn instant_engine_calls_the_tool_then_answers_from_its_result() {
+        let tok = ByteChatml::default();
+        let engine = InstantEngine::for_chatml(&tok).unwrap();
+        let user = tok.encode(
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n",
+        );
+        let reply = engine.reply(&user);
+        assert_eq!(
+            tok.decode(reply),
+            format!("{}<|im_end|>", InstantEngine::TOOL_CALL)
+        );
+        let parsed = tok.parse_assistant(reply, &[]).unwrap();
+        assert_eq!(parsed.tool_calls[0].function.name, "get_weather");
+        let mut after_tool = user.clone();
+        after_tool.extend(tok.encode(
+            "<tool_call>x</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ));
+        assert_eq!(
+            tok.decode(engine.reply(&after_tool)),
+            format!("{}<|im_end|>", InstantEngine::ANSWER)
+        );
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let params = SamplingParams {
+            max_new_tokens: Some(3),
+            ..SamplingParams::default()
+        };
+        let out = rt
+            .block_on(engine.generate(GenerateRequest::new(user, params)))
+            .unwrap();
+        assert_eq!(out.output_ids.len(), 3);
+        assert_eq!(out.finish_reason, FinishReason::Length);
+        assert_eq!(out.output_log_probs[1], toy_logprob(out.output_ids[1], 1));
     }
 }

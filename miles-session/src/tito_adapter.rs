@@ -8,8 +8,9 @@
 //! `--model DIR --tito FAMILY` for every family miles-tito knows.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use miles_core::{Message, Role, TokenId, ToolSpec};
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer, TokenSeqComparator};
@@ -105,6 +106,33 @@ pub struct TitoChat {
     trailing: Vec<TokenId>,
     stop_ids: Vec<TokenId>,
     comparator: TokenSeqComparator,
+    token_texts: Arc<TokenTextCache>,
+}
+
+/// Decoded text of single token ids, filled as ids are seen (bounded by the vocabulary).
+#[derive(Debug, Default)]
+struct TokenTextCache {
+    texts: RwLock<HashMap<TokenId, Arc<str>>>,
+}
+
+impl TokenTextCache {
+    fn get_or_insert(&self, id: TokenId, decode: impl FnOnce() -> String) -> Arc<str> {
+        if let Some(text) = self
+            .texts
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&id)
+        {
+            return text.clone();
+        }
+        let text: Arc<str> = decode().into();
+        self.texts
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(id)
+            .or_insert(text)
+            .clone()
+    }
 }
 
 impl TitoChat {
@@ -149,6 +177,7 @@ impl TitoChat {
             trailing,
             stop_ids,
             comparator,
+            token_texts: Arc::default(),
         })
     }
 
@@ -247,6 +276,14 @@ impl ChatTokenizer for TitoChat {
                 String::new()
             }
         }
+    }
+
+    fn decode_token(&self, id: TokenId) -> Arc<str> {
+        self.token_texts.get_or_insert(id, || self.decode(&[id]))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<TokenId>> {
+        self.tito.encode(text).map_err(from_tito)
     }
 
     fn is_special(&self, id: TokenId) -> bool {
