@@ -54,6 +54,6 @@ pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
 pub use config::{Architecture, Llama3RopeScaling, ModelConfig, RouterKind};
 pub use error::BridgeError;
 pub use model::{
-    CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, KvCache, ModelInput, ModelOutput,
-    MoeBlock, MoeRouting, TopkRouter, ids_tensor, token_logprobs,
+    CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, HiddenOutput, KvCache, ModelInput,
+    ModelOutput, MoeBlock, MoeRouting, TopkRouter, ids_tensor, token_logprobs,
 };

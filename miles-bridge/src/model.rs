@@ -317,6 +317,15 @@ pub struct ModelOutput {
     pub routing: Vec<MoeRouting>,
 }
 
+/// Output of [`CausalLm::forward_hidden`].
+#[derive(Debug, Clone)]
+pub struct HiddenOutput {
+    /// Final-norm hidden states, `[batch, seq, hidden]` (the input of `lm_head`).
+    pub hidden: Tensor<3>,
+    /// One entry per MoE layer, in layer order.
+    pub routing: Vec<MoeRouting>,
+}
+
 /// Per-layer keys / values and key validity for incremental decoding.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
@@ -661,12 +670,52 @@ impl CausalLm {
         self.run(input, Some(cache), hook)
     }
 
+    /// Training / scoring forward that stops before `lm_head`: the final-norm hidden states
+    /// `[batch, seq, hidden]` and the routing, for callers that compute log-probs from hidden
+    /// states and [`CausalLm::lm_head_weight`] without materialising the logits (miles-ops'
+    /// fused path).
+    pub fn forward_hidden(
+        &self,
+        input: &ModelInput,
+        hook: &dyn RouterHook,
+    ) -> Result<HiddenOutput, BridgeError> {
+        self.run_hidden(input, None, hook)
+    }
+
+    /// The output projection `[vocab, hidden]`: `lm_head.weight`, or the embedding matrix when
+    /// the embeddings are tied.
+    pub fn lm_head_weight(&self) -> Tensor<2> {
+        match &self.lm_head {
+            Some(head) => head.weight.val(),
+            None => self.model.embed_tokens.val(),
+        }
+    }
+
     fn run(
+        &self,
+        input: &ModelInput,
+        cache: Option<&mut KvCache>,
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        let HiddenOutput { hidden, routing } = self.run_hidden(input, cache, hook)?;
+        let [batch, seq, h] = hidden.dims();
+        let normed = hidden.reshape([batch * seq, h]);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(normed),
+            None => normed.matmul(self.model.embed_tokens.val().transpose()),
+        };
+        Ok(ModelOutput {
+            logits: logits.reshape([batch, seq, self.config.vocab_size]),
+            routing,
+        })
+    }
+
+    fn run_hidden(
         &self,
         input: &ModelInput,
         mut cache: Option<&mut KvCache>,
         hook: &dyn RouterHook,
-    ) -> Result<ModelOutput, BridgeError> {
+    ) -> Result<HiddenOutput, BridgeError> {
         let [batch, seq] = self.check_input(input)?;
         let device = input.input_ids.device();
         let c = &self.config;
@@ -741,17 +790,8 @@ impl CausalLm {
             cache.next_position = Some(start + valid.int().sum_dim(1));
             cache.key_valid = Some(key_valid);
         }
-        let normed = self
-            .model
-            .norm
-            .forward(hidden)
-            .reshape([batch * seq, c.hidden_size]);
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(normed),
-            None => normed.matmul(self.model.embed_tokens.val().transpose()),
-        };
-        Ok(ModelOutput {
-            logits: logits.reshape([batch, seq, c.vocab_size]),
+        Ok(HiddenOutput {
+            hidden: self.model.norm.forward(hidden),
             routing,
         })
     }

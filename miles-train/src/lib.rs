@@ -1,15 +1,38 @@
 //! # miles-train
 //!
-//! The training side of RL post-training: implements [`miles_core::PolicyTrainer`] on top of
-//! miles-bridge models and miles-ops losses, with R3 replay — advantages from rewards and
-//! groups, actor (+ frozen reference, optional critic), packing and micro-batches with gradient
-//! accumulation, AdamW with global-norm clipping, learning-rate schedules, checkpoints and
-//! HF-named weight export. Flags and defaults follow Miles (Megatron names), so a Miles config
-//! carries over.
+//! The training side of RL post-training: [`Actor`] implements [`miles_core::PolicyTrainer`]
+//! on top of a miles-bridge [`CausalLm`](miles_bridge::CausalLm) and miles-ops losses. Flags
+//! and defaults follow Miles / Megatron ([`TrainConfig`]), so a Miles config carries over.
 //!
-//! Available now: the learning-rate schedule ([`LrSchedule`]), with Megatron's
-//! `OptimizerParamScheduler` semantics (`--lr`, `--min-lr`, `--lr-warmup-iters`,
-//! `--lr-warmup-init`, `--lr-decay-iters`, `--lr-decay-style constant|linear|cosine`).
+//! What one [`PolicyTrainer::train`](miles_core::PolicyTrainer::train) call does, as Miles'
+//! actor does it:
+//!
+//! 1. samples → [`TrainItem`]s (validated: response length, loss mask, rollout log-probs);
+//! 2. rewards normalised per group and advantages computed with the configured estimator
+//!    (`grpo`, `gspo`, `reinforce_plus_plus(_baseline)`, or `ppo` with GAE over the values of
+//!    a [`Critic`] — a value head on a copy of the transformer, trained first in every step
+//!    with the clipped value loss);
+//! 3. old log-probs scored once with the current weights (and reference log-probs from a
+//!    frozen copy when `use_kl_loss` / `kl_coef` need them) through the **scoring function**
+//!    [`score_response`] — the same code the embedded engine uses to score what it generated;
+//! 4. the rollout is split into `num_steps_per_rollout` optimizer steps of `global_batch_size`
+//!    samples, each step into micro-batches ([`plan_micro_batches`], fixed size or a token
+//!    budget), gradients accumulated over micro-batches, **global** gradient-norm clipping
+//!    (`clip_grad`), then decoupled-weight-decay AdamW ([`AdamW`]) at the scheduled LR
+//!    ([`LrSchedule`]);
+//! 5. metrics under Miles' names (`train/loss`, `train/pg_loss`, `train/grad_norm`, `train/lr`,
+//!    …) are returned and traced.
+//!
+//! Per-token log-probs are **batch-invariant** by construction in the default
+//! [`BatchLayout::PerSample`] layout: every sample is forwarded on its own, so its log-probs do
+//! not depend on which other samples, padding or packing share its micro-batch (tested bit for
+//! bit). [`BatchLayout::Packed`] and [`BatchLayout::Padded`] batch the forward instead, with
+//! log-probs equal to the per-sample ones up to float rounding.
+//!
+//! Checkpoints ([`Actor::save_checkpoint`](miles_core::PolicyTrainer::save_checkpoint)) hold
+//! the HF-named model, the AdamW moments, the step and the weight version, written to a
+//! temporary directory and renamed into place, so a crash mid-save leaves the previous
+//! checkpoint usable; resuming continues bit-identically.
 //!
 //! ```
 //! use miles_train::{LrDecayStyle, LrSchedule};
@@ -30,7 +53,24 @@
 //! # Ok::<(), miles_train::Error>(())
 //! ```
 
-use serde::{Deserialize, Serialize};
+mod actor;
+mod batch;
+mod checkpoint;
+mod config;
+mod critic;
+mod optim;
+mod schedule;
+mod scoring;
+
+pub use actor::{Actor, StepReport};
+pub use batch::{BatchLayout, TrainItem, plan_micro_batches, plan_steps};
+pub use config::{AdamWConfig, LossType, TrainConfig};
+pub use critic::{Critic, ValueModel};
+pub use optim::{AdamW, GradAccumulator, NamedParams};
+pub use schedule::{LrDecayStyle, LrSchedule};
+pub use scoring::{HookFn, ScoredBatch, score_batch, score_log_probs, score_response};
+
+use std::path::PathBuf;
 
 /// Errors of miles-train.
 #[derive(Debug, thiserror::Error)]
@@ -46,209 +86,74 @@ pub enum Error {
         /// Why it is invalid.
         reason: &'static str,
     },
+    /// A training sample cannot be used.
+    #[error("sample {index}: {reason}")]
+    Sample {
+        /// Position of the sample in the batch handed to `train`.
+        index: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A checkpoint is missing, corrupt or does not match the model.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The checkpoint directory or file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A file-system operation failed.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A loss, advantage or log-prob computation rejected its input.
+    #[error(transparent)]
+    Ops(#[from] miles_ops::OpsError),
+    /// The model rejected its input or weights.
+    #[error(transparent)]
+    Bridge(#[from] miles_bridge::BridgeError),
+    /// The routing-replay layer rejected its input.
+    #[error(transparent)]
+    R3(#[from] miles_r3::R3Error),
+    /// A miles-core operation (metrics sink, sample) failed.
+    #[error(transparent)]
+    Core(#[from] miles_core::Error),
+    /// A non-finite loss or gradient norm: the step was not applied.
+    #[error("non-finite {what} at step {step}: the update was skipped")]
+    NonFinite {
+        /// `loss` or `grad_norm`.
+        what: &'static str,
+        /// The optimizer step.
+        step: u64,
+    },
 }
 
-/// How the learning rate decays after warm-up (`--lr-decay-style`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LrDecayStyle {
-    /// Stay at `lr` (Miles' default).
-    #[default]
-    Constant,
-    /// Linear from `lr` to `min_lr` over the decay window.
-    Linear,
-    /// Half-cosine from `lr` to `min_lr` over the decay window.
-    Cosine,
-}
-
-/// Learning rate per optimizer step: linear warm-up from `lr_warmup_init` to `lr` over
-/// `lr_warmup_iters` steps, then the decay style down to `min_lr` at `lr_decay_iters`
-/// (steps counted from 0, decay window measured from the end of warm-up), `min_lr` after.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct LrSchedule {
-    /// Peak learning rate (`--lr`, Miles default 1e-6).
-    pub lr: f64,
-    /// Floor (`--min-lr`, default 0).
-    pub min_lr: f64,
-    /// Warm-up steps (`--lr-warmup-iters`, default 0).
-    pub lr_warmup_iters: u64,
-    /// Learning rate at step 0 of warm-up (`--lr-warmup-init`, default 0).
-    pub lr_warmup_init: f64,
-    /// Step at which decay reaches `min_lr` (`--lr-decay-iters`); required unless constant.
-    pub lr_decay_iters: Option<u64>,
-    /// Decay style (`--lr-decay-style`, default constant).
-    pub lr_decay_style: LrDecayStyle,
-}
-
-impl Default for LrSchedule {
-    fn default() -> Self {
-        Self {
-            lr: 1e-6,
-            min_lr: 0.0,
-            lr_warmup_iters: 0,
-            lr_warmup_init: 0.0,
-            lr_decay_iters: None,
-            lr_decay_style: LrDecayStyle::Constant,
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
         }
     }
-}
 
-impl LrSchedule {
-    /// Checks the values once; downstream code uses the returned schedule.
-    pub fn validate(self) -> Result<Self, Error> {
-        let config = |field, value: String, reason| Error::Config {
-            field,
-            value,
-            reason,
-        };
-        if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return Err(config("lr", self.lr.to_string(), "must be finite and >= 0"));
+    pub(crate) fn checkpoint(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Self::Checkpoint {
+            path: path.into(),
+            reason: reason.into(),
         }
-        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
-            return Err(config(
-                "min_lr",
-                self.min_lr.to_string(),
-                "must lie in [0, lr]",
-            ));
-        }
-        if !(self.lr_warmup_init.is_finite() && self.lr_warmup_init >= 0.0) {
-            return Err(config(
-                "lr_warmup_init",
-                self.lr_warmup_init.to_string(),
-                "must be finite and >= 0",
-            ));
-        }
-        if self.lr_decay_style != LrDecayStyle::Constant {
-            match self.lr_decay_iters {
-                None => {
-                    return Err(config(
-                        "lr_decay_iters",
-                        "None".into(),
-                        "required by linear / cosine decay",
-                    ));
-                }
-                Some(decay) if decay <= self.lr_warmup_iters => {
-                    return Err(config(
-                        "lr_decay_iters",
-                        decay.to_string(),
-                        "must exceed lr_warmup_iters",
-                    ));
-                }
-                Some(_) => {}
-            }
-        }
-        Ok(self)
-    }
-
-    /// The learning rate at optimizer step `step` (0-based).
-    pub fn lr_at(&self, step: u64) -> f64 {
-        if self.lr_warmup_iters > 0 && step <= self.lr_warmup_iters {
-            return self.lr_warmup_init
-                + (self.lr - self.lr_warmup_init) * step as f64 / self.lr_warmup_iters as f64;
-        }
-        let Some(decay_iters) = self.lr_decay_iters else {
-            return self.lr;
-        };
-        if self.lr_decay_style == LrDecayStyle::Constant {
-            return self.lr;
-        }
-        if step > decay_iters {
-            return self.min_lr;
-        }
-        let ratio =
-            (step - self.lr_warmup_iters) as f64 / (decay_iters - self.lr_warmup_iters) as f64;
-        let coefficient = match self.lr_decay_style {
-            LrDecayStyle::Constant => 1.0,
-            LrDecayStyle::Linear => 1.0 - ratio,
-            LrDecayStyle::Cosine => 0.5 * ((std::f64::consts::PI * ratio).cos() + 1.0),
-        };
-        self.min_lr + coefficient * (self.lr - self.min_lr)
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn constant_default_is_miles_lr() {
-        let s = LrSchedule::default().validate().unwrap();
-        assert_eq!(s.lr_at(0), 1e-6);
-        assert_eq!(s.lr_at(10_000), 1e-6);
-    }
-
-    #[test]
-    fn linear_decay_and_warmup_init() {
-        let s = LrSchedule {
-            lr: 1.0,
-            min_lr: 0.0,
-            lr_warmup_iters: 4,
-            lr_warmup_init: 0.2,
-            lr_decay_iters: Some(8),
-            lr_decay_style: LrDecayStyle::Linear,
-        }
-        .validate()
-        .unwrap();
-        let got: Vec<f64> = (0..10).map(|i| s.lr_at(i)).collect();
-        let want = [0.2, 0.4, 0.6, 0.8, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0];
-        for (g, w) in got.iter().zip(want) {
-            assert!((g - w).abs() < 1e-12, "{got:?}");
-        }
-    }
-
-    #[test]
-    fn cosine_quarter_points() {
-        let s = LrSchedule {
-            lr: 2.0,
-            min_lr: 1.0,
-            lr_decay_iters: Some(4),
-            lr_decay_style: LrDecayStyle::Cosine,
-            ..LrSchedule::default()
-        }
-        .validate()
-        .unwrap();
-        // min + 0.5 (cos(pi r) + 1) (max - min) at r = 0, 1/4, 1/2, 3/4, 1.
-        let want = [
-            2.0,
-            1.0 + 0.5 * (0.5f64.sqrt() + 1.0),
-            1.5,
-            1.0 + 0.5 * (1.0 - 0.5f64.sqrt()),
-            1.0,
-        ];
-        for (i, w) in want.iter().enumerate() {
-            assert!((s.lr_at(i as u64) - w).abs() < 1e-12);
-        }
-    }
-
-    #[test]
-    fn invalid_configs_are_typed_errors() {
-        let no_decay = LrSchedule {
-            lr_decay_style: LrDecayStyle::Cosine,
-            ..LrSchedule::default()
-        };
-        assert!(matches!(
-            no_decay.validate(),
-            Err(Error::Config {
-                field: "lr_decay_iters",
-                ..
-            })
-        ));
-        let bad_min = LrSchedule {
-            min_lr: 1.0,
-            ..LrSchedule::default()
-        };
-        assert!(matches!(
-            bad_min.validate(),
-            Err(Error::Config {
-                field: "min_lr",
-                ..
-            })
-        ));
-        let nan = LrSchedule {
-            lr: f64::NAN,
-            ..LrSchedule::default()
-        };
-        assert!(nan.validate().is_err());
+impl From<Error> for miles_core::Error {
+    fn from(e: Error) -> Self {
+        miles_core::Error::Trainer(e.to_string())
     }
 }
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

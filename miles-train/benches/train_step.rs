@@ -1,0 +1,143 @@
+//! Training-step throughput on flex (2 cores, f32): forward + backward + AdamW at batch
+//! 8 × 512 tokens, for the two models of the miles-bridge / miles-train issues:
+//! (a) GLM-4-MoE, 88 M parameters; (b) Qwen3-style dense, 25 M, tied embeddings.
+//! Also the cost of a weight export (HF-named host tensors, f32 and bf16).
+//!
+//! The baseline of each group is the PyTorch 2.15 CPU reference measured on our machine
+//! (transformers, 2 threads, same configs): 420 tokens/s for (a), 755 tokens/s for (b),
+//! printed as the equivalent step time; it is a constant, not re-measured here.
+//! Target: ours ≥ 0.8× PyTorch throughput, i.e. step time ≤ 1.25× the baseline.
+//!
+//! Run: `cargo bench -p miles-train --bench train_step` (or `cargo xtask bench`).
+
+use std::time::Instant;
+
+use burn::tensor::Device;
+use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
+use miles_core::{PolicyTrainer, Reward, Sample};
+use miles_ops::advantages::AdvantageConfig;
+use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
+
+const BATCH: usize = 8;
+const SEQ: usize = 512;
+const PROMPT: usize = 32;
+
+fn glm_moe_88m() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "glm4_moe", "vocab_size": 32000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 8,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+        "routed_scaling_factor": 1.0, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+        "attention_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02}"#,
+    )
+    .expect("GLM config")
+}
+
+fn qwen3_25m() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "qwen3", "vocab_size": 32000, "hidden_size": 384,
+        "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 6,
+        "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
+    )
+    .expect("Qwen3 config")
+}
+
+fn batch(vocab: u32) -> Vec<Sample> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % u64::from(vocab)) as u32
+    };
+    (0..BATCH)
+        .map(|i| Sample {
+            tokens: (0..SEQ).map(|_| next()).collect(),
+            response_length: SEQ - PROMPT,
+            reward: Some(Reward::Scalar((i % 2) as f64)),
+            group_index: Some((i / 2) as u64),
+            ..Sample::default()
+        })
+        .collect()
+}
+
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn line(id: &str, secs: &[f64]) {
+    let min = secs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = secs.iter().copied().fold(0.0, f64::max);
+    let mean = secs.iter().sum::<f64>() / secs.len() as f64;
+    println!("{id:<40} time:   [{min:.4} s {mean:.4} s {max:.4} s]");
+}
+
+fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
+    let device = Device::flex().autodiff();
+    let model = CausalLm::init(&config, &device).expect("init");
+    let params = model.num_params();
+    let cfg = TrainConfig {
+        lr_schedule: LrSchedule {
+            lr: 1e-5,
+            ..LrSchedule::default()
+        },
+        micro_batch_size: BATCH,
+        layout: BatchLayout::Padded,
+        advantage: AdvantageConfig::default().with_n_samples_per_prompt(2),
+        ..TrainConfig::default()
+    };
+    let mut actor = Actor::new(model, cfg).expect("actor");
+    let samples = batch(config.vocab_size as u32);
+    let tokens = (BATCH * SEQ) as f64;
+    let mut steps = Vec::new();
+    for i in 0..=iters {
+        let m = actor.train(i as u64, &samples).expect("train");
+        if i > 0 {
+            // Warm-up excluded; the step time excludes the old-log-prob scoring pass.
+            steps.push(m["perf/step_time"]);
+        }
+    }
+    let baseline = tokens / torch_tokens_per_s;
+    line(&format!("train_step/{name}/baseline"), &[baseline]);
+    line(&format!("train_step/{name}/ours"), &steps);
+    println!("xtask-target: train_step/{name}/ours <= 1.25");
+    let mean = steps.iter().sum::<f64>() / steps.len() as f64;
+    println!(
+        "# {name}: {params} parameters, {:.0} tokens/s (PyTorch reference {torch_tokens_per_s} \
+         tokens/s: {:.2}x), peak RSS so far {:.0} MiB",
+        tokens / mean,
+        tokens / mean / torch_tokens_per_s,
+        peak_rss_mib()
+    );
+    let mut export = Vec::new();
+    for dtype in [FloatDtype::F32, FloatDtype::Bf16] {
+        let t = Instant::now();
+        let w = actor.export(dtype).expect("export");
+        export.push((dtype, t.elapsed().as_secs_f64(), w.len()));
+    }
+    for (dtype, secs, n) in export {
+        println!("# {name}: export {dtype} of {n} tensors in {secs:.3} s");
+        line(&format!("export/{name}/{dtype}"), &[secs]);
+    }
+}
+
+fn main() {
+    let iters = std::env::var("MILES_BENCH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    run("glm_moe_88m", glm_moe_88m(), 420.0, iters);
+    run("qwen3_25m", qwen3_25m(), 755.0, iters);
+}

@@ -1,0 +1,529 @@
+//! The actor: [`PolicyTrainer`] on a miles-bridge model.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::tensor::{Device, Tensor, TensorData};
+use miles_bridge::{CausalLm, FloatDtype};
+use miles_core::{
+    DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, TensorBytes, WeightVersion,
+};
+use miles_ops::advantages::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
+use miles_ops::kl::shaping_kl;
+use miles_ops::policy::{PolicyLoss, PolicyLossInput};
+use miles_r3::{Fallthrough, RouterHook};
+
+use crate::batch::{TrainItem, plan_micro_batches, plan_steps};
+use crate::checkpoint;
+use crate::config::{LossType, TrainConfig};
+use crate::critic::Critic;
+use crate::optim::{AdamW, GradAccumulator};
+use crate::scoring::{score_batch, score_log_probs};
+use crate::{Error, LrSchedule, Result};
+
+/// Per-sample advantages and returns over the response tokens.
+type AdvantagesAndReturns = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// What one optimizer step reported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// Optimizer step (1-based, over the actor's lifetime).
+    pub step: u64,
+    /// `train/…` metrics of the step.
+    pub metrics: Metrics,
+}
+
+/// The policy trainer: a miles-bridge model on an autodiff device, AdamW, the configured loss
+/// and advantage estimator, and an optional frozen reference model.
+pub struct Actor {
+    config: TrainConfig,
+    model: CausalLm,
+    reference: Option<CausalLm>,
+    critic: Option<Critic>,
+    optimizer: AdamW,
+    schedule: LrSchedule,
+    loss: PolicyLoss,
+    advantages: AdvantageCalculator,
+    version: WeightVersion,
+    rollouts_trained: u64,
+    sink: Option<Arc<dyn MetricsSink>>,
+    history: Vec<StepReport>,
+}
+
+impl std::fmt::Debug for Actor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Actor")
+            .field("architecture", &self.model.config.architecture)
+            .field("step", &self.optimizer.step_count())
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The router hook of one forward pass over `items` (fallthrough routing unless routing
+/// replay is on).
+fn hook_for(config: &TrainConfig, items: &[&TrainItem]) -> Result<Box<dyn RouterHook>> {
+    let _ = (config, items);
+    Ok(Box::new(Fallthrough))
+}
+
+impl Actor {
+    /// Builds the actor. `model` must live on an autodiff device (`Device::flex().autodiff()`);
+    /// the reference model (when the config needs one) is a frozen copy of it.
+    pub fn new(model: CausalLm, config: TrainConfig) -> Result<Self> {
+        config.validate()?;
+        if !model.lm_head_weight().is_autodiff() {
+            return Err(Error::Config {
+                field: "device",
+                value: format!("{:?}", model.lm_head_weight().device()),
+                reason: "the actor's model must live on an autodiff device (Device::autodiff())",
+            });
+        }
+        let reference = config.needs_ref().then(|| model.valid());
+        Ok(Self {
+            optimizer: AdamW::new(config.optimizer),
+            schedule: config.lr_schedule.validate()?,
+            loss: config.policy_loss.clone().init()?,
+            advantages: config.advantage.clone().init()?,
+            config,
+            model,
+            reference,
+            critic: None,
+            version: WeightVersion(0),
+            rollouts_trained: 0,
+            sink: None,
+            history: Vec::new(),
+        })
+    }
+
+    /// Also sends every step's metrics to `sink`.
+    pub fn with_metrics_sink(mut self, sink: Arc<dyn MetricsSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Adds the critic `ppo` needs, initialised from `lm` (an autodiff-device copy of the
+    /// starting checkpoint).
+    pub fn with_critic(mut self, lm: CausalLm) -> Result<Self> {
+        self.critic = Some(Critic::new(lm, &self.config)?);
+        Ok(self)
+    }
+
+    /// The critic, if any.
+    pub fn critic(&self) -> Option<&Critic> {
+        self.critic.as_ref()
+    }
+
+    /// The current model (autodiff device).
+    pub fn model(&self) -> &CausalLm {
+        &self.model
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.optimizer.step_count()
+    }
+
+    /// Reports of every optimizer step so far.
+    pub fn history(&self) -> &[StepReport] {
+        &self.history
+    }
+
+    fn device(&self) -> Device {
+        self.model.lm_head_weight().device()
+    }
+
+    /// Trains on already converted items (see [`TrainItem::from_sample`]). Returns the mean of
+    /// every step's metrics plus `perf/…` figures.
+    pub fn train_items(&mut self, items: &[TrainItem]) -> Result<Metrics> {
+        let started = Instant::now();
+        let n = items.len();
+        let mut out = Metrics::new();
+        if n == 0 {
+            return Ok(out);
+        }
+        let fused = self.config.fused;
+        let policy = self.config.loss_type == LossType::PolicyLoss;
+
+        // Old (trainer-scored) and reference log-probs, with the weights before this call.
+        let scorer = self.model.valid();
+        let mut old = Vec::with_capacity(n);
+        let mut refs = Vec::new();
+        for (index, item) in items.iter().enumerate() {
+            let hook = hook_for(&self.config, &[item])?;
+            let score = |m: &CausalLm| {
+                score_log_probs(m, &item.tokens, item.response_length, &*hook, &fused).map_err(
+                    |e| match e {
+                        Error::Sample { reason, .. } => Error::Sample { index, reason },
+                        other => other,
+                    },
+                )
+            };
+            if policy {
+                old.push(score(&scorer)?);
+            } else {
+                old.push(vec![0.0; item.response_length]);
+            }
+            if let Some(reference) = self.reference.as_ref().filter(|_| policy) {
+                refs.push(score(reference)?);
+            }
+        }
+
+        // Critic values (ppo), then rewards → advantages, as Miles' actor computes them.
+        let config = &self.config;
+        let item_hook = |item: &TrainItem| hook_for(config, &[item]);
+        let values = match &self.critic {
+            Some(critic) if policy && config.needs_critic() => {
+                Some(critic.values(items, &item_hook)?)
+            }
+            None if policy && config.needs_critic() => {
+                return Err(Error::Config {
+                    field: "advantage_estimator",
+                    value: "ppo".into(),
+                    reason: "ppo needs a critic: build the actor with Actor::with_critic",
+                });
+            }
+            _ => None,
+        };
+        let (advantages, returns) = if policy {
+            self.compute_advantages(items, &old, &refs, values.as_deref())?
+        } else {
+            let zeros: Vec<Vec<f32>> = items.iter().map(|i| vec![0.0; i.response_length]).collect();
+            (zeros.clone(), zeros)
+        };
+
+        let scoring_secs = started.elapsed().as_secs_f64();
+        let device = self.device();
+        let steps = plan_steps(
+            n,
+            self.config.global_batch_size,
+            self.config.num_steps_per_rollout,
+        );
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut tokens_trained = 0usize;
+        for step in &steps {
+            let critic_metrics = match (&mut self.critic, &values) {
+                (Some(critic), Some(values)) => {
+                    let config = &self.config;
+                    critic.train_step(
+                        items,
+                        step.clone(),
+                        values,
+                        &returns,
+                        config,
+                        &|item: &TrainItem| hook_for(config, &[item]),
+                        &device,
+                    )?
+                }
+                _ => BTreeMap::new(),
+            };
+            let mut report =
+                self.train_step(items, step.clone(), &old, &refs, &advantages, &device)?;
+            report.metrics.extend(critic_metrics);
+            tokens_trained += items[step.clone()]
+                .iter()
+                .map(TrainItem::len)
+                .sum::<usize>();
+            for (k, v) in &report.metrics {
+                *sums.entry(k.clone()).or_default() += v;
+            }
+            if let Some(sink) = &self.sink {
+                sink.log(report.step, &report.metrics)?;
+            }
+            tracing::info!(step = report.step, metrics = ?report.metrics, "train step");
+            self.history.push(report);
+        }
+        for (k, v) in sums {
+            out.insert(k, v / steps.len() as f64);
+        }
+        self.rollouts_trained += 1;
+        self.version = self.version.next();
+        if let Some(k) = self.config.ref_update_interval
+            && self.reference.is_some()
+            && self.rollouts_trained.is_multiple_of(k)
+        {
+            self.reference = Some(self.model.valid());
+        }
+        let secs = started.elapsed().as_secs_f64();
+        out.insert("perf/train_time".into(), secs);
+        out.insert("perf/log_probs_time".into(), scoring_secs);
+        out.insert(
+            "perf/step_time".into(),
+            (secs - scoring_secs) / steps.len() as f64,
+        );
+        out.insert(
+            "perf/tokens_per_s".into(),
+            tokens_trained as f64 / secs.max(1e-9),
+        );
+        out.insert("train/steps".into(), steps.len() as f64);
+        Ok(out)
+    }
+
+    fn compute_advantages(
+        &self,
+        items: &[TrainItem],
+        old: &[Vec<f32>],
+        refs: &[Vec<f32>],
+        values: Option<&[Vec<f32>]>,
+    ) -> Result<AdvantagesAndReturns> {
+        let rewards: Vec<f32> = items.iter().map(|i| i.reward).collect();
+        let groups: Option<Vec<u64>> = items.iter().map(|i| i.group_index).collect();
+        let n_per_prompt = self.advantages.config().n_samples_per_prompt;
+        let grouping = match &groups {
+            Some(g) => Grouping::GroupIndex(g),
+            None if n_per_prompt > 1 => Grouping::FanOut,
+            None => Grouping::Whole,
+        };
+        let rollout_ids: Option<Vec<u64>> = items.iter().map(|i| i.rollout_id).collect();
+        let normalized =
+            self.advantages
+                .normalize_rewards(&rewards, grouping, rollout_ids.as_deref())?;
+        let kl_coef = self.config.advantage.kl_coef;
+        let mut kls = Vec::new();
+        if kl_coef != 0.0 {
+            for (i, item) in items.iter().enumerate() {
+                let lp = match (
+                    &item.rollout_log_probs,
+                    self.config.policy_loss.use_rollout_logprobs,
+                ) {
+                    (Some(r), true) => r.as_slice(),
+                    _ => old[i].as_slice(),
+                };
+                kls.push(shaping_kl(
+                    lp,
+                    &refs[i],
+                    self.config.policy_loss.kl_loss_type,
+                )?);
+            }
+        }
+        let inputs: Vec<AdvantageSample<'_>> = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let mut s = AdvantageSample::new(normalized[i], &item.loss_mask);
+                if let Some(kl) = kls.get(i) {
+                    s = s.with_kl(kl);
+                }
+                if let Some(v) = values.and_then(|v| v.get(i)) {
+                    s = s.with_values(v);
+                }
+                s
+            })
+            .collect();
+        let mut outputs = self.advantages.compute(&inputs)?;
+        if self.config.advantage.normalize_advantages {
+            let masks: Vec<&[f32]> = items.iter().map(|i| i.loss_mask.as_slice()).collect();
+            whiten_advantages(&mut outputs, &masks)?;
+        }
+        Ok(outputs
+            .into_iter()
+            .map(|o| (o.advantages, o.returns))
+            .unzip())
+    }
+
+    fn train_step(
+        &mut self,
+        items: &[TrainItem],
+        range: std::ops::Range<usize>,
+        old: &[Vec<f32>],
+        refs: &[Vec<f32>],
+        advantages: &[Vec<f32>],
+        device: &Device,
+    ) -> Result<StepReport> {
+        let step_items = &items[range.clone()];
+        let per_token = self.config.policy_loss.calculate_per_token_loss;
+        let normalizer = if per_token {
+            step_items
+                .iter()
+                .map(|i| i.loss_mask.iter().sum::<f32>())
+                .sum::<f32>()
+                .max(1.0)
+        } else {
+            step_items.len() as f32
+        };
+        let lengths: Vec<usize> = step_items.iter().map(TrainItem::len).collect();
+        let budget = self
+            .config
+            .use_dynamic_batch_size
+            .then_some(self.config.max_tokens_per_gpu)
+            .flatten();
+        let micro = plan_micro_batches(&lengths, self.config.micro_batch_size, budget);
+        let mut acc = GradAccumulator::new();
+        let mut metric_sums: BTreeMap<String, f64> = BTreeMap::new();
+        let step_no = self.optimizer.step_count() + 1;
+        for mb in micro {
+            let idx: Vec<usize> = mb.clone().map(|i| range.start + i).collect();
+            let refs_mb: Vec<&TrainItem> = idx.iter().map(|&i| &items[i]).collect();
+            let max_r = refs_mb.iter().map(|i| i.response_length).max().unwrap_or(0);
+            let pad2 = |rows: Vec<&[f32]>| {
+                let mut flat = Vec::with_capacity(rows.len() * max_r);
+                for r in &rows {
+                    flat.extend_from_slice(r);
+                    flat.extend(std::iter::repeat_n(0.0, max_r - r.len()));
+                }
+                Tensor::<2>::from_data(TensorData::new(flat, [rows.len(), max_r]), device)
+            };
+            let scored = score_batch(
+                &self.model,
+                &refs_mb,
+                self.config.layout,
+                &mut |its| hook_for(&self.config, its),
+                &self.config.fused,
+            )?;
+            let mask = pad2(refs_mb.iter().map(|i| i.loss_mask.as_slice()).collect());
+            let (loss, metrics) = match self.config.loss_type {
+                LossType::SftLoss => {
+                    let per_sample = (scored.log_probs.clone() * mask.clone()).sum_dim(1)
+                        / mask.clone().sum_dim(1).clamp_min(1.0);
+                    let loss = if per_token {
+                        (scored.log_probs * mask).sum().neg() / normalizer
+                    } else {
+                        per_sample.sum().neg() / normalizer
+                    };
+                    let value = f64::from(loss.clone().into_scalar::<f32>());
+                    (loss, vec![("loss", value), ("sft_loss", value)])
+                }
+                LossType::PolicyLoss => {
+                    let mut input = PolicyLossInput::new(
+                        scored.log_probs,
+                        pad2(idx.iter().map(|&i| old[i].as_slice()).collect()),
+                        pad2(idx.iter().map(|&i| advantages[i].as_slice()).collect()),
+                        mask,
+                    )
+                    .with_entropy(scored.entropy)
+                    .with_normalizer(normalizer);
+                    let rollout: Option<Vec<&[f32]>> = refs_mb
+                        .iter()
+                        .map(|i| i.rollout_log_probs.as_deref())
+                        .collect();
+                    if let Some(rollout) = rollout {
+                        input = input.with_rollout_log_probs(pad2(rollout));
+                    }
+                    if !refs.is_empty() {
+                        input = input.with_ref_log_probs(pad2(
+                            idx.iter().map(|&i| refs[i].as_slice()).collect(),
+                        ));
+                    }
+                    let out = self.loss.forward(input)?;
+                    let metrics: Vec<(&'static str, f64)> = out.metrics.to_f64();
+                    (out.loss.sum(), metrics)
+                }
+            };
+            for (name, v) in metrics {
+                *metric_sums.entry(format!("train/{name}")).or_default() += v;
+            }
+            let grads = loss.backward();
+            acc.accumulate(&self.model, &grads);
+        }
+        acc.retain_trainable(|name| self.config.is_frozen(name));
+        let mut metrics: Metrics = metric_sums;
+        let loss = metrics.get("train/loss").copied().unwrap_or(0.0);
+        if !loss.is_finite() {
+            return Err(Error::NonFinite {
+                what: "loss",
+                step: step_no,
+            });
+        }
+        let grad_norm = acc.clip_global_norm(self.config.clip_grad);
+        if !grad_norm.is_finite() {
+            return Err(Error::NonFinite {
+                what: "grad_norm",
+                step: step_no,
+            });
+        }
+        let lr = self.schedule.lr_at(self.optimizer.step_count());
+        let model = self.model.clone();
+        self.model = self.optimizer.step(model, acc, lr);
+        metrics.insert("train/grad_norm".into(), grad_norm);
+        metrics.insert("train/lr".into(), lr);
+        Ok(StepReport {
+            step: step_no,
+            metrics,
+        })
+    }
+
+    /// The current weights as HF-named host tensors in `dtype`.
+    pub fn export(&self, dtype: FloatDtype) -> Result<NamedTensors> {
+        let tensors = self.model.to_hf_tensors(dtype)?;
+        let dt = match dtype {
+            FloatDtype::F32 => DType::F32,
+            FloatDtype::Bf16 => DType::BF16,
+            FloatDtype::F16 => DType::F16,
+        };
+        let mut out = NamedTensors::new();
+        for (name, t) in tensors {
+            let bytes = TensorBytes::new(dt, t.shape, t.bytes).map_err(|e| Error::Sample {
+                index: 0,
+                reason: format!("export of {name}: {e}"),
+            })?;
+            out.insert(name, bytes);
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn parts(&self) -> (&CausalLm, &AdamW, WeightVersion, u64) {
+        (
+            &self.model,
+            &self.optimizer,
+            self.version,
+            self.rollouts_trained,
+        )
+    }
+
+    pub(crate) fn restore(
+        &mut self,
+        model: CausalLm,
+        optimizer: AdamW,
+        version: WeightVersion,
+        rollouts_trained: u64,
+        reference: Option<CausalLm>,
+    ) {
+        self.model = model;
+        self.optimizer = optimizer;
+        self.version = version;
+        self.rollouts_trained = rollouts_trained;
+        if self.config.needs_ref() {
+            self.reference = reference.or_else(|| self.reference.take());
+        }
+    }
+}
+
+impl PolicyTrainer for Actor {
+    fn train(&mut self, rollout_id: u64, samples: &[Sample]) -> miles_core::Result<Metrics> {
+        let require_reward = self.config.loss_type == LossType::PolicyLoss;
+        let items = samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                TrainItem::from_sample(i, s, self.config.reward_key.as_deref(), require_reward)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut metrics = self.train_items(&items)?;
+        metrics.insert("train/rollout_id".into(), rollout_id as f64);
+        Ok(metrics)
+    }
+
+    fn export_weights(&self) -> miles_core::Result<NamedTensors> {
+        Ok(self.export(FloatDtype::F32)?)
+    }
+
+    fn weight_version(&self) -> WeightVersion {
+        self.version
+    }
+
+    fn save_checkpoint(&self, dir: &Path) -> miles_core::Result<()> {
+        Ok(checkpoint::save(self, dir)?)
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path) -> miles_core::Result<()> {
+        Ok(checkpoint::load(self, dir)?)
+    }
+}

@@ -1,0 +1,187 @@
+//! Atomic actor checkpoints.
+//!
+//! Layout of a checkpoint directory:
+//! - `model/`: HF-named safetensors + `config.json` (loadable by `CausalLm::from_pretrained`
+//!   and by HF transformers);
+//! - `optimizer.safetensors`: AdamW moments (`<param>.exp_avg`, `<param>.exp_avg_sq`, f32);
+//! - `trainer_state.json`: format version, optimizer step, weight version, rollouts trained.
+//!
+//! Everything is written into a sibling temporary directory first, synced, then renamed over
+//! the target (the previous checkpoint, if any, is moved aside and removed only after the
+//! rename), so a crash at any point leaves a complete checkpoint at `dir` or at `dir.old`;
+//! [`load`] falls back to `dir.old` when `dir` is missing.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file, serialize_safetensors};
+use miles_bridge::{CausalLm, FloatDtype, HostTensor, TensorMap};
+use miles_core::WeightVersion;
+use serde::{Deserialize, Serialize};
+
+use crate::actor::Actor;
+use crate::optim::AdamW;
+use crate::{Error, Result};
+
+const FORMAT: u32 = 1;
+const STATE_FILE: &str = "trainer_state.json";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+const MODEL_DIR: &str = "model";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct TrainerState {
+    format_version: u32,
+    optimizer_step: u64,
+    weight_version: WeightVersion,
+    rollouts_trained: u64,
+    architecture: String,
+    num_params: usize,
+}
+
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "checkpoint".into());
+    dir.with_file_name(format!("{name}{suffix}"))
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    for entry in fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        let path = entry.path();
+        if path.is_dir() {
+            sync_dir(&path)?;
+        } else {
+            fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| Error::io(&path, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `actor`'s checkpoint to `dir` atomically.
+pub(crate) fn save(actor: &Actor, dir: &Path) -> Result<()> {
+    let (model, optimizer, version, rollouts) = actor.parts();
+    let tmp = sibling(dir, ".tmp");
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    model.save_pretrained(tmp.join(MODEL_DIR), FloatDtype::F32, None)?;
+    let mut map = TensorMap::new();
+    for (name, shape, values) in optimizer.state_tensors() {
+        map.insert(name, HostTensor::from_f32(shape, &values));
+    }
+    let bytes = serialize_safetensors(&map, None)?;
+    let opt_path = tmp.join(OPTIMIZER_FILE);
+    fs::write(&opt_path, bytes).map_err(|e| Error::io(&opt_path, e))?;
+    let state = TrainerState {
+        format_version: FORMAT,
+        optimizer_step: optimizer.step_count(),
+        weight_version: version,
+        rollouts_trained: rollouts,
+        architecture: model.config.architecture.model_type().to_string(),
+        num_params: model.num_params(),
+    };
+    let state_path = tmp.join(STATE_FILE);
+    let text = serde_json::to_string_pretty(&state)
+        .map_err(|e| Error::checkpoint(&state_path, e.to_string()))?;
+    fs::write(&state_path, text).map_err(|e| Error::io(&state_path, e))?;
+    sync_dir(&tmp)?;
+    let old = sibling(dir, ".old");
+    if dir.exists() {
+        if old.exists() {
+            fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+        }
+        fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+    }
+    fs::rename(&tmp, dir).map_err(|e| Error::io(&tmp, e))?;
+    if old.exists() {
+        fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    Ok(())
+}
+
+/// Restores `actor` from `dir` (or from `dir.old` left by an interrupted save).
+pub(crate) fn load(actor: &mut Actor, dir: &Path) -> Result<()> {
+    let dir = if dir.join(STATE_FILE).exists() {
+        dir.to_path_buf()
+    } else {
+        let old = sibling(dir, ".old");
+        if old.join(STATE_FILE).exists() {
+            old
+        } else {
+            return Err(Error::checkpoint(dir, format!("no {STATE_FILE}")));
+        }
+    };
+    let state_path = dir.join(STATE_FILE);
+    let text = fs::read_to_string(&state_path).map_err(|e| Error::io(&state_path, e))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .map_err(|e| Error::checkpoint(&state_path, format!("corrupt: {e}")))?;
+    if state.format_version != FORMAT {
+        return Err(Error::checkpoint(
+            &state_path,
+            format!(
+                "format version {} (this build reads {FORMAT})",
+                state.format_version
+            ),
+        ));
+    }
+    let (model, optimizer, _, _) = actor.parts();
+    let config = model.config.clone();
+    let ours = config.architecture.model_type();
+    if state.architecture != ours {
+        return Err(Error::checkpoint(
+            &state_path,
+            format!(
+                "checkpoint is a {} model, the actor trains a {ours}",
+                state.architecture
+            ),
+        ));
+    }
+    let device = model.lm_head_weight().device();
+    let opt_config = *optimizer.config();
+    let model_dir = dir.join(MODEL_DIR);
+    let tensors = read_checkpoint_dir(&model_dir)?;
+    let loaded = CausalLm::from_hf_tensors(&config, tensors, &device).map_err(|e| {
+        Error::checkpoint(&model_dir, format!("does not match the actor's model: {e}"))
+    })?;
+    if loaded.num_params() != state.num_params {
+        return Err(Error::checkpoint(
+            &model_dir,
+            format!(
+                "{} parameters, trainer_state.json says {}",
+                loaded.num_params(),
+                state.num_params
+            ),
+        ));
+    }
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    let host = read_safetensors_file(&opt_path)
+        .map_err(|e| Error::checkpoint(&opt_path, e.to_string()))?;
+    let values: BTreeMap<String, Vec<f32>> = host
+        .into_iter()
+        .map(|(name, t)| (name, t.to_f32()))
+        .collect();
+    let mut opt = AdamW::new(opt_config);
+    opt.load_state(state.optimizer_step, values, &device)
+        .map_err(|e| match e {
+            Error::Checkpoint { reason, .. } => Error::checkpoint(&opt_path, reason),
+            other => other,
+        })?;
+    opt.check_against(&loaded).map_err(|e| match e {
+        Error::Checkpoint { reason, .. } => Error::checkpoint(&opt_path, reason),
+        other => other,
+    })?;
+    actor.restore(
+        loaded,
+        opt,
+        state.weight_version,
+        state.rollouts_trained,
+        None,
+    );
+    Ok(())
+}

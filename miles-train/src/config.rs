@@ -1,0 +1,213 @@
+//! The trainer's configuration: Miles / Megatron flag names and defaults.
+
+use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_ops::fused::FusedLogProbConfig;
+use miles_ops::policy::PolicyLossConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::batch::BatchLayout;
+use crate::{Error, LrSchedule, Result};
+
+/// AdamW hyper-parameters (Megatron's `--weight-decay`, `--adam-beta1`, `--adam-beta2`,
+/// `--adam-eps`, with Megatron's defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamWConfig {
+    /// `--weight-decay` (0.01), decoupled: `p ← p·(1 − lr·wd)` before the Adam update.
+    pub weight_decay: f64,
+    /// `--adam-beta1` (0.9).
+    pub adam_beta1: f64,
+    /// `--adam-beta2` (0.999).
+    pub adam_beta2: f64,
+    /// `--adam-eps` (1e-8).
+    pub adam_eps: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            weight_decay: 0.01,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_eps: 1e-8,
+        }
+    }
+}
+
+/// `--loss-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossType {
+    /// The RL policy loss (PPO / GRPO / GSPO clip, corrections, KL, entropy).
+    #[default]
+    PolicyLoss,
+    /// Supervised fine-tuning: `−reduce(logp)` over the loss mask (warm starts).
+    SftLoss,
+}
+
+/// Everything the actor needs, with Miles' defaults. Deserialises from JSON with the same
+/// field names as Miles' flags (underscores instead of dashes); nested sections group the
+/// learning-rate schedule, AdamW, the policy loss and the advantage estimator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// `--lr`, `--min-lr`, `--lr-warmup-iters`, `--lr-decay-iters`, `--lr-decay-style`, …
+    pub lr_schedule: LrSchedule,
+    /// AdamW.
+    pub optimizer: AdamWConfig,
+    /// `--clip-grad` (1.0): global gradient-norm clipping; 0 disables it.
+    pub clip_grad: f64,
+    /// `--global-batch-size`: samples per optimizer step (`None`: the whole rollout, or
+    /// `rollout size / num_steps_per_rollout`).
+    pub global_batch_size: Option<usize>,
+    /// `--num-steps-per-rollout`: optimizer steps per `train` call (used when
+    /// `global_batch_size` is not set).
+    pub num_steps_per_rollout: Option<usize>,
+    /// `--micro-batch-size` (1): samples per micro-batch without dynamic batching.
+    pub micro_batch_size: usize,
+    /// `--use-dynamic-batch-size` (false): fill micro-batches up to `max_tokens_per_gpu`.
+    pub use_dynamic_batch_size: bool,
+    /// `--max-tokens-per-gpu`: token budget of a micro-batch with dynamic batching.
+    pub max_tokens_per_gpu: Option<usize>,
+    /// How a micro-batch is laid out for the forward pass.
+    pub layout: BatchLayout,
+    /// `--loss-type` (`policy_loss`).
+    pub loss_type: LossType,
+    /// Policy-loss flags (`--eps-clip`, `--use-tis`, `--use-kl-loss`, …).
+    pub policy_loss: PolicyLossConfig,
+    /// Advantage flags (`--advantage-estimator`, `--kl-coef`, `--gamma`, …).
+    pub advantage: AdvantageConfig,
+    /// Chunk sizes of the fused log-prob computation.
+    pub fused: FusedLogProbConfig,
+    /// `--reward-key`: which entry of a dict reward to train on.
+    pub reward_key: Option<String>,
+    /// `--ref-update-interval`: copy the actor into the reference model every N rollouts
+    /// (`None`: the reference stays the initial model).
+    pub ref_update_interval: Option<u64>,
+    /// `--value-clip` (0.2): clip range of the critic's value loss (`ppo`).
+    pub value_clip: f32,
+    /// `--critic-lr`: the critic's learning rate (`None`: the actor's schedule).
+    pub critic_lr: Option<f64>,
+    /// Parameters that are not trained: exact names or name prefixes ending in `.`
+    /// (e.g. `model.embed_tokens.weight`, `model.layers.0.`).
+    pub freeze_params: Vec<String>,
+    /// `--use-routing-replay` (R3): MoE layers route every token to the experts recorded at
+    /// rollout (`Sample::rollout_routed_experts`) instead of choosing their own.
+    pub use_routing_replay: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            lr_schedule: LrSchedule::default(),
+            optimizer: AdamWConfig::default(),
+            clip_grad: 1.0,
+            global_batch_size: None,
+            num_steps_per_rollout: None,
+            micro_batch_size: 1,
+            use_dynamic_batch_size: false,
+            max_tokens_per_gpu: None,
+            layout: BatchLayout::PerSample,
+            loss_type: LossType::PolicyLoss,
+            policy_loss: PolicyLossConfig::default(),
+            advantage: AdvantageConfig::default(),
+            fused: FusedLogProbConfig::default(),
+            reward_key: None,
+            ref_update_interval: None,
+            value_clip: 0.2,
+            critic_lr: None,
+            freeze_params: Vec::new(),
+            use_routing_replay: false,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks every value once (the loss and estimator configs included).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, value: String, reason| {
+            Err(Error::Config {
+                field,
+                value,
+                reason,
+            })
+        };
+        self.lr_schedule.validate()?;
+        let o = &self.optimizer;
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return bad("weight_decay", o.weight_decay.to_string(), "must be >= 0");
+        }
+        for (field, beta) in [("adam_beta1", o.adam_beta1), ("adam_beta2", o.adam_beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return bad(field, beta.to_string(), "must be in [0, 1)");
+            }
+        }
+        if !(o.adam_eps.is_finite() && o.adam_eps > 0.0) {
+            return bad("adam_eps", o.adam_eps.to_string(), "must be > 0");
+        }
+        if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
+            return bad("clip_grad", self.clip_grad.to_string(), "must be >= 0");
+        }
+        if self.global_batch_size == Some(0) {
+            return bad("global_batch_size", "0".into(), "must be >= 1");
+        }
+        if self.num_steps_per_rollout == Some(0) {
+            return bad("num_steps_per_rollout", "0".into(), "must be >= 1");
+        }
+        if self.micro_batch_size == 0 {
+            return bad("micro_batch_size", "0".into(), "must be >= 1");
+        }
+        if self.use_dynamic_batch_size && self.max_tokens_per_gpu.is_none_or(|t| t == 0) {
+            return bad(
+                "max_tokens_per_gpu",
+                format!("{:?}", self.max_tokens_per_gpu),
+                "dynamic batching needs a token budget >= 1",
+            );
+        }
+        if self.fused.token_chunk == 0 || self.fused.vocab_chunk == 0 {
+            return bad(
+                "fused",
+                format!("{:?}", self.fused),
+                "chunk sizes must be >= 1",
+            );
+        }
+        if !(self.value_clip.is_finite() && self.value_clip >= 0.0) {
+            return bad("value_clip", self.value_clip.to_string(), "must be >= 0");
+        }
+        if let Some(lr) = self.critic_lr
+            && !(lr.is_finite() && lr >= 0.0)
+        {
+            return bad("critic_lr", lr.to_string(), "must be finite and >= 0");
+        }
+        if self.policy_loss.advantage_estimator != self.advantage.advantage_estimator {
+            return bad(
+                "advantage_estimator",
+                format!(
+                    "{} (policy_loss) vs {} (advantage)",
+                    self.policy_loss.advantage_estimator, self.advantage.advantage_estimator
+                ),
+                "the two sections must name the same estimator",
+            );
+        }
+        self.policy_loss.clone().init()?;
+        self.advantage.clone().init()?;
+        Ok(())
+    }
+
+    /// Whether `name` is frozen by `freeze_params`.
+    pub fn is_frozen(&self, name: &str) -> bool {
+        self.freeze_params
+            .iter()
+            .any(|f| name == f || (f.ends_with('.') && name.starts_with(f.as_str())))
+    }
+
+    /// Whether the estimator needs a critic (`ppo`).
+    pub fn needs_critic(&self) -> bool {
+        self.advantage.advantage_estimator == AdvantageEstimator::Ppo
+    }
+
+    /// Whether reference-model log-probs are needed (KL loss or KL reward shaping).
+    pub fn needs_ref(&self) -> bool {
+        self.policy_loss.use_kl_loss || self.advantage.kl_coef != 0.0
+    }
+}

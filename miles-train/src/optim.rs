@@ -1,0 +1,325 @@
+//! Gradient accumulation, global-norm clipping and AdamW with decoupled weight decay, with
+//! state keyed by parameter name (so it can be checkpointed and resumed exactly).
+//!
+//! burn's built-in clipping is per tensor; Megatron's `--clip-grad` is global:
+//! `g ← g · min(1, clip / (‖g‖₂ + 1e-6))` over all parameters together.
+
+use std::collections::{BTreeMap, HashMap};
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::{Device, Gradients, Tensor, TensorData};
+use miles_bridge::CausalLm;
+use miles_bridge::nn::{ParamRef, ParamVisitor};
+
+use crate::config::AdamWConfig;
+use crate::{Error, Result};
+
+fn flat<const D: usize>(t: Tensor<D>) -> Tensor<1> {
+    let n: usize = t.dims().iter().product();
+    t.reshape([n])
+}
+
+/// A module whose parameters have stable names (HF names for models), so optimizer state can
+/// be keyed, checkpointed and checked by name.
+pub trait NamedParams: Module {
+    /// Calls `f` with every parameter and its name.
+    fn visit_named(&self, f: &mut ParamVisitor<'_>);
+}
+
+impl NamedParams for CausalLm {
+    fn visit_named(&self, f: &mut ParamVisitor<'_>) {
+        self.visit_params(f);
+    }
+}
+
+/// Sum of gradients over micro-batches, per parameter name, flattened, without autodiff.
+#[derive(Debug, Clone, Default)]
+pub struct GradAccumulator {
+    grads: BTreeMap<String, Tensor<1>>,
+}
+
+impl GradAccumulator {
+    /// An empty accumulator.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds the gradient of every parameter of `model` found in `grads` (parameters without a
+    /// gradient — frozen ones, `e_score_correction_bias` — are skipped).
+    pub fn accumulate<M: NamedParams>(&mut self, model: &M, grads: &Gradients) {
+        model.visit_named(&mut |name, p| {
+            let g = match p {
+                ParamRef::R1(p) => p.val().grad(grads).map(flat),
+                ParamRef::R2(p) => p.val().grad(grads).map(flat),
+                ParamRef::R3(p) => p.val().grad(grads).map(flat),
+            };
+            if let Some(g) = g {
+                let g = match self.grads.remove(name) {
+                    Some(acc) => acc + g,
+                    None => g,
+                };
+                self.grads.insert(name.to_string(), g);
+            }
+        });
+    }
+
+    /// Drops the gradients of parameters for which `frozen(name)` holds (they are not updated).
+    pub fn retain_trainable(&mut self, frozen: impl Fn(&str) -> bool) {
+        self.grads.retain(|name, _| !frozen(name));
+    }
+
+    /// Number of parameters with a gradient.
+    pub fn len(&self) -> usize {
+        self.grads.len()
+    }
+
+    /// Whether no gradient was accumulated.
+    pub fn is_empty(&self) -> bool {
+        self.grads.is_empty()
+    }
+
+    /// The accumulated (flattened) gradient of `name`.
+    pub fn get(&self, name: &str) -> Option<&Tensor<1>> {
+        self.grads.get(name)
+    }
+
+    /// Global L2 norm over every accumulated gradient (one host read).
+    pub fn global_norm(&self) -> f64 {
+        let Some(first) = self.grads.values().next() else {
+            return 0.0;
+        };
+        let device = first.device();
+        let mut total = Tensor::<1>::zeros([1], &device);
+        for g in self.grads.values() {
+            total = total + g.clone().powi_scalar(2).sum();
+        }
+        f64::from(total.into_scalar::<f32>()).sqrt()
+    }
+
+    /// Multiplies every gradient by `factor`.
+    pub fn scale(&mut self, factor: f64) {
+        for g in self.grads.values_mut() {
+            *g = g.clone() * factor;
+        }
+    }
+
+    /// Megatron's global clipping: scales by `clip / (norm + 1e-6)` when that is below 1.
+    /// Returns the norm before clipping.
+    pub fn clip_global_norm(&mut self, clip: f64) -> f64 {
+        let norm = self.global_norm();
+        if clip > 0.0 && norm.is_finite() {
+            let coef = clip / (norm + 1e-6);
+            if coef < 1.0 {
+                self.scale(coef);
+            }
+        }
+        norm
+    }
+}
+
+/// First and second moments of one parameter (flattened).
+#[derive(Debug, Clone)]
+struct Moments {
+    m: Tensor<1>,
+    v: Tensor<1>,
+}
+
+/// AdamW (PyTorch / Megatron semantics): `p ← p·(1 − lr·wd)`; `m ← β₁m + (1−β₁)g`;
+/// `v ← β₂v + (1−β₂)g²`; `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`.
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    config: AdamWConfig,
+    step: u64,
+    state: BTreeMap<String, Moments>,
+}
+
+impl AdamW {
+    /// A fresh optimizer (step 0, zero moments).
+    pub fn new(config: AdamWConfig) -> Self {
+        Self {
+            config,
+            step: 0,
+            state: BTreeMap::new(),
+        }
+    }
+
+    /// Number of updates applied so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// Applies one update with learning rate `lr` to every parameter of `model` that has an
+    /// accumulated gradient, and returns the updated model.
+    pub fn step<M: NamedParams>(&mut self, model: M, grads: GradAccumulator, lr: f64) -> M {
+        self.step += 1;
+        let mut names = HashMap::new();
+        model.visit_named(&mut |name, p| {
+            let id = match p {
+                ParamRef::R1(p) => p.id,
+                ParamRef::R2(p) => p.id,
+                ParamRef::R3(p) => p.id,
+            };
+            names.insert(id, name.to_string());
+        });
+        let c = self.config;
+        let t = self.step as i32;
+        let mut mapper = Update {
+            names,
+            grads: grads.grads,
+            state: &mut self.state,
+            lr,
+            weight_decay: c.weight_decay,
+            beta1: c.adam_beta1,
+            beta2: c.adam_beta2,
+            eps: c.adam_eps,
+            bias1: 1.0 - c.adam_beta1.powi(t),
+            bias2: 1.0 - c.adam_beta2.powi(t),
+        };
+        model.map(&mut mapper)
+    }
+
+    /// The state as named host tensors (`<param>.exp_avg`, `<param>.exp_avg_sq`) for
+    /// checkpoints.
+    pub fn state_tensors(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let mut out = Vec::with_capacity(self.state.len() * 2);
+        for (name, s) in &self.state {
+            for (suffix, t) in [("exp_avg", &s.m), ("exp_avg_sq", &s.v)] {
+                let values = t.clone().into_data().convert::<f32>().try_to_vec::<f32>();
+                let values = values.unwrap_or_default();
+                out.push((format!("{name}.{suffix}"), vec![values.len()], values));
+            }
+        }
+        out
+    }
+
+    /// Restores state saved by [`AdamW::state_tensors`] at optimizer step `step`.
+    pub fn load_state(
+        &mut self,
+        step: u64,
+        tensors: BTreeMap<String, Vec<f32>>,
+        device: &Device,
+    ) -> Result<()> {
+        let mut state = BTreeMap::new();
+        let mut tensors = tensors;
+        let names: Vec<String> = tensors
+            .keys()
+            .filter_map(|k| k.strip_suffix(".exp_avg").map(str::to_string))
+            .collect();
+        for name in names {
+            let m = tensors.remove(&format!("{name}.exp_avg"));
+            let v = tensors.remove(&format!("{name}.exp_avg_sq"));
+            let (Some(m), Some(v)) = (m, v) else {
+                return Err(Error::checkpoint(
+                    "optimizer.safetensors",
+                    format!("{name}: exp_avg without exp_avg_sq"),
+                ));
+            };
+            if m.len() != v.len() {
+                return Err(Error::checkpoint(
+                    "optimizer.safetensors",
+                    format!("{name}: moments of different sizes"),
+                ));
+            }
+            let n = m.len();
+            state.insert(
+                name,
+                Moments {
+                    m: Tensor::from_data(TensorData::new(m, [n]), device),
+                    v: Tensor::from_data(TensorData::new(v, [n]), device),
+                },
+            );
+        }
+        if let Some(extra) = tensors.keys().next() {
+            return Err(Error::checkpoint(
+                "optimizer.safetensors",
+                format!("unexpected tensor {extra}"),
+            ));
+        }
+        self.state = state;
+        self.step = step;
+        Ok(())
+    }
+
+    /// Checks that every stored moment matches a parameter of `model` by name and size.
+    pub fn check_against<M: NamedParams>(&self, model: &M) -> Result<()> {
+        let mut sizes = HashMap::new();
+        model.visit_named(&mut |name, p| {
+            sizes.insert(name.to_string(), p.shape().iter().product::<usize>());
+        });
+        for (name, s) in &self.state {
+            match sizes.get(name) {
+                None => {
+                    return Err(Error::checkpoint(
+                        "optimizer.safetensors",
+                        format!("state for unknown parameter {name}"),
+                    ));
+                }
+                Some(&n) if n != s.m.dims()[0] => {
+                    return Err(Error::checkpoint(
+                        "optimizer.safetensors",
+                        format!(
+                            "state of {name} has {} values, the parameter {n}",
+                            s.m.dims()[0]
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Update<'a> {
+    names: HashMap<ParamId, String>,
+    grads: BTreeMap<String, Tensor<1>>,
+    state: &'a mut BTreeMap<String, Moments>,
+    lr: f64,
+    weight_decay: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    bias1: f64,
+    bias2: f64,
+}
+
+impl ModuleMapper for Update<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(name) = self.names.get(&param.id) else {
+            return param;
+        };
+        let Some(g) = self.grads.remove(name) else {
+            return param;
+        };
+        let (id, value, mapper) = param.consume();
+        let dims = value.dims();
+        let autodiff = value.is_autodiff();
+        let p = flat(value.inner());
+        let device = p.device();
+        let moments = self.state.entry(name.clone()).or_insert_with(|| Moments {
+            m: Tensor::zeros(g.dims(), &device),
+            v: Tensor::zeros(g.dims(), &device),
+        });
+        let m = moments.m.clone() * self.beta1 + g.clone() * (1.0 - self.beta1);
+        let v = moments.v.clone() * self.beta2 + g.powi_scalar(2) * (1.0 - self.beta2);
+        moments.m = m.clone();
+        moments.v = v.clone();
+        let p = if self.weight_decay != 0.0 {
+            p * (1.0 - self.lr * self.weight_decay)
+        } else {
+            p
+        };
+        let denom = v.sqrt() / self.bias2.sqrt() + self.eps;
+        let p = p - m / denom * (self.lr / self.bias1);
+        let mut value = p.reshape(dims);
+        if autodiff {
+            value = Tensor::from_inner(value).require_grad();
+        }
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
