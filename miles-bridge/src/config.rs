@@ -403,6 +403,23 @@ impl ModelConfig {
         (0..self.num_hidden_layers).any(|l| self.is_moe_layer(l))
     }
 
+    /// The routing shape miles-r3 maps rollout routing onto (which layers are MoE, experts,
+    /// top-k), or `None` for a dense model.
+    pub fn moe_model(&self) -> Result<Option<miles_r3::MoeModel>, BridgeError> {
+        let layers: Vec<usize> = (0..self.num_hidden_layers)
+            .filter(|&l| self.is_moe_layer(l))
+            .collect();
+        if layers.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(miles_r3::MoeModel::new(
+            self.num_hidden_layers,
+            layers,
+            self.n_routed_experts,
+            self.num_experts_per_tok,
+        )?))
+    }
+
     /// Checks internal consistency.
     pub fn validate(&self) -> Result<(), BridgeError> {
         let positive = [

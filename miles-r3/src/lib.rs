@@ -1,57 +1,75 @@
-//! miles-r3: rollout routing replay (R3) for MoE training.
+//! miles-r3: rollout routing replay (R3) for MoE training (MILES_SPEC §4).
 //!
-//! This crate owns the **training side** of routing replay: the [`RouterHook`] trait that every
-//! MoE layer of `miles-bridge` calls to choose its experts, and the built-in
-//! [`Fallthrough`] hook (ordinary top-k routing). The record / replay state machine, the batch
-//! mapping of `RoutedExperts` tables and the flip-rate statistics (issue 7) build on this trait.
+//! This crate owns the **training side** of routing replay:
 //!
-//! The contract: an MoE layer computes its *selection scores* (for GLM-4-MoE the sigmoid
-//! scores plus `e_score_correction_bias`, with experts outside the kept groups already set to
-//! `-inf`; for Qwen3-MoE the softmax probabilities), hands them to the hook together with a
-//! [`MoeLayerInfo`], and receives the `[tokens, top_k]` expert indices to use. The layer then
-//! recomputes the gate weights from its own (un-biased) router scores at those indices, so the
-//! router keeps receiving gradients whichever hook chose the experts.
+//! * [`RouterHook`] — the trait every MoE layer of `miles-bridge` calls to choose its experts,
+//!   and [`Fallthrough`] (ordinary top-k routing).
+//! * Batch mapping — [`replay_table_for_batch`] maps each [`miles_core::Sample`]'s
+//!   `rollout_routed_experts` (`[tokens − 1, all layers, top_k]` int32, as SGLang returns it)
+//!   onto a padded or packed training batch ([`BatchLayout`]) and onto the model's MoE layers
+//!   ([`MoeModel`]; dense layers skipped), giving a compact [`ReplayTable`] (`u8` / `u16` ids,
+//!   `-1` padding on each sample's last token and on batch padding, as Miles pads). Missing
+//!   tables, row-count / layer / top-k mismatches and out-of-range ids are typed [`R3Error`]s.
+//! * The replay state machine — [`RoutingReplay`] with stages `fallthrough`, `record`,
+//!   `replay_forward`, `replay_backward` ([`ReplayStage`]), chosen per forward with
+//!   [`RoutingReplay::with_stage`], one micro-batch list and two cursors per MoE layer
+//!   (Miles' `RoutingReplayManager`).
+//! * Statistics — [`FlipStats`]: per-layer fraction of tokens whose expert set differs between
+//!   rollout and trainer, as `r3/flip_rate/layer_{i}` metrics.
+//!
+//! The hook contract: an MoE layer computes its *selection scores* (GLM-4-MoE: sigmoid scores
+//! plus `e_score_correction_bias`, experts outside the kept groups at `-inf`; Qwen3-MoE: the
+//! softmax probabilities), hands them to the hook with a [`MoeLayerInfo`] and receives the
+//! `[tokens, top_k]` expert ids to use. The layer then recomputes the gate weights from its
+//! own router scores at those ids (GLM: un-biased sigmoid, renormalised, times
+//! `routed_scaling_factor`; Qwen3-MoE: softmax, renormalised), so in replay the indices come
+//! from the rollout while the router still gets gradients — exactly Miles' replay routers.
+//!
+//! From engine output to trainer forward: the engine's `meta_info.routed_experts` decodes
+//! into `Sample::rollout_routed_experts` (miles-core); the trainer calls
+//! [`RoutingReplay::push_samples`] with the micro-batch's samples and layout and passes the
+//! replay as the model's router hook.
 //!
 //! ```
-//! use burn::tensor::{Device, Int, Tensor};
-//! use miles_r3::{Fallthrough, MoeLayerInfo, RouterHook};
+//! use burn::tensor::{Device, Tensor};
+//! use miles_core::{Prompt, RoutedExperts, Sample};
+//! use miles_r3::{BatchLayout, MoeLayerInfo, MoeModel, ReplayStage, RouterHook, RoutingReplay};
 //!
-//! let device = Device::flex();
-//! // Two tokens, four experts.
-//! let scores = Tensor::<2>::from_data([[0.1, 0.9, 0.3, 0.5], [0.7, 0.2, 0.8, 0.0]], &device);
+//! // Two layers: layer 0 dense, layer 1 MoE with 4 experts, top-2.
+//! let model = MoeModel::first_k_dense(2, 1, 4, 2)?;
+//! // A 3-token sample: 2 routed rows over both layers (dense entries are 0), as SGLang sends.
+//! let routed = RoutedExperts::new(2, 2, 2, vec![0, 0, 3, 1, 0, 0, 2, 0])?;
+//! let sample = Sample::builder(Prompt::Text("hi".into()))
+//!     .tokens(vec![5, 6, 7], 1)
+//!     .routed_experts(routed)
+//!     .build()?;
+//!
+//! let replay = RoutingReplay::new(model);
+//! replay.push_samples(&[sample], &BatchLayout::padded(1, 4))?;
+//!
+//! // The MoE layer's call during the trainer forward over that batch (4 positions).
 //! let layer = MoeLayerInfo { layer_index: 1, moe_index: 0, num_experts: 4, top_k: 2 };
-//! let experts: Tensor<2, Int> = Fallthrough.select_experts(&layer, scores).unwrap();
-//! let ids = experts.into_data().try_to_vec::<i32>().unwrap();
-//! assert_eq!(ids, vec![1, 3, 2, 0]); // best first
+//! let scores = Tensor::<2>::ones([4, 4], &Device::flex());
+//! let experts = replay.with_stage(ReplayStage::ReplayForward).select_experts(&layer, scores)?;
+//! let ids = experts.into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
+//! // Rollout rows, then the last token's and the padding's -1 rows spread as Miles does.
+//! assert_eq!(ids, vec![3, 1, 2, 0, 0, 1, 2, 3]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 use burn::tensor::{Int, Tensor};
 
-/// Errors of the routing-replay layer.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum R3Error {
-    /// The selection scores handed to a hook do not have the shape the layer announced.
-    #[error("layer {layer}: selection scores have shape {got:?}, expected [tokens, {num_experts}]")]
-    ScoreShape {
-        /// Model layer index.
-        layer: usize,
-        /// Number of routed experts of the layer.
-        num_experts: usize,
-        /// Shape that was received.
-        got: Vec<usize>,
-    },
-    /// `top_k` is zero or larger than the number of experts.
-    #[error("layer {layer}: top_k {top_k} is not in 1..={num_experts}")]
-    InvalidTopK {
-        /// Model layer index.
-        layer: usize,
-        /// Requested number of experts per token.
-        top_k: usize,
-        /// Number of routed experts of the layer.
-        num_experts: usize,
-    },
-}
+mod error;
+mod model;
+mod replay;
+mod stats;
+mod table;
+
+pub use error::R3Error;
+pub use model::MoeModel;
+pub use replay::{ReplayStage, RoutingReplay, StagedReplay};
+pub use stats::{FlipStats, LayerFlips};
+pub use table::{BatchLayout, BatchTokens, ReplayTable, replay_table_for_batch};
 
 /// What an MoE layer tells its [`RouterHook`] about itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,7 +1,8 @@
 //! Training-step throughput on flex (2 cores, f32): forward + backward + AdamW at batch
 //! 8 × 512 tokens, for the two models of the miles-bridge / miles-train issues:
 //! (a) GLM-4-MoE, 88 M parameters; (b) Qwen3-style dense, 25 M, tied embeddings.
-//! Also the cost of a weight export (HF-named host tensors, f32 and bf16).
+//! For the MoE model, also the same step with routing replay (R3) on, against replay off
+//! measured in the same run (target ≤ 5 % overhead). Also the cost of a weight export (HF-named host tensors, f32 and bf16).
 //!
 //! The baseline of each group is the PyTorch 2.15 CPU reference measured on our machine
 //! (transformers, 2 threads, same configs): 420 tokens/s for (a), 755 tokens/s for (b),
@@ -12,10 +13,12 @@
 
 use std::time::Instant;
 
+use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
-use miles_core::{PolicyTrainer, Reward, Sample};
+use miles_bridge::{CausalLm, FloatDtype, ModelConfig, ModelInput, ids_tensor};
+use miles_core::{PolicyTrainer, Reward, RoutedExperts, Sample};
 use miles_ops::advantages::AdvantageConfig;
+use miles_r3::Fallthrough;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 
 const BATCH: usize = 8;
@@ -84,10 +87,45 @@ fn line(id: &str, secs: &[f64]) {
     println!("{id:<40} time:   [{min:.4} s {mean:.4} s {max:.4} s]");
 }
 
-fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
-    let device = Device::flex().autodiff();
-    let model = CausalLm::init(&config, &device).expect("init");
-    let params = model.num_params();
+/// The model's own routing of every sample, as SGLang returns it (`[tokens − 1, layers,
+/// top_k]`, dense layers zero), so replay follows exactly what a rollout would record.
+fn attach_routing(model: &CausalLm, samples: &mut [Sample]) {
+    let layers = model.config.num_hidden_layers;
+    let top_k = model.config.num_experts_per_tok;
+    let inference = model.valid();
+    for s in samples {
+        let n = s.tokens.len();
+        let ids = ids_tensor(std::slice::from_ref(&s.tokens), &Device::flex()).expect("ids");
+        let out = inference
+            .forward(&ModelInput::new(ids), &Fallthrough)
+            .expect("forward");
+        let mut data = vec![0i32; (n - 1) * layers * top_k];
+        for r in &out.routing {
+            let ex: Vec<i64> = r
+                .experts
+                .clone()
+                .into_data()
+                .convert::<i64>()
+                .try_to_vec()
+                .expect("ids");
+            for row in 0..n - 1 {
+                for k in 0..top_k {
+                    data[(row * layers + r.layer_index) * top_k + k] = ex[row * top_k + k] as i32;
+                }
+            }
+        }
+        s.rollout_routed_experts =
+            Some(RoutedExperts::new(n - 1, layers, top_k, data).expect("routing"));
+    }
+}
+
+/// Mean step time of `iters` training steps after one warm-up.
+fn step_times(
+    model: CausalLm,
+    samples: &[Sample],
+    replay: bool,
+    iters: usize,
+) -> (Vec<f64>, Actor) {
     let cfg = TrainConfig {
         lr_schedule: LrSchedule {
             lr: 1e-5,
@@ -96,19 +134,32 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
         micro_batch_size: BATCH,
         layout: BatchLayout::Padded,
         advantage: AdvantageConfig::default().with_n_samples_per_prompt(2),
+        use_routing_replay: replay,
         ..TrainConfig::default()
     };
     let mut actor = Actor::new(model, cfg).expect("actor");
-    let samples = batch(config.vocab_size as u32);
-    let tokens = (BATCH * SEQ) as f64;
     let mut steps = Vec::new();
     for i in 0..=iters {
-        let m = actor.train(i as u64, &samples).expect("train");
+        let m = actor.train(i as u64, samples).expect("train");
         if i > 0 {
             // Warm-up excluded; the step time excludes the old-log-prob scoring pass.
             steps.push(m["perf/step_time"]);
         }
     }
+    (steps, actor)
+}
+
+fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
+    let device = Device::flex().autodiff();
+    let model = CausalLm::init(&config, &device).expect("init");
+    let params = model.num_params();
+    let mut samples = batch(config.vocab_size as u32);
+    let tokens = (BATCH * SEQ) as f64;
+    let moe = config.has_moe();
+    if moe {
+        attach_routing(&model, &mut samples);
+    }
+    let (steps, actor) = step_times(model.clone(), &samples, false, iters);
     let baseline = tokens / torch_tokens_per_s;
     line(&format!("train_step/{name}/baseline"), &[baseline]);
     line(&format!("train_step/{name}/ours"), &steps);
@@ -121,6 +172,21 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
         tokens / mean / torch_tokens_per_s,
         peak_rss_mib()
     );
+    if moe {
+        // R3: the same step with every MoE layer replaying the recorded routing.
+        let (replayed, _) = step_times(model, &samples, true, iters);
+        let mean_fall = steps.iter().sum::<f64>() / steps.len() as f64;
+        line(&format!("train_step_r3/{name}/baseline"), &steps);
+        line(&format!("train_step_r3/{name}/replay"), &replayed);
+        println!("xtask-target: train_step_r3/{name}/replay <= 1.05");
+        let mean_replay = replayed.iter().sum::<f64>() / replayed.len() as f64;
+        println!(
+            "# {name}: replay on {:.0} tokens/s, off {:.0} tokens/s (overhead {:+.1} %)",
+            tokens / mean_replay,
+            tokens / mean_fall,
+            100.0 * (mean_replay / mean_fall - 1.0)
+        );
+    }
     let mut export = Vec::new();
     for dtype in [FloatDtype::F32, FloatDtype::Bf16] {
         let t = Instant::now();

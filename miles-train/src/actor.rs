@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
+use burn::tensor::Int;
 use burn::tensor::{Device, Tensor, TensorData};
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{
@@ -14,9 +15,11 @@ use miles_core::{
 use miles_ops::advantages::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
 use miles_ops::kl::shaping_kl;
 use miles_ops::policy::{PolicyLoss, PolicyLossInput};
-use miles_r3::{Fallthrough, RouterHook};
+use miles_r3::{
+    Fallthrough, FlipStats, MoeLayerInfo, MoeModel, R3Error, ReplayStage, RouterHook, RoutingReplay,
+};
 
-use crate::batch::{TrainItem, plan_micro_batches, plan_steps};
+use crate::batch::{BatchLayout, TrainItem, plan_micro_batches, plan_steps};
 use crate::checkpoint;
 use crate::config::{LossType, TrainConfig};
 use crate::critic::Critic;
@@ -43,6 +46,7 @@ pub struct Actor {
     model: CausalLm,
     reference: Option<CausalLm>,
     critic: Option<Critic>,
+    moe: Option<MoeModel>,
     optimizer: AdamW,
     schedule: LrSchedule,
     loss: PolicyLoss,
@@ -63,11 +67,67 @@ impl std::fmt::Debug for Actor {
     }
 }
 
-/// The router hook of one forward pass over `items` (fallthrough routing unless routing
-/// replay is on).
-fn hook_for(config: &TrainConfig, items: &[&TrainItem]) -> Result<Box<dyn RouterHook>> {
-    let _ = (config, items);
-    Ok(Box::new(Fallthrough))
+/// A shared [`RoutingReplay`] handed to the model as its router hook, so its flip statistics
+/// can be read after the forward.
+struct SharedReplay(Arc<RoutingReplay>);
+
+impl RouterHook for SharedReplay {
+    fn select_experts(
+        &self,
+        layer: &MoeLayerInfo,
+        selection_scores: Tensor<2>,
+    ) -> std::result::Result<Tensor<2, Int>, R3Error> {
+        self.0.select_experts(layer, selection_scores)
+    }
+}
+
+/// The replay of one forward pass over `items` in `layout`: every sample's
+/// `rollout_routed_experts` mapped onto the batch and the model's MoE layers, in
+/// `replay_forward` stage.
+fn replay_for(
+    moe: &MoeModel,
+    items: &[&TrainItem],
+    layout: BatchLayout,
+) -> Result<Arc<RoutingReplay>> {
+    let samples: Vec<Sample> = items
+        .iter()
+        .map(|i| Sample {
+            tokens: i.tokens.clone(),
+            response_length: i.response_length,
+            rollout_routed_experts: i.routed_experts.clone(),
+            ..Sample::default()
+        })
+        .collect();
+    let n = samples.len();
+    let r3_layout = match layout {
+        BatchLayout::Packed => miles_r3::BatchLayout::packed(
+            vec![(0..n).collect()],
+            items.iter().map(|i| i.len()).sum(),
+        ),
+        BatchLayout::PerSample | BatchLayout::Padded => {
+            miles_r3::BatchLayout::padded(n, items.iter().map(|i| i.len()).max().unwrap_or(0))
+        }
+    };
+    let replay = RoutingReplay::new(moe.clone());
+    replay.push_samples(&samples, &r3_layout)?;
+    replay.set_stage(ReplayStage::ReplayForward)?;
+    Ok(Arc::new(replay))
+}
+
+/// The router hook of one forward pass over `items` (in `layout`): fallthrough routing, or
+/// the rollout's routing when `use_routing_replay` is on and the model has MoE layers.
+fn hook_for(
+    config: &TrainConfig,
+    moe: Option<&MoeModel>,
+    items: &[&TrainItem],
+    layout: BatchLayout,
+) -> Result<Box<dyn RouterHook>> {
+    match moe {
+        Some(moe) if config.use_routing_replay => {
+            Ok(Box::new(SharedReplay(replay_for(moe, items, layout)?)))
+        }
+        _ => Ok(Box::new(Fallthrough)),
+    }
 }
 
 impl Actor {
@@ -83,6 +143,7 @@ impl Actor {
             });
         }
         let reference = config.needs_ref().then(|| model.valid());
+        let moe = model.config.moe_model()?;
         Ok(Self {
             optimizer: AdamW::new(config.optimizer),
             schedule: config.lr_schedule.validate()?,
@@ -92,6 +153,7 @@ impl Actor {
             model,
             reference,
             critic: None,
+            moe,
             version: WeightVersion(0),
             rollouts_trained: 0,
             sink: None,
@@ -157,29 +219,46 @@ impl Actor {
         let scorer = self.model.valid();
         let mut old = Vec::with_capacity(n);
         let mut refs = Vec::new();
+        let mut flips = FlipStats::new();
         for (index, item) in items.iter().enumerate() {
-            let hook = hook_for(&self.config, &[item])?;
-            let score = |m: &CausalLm| {
-                score_log_probs(m, &item.tokens, item.response_length, &*hook, &fused).map_err(
-                    |e| match e {
+            let replay = match &self.moe {
+                Some(moe) if self.config.use_routing_replay => {
+                    let replay = replay_for(moe, &[item], BatchLayout::PerSample)?;
+                    replay.set_compare(true)?;
+                    Some(replay)
+                }
+                _ => None,
+            };
+            let hook: Box<dyn RouterHook> = match &replay {
+                Some(r) => Box::new(SharedReplay(Arc::clone(r))),
+                None => Box::new(Fallthrough),
+            };
+            let score = |m: &CausalLm, hook: &dyn RouterHook| {
+                score_log_probs(m, &item.tokens, item.response_length, hook, &fused).map_err(|e| {
+                    match e {
                         Error::Sample { reason, .. } => Error::Sample { index, reason },
                         other => other,
-                    },
-                )
+                    }
+                })
             };
             if policy {
-                old.push(score(&scorer)?);
+                old.push(score(&scorer, &*hook)?);
             } else {
                 old.push(vec![0.0; item.response_length]);
             }
+            if let Some(replay) = &replay {
+                flips.merge(&replay.take_flip_stats()?);
+            }
             if let Some(reference) = self.reference.as_ref().filter(|_| policy) {
-                refs.push(score(reference)?);
+                // The reference policy routes on its own (Miles: fallthrough stage).
+                refs.push(score(reference, &Fallthrough)?);
             }
         }
 
         // Critic values (ppo), then rewards → advantages, as Miles' actor computes them.
         let config = &self.config;
-        let item_hook = |item: &TrainItem| hook_for(config, &[item]);
+        let moe = self.moe.as_ref();
+        let item_hook = |item: &TrainItem| hook_for(config, moe, &[item], BatchLayout::PerSample);
         let values = match &self.critic {
             Some(critic) if policy && config.needs_critic() => {
                 Some(critic.values(items, &item_hook)?)
@@ -213,13 +292,14 @@ impl Actor {
             let critic_metrics = match (&mut self.critic, &values) {
                 (Some(critic), Some(values)) => {
                     let config = &self.config;
+                    let moe = self.moe.as_ref();
                     critic.train_step(
                         items,
                         step.clone(),
                         values,
                         &returns,
                         config,
-                        &|item: &TrainItem| hook_for(config, &[item]),
+                        &|item: &TrainItem| hook_for(config, moe, &[item], BatchLayout::PerSample),
                         &device,
                     )?
                 }
@@ -244,6 +324,8 @@ impl Actor {
         for (k, v) in sums {
             out.insert(k, v / steps.len() as f64);
         }
+        // Rollout-vs-trainer routing flips, measured on the old-log-prob pass (R3).
+        out.extend(flips.to_metrics());
         self.rollouts_trained += 1;
         self.version = self.version.next();
         if let Some(k) = self.config.ref_update_interval
@@ -375,7 +457,7 @@ impl Actor {
                 &self.model,
                 &refs_mb,
                 self.config.layout,
-                &mut |its| hook_for(&self.config, its),
+                &mut |its| hook_for(&self.config, self.moe.as_ref(), its, self.config.layout),
                 &self.config.fused,
             )?;
             let mask = pad2(refs_mb.iter().map(|i| i.loss_mask.as_slice()).collect());

@@ -493,3 +493,81 @@ fn frozen_parameters_do_not_move() {
     }
     assert!(moved > 10, "only {moved} tensors moved");
 }
+
+/// The fixture's own routing of `s` as SGLang returns it: `[tokens − 1, all layers, top_k]`
+/// (the dense layer 0 holds zeros, which replay skips).
+fn own_routing(m: &CausalLm, s: &Sample) -> miles_core::RoutedExperts {
+    use miles_bridge::{ModelInput, ids_tensor};
+    let n = s.tokens.len();
+    let ids = ids_tensor(std::slice::from_ref(&s.tokens), &Device::flex()).unwrap();
+    let out = m
+        .valid()
+        .forward(&ModelInput::new(ids), &Fallthrough)
+        .unwrap();
+    let layers = m.config.num_hidden_layers;
+    let top_k = m.config.num_experts_per_tok;
+    let mut data = vec![0i32; (n - 1) * layers * top_k];
+    for r in &out.routing {
+        let ex: Vec<i64> = r
+            .experts
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec()
+            .unwrap();
+        for row in 0..n - 1 {
+            for k in 0..top_k {
+                data[(row * layers + r.layer_index) * top_k + k] = ex[row * top_k + k] as i32;
+            }
+        }
+    }
+    miles_core::RoutedExperts::new(n - 1, layers, top_k, data).unwrap()
+}
+
+#[test]
+fn routing_replay_flows_from_samples_into_the_training_forward() {
+    let m = model();
+    let replay_cfg = TrainConfig {
+        use_routing_replay: true,
+        ..config()
+    };
+    // Replay on without recorded routing: a typed error, nothing trained.
+    let mut actor = Actor::new(model(), replay_cfg.clone()).unwrap();
+    let err = actor.train(0, &samples()).unwrap_err();
+    assert!(
+        err.to_string().contains("routing") || err.to_string().contains("rout"),
+        "{err}"
+    );
+    assert_eq!(actor.step_count(), 0);
+
+    // Replaying the model's own routing: no flip, and the step equals fallthrough training.
+    let mut batch = samples();
+    for s in &mut batch {
+        s.rollout_routed_experts = Some(own_routing(&m, s));
+    }
+    let mut replayed = Actor::new(model(), replay_cfg.clone()).unwrap();
+    let mr = replayed.train(0, &batch).unwrap();
+    assert_eq!(mr["r3/flip_rate"], 0.0);
+    let mut plain = Actor::new(model(), config()).unwrap();
+    let mp = plain.train(0, &batch).unwrap();
+    assert_eq!(mr["train/grad_norm"], mp["train/grad_norm"]);
+    assert_eq!(mr["train/pg_loss"], mp["train/pg_loss"]);
+
+    // A different recorded routing (every MoE token routed to experts {0, 1}): flips are
+    // reported, and the trainer's forward follows the recorded experts.
+    let mut forced = batch.clone();
+    for s in &mut forced {
+        let r = s.rollout_routed_experts.as_ref().unwrap();
+        let [rows, layers, top_k] = r.shape();
+        let mut data = Vec::with_capacity(rows * layers * top_k);
+        for _ in 0..rows * layers {
+            data.extend(0..top_k as i32);
+        }
+        s.rollout_routed_experts =
+            Some(miles_core::RoutedExperts::new(rows, layers, top_k, data).unwrap());
+    }
+    let mut actor = Actor::new(model(), replay_cfg).unwrap();
+    let mf = actor.train(0, &forced).unwrap();
+    assert!(mf["r3/flip_rate"] > 0.0, "{mf:?}");
+    assert_ne!(mf["train/grad_norm"], mp["train/grad_norm"]);
+}
