@@ -237,7 +237,17 @@ fn log_probs_are_batch_invariant_bit_for_bit() {
 
 #[test]
 fn rollout_log_probs_from_the_scoring_function_give_zero_mismatch() {
-    let m = model();
+    // MoE (glm4moe-tiny) and dense (qwen3-tiny) HF checkpoints.
+    let dense = fixture().join("../qwen3-tiny");
+    for m in [
+        model(),
+        CausalLm::from_pretrained(&dense, &Device::flex().autodiff()).unwrap(),
+    ] {
+        zero_mismatch(m);
+    }
+}
+
+fn zero_mismatch(m: CausalLm) {
     let mut batch = samples();
     for s in &mut batch {
         let lp = score_log_probs(
