@@ -13,8 +13,10 @@
 //! `∂hidden = (∂/∂z)·lm_head` and `∂lm_head = (∂/∂z)ᵀ·hidden`, accumulated per chunk.
 //!
 //! The operation is a burn backend extension ([`FusedLogProbOps`]) implemented for `Flex`
-//! (and, with the `wgpu` feature, the CubeCL backend) from plain backend ops, and for
-//! `Autodiff<B>` with the custom backward.
+//! from plain backend ops ([`forward_reference`] / [`backward_reference`], generic over any
+//! burn backend) and for `Autodiff<B>` with the custom backward. CubeCL backends are not
+//! registered yet (no kernel): on those devices [`FusedLogProbConfig::forward`] falls back to
+//! [`crate::logprobs::log_probs_and_entropy_plain`] (same values, full logits in memory).
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -113,6 +115,13 @@ impl FusedLogProbConfig {
                 vocab,
             });
         }
+        if !runs_fused(&hidden.device()) {
+            // No fused implementation registered for this backend yet: same results through
+            // the plain path (which materialises the logits).
+            return Ok(crate::logprobs::log_probs_and_entropy_plain(
+                hidden, lm_head, targets,
+            ));
+        }
         if tokens == 0 {
             let device = hidden.device();
             return Ok((Tensor::zeros([0], &device), Tensor::zeros([0], &device)));
@@ -131,6 +140,12 @@ impl FusedLogProbConfig {
     }
 }
 
+/// Whether [`FusedLogProbConfig::forward`] runs the fused op on `device` (flex, with or
+/// without autodiff) rather than falling back to the plain path.
+pub fn runs_fused(device: &burn::tensor::Device) -> bool {
+    device.clone().without_autodiff() == burn::tensor::Device::flex()
+}
+
 /// `(log_probs, entropy)` with the default chunk sizes; see [`FusedLogProbConfig::forward`].
 pub fn fused_log_probs_and_entropy(
     hidden: Tensor<2>,
@@ -142,7 +157,7 @@ pub fn fused_log_probs_and_entropy(
 
 /// Backend extension carrying the fused op. Output is `[tokens, 2]`: column 0 the target
 /// log-prob, column 1 the entropy.
-#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "wgpu"))]
+#[backend_extension(Flex, Autodiff)]
 pub trait FusedLogProbOps: Backend {
     /// Forward pass (no autodiff bookkeeping on plain backends).
     fn fused_log_prob_entropy(
@@ -155,19 +170,6 @@ pub trait FusedLogProbOps: Backend {
 }
 
 impl FusedLogProbOps for burn::backend::Flex {
-    fn fused_log_prob_entropy(
-        hidden: FloatTensor<Self>,
-        lm_head: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        token_chunk: usize,
-        vocab_chunk: usize,
-    ) -> FloatTensor<Self> {
-        forward_reference::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
-    }
-}
-
-#[cfg(feature = "wgpu")]
-impl FusedLogProbOps for burn::backend::Cube {
     fn fused_log_prob_entropy(
         hidden: FloatTensor<Self>,
         lm_head: FloatTensor<Self>,

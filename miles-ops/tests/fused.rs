@@ -221,3 +221,9 @@ fn fused_rejects_bad_input() {
         }
     ));
 }
+
+#[test]
+fn flex_devices_take_the_fused_path() {
+    assert!(miles_ops::fused::runs_fused(&Device::flex()));
+    assert!(miles_ops::fused::runs_fused(&Device::flex().autodiff()));
+}
