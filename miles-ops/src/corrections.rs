@@ -469,13 +469,11 @@ mod tests {
             },
             true,
         );
-        let m = rows(c.modified_mask);
+        let m = rows(c.modified_mask.clone());
         close(&m[0], &[0.0, 0.0, 0.0]);
         close(&m[1], &[1.0, 1.0, 1.0]);
-        close(
-            &rows(metric(&c, "rs_catastrophic_seq_fraction").clone())[0],
-            &[1.0; 3],
-        );
+        let fraction = rows(metric(&c, "rs_catastrophic_seq_fraction").clone());
+        close(&fraction[0], &[1.0; 3]);
     }
 
     #[test]
