@@ -362,3 +362,176 @@ fn mis(cfg: &MisConfig, raw: Tensor<2>, loss_mask: Tensor<2>, use_tis: bool) -> 
         metrics,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
+        let [b, n] = t.dims();
+        let v = t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+        (0..b).map(|i| v[i * n..(i + 1) * n].to_vec()).collect()
+    }
+
+    fn close(a: &[f32], b: &[f64]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((f64::from(*x) - y).abs() < 1e-5, "{a:?} vs {b:?}");
+        }
+    }
+
+    /// Two samples: train − rollout = [ln 3, ln 0.25, 0] and [0, 0, 0]; all tokens trainable.
+    fn run(cfg: MisConfig, use_tis: bool) -> Correction {
+        let d = Device::flex();
+        let train = Tensor::<2>::zeros([2, 3], &d);
+        let rollout =
+            Tensor::<2>::from_floats([[-(3f32.ln()), -(0.25f32.ln()), 0.0], [0.0, 0.0, 0.0]], &d);
+        let mask = Tensor::<2>::ones([2, 3], &d);
+        TisFunction::Mis(cfg).compute(train, rollout, mask, 0.0, 2.0, use_tis)
+    }
+
+    fn metric<'a>(c: &'a Correction, name: &str) -> &'a Tensor<2> {
+        &c.metrics.iter().find(|(n, _)| *n == name).unwrap().1
+    }
+
+    #[test]
+    fn mis_token_modes() {
+        let c = run(MisConfig::default(), true);
+        close(&rows(c.weights.clone().unwrap())[0], &[2.0, 0.25, 1.0]);
+        close(
+            &rows(metric(&c, "tis_truncate_fraction").clone())[0],
+            &[1.0, 0.0, 0.0],
+        );
+        close(&rows(c.modified_mask)[0], &[1.0, 1.0, 1.0]);
+
+        let c = run(
+            MisConfig {
+                tis_mode: IsMode::Clip,
+                ..Default::default()
+            },
+            true,
+        );
+        close(&rows(c.weights.unwrap())[0], &[2.0, 0.5, 1.0]);
+
+        let c = run(
+            MisConfig {
+                tis_mode: IsMode::Mask,
+                ..Default::default()
+            },
+            true,
+        );
+        close(&rows(c.weights.unwrap())[0], &[3.0, 0.25, 1.0]);
+        let m = rows(c.modified_mask);
+        close(&m[0], &[0.0, 0.0, 1.0]);
+        close(&m[1], &[1.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn mis_sequence_and_geometric_levels() {
+        // Σ log-ratio = ln 0.75; mean = ln(0.75) / 3.
+        let c = run(
+            MisConfig {
+                tis_level: IsLevel::Sequence,
+                ..Default::default()
+            },
+            true,
+        );
+        close(&rows(c.weights.unwrap())[0], &[0.75; 3]);
+        let c = run(
+            MisConfig {
+                tis_level: IsLevel::Geometric,
+                ..Default::default()
+            },
+            true,
+        );
+        close(&rows(c.weights.unwrap())[0], &[0.75f64.powf(1.0 / 3.0); 3]);
+    }
+
+    #[test]
+    fn mis_rejection_sampling_and_veto() {
+        // RS bounds default to the TIS bounds [0.5, 2]: tokens with ratio 3 and 0.25 drop.
+        let c = run(
+            MisConfig {
+                use_rs: true,
+                rs_veto_threshold: None,
+                ..Default::default()
+            },
+            true,
+        );
+        close(&rows(c.modified_mask)[0], &[0.0, 0.0, 1.0]);
+        // Veto: ratio 0.25 < 0.3 rejects the whole first sample, not the second.
+        let c = run(
+            MisConfig {
+                use_rs: true,
+                rs_veto_threshold: Some(0.3),
+                ..Default::default()
+            },
+            true,
+        );
+        let m = rows(c.modified_mask.clone());
+        close(&m[0], &[0.0, 0.0, 0.0]);
+        close(&m[1], &[1.0, 1.0, 1.0]);
+        let fraction = rows(metric(&c, "rs_catastrophic_seq_fraction").clone());
+        close(&fraction[0], &[1.0; 3]);
+    }
+
+    #[test]
+    fn mis_batch_normalisation_to_mean_one() {
+        // Token level: weights [2, 0.25, 1, 1, 1, 1], mean 6.25 / 6.
+        let c = run(
+            MisConfig {
+                tis_batch_normalize: true,
+                ..Default::default()
+            },
+            true,
+        );
+        let mean = 6.25 / 6.0;
+        let w = rows(c.weights.unwrap());
+        close(&w[0], &[2.0 / mean, 0.25 / mean, 1.0 / mean]);
+        close(&w[1], &[1.0 / mean; 3]);
+    }
+
+    #[test]
+    fn mis_without_use_tis_changes_nothing() {
+        let c = run(MisConfig::default(), false);
+        assert!(c.weights.is_none());
+        close(&rows(c.modified_mask)[0], &[1.0; 3]);
+    }
+
+    #[test]
+    fn mis_config_validation_and_serde_tags() {
+        assert!(
+            MisConfig {
+                tis_batch_normalize: true,
+                tis_level: IsLevel::Geometric,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            MisConfig {
+                tis_upper_bound: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        let f: TisFunction =
+            serde_json::from_str(r#"{"type":"mis","tis_mode":"mask","tis_level":"geometric"}"#)
+                .unwrap();
+        match f {
+            TisFunction::Mis(c) => {
+                assert_eq!(c.tis_mode, IsMode::Mask);
+                assert_eq!(c.tis_level, IsLevel::Geometric);
+                assert_eq!(c.tis_upper_bound, 2.0);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            serde_json::to_string(&TisFunction::VanillaTis).unwrap(),
+            r#"{"type":"vanilla_tis"}"#
+        );
+    }
+}

@@ -12,9 +12,15 @@
 //! `∂/∂z = g_lp·onehot(y) − p ⊙ (g_lp + g_H·(z − E))`, so
 //! `∂hidden = (∂/∂z)·lm_head` and `∂lm_head = (∂/∂z)ᵀ·hidden`, accumulated per chunk.
 //!
-//! The operation is a burn backend extension ([`FusedLogProbOps`]) implemented for `Flex`
-//! (and, with the `wgpu` feature, the CubeCL backend) from plain backend ops, and for
-//! `Autodiff<B>` with the custom backward.
+//! The operation is a burn backend extension ([`FusedLogProbOps`]): the chunk loops and the
+//! matmuls are shared ([`forward_chunked`] / [`backward_chunked`]); the two per-chunk steps
+//! (online log-sum-exp forward step, logits-gradient backward step) are backend methods —
+//! native row loops on `Flex`, CubeCL kernels under the `cubecl-kernels` feature
+//! (`src/kernels.rs`, not yet verified), each with a plain-op twin ([`logit_chunk_stats_reference`],
+//! [`logit_chunk_grad_reference`]; [`forward_reference`] / [`backward_reference`] run the
+//! whole op on them). `Autodiff<B>` gets the custom backward. On other backends
+//! [`FusedLogProbConfig::forward`] falls back to
+//! [`crate::logprobs::log_probs_and_entropy_plain`] (same values, full logits in memory).
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -23,7 +29,7 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{
-    Backend, Dispatch, Shape, Slice, TensorMetadata, backend_extension,
+    AutodiffBackend, Backend, Dispatch, Shape, Slice, TensorMetadata, backend_extension,
     tensor::{FloatTensor, IntTensor},
 };
 use burn::tensor::{IndexingUpdateOp, Int, Tensor};
@@ -113,6 +119,13 @@ impl FusedLogProbConfig {
                 vocab,
             });
         }
+        if !runs_fused(&hidden.device()) {
+            // No fused implementation registered for this backend yet: same results through
+            // the plain path (which materialises the logits).
+            return Ok(crate::logprobs::log_probs_and_entropy_plain(
+                hidden, lm_head, targets,
+            ));
+        }
         if tokens == 0 {
             let device = hidden.device();
             return Ok((Tensor::zeros([0], &device), Tensor::zeros([0], &device)));
@@ -131,6 +144,39 @@ impl FusedLogProbConfig {
     }
 }
 
+/// Whether [`FusedLogProbConfig::forward`] runs the fused op on `device` (flex, and the
+/// CubeCL devices when the `cubecl-kernels` feature is on; with or without autodiff) rather
+/// than falling back to the plain path.
+pub fn runs_fused(device: &burn::tensor::Device) -> bool {
+    let inner = device.clone().without_autodiff();
+    match inner.as_dispatch() {
+        burn::backend::DispatchDevice::Flex(_) => true,
+        #[cfg(feature = "cubecl-kernels")]
+        burn::backend::DispatchDevice::Cube(_) => true,
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
+}
+
+/// The forward step ([`FusedLogProbOps::logit_chunk_stats`]) on `logits`' device: folds a
+/// `[rows, cols]` logits chunk into the running `[rows, 3]` `(m, s, u)`; start from
+/// `(RUNNING_MAX_INIT, 0, 0)`. A constant on autodiff devices.
+pub fn logit_chunk_stats(logits: Tensor<2>, running: Tensor<2>) -> Tensor<2> {
+    Tensor::from_dispatch(<Dispatch as FusedLogProbOps>::logit_chunk_stats(
+        logits.into_dispatch(),
+        running.into_dispatch(),
+    ))
+}
+
+/// The backward step ([`FusedLogProbOps::logit_chunk_grad`]) on `logits`' device:
+/// `−p ⊙ (g_lp + g_H·(z − E))` from `[rows, 4]` `(lse, E, g_lp, g_H)`.
+pub fn logit_chunk_grad(logits: Tensor<2>, row_stats: Tensor<2>) -> Tensor<2> {
+    Tensor::from_dispatch(<Dispatch as FusedLogProbOps>::logit_chunk_grad(
+        logits.into_dispatch(),
+        row_stats.into_dispatch(),
+    ))
+}
+
 /// `(log_probs, entropy)` with the default chunk sizes; see [`FusedLogProbConfig::forward`].
 pub fn fused_log_probs_and_entropy(
     hidden: Tensor<2>,
@@ -140,9 +186,30 @@ pub fn fused_log_probs_and_entropy(
     FusedLogProbConfig::default().forward(hidden, lm_head, targets)
 }
 
-/// Backend extension carrying the fused op. Output is `[tokens, 2]`: column 0 the target
-/// log-prob, column 1 the entropy.
-#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "wgpu"))]
+/// Initial running maximum of the online log-sum-exp. Finite (WGSL has no `-inf` literal) and
+/// far below any real logit, so `exp(RUNNING_MAX_INIT − m)` is exactly 0.
+pub const RUNNING_MAX_INIT: f32 = -1.0e30;
+
+/// Backend extension carrying the fused op and its two per-chunk steps.
+///
+/// - [`fused_log_prob_entropy`](FusedLogProbOps::fused_log_prob_entropy): output `[tokens, 2]`,
+///   column 0 the target log-prob, column 1 the entropy.
+/// - [`logit_chunk_stats`](FusedLogProbOps::logit_chunk_stats): the forward step, folding one
+///   `[rows, cols]` logits chunk into the running `[rows, 3]` state `(m, s, u)` of the online
+///   log-sum-exp (`m` running max, `s = Σ exp(z − m)`, `u = Σ exp(z − m)·z`).
+/// - [`logit_chunk_grad`](FusedLogProbOps::logit_chunk_grad): the backward step, the logits
+///   gradient of one chunk without its one-hot part, `−p ⊙ (g_lp + g_H·(z − E))`, from the
+///   `[rows, 4]` per-row `(lse, E, g_lp, g_H)`.
+///
+/// Flex implements the steps with native row loops, CubeCL backends (feature
+/// `cubecl-kernels`) with kernels; [`logit_chunk_stats_reference`] / [`logit_chunk_grad_reference`] are
+/// the plain-op twins they are tested against. On autodiff devices the steps are constants
+/// (they are only called inside the fused op's own forward and backward).
+#[backend_extension(
+    Flex,
+    Cube: cfg(feature = "cubecl-kernels"),
+    Autodiff
+)]
 pub trait FusedLogProbOps: Backend {
     /// Forward pass (no autodiff bookkeeping on plain backends).
     fn fused_log_prob_entropy(
@@ -151,6 +218,20 @@ pub trait FusedLogProbOps: Backend {
         targets: IntTensor<Self>,
         token_chunk: usize,
         vocab_chunk: usize,
+    ) -> FloatTensor<Self>;
+
+    /// Forward step: `[rows, cols]` logits and `[rows, 3]` running `(m, s, u)` → updated
+    /// `[rows, 3]` state.
+    fn logit_chunk_stats(
+        logits: FloatTensor<Self>,
+        running: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Backward step: `[rows, cols]` logits and `[rows, 4]` `(lse, E, g_lp, g_H)` →
+    /// `[rows, cols]` gradient `−p ⊙ (g_lp + g_H·(z − E))`.
+    fn logit_chunk_grad(
+        logits: FloatTensor<Self>,
+        row_stats: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 }
 
@@ -162,20 +243,21 @@ impl FusedLogProbOps for burn::backend::Flex {
         token_chunk: usize,
         vocab_chunk: usize,
     ) -> FloatTensor<Self> {
-        forward_reference::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
+        forward_chunked::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
     }
-}
 
-#[cfg(feature = "wgpu")]
-impl FusedLogProbOps for burn::backend::Cube {
-    fn fused_log_prob_entropy(
-        hidden: FloatTensor<Self>,
-        lm_head: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        token_chunk: usize,
-        vocab_chunk: usize,
+    fn logit_chunk_stats(
+        logits: FloatTensor<Self>,
+        running: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        forward_reference::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
+        crate::flex_steps::logit_chunk_stats(logits, running)
+    }
+
+    fn logit_chunk_grad(
+        logits: FloatTensor<Self>,
+        row_stats: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        crate::flex_steps::logit_chunk_grad(logits, row_stats)
     }
 }
 
@@ -195,8 +277,51 @@ fn rows<B: Backend>(t: FloatTensor<B>, start: usize, end: usize) -> FloatTensor<
     B::float_slice(t, &[Slice::from(start..end), Slice::from(0..cols)])
 }
 
+fn cols<B: Backend>(t: FloatTensor<B>, start: usize, end: usize) -> FloatTensor<B> {
+    let rows = t.shape()[0];
+    B::float_slice(t, &[Slice::from(0..rows), Slice::from(start..end)])
+}
+
 fn expand<B: Backend>(t: FloatTensor<B>, shape: [usize; 2]) -> FloatTensor<B> {
     B::float_expand(t, Shape::from(shape))
+}
+
+/// Plain-op twin of [`FusedLogProbOps::logit_chunk_stats`]: folds `logits` (`[rows, cols]`)
+/// into the running `(m, s, u)` (`[rows, 3]`).
+pub fn logit_chunk_stats_reference<B: Backend>(
+    logits: FloatTensor<B>,
+    running: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let [n, v] = [logits.shape()[0], logits.shape()[1]];
+    let m = cols::<B>(running.clone(), 0, 1);
+    let s = cols::<B>(running.clone(), 1, 2);
+    let u = cols::<B>(running, 2, 3);
+    let chunk_max = B::float_max_dim(logits.clone(), 1);
+    let m_new = B::float_max_dim(B::float_cat(vec![m.clone(), chunk_max], 1), 1);
+    let e = B::float_exp(B::float_sub(
+        logits.clone(),
+        expand::<B>(m_new.clone(), [n, v]),
+    ));
+    let s_c = B::float_sum_dim(e.clone(), 1);
+    let u_c = B::float_sum_dim(B::float_mul(e, logits), 1);
+    let scale = B::float_exp(B::float_sub(m, m_new.clone()));
+    let s = B::float_add(B::float_mul(s, scale.clone()), s_c);
+    let u = B::float_add(B::float_mul(u, scale), u_c);
+    B::float_cat(vec![m_new, s, u], 1)
+}
+
+/// Plain-op twin of [`FusedLogProbOps::logit_chunk_grad`]: `−p ⊙ (g_lp + g_H·(z − E))` with
+/// `p = exp(z − lse)`, from `row_stats` `[rows, 4]` = `(lse, E, g_lp, g_H)`.
+pub fn logit_chunk_grad_reference<B: Backend>(
+    logits: FloatTensor<B>,
+    row_stats: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let shape = [logits.shape()[0], logits.shape()[1]];
+    let col = |i: usize| expand::<B>(cols::<B>(row_stats.clone(), i, i + 1), shape);
+    let p = B::float_exp(B::float_sub(logits.clone(), col(0)));
+    let centred = B::float_sub(logits, col(1));
+    let inner = B::float_add(B::float_mul(centred, col(3)), col(2));
+    B::float_neg(B::float_mul(p, inner))
 }
 
 /// Chunked forward from plain backend ops (the reference implementation).
@@ -207,8 +332,46 @@ pub fn forward_reference<B: Backend>(
     token_chunk: usize,
     vocab_chunk: usize,
 ) -> ForwardState<B> {
-    let [tokens, _h] = [hidden.shape()[0], hidden.shape()[1]];
+    forward_with::<B>(
+        hidden,
+        lm_head,
+        targets,
+        token_chunk,
+        vocab_chunk,
+        logit_chunk_stats_reference::<B>,
+    )
+}
+
+/// Chunked forward with the backend's own per-chunk step ([`FusedLogProbOps::logit_chunk_stats`]).
+pub fn forward_chunked<B: FusedLogProbOps>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    token_chunk: usize,
+    vocab_chunk: usize,
+) -> ForwardState<B> {
+    forward_with::<B>(
+        hidden,
+        lm_head,
+        targets,
+        token_chunk,
+        vocab_chunk,
+        B::logit_chunk_stats,
+    )
+}
+
+fn forward_with<B: Backend>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    token_chunk: usize,
+    vocab_chunk: usize,
+    step: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> ForwardState<B> {
+    let tokens = hidden.shape()[0];
     let vocab = lm_head.shape()[0];
+    let device = hidden.device();
+    let dtype = hidden.dtype();
     // Target logits z_y = <h_t, W[y_t]> without touching the rest of the vocabulary.
     let w_y = B::float_select(lm_head.clone(), 0, targets);
     let z_y = B::float_sum_dim(B::float_mul(hidden.clone(), w_y), 1);
@@ -219,36 +382,28 @@ pub fn forward_reference<B: Backend>(
         let t1 = (t0 + token_chunk).min(tokens);
         let n = t1 - t0;
         let h_c = rows::<B>(hidden.clone(), t0, t1);
-        // Online log-sum-exp: running max m, Σ exp(z − m), Σ exp(z − m)·z.
-        let mut state: Option<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> = None;
+        // Running (m, s, u) of the online log-sum-exp.
+        let mut state = B::float_cat(
+            vec![
+                B::float_full(
+                    Shape::from([n, 1]),
+                    RUNNING_MAX_INIT.into(),
+                    &device,
+                    dtype.into(),
+                ),
+                B::float_zeros(Shape::from([n, 2]), &device, dtype.into()),
+            ],
+            1,
+        );
         for v0 in (0..vocab).step_by(vocab_chunk) {
             let v1 = (v0 + vocab_chunk).min(vocab);
             let w_c = rows::<B>(lm_head.clone(), v0, v1);
             let z = B::float_matmul(h_c.clone(), B::float_transpose(w_c));
-            let chunk_max = B::float_max_dim(z.clone(), 1);
-            let m_new = match &state {
-                Some((m, _, _)) => B::float_max_dim(B::float_cat(vec![m.clone(), chunk_max], 1), 1),
-                None => chunk_max,
-            };
-            let e = B::float_exp(B::float_sub(
-                z.clone(),
-                expand::<B>(m_new.clone(), [n, v1 - v0]),
-            ));
-            let s_c = B::float_sum_dim(e.clone(), 1);
-            let u_c = B::float_sum_dim(B::float_mul(e, z), 1);
-            state = Some(match state {
-                Some((m, s, u)) => {
-                    let scale = B::float_exp(B::float_sub(m, m_new.clone()));
-                    (
-                        m_new,
-                        B::float_add(B::float_mul(s, scale.clone()), s_c),
-                        B::float_add(B::float_mul(u, scale), u_c),
-                    )
-                }
-                None => (m_new, s_c, u_c),
-            });
+            state = step(z, state);
         }
-        let (m, s, u) = state.expect("vocab is non-empty");
+        let m = cols::<B>(state.clone(), 0, 1);
+        let s = cols::<B>(state.clone(), 1, 2);
+        let u = cols::<B>(state, 2, 3);
         lse_chunks.push(B::float_add(m, B::float_log(s.clone())));
         ez_chunks.push(B::float_div(u, s));
     }
@@ -276,37 +431,69 @@ pub fn backward_reference<B: Backend>(
     token_chunk: usize,
     vocab_chunk: usize,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
+    backward_with::<B>(
+        hidden,
+        lm_head,
+        targets,
+        [lse, expected_logit, grad],
+        token_chunk,
+        vocab_chunk,
+        logit_chunk_grad_reference::<B>,
+    )
+}
+
+/// Chunked backward with the backend's own per-chunk step ([`FusedLogProbOps::logit_chunk_grad`]).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_chunked<B: FusedLogProbOps>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    lse: FloatTensor<B>,
+    expected_logit: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    token_chunk: usize,
+    vocab_chunk: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    backward_with::<B>(
+        hidden,
+        lm_head,
+        targets,
+        [lse, expected_logit, grad],
+        token_chunk,
+        vocab_chunk,
+        B::logit_chunk_grad,
+    )
+}
+
+fn backward_with<B: Backend>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    [lse, expected_logit, grad]: [FloatTensor<B>; 3],
+    token_chunk: usize,
+    vocab_chunk: usize,
+    step: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
     let tokens = hidden.shape()[0];
     let h = hidden.shape()[1];
     let vocab = lm_head.shape()[0];
-    let g_lp = B::float_slice(grad.clone(), &[Slice::from(0..tokens), Slice::from(0..1)]);
-    let g_ent = B::float_slice(grad, &[Slice::from(0..tokens), Slice::from(1..2)]);
+    let g_lp = cols::<B>(grad.clone(), 0, 1);
+    // Per-token (lse, E, g_lp, g_H).
+    let row_stats = B::float_cat(vec![lse, expected_logit, grad], 1);
 
     let mut d_hidden_chunks = Vec::new();
     let mut d_head_chunks: Vec<Option<FloatTensor<B>>> =
         (0..vocab.div_ceil(vocab_chunk)).map(|_| None).collect();
     for t0 in (0..tokens).step_by(token_chunk) {
         let t1 = (t0 + token_chunk).min(tokens);
-        let n = t1 - t0;
         let h_c = rows::<B>(hidden.clone(), t0, t1);
-        let lse_c = rows::<B>(lse.clone(), t0, t1);
-        let ez_c = rows::<B>(expected_logit.clone(), t0, t1);
-        let glp_c = rows::<B>(g_lp.clone(), t0, t1);
-        let gent_c = rows::<B>(g_ent.clone(), t0, t1);
+        let stats_c = rows::<B>(row_stats.clone(), t0, t1);
         let mut dh_c: Option<FloatTensor<B>> = None;
         for (k, v0) in (0..vocab).step_by(vocab_chunk).enumerate() {
             let v1 = (v0 + vocab_chunk).min(vocab);
-            let shape = [n, v1 - v0];
             let w_c = rows::<B>(lm_head.clone(), v0, v1);
             let z = B::float_matmul(h_c.clone(), B::float_transpose(w_c.clone()));
-            let p = B::float_exp(B::float_sub(z.clone(), expand::<B>(lse_c.clone(), shape)));
-            // coef = −p ⊙ (g_lp + g_H·(z − E))
-            let centred = B::float_sub(z, expand::<B>(ez_c.clone(), shape));
-            let inner = B::float_add(
-                B::float_mul(centred, expand::<B>(gent_c.clone(), shape)),
-                expand::<B>(glp_c.clone(), shape),
-            );
-            let coef = B::float_neg(B::float_mul(p, inner));
+            let coef = step(z, stats_c.clone());
             let dh = B::float_matmul(coef.clone(), w_c);
             dh_c = Some(match dh_c {
                 Some(acc) => B::float_add(acc, dh),
@@ -339,7 +526,7 @@ pub fn backward_reference<B: Backend>(
 #[derive(Debug)]
 struct FusedBackward;
 
-impl<B: Backend> Backward<B, 2> for FusedBackward {
+impl<B: FusedLogProbOps> Backward<B, 2> for FusedBackward {
     type State = (
         FloatTensor<B>,
         FloatTensor<B>,
@@ -355,7 +542,7 @@ impl<B: Backend> Backward<B, 2> for FusedBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (hidden, lm_head, targets, lse, ez, tc, vc) = ops.state;
         let (d_hidden, d_head) =
-            backward_reference::<B>(hidden, lm_head, targets, lse, ez, grad, tc, vc);
+            backward_chunked::<B>(hidden, lm_head, targets, lse, ez, grad, tc, vc);
         if let Some(node) = node_hidden {
             grads.register::<B>(node.id, d_hidden);
         }
@@ -382,7 +569,7 @@ impl<B: Backend + FusedLogProbOps, C: CheckpointStrategy> FusedLogProbOps for Au
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let fwd = forward_reference::<B>(
+                let fwd = forward_chunked::<B>(
                     hidden.clone(),
                     lm_head.clone(),
                     targets.clone(),
@@ -408,5 +595,26 @@ impl<B: Backend + FusedLogProbOps, C: CheckpointStrategy> FusedLogProbOps for Au
                 vocab_chunk,
             )),
         }
+    }
+
+    fn logit_chunk_stats(
+        logits: FloatTensor<Self>,
+        running: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        // A constant: only called inside the fused op's own passes.
+        <Self as AutodiffBackend>::from_inner(B::logit_chunk_stats(
+            logits.into_primitive(),
+            running.into_primitive(),
+        ))
+    }
+
+    fn logit_chunk_grad(
+        logits: FloatTensor<Self>,
+        row_stats: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::logit_chunk_grad(
+            logits.into_primitive(),
+            row_stats.into_primitive(),
+        ))
     }
 }

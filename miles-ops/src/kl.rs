@@ -148,3 +148,81 @@ pub fn shaping_kl(
         .map(|(&a, &b)| approx_kl_scalar(a, b, kl_type))
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    fn kl_tensor(lp: f32, base: f32, kind: KlLossType, ratio: Option<f32>) -> f32 {
+        let d = Device::flex();
+        let t = |x: f32| Tensor::<1>::from_floats([x], &d);
+        compute_approx_kl(t(lp), t(base), kind, ratio.map(t)).into_scalar::<f32>()
+    }
+
+    #[test]
+    fn estimators_hand_computed() {
+        // d = 0.5: k1 = 0.5, k2 = 0.125, k3 = e^−0.5 − 1 + 0.5.
+        let k3 = (-0.5f64).exp() - 0.5;
+        for (kind, expected) in [
+            (KlLossType::K1, 0.5),
+            (KlLossType::K2, 0.125),
+            (KlLossType::K3, k3),
+            (KlLossType::LowVarKl, k3),
+        ] {
+            let v = kl_tensor(-1.0, -1.5, kind, None);
+            assert!((f64::from(v) - expected).abs() < 1e-6, "{kind}: {v}");
+            let h = approx_kl_scalar(-1.0, -1.5, kind);
+            assert!((f64::from(h) - expected).abs() < 1e-6, "{kind} host: {h}");
+        }
+    }
+
+    #[test]
+    fn low_var_kl_clamps_like_miles() {
+        // d = −30: −d clamped to 20 → e^20 − 21 ≫ 10 → 10. d = +30: e^−20 + 19 → 10.
+        assert_eq!(kl_tensor(-31.0, -1.0, KlLossType::LowVarKl, None), 10.0);
+        assert_eq!(kl_tensor(29.0, -1.0, KlLossType::LowVarKl, None), 10.0);
+        assert_eq!(approx_kl_scalar(-31.0, -1.0, KlLossType::LowVarKl), 10.0);
+        // NaN log-ratio → 0; −inf log-prob → −d = +inf → 20 → clamped to 10.
+        assert_eq!(kl_tensor(f32::NAN, -1.0, KlLossType::LowVarKl, None), 0.0);
+        assert_eq!(
+            kl_tensor(f32::NEG_INFINITY, -1.0, KlLossType::LowVarKl, None),
+            10.0
+        );
+        // k3 is not clamped.
+        assert!(kl_tensor(-31.0, -1.0, KlLossType::K3, None) > 1e8);
+        // The unbiased importance ratio multiplies before the clamp.
+        let k3 = (-0.5f64).exp() - 0.5;
+        let v = kl_tensor(-1.0, -1.5, KlLossType::LowVarKl, Some(2.0));
+        assert!((f64::from(v) - 2.0 * k3).abs() < 1e-6);
+        assert_eq!(
+            kl_tensor(-31.0, -1.0, KlLossType::LowVarKl, Some(0.5)),
+            10.0
+        );
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for kind in [
+            KlLossType::K1,
+            KlLossType::K2,
+            KlLossType::K3,
+            KlLossType::LowVarKl,
+        ] {
+            assert_eq!(kind.as_str().parse::<KlLossType>().unwrap(), kind);
+            assert_eq!(
+                serde_json::to_string(&kind).unwrap(),
+                format!("\"{}\"", kind.as_str())
+            );
+        }
+        assert!("k4".parse::<KlLossType>().is_err());
+        assert_eq!(
+            shaping_kl(&[0.0], &[0.0, 1.0], KlLossType::K1),
+            Err(crate::OpsError::LengthMismatch {
+                what: "ref_log_probs",
+                expected: 1,
+                got: 2
+            })
+        );
+    }
+}

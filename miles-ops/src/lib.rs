@@ -15,6 +15,12 @@
 //! - [`logprobs`] and [`fused`]: per-token log-probs and entropy from logits, and the fused,
 //!   chunked version from hidden states and `lm_head` with a custom backward that never
 //!   materialises `[tokens, vocab]`.
+//! - [`clipped`]: the clipped policy-gradient loss as one fused op (forward and backward).
+//! - CubeCL kernels (feature `cubecl-kernels`, which implies `wgpu`): the per-chunk forward
+//!   and backward steps of [`fused`] and the [`clipped`] loss, registered as burn backend
+//!   extensions for `CubeBackend`; each has a plain-op `*_reference` twin they are tested
+//!   against (`tests/kernels.rs`). Not yet compiled or run: see the feature's note in
+//!   `Cargo.toml`.
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
 //!
@@ -51,10 +57,14 @@
 //! ```
 
 pub mod advantages;
+pub mod clipped;
 pub mod corrections;
 mod error;
+mod flex_steps;
 pub mod fused;
 pub mod kernel_device;
+#[cfg(feature = "cubecl-kernels")]
+mod kernels;
 pub mod kl;
 pub mod logprobs;
 pub mod policy;

@@ -249,6 +249,8 @@ fn sequence_mean(x: Tensor<2>, mask: Tensor<2>) -> Tensor<2> {
 /// Returns `(pg_losses, clipfrac)`: `ratio = exp(−ppo_kl)`, `L1 = −ratio·A`,
 /// `L2 = −clamp(ratio, 1−eps_clip, 1+eps_clip_high)·A`, `L = max(L1, L2)`,
 /// `clipfrac = [L2 > L1]`; with `eps_clip_c`, `L = min(L, −eps_clip_c·A)` where `A < 0`.
+/// Runs the fused op ([`crate::clipped::clipped_pg_loss`]: one pass each way, a CubeCL
+/// kernel on GPU backends) where it is registered, its plain-op twin elsewhere.
 pub fn compute_policy_loss<const D: usize>(
     ppo_kl: Tensor<D>,
     advantages: Tensor<D>,
@@ -256,20 +258,7 @@ pub fn compute_policy_loss<const D: usize>(
     eps_clip_high: f32,
     eps_clip_c: Option<f32>,
 ) -> (Tensor<D>, Tensor<D>) {
-    let ratio = ppo_kl.neg().exp();
-    let l1 = ratio.clone().neg() * advantages.clone();
-    let l2 = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high).neg() * advantages.clone();
-    let clipfrac = l2.clone().greater(l1.clone()).float();
-    let clipped = l1.max_pair(l2);
-    let losses = match eps_clip_c {
-        Some(c) => {
-            let l3 = advantages.clone().mul_scalar(-c);
-            let dual = clipped.clone().min_pair(l3);
-            clipped.mask_where(advantages.lower_elem(0.0), dual)
-        }
-        None => clipped,
-    };
-    (losses, clipfrac)
+    crate::clipped::clipped_pg_loss(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c)
 }
 
 impl PolicyLoss {

@@ -221,3 +221,51 @@ fn fused_rejects_bad_input() {
         }
     ));
 }
+
+#[test]
+fn flex_devices_take_the_fused_path() {
+    assert!(miles_ops::fused::runs_fused(&Device::flex()));
+    assert!(miles_ops::fused::runs_fused(&Device::flex().autodiff()));
+}
+
+#[test]
+fn flex_chunk_steps_match_their_references() {
+    use burn::backend::Dispatch;
+    use burn::tensor::TensorData;
+    use miles_ops::fused::{
+        RUNNING_MAX_INIT, logit_chunk_grad, logit_chunk_grad_reference, logit_chunk_stats,
+        logit_chunk_stats_reference,
+    };
+    let d = Device::flex();
+    let (rows, cols) = (5usize, 77usize);
+    let z = lcg(rows * cols, 9, 6.0);
+    let logits = || Tensor::<2>::from_data(TensorData::new(z.clone(), [rows, cols]), &d);
+    for state in [
+        [RUNNING_MAX_INIT, 0.0, 0.0],
+        [3.0, 2.5, -1.0],
+        [9.0, 1.0, 4.0],
+    ] {
+        let run: Vec<f32> = (0..rows).flat_map(|_| state).collect();
+        let running = || Tensor::<2>::from_data(TensorData::new(run.clone(), [rows, 3]), &d);
+        let native = to_vec(logit_chunk_stats(logits(), running()));
+        let reference = to_vec(Tensor::<2>::from_dispatch(logit_chunk_stats_reference::<
+            Dispatch,
+        >(
+            logits().into_dispatch(),
+            running().into_dispatch(),
+        )));
+        assert_rel_close("chunk stats", &native, &reference, 1e-6);
+    }
+    let stats: Vec<f32> = (0..rows)
+        .flat_map(|r| [7.0 + r as f32, 0.3, 0.8 - r as f32 * 0.3, -0.6])
+        .collect();
+    let stats = || Tensor::<2>::from_data(TensorData::new(stats.clone(), [rows, 4]), &d);
+    let native = to_vec(logit_chunk_grad(logits(), stats()));
+    let reference = to_vec(Tensor::<2>::from_dispatch(logit_chunk_grad_reference::<
+        Dispatch,
+    >(
+        logits().into_dispatch(),
+        stats().into_dispatch(),
+    )));
+    assert_rel_close("chunk grad", &native, &reference, 1e-6);
+}
