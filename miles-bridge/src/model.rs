@@ -567,7 +567,19 @@ impl CausalLm {
         let mut internal = TensorMap::new();
         let mut failure = None;
         self.visit_params(&mut |name, p| {
-            let data = p.to_data();
+            let data = p.to_data().convert::<f32>();
+            if dtype == FloatDtype::F32 && cfg!(target_endian = "little") {
+                // f32 on a little-endian host: the tensor's bytes are already the file's.
+                internal.insert(
+                    name.to_string(),
+                    HostTensor {
+                        dtype,
+                        shape: data.shape().to_vec(),
+                        bytes: data.as_bytes().to_vec(),
+                    },
+                );
+                return;
+            }
             match data.try_to_vec::<f32>() {
                 Ok(values) => {
                     let host = HostTensor::from_f32(data.shape().to_vec(), &values);
