@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Int;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{
     DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, TensorBytes, WeightVersion,
@@ -19,7 +19,9 @@ use miles_r3::{
     Fallthrough, FlipStats, MoeLayerInfo, MoeModel, R3Error, ReplayStage, RouterHook, RoutingReplay,
 };
 
-use crate::batch::{BatchLayout, TrainItem, plan_micro_batches, plan_steps};
+use crate::batch::{
+    BatchLayout, TrainItem, micro_batches_of, pad_rows, plan_steps, step_normalizer,
+};
 use crate::checkpoint;
 use crate::config::{LossType, TrainConfig};
 use crate::critic::Critic;
@@ -422,22 +424,8 @@ impl Actor {
     ) -> Result<StepReport> {
         let step_items = &items[range.clone()];
         let per_token = self.config.policy_loss.calculate_per_token_loss;
-        let normalizer = if per_token {
-            step_items
-                .iter()
-                .map(|i| i.loss_mask.iter().sum::<f32>())
-                .sum::<f32>()
-                .max(1.0)
-        } else {
-            step_items.len() as f32
-        };
-        let lengths: Vec<usize> = step_items.iter().map(TrainItem::len).collect();
-        let budget = self
-            .config
-            .use_dynamic_batch_size
-            .then_some(self.config.max_tokens_per_gpu)
-            .flatten();
-        let micro = plan_micro_batches(&lengths, self.config.micro_batch_size, budget);
+        let normalizer = step_normalizer(step_items, per_token);
+        let micro = micro_batches_of(&self.config, step_items);
         let mut acc = GradAccumulator::new();
         let mut metric_sums: BTreeMap<String, f64> = BTreeMap::new();
         let step_no = self.optimizer.step_count() + 1;
@@ -445,14 +433,7 @@ impl Actor {
             let idx: Vec<usize> = mb.clone().map(|i| range.start + i).collect();
             let refs_mb: Vec<&TrainItem> = idx.iter().map(|&i| &items[i]).collect();
             let max_r = refs_mb.iter().map(|i| i.response_length).max().unwrap_or(0);
-            let pad2 = |rows: Vec<&[f32]>| {
-                let mut flat = Vec::with_capacity(rows.len() * max_r);
-                for r in &rows {
-                    flat.extend_from_slice(r);
-                    flat.extend(std::iter::repeat_n(0.0, max_r - r.len()));
-                }
-                Tensor::<2>::from_data(TensorData::new(flat, [rows.len(), max_r]), device)
-            };
+            let pad2 = |rows: Vec<&[f32]>| pad_rows(&rows, max_r, device);
             let scored = score_batch(
                 &self.model,
                 &refs_mb,

@@ -2,10 +2,11 @@
 
 use std::ops::Range;
 
+use burn::tensor::{Device, Tensor, TensorData};
 use miles_core::{RoutedExperts, Sample};
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result};
+use crate::{Error, Result, TrainConfig};
 
 /// How the samples of one micro-batch are laid out for the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -191,6 +192,52 @@ pub fn plan_micro_batches(
         out.push(start..lengths.len());
     }
     out
+}
+
+/// Divisor of one optimizer step's loss: its sample count (per-sample mode) or its number of
+/// trainable tokens (`calculate_per_token_loss`).
+pub(crate) fn step_normalizer(items: &[TrainItem], per_token: bool) -> f32 {
+    if per_token {
+        items
+            .iter()
+            .map(|i| i.loss_mask.iter().sum::<f32>())
+            .sum::<f32>()
+            .max(1.0)
+    } else {
+        items.len() as f32
+    }
+}
+
+/// The micro-batches of one step's `items` under `config` (fixed size or token budget).
+pub(crate) fn micro_batches_of(config: &TrainConfig, items: &[TrainItem]) -> Vec<Range<usize>> {
+    let lengths: Vec<usize> = items.iter().map(TrainItem::len).collect();
+    let budget = config
+        .use_dynamic_batch_size
+        .then_some(config.max_tokens_per_gpu)
+        .flatten();
+    plan_micro_batches(&lengths, config.micro_batch_size, budget)
+}
+
+/// Host rows right-padded with zeros to `width`, as a `[rows, width]` tensor.
+pub(crate) fn pad_rows(rows: &[&[f32]], width: usize, device: &Device) -> Tensor<2> {
+    let mut flat = Vec::with_capacity(rows.len() * width);
+    for r in rows {
+        flat.extend_from_slice(r);
+        flat.extend(std::iter::repeat_n(0.0, width - r.len()));
+    }
+    Tensor::from_data(TensorData::new(flat, [rows.len(), width]), device)
+}
+
+/// A device vector right-padded with zeros to `width`, as a `[1, width]` row.
+pub(crate) fn pad_row(t: Tensor<1>, width: usize) -> Tensor<2> {
+    let n = t.dims()[0];
+    let t = if n < width {
+        let device = t.device();
+        Tensor::cat(vec![t, Tensor::zeros([width - n], &device)], 0)
+    } else {
+        t
+    };
+    t.reshape([1, width])
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use miles_ops::policy::value_loss;
 use miles_ops::reduce::{LossAggregation, Reducer};
 use miles_r3::RouterHook;
 
-use crate::batch::{TrainItem, plan_micro_batches};
+use crate::batch::{TrainItem, micro_batches_of, pad_row, pad_rows, step_normalizer};
 use crate::optim::{AdamW, GradAccumulator, NamedParams};
 use crate::{Error, LrSchedule, Result, TrainConfig};
 
@@ -157,55 +157,29 @@ impl Critic {
     ) -> Result<BTreeMap<String, f64>> {
         let step_items = &items[range.clone()];
         let per_token = config.policy_loss.calculate_per_token_loss;
-        let normalizer = if per_token {
-            step_items
-                .iter()
-                .map(|i| i.loss_mask.iter().sum::<f32>())
-                .sum::<f32>()
-                .max(1.0)
-        } else {
-            step_items.len() as f32
-        };
+        let normalizer = step_normalizer(step_items, per_token);
         let aggregation = if per_token {
             LossAggregation::PerToken
         } else {
             LossAggregation::SampleMean
         };
-        let lengths: Vec<usize> = step_items.iter().map(TrainItem::len).collect();
-        let budget = config
-            .use_dynamic_batch_size
-            .then_some(config.max_tokens_per_gpu)
-            .flatten();
         let mut acc = GradAccumulator::new();
         let mut loss_sum = 0.0;
         let mut clip_sum = 0.0;
-        for mb in plan_micro_batches(&lengths, config.micro_batch_size, budget) {
+        for mb in micro_batches_of(config, step_items) {
             let idx: Vec<usize> = mb.map(|i| range.start + i).collect();
             let max_r = idx
                 .iter()
                 .map(|&i| items[i].response_length)
                 .max()
                 .unwrap_or(0);
-            let pad = |rows: Vec<&[f32]>| {
-                let mut flat = Vec::with_capacity(rows.len() * max_r);
-                for r in &rows {
-                    flat.extend_from_slice(r);
-                    flat.extend(std::iter::repeat_n(0.0, max_r - r.len()));
-                }
-                Tensor::<2>::from_data(TensorData::new(flat, [rows.len(), max_r]), device)
-            };
+            let pad = |rows: Vec<&[f32]>| pad_rows(&rows, max_r, device);
             let mut rows = Vec::with_capacity(idx.len());
             for &i in &idx {
                 let item = &items[i];
                 let h = hook(item)?;
                 let v = self.model.values(&item.tokens, item.response_length, &*h)?;
-                let r = item.response_length;
-                let v = if r < max_r {
-                    Tensor::cat(vec![v, Tensor::zeros([max_r - r], device)], 0)
-                } else {
-                    v
-                };
-                rows.push(v.reshape([1, max_r]));
+                rows.push(pad_row(v, max_r));
             }
             let values = Tensor::cat(rows, 0);
             let mask = pad(idx.iter().map(|&i| items[i].loss_mask.as_slice()).collect());

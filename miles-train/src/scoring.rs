@@ -7,7 +7,7 @@ use miles_bridge::{CausalLm, ModelInput, MoeRouting};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::RouterHook;
 
-use crate::batch::{BatchLayout, TrainItem};
+use crate::batch::{BatchLayout, TrainItem, pad_row};
 use crate::{Error, Result};
 
 /// Supplies the router hook of each forward pass (see [`score_batch`]).
@@ -167,21 +167,12 @@ pub fn score_batch(
             }
         }
     }
-    let pad = |t: Tensor<1>| {
-        let r = t.dims()[0];
-        let t = if r < max_r {
-            Tensor::cat(vec![t, Tensor::zeros([max_r - r], &device)], 0)
-        } else {
-            t
-        };
-        t.reshape([1, max_r])
-    };
     let mut lps = Vec::with_capacity(items.len());
     let mut ents = Vec::with_capacity(items.len());
     let mut valid = Vec::with_capacity(items.len() * max_r);
     for ((lp, ent), item) in per_sample.into_iter().zip(items) {
-        lps.push(pad(lp));
-        ents.push(pad(ent));
+        lps.push(pad_row(lp, max_r));
+        ents.push(pad_row(ent, max_r));
         valid.extend((0..max_r).map(|j| {
             if j < item.response_length {
                 1.0f32
