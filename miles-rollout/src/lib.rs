@@ -8,6 +8,10 @@
 //! miles-train.
 //!
 //! Available now:
+//! * [`engine`]: the [`EmbeddedEngine`] — continuous batching over any miles-bridge model,
+//!   per-sequence KV caches under a token budget, prefix reuse, seeded sampling, log-probs
+//!   (recomputed by a pluggable [`SequenceScorer`]), routed experts, pause / abort / flush and
+//!   versioned in-place weight updates;
 //! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
 //!   of returned groups;
 //! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
@@ -45,12 +49,19 @@
 //! ```
 
 pub mod data;
+pub mod encoder;
+pub mod engine;
 pub mod error;
 pub mod loops;
 pub mod manager;
 pub mod reward;
 pub mod router;
 
+pub use engine::{
+    Detokenizer, EmbeddedEngine, EngineBuilder, EngineConfig, EngineStats, PrefillScorer,
+    SequenceScorer,
+};
+pub use encoder::ChatPromptEncoder;
 pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use error::{Error, Result};
 pub use loops::{
