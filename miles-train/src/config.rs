@@ -110,7 +110,8 @@ pub struct TrainConfig {
     /// `--exclude-modules`: comma-separated module names / suffixes never adapted.
     pub exclude_modules: Option<String>,
     /// `--lora-adapter-path`: start from this PEFT adapter directory instead of fresh adapters
-    /// (its rank must equal `lora_rank`).
+    /// (its rank must equal `lora_rank`; its alpha and target modules come from its
+    /// `adapter_config.json`).
     pub lora_adapter_path: Option<PathBuf>,
     /// How adapted layers compute their forward (not a Miles flag): `merged` (default; the
     /// exported merged weights reproduce the trainer's log-probs bit for bit) or `factored`
