@@ -15,6 +15,9 @@
 //! - import of HF safetensors (single file or sharded, f32 / bf16 / f16) and export to
 //!   HF-named safetensors in a chosen dtype, through one declarative name table
 //!   ([`names`]) that stacks / splits per-expert tensors;
+//! - LoRA ([`lora`]): adapters on the HF-layout linear layers and the routed experts,
+//!   attached by PEFT's `target_modules` rule, merged export for engines and PEFT adapter
+//!   import / export;
 //! - typed errors ([`BridgeError`]) naming the offending tensor or field.
 //!
 //! Parameters keep their HF names and HF `[out, in]` layouts, so export is the identity on
@@ -45,6 +48,7 @@
 pub mod checkpoint;
 mod config;
 mod error;
+pub mod lora;
 mod model;
 pub mod names;
 pub mod nn;
@@ -53,6 +57,7 @@ pub mod parallel;
 pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
 pub use config::{Architecture, Llama3RopeScaling, ModelConfig, RouterKind};
 pub use error::BridgeError;
+pub use lora::{ExpertLora, LoraAdapter, LoraConfig, LoraForward};
 pub use model::{
     CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, HiddenOutput, KvCache, ModelInput,
     ModelOutput, MoeBlock, MoeRouting, TopkRouter, ids_tensor, token_logprobs,

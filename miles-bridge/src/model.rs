@@ -31,6 +31,7 @@ use miles_r3::{MoeLayerInfo, RouterHook};
 
 use crate::checkpoint::{FloatDtype, HostTensor, TensorMap, read_checkpoint_dir};
 use crate::config::{Architecture, RouterKind};
+use crate::lora::{ExpertLora, LoraConfig};
 use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
 use crate::nn::{
     Attention, AttentionShape, Builder, Init, LayerCache, Linear, Mlp, ParamRef, ParamVisitor,
@@ -56,6 +57,36 @@ pub struct Experts {
     pub up_proj: Param<Tensor<3>>,
     /// `[E, hidden, moe_intermediate]`.
     pub down_proj: Param<Tensor<3>>,
+    /// Per-expert LoRA on `gate_proj`, if attached.
+    pub gate_proj_lora: Option<ExpertLora>,
+    /// Per-expert LoRA on `up_proj`, if attached.
+    pub up_proj_lora: Option<ExpertLora>,
+    /// Per-expert LoRA on `down_proj`, if attached.
+    pub down_proj_lora: Option<ExpertLora>,
+}
+
+impl Experts {
+    fn effective(weight: &Param<Tensor<3>>, lora: &Option<ExpertLora>) -> Tensor<3> {
+        match lora {
+            Some(lora) => weight.val() + lora.delta(),
+            None => weight.val(),
+        }
+    }
+
+    /// `gate_proj` stack with its adapter merged in, `[E, moe_intermediate, hidden]`.
+    pub fn effective_gate_proj(&self) -> Tensor<3> {
+        Self::effective(&self.gate_proj, &self.gate_proj_lora)
+    }
+
+    /// `up_proj` stack with its adapter merged in, `[E, moe_intermediate, hidden]`.
+    pub fn effective_up_proj(&self) -> Tensor<3> {
+        Self::effective(&self.up_proj, &self.up_proj_lora)
+    }
+
+    /// `down_proj` stack with its adapter merged in, `[E, hidden, moe_intermediate]`.
+    pub fn effective_down_proj(&self) -> Tensor<3> {
+        Self::effective(&self.down_proj, &self.down_proj_lora)
+    }
 }
 
 /// The MoE MLP of one layer: router, routed experts and shared experts.
@@ -175,21 +206,18 @@ impl MoeBlock {
         let [_, inter, _] = self.experts.gate_proj.val().dims();
         let gate_all = self
             .experts
-            .gate_proj
-            .val()
+            .effective_gate_proj()
             .reshape([experts * inter, hidden]);
         let up_all = self
             .experts
-            .up_proj
-            .val()
+            .effective_up_proj()
             .reshape([experts * inter, hidden]);
         let act =
             silu(x.clone().matmul(gate_all.transpose())) * x.clone().matmul(up_all.transpose());
         let act = act.reshape([tokens, experts, inter]) * combine.unsqueeze_dim(2);
         let down_all = self
             .experts
-            .down_proj
-            .val()
+            .effective_down_proj()
             .swap_dims(1, 2)
             .reshape([experts * inter, hidden]);
         let mut out = act.reshape([tokens, experts * inter]).matmul(down_all);
@@ -279,6 +307,9 @@ pub struct CausalLm {
     /// Hyper-parameters.
     #[module(skip)]
     pub config: ModelConfig,
+    /// The LoRA configuration when adapters are attached ([`CausalLm::with_lora`]).
+    #[module(skip)]
+    pub lora: Option<LoraConfig>,
 }
 
 /// Input of one forward pass over a padded or packed batch.
@@ -643,6 +674,9 @@ impl CausalLm {
                     gate_proj: stack(&mut b, 0, [e, i, h])?,
                     up_proj: stack(&mut b, 1, [e, i, h])?,
                     down_proj: stack(&mut b, 2, [e, h, i])?,
+                    gate_proj_lora: None,
+                    up_proj_lora: None,
+                    down_proj_lora: None,
                 };
                 let shared_experts = if c.n_shared_experts > 0 {
                     Some(Mlp::build(
@@ -704,6 +738,7 @@ impl CausalLm {
             },
             lm_head,
             config: c.clone(),
+            lora: None,
         })
     }
 
@@ -745,7 +780,8 @@ impl CausalLm {
         Self::from_hf_tensors(&config, tensors, device)
     }
 
-    /// Calls `f(our name, parameter)` for every parameter, in a fixed order.
+    /// Calls `f(our name, parameter)` for every base parameter (the HF checkpoint's), in a
+    /// fixed order; LoRA adapters are visited by [`CausalLm::visit_lora_params`].
     pub fn visit_params(&self, f: &mut ParamVisitor<'_>) {
         f(
             "model.embed_tokens.weight",
@@ -778,7 +814,8 @@ impl CausalLm {
         n
     }
 
-    /// All weights as HF-named host tensors (per-expert keys), stored in `dtype`.
+    /// All base weights as HF-named host tensors (per-expert keys), stored in `dtype`; LoRA
+    /// adapters are not merged in (see [`CausalLm::to_hf_tensors_merged`]).
     pub fn to_hf_tensors(&self, dtype: FloatDtype) -> Result<TensorMap, BridgeError> {
         let mut internal = TensorMap::new();
         let mut failure = None;
@@ -910,11 +947,11 @@ impl CausalLm {
         self.run_hidden(input, None, hook)
     }
 
-    /// The output projection `[vocab, hidden]`: `lm_head.weight`, or the embedding matrix when
-    /// the embeddings are tied.
+    /// The output projection `[vocab, hidden]`: `lm_head.weight` (with its LoRA adapter merged
+    /// in, if any), or the embedding matrix when the embeddings are tied.
     pub fn lm_head_weight(&self) -> Tensor<2> {
         match &self.lm_head {
-            Some(head) => head.weight.val(),
+            Some(head) => head.effective_weight(),
             None => self.model.embed_tokens.val(),
         }
     }

@@ -9,6 +9,7 @@ use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 
 use crate::BridgeError;
 use crate::checkpoint::TensorMap;
+use crate::lora::{LoraAdapter, LoraForward};
 
 /// Value used for masked attention scores (finite, so fully masked padding rows stay NaN-free).
 const MASKED: f32 = -1.0e30;
@@ -118,13 +119,16 @@ impl ParamRef<'_> {
 /// Callback type of the parameter visitors: `(our parameter name, parameter)`.
 pub type ParamVisitor<'v> = dyn FnMut(&str, ParamRef<'_>) + 'v;
 
-/// `y = x W^T + b` with `W` in HF layout `[out, in]`.
+/// `y = x W^T + b` with `W` in HF layout `[out, in]`, optionally with a LoRA adapter
+/// (see [`crate::lora`]).
 #[derive(Module, Debug)]
 pub struct Linear {
     /// `[out, in]`.
     pub weight: Param<Tensor<2>>,
     /// `[out]`, if the layer has a bias.
     pub bias: Option<Param<Tensor<1>>>,
+    /// LoRA adapter, if attached ([`crate::CausalLm::with_lora`]).
+    pub lora: Option<LoraAdapter>,
 }
 
 impl Linear {
@@ -141,12 +145,32 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok(Self {
+            weight,
+            bias,
+            lora: None,
+        })
+    }
+
+    /// The weight the layer multiplies by: `W`, or `W + scaling·B·A` with an adapter (the
+    /// tensor [`crate::CausalLm::to_hf_tensors_merged`] exports).
+    pub fn effective_weight(&self) -> Tensor<2> {
+        match &self.lora {
+            Some(lora) => self.weight.val() + lora.delta(),
+            None => self.weight.val(),
+        }
     }
 
     /// Applies the layer to `[tokens, in]` rows.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let y = x.matmul(self.weight.val().transpose());
+        let y = match &self.lora {
+            Some(lora) if lora.mode == LoraForward::Factored => {
+                let low = x.clone().matmul(lora.lora_a.val().transpose());
+                x.matmul(self.weight.val().transpose())
+                    + low.matmul(lora.lora_b.val().transpose()) * lora.scaling
+            }
+            _ => x.matmul(self.effective_weight().transpose()),
+        };
         match &self.bias {
             Some(bias) => y + bias.val().unsqueeze_dim(0),
             None => y,

@@ -135,6 +135,11 @@ fn hook_for(
 impl Actor {
     /// Builds the actor. `model` must live on an autodiff device (`Device::flex().autodiff()`);
     /// the reference model (when the config needs one) is a frozen copy of it.
+    ///
+    /// With `lora_rank > 0` the adapters are attached here (fresh, or read from
+    /// `lora_adapter_path`) and every base weight is frozen; the reference model is then the
+    /// base model **without** adapters — equal to the initial policy, since fresh adapters
+    /// start with `B = 0`. A `model` that already carries adapters is trained as it is.
     pub fn new(model: CausalLm, config: TrainConfig) -> Result<Self> {
         config.validate()?;
         if !model.lm_head_weight().is_autodiff() {
@@ -145,6 +150,32 @@ impl Actor {
             });
         }
         let reference = config.needs_ref().then(|| model.valid());
+        let model = match config.lora_config() {
+            Some(_) if model.lora_config().is_some() => {
+                return Err(Error::Config {
+                    field: "lora_rank",
+                    value: config.lora_rank.to_string(),
+                    reason: "the model already carries LoRA adapters; set lora_rank = 0 to \
+                             train them as they are",
+                });
+            }
+            Some(lora) => match &config.lora_adapter_path {
+                Some(path) => {
+                    let model = model.load_lora_adapter(path, config.lora_forward)?;
+                    let r = model.lora_config().map_or(0, |c| c.r);
+                    if r != config.lora_rank {
+                        return Err(Error::Config {
+                            field: "lora_rank",
+                            value: config.lora_rank.to_string(),
+                            reason: "differs from the rank of lora_adapter_path's adapter",
+                        });
+                    }
+                    model
+                }
+                None => model.with_lora(&lora)?,
+            },
+            None => model,
+        };
         let moe = model.config.moe_model()?;
         Ok(Self {
             optimizer: AdamW::new(config.optimizer),
@@ -513,23 +544,32 @@ impl Actor {
         })
     }
 
-    /// The current weights as HF-named host tensors in `dtype`.
+    /// The current policy's weights as HF-named host tensors in `dtype` — with LoRA, the base
+    /// weights with every adapter merged in (`W + scaling·B·A`), so an engine that knows only
+    /// the base model's names samples from the trained policy.
     pub fn export(&self, dtype: FloatDtype) -> Result<NamedTensors> {
-        let tensors = self.model.to_hf_tensors(dtype)?;
-        let dt = match dtype {
-            FloatDtype::F32 => DType::F32,
-            FloatDtype::Bf16 => DType::BF16,
-            FloatDtype::F16 => DType::F16,
+        named_tensors(self.model.to_hf_tensors_merged(dtype)?, dtype)
+    }
+
+    /// The LoRA adapters as a PEFT adapter: tensors named
+    /// `base_model.model.<module>.lora_A.weight` / `lora_B.weight` in `dtype` and the
+    /// `adapter_config.json` value (`None` without LoRA). For engines that load adapters
+    /// (SGLang's `/load_lora_adapter_from_tensors`) instead of merged weights.
+    pub fn export_lora_adapter(
+        &self,
+        dtype: FloatDtype,
+    ) -> Result<Option<(NamedTensors, serde_json::Value)>> {
+        let Some(config) = self.model.peft_adapter_config() else {
+            return Ok(None);
         };
-        let mut out = NamedTensors::new();
-        for (name, t) in tensors {
-            let bytes = TensorBytes::new(dt, t.shape, t.bytes).map_err(|e| Error::Sample {
-                index: 0,
-                reason: format!("export of {name}: {e}"),
-            })?;
-            out.insert(name, bytes);
-        }
-        Ok(out)
+        let tensors = named_tensors(self.model.lora_to_peft_tensors(dtype)?, dtype)?;
+        Ok(Some((tensors, config)))
+    }
+
+    /// The reference model used for KL terms, if the config needs one (with LoRA: the base
+    /// model without adapters, until `ref_update_interval` copies the policy into it).
+    pub fn reference(&self) -> Option<&CausalLm> {
+        self.reference.as_ref()
     }
 
     pub(crate) fn parts(&self) -> (&CausalLm, &AdamW, WeightVersion, u64) {
@@ -557,6 +597,23 @@ impl Actor {
             self.reference = reference.or_else(|| self.reference.take());
         }
     }
+}
+
+fn named_tensors(tensors: miles_bridge::TensorMap, dtype: FloatDtype) -> Result<NamedTensors> {
+    let dt = match dtype {
+        FloatDtype::F32 => DType::F32,
+        FloatDtype::Bf16 => DType::BF16,
+        FloatDtype::F16 => DType::F16,
+    };
+    let mut out = NamedTensors::new();
+    for (name, t) in tensors {
+        let bytes = TensorBytes::new(dt, t.shape, t.bytes).map_err(|e| Error::Sample {
+            index: 0,
+            reason: format!("export of {name}: {e}"),
+        })?;
+        out.insert(name, bytes);
+    }
+    Ok(out)
 }
 
 impl PolicyTrainer for Actor {

@@ -4,7 +4,11 @@
 //! - `model/`: HF-named safetensors + `config.json` (loadable by `CausalLm::from_pretrained`
 //!   and by HF transformers);
 //! - `optimizer.safetensors`: AdamW moments (`<param>.exp_avg`, `<param>.exp_avg_sq`, f32);
-//! - `trainer_state.json`: format version, optimizer step, weight version, rollouts trained.
+//! - `adapter/` (LoRA only): the adapters as a PEFT adapter directory
+//!   (`adapter_model.safetensors` in f32 + `adapter_config.json`), loadable by PEFT; `model/`
+//!   then holds the frozen base weights and the optimizer state covers the adapters only;
+//! - `trainer_state.json`: format version, optimizer step, weight version, rollouts trained,
+//!   and the LoRA configuration when adapters are trained.
 //!
 //! Everything is written into a sibling temporary directory first, synced, then renamed over
 //! the target (the previous checkpoint, if any, is moved aside and removed only after the
@@ -16,6 +20,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file, serialize_safetensors};
+use miles_bridge::lora::{ADAPTER_WEIGHTS_FILE, LoraConfig};
 use miles_bridge::{CausalLm, FloatDtype, HostTensor, TensorMap};
 use miles_core::WeightVersion;
 use serde::{Deserialize, Serialize};
@@ -28,6 +33,7 @@ const FORMAT: u32 = 1;
 const STATE_FILE: &str = "trainer_state.json";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const MODEL_DIR: &str = "model";
+const ADAPTER_DIR: &str = "adapter";
 
 #[derive(Debug, Serialize, Deserialize)]
 struct TrainerState {
@@ -37,6 +43,9 @@ struct TrainerState {
     rollouts_trained: u64,
     architecture: String,
     num_params: usize,
+    /// The adapters' configuration (absent: no LoRA; older checkpoints).
+    #[serde(default)]
+    lora: Option<LoraConfig>,
 }
 
 fn sibling(dir: &Path, suffix: &str) -> PathBuf {
@@ -71,6 +80,9 @@ pub(crate) fn save(actor: &Actor, dir: &Path) -> Result<()> {
     }
     fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     model.save_pretrained(tmp.join(MODEL_DIR), FloatDtype::F32, None)?;
+    if model.lora_config().is_some() {
+        model.save_lora_adapter(tmp.join(ADAPTER_DIR), FloatDtype::F32)?;
+    }
     let mut map = TensorMap::new();
     for (name, shape, values) in optimizer.state_tensors() {
         map.insert(name, HostTensor::from_f32(shape, &values));
@@ -85,6 +97,7 @@ pub(crate) fn save(actor: &Actor, dir: &Path) -> Result<()> {
         rollouts_trained: rollouts,
         architecture: model.config.architecture.model_type().to_string(),
         num_params: model.num_params(),
+        lora: model.lora_config().cloned(),
     };
     let state_path = tmp.join(STATE_FILE);
     let text = serde_json::to_string_pretty(&state)
@@ -149,6 +162,41 @@ pub(crate) fn load(actor: &mut Actor, dir: &Path) -> Result<()> {
     let loaded = CausalLm::from_hf_tensors(&config, tensors, &device).map_err(|e| {
         Error::checkpoint(&model_dir, format!("does not match the actor's model: {e}"))
     })?;
+    let loaded = match (model.lora_config(), &state.lora) {
+        (None, None) => loaded,
+        (Some(ours), Some(theirs)) => {
+            if (ours.r, ours.lora_alpha, ours.use_rslora)
+                != (theirs.r, theirs.lora_alpha, theirs.use_rslora)
+            {
+                return Err(Error::checkpoint(
+                    &state_path,
+                    format!(
+                        "LoRA r = {}, alpha = {}; the actor trains r = {}, alpha = {}",
+                        theirs.r, theirs.lora_alpha, ours.r, ours.lora_alpha
+                    ),
+                ));
+            }
+            // The actor's own config (targets, forward, seed) decides which modules carry
+            // adapters; the checkpoint must hold exactly their tensors.
+            let adapter = dir.join(ADAPTER_DIR).join(ADAPTER_WEIGHTS_FILE);
+            let tensors = read_safetensors_file(&adapter)
+                .map_err(|e| Error::checkpoint(&adapter, e.to_string()))?;
+            loaded.with_lora_tensors(ours, tensors).map_err(|e| {
+                Error::checkpoint(&adapter, format!("does not match the actor: {e}"))
+            })?
+        }
+        (ours, theirs) => {
+            let has = |c: bool| if c { "has" } else { "has no" };
+            return Err(Error::checkpoint(
+                &state_path,
+                format!(
+                    "the checkpoint {} LoRA adapters, the actor {}",
+                    has(theirs.is_some()),
+                    has(ours.is_some())
+                ),
+            ));
+        }
+    };
     if loaded.num_params() != state.num_params {
         return Err(Error::checkpoint(
             &model_dir,

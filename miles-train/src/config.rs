@@ -1,5 +1,8 @@
 //! The trainer's configuration: Miles / Megatron flag names and defaults.
 
+use std::path::PathBuf;
+
+use miles_bridge::lora::{ALL_LINEAR, LoraConfig, LoraForward};
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_ops::policy::PolicyLossConfig;
@@ -94,6 +97,28 @@ pub struct TrainConfig {
     /// `--use-routing-replay` (R3): MoE layers route every token to the experts recorded at
     /// rollout (`Sample::rollout_routed_experts`) instead of choosing their own.
     pub use_routing_replay: bool,
+    /// `--lora-rank` (0): LoRA rank; 0 disables LoRA (every weight is trained). With a rank,
+    /// [`crate::Actor::new`] attaches adapters and freezes the base weights.
+    pub lora_rank: usize,
+    /// `--lora-alpha` (16): the adapters' output is scaled by `lora_alpha / lora_rank`.
+    pub lora_alpha: f64,
+    /// `--lora-dropout` (0.0): only 0 is supported.
+    pub lora_dropout: f64,
+    /// `--target-modules`: comma-separated module names / suffixes (HF `q_proj,v_proj` or
+    /// Megatron `linear_qkv,linear_proj`) or `all-linear` (`None`: `all-linear`).
+    pub target_modules: Option<String>,
+    /// `--exclude-modules`: comma-separated module names / suffixes never adapted.
+    pub exclude_modules: Option<String>,
+    /// `--lora-adapter-path`: start from this PEFT adapter directory instead of fresh adapters
+    /// (its rank must equal `lora_rank`; its alpha and target modules come from its
+    /// `adapter_config.json`).
+    pub lora_adapter_path: Option<PathBuf>,
+    /// How adapted layers compute their forward (not a Miles flag): `merged` (default; the
+    /// exported merged weights reproduce the trainer's log-probs bit for bit) or `factored`
+    /// (PEFT's `x Wᵀ + s·(x Aᵀ) Bᵀ`, cheaper backward, equal up to rounding).
+    pub lora_forward: LoraForward,
+    /// `--seed` (1234): seed of the `lora_A` initialisation.
+    pub seed: u64,
 }
 
 impl Default for TrainConfig {
@@ -118,6 +143,14 @@ impl Default for TrainConfig {
             critic_lr: None,
             freeze_params: Vec::new(),
             use_routing_replay: false,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            lora_dropout: 0.0,
+            target_modules: None,
+            exclude_modules: None,
+            lora_adapter_path: None,
+            lora_forward: LoraForward::Merged,
+            seed: 1234,
         }
     }
 }
@@ -191,7 +224,35 @@ impl TrainConfig {
         }
         self.policy_loss.clone().init()?;
         self.advantage.clone().init()?;
+        if let Some(lora) = self.lora_config() {
+            lora.validate().map_err(|e| Error::Config {
+                field: "lora",
+                value: e.to_string(),
+                reason: "invalid LoRA settings",
+            })?;
+        }
         Ok(())
+    }
+
+    /// The LoRA adapters these flags ask for (`None` when `lora_rank` is 0).
+    pub fn lora_config(&self) -> Option<LoraConfig> {
+        (self.lora_rank > 0).then(|| LoraConfig {
+            r: self.lora_rank,
+            lora_alpha: self.lora_alpha,
+            lora_dropout: self.lora_dropout,
+            target_modules: self
+                .target_modules
+                .as_deref()
+                .map_or_else(|| vec![ALL_LINEAR.to_string()], LoraConfig::parse_list),
+            exclude_modules: self
+                .exclude_modules
+                .as_deref()
+                .map(LoraConfig::parse_list)
+                .unwrap_or_default(),
+            use_rslora: false,
+            forward: self.lora_forward,
+            seed: self.seed,
+        })
     }
 
     /// Whether `name` is frozen by `freeze_params`.

@@ -42,6 +42,7 @@ impl ValueModel {
             value_head: Linear {
                 weight: Param::from_tensor(Tensor::zeros([1, hidden], &device)),
                 bias: None,
+                lora: None,
             },
         }
     }

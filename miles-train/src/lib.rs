@@ -29,6 +29,13 @@
 //! bit). [`BatchLayout::Packed`] and [`BatchLayout::Padded`] batch the forward instead, with
 //! log-probs equal to the per-sample ones up to float rounding.
 //!
+//! **LoRA** (`lora_rank > 0`): the actor attaches miles-bridge LoRA adapters
+//! ([`miles_bridge::lora`]) and freezes the base, so only the adapters are trained and have
+//! optimizer state; [`PolicyTrainer::export_weights`](miles_core::PolicyTrainer::export_weights)
+//! returns the merged HF weights (bit-identical log-probs in the default `merged` forward), the
+//! reference model is the adapter-free base, and checkpoints store the adapters as a PEFT
+//! adapter directory.
+//!
 //! Checkpoints ([`Actor::save_checkpoint`](miles_core::PolicyTrainer::save_checkpoint)) hold
 //! the HF-named model, the AdamW moments, the step and the weight version, written to a
 //! temporary directory and renamed into place, so a crash mid-save leaves the previous

@@ -26,9 +26,12 @@ pub trait NamedParams: Module {
     fn visit_named(&self, f: &mut ParamVisitor<'_>);
 }
 
+/// Base parameters (HF names) followed by the LoRA adapters, if any
+/// (`<module>.lora_A.weight`, `<module>.lora_B.weight`).
 impl NamedParams for CausalLm {
     fn visit_named(&self, f: &mut ParamVisitor<'_>) {
         self.visit_params(f);
+        self.visit_lora_params(f);
     }
 }
 
