@@ -431,7 +431,7 @@ impl KvCache {
                     })
                 })
                 .collect(),
-            key_valid: Some(valid.clone().select(0, index.clone())),
+            key_valid: Some(same_bool(valid.clone().select(0, index.clone()))),
             next_position: self
                 .next_position
                 .as_ref()
@@ -471,7 +471,10 @@ impl KvCache {
                 kv
             } else {
                 Tensor::cat(
-                    vec![kv, Tensor::<2, Int>::zeros([rows, pad], &device).equal_elem(1)],
+                    vec![
+                        kv,
+                        Tensor::<2, Int>::zeros([rows, pad], &device).equal_elem(1),
+                    ],
                     1,
                 )
             });
@@ -499,7 +502,9 @@ impl KvCache {
                     })
                 })
                 .collect(),
-            key_valid: Some(Tensor::cat(valid, 0)),
+            key_valid: Some(
+                Tensor::cat(valid.into_iter().map(|v| v.int()).collect(), 0).equal_elem(1),
+            ),
             next_position: Some(Tensor::cat(next, 0)),
         })
     }
@@ -548,10 +553,16 @@ impl KvCache {
                     })
                 })
                 .collect(),
-            key_valid: Some(Tensor::<2, Bool>::from_data(
-                TensorData::new(new_valid, [rows, new_len]),
-                &device,
-            )),
+            key_valid: Some(
+                Tensor::<2, Int>::from_data(
+                    TensorData::new(
+                        new_valid.into_iter().map(i32::from).collect(),
+                        [rows, new_len],
+                    ),
+                    &device,
+                )
+                .equal_elem(1),
+            ),
             next_position: self.next_position.clone(),
         }
     }
@@ -583,9 +594,15 @@ impl KvCache {
                 })
                 .collect(),
             next_position: Some(valid.clone().int().sum_dim(1).reshape([rows, 1])),
-            key_valid: Some(valid),
+            key_valid: Some(same_bool(valid)),
         }
     }
+}
+
+/// A bool tensor in the storage form comparisons produce: backends may store the results of
+/// different ops (a comparison, a row `select`) differently, and `cat` needs them alike.
+fn same_bool(t: Tensor<2, Bool>) -> Tensor<2, Bool> {
+    t.int().equal_elem(1)
 }
 
 /// Host copy of a bool tensor, row-major.
@@ -1008,7 +1025,7 @@ impl CausalLm {
             }
         };
         let key_valid = match cache.as_ref().and_then(|c| c.key_valid.clone()) {
-            Some(old) => Tensor::cat(vec![old, valid.clone()], 1),
+            Some(old) => Tensor::cat(vec![old.int(), valid.clone().int()], 1).equal_elem(1),
             None => valid.clone(),
         };
         let needs_key_mask = input.attention_mask.is_some() || past > 0;

@@ -43,7 +43,9 @@ fn qwen3_25m() -> ModelConfig {
 }
 
 fn prompt(i: usize, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len).map(|t| ((t * 131 + i * 977 + 7) % vocab) as u32).collect()
+    (0..len)
+        .map(|t| ((t * 131 + i * 977 + 7) % vocab) as u32)
+        .collect()
 }
 
 async fn decode(engine: &Arc<EmbeddedEngine>, seqs: usize, new_tokens: usize, vocab: usize) -> f64 {
@@ -91,7 +93,9 @@ async fn run(name: &str, config: ModelConfig, hf_tokens_per_s: f64, new_tokens: 
     for seqs in [1usize, 8, 32] {
         let secs = decode(&engine, seqs, new_tokens, vocab).await;
         let tps = (seqs * new_tokens) as f64 / secs;
-        println!("# engine {name}: {seqs} sequences x {new_tokens} new tokens: {secs:.2} s, {tps:.0} tokens/s");
+        println!(
+            "# engine {name}: {seqs} sequences x {new_tokens} new tokens: {secs:.2} s, {tps:.0} tokens/s"
+        );
         if seqs == 32 {
             let baseline = (seqs * new_tokens) as f64 / hf_tokens_per_s;
             println!(
@@ -122,7 +126,10 @@ async fn run(name: &str, config: ModelConfig, hf_tokens_per_s: f64, new_tokens: 
         h.await.expect("task").expect("generate");
     }
     let secs = started.elapsed().as_secs_f64();
-    println!("# engine {name}: prefill {:.0} tokens/s (4 x 512 tokens in {secs:.2} s)", 2048.0 / secs);
+    println!(
+        "# engine {name}: prefill {:.0} tokens/s (4 x 512 tokens in {secs:.2} s)",
+        2048.0 / secs
+    );
 }
 
 fn main() {

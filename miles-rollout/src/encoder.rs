@@ -60,7 +60,10 @@ impl ChatPromptEncoder {
     }
 
     fn error(e: impl std::fmt::Display) -> CoreError {
-        CoreError::engine(EngineErrorKind::InvalidRequest, format!("prompt encoding: {e}"))
+        CoreError::engine(
+            EngineErrorKind::InvalidRequest,
+            format!("prompt encoding: {e}"),
+        )
     }
 }
 

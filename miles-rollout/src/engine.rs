@@ -120,10 +120,10 @@ impl SequenceScorer for PrefillScorer {
             .forward(&ModelInput::new(ids), &Fallthrough)
             .map_err(|e| e.to_string())?;
         let [_, _, vocab] = out.logits.dims();
-        let rows = out
-            .logits
-            .reshape([n, vocab])
-            .narrow(0, n - 1 - response_length, response_length);
+        let rows =
+            out.logits
+                .reshape([n, vocab])
+                .narrow(0, n - 1 - response_length, response_length);
         let targets = Tensor::<1, Int>::from_data(
             TensorData::new(
                 tokens[n - response_length..]
@@ -299,7 +299,11 @@ impl EmbeddedEngine {
     /// Loads an HF model directory: weights and `config.json`, the EOS ids of
     /// `generation_config.json` / `config.json` (when `config.eos_token_ids` is empty) and
     /// `tokenizer.json` as the detokenizer when present.
-    pub fn from_pretrained(dir: &Path, device: &Device, config: EngineConfig) -> crate::Result<Self> {
+    pub fn from_pretrained(
+        dir: &Path,
+        device: &Device,
+        config: EngineConfig,
+    ) -> crate::Result<Self> {
         let model = CausalLm::from_pretrained(dir, device).map_err(bridge_err)?;
         let mut config = config;
         if config.eos_token_ids.is_empty() {
@@ -308,9 +312,8 @@ impl EmbeddedEngine {
         let mut builder = Self::builder(model).config(config);
         let tok = dir.join("tokenizer.json");
         if tok.exists() {
-            let tokenizer = tokenizers::Tokenizer::from_file(&tok).map_err(|e| {
-                crate::Error::Config(format!("cannot load {}: {e}", tok.display()))
-            })?;
+            let tokenizer = tokenizers::Tokenizer::from_file(&tok)
+                .map_err(|e| crate::Error::Config(format!("cannot load {}: {e}", tok.display())))?;
             builder = builder.detokenizer(Arc::new(tokenizer));
         }
         builder.build()
@@ -370,7 +373,10 @@ impl InferenceEngine for EmbeddedEngine {
         let (tx, rx) = oneshot::channel();
         self.send(Cmd::Generate(Box::new(Pending { request, reply: tx })))?;
         rx.await.map_err(|_| {
-            CoreError::engine(EngineErrorKind::Unavailable, "the engine stopped mid-request")
+            CoreError::engine(
+                EngineErrorKind::Unavailable,
+                "the engine stopped mid-request",
+            )
         })?
     }
 
@@ -388,7 +394,10 @@ impl InferenceEngine for EmbeddedEngine {
                 other => {
                     return Err(CoreError::engine(
                         EngineErrorKind::WeightUpdate,
-                        format!("tensor {name}: dtype {} is not a float weight", other.name()),
+                        format!(
+                            "tensor {name}: dtype {} is not a float weight",
+                            other.name()
+                        ),
                     ));
                 }
             };
@@ -520,11 +529,7 @@ impl Rng {
 
 /// Samples one token from `logits` with the request's parameters; returns the token and its
 /// log-prob under the untempered distribution.
-fn sample_token(
-    logits: &[f32],
-    params: &miles_core::SamplingParams,
-    rng: &mut Rng,
-) -> (u32, f64) {
+fn sample_token(logits: &[f32], params: &miles_core::SamplingParams, rng: &mut Rng) -> (u32, f64) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = (logits
         .iter()
@@ -721,17 +726,34 @@ impl Scheduler {
             if !batch.into_iter().all(|cmd| self.handle(cmd)) {
                 break;
             }
-            self.apply_updates();
-            if self.paused.is_none() && self.updates.is_empty() {
-                self.admit();
-            }
-            if self.paused.is_none() && !self.running.is_empty() {
-                self.decode_step();
+            // A panic inside the model (a backend bug, an out-of-memory) fails the requests in
+            // flight with a typed error; the engine keeps serving.
+            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.apply_updates();
+                if self.paused.is_none() && self.updates.is_empty() {
+                    self.admit();
+                }
+                if self.paused.is_none() && !self.running.is_empty() {
+                    self.decode_step();
+                }
+            }));
+            if let Err(panic) = step {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                self.fail_running(&format!("engine step failed: {what}"));
+                self.reserved = 0;
             }
             self.publish_stats();
         }
         // Shutting down: everything still queued ends as aborted.
-        let rest: Vec<Seq> = self.waiting.drain(..).chain(self.running.drain(..)).collect();
+        let rest: Vec<Seq> = self
+            .waiting
+            .drain(..)
+            .chain(self.running.drain(..))
+            .collect();
         for seq in rest {
             self.finish_aborted(seq);
         }
@@ -977,7 +999,11 @@ impl Scheduler {
         let device = self.model.lm_head_weight().device();
         let out = self
             .model
-            .forward_cached(&ModelInput::new(ids_row(rest, &device)), &mut cache, &Fallthrough)
+            .forward_cached(
+                &ModelInput::new(ids_row(rest, &device)),
+                &mut cache,
+                &Fallthrough,
+            )
             .map_err(|e| e.to_string())?;
         self.stats.prefill_tokens += rest.len() as u64;
         if self.route_width > 0 {
@@ -994,7 +1020,11 @@ impl Scheduler {
                 .convert::<f32>()
                 .try_to_vec::<f32>()
                 .map_err(|e| format!("{e:?}"))?;
-            self.insert_prefix(seq.tokens[..target].to_vec(), cache.clone(), seq.routing.clone());
+            self.insert_prefix(
+                seq.tokens[..target].to_vec(),
+                cache.clone(),
+                seq.routing.clone(),
+            );
             self.push_token(seq, &last);
         }
         Ok(cache)
@@ -1032,7 +1062,8 @@ impl Scheduler {
         } else {
             entry.cache.truncate(common)
         };
-        let routing = entry.routing[..(common * self.route_width).min(entry.routing.len())].to_vec();
+        let routing =
+            entry.routing[..(common * self.route_width).min(entry.routing.len())].to_vec();
         (cache, common, routing)
     }
 
@@ -1089,7 +1120,11 @@ impl Scheduler {
             && let Some(detok) = &self.detokenizer
         {
             let text = detok.decode(&seq.tokens[seq.prompt_len..]);
-            if let Some(s) = params.stop.iter().find(|s| !s.is_empty() && text.contains(s.as_str())) {
+            if let Some(s) = params
+                .stop
+                .iter()
+                .find(|s| !s.is_empty() && text.contains(s.as_str()))
+            {
                 seq.finish = Some((FinishReason::Stop, Some(Value::from(s.clone()))));
                 return;
             }
@@ -1108,16 +1143,17 @@ impl Scheduler {
             .map(|s| *s.tokens.last().unwrap_or(&0) as i32)
             .collect();
         let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
-        let out = match self
-            .model
-            .forward_cached(&ModelInput::new(input), &mut self.batch, &Fallthrough)
-        {
-            Ok(out) => out,
-            Err(e) => {
-                self.fail_running(&e.to_string());
-                return;
-            }
-        };
+        let out =
+            match self
+                .model
+                .forward_cached(&ModelInput::new(input), &mut self.batch, &Fallthrough)
+            {
+                Ok(out) => out,
+                Err(e) => {
+                    self.fail_running(&e.to_string());
+                    return;
+                }
+            };
         self.stats.decode_steps += 1;
         let vocab = self.model.config.vocab_size;
         let logits = match out
@@ -1172,13 +1208,16 @@ impl Scheduler {
         if self.config.prefix_cache_tokens > 0 {
             for &i in &done_rows {
                 let seq = &self.running[i];
-                if seq.finish.as_ref().is_some_and(|f| f.0 != FinishReason::Abort)
+                if seq
+                    .finish
+                    .as_ref()
+                    .is_some_and(|f| f.0 != FinishReason::Abort)
                     && let Ok(one) = self.batch.select_rows(&[i])
                 {
                     let cached = seq.cached_len();
                     let tokens = seq.tokens[..cached].to_vec();
-                    let routing = seq.routing[..(cached * self.route_width).min(seq.routing.len())]
-                        .to_vec();
+                    let routing =
+                        seq.routing[..(cached * self.route_width).min(seq.routing.len())].to_vec();
                     self.insert_prefix(tokens, one.compact(), routing);
                 }
             }
@@ -1214,7 +1253,7 @@ impl Scheduler {
         let running: Vec<Seq> = self.running.drain(..).collect();
         self.batch = KvCache::new();
         for seq in running {
-            self.reserved -= seq.reserved;
+            self.reserved = self.reserved.saturating_sub(seq.reserved);
             let _ = seq.pending.reply.send(Err(CoreError::engine(
                 EngineErrorKind::Internal,
                 reason.to_string(),

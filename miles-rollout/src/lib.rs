@@ -57,12 +57,12 @@ pub mod manager;
 pub mod reward;
 pub mod router;
 
+pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
+pub use encoder::ChatPromptEncoder;
 pub use engine::{
     Detokenizer, EmbeddedEngine, EngineBuilder, EngineConfig, EngineStats, PrefillScorer,
     SequenceScorer,
 };
-pub use encoder::ChatPromptEncoder;
-pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use error::{Error, Result};
 pub use loops::{
     EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,

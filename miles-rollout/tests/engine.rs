@@ -17,8 +17,14 @@ use miles_r3::Fallthrough;
 use miles_rollout::{Detokenizer, EmbeddedEngine, EngineConfig};
 
 fn fixture(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models").join(name);
-    assert!(dir.join("config.json").exists(), "fixture {} missing", dir.display());
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/models")
+        .join(name);
+    assert!(
+        dir.join("config.json").exists(),
+        "fixture {} missing",
+        dir.display()
+    );
     dir
 }
 
@@ -47,7 +53,9 @@ fn request(prompt: Vec<u32>, max_new: usize, seed: u64) -> GenerateRequest {
 }
 
 fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 37 + salt * 101 + 5) % vocab).collect()
+    (0..len as u32)
+        .map(|i| (i * 37 + salt * 101 + 5) % vocab)
+        .collect()
 }
 
 /// Log-probs of the response under a plain full forward (miles-bridge), and the routing rows.
@@ -58,7 +66,9 @@ fn full_forward(model: &CausalLm, tokens: &[u32], response: usize) -> (Vec<f32>,
         TensorData::new(tokens.iter().map(|&t| t as i32).collect(), [1, n]),
         &device,
     );
-    let out = model.forward(&ModelInput::new(ids.clone()), &Fallthrough).unwrap();
+    let out = model
+        .forward(&ModelInput::new(ids.clone()), &Fallthrough)
+        .unwrap();
     let lp: Vec<f32> = token_logprobs(out.logits, ids)
         .into_data()
         .convert::<f32>()
@@ -67,7 +77,14 @@ fn full_forward(model: &CausalLm, tokens: &[u32], response: usize) -> (Vec<f32>,
     let routing = out
         .routing
         .iter()
-        .map(|r| r.experts.clone().into_data().convert::<i32>().try_to_vec().unwrap())
+        .map(|r| {
+            r.experts
+                .clone()
+                .into_data()
+                .convert::<i32>()
+                .try_to_vec()
+                .unwrap()
+        })
         .collect();
     (lp[n - 1 - response..].to_vec(), routing)
 }
@@ -102,7 +119,9 @@ async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
         let vocab = model.config.vocab_size as u32;
         let moe = model.config.has_moe();
         let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(false)).unwrap());
-        let reqs = (0..3).map(|i| request(prompt(7 + 3 * i, i as u32, vocab), 20, i as u64)).collect();
+        let reqs = (0..3)
+            .map(|i| request(prompt(7 + 3 * i, i as u32, vocab), 20, i as u64))
+            .collect();
         let outs = run_all(&engine, reqs).await;
         for (i, out) in outs.iter().enumerate() {
             assert_eq!(out.finish_reason, FinishReason::Length, "{name}");
@@ -130,7 +149,10 @@ async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
                         same += usize::from(a == b);
                     }
                 }
-                assert!(same * 100 >= total * 98, "{name}: routing agrees on {same}/{total}");
+                assert!(
+                    same * 100 >= total * 98,
+                    "{name}: routing agrees on {same}/{total}"
+                );
             } else {
                 assert!(out.routed_experts.is_none());
             }
@@ -184,7 +206,10 @@ fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
     let mut out = NamedTensors::new();
     for (name, t) in model.to_hf_tensors(FloatDtype::F32).unwrap() {
         let values: Vec<f32> = t.to_f32().iter().map(|v| v * factor).collect();
-        out.insert(name, TensorBytes::from_f32(t.shape.clone(), &values).unwrap());
+        out.insert(
+            name,
+            TensorBytes::from_f32(t.shape.clone(), &values).unwrap(),
+        );
     }
     out
 }
@@ -214,7 +239,9 @@ async fn a_weight_update_under_load_never_mixes_versions() {
         let e = engine.clone();
         let p = prompt(5 + (i as usize % 5), i, vocab);
         handles.push(tokio::spawn(async move {
-            let out = e.generate(request(p.clone(), 10 + (i as usize % 7), i as u64)).await;
+            let out = e
+                .generate(request(p.clone(), 10 + (i as usize % 7), i as u64))
+                .await;
             (p, out.unwrap())
         }));
         if i == 6 {
@@ -222,17 +249,20 @@ async fn a_weight_update_under_load_never_mixes_versions() {
             let w = new_weights.clone();
             handles.push(tokio::spawn(async move {
                 e.update_weights(&w, WeightVersion(1)).await.unwrap();
-                (Vec::new(), GenerateOutput {
-                    request_id: None,
-                    output_ids: Vec::new(),
-                    output_log_probs: Vec::new(),
-                    routed_experts: None,
-                    finish_reason: FinishReason::Abort,
-                    matched_stop: None,
-                    weight_version: WeightVersion(99),
-                    prompt_tokens: 0,
-                    cached_tokens: 0,
-                })
+                (
+                    Vec::new(),
+                    GenerateOutput {
+                        request_id: None,
+                        output_ids: Vec::new(),
+                        output_log_probs: Vec::new(),
+                        routed_experts: None,
+                        finish_reason: FinishReason::Abort,
+                        matched_stop: None,
+                        weight_version: WeightVersion(99),
+                        prompt_tokens: 0,
+                        cached_tokens: 0,
+                    },
+                )
             }));
         }
     }
@@ -263,13 +293,36 @@ async fn a_weight_update_under_load_never_mixes_versions() {
     // A broken update is a typed error; the engine keeps serving the old weights.
     let mut broken = new_weights.clone();
     broken.remove("lm_head.weight");
-    let err = engine.update_weights(&broken, WeightVersion(2)).await.unwrap_err();
-    assert!(matches!(err, CoreError::Engine { kind: EngineErrorKind::WeightUpdate, .. }), "{err}");
+    let err = engine
+        .update_weights(&broken, WeightVersion(2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CoreError::Engine {
+                kind: EngineErrorKind::WeightUpdate,
+                ..
+            }
+        ),
+        "{err}"
+    );
     let mut wrong = NamedTensors::new();
-    wrong.insert("x", TensorBytes::new(DType::I32, vec![1], vec![0; 4]).unwrap());
-    assert!(engine.update_weights(&wrong, WeightVersion(2)).await.is_err());
+    wrong.insert(
+        "x",
+        TensorBytes::new(DType::I32, vec![1], vec![0; 4]).unwrap(),
+    );
+    assert!(
+        engine
+            .update_weights(&wrong, WeightVersion(2))
+            .await
+            .is_err()
+    );
     assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(1));
-    let out = engine.generate(request(prompt(4, 1, vocab), 3, 1)).await.unwrap();
+    let out = engine
+        .generate(request(prompt(4, 1, vocab), 3, 1))
+        .await
+        .unwrap();
     assert_eq!(out.weight_version, WeightVersion(1));
 }
 
@@ -287,14 +340,31 @@ async fn the_kv_budget_makes_requests_wait_and_rejects_what_can_never_fit() {
         )
         .unwrap(),
     );
-    let reqs = (0..6).map(|i| request(prompt(8, i, vocab), 24, i as u64)).collect();
+    let reqs = (0..6)
+        .map(|i| request(prompt(8, i, vocab), 24, i as u64))
+        .collect();
     let outs = run_all(&engine, reqs).await;
-    assert!(outs.iter().all(|o| o.output_ids.len() == 24 && o.finish_reason == FinishReason::Length));
+    assert!(
+        outs.iter()
+            .all(|o| o.output_ids.len() == 24 && o.finish_reason == FinishReason::Length)
+    );
     let stats = engine.stats();
     assert!(stats.max_batch <= 2, "{stats:?}");
     assert!(stats.budget_waits >= 1, "{stats:?}");
-    let err = engine.generate(request(prompt(40, 1, vocab), 40, 1)).await.unwrap_err();
-    assert!(matches!(err, CoreError::Engine { kind: EngineErrorKind::InvalidRequest, .. }), "{err}");
+    let err = engine
+        .generate(request(prompt(40, 1, vocab), 40, 1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CoreError::Engine {
+                kind: EngineErrorKind::InvalidRequest,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -352,7 +422,10 @@ async fn abort_pause_and_resume() {
     assert_eq!(out.output_log_probs.len(), out.output_ids.len());
 
     // In-place pause holds the sequence; after resume it completes.
-    let reference = engine.generate(request(prompt(6, 2, vocab), 40, 5)).await.unwrap();
+    let reference = engine
+        .generate(request(prompt(6, 2, vocab), 40, 5))
+        .await
+        .unwrap();
     for mode in [PauseMode::InPlace, PauseMode::Retract] {
         let e = engine.clone();
         let before = engine.stats().generated_tokens;
@@ -363,7 +436,8 @@ async fn abort_pause_and_resume() {
         engine.pause(mode).await.unwrap();
         // A request sent while paused waits.
         let e = engine.clone();
-        let queued = tokio::spawn(async move { e.generate(request(prompt(3, 7, vocab), 4, 1)).await });
+        let queued =
+            tokio::spawn(async move { e.generate(request(prompt(3, 7, vocab), 4, 1)).await });
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(!queued.is_finished() && !h.is_finished());
         engine.resume().await.unwrap();
@@ -422,17 +496,21 @@ async fn stop_tokens_stop_strings_min_new_tokens_and_eos() {
     let out = engine.generate(stop_str).await.unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
     assert_eq!(out.output_ids, full.output_ids[..=first_pos].to_vec());
-    assert_eq!(out.matched_stop, Some(serde_json::json!(format!("<{third}>"))));
+    assert_eq!(
+        out.matched_stop,
+        Some(serde_json::json!(format!("<{third}>")))
+    );
 
     // min_new_tokens holds stops back.
     let mut min_new = stop_tok;
-    min_new.sampling_params.min_new_tokens = first_pos + 1;
+    min_new.sampling_params.min_new_tokens = first_pos + 2;
     let out = engine.generate(min_new).await.unwrap();
     assert!(out.output_ids.len() > first_pos + 1);
 
     // The model's EOS (from generation_config.json) ends generation when loaded from disk.
-    let disk = EmbeddedEngine::from_pretrained(&fixture("glm4moe-tiny"), &Device::flex(), config(true))
-        .unwrap();
+    let disk =
+        EmbeddedEngine::from_pretrained(&fixture("glm4moe-tiny"), &Device::flex(), config(true))
+            .unwrap();
     let mut eos = greedy;
     eos.sampling_params.stop_token_ids.clear();
     eos.input_ids = p;
@@ -463,11 +541,25 @@ async fn bad_requests_are_typed_errors() {
     for case in cases {
         let err = engine.generate(case).await.unwrap_err();
         assert!(
-            matches!(err, CoreError::Engine { kind: EngineErrorKind::InvalidRequest, .. }),
+            matches!(
+                err,
+                CoreError::Engine {
+                    kind: EngineErrorKind::InvalidRequest,
+                    ..
+                }
+            ),
             "{err}"
         );
     }
     // Still healthy and serving.
     engine.health().await.unwrap();
-    assert_eq!(engine.generate(request(prompt(3, 1, vocab), 2, 1)).await.unwrap().output_ids.len(), 2);
+    assert_eq!(
+        engine
+            .generate(request(prompt(3, 1, vocab), 2, 1))
+            .await
+            .unwrap()
+            .output_ids
+            .len(),
+        2
+    );
 }
