@@ -2,26 +2,59 @@
 //!
 //! Runnable examples of miles-rs and the cross-crate integration tests that need more than one
 //! crate (e.g. embedded-engine log-probs against the trainer's). The reference binary
-//! `glm_moe_grpo` lands here (`cargo run --release --example glm_moe_grpo`).
+//! `glm_moe_grpo` lives here (`cargo run --release --example glm_moe_grpo`).
 //!
-//! This library holds what the examples and tests share, starting with fixture lookup:
-//! fixtures committed in the repository's `fixtures/` win; otherwise the shared reference
-//! fixtures beside the checkout (`../shared/fixtures`) are used; a fixture found in neither is
-//! a loud error naming both places, never a silent skip.
+//! The library is the toolkit the examples share:
+//!
+//! * [`toy`] — a complete tiny HF model directory built from nothing: a byte-level BPE
+//!   tokenizer made with the `tokenizers` crate (digits one token each, Qwen3's special
+//!   tokens), `tokenizer_config.json` with Qwen3's real chat template, a small GLM-4-MoE
+//!   `config.json` and random safetensors weights; miles-tito and miles-bridge load it like
+//!   any HF directory.
+//! * [`addition`] — the synthetic task: seeded multi-digit addition problems (`12+35=` →
+//!   `47`), disjoint train / held-out splits, JSONL in miles-rollout's dataset format, and
+//!   [`addition::AdditionReward`], a [`miles_core::RewardFn`].
+//! * [`plot`] — reward / KL / entropy curves from the metrics JSONL of
+//!   [`miles_core::JsonlMetricsSink`] to SVG (`plotters`).
+//! * [`sft`] — chat conversations (JSONL) to SFT samples whose loss mask covers exactly the
+//!   assistant's tokens, built with miles-tito's session replay.
+//! * [`template_check`] — is a model directory TITO-safe? Tokenizer checks plus miles-tito's
+//!   verifier in raw and TITO mode (the `verify_template` example).
+//! * [`args`] — the small command-line parser of the examples (`--help` lists every flag).
+//! * [`fixture_path`] — fixture lookup: fixtures committed in the repository's `fixtures/`
+//!   win; otherwise the shared reference fixtures beside the checkout (`../shared/fixtures`)
+//!   are used; a fixture found in neither is a loud error naming both places.
+//!
+//! Examples: `verify_template` (is a model directory's chat template TITO-safe?) and `sft`
+//! (supervised fine-tuning on a JSONL of conversations), each with `--help`.
 //!
 //! ```
 //! use miles_examples::{FixtureError, fixture_path};
+//! use miles_examples::addition::{AdditionReward, AdditionTask};
 //!
 //! let missing = fixture_path("no/such/fixture.json").unwrap_err();
 //! assert!(matches!(missing, FixtureError::Missing { ref searched, .. } if searched.len() == 2));
+//!
+//! let split = AdditionTask { min_digits: 2, max_digits: 3, seed: 1 }.split(64, 16)?;
+//! let p = split.held_out[0];
+//! let reward = AdditionReward::default();
+//! assert_eq!(reward.score(&p.answer(), &p.answer()), 1.0);
+//! # Ok::<(), miles_examples::Error>(())
 //! ```
 
 use std::path::{Path, PathBuf};
 
-/// A fixture that could not be found.
+pub mod addition;
+pub mod args;
+pub mod plot;
+pub mod sft;
+pub mod template_check;
+pub mod toy;
+
+/// Errors of the examples' toolkit.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum FixtureError {
+pub enum Error {
     /// The fixture is in none of the searched folders.
     #[error(
         "fixture {relative:?} not found; searched {searched:?} (copy it into the repo's fixtures/ or check out ../shared beside the repo)"
@@ -32,6 +65,82 @@ pub enum FixtureError {
         /// The folders searched, in order.
         searched: Vec<PathBuf>,
     },
+    /// Reading or writing a file failed.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A JSON file or line could not be read or written.
+    #[error("JSON error in {path}: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A line of a JSONL file is malformed.
+    #[error("{path}:{line}: {reason}")]
+    Line {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Building, saving or using a tokenizer failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A task or toolkit parameter is out of range.
+    #[error("invalid {what}: {reason}")]
+    Invalid {
+        /// The parameter.
+        what: &'static str,
+        /// Why it is rejected.
+        reason: String,
+    },
+    /// A metric needed for a plot is absent from every line.
+    #[error("no values for any of {names:?} in the metrics")]
+    NoMetric {
+        /// The names looked for.
+        names: Vec<String>,
+    },
+    /// Drawing a plot failed.
+    #[error("plot: {0}")]
+    Plot(String),
+    /// A command-line argument is wrong (the message is for the user).
+    #[error("{0}")]
+    Args(String),
+    /// miles-tito failed (template, tokenization, verification).
+    #[error(transparent)]
+    Tito(#[from] miles_tito::Error),
+    /// miles-bridge failed (config, weights).
+    #[error(transparent)]
+    Bridge(#[from] miles_bridge::BridgeError),
+    /// miles-train failed.
+    #[error(transparent)]
+    Train(#[from] miles_train::Error),
+    /// A miles-core seam failed (trainer, sample).
+    #[error(transparent)]
+    Core(#[from] miles_core::Error),
+}
+
+/// The fixture lookup error (the same type as [`Error`]).
+pub type FixtureError = Error;
+
+impl Error {
+    /// An I/O error on `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
 }
 
 /// The fixture folders, in search order: `<repo>/fixtures`, then `<repo>/../shared/fixtures`.

@@ -88,7 +88,10 @@ fn replay_overhead(c: &mut Criterion) {
         })
     });
     group.finish();
-    println!("xtask-target: r3_replay/replay <= 1.05");
+    println!(
+        "xtask-result: r3_replay ours=@r3_replay/replay baseline=@r3_replay/baseline \
+         target=<=1.05 note=MoE fwd+bwd with routing replay vs top-k routing, {BATCH}x{SEQ} tokens"
+    );
     println!(
         "r3_replay: GLM-4-MoE {} params, {} MoE layers, {} experts top-{}, batch {BATCH} x {SEQ} \
          tokens, forward + backward (flex f32)",

@@ -194,7 +194,11 @@ fn overlap(c: &mut Criterion) {
     group.finish();
     // Target: async per step ≤ 1.15 × max(rollout, train) while sync ≈ rollout + train, so
     // async / sync ≤ 1.15 / 2.
-    println!("xtask-target: loop_overlap/async <= 0.575");
+    println!(
+        "xtask-result: loop_overlap ours=@loop_overlap/async baseline=@loop_overlap/baseline \
+         target=<=0.575 note=async vs sync loop, {STEPS} steps, rollout = train = {} ms per step",
+        TRAIN.as_millis()
+    );
     println!(
         "loop_overlap: {STEPS} steps, rollout ≈ train ≈ {} ms per step: ideal async ≈ {} ms, sync ≈ {} ms",
         TRAIN.as_millis(),

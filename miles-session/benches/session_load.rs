@@ -7,10 +7,9 @@
 //! memory comes back within 10 % of its baseline (the run fails otherwise).
 //!
 //! Miles' Python server figures are constants measured on the reference machine (issue 4),
-//! not re-measured here. Criterion-style lines let `cargo xtask bench` put them in its table:
-//! `session_turns_N/baseline` is Miles' time per turn at N sessions (1 / its turns/s) and
-//! `session_turns_N/miles_rs` ours, `session_p50_1/…` the median added latency per turn at one
-//! session. Environment: `MILES_SESSION_BENCH_MEMORY_SESSIONS` (default 10000) and
+//! not re-measured here. `xtask-result:` lines put them in `cargo xtask bench`'s table:
+//! `session_turns_N` is our turns/s at N sessions against Miles', `session_p50_N` the median
+//! added latency per turn, `session_rss_*` resident memory. Environment: `MILES_SESSION_BENCH_MEMORY_SESSIONS` (default 10000) and
 //! `MILES_SESSION_BENCH_CLIENT_THREADS` (default 1).
 
 use std::path::Path;
@@ -39,18 +38,6 @@ fn env_usize(name: &str, default: usize) -> usize {
 
 fn mib(kib: Option<u64>) -> f64 {
     kib.map_or(f64::NAN, |k| k as f64 / 1024.0)
-}
-
-/// A criterion-style line `cargo xtask bench` parses (`<id> time: [low mid high]`).
-fn criterion_line(id: &str, seconds: f64) {
-    let (value, unit) = if seconds >= 1.0 {
-        (seconds, "s")
-    } else if seconds >= 1e-3 {
-        (seconds * 1e3, "ms")
-    } else {
-        (seconds * 1e6, "µs")
-    };
-    println!("{id:<32}time:   [{value:.4} {unit} {value:.4} {unit} {value:.4} {unit}]");
 }
 
 struct Measured {
@@ -204,37 +191,50 @@ fn main() {
         else {
             continue;
         };
-        criterion_line(
-            &format!("session_turns_{}/baseline", m.sessions),
-            1.0 / miles_tps,
-        );
-        criterion_line(
-            &format!("session_turns_{}/miles_rs", m.sessions),
-            1.0 / m.report.turns_per_sec(),
+        let target = TARGET_TURNS_PER_SEC
+            .iter()
+            .find(|(s, _)| *s == m.sessions)
+            .map_or_else(
+                || "-".to_string(),
+                |(_, t)| format!(">={:.4}", t / miles_tps),
+            );
+        println!(
+            "xtask-result: session_turns_{} ours={:.1}turns/s baseline={miles_tps}turns/s \
+             target={target} note=baseline: Miles' session server (issue 4 constant, not \
+             measured here)",
+            m.sessions,
+            m.report.turns_per_sec(),
         );
         if let Some((_, miles_p50)) = MILES_P50_MS.iter().find(|(s, _)| *s == m.sessions) {
-            criterion_line(
-                &format!("session_p50_{}/baseline", m.sessions),
-                miles_p50 / 1e3,
-            );
-            criterion_line(
-                &format!("session_p50_{}/miles_rs", m.sessions),
-                m.report.percentile(0.5).as_secs_f64(),
-            );
-        }
-    }
-    for (sessions, target) in TARGET_TURNS_PER_SEC {
-        if let Some((_, miles)) = MILES_TURNS_PER_SEC.iter().find(|(s, _)| *s == sessions) {
+            let target = if m.sessions == 1 {
+                format!("<={:.4}", TARGET_P50_MS_AT_1 / miles_p50)
+            } else {
+                "-".to_string()
+            };
             println!(
-                "xtask-target: session_turns_{sessions}/miles_rs <= {:.4}",
-                miles / target
+                "xtask-result: session_p50_{} ours={:.4}ms baseline={miles_p50}ms \
+                 target={target} note=median added latency per turn; baseline: Miles (issue 4 \
+                 constant)",
+                m.sessions,
+                m.report.percentile(0.5).as_secs_f64() * 1e3,
             );
         }
     }
     println!(
-        "xtask-target: session_p50_1/miles_rs <= {:.4}",
-        TARGET_P50_MS_AT_1 / MILES_P50_MS[0].1
+        "xtask-result: session_rss_start ours={:.1}MiB baseline={MILES_RSS_MIB}MiB \
+         target=<={:.4} note=resident memory after start; baseline: Miles (issue 4 constant); \
+         target: <= {TARGET_RSS_MIB} MiB",
+        mib(rss_start),
+        TARGET_RSS_MIB / MILES_RSS_MIB
     );
+    if let (Some(base), Some(after)) = (rss_baseline, rss_after) {
+        println!(
+            "xtask-result: session_rss_after_churn ours={after}KiB baseline={base}KiB \
+             target=<=1.10 note=resident memory after {} sessions created and deleted vs after \
+             warm-up",
+            memory_run.report.sessions
+        );
+    }
 
     if let (Some(base), Some(after)) = (rss_baseline, rss_after) {
         let ratio = after as f64 / base as f64;

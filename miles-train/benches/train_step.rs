@@ -80,13 +80,6 @@ fn peak_rss_mib() -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
-fn line(id: &str, secs: &[f64]) {
-    let min = secs.iter().copied().fold(f64::INFINITY, f64::min);
-    let max = secs.iter().copied().fold(0.0, f64::max);
-    let mean = secs.iter().sum::<f64>() / secs.len() as f64;
-    println!("{id:<40} time:   [{min:.4} s {mean:.4} s {max:.4} s]");
-}
-
 /// The model's own routing of every sample, as SGLang returns it (`[tokens − 1, layers,
 /// top_k]`, dense layers zero), so replay follows exactly what a rollout would record.
 fn attach_routing(model: &CausalLm, samples: &mut [Sample]) {
@@ -161,10 +154,13 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
     }
     let (steps, actor) = step_times(model.clone(), &samples, false, iters);
     let baseline = tokens / torch_tokens_per_s;
-    line(&format!("train_step/{name}/baseline"), &[baseline]);
-    line(&format!("train_step/{name}/ours"), &steps);
-    println!("xtask-target: train_step/{name}/ours <= 1.25");
     let mean = steps.iter().sum::<f64>() / steps.len() as f64;
+    println!(
+        "xtask-result: train_step_{name} ours={mean:.4}s baseline={baseline:.4}s target=<=1.25 \
+         note=fwd+bwd+AdamW, {BATCH}x{SEQ} tokens, {params} params, mean of {} steps; baseline: \
+         PyTorch CPU at {torch_tokens_per_s} tokens/s (constant, not measured here)",
+        steps.len()
+    );
     println!(
         "# {name}: {params} parameters, {:.0} tokens/s (PyTorch reference {torch_tokens_per_s} \
          tokens/s: {:.2}x), peak RSS so far {:.0} MiB",
@@ -176,10 +172,11 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
         // R3: the same step with every MoE layer replaying the recorded routing.
         let (replayed, _) = step_times(model, &samples, true, iters);
         let mean_fall = steps.iter().sum::<f64>() / steps.len() as f64;
-        line(&format!("train_step_r3/{name}/baseline"), &steps);
-        line(&format!("train_step_r3/{name}/replay"), &replayed);
-        println!("xtask-target: train_step_r3/{name}/replay <= 1.05");
         let mean_replay = replayed.iter().sum::<f64>() / replayed.len() as f64;
+        println!(
+            "xtask-result: train_step_r3_{name} ours={mean_replay:.4}s baseline={mean_fall:.4}s \
+             target=<=1.05 note=train step with routing replay on vs off, same run"
+        );
         println!(
             "# {name}: replay on {:.0} tokens/s, off {:.0} tokens/s (overhead {:+.1} %)",
             tokens / mean_replay,
@@ -195,7 +192,10 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
     }
     for (dtype, secs, n) in export {
         println!("# {name}: export {dtype} of {n} tensors in {secs:.3} s");
-        line(&format!("export/{name}/{dtype}"), &[secs]);
+        println!(
+            "xtask-result: export_{name}_{dtype} ours={secs:.4}s note=HF weight export of {n} \
+             tensors, no baseline"
+        );
     }
 }
 
