@@ -50,6 +50,7 @@ pub mod plot;
 pub mod sft;
 pub mod template_check;
 pub mod toy;
+pub mod wiring;
 
 /// Errors of the examples' toolkit.
 #[derive(Debug, thiserror::Error)]

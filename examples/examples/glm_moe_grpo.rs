@@ -1,0 +1,529 @@
+//! # glm_moe_grpo — the reference binary
+//!
+//! GRPO on a small GLM-4-MoE through the whole miles-rs stack, on one CPU machine:
+//!
+//! prompts (JSONL) → embedded engine rollout (continuous batching, log-probs recomputed with the
+//! trainer's scoring, routed experts) → rewards → GRPO with TIS and rollout routing replay (R3)
+//! → versioned in-place weight update → next rollout; fully asynchronous by default (`--sync`
+//! for the synchronous loop), with staleness control, checkpoints and `--resume`.
+//!
+//! The default task is multi-digit addition (`12+35=` → `47`) on a model built from a config,
+//! with a byte-level BPE tokenizer and Qwen3's chat template written next to it (an ordinary HF
+//! model directory). A short supervised warm-start teaches the answer format first; it is
+//! reported as such. Held-out prompts are evaluated (greedy) before anything, after the
+//! warm-start and during / after GRPO.
+//!
+//! ```text
+//! cargo run --release --example glm_moe_grpo                 # defaults, ~10 min on 2 cores
+//! cargo run --release --example glm_moe_grpo -- --help       # every flag
+//! cargo run --release --example glm_moe_grpo -- --sync
+//! cargo run --release --example glm_moe_grpo -- --hf-checkpoint DIR          # a real GLM-4-MoE / Qwen3
+//! cargo run --release --example glm_moe_grpo -- --engine-url http://h:30000   # SGLang servers
+//! cargo run --release --example glm_moe_grpo -- --resume runs/glm_moe_grpo    # after a kill
+//! ```
+//!
+//! Writes to `--output-dir`: `model/` (the initial HF directory), `data/` (train / held-out
+//! JSONL), `metrics.jsonl`, `checkpoints/step_*/` (trainer + rollout state), `final/` (the trained
+//! HF checkpoint), `curves.svg` (reward / KL / entropy) and `summary.json`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use burn::tensor::Device;
+use miles_bridge::{CausalLm, FloatDtype};
+use miles_core::{
+    InferenceEngine, JsonlMetricsSink, Metrics, MetricsSink, PolicyTrainer, Reward, Sample,
+    SamplingParams, WeightVersion,
+};
+use miles_examples::addition::{AdditionProblem, AdditionReward, AdditionTask, write_jsonl};
+use miles_examples::args::{Args, Cli, Parse};
+use miles_examples::plot::{PlotSpec, plot_metrics_file};
+use miles_examples::toy::{ToyModelSpec, write_model_dir};
+use miles_examples::wiring::{FanOut, ProgressSink, TrainerScorer};
+use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_rollout::{
+    ChatPromptEncoder, DataSource, EmbeddedEngine, EngineConfig, EvalSet, LoopConfig,
+    PromptEncoder, RlLoop, RolloutConfig, RolloutManager, Router, SharedTrainer,
+};
+use miles_session::sglang::{SglangConfig, SglangEngine};
+use miles_train::{Actor, BatchLayout, LossType, LrSchedule, TrainConfig};
+use serde_json::json;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const ABOUT: &str = "GRPO on a small GLM-4-MoE, end to end: embedded-engine rollout with \
+log-probs and routed experts, rewards, GRPO with TIS and rollout routing replay, versioned \
+weight updates, fully async by default. Flags use Miles' names where Miles has them.";
+
+fn cli() -> Cli {
+    Cli::new("glm_moe_grpo", ABOUT)
+        .option("--output-dir", "DIR", Some("runs/glm_moe_grpo"), "where the run writes everything")
+        .option("--hf-checkpoint", "DIR", None, "start from this HF GLM-4-MoE / Qwen3 / Llama checkpoint (its tokenizer and chat template) instead of building the small GLM-4-MoE")
+        .multi("--engine-url", "URL", "roll out on this SGLang-compatible server instead of the embedded engine (repeatable; a router spreads the load; the servers must see --output-dir for weight updates)")
+        .option("--resume", "DIR", None, "continue a killed run from its latest checkpoint in DIR (its output dir)")
+        .flag("--sync", "synchronous loop (rollout → train → update) instead of fully asynchronous")
+        .option("--num-rollout", "N", Some("40"), "GRPO steps")
+        .option("--rollout-batch-size", "N", Some("32"), "prompts per step")
+        .option("--n-samples-per-prompt", "N", Some("8"), "samples per prompt (the GRPO group)")
+        .option("--advantage-estimator", "NAME", Some("grpo"), "grpo | gspo | reinforce_plus_plus | reinforce_plus_plus_baseline")
+        .option("--eps-clip", "X", Some("0.2"), "PPO clip (low side)")
+        .option("--eps-clip-high", "X", Some("0.28"), "PPO clip (high side)")
+        .option("--use-tis", "BOOL", Some("true"), "truncated importance sampling on the rollout / trainer mismatch")
+        .option("--tis-clip", "X", Some("2.0"), "TIS upper clip")
+        .option("--use-rollout-routing-replay", "BOOL", Some("true"), "record routed experts at rollout and replay them in training (R3)")
+        .option("--use-kl-loss", "BOOL", Some("false"), "KL loss to the reference (the warm-started model)")
+        .option("--kl-loss-coef", "X", Some("0.0"), "KL loss weight")
+        .option("--entropy-coef", "X", Some("0.0"), "entropy bonus weight")
+        .option("--lr", "LR", Some("1e-3"), "GRPO learning rate (AdamW)")
+        .option("--max-weight-staleness", "N", Some("1"), "samples older than this many weight versions are regenerated")
+        .option("--update-weights-interval", "N", Some("1"), "push weights to the engines every N steps")
+        .option("--save-interval", "N", Some("10"), "checkpoint every N steps")
+        .option("--eval-interval", "N", Some("10"), "evaluate the held-out prompts every N steps")
+        .option("--rollout-temperature", "T", Some("1.0"), "sampling temperature")
+        .option("--rollout-max-response-len", "N", Some("8"), "response token limit")
+        .option("--sft-steps", "N", Some("150"), "supervised warm-start steps before GRPO (0 = none)")
+        .option("--sft-batch-size", "N", Some("64"), "problems per warm-start step")
+        .option("--sft-lr", "LR", Some("3e-3"), "warm-start learning rate")
+        .option("--min-digits", "N", Some("1"), "fewest digits of an addend")
+        .option("--max-digits", "N", Some("2"), "most digits of an addend")
+        .option("--num-train-prompts", "N", Some("3000"), "training problems")
+        .option("--num-eval-prompts", "N", Some("200"), "held-out problems")
+        .option("--hidden-size", "N", Some("96"), "width of the built GLM-4-MoE")
+        .option("--num-layers", "N", Some("3"), "layers of the built GLM-4-MoE (the first dense)")
+        .option("--seed", "N", Some("1234"), "seed of data, model and sampling")
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let parsed = match cli().parse(std::env::args().skip(1)) {
+        Ok(Parse::Help(text)) => {
+            println!("{text}");
+            return ExitCode::SUCCESS;
+        }
+        Ok(Parse::Args(args)) => args,
+        Err(e) => {
+            eprintln!("error: {e}\n(see --help)");
+            return ExitCode::from(2);
+        }
+    };
+    match run(parsed).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn bool_arg(args: &Args, name: &str) -> Result<bool, BoxError> {
+    match args.value(name).unwrap_or("false") {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        other => Err(format!("{name}: expected true or false, got {other:?}").into()),
+    }
+}
+
+struct Setup {
+    out: PathBuf,
+    model_dir: PathBuf,
+    resume: bool,
+}
+
+fn setup(args: &Args) -> Result<Setup, BoxError> {
+    let resume = args.value("--resume").is_some();
+    let out = PathBuf::from(
+        args.value("--resume")
+            .or(args.value("--output-dir"))
+            .unwrap_or("runs/glm_moe_grpo"),
+    );
+    std::fs::create_dir_all(&out)?;
+    let model_dir = match args.value("--hf-checkpoint") {
+        Some(dir) => PathBuf::from(dir),
+        None => out.join("model"),
+    };
+    if resume && !out.join("checkpoints").exists() {
+        return Err(format!("--resume {}: no checkpoints/ there", out.display()).into());
+    }
+    Ok(Setup {
+        out,
+        model_dir,
+        resume,
+    })
+}
+
+async fn run(args: Args) -> Result<(), BoxError> {
+    let started = Instant::now();
+    let Setup {
+        out,
+        model_dir,
+        resume,
+    } = setup(&args)?;
+    let seed: u64 = args.parsed("--seed")?;
+    let n: usize = args.parsed("--n-samples-per-prompt")?;
+    let num_rollout: u64 = args.parsed("--num-rollout")?;
+    let use_r3 = bool_arg(&args, "--use-rollout-routing-replay")?;
+    let device = Device::flex();
+
+    // 1. The model directory: built from a config (tokenizer + Qwen3 template + GLM-4-MoE),
+    //    or a real HF checkpoint.
+    if args.value("--hf-checkpoint").is_none() && !model_dir.join("config.json").exists() {
+        let spec = ToyModelSpec {
+            hidden_size: args.parsed("--hidden-size")?,
+            num_hidden_layers: args.parsed("--num-layers")?,
+            intermediate_size: 2 * args.parsed::<usize>("--hidden-size")?,
+            ..ToyModelSpec::default()
+        };
+        let info = write_model_dir(&model_dir, &spec, seed, &device)?;
+        println!(
+            "built {}: GLM-4-MoE, {} parameters, vocabulary {}",
+            model_dir.display(),
+            info.num_params,
+            info.vocab_size
+        );
+    }
+    let mut kwargs = serde_json::Map::new();
+    kwargs.insert("enable_thinking".into(), json!(false));
+    let encoder = Arc::new(ChatPromptEncoder::load(&model_dir)?.with_kwargs(kwargs));
+    let eos_ids = miles_rollout::engine::read_eos_ids(&model_dir);
+    let model = CausalLm::from_pretrained(&model_dir, &device.clone().autodiff())?;
+    if use_r3 && !model.config.has_moe() {
+        return Err("--use-rollout-routing-replay needs an MoE model".into());
+    }
+
+    // 2. The task: addition problems, disjoint train / held-out sets, as JSONL.
+    let task = AdditionTask {
+        min_digits: args.parsed("--min-digits")?,
+        max_digits: args.parsed("--max-digits")?,
+        seed,
+    };
+    let split = task.split(
+        args.parsed("--num-train-prompts")?,
+        args.parsed("--num-eval-prompts")?,
+    )?;
+    write_jsonl(&out.join("data/train.jsonl"), &split.train)?;
+    write_jsonl(&out.join("data/held_out.jsonl"), &split.held_out)?;
+    let reward = Arc::new(AdditionReward::default());
+
+    // 3. Engines: the embedded one (scoring with the trainer's function), or SGLang servers.
+    let urls = args.all("--engine-url");
+    let engine: Arc<dyn InferenceEngine> = if urls.is_empty() {
+        let tokenizer = tokenizers::Tokenizer::from_file(model_dir.join("tokenizer.json"))
+            .map_err(|e| format!("tokenizer: {e}"))?;
+        Arc::new(
+            EmbeddedEngine::builder(model.valid())
+                .config(EngineConfig {
+                    max_running_requests: 64,
+                    eos_token_ids: eos_ids.clone(),
+                    seed,
+                    ..EngineConfig::default()
+                })
+                .scorer(Arc::new(TrainerScorer::default()))
+                .detokenizer(Arc::new(tokenizer))
+                .build()?,
+        )
+    } else {
+        let moe_layers = (0..model.config.num_hidden_layers)
+            .filter(|&l| model.config.is_moe_layer(l))
+            .count();
+        let engines = urls
+            .iter()
+            .enumerate()
+            .map(|(i, url)| {
+                let mut c = SglangConfig::new(url.clone());
+                c.num_layers = Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0);
+                c.shared_weights_dir = Some(out.join("weights"));
+                (
+                    format!("engine-{i}"),
+                    Arc::new(SglangEngine::new(c)) as Arc<dyn InferenceEngine>,
+                    None,
+                )
+            })
+            .collect();
+        Arc::new(Router::new(engines))
+    };
+
+    let sampling = SamplingParams {
+        temperature: args.parsed("--rollout-temperature")?,
+        stop_token_ids: eos_ids.clone(),
+        ..SamplingParams::default()
+    };
+    let max_response: usize = args.parsed("--rollout-max-response-len")?;
+    let rollout_config = RolloutConfig {
+        n_samples_per_prompt: n,
+        rollout_batch_size: args.parsed("--rollout-batch-size")?,
+        max_concurrency: 256,
+        sampling: sampling.clone(),
+        rollout_max_response_len: max_response,
+        rollout_seed: Some(seed),
+        return_routed_experts: use_r3,
+        ..RolloutConfig::default()
+    };
+    let manager = Arc::new(RolloutManager::new(
+        rollout_config.clone(),
+        engine.clone(),
+        encoder.clone(),
+        reward.clone(),
+    )?);
+    let eval_manager = Arc::new(RolloutManager::new(
+        RolloutConfig {
+            n_samples_per_prompt: 1,
+            rollout_batch_size: split.held_out.len(),
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..sampling
+            },
+            rollout_seed: None,
+            return_routed_experts: false,
+            ..rollout_config
+        },
+        engine.clone(),
+        encoder.clone(),
+        reward,
+    )?);
+    let eval_set = || EvalSet {
+        name: "addition".into(),
+        prompts: split.held_out.iter().map(AdditionProblem::prompt_record).collect(),
+        manager: eval_manager.clone(),
+    };
+    let eval_now = |label: &'static str| {
+        let set = eval_set();
+        async move {
+            let m = set.evaluate().await?;
+            let r = m.get("eval/addition/raw_reward").copied().unwrap_or(f64::NAN);
+            println!("held-out reward {label}: {r:.3}");
+            Ok::<f64, BoxError>(r)
+        }
+    };
+
+    // 4. Warm start (supervised, reported as such), then the GRPO trainer.
+    let mut summary = json!({});
+    let mut model = model;
+    if !resume {
+        summary["reward_initial"] = json!(eval_now("before any training").await?);
+        let steps: usize = args.parsed("--sft-steps")?;
+        if steps > 0 {
+            let t = Instant::now();
+            model = warm_start(model, &split.train, encoder.as_ref(), &eos_ids, &args)?;
+            println!(
+                "supervised warm-start: {steps} steps in {:.0} s",
+                t.elapsed().as_secs_f64()
+            );
+            engine
+                .update_weights(&export(&model)?, WeightVersion(0))
+                .await?;
+            summary["reward_after_warm_start"] = json!(eval_now("after the warm-start").await?);
+            summary["warm_start_seconds"] = json!(t.elapsed().as_secs_f64());
+        }
+    }
+    let estimator: AdvantageEstimator = args
+        .value("--advantage-estimator")
+        .unwrap_or("grpo")
+        .parse()
+        .map_err(|e| format!("--advantage-estimator: {e}"))?;
+    let mut train_config = TrainConfig {
+        lr_schedule: LrSchedule {
+            lr: args.parsed("--lr")?,
+            ..LrSchedule::default()
+        },
+        advantage: AdvantageConfig {
+            advantage_estimator: estimator,
+            ..AdvantageConfig::default()
+        }
+        .with_n_samples_per_prompt(n),
+        micro_batch_size: 64,
+        layout: BatchLayout::Packed,
+        use_routing_replay: use_r3,
+        ..TrainConfig::default()
+    };
+    let p = &mut train_config.policy_loss;
+    p.advantage_estimator = estimator;
+    p.eps_clip = args.parsed("--eps-clip")?;
+    p.eps_clip_high = Some(args.parsed("--eps-clip-high")?);
+    p.use_tis = bool_arg(&args, "--use-tis")?;
+    p.tis_clip = args.parsed("--tis-clip")?;
+    p.use_kl_loss = bool_arg(&args, "--use-kl-loss")?;
+    p.kl_loss_coef = args.parsed("--kl-loss-coef")?;
+    p.entropy_coef = args.parsed("--entropy-coef")?;
+    let actor = Actor::new(model, train_config)?;
+    let trainer: SharedTrainer = Arc::new(Mutex::new(Box::new(actor) as Box<dyn PolicyTrainer>));
+
+    // 5. The loop.
+    let metrics_path = out.join("metrics.jsonl");
+    let jsonl = if resume {
+        JsonlMetricsSink::append(&metrics_path)?
+    } else {
+        JsonlMetricsSink::create(&metrics_path)?
+    };
+    let progress = Arc::new(ProgressSink::new(num_rollout, "eval/addition/raw_reward"));
+    let sink: Arc<dyn MetricsSink> = Arc::new(FanOut(vec![
+        Box::new(jsonl),
+        Box::new(ProgressRef(progress.clone())),
+    ]));
+    let data = DataSource::new(
+        split.train.iter().map(AdditionProblem::prompt_record).collect(),
+        n,
+        true,
+        seed,
+    )?;
+    let loop_config = LoopConfig {
+        num_rollout,
+        update_weights_interval: args.parsed("--update-weights-interval")?,
+        max_weight_staleness: Some(args.parsed("--max-weight-staleness")?),
+        save_interval: Some(args.parsed("--save-interval")?),
+        save: Some(out.join("checkpoints")),
+        ..LoopConfig::default()
+    };
+    let mut rl = RlLoop::new(loop_config, manager, trainer.clone(), sink.clone(), data)?
+        .with_eval(vec![eval_set()], args.parsed("--eval-interval")?);
+    if resume {
+        let step = rl.resume().await?;
+        println!("resumed at step {step} from {}", out.display());
+    }
+    let t = Instant::now();
+    let sync = args.flag("--sync");
+    println!(
+        "GRPO: {num_rollout} steps × {} prompts × {n} samples, {} loop, TIS {}, R3 {}",
+        args.value("--rollout-batch-size").unwrap_or("?"),
+        if sync { "synchronous" } else { "fully asynchronous" },
+        bool_arg(&args, "--use-tis")?,
+        use_r3,
+    );
+    if sync {
+        rl.run_sync().await?;
+    } else {
+        rl.run_async().await?;
+    }
+    progress.finish();
+    sink.flush()?;
+    let grpo_seconds = t.elapsed().as_secs_f64();
+    let final_reward = eval_now("after GRPO").await?;
+
+    // 6. Outputs: final checkpoint, curves, summary.
+    let final_dir = out.join("final");
+    {
+        let guard = trainer.lock().map_err(|_| "trainer lock poisoned")?;
+        let weights = guard.export_weights()?;
+        let version = guard.weight_version();
+        drop(guard);
+        save_hf(&weights, &model_dir, &final_dir)?;
+        summary["weight_version"] = json!(version.0);
+    }
+    plot_metrics_file(&metrics_path, &out.join("curves.svg"), &PlotSpec::reward_kl_entropy())?;
+    summary["reward_final"] = json!(final_reward);
+    summary["grpo_seconds"] = json!(grpo_seconds);
+    summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
+    summary["loop"] = json!(if sync { "sync" } else { "async" });
+    std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+    println!(
+        "done in {:.0} s: held-out reward {} → {final_reward:.3}; wrote {}/{{metrics.jsonl, curves.svg, final/, checkpoints/, summary.json}}",
+        started.elapsed().as_secs_f64(),
+        summary
+            .get("reward_initial")
+            .and_then(|v| v.as_f64())
+            .map_or("(resumed)".to_string(), |v| format!("{v:.3}")),
+        out.display()
+    );
+    Ok(())
+}
+
+/// A metrics sink that forwards to a shared [`ProgressSink`].
+struct ProgressRef(Arc<ProgressSink>);
+
+impl MetricsSink for ProgressRef {
+    fn log(&self, step: u64, metrics: &Metrics) -> miles_core::Result<()> {
+        self.0.log(step, metrics)
+    }
+}
+
+fn export(model: &CausalLm) -> Result<miles_core::NamedTensors, BoxError> {
+    let mut out = miles_core::NamedTensors::new();
+    for (name, t) in model.to_hf_tensors(FloatDtype::F32)? {
+        out.insert(name, miles_core::TensorBytes::new(miles_core::DType::F32, t.shape, t.bytes)?);
+    }
+    Ok(out)
+}
+
+/// Writes HF-named weights with the model directory's config and tokenizer files.
+fn save_hf(
+    weights: &miles_core::NamedTensors,
+    model_dir: &Path,
+    dir: &Path,
+) -> Result<(), BoxError> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("model.safetensors"), weights.to_safetensors_bytes())?;
+    for file in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        if model_dir.join(file).exists() {
+            std::fs::copy(model_dir.join(file), dir.join(file))?;
+        }
+    }
+    Ok(())
+}
+
+/// Supervised warm-start: the answer and the end-of-turn token after each training prompt.
+fn warm_start(
+    model: CausalLm,
+    problems: &[AdditionProblem],
+    encoder: &ChatPromptEncoder,
+    eos_ids: &[u32],
+    args: &Args,
+) -> Result<CausalLm, BoxError> {
+    let steps: usize = args.parsed("--sft-steps")?;
+    let batch: usize = args.parsed("--sft-batch-size")?;
+    let eos = *eos_ids.first().ok_or("the model has no EOS token")?;
+    let samples: Vec<Sample> = problems
+        .iter()
+        .map(|p| -> Result<Sample, BoxError> {
+            let record = p.prompt_record();
+            let probe = Sample {
+                prompt: record.prompt,
+                ..Sample::default()
+            };
+            let prompt = encoder.encode(&probe)?;
+            let mut response = encoder.chat().encode(&p.answer())?;
+            response.push(eos);
+            Ok(Sample {
+                tokens: prompt.iter().chain(&response).copied().collect(),
+                response_length: response.len(),
+                loss_mask: Some(vec![1; response.len()]),
+                reward: Some(Reward::Scalar(0.0)),
+                ..Sample::default()
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let mut actor = Actor::new(
+        model,
+        TrainConfig {
+            loss_type: LossType::SftLoss,
+            lr_schedule: LrSchedule {
+                lr: args.parsed("--sft-lr")?,
+                ..LrSchedule::default()
+            },
+            micro_batch_size: batch,
+            layout: BatchLayout::Packed,
+            ..TrainConfig::default()
+        },
+    )?;
+    let mut cursor = 0;
+    for step in 0..steps {
+        let chunk: Vec<Sample> = (0..batch)
+            .map(|i| samples[(cursor + i) % samples.len()].clone())
+            .collect();
+        cursor = (cursor + batch) % samples.len();
+        let m = actor.train(step as u64, &chunk)?;
+        if step % 25 == 0 || step + 1 == steps {
+            println!(
+                "warm-start step {step:>4}/{steps}: loss {:.4}",
+                m.get("train/loss").copied().unwrap_or(f64::NAN)
+            );
+        }
+    }
+    Ok(actor.model().clone())
+}
