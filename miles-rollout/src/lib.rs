@@ -50,6 +50,7 @@ pub mod loops;
 pub mod manager;
 pub mod reward;
 pub mod router;
+pub mod server;
 
 pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use error::{Error, Result};
@@ -59,6 +60,7 @@ pub use loops::{
 pub use manager::{PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager};
 pub use reward::BuiltinReward;
 pub use router::{EngineFactory, Router};
+pub use server::{ServerInfo, sglang_router};
 
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
