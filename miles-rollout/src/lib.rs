@@ -44,6 +44,7 @@
 //! );
 //! ```
 
+pub mod cli;
 pub mod data;
 pub mod error;
 pub mod loops;
