@@ -349,6 +349,222 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Number of rows (sequences) the cache holds; 0 when empty.
+    pub fn rows(&self) -> usize {
+        self.key_valid.as_ref().map_or(0, |v| v.dims()[0])
+    }
+
+    /// Number of real (attended) keys in each row.
+    pub fn valid_lens(&self) -> Vec<usize> {
+        match &self.key_valid {
+            None => Vec::new(),
+            Some(valid) => {
+                let [rows, len] = valid.dims();
+                let flags = bool_rows(valid.clone());
+                (0..rows)
+                    .map(|r| flags[r * len..(r + 1) * len].iter().filter(|&&b| b).count())
+                    .collect()
+            }
+        }
+    }
+
+    /// The cache of the given rows, in that order (for dropping finished sequences from a
+    /// running batch). Out-of-range rows are an error.
+    pub fn select_rows(&self, rows: &[usize]) -> Result<KvCache, BridgeError> {
+        let Some(valid) = &self.key_valid else {
+            return Err(BridgeError::input("select_rows on an empty cache"));
+        };
+        let n = valid.dims()[0];
+        if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
+            return Err(BridgeError::input(format!(
+                "row {bad} out of range for a cache of {n} rows"
+            )));
+        }
+        if rows.is_empty() {
+            return Ok(KvCache::new());
+        }
+        let device = valid.device();
+        let index = Tensor::<1, Int>::from_data(
+            TensorData::new(rows.iter().map(|&r| r as i32).collect(), [rows.len()]),
+            &device,
+        );
+        Ok(KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.as_ref().map(|l| LayerCache {
+                        keys: l.keys.clone().select(0, index.clone()),
+                        values: l.values.clone().select(0, index.clone()),
+                    })
+                })
+                .collect(),
+            key_valid: Some(valid.clone().select(0, index.clone())),
+            next_position: self
+                .next_position
+                .as_ref()
+                .map(|p| p.clone().select(0, index.clone())),
+        })
+    }
+
+    /// Stacks caches row-wise into one batch cache. Shorter caches are padded on the key axis
+    /// with keys that are never attended to, so every row keeps its own length and positions.
+    /// Empty caches are skipped; all non-empty ones must come from the same model.
+    pub fn concat_rows(parts: Vec<KvCache>) -> Result<KvCache, BridgeError> {
+        let parts: Vec<KvCache> = parts.into_iter().filter(|p| !p.is_empty()).collect();
+        if parts.len() <= 1 {
+            return Ok(parts.into_iter().next().unwrap_or_default());
+        }
+        let layers = parts[0].layers.len();
+        if parts.iter().any(|p| p.layers.len() != layers) {
+            return Err(BridgeError::input("caches of different models"));
+        }
+        let total = parts.iter().map(KvCache::len).max().unwrap_or(0);
+        let mut valid = Vec::with_capacity(parts.len());
+        let mut next = Vec::with_capacity(parts.len());
+        let mut per_layer: Vec<(Vec<Tensor<4>>, Vec<Tensor<4>>)> =
+            (0..layers).map(|_| (Vec::new(), Vec::new())).collect();
+        for part in parts {
+            let pad = total - part.len();
+            let kv = part
+                .key_valid
+                .ok_or_else(|| BridgeError::input("cache without key validity"))?;
+            let [rows, _] = kv.dims();
+            let device = kv.device();
+            next.push(
+                part.next_position
+                    .ok_or_else(|| BridgeError::input("cache without positions"))?,
+            );
+            valid.push(if pad == 0 {
+                kv
+            } else {
+                Tensor::cat(
+                    vec![kv, Tensor::<2, Int>::zeros([rows, pad], &device).equal_elem(1)],
+                    1,
+                )
+            });
+            for (l, slot) in part.layers.into_iter().enumerate() {
+                let slot = slot.ok_or_else(|| BridgeError::input("cache with a missing layer"))?;
+                let padded = |t: Tensor<4>| -> Tensor<4> {
+                    if pad == 0 {
+                        return t;
+                    }
+                    let [b, h, _, d] = t.dims();
+                    let zeros = Tensor::<4>::zeros([b, h, pad, d], &t.device());
+                    Tensor::cat(vec![t, zeros], 2)
+                };
+                per_layer[l].0.push(padded(slot.keys));
+                per_layer[l].1.push(padded(slot.values));
+            }
+        }
+        Ok(KvCache {
+            layers: per_layer
+                .into_iter()
+                .map(|(k, v)| {
+                    Some(LayerCache {
+                        keys: Tensor::cat(k, 0),
+                        values: Tensor::cat(v, 0),
+                    })
+                })
+                .collect(),
+            key_valid: Some(Tensor::cat(valid, 0)),
+            next_position: Some(Tensor::cat(next, 0)),
+        })
+    }
+
+    /// Moves every row's real keys to the front and drops the key columns no row needs, so a
+    /// long-running batch does not keep paying for padding left by departed sequences.
+    pub fn compact(&self) -> KvCache {
+        let Some(valid) = &self.key_valid else {
+            return KvCache::new();
+        };
+        let [rows, len] = valid.dims();
+        let flags = bool_rows(valid.clone());
+        let kept: Vec<Vec<usize>> = (0..rows)
+            .map(|r| (0..len).filter(|&c| flags[r * len + c]).collect())
+            .collect();
+        let new_len = kept.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        if new_len == len {
+            return self.clone();
+        }
+        let device = valid.device();
+        let mut index = Vec::with_capacity(rows * new_len);
+        let mut new_valid = Vec::with_capacity(rows * new_len);
+        for cols in &kept {
+            for j in 0..new_len {
+                index.push(cols.get(j).copied().unwrap_or(0) as i32);
+                new_valid.push(j < cols.len());
+            }
+        }
+        let index = Tensor::<2, Int>::from_data(TensorData::new(index, [rows, new_len]), &device);
+        let gather = |t: &Tensor<4>| -> Tensor<4> {
+            let [b, h, _, d] = t.dims();
+            let idx = index
+                .clone()
+                .reshape([b, 1, new_len, 1])
+                .expand([b, h, new_len, d]);
+            t.clone().gather(2, idx)
+        };
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.as_ref().map(|l| LayerCache {
+                        keys: gather(&l.keys),
+                        values: gather(&l.values),
+                    })
+                })
+                .collect(),
+            key_valid: Some(Tensor::<2, Bool>::from_data(
+                TensorData::new(new_valid, [rows, new_len]),
+                &device,
+            )),
+            next_position: self.next_position.clone(),
+        }
+    }
+
+    /// Keeps the first `len` key columns (for reusing a cached prefix of a prompt). Positions
+    /// continue from the number of real keys kept, which is right for caches whose rows were
+    /// filled from position 0 (every prefix cache).
+    pub fn truncate(&self, len: usize) -> KvCache {
+        let Some(valid) = &self.key_valid else {
+            return KvCache::new();
+        };
+        if len >= self.len() {
+            return self.clone();
+        }
+        if len == 0 {
+            return KvCache::new();
+        }
+        let valid = valid.clone().narrow(1, 0, len);
+        let rows = valid.dims()[0];
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.as_ref().map(|l| LayerCache {
+                        keys: l.keys.clone().narrow(2, 0, len),
+                        values: l.values.clone().narrow(2, 0, len),
+                    })
+                })
+                .collect(),
+            next_position: Some(valid.clone().int().sum_dim(1).reshape([rows, 1])),
+            key_valid: Some(valid),
+        }
+    }
+}
+
+/// Host copy of a bool tensor, row-major.
+fn bool_rows(t: Tensor<2, Bool>) -> Vec<bool> {
+    t.int()
+        .into_data()
+        .convert::<i32>()
+        .try_to_vec::<i32>()
+        .map(|v| v.into_iter().map(|x| x != 0).collect())
+        .unwrap_or_default()
 }
 
 impl CausalLm {

@@ -8,6 +8,10 @@
 //! miles-train.
 //!
 //! Available now:
+//! * [`engine`]: the [`EmbeddedEngine`] — continuous batching over any miles-bridge model,
+//!   per-sequence KV caches under a token budget, prefix reuse, seeded sampling, log-probs
+//!   (recomputed by a pluggable [`SequenceScorer`]), routed experts, pause / abort / flush and
+//!   versioned in-place weight updates;
 //! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
 //!   of returned groups;
 //! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
@@ -17,6 +21,9 @@
 //!   rollout;
 //! * [`router`]: a [`Router`] over engines (itself an engine) — sticky routing keys, least
 //!   outstanding requests, failover, health checks with re-creation and weight catch-up;
+//! * [`server`]: SGLang's HTTP protocol over any engine ([`sglang_router`]: `/generate`,
+//!   `/v1/chat/completions`, health, pause / continue / abort / flush, weight updates from
+//!   disk and versions), served by the `miles-rollout serve --model DIR` binary ([`cli`]);
 //! * [`loops`]: the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
 //!   (pause → flush → update → resume → version check), staleness control and resumable
 //!   checkpoints;
@@ -46,6 +53,8 @@
 
 pub mod cli;
 pub mod data;
+pub mod encoder;
+pub mod engine;
 pub mod error;
 pub mod loops;
 pub mod manager;
@@ -53,6 +62,11 @@ pub mod reward;
 pub mod router;
 pub mod server;
 
+pub use engine::{
+    Detokenizer, EmbeddedEngine, EngineBuilder, EngineConfig, EngineStats, PrefillScorer,
+    SequenceScorer,
+};
+pub use encoder::ChatPromptEncoder;
 pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use error::{Error, Result};
 pub use loops::{

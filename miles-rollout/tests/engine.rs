@@ -1,0 +1,473 @@
+//! The embedded engine on the real tiny HF checkpoints (`fixtures/models/`): log-probs and
+//! routing against a full forward of the same model, continuous batching against one-at-a-time
+//! generation, versioned weight updates under load, the KV budget, prefix reuse, abort / pause,
+//! stop conditions and bad input.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use miles_bridge::{CausalLm, FloatDtype, ModelInput, token_logprobs};
+use miles_core::{
+    DType, EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, GenerateRequest,
+    InferenceEngine, NamedTensors, PauseMode, RequestId, SamplingParams, TensorBytes,
+    WeightVersion,
+};
+use miles_r3::Fallthrough;
+use miles_rollout::{Detokenizer, EmbeddedEngine, EngineConfig};
+
+fn fixture(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models").join(name);
+    assert!(dir.join("config.json").exists(), "fixture {} missing", dir.display());
+    dir
+}
+
+fn load(name: &str) -> CausalLm {
+    CausalLm::from_pretrained(fixture(name), &Device::flex()).expect("fixture loads")
+}
+
+fn config(recompute: bool) -> EngineConfig {
+    EngineConfig {
+        recompute_logprobs_via_prefill: recompute,
+        ..EngineConfig::default()
+    }
+}
+
+fn request(prompt: Vec<u32>, max_new: usize, seed: u64) -> GenerateRequest {
+    let mut r = GenerateRequest::new(
+        prompt,
+        SamplingParams {
+            max_new_tokens: Some(max_new),
+            sampling_seed: Some(seed),
+            ..SamplingParams::default()
+        },
+    );
+    r.return_routed_experts = true;
+    r
+}
+
+fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 37 + salt * 101 + 5) % vocab).collect()
+}
+
+/// Log-probs of the response under a plain full forward (miles-bridge), and the routing rows.
+fn full_forward(model: &CausalLm, tokens: &[u32], response: usize) -> (Vec<f32>, Vec<Vec<i32>>) {
+    let device = Device::flex();
+    let n = tokens.len();
+    let ids = Tensor::<2, Int>::from_data(
+        TensorData::new(tokens.iter().map(|&t| t as i32).collect(), [1, n]),
+        &device,
+    );
+    let out = model.forward(&ModelInput::new(ids.clone()), &Fallthrough).unwrap();
+    let lp: Vec<f32> = token_logprobs(out.logits, ids)
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec()
+        .unwrap();
+    let routing = out
+        .routing
+        .iter()
+        .map(|r| r.experts.clone().into_data().convert::<i32>().try_to_vec().unwrap())
+        .collect();
+    (lp[n - 1 - response..].to_vec(), routing)
+}
+
+fn max_diff(a: &[f64], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, &y)| (x - y as f64).abs())
+        .fold(0.0, f64::max)
+}
+
+async fn run_all(engine: &Arc<EmbeddedEngine>, reqs: Vec<GenerateRequest>) -> Vec<GenerateOutput> {
+    let handles: Vec<_> = reqs
+        .into_iter()
+        .map(|r| {
+            let e = engine.clone();
+            tokio::spawn(async move { e.generate(r).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap().unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
+    for name in ["glm4moe-tiny", "qwen3-tiny"] {
+        let model = load(name);
+        let vocab = model.config.vocab_size as u32;
+        let moe = model.config.has_moe();
+        let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(false)).unwrap());
+        let reqs = (0..3).map(|i| request(prompt(7 + 3 * i, i as u32, vocab), 20, i as u64)).collect();
+        let outs = run_all(&engine, reqs).await;
+        for (i, out) in outs.iter().enumerate() {
+            assert_eq!(out.finish_reason, FinishReason::Length, "{name}");
+            assert_eq!(out.output_ids.len(), 20);
+            assert_eq!(out.output_log_probs.len(), 20);
+            let p = prompt(7 + 3 * i, i as u32, vocab);
+            let tokens: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
+            let (reference, routing) = full_forward(&model, &tokens, 20);
+            let diff = max_diff(&out.output_log_probs, &reference);
+            assert!(diff < 2e-4, "{name}: decode log-probs differ by {diff}");
+            if moe {
+                let re = out.routed_experts.as_ref().expect("routed experts");
+                let k = model.config.num_experts_per_tok;
+                assert_eq!(re.rows(), tokens.len() - 1);
+                assert_eq!(re.layers(), routing.len());
+                let mut same = 0;
+                let mut total = 0;
+                for row in 0..re.rows() {
+                    for (l, layer) in routing.iter().enumerate() {
+                        let mut a = re.get(row, l).unwrap().to_vec();
+                        let mut b = layer[row * k..(row + 1) * k].to_vec();
+                        a.sort_unstable();
+                        b.sort_unstable();
+                        total += 1;
+                        same += usize::from(a == b);
+                    }
+                }
+                assert!(same * 100 >= total * 98, "{name}: routing agrees on {same}/{total}");
+            } else {
+                assert!(out.routed_experts.is_none());
+            }
+        }
+        // With recompute (the default), log-probs come from one forward over the sequence and
+        // equal the full forward bit for bit.
+        let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(true)).unwrap());
+        let p = prompt(9, 3, vocab);
+        let out = engine.generate(request(p.clone(), 16, 9)).await.unwrap();
+        let tokens: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
+        let (reference, _) = full_forward(&model, &tokens, 16);
+        let got: Vec<f32> = out.output_log_probs.iter().map(|&x| x as f32).collect();
+        assert_eq!(got, reference, "{name}: recomputed log-probs");
+    }
+}
+
+#[tokio::test]
+async fn continuous_batching_gives_the_same_tokens_as_one_at_a_time() {
+    let model = load("glm4moe-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let reqs: Vec<GenerateRequest> = (0..8)
+        .map(|i| {
+            let mut r = request(prompt(4 + 2 * i, i as u32, vocab), 12 + i, 100 + i as u64);
+            r.sampling_params.temperature = 0.8;
+            r.sampling_params.top_k = 40;
+            r
+        })
+        .collect();
+    let batched = Arc::new(EmbeddedEngine::new(model.clone(), config(true)).unwrap());
+    let single = Arc::new(
+        EmbeddedEngine::new(
+            model,
+            EngineConfig {
+                max_running_requests: 1,
+                ..config(true)
+            },
+        )
+        .unwrap(),
+    );
+    let a = run_all(&batched, reqs.clone()).await;
+    let b = run_all(&single, reqs).await;
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.output_ids, y.output_ids);
+        assert_eq!(x.output_log_probs, y.output_log_probs);
+    }
+    assert!(batched.stats().max_batch > 1, "{:?}", batched.stats());
+    assert_eq!(single.stats().max_batch, 1);
+}
+
+fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
+    let mut out = NamedTensors::new();
+    for (name, t) in model.to_hf_tensors(FloatDtype::F32).unwrap() {
+        let values: Vec<f32> = t.to_f32().iter().map(|v| v * factor).collect();
+        out.insert(name, TensorBytes::from_f32(t.shape.clone(), &values).unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_weight_update_under_load_never_mixes_versions() {
+    let model = load("glm4moe-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let new_weights = scaled_weights(&model, 1.05);
+    let updated = {
+        let mut map = miles_bridge::TensorMap::new();
+        for (name, t) in new_weights.iter() {
+            map.insert(
+                name.to_string(),
+                miles_bridge::HostTensor {
+                    dtype: FloatDtype::F32,
+                    shape: t.shape().to_vec(),
+                    bytes: t.data().to_vec(),
+                },
+            );
+        }
+        CausalLm::from_hf_tensors(&model.config, map, &Device::flex()).unwrap()
+    };
+    let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(false)).unwrap());
+    let mut handles = Vec::new();
+    for i in 0..16u32 {
+        let e = engine.clone();
+        let p = prompt(5 + (i as usize % 5), i, vocab);
+        handles.push(tokio::spawn(async move {
+            let out = e.generate(request(p.clone(), 10 + (i as usize % 7), i as u64)).await;
+            (p, out.unwrap())
+        }));
+        if i == 6 {
+            let e = engine.clone();
+            let w = new_weights.clone();
+            handles.push(tokio::spawn(async move {
+                e.update_weights(&w, WeightVersion(1)).await.unwrap();
+                (Vec::new(), GenerateOutput {
+                    request_id: None,
+                    output_ids: Vec::new(),
+                    output_log_probs: Vec::new(),
+                    routed_experts: None,
+                    finish_reason: FinishReason::Abort,
+                    matched_stop: None,
+                    weight_version: WeightVersion(99),
+                    prompt_tokens: 0,
+                    cached_tokens: 0,
+                })
+            }));
+        }
+    }
+    let mut seen = [0usize; 2];
+    for h in handles {
+        let (p, out) = h.await.unwrap();
+        if out.weight_version == WeightVersion(99) {
+            continue;
+        }
+        let tokens: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
+        let r = out.output_ids.len();
+        let (old, _) = full_forward(&model, &tokens, r);
+        let (new, _) = full_forward(&updated, &tokens, r);
+        let (d_old, d_new) = (
+            max_diff(&out.output_log_probs, &old),
+            max_diff(&out.output_log_probs, &new),
+        );
+        match out.weight_version.0 {
+            0 => assert!(d_old < 2e-4 && d_new > 1e-2, "v0 output: {d_old} / {d_new}"),
+            1 => assert!(d_new < 2e-4 && d_old > 1e-2, "v1 output: {d_old} / {d_new}"),
+            v => panic!("unexpected version {v}"),
+        }
+        seen[out.weight_version.0 as usize] += 1;
+    }
+    assert!(seen[0] > 0 && seen[1] > 0, "{seen:?}");
+    assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(1));
+
+    // A broken update is a typed error; the engine keeps serving the old weights.
+    let mut broken = new_weights.clone();
+    broken.remove("lm_head.weight");
+    let err = engine.update_weights(&broken, WeightVersion(2)).await.unwrap_err();
+    assert!(matches!(err, CoreError::Engine { kind: EngineErrorKind::WeightUpdate, .. }), "{err}");
+    let mut wrong = NamedTensors::new();
+    wrong.insert("x", TensorBytes::new(DType::I32, vec![1], vec![0; 4]).unwrap());
+    assert!(engine.update_weights(&wrong, WeightVersion(2)).await.is_err());
+    assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(1));
+    let out = engine.generate(request(prompt(4, 1, vocab), 3, 1)).await.unwrap();
+    assert_eq!(out.weight_version, WeightVersion(1));
+}
+
+#[tokio::test]
+async fn the_kv_budget_makes_requests_wait_and_rejects_what_can_never_fit() {
+    let model = load("qwen3-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let engine = Arc::new(
+        EmbeddedEngine::new(
+            model,
+            EngineConfig {
+                kv_token_budget: 70,
+                ..config(true)
+            },
+        )
+        .unwrap(),
+    );
+    let reqs = (0..6).map(|i| request(prompt(8, i, vocab), 24, i as u64)).collect();
+    let outs = run_all(&engine, reqs).await;
+    assert!(outs.iter().all(|o| o.output_ids.len() == 24 && o.finish_reason == FinishReason::Length));
+    let stats = engine.stats();
+    assert!(stats.max_batch <= 2, "{stats:?}");
+    assert!(stats.budget_waits >= 1, "{stats:?}");
+    let err = engine.generate(request(prompt(40, 1, vocab), 40, 1)).await.unwrap_err();
+    assert!(matches!(err, CoreError::Engine { kind: EngineErrorKind::InvalidRequest, .. }), "{err}");
+}
+
+#[tokio::test]
+async fn prefixes_are_reused_within_a_session_and_across_a_group() {
+    let model = load("glm4moe-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let engine = EmbeddedEngine::new(model.clone(), config(false)).unwrap();
+    let p = prompt(12, 4, vocab);
+    let first = engine.generate(request(p.clone(), 8, 1)).await.unwrap();
+    assert_eq!(first.cached_tokens, 0);
+    // Same prompt again (a GRPO group): all but the last prompt token come from the cache.
+    let again = engine.generate(request(p.clone(), 8, 2)).await.unwrap();
+    assert_eq!(again.cached_tokens, p.len() - 1);
+    // Next turn of the session: prompt + reply + new user tokens.
+    let mut turn2: Vec<u32> = p.iter().chain(&first.output_ids).copied().collect();
+    turn2.extend(prompt(5, 9, vocab));
+    let second = engine.generate(request(turn2.clone(), 8, 3)).await.unwrap();
+    assert_eq!(second.cached_tokens, p.len() + first.output_ids.len() - 1);
+    let tokens: Vec<u32> = turn2.iter().chain(&second.output_ids).copied().collect();
+    let (reference, routing) = full_forward(&model, &tokens, 8);
+    assert!(max_diff(&second.output_log_probs, &reference) < 2e-4);
+    // Routed experts cover the reused prefix too.
+    let re = second.routed_experts.unwrap();
+    assert_eq!(re.rows(), tokens.len() - 1);
+    let k = model.config.num_experts_per_tok;
+    let mut a = re.get(0, 0).unwrap().to_vec();
+    let mut b = routing[0][..k].to_vec();
+    a.sort_unstable();
+    b.sort_unstable();
+    assert_eq!(a, b);
+    // After a flush nothing is reused.
+    engine.flush_cache().await.unwrap();
+    let cold = engine.generate(request(p, 4, 4)).await.unwrap();
+    assert_eq!(cold.cached_tokens, 0);
+}
+
+#[tokio::test]
+async fn abort_pause_and_resume() {
+    let model = load("qwen3-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let engine = Arc::new(EmbeddedEngine::new(model, config(true)).unwrap());
+
+    // Abort by request id returns the partial output.
+    let mut long = request(prompt(6, 1, vocab), 200, 1);
+    long.request_id = Some(RequestId::new("long"));
+    let e = engine.clone();
+    let h = tokio::spawn(async move { e.generate(long).await });
+    while engine.stats().generated_tokens < 3 {
+        tokio::task::yield_now().await;
+    }
+    engine.abort(&RequestId::new("long")).await.unwrap();
+    let out = h.await.unwrap().unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Abort);
+    assert!(out.output_ids.len() < 200);
+    assert_eq!(out.output_log_probs.len(), out.output_ids.len());
+
+    // In-place pause holds the sequence; after resume it completes.
+    let reference = engine.generate(request(prompt(6, 2, vocab), 40, 5)).await.unwrap();
+    for mode in [PauseMode::InPlace, PauseMode::Retract] {
+        let e = engine.clone();
+        let before = engine.stats().generated_tokens;
+        let h = tokio::spawn(async move { e.generate(request(prompt(6, 2, vocab), 40, 5)).await });
+        while engine.stats().generated_tokens < before + 5 {
+            tokio::task::yield_now().await;
+        }
+        engine.pause(mode).await.unwrap();
+        // A request sent while paused waits.
+        let e = engine.clone();
+        let queued = tokio::spawn(async move { e.generate(request(prompt(3, 7, vocab), 4, 1)).await });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!queued.is_finished() && !h.is_finished());
+        engine.resume().await.unwrap();
+        let out = h.await.unwrap().unwrap();
+        assert_eq!(out.finish_reason, FinishReason::Length, "{mode:?}");
+        assert_eq!(out.output_ids, reference.output_ids, "{mode:?}");
+        assert_eq!(queued.await.unwrap().unwrap().output_ids.len(), 4);
+    }
+
+    // Pause with abort ends in-flight requests.
+    let e = engine.clone();
+    let before = engine.stats().generated_tokens;
+    let h = tokio::spawn(async move { e.generate(request(prompt(6, 3, vocab), 300, 1)).await });
+    while engine.stats().generated_tokens < before + 2 {
+        tokio::task::yield_now().await;
+    }
+    engine.pause(PauseMode::Abort).await.unwrap();
+    assert_eq!(h.await.unwrap().unwrap().finish_reason, FinishReason::Abort);
+    engine.resume().await.unwrap();
+}
+
+struct IdText;
+
+impl Detokenizer for IdText {
+    fn decode(&self, ids: &[u32]) -> String {
+        ids.iter().map(|i| format!("<{i}>")).collect()
+    }
+}
+
+#[tokio::test]
+async fn stop_tokens_stop_strings_min_new_tokens_and_eos() {
+    let model = load("glm4moe-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let engine = EmbeddedEngine::builder(model.clone())
+        .config(config(true))
+        .detokenizer(Arc::new(IdText))
+        .build()
+        .unwrap();
+    let p = prompt(5, 6, vocab);
+    let mut greedy = request(p.clone(), 12, 0);
+    greedy.sampling_params.temperature = 0.0;
+    let full = engine.generate(greedy.clone()).await.unwrap();
+    assert_eq!(full.output_ids.len(), 12);
+    let third = full.output_ids[2];
+    let first_pos = full.output_ids.iter().position(|&t| t == third).unwrap();
+
+    let mut stop_tok = greedy.clone();
+    stop_tok.sampling_params.stop_token_ids = vec![third];
+    let out = engine.generate(stop_tok.clone()).await.unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Stop);
+    assert_eq!(out.output_ids, full.output_ids[..=first_pos].to_vec());
+    assert_eq!(out.matched_stop, Some(serde_json::json!(third)));
+
+    let mut stop_str = greedy.clone();
+    stop_str.sampling_params.stop = vec![format!("<{third}>")];
+    let out = engine.generate(stop_str).await.unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Stop);
+    assert_eq!(out.output_ids, full.output_ids[..=first_pos].to_vec());
+    assert_eq!(out.matched_stop, Some(serde_json::json!(format!("<{third}>"))));
+
+    // min_new_tokens holds stops back.
+    let mut min_new = stop_tok;
+    min_new.sampling_params.min_new_tokens = first_pos + 1;
+    let out = engine.generate(min_new).await.unwrap();
+    assert!(out.output_ids.len() > first_pos + 1);
+
+    // The model's EOS (from generation_config.json) ends generation when loaded from disk.
+    let disk = EmbeddedEngine::from_pretrained(&fixture("glm4moe-tiny"), &Device::flex(), config(true))
+        .unwrap();
+    let mut eos = greedy;
+    eos.sampling_params.stop_token_ids.clear();
+    eos.input_ids = p;
+    let out = disk.generate(eos).await.unwrap();
+    if let Some(pos) = out.output_ids.iter().position(|&t| t == 1) {
+        assert_eq!(out.output_ids.len(), pos + 1);
+        assert_eq!(out.finish_reason, FinishReason::Stop);
+    } else {
+        assert_eq!(out.finish_reason, FinishReason::Length);
+    }
+}
+
+#[tokio::test]
+async fn bad_requests_are_typed_errors() {
+    let model = load("qwen3-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let engine = EmbeddedEngine::new(model, config(true)).unwrap();
+    let mut cases = vec![request(Vec::new(), 4, 1), request(vec![vocab + 3], 4, 1)];
+    let mut n2 = request(prompt(3, 1, vocab), 4, 1);
+    n2.sampling_params.n = 2;
+    cases.push(n2);
+    let mut stop = request(prompt(3, 1, vocab), 4, 1);
+    stop.sampling_params.stop = vec!["x".into()];
+    cases.push(stop);
+    let mut temp = request(prompt(3, 1, vocab), 4, 1);
+    temp.sampling_params.temperature = -1.0;
+    cases.push(temp);
+    for case in cases {
+        let err = engine.generate(case).await.unwrap_err();
+        assert!(
+            matches!(err, CoreError::Engine { kind: EngineErrorKind::InvalidRequest, .. }),
+            "{err}"
+        );
+    }
+    // Still healthy and serving.
+    engine.health().await.unwrap();
+    assert_eq!(engine.generate(request(prompt(3, 1, vocab), 2, 1)).await.unwrap().output_ids.len(), 2);
+}
