@@ -180,9 +180,9 @@ async fn http_fleet_sticky_spread_failover_and_readmission() {
 
     // Servers that refuse (HTTP 503): requests are retried on the one left.
     let survivor = (0..3).rev().find(|&i| i != victim).unwrap();
-    for i in 0..3 {
+    for (i, engine) in fleet.iter().enumerate() {
         if i != victim && i != survivor {
-            fleet[i].dead.store(true, Ordering::SeqCst);
+            engine.dead.store(true, Ordering::SeqCst);
         }
     }
     for _ in 0..4 {
