@@ -21,6 +21,9 @@
 //!   rollout;
 //! * [`router`]: a [`Router`] over engines (itself an engine) — sticky routing keys, least
 //!   outstanding requests, failover, health checks with re-creation and weight catch-up;
+//! * [`server`]: SGLang's HTTP protocol over any engine ([`sglang_router`]: `/generate`,
+//!   `/v1/chat/completions`, health, pause / continue / abort / flush, weight updates from
+//!   disk and versions), served by the `miles-rollout serve --model DIR` binary ([`cli`]);
 //! * [`loops`]: the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
 //!   (pause → flush → update → resume → version check), staleness control and resumable
 //!   checkpoints;
@@ -48,6 +51,7 @@
 //! );
 //! ```
 
+pub mod cli;
 pub mod data;
 pub mod encoder;
 pub mod engine;
@@ -56,6 +60,7 @@ pub mod loops;
 pub mod manager;
 pub mod reward;
 pub mod router;
+pub mod server;
 
 pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use encoder::ChatPromptEncoder;
@@ -70,6 +75,7 @@ pub use loops::{
 pub use manager::{PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager};
 pub use reward::BuiltinReward;
 pub use router::{EngineFactory, Router};
+pub use server::{ServerInfo, sglang_router};
 
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};

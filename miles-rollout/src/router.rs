@@ -2,16 +2,30 @@
 //! (`X-SMG-Routing-Key` / session), otherwise least outstanding requests; engines that fail
 //! are taken out of rotation and re-admitted once a health check passes (after catching up
 //! to the current weights); a request is retried on another engine only when that is safe.
+//!
+//! Engines may be in-process or remote: [`Router::over_http`] builds a router over SGLang
+//! servers (miles-session's [`SglangEngine`] client, e.g. `miles-rollout serve` processes), and
+//! [`Router::spawn_health_checker`] runs [`Router::check_health`] periodically, the way Miles'
+//! router polls `/health` every `--rollout-health-check-interval` seconds.
+//!
+//! When is a retry safe? An engine error of kind `Unavailable` means the caller received
+//! nothing: the engine refused the connection, or (over HTTP) the connection dropped before an
+//! answer arrived. `/generate` does not stream, so a dropped connection delivers no partial
+//! output; whatever the dead engine generated died with it, and the request is re-run from its
+//! prompt on another engine. Any other failure after the engine took the request (an internal
+//! error, a protocol violation) may hide generated tokens, so the request ends ABORTED.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use miles_core::{
     EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
     NamedTensors, PauseMode, RequestId, Result as CoreResult, WeightVersion, async_trait,
 };
+use miles_session::sglang::{SglangConfig, SglangEngine};
 
 /// Re-creates an engine that died (in-process engines); `None` for engines that come back
 /// on their own (HTTP servers restarted by their supervisor) and are only health-checked.
@@ -80,6 +94,45 @@ impl Router {
             latest: Mutex::new(LatestWeights::None),
             paused: Mutex::new(None),
         }
+    }
+
+    /// A router over SGLang-protocol servers at `urls` (named by their URL), each reached with
+    /// miles-session's [`SglangEngine`] client configured by `configure` (timeouts, MoE layer
+    /// count for routed experts, a shared directory for tensor weight updates). Servers come
+    /// back on their own after a restart, so they have no factory: they are re-admitted when
+    /// [`Router::check_health`] finds them healthy again.
+    pub fn over_http(urls: &[String], configure: impl Fn(&mut SglangConfig)) -> Self {
+        Self::new(
+            urls.iter()
+                .map(|url| {
+                    let mut config = SglangConfig::new(url.as_str());
+                    configure(&mut config);
+                    let engine: Arc<dyn InferenceEngine> = Arc::new(SglangEngine::new(config));
+                    (url.clone(), engine, None)
+                })
+                .collect(),
+        )
+    }
+
+    /// Runs [`Router::check_health`] every `interval` on the current tokio runtime until the
+    /// returned handle is aborted (or the router is dropped by everyone else).
+    pub fn spawn_health_checker(
+        self: &Arc<Self>,
+        interval: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let router = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticker.tick().await;
+            loop {
+                ticker.tick().await;
+                let Some(router) = router.upgrade() else {
+                    return;
+                };
+                router.check_health().await;
+            }
+        })
     }
 
     /// Names of the engines currently in rotation.

@@ -1,0 +1,274 @@
+//! The command line of the `miles-rollout` binary:
+//!
+//! ```text
+//! miles-rollout serve --model DIR [--host 127.0.0.1] [--port 30000] [--tokenizer DIR]
+//!                     [--tito FAMILY] [--served-model-name NAME] [--max-running-requests N]
+//!                     [--kv-token-budget TOKENS] [--seed N] [--no-recompute-logprobs]
+//! ```
+//!
+//! `serve` loads an HF checkpoint directory into the embedded engine and answers SGLang's HTTP
+//! protocol on it ([`crate::server`]). With `--port 0` the system picks a free port. Once the
+//! socket is bound the binary prints one line, `listening on http://HOST:PORT`, to stdout.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::server::{ServerInfo, load_chat_tokenizer, tito_family_for};
+
+/// The usage text.
+pub const USAGE: &str = "\
+usage: miles-rollout serve --model DIR [options]
+
+Serves an HF checkpoint with the embedded engine over SGLang's HTTP protocol.
+
+options:
+  --model DIR                 HF checkpoint directory (config.json + *.safetensors)
+  --host HOST                 address to bind (default 127.0.0.1)
+  --port PORT                 port to bind (default 30000; 0 = any free port)
+  --tokenizer DIR             tokenizer directory for text prompts and chat (default: --model)
+  --tito FAMILY               chat family of miles-tito (default: from config.json model_type)
+  --served-model-name NAME    model name in OpenAI answers (default: the model path)
+  --max-running-requests N    sequences decoded together
+  --kv-token-budget TOKENS    KV-cache budget in tokens
+  --seed N                    seed for requests without sampling_seed
+  --no-recompute-logprobs     return decode-time log-probs (no prefill recompute)
+";
+
+/// Options of `miles-rollout serve`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeArgs {
+    /// HF checkpoint directory.
+    pub model: PathBuf,
+    /// Tokenizer directory (default: the model directory).
+    pub tokenizer: Option<PathBuf>,
+    /// miles-tito family for chat (default: chosen from `model_type`).
+    pub tito: Option<String>,
+    /// Address to bind.
+    pub host: String,
+    /// Port to bind (0: any free port).
+    pub port: u16,
+    /// `model` of OpenAI answers.
+    pub served_model_name: Option<String>,
+    /// Engine: sequences decoded together.
+    pub max_running_requests: Option<usize>,
+    /// Engine: KV-cache budget in tokens.
+    pub kv_token_budget: Option<usize>,
+    /// Engine: seed for unseeded requests.
+    pub seed: Option<u64>,
+    /// Engine: recompute log-probs with a prefill pass after each sequence (Miles'
+    /// `recompute_logprobs_via_prefill`).
+    pub recompute_logprobs: bool,
+}
+
+/// A parsed command line.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    /// `serve …`.
+    Serve(ServeArgs),
+    /// `--help` / `help`.
+    Help,
+}
+
+fn usage_error(message: impl Into<String>) -> Error {
+    Error::Config(format!("{}\n\n{USAGE}", message.into()))
+}
+
+fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T> {
+    value
+        .parse()
+        .map_err(|_| usage_error(format!("{flag} expects a number, got {value:?}")))
+}
+
+/// Parses the arguments after the program name.
+pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
+    let mut args = args.into_iter();
+    match args.next().as_deref() {
+        Some("serve") => {}
+        None | Some("help" | "--help" | "-h") => return Ok(Command::Help),
+        Some(other) => return Err(usage_error(format!("unknown command {other:?}"))),
+    }
+    let mut model = None;
+    let mut parsed = ServeArgs {
+        model: PathBuf::new(),
+        tokenizer: None,
+        tito: None,
+        host: "127.0.0.1".into(),
+        port: 30000,
+        served_model_name: None,
+        max_running_requests: None,
+        kv_token_budget: None,
+        seed: None,
+        recompute_logprobs: true,
+    };
+    while let Some(flag) = args.next() {
+        let (flag, inline) = match flag.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_owned(), Some(v.to_owned())),
+            _ => (flag, None),
+        };
+        if matches!(flag.as_str(), "--help" | "-h") {
+            return Ok(Command::Help);
+        }
+        if flag == "--no-recompute-logprobs" {
+            parsed.recompute_logprobs = false;
+            continue;
+        }
+        let value = match inline.or_else(|| args.next()) {
+            Some(v) => v,
+            None => return Err(usage_error(format!("{flag} needs a value"))),
+        };
+        match flag.as_str() {
+            "--model" | "--model-path" => model = Some(PathBuf::from(value)),
+            "--tokenizer" | "--tokenizer-path" => parsed.tokenizer = Some(PathBuf::from(value)),
+            "--tito" | "--tito-model" => parsed.tito = Some(value),
+            "--host" => parsed.host = value,
+            "--port" => parsed.port = number(&flag, &value)?,
+            "--served-model-name" => parsed.served_model_name = Some(value),
+            "--max-running-requests" => parsed.max_running_requests = Some(number(&flag, &value)?),
+            "--kv-token-budget" => parsed.kv_token_budget = Some(number(&flag, &value)?),
+            "--seed" => parsed.seed = Some(number(&flag, &value)?),
+            other => return Err(usage_error(format!("unknown option {other}"))),
+        }
+    }
+    parsed.model = model.ok_or_else(|| usage_error("--model DIR is required"))?;
+    Ok(Command::Serve(parsed))
+}
+
+/// What the server reports for `args`: the model's `config.json`, and the chat tokenizer of
+/// the tokenizer directory when it has one.
+pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
+    let mut info = ServerInfo::from_model_dir(&args.model)?;
+    if let Some(name) = &args.served_model_name {
+        info.served_model_name = name.clone();
+    }
+    let tokenizer_dir = args.tokenizer.clone().unwrap_or_else(|| args.model.clone());
+    let family = args
+        .tito
+        .clone()
+        .unwrap_or_else(|| tito_family_for(info.model_type.as_deref()).to_owned());
+    if let Some(tokenizer) = load_chat_tokenizer(&tokenizer_dir, &family)? {
+        info = info.with_tokenizer(tokenizer, tokenizer_dir.to_string_lossy());
+    } else if args.tokenizer.is_some() {
+        return Err(Error::Config(format!(
+            "no tokenizer.json in {}",
+            tokenizer_dir.display()
+        )));
+    }
+    Ok(info)
+}
+
+/// Binds `host:port`, prints `listening on http://ADDR` and serves `app` until the process
+/// ends.
+pub async fn run(app: axum::Router, host: &str, port: u16) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(|source| Error::Io {
+            path: PathBuf::from(format!("{host}:{port}")),
+            source,
+        })?;
+    let addr: SocketAddr = listener.local_addr().map_err(|source| Error::Io {
+        path: PathBuf::from(format!("{host}:{port}")),
+        source,
+    })?;
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        // The line a supervisor (or a test) waits for; a closed stdout is not fatal.
+        let _ = writeln!(out, "listening on http://{addr}");
+        let _ = out.flush();
+    }
+    axum::serve(listener, app)
+        .await
+        .map_err(|e| Error::Task(format!("HTTP server stopped: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Result<Command> {
+        parse_args(list.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn serve_flags_and_defaults() {
+        let Command::Serve(parsed) = args(&["serve", "--model", "/m"]).unwrap() else {
+            panic!("serve expected");
+        };
+        assert_eq!(parsed.model, PathBuf::from("/m"));
+        assert_eq!(parsed.host, "127.0.0.1");
+        assert_eq!(parsed.port, 30000);
+        assert!(parsed.recompute_logprobs);
+        let Command::Serve(parsed) = args(&[
+            "serve",
+            "--model=/m",
+            "--port",
+            "0",
+            "--host",
+            "0.0.0.0",
+            "--tito",
+            "qwen3",
+            "--seed=5",
+            "--no-recompute-logprobs",
+        ])
+        .unwrap() else {
+            panic!("serve expected");
+        };
+        assert_eq!(parsed.port, 0);
+        assert_eq!(parsed.host, "0.0.0.0");
+        assert_eq!(parsed.tito.as_deref(), Some("qwen3"));
+        assert_eq!(parsed.seed, Some(5));
+        assert!(!parsed.recompute_logprobs);
+        assert_eq!(args(&["--help"]).unwrap(), Command::Help);
+        assert_eq!(args(&[]).unwrap(), Command::Help);
+    }
+
+    #[test]
+    fn bad_command_lines_are_config_errors() {
+        for bad in [
+            &["serve"][..],
+            &["serve", "--model"],
+            &["serve", "--model", "/m", "--port", "http"],
+            &["serve", "--model", "/m", "--bogus", "1"],
+            &["train"],
+        ] {
+            assert!(matches!(args(bad), Err(Error::Config(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn server_info_reads_the_checkpoint_and_its_tokenizer() {
+        let dir =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/serve/qwen3-tiny-chat");
+        let Command::Serve(parsed) = parse_args([
+            "serve".to_owned(),
+            "--model".to_owned(),
+            dir.to_string_lossy().into(),
+        ])
+        .unwrap() else {
+            panic!("serve expected");
+        };
+        let info = server_info(&parsed).unwrap();
+        assert_eq!(info.model_type.as_deref(), Some("qwen3"));
+        assert_eq!(info.vocab_size, Some(512));
+        assert_eq!(info.context_length, Some(256));
+        let tokenizer = info.tokenizer.unwrap();
+        assert_eq!(tokenizer.family(), "qwen3");
+        // <|im_end|> was re-numbered to 502 in the cut-down vocabulary.
+        assert_eq!(tokenizer.stop_token_ids(), vec![502]);
+        // No tokenizer.json next to the weights: ids only.
+        let ids_only =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/glm4moe-tiny");
+        let Command::Serve(parsed) = parse_args([
+            "serve".to_owned(),
+            "--model".to_owned(),
+            ids_only.to_string_lossy().into(),
+        ])
+        .unwrap() else {
+            panic!("serve expected");
+        };
+        let info = server_info(&parsed).unwrap();
+        assert!(info.tokenizer.is_none());
+        assert_eq!(info.model_type.as_deref(), Some("glm4_moe"));
+    }
+}

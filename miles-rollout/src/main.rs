@@ -1,0 +1,55 @@
+//! `miles-rollout serve --model DIR [--host 127.0.0.1] [--port 30000]`: the embedded engine
+//! behind SGLang's HTTP protocol. See [`miles_rollout::cli`] for every option.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use miles_rollout::cli::{self, Command, ServeArgs};
+use miles_rollout::server::sglang_router;
+use miles_rollout::{EmbeddedEngine, EngineConfig};
+
+fn serve(args: ServeArgs) -> miles_rollout::Result<()> {
+    let info = cli::server_info(&args)?;
+    let mut config = EngineConfig::default();
+    if let Some(n) = args.max_running_requests {
+        config.max_running_requests = n;
+    }
+    if let Some(n) = args.kv_token_budget {
+        config.kv_token_budget = n;
+    }
+    if let Some(seed) = args.seed {
+        config.seed = seed;
+    }
+    config.recompute_logprobs_via_prefill = args.recompute_logprobs;
+    let device = burn::tensor::Device::flex();
+    let engine = EmbeddedEngine::from_pretrained(&args.model, &device, config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| miles_rollout::Error::Task(format!("cannot start the runtime: {e}")))?;
+    runtime.block_on(cli::run(
+        sglang_router(Arc::new(engine), info),
+        &args.host,
+        args.port,
+    ))
+}
+
+fn main() -> ExitCode {
+    match cli::parse_args(std::env::args().skip(1)) {
+        Ok(Command::Help) => {
+            print!("{}", cli::USAGE);
+            ExitCode::SUCCESS
+        }
+        Ok(Command::Serve(args)) => match serve(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("miles-rollout: {error}");
+                ExitCode::FAILURE
+            }
+        },
+        Err(error) => {
+            eprintln!("miles-rollout: {error}");
+            ExitCode::from(2)
+        }
+    }
+}

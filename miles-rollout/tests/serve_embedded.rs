@@ -1,0 +1,355 @@
+//! The SGLang-protocol server over the embedded burn engine and real tiny HF checkpoints
+//! (`fixtures/`): log-probs and routed experts on the wire against HF transformers' reference
+//! outputs, chat completions with the checkpoint's chat template, weight updates from disk,
+//! aborts, and miles-session's SGLang client and session server on top.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use miles_core::{
+    FinishReason, GenerateRequest, InferenceEngine, NamedTensors, Sample, SampleStatus,
+    SamplingParams, TokenId, WeightVersion,
+};
+use miles_rollout::cli::{self, Command};
+use miles_rollout::server::sglang_router;
+use miles_rollout::{EmbeddedEngine, EngineConfig};
+use miles_session::chat::ChatTokenizer;
+use miles_session::http::HttpClient;
+use miles_session::server::{SessionServer, SessionServerConfig};
+use miles_session::sglang::{SglangConfig, SglangEngine};
+use serde_json::{Value, json};
+
+fn fixture(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures")
+        .join(path)
+}
+
+/// Serves `dir` with the embedded engine on loopback, as `miles-rollout serve` would.
+async fn serve(dir: &Path) -> String {
+    let Command::Serve(args) = cli::parse_args([
+        "serve".to_owned(),
+        "--model".to_owned(),
+        dir.to_string_lossy().into_owned(),
+    ])
+    .unwrap() else {
+        panic!("serve expected");
+    };
+    let info = cli::server_info(&args).unwrap();
+    let engine = EmbeddedEngine::from_pretrained(
+        dir,
+        &burn::tensor::Device::flex(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = sglang_router(Arc::new(engine), info);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+fn http() -> HttpClient {
+    HttpClient::new(Duration::from_secs(120))
+}
+
+async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
+    let r = http()
+        .post_json(&format!("{base}{path}"), body, &[])
+        .await
+        .unwrap();
+    let value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+    (r.status.as_u16(), value)
+}
+
+fn reference(model: &str) -> (Vec<Vec<TokenId>>, NamedTensors) {
+    let inputs: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture(&format!("models/{model}/reference_inputs.json")))
+            .unwrap(),
+    )
+    .unwrap();
+    let ids = serde_json::from_value(inputs["input_ids"].clone()).unwrap();
+    let bytes = std::fs::read(fixture(&format!(
+        "models/{model}/reference_outputs.safetensors"
+    )))
+    .unwrap();
+    (ids, NamedTensors::from_safetensors_bytes(&bytes).unwrap())
+}
+
+/// HF's next-token distribution after the whole reference sequence `seq`: (argmax, its
+/// log-softmax), from the transformers logits.
+fn hf_greedy_next(outputs: &NamedTensors, seq: usize) -> (TokenId, f64) {
+    let logits = outputs.get("logits").unwrap();
+    let [_, len, vocab] = logits.shape().try_into().unwrap();
+    let all = logits.to_f32().unwrap();
+    let row: Vec<f64> = all[(seq * len + len - 1) * vocab..(seq * len + len) * vocab]
+        .iter()
+        .map(|&x| f64::from(x))
+        .collect();
+    let max = row.iter().copied().fold(f64::MIN, f64::max);
+    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    let arg = row
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap()
+        .0;
+    (arg as TokenId, row[arg] - lse)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dense_logprobs_on_the_wire_match_transformers() {
+    let base = serve(&fixture("serve/qwen3-tiny-chat")).await;
+    let (inputs, outputs) = reference("qwen3-tiny");
+    for (seq, prompt) in inputs.iter().enumerate() {
+        let (status, body) = post(
+            &base,
+            "/generate",
+            &json!({"input_ids": prompt, "return_logprob": true,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 1}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let (hf_id, hf_lp) = hf_greedy_next(&outputs, seq);
+        let entry = &body["meta_info"]["output_token_logprobs"][0];
+        assert_eq!(entry[1], json!(hf_id), "greedy token of sequence {seq}");
+        let lp = entry[0].as_f64().unwrap();
+        assert!((lp - hf_lp).abs() < 1e-4, "{lp} vs transformers {hf_lp}");
+        assert!(entry[2].is_null());
+        assert_eq!(
+            body["meta_info"]["finish_reason"],
+            json!({"type": "length", "length": 1})
+        );
+        assert_eq!(body["meta_info"]["prompt_tokens"], json!(prompt.len()));
+        assert_eq!(body["meta_info"]["weight_version"], json!("0"));
+    }
+    // The same through miles-session's client.
+    let client = SglangEngine::new(SglangConfig::new(&base));
+    let output = client
+        .generate(GenerateRequest::new(
+            inputs[0].clone(),
+            SamplingParams {
+                temperature: 0.0,
+                max_new_tokens: Some(1),
+                ..SamplingParams::default()
+            },
+        ))
+        .await
+        .unwrap();
+    let (hf_id, hf_lp) = hf_greedy_next(&outputs, 0);
+    assert_eq!(output.output_ids, [hf_id]);
+    assert!((output.output_log_probs[0] - hf_lp).abs() < 1e-4);
+    assert_eq!(output.finish_reason, FinishReason::Length);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_routed_experts_on_the_wire_match_transformers() {
+    let dir = fixture("models/glm4moe-tiny");
+    let base = serve(&dir).await;
+    let (inputs, outputs) = reference("glm4moe-tiny");
+    let mut config = SglangConfig::new(&base);
+    config.num_layers = Some(3);
+    let client = SglangEngine::new(config);
+    let prompt = inputs[1].clone();
+    let mut request = GenerateRequest::new(
+        prompt.clone(),
+        SamplingParams {
+            temperature: 0.0,
+            max_new_tokens: Some(3),
+            ..SamplingParams::default()
+        },
+    );
+    request.return_routed_experts = true;
+    let output = client.generate(request).await.unwrap();
+    let (hf_id, hf_lp) = hf_greedy_next(&outputs, 1);
+    assert_eq!(output.output_ids[0], hf_id);
+    assert!((output.output_log_probs[0] - hf_lp).abs() < 1e-4);
+    let routed = output.routed_experts.unwrap();
+    // MILES_SPEC §4.1: prompt + output − 1 rows, every layer, top-k 2.
+    assert_eq!(routed.shape(), [prompt.len() + 3 - 1, 3, 2]);
+    for layer in [1, 2] {
+        let reference = outputs
+            .get(&format!("layer{layer}.topk_indices_sorted"))
+            .unwrap();
+        let reference: Vec<i64> = reference
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        for row in 0..prompt.len() {
+            let ours = &routed.as_slice()[(row * 3 + layer) * 2..(row * 3 + layer) * 2 + 2];
+            let mut ours: Vec<i64> = ours.iter().map(|&e| i64::from(e)).collect();
+            ours.sort_unstable();
+            // Sequence 1's rows follow sequence 0's 12 rows in the flattened reference.
+            let hf = &reference[(12 + row) * 2..(12 + row) * 2 + 2];
+            assert_eq!(ours, hf, "layer {layer} row {row}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_weights_abort_and_sessions_on_the_embedded_engine() {
+    let dir = fixture("serve/qwen3-tiny-chat");
+    let base = serve(&dir).await;
+    let client = http();
+    assert_eq!(
+        client
+            .get(&format!("{base}/health_generate"))
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+
+    // Chat: the prompt is the Qwen3 template's rendering of the messages.
+    let tito = miles_session::TitoChat::load(&dir, "qwen3").unwrap();
+    let messages = [miles_core::Message::user("Say hi.")];
+    let rendered = tito
+        .render(&messages, &[], true, &tito.forced_kwargs())
+        .unwrap();
+    let (status, body) = post(
+        &base,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 6, "temperature": 0,
+                "return_meta_info": true, "logprobs": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["prompt_tokens"], json!(rendered.len()));
+    let choice = &body["choices"][0];
+    assert!(choice["message"]["content"].is_string());
+    let meta = &choice["meta_info"];
+    let ids: Vec<TokenId> = meta["output_token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e[1].as_u64().unwrap() as TokenId)
+        .collect();
+    assert_eq!(
+        ids.len(),
+        meta["completion_tokens"].as_u64().unwrap() as usize
+    );
+    assert_eq!(
+        choice["logprobs"]["content"].as_array().unwrap().len(),
+        ids.len()
+    );
+    // Greedy is greedy: /generate on the rendered ids gives the same tokens.
+    let (_, generated) = post(
+        &base,
+        "/generate",
+        &json!({"input_ids": rendered, "sampling_params": {"temperature": 0, "max_new_tokens": 6,
+                "stop_token_ids": tito.stop_token_ids()}}),
+    )
+    .await;
+    assert_eq!(generated["output_ids"], json!(ids));
+
+    // Weight update from an HF directory, with a version.
+    let (status, body) = post(
+        &base,
+        "/update_weights_from_disk",
+        &json!({"model_path": fixture("models/qwen3-tiny"), "weight_version": "5"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["success"], json!(true));
+    let version: Value = client
+        .get(&format!("{base}/get_weight_version"))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(version["weight_version"], "5");
+    let (_, body) = post(&base, "/generate", &json!({"input_ids": [1, 2, 3]})).await;
+    assert_eq!(body["meta_info"]["weight_version"], "5");
+    let (status, body) = post(
+        &base,
+        "/update_weights_from_disk",
+        &json!({"model_path": "/nonexistent/ckpt", "weight_version": "6"}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(body["success"], json!(false));
+
+    // Abort by request id: the long generation ends with finish reason abort.
+    let long = {
+        let base = base.clone();
+        tokio::spawn(async move {
+            post(
+                &base,
+                "/generate",
+                &json!({"input_ids": [5, 6, 7], "rid": "long-1",
+                        "sampling_params": {"max_new_tokens": 240}}),
+            )
+            .await
+        })
+    };
+    while !long.is_finished() {
+        post(&base, "/abort_request", &json!({"rid": "long-1"})).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (status, body) = long.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(
+        body["meta_info"]["finish_reason"]["type"], "abort",
+        "{body}"
+    );
+    assert!(body["meta_info"]["completion_tokens"].as_u64().unwrap() < 240);
+
+    // The session server on top, through the SGLang client: exact ids and log-probs recorded.
+    let backend: Arc<dyn InferenceEngine> = Arc::new(SglangEngine::new(SglangConfig::new(&base)));
+    let sessions = SessionServer::new(
+        backend,
+        Arc::new(tito.clone()),
+        SessionServerConfig::default(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let front = format!("http://{}", listener.local_addr().unwrap());
+    let router = sessions.router();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let created: Value = client
+        .post_json(&format!("{front}/sessions"), &json!({}), &[])
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    let session = format!(
+        "{front}/sessions/{}",
+        created["session_id"].as_str().unwrap()
+    );
+    let r: Value = client
+        .post_json(
+            &format!("{session}/v1/chat/completions"),
+            &json!({"messages": messages, "max_tokens": 6, "temperature": 0}),
+            &[],
+        )
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert!(r["choices"][0]["message"]["content"].is_string(), "{r}");
+    let payload: Value = client
+        .post_json(
+            &format!("{session}/samples"),
+            &json!({}),
+            &[("accept", "application/json")],
+        )
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    let sample: Sample = serde_json::from_value(payload["samples"][0].clone()).unwrap();
+    assert_ne!(sample.status, SampleStatus::Aborted);
+    assert_eq!(&sample.tokens[..rendered.len()], &rendered[..]);
+    assert_eq!(sample.weight_versions, ["5"]);
+    // Greedy under version 5 (the same weights): the session's response is the same ids.
+    let response = &sample.tokens[rendered.len()..];
+    assert_eq!(response, &ids[..response.len()]);
+    assert_eq!(
+        WeightVersion(5),
+        SglangEngine::new(SglangConfig::new(&base))
+            .weight_version()
+            .await
+            .unwrap()
+    );
+}

@@ -1,0 +1,133 @@
+//! Killing a `miles-rollout serve` process under load loses no request silently: the router
+//! (over miles-session's SGLang client) re-runs every request the dead server held on the
+//! other one, or reports it ABORTED; the dead server leaves the rotation and is re-admitted
+//! once it is restarted.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use miles_core::{
+    EngineErrorKind, Error as CoreError, FinishReason, GenerateRequest, InferenceEngine,
+    SamplingParams,
+};
+use miles_rollout::Router;
+
+fn model_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/serve/qwen3-tiny-chat")
+}
+
+/// A server process and its base URL.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `miles-rollout serve` on `port` (0: any) and waits for its `listening on` line.
+fn start(port: u16) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_miles-rollout"))
+        .args(["serve", "--model"])
+        .arg(model_dir())
+        .args(["--port", &port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start miles-rollout serve");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("read the listening line");
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    Server { child, url }
+}
+
+fn request(seed: u64, tokens: usize) -> GenerateRequest {
+    GenerateRequest::new(
+        vec![381, 280, 12, 490, 64, 40, 314, 490],
+        SamplingParams {
+            max_new_tokens: Some(tokens),
+            sampling_seed: Some(seed),
+            ..SamplingParams::default()
+        },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_server_under_load_loses_no_request() {
+    let servers = tokio::task::spawn_blocking(|| [start(0), start(0)])
+        .await
+        .unwrap();
+    let [mut a, b] = servers;
+    let urls = vec![a.url.clone(), b.url.clone()];
+    let router = Arc::new(Router::over_http(&urls, |_| {}));
+    for url in &urls {
+        assert!(router.healthy_engines().contains(url));
+    }
+    router.health().await.unwrap();
+
+    const REQUESTS: usize = 16;
+    const TOKENS: usize = 96;
+    let mut tasks = tokio::task::JoinSet::new();
+    for seed in 0..REQUESTS as u64 {
+        let router = router.clone();
+        tasks.spawn(async move { router.generate(request(seed, TOKENS)).await });
+    }
+    // Kill server A while it holds requests (SIGKILL: no goodbye, connections just drop).
+    while router.outstanding()[0] == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let held_by_a = router.outstanding()[0];
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+
+    let (mut completed, mut aborted) = (0, 0);
+    while let Some(joined) = tasks.join_next().await {
+        match joined.unwrap() {
+            Ok(output) => {
+                assert_eq!(output.finish_reason, FinishReason::Length);
+                assert_eq!(output.output_ids.len(), TOKENS);
+                assert_eq!(output.output_log_probs.len(), TOKENS);
+                completed += 1;
+            }
+            Err(CoreError::Engine {
+                kind: EngineErrorKind::Aborted,
+                ..
+            }) => aborted += 1,
+            Err(other) => panic!("a request was lost with {other:?}"),
+        }
+    }
+    assert!(held_by_a > 0);
+    assert_eq!(
+        completed + aborted,
+        REQUESTS,
+        "every request is accounted for"
+    );
+    assert_eq!(router.healthy_engines(), [b.url.clone()]);
+    assert_eq!(router.outstanding(), [0, 0]);
+
+    // Restarted on its port, A passes the health check and rejoins.
+    let port: u16 = a.url.rsplit(':').next().unwrap().parse().unwrap();
+    let restarted = tokio::task::spawn_blocking(move || start(port))
+        .await
+        .unwrap();
+    assert_eq!(restarted.url, a.url);
+    assert_eq!(router.check_health().await.len(), 2);
+    let output = router.generate(request(99, 4)).await.unwrap();
+    assert_eq!(output.output_ids.len(), 4);
+    drop(restarted);
+    drop(b);
+}
