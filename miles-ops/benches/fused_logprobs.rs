@@ -9,6 +9,11 @@
 //! The plain path at the Qwen vocabulary needs ~12 GiB; it runs only when `MemAvailable`
 //! leaves room for it (otherwise the line says so).
 //!
+//! With the `wgpu` feature, the same comparison also runs on the kernel device (CubeCL kernels
+//! on wgpu; lavapipe without a GPU) at 1,024 × 128 × 32,000 (the issue's 8:1 tokens : hidden) (`MILES_BENCH_WGPU_TOKENS` /
+//! `MILES_BENCH_WGPU_HIDDEN` change the sizes), with device memory read from the allocator.
+//! `MILES_BENCH_TOKENS` changes the token count of the flex comparison.
+//!
 //! ```text
 //! cargo bench -p miles-ops --bench fused_logprobs                 # the issue's sizes
 //! MILES_BENCH_SMALL=1 cargo bench -p miles-ops --bench fused_logprobs   # quick smoke run
@@ -80,8 +85,13 @@ fn measure(f: impl FnOnce()) -> (f64, usize) {
     (secs, PEAK.load(Ordering::Relaxed) - base)
 }
 
-fn inputs(tokens: usize, hidden: usize, vocab: usize) -> (Tensor<2>, Tensor<2>, Tensor<1, Int>) {
-    let d = Device::flex();
+fn inputs(
+    d: &Device,
+    tokens: usize,
+    hidden: usize,
+    vocab: usize,
+) -> (Tensor<2>, Tensor<2>, Tensor<1, Int>) {
+    let d = d.clone();
     let h = Tensor::<2>::random([tokens, hidden], Distribution::Normal(0.0, 1.0), &d);
     let w = Tensor::<2>::random([vocab, hidden], Distribution::Normal(0.0, 0.02), &d);
     let y = Tensor::<1, Int>::random([tokens], Distribution::Uniform(0.0, vocab as f64), &d);
@@ -178,6 +188,15 @@ fn small() -> bool {
     std::env::var("MILES_BENCH_SMALL").is_ok_and(|v| v == "1")
 }
 
+/// A positive integer from the environment, or `default`.
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&v| v > 0)
+        .unwrap_or(default)
+}
+
 /// Times one fwd+bwd per iteration and returns the largest peak seen.
 fn bench_step(
     group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
@@ -202,6 +221,7 @@ fn bench_step(
 
 fn fused_vs_plain(c: &mut Criterion) {
     let (tokens, hidden) = if small() { (512, 128) } else { (4096, 512) };
+    let tokens = env_usize("MILES_BENCH_TOKENS", tokens);
     let vocabs: &[usize] = if small() {
         &[8_000]
     } else {
@@ -210,7 +230,7 @@ fn fused_vs_plain(c: &mut Criterion) {
     let mut plain_bytes_per_logit = None;
     for &vocab in vocabs {
         let id = format!("fused_logprobs_{tokens}x{hidden}x{vocab}");
-        let inputs = inputs(tokens, hidden, vocab);
+        let inputs = inputs(&Device::flex(), tokens, hidden, vocab);
         let mut group = c.benchmark_group(&id);
         group
             .sample_size(10)
@@ -303,5 +323,64 @@ fn policy_loss_step(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, fused_vs_plain, policy_loss_step);
+/// Fused (CubeCL kernels) vs plain on the kernel device (wgpu; lavapipe without a GPU): time,
+/// and device memory as the allocator's reserved bytes after one step that started from a
+/// cleaned pool (pools keep their pages until the next cleanup, so this is the step's
+/// high-water reservation). Small sizes by default: lavapipe runs on the same 2 CPU cores.
+#[cfg(feature = "wgpu")]
+fn fused_vs_plain_wgpu(c: &mut Criterion) {
+    let Some(device) = miles_ops::kernel_device::kernel_test_device("fused_vs_plain_wgpu") else {
+        return;
+    };
+    let tokens = env_usize("MILES_BENCH_WGPU_TOKENS", 1024);
+    let hidden = env_usize("MILES_BENCH_WGPU_HIDDEN", 128);
+    let vocabs: &[usize] = if small() { &[8_000] } else { &[32_000] };
+    for &vocab in vocabs {
+        let id = format!("fused_logprobs_wgpu_{tokens}x{hidden}x{vocab}");
+        let inputs = inputs(&device, tokens, hidden, vocab);
+        let reserved = |fused: bool| {
+            device.memory_cleanup();
+            let base = device.memory_pool_usage().map_or(0, |u| u.bytes_reserved);
+            step(&inputs.0, &inputs.1, &inputs.2, fused);
+            let after = device.memory_pool_usage().map_or(0, |u| u.bytes_reserved);
+            after.saturating_sub(base) as usize
+        };
+        // One untimed step each first: shader compilation and autotune stay out of the numbers.
+        let (plain_mem, fused_mem) = (reserved(false), reserved(true));
+        let mut group = c.benchmark_group(&id);
+        group
+            .sample_size(10)
+            .sampling_mode(SamplingMode::Flat)
+            .warm_up_time(Duration::from_millis(1))
+            .measurement_time(Duration::from_secs(1));
+        for (name, fused) in [("baseline", false), ("fused", true)] {
+            group.bench_function(name, |b| {
+                b.iter(|| step(&inputs.0, &inputs.1, &inputs.2, fused))
+            });
+        }
+        group.finish();
+        println!("xtask-target: {id}/fused <= 1.0");
+        println!(
+            "peak-memory: {id} (device reserved) plain {:.0} MiB, fused {:.0} MiB, plain/fused {:.2}x (target >= 4x: {})",
+            mib(plain_mem),
+            mib(fused_mem),
+            plain_mem as f64 / fused_mem.max(1) as f64,
+            if plain_mem >= 4 * fused_mem {
+                "met"
+            } else {
+                "NOT met"
+            }
+        );
+    }
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn fused_vs_plain_wgpu(_: &mut Criterion) {}
+
+criterion_group!(
+    benches,
+    fused_vs_plain,
+    fused_vs_plain_wgpu,
+    policy_loss_step
+);
 criterion_main!(benches);

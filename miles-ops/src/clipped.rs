@@ -7,7 +7,7 @@
 //! about a dozen tensor ops each way.
 //!
 //! [`clipped_pg_loss`] runs the extension ([`ClippedPgLossOps`]): a native loop on `Flex`,
-//! CubeCL kernels under the `cubecl-kernels` feature, with a custom backward on autodiff
+//! CubeCL kernels on CubeCL devices (feature `wgpu` / `cuda`), with a custom backward on autodiff
 //! devices. [`clipped_pg_loss_reference`] is its plain-op twin (and what other backends run).
 //! Gradients follow burn's tie rules for the reference: `max(L1, L2)` takes `L1` on ties,
 //! `min(L, L3)` takes `L` on ties.
@@ -27,7 +27,7 @@ use burn::tensor::{Tensor, TensorData};
 /// Backend extension for the clipped policy-gradient loss.
 #[backend_extension(
     Flex,
-    Cube: cfg(feature = "cubecl-kernels"),
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
     Autodiff
 )]
 pub trait ClippedPgLossOps: Backend {
@@ -234,7 +234,7 @@ impl<B: ClippedPgLossOps, C: CheckpointStrategy> ClippedPgLossOps for Autodiff<B
 }
 
 /// Whether [`clipped_pg_loss`] runs the extension on `device` (flex, and the CubeCL devices
-/// with the `cubecl-kernels` feature) rather than [`clipped_pg_loss_reference`].
+/// with the `wgpu` / `cuda` feature) rather than [`clipped_pg_loss_reference`].
 pub fn runs_extension(device: &burn::tensor::Device) -> bool {
     crate::fused::runs_fused(device)
 }

@@ -15,8 +15,8 @@
 //! The operation is a burn backend extension ([`FusedLogProbOps`]): the chunk loops and the
 //! matmuls are shared ([`forward_chunked`] / [`backward_chunked`]); the two per-chunk steps
 //! (online log-sum-exp forward step, logits-gradient backward step) are backend methods —
-//! native row loops on `Flex`, CubeCL kernels under the `cubecl-kernels` feature
-//! (`src/kernels.rs`, not yet verified), each with a plain-op twin ([`logit_chunk_stats_reference`],
+//! native row loops on `Flex`, CubeCL kernels on CubeCL devices (feature `wgpu` / `cuda`,
+//! `src/kernels.rs`), each with a plain-op twin ([`logit_chunk_stats_reference`],
 //! [`logit_chunk_grad_reference`]; [`forward_reference`] / [`backward_reference`] run the
 //! whole op on them). `Autodiff<B>` gets the custom backward. On other backends
 //! [`FusedLogProbConfig::forward`] falls back to
@@ -145,13 +145,13 @@ impl FusedLogProbConfig {
 }
 
 /// Whether [`FusedLogProbConfig::forward`] runs the fused op on `device` (flex, and the
-/// CubeCL devices when the `cubecl-kernels` feature is on; with or without autodiff) rather
+/// CubeCL devices when the `wgpu` / `cuda` feature is on; with or without autodiff) rather
 /// than falling back to the plain path.
 pub fn runs_fused(device: &burn::tensor::Device) -> bool {
     let inner = device.clone().without_autodiff();
     match inner.as_dispatch() {
         burn::backend::DispatchDevice::Flex(_) => true,
-        #[cfg(feature = "cubecl-kernels")]
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
         burn::backend::DispatchDevice::Cube(_) => true,
         #[allow(unreachable_patterns)]
         _ => false,
@@ -201,13 +201,13 @@ pub const RUNNING_MAX_INIT: f32 = -1.0e30;
 ///   gradient of one chunk without its one-hot part, `−p ⊙ (g_lp + g_H·(z − E))`, from the
 ///   `[rows, 4]` per-row `(lse, E, g_lp, g_H)`.
 ///
-/// Flex implements the steps with native row loops, CubeCL backends (feature
-/// `cubecl-kernels`) with kernels; [`logit_chunk_stats_reference`] / [`logit_chunk_grad_reference`] are
+/// Flex implements the steps with native row loops, CubeCL backends (feature `wgpu` /
+/// `cuda`) with kernels; [`logit_chunk_stats_reference`] / [`logit_chunk_grad_reference`] are
 /// the plain-op twins they are tested against. On autodiff devices the steps are constants
 /// (they are only called inside the fused op's own forward and backward).
 #[backend_extension(
     Flex,
-    Cube: cfg(feature = "cubecl-kernels"),
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
     Autodiff
 )]
 pub trait FusedLogProbOps: Backend {

@@ -1,5 +1,5 @@
-//! CubeCL kernels for the fused ops (feature `cubecl-kernels`; written against the cubecl
-//! 0.11.3 / burn-cubecl 0.22.1 sources but not yet compiled or run, see `Cargo.toml`): the per-chunk steps of the
+//! CubeCL kernels for the fused ops (feature `wgpu` or `cuda`; tested on wgpu over lavapipe by
+//! `tests/kernels.rs`): the per-chunk steps of the
 //! fused log-prob + entropy op ([`crate::fused::FusedLogProbOps`]) and the clipped
 //! policy-gradient loss ([`crate::clipped::ClippedPgLossOps`]), registered for burn's
 //! `CubeBackend` (every CubeCL runtime).

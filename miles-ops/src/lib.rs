@@ -16,11 +16,11 @@
 //!   chunked version from hidden states and `lm_head` with a custom backward that never
 //!   materialises `[tokens, vocab]`.
 //! - [`clipped`]: the clipped policy-gradient loss as one fused op (forward and backward).
-//! - CubeCL kernels (feature `cubecl-kernels`, which implies `wgpu`): the per-chunk forward
-//!   and backward steps of [`fused`] and the [`clipped`] loss, registered as burn backend
-//!   extensions for `CubeBackend`; each has a plain-op `*_reference` twin they are tested
-//!   against (`tests/kernels.rs`). Not yet compiled or run: see the feature's note in
-//!   `Cargo.toml`.
+//! - CubeCL kernels (feature `wgpu`, or `cuda`): the per-chunk forward and backward steps of
+//!   [`fused`] and the [`clipped`] loss, registered as burn backend extensions for
+//!   `CubeBackend`, so the ops dispatch to them for tensors on a CubeCL device and to native
+//!   loops on flex; each has a plain-op `*_reference` twin they are tested against on
+//!   `Device::wgpu(DeviceKind::Cpu)` (`tests/kernels.rs`, lavapipe without a GPU).
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
 //!
@@ -63,7 +63,7 @@ mod error;
 mod flex_steps;
 pub mod fused;
 pub mod kernel_device;
-#[cfg(feature = "cubecl-kernels")]
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels;
 pub mod kl;
 pub mod logprobs;

@@ -1,4 +1,4 @@
-//! CubeCL kernels (feature `cubecl-kernels`) on the kernel test device (`Device::wgpu(DeviceKind::Cpu)`,
+//! CubeCL kernels (feature `wgpu`) on the kernel test device (`Device::wgpu(DeviceKind::Cpu)`,
 //! lavapipe without a GPU) against their plain-op `*_reference` twins on flex: the per-chunk
 //! forward and backward steps of the fused log-prob + entropy op, the whole fused op with its
 //! gradients, and the clipped policy-gradient loss with its gradients.
@@ -6,7 +6,7 @@
 //! Tolerances are explicit per test: f32 reductions in a different order (shared-memory tree
 //! vs flex's sums) differ by a few ulps of the row sums, so values are compared with a
 //! relative tolerance of 1e-5 of the largest magnitude and gradients with 1e-4.
-#![cfg(feature = "cubecl-kernels")]
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Int, Tensor, TensorData};
