@@ -31,6 +31,7 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{
@@ -118,7 +119,7 @@ async fn main() -> ExitCode {
 }
 
 fn bool_arg(args: &Args, name: &str) -> Result<bool, BoxError> {
-    match args.value(name).unwrap_or("false") {
+    match args.get(name).unwrap_or("false") {
         "true" | "1" | "yes" | "on" => Ok(true),
         "false" | "0" | "no" | "off" => Ok(false),
         other => Err(format!("{name}: expected true or false, got {other:?}").into()),
@@ -132,14 +133,14 @@ struct Setup {
 }
 
 fn setup(args: &Args) -> Result<Setup, BoxError> {
-    let resume = args.value("--resume").is_some();
+    let resume = args.get("--resume").is_some();
     let out = PathBuf::from(
-        args.value("--resume")
-            .or(args.value("--output-dir"))
+        args.get("--resume")
+            .or(args.get("--output-dir"))
             .unwrap_or("runs/glm_moe_grpo"),
     );
     std::fs::create_dir_all(&out)?;
-    let model_dir = match args.value("--hf-checkpoint") {
+    let model_dir = match args.get("--hf-checkpoint") {
         Some(dir) => PathBuf::from(dir),
         None => out.join("model"),
     };
@@ -168,7 +169,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
 
     // 1. The model directory: built from a config (tokenizer + Qwen3 template + GLM-4-MoE),
     //    or a real HF checkpoint.
-    if args.value("--hf-checkpoint").is_none() && !model_dir.join("config.json").exists() {
+    if args.get("--hf-checkpoint").is_none() && !model_dir.join("config.json").exists() {
         let spec = ToyModelSpec {
             hidden_size: args.parsed("--hidden-size")?,
             num_hidden_layers: args.parsed("--num-layers")?,
@@ -284,14 +285,21 @@ async fn run(args: Args) -> Result<(), BoxError> {
     )?);
     let eval_set = || EvalSet {
         name: "addition".into(),
-        prompts: split.held_out.iter().map(AdditionProblem::prompt_record).collect(),
+        prompts: split
+            .held_out
+            .iter()
+            .map(AdditionProblem::prompt_record)
+            .collect(),
         manager: eval_manager.clone(),
     };
     let eval_now = |label: &'static str| {
         let set = eval_set();
         async move {
             let m = set.evaluate().await?;
-            let r = m.get("eval/addition/raw_reward").copied().unwrap_or(f64::NAN);
+            let r = m
+                .get("eval/addition/raw_reward")
+                .copied()
+                .unwrap_or(f64::NAN);
             println!("held-out reward {label}: {r:.3}");
             Ok::<f64, BoxError>(r)
         }
@@ -318,7 +326,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         }
     }
     let estimator: AdvantageEstimator = args
-        .value("--advantage-estimator")
+        .get("--advantage-estimator")
         .unwrap_or("grpo")
         .parse()
         .map_err(|e| format!("--advantage-estimator: {e}"))?;
@@ -362,7 +370,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
         Box::new(ProgressRef(progress.clone())),
     ]));
     let data = DataSource::new(
-        split.train.iter().map(AdditionProblem::prompt_record).collect(),
+        split
+            .train
+            .iter()
+            .map(AdditionProblem::prompt_record)
+            .collect(),
         n,
         true,
         seed,
@@ -385,8 +397,12 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let sync = args.flag("--sync");
     println!(
         "GRPO: {num_rollout} steps × {} prompts × {n} samples, {} loop, TIS {}, R3 {}",
-        args.value("--rollout-batch-size").unwrap_or("?"),
-        if sync { "synchronous" } else { "fully asynchronous" },
+        args.get("--rollout-batch-size").unwrap_or("?"),
+        if sync {
+            "synchronous"
+        } else {
+            "fully asynchronous"
+        },
         bool_arg(&args, "--use-tis")?,
         use_r3,
     );
@@ -410,12 +426,19 @@ async fn run(args: Args) -> Result<(), BoxError> {
         save_hf(&weights, &model_dir, &final_dir)?;
         summary["weight_version"] = json!(version.0);
     }
-    plot_metrics_file(&metrics_path, &out.join("curves.svg"), &PlotSpec::reward_kl_entropy())?;
+    plot_metrics_file(
+        &metrics_path,
+        &out.join("curves.svg"),
+        &PlotSpec::reward_kl_entropy(),
+    )?;
     summary["reward_final"] = json!(final_reward);
     summary["grpo_seconds"] = json!(grpo_seconds);
     summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
     summary["loop"] = json!(if sync { "sync" } else { "async" });
-    std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+    std::fs::write(
+        out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
     println!(
         "done in {:.0} s: held-out reward {} → {final_reward:.3}; wrote {}/{{metrics.jsonl, curves.svg, final/, checkpoints/, summary.json}}",
         started.elapsed().as_secs_f64(),
@@ -440,7 +463,10 @@ impl MetricsSink for ProgressRef {
 fn export(model: &CausalLm) -> Result<miles_core::NamedTensors, BoxError> {
     let mut out = miles_core::NamedTensors::new();
     for (name, t) in model.to_hf_tensors(FloatDtype::F32)? {
-        out.insert(name, miles_core::TensorBytes::new(miles_core::DType::F32, t.shape, t.bytes)?);
+        out.insert(
+            name,
+            miles_core::TensorBytes::new(miles_core::DType::F32, t.shape, t.bytes)?,
+        );
     }
     Ok(out)
 }
@@ -452,7 +478,10 @@ fn save_hf(
     dir: &Path,
 ) -> Result<(), BoxError> {
     std::fs::create_dir_all(dir)?;
-    std::fs::write(dir.join("model.safetensors"), weights.to_safetensors_bytes())?;
+    std::fs::write(
+        dir.join("model.safetensors"),
+        weights.to_safetensors_bytes(),
+    )?;
     for file in [
         "config.json",
         "generation_config.json",

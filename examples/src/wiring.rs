@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_bridge::CausalLm;
 use miles_core::{Metrics, MetricsSink};
-use miles_ops::FusedLogProbConfig;
+use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::SequenceScorer;
 

@@ -5,11 +5,11 @@
 
 use std::sync::Arc;
 
+use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::CausalLm;
 use miles_core::{
-    GenerateRequest, InferenceEngine, PolicyTrainer, Reward, SamplingParams, Sample,
-    WeightVersion,
+    GenerateRequest, InferenceEngine, PolicyTrainer, Reward, Sample, SamplingParams, WeightVersion,
 };
 use miles_examples::fixture_path;
 use miles_examples::wiring::TrainerScorer;
@@ -46,7 +46,9 @@ async fn engine_log_probs_equal_the_trainers_bit_for_bit() {
             );
             req.return_routed_experts = trainer_model.config.has_moe();
             let e = engine.clone();
-            handles.push(tokio::spawn(async move { (prompt, e.generate(req).await.unwrap()) }));
+            handles.push(tokio::spawn(async move {
+                (prompt, e.generate(req).await.unwrap())
+            }));
         }
         let mut samples = Vec::new();
         for (i, h) in handles.into_iter().enumerate() {
@@ -82,6 +84,9 @@ async fn engine_log_probs_equal_the_trainers_bit_for_bit() {
         )
         .unwrap();
         let metrics = actor.train(0, &samples).unwrap();
-        assert_eq!(metrics["train/train_rollout_logprob_abs_diff"], 0.0, "{name}");
+        assert_eq!(
+            metrics["train/train_rollout_logprob_abs_diff"], 0.0,
+            "{name}"
+        );
     }
 }

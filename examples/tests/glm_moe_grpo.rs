@@ -50,8 +50,6 @@ fn tiny_args(out: &Path, steps: u64) -> Vec<String> {
         "32",
         "--num-layers",
         "2",
-        "--max-digits",
-        "1",
         "--eval-interval",
         "2",
         "--save-interval",
@@ -102,7 +100,12 @@ fn a_few_grpo_steps_move_reward_loss_and_versions() {
         .collect();
     assert_eq!(train.len(), 4, "one training record per step");
     for m in &train {
-        for key in ["rollout/raw_reward", "train/grad_norm", "train/ppo_kl", "perf/rollout_time"] {
+        for key in [
+            "rollout/raw_reward",
+            "train/grad_norm",
+            "train/ppo_kl",
+            "perf/rollout_time",
+        ] {
             assert!(m[key].is_finite(), "{key}");
         }
         assert!((0.0..=1.0).contains(&m["rollout/raw_reward"]));
@@ -110,7 +113,11 @@ fn a_few_grpo_steps_move_reward_loss_and_versions() {
         assert_eq!(m["train/train_rollout_logprob_abs_diff"], 0.0);
     }
     // Held-out evaluation before training and at the eval interval.
-    assert!(steps.iter().any(|(_, m)| m.contains_key("eval/addition/raw_reward")));
+    assert!(
+        steps
+            .iter()
+            .any(|(_, m)| m.contains_key("eval/addition/raw_reward"))
+    );
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     // Four steps, one weight update each.

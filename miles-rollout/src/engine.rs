@@ -1274,7 +1274,7 @@ impl Scheduler {
             tokens,
             prompt_len,
             mut log_probs,
-            mut routing,
+            routing,
             cached_tokens,
             finish,
             ..
@@ -1311,12 +1311,23 @@ impl Scheduler {
             }
         }
         let routed_experts = if request.return_routed_experts && self.route_width > 0 {
-            let k = self.model.config.num_experts_per_tok;
-            let layers = self.route_width / k;
+            // SGLang's wire form: every hidden layer, dense layers' rows zero.
+            let c = &self.model.config;
+            let k = c.num_experts_per_tok;
+            let layers = c.num_hidden_layers;
             let rows = tokens.len().saturating_sub(1);
-            routing.truncate(rows * self.route_width);
             let start = request.routed_experts_start_len.unwrap_or(0).min(rows);
-            let data = routing.split_off(start * self.route_width);
+            let mut data = Vec::with_capacity((rows - start) * layers * k);
+            for row in start..rows {
+                let mut moe =
+                    routing[row * self.route_width..(row + 1) * self.route_width].chunks_exact(k);
+                for layer in 0..layers {
+                    match c.is_moe_layer(layer).then(|| moe.next()).flatten() {
+                        Some(chosen) => data.extend_from_slice(chosen),
+                        None => data.extend(std::iter::repeat_n(0, k)),
+                    }
+                }
+            }
             RoutedExperts::new(rows - start, layers, k, data).ok()
         } else {
             None

@@ -135,12 +135,24 @@ async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
             if moe {
                 let re = out.routed_experts.as_ref().expect("routed experts");
                 let k = model.config.num_experts_per_tok;
+                let moe_layers: Vec<usize> = (0..model.config.num_hidden_layers)
+                    .filter(|&l| model.config.is_moe_layer(l))
+                    .collect();
                 assert_eq!(re.rows(), tokens.len() - 1);
-                assert_eq!(re.layers(), routing.len());
+                // SGLang's form: every layer, dense layers zero.
+                assert_eq!(re.layers(), model.config.num_hidden_layers);
+                assert_eq!(moe_layers.len(), routing.len());
+                for row in 0..re.rows() {
+                    for l in 0..re.layers() {
+                        if !moe_layers.contains(&l) {
+                            assert_eq!(re.get(row, l).unwrap(), vec![0; k].as_slice());
+                        }
+                    }
+                }
                 let mut same = 0;
                 let mut total = 0;
                 for row in 0..re.rows() {
-                    for (l, layer) in routing.iter().enumerate() {
+                    for (&l, layer) in moe_layers.iter().zip(&routing) {
                         let mut a = re.get(row, l).unwrap().to_vec();
                         let mut b = layer[row * k..(row + 1) * k].to_vec();
                         a.sort_unstable();
@@ -390,7 +402,10 @@ async fn prefixes_are_reused_within_a_session_and_across_a_group() {
     let re = second.routed_experts.unwrap();
     assert_eq!(re.rows(), tokens.len() - 1);
     let k = model.config.num_experts_per_tok;
-    let mut a = re.get(0, 0).unwrap().to_vec();
+    let first_moe = (0..model.config.num_hidden_layers)
+        .find(|&l| model.config.is_moe_layer(l))
+        .unwrap();
+    let mut a = re.get(0, first_moe).unwrap().to_vec();
     let mut b = routing[0][..k].to_vec();
     a.sort_unstable();
     b.sort_unstable();
