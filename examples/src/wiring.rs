@@ -104,10 +104,14 @@ impl MetricsSink for ProgressSink {
         };
         let get = |k: &str| metrics.get(k).copied().unwrap_or(f64::NAN);
         let msg = format!(
-            "reward {reward:.3}  held-out {}  kl {:+.1e}  rollout {:.1}s  train {:.1}s",
+            "reward {reward:.3}  held-out {}  kl {:+.1e}  rollout (wait) {:.1}s  train {:.1}s",
             eval.map_or("-".to_string(), |v| format!("{v:.3}")),
             get("train/ppo_kl"),
-            get("perf/rollout_time"),
+            metrics
+                .get("perf/rollout_time")
+                .or_else(|| metrics.get("perf/rollout_wait_time"))
+                .copied()
+                .unwrap_or(f64::NAN),
             get("perf/train_time"),
         );
         match &self.bar {
