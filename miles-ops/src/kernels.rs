@@ -14,6 +14,10 @@
 //! Finite sentinels only (WGSL has no `-inf` literal): the running max starts at
 //! [`crate::fused::RUNNING_MAX_INIT`].
 
+// Kernel bodies are written in the plain-assignment style CubeCL's `#[cube]` expansion is
+// tested with; the compound-assignment / collapsed-if rewrites are not applied to them.
+#![allow(clippy::assign_op_pattern, clippy::collapsible_if)]
+
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Shape, TensorMetadata};

@@ -508,6 +508,14 @@ fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
     )
 }
 
+/// Temperature ≥ 0, top-p in (0, 1], min-p in [0, 1] (NaN fails every check).
+fn valid_sampling(params: &miles_core::SamplingParams) -> bool {
+    params.temperature >= 0.0
+        && params.top_p > 0.0
+        && params.top_p <= 1.0
+        && (0.0..=1.0).contains(&params.min_p)
+}
+
 /// A small, fast, seedable generator (SplitMix64), one per sequence.
 #[derive(Debug, Clone)]
 struct Rng(u64);
@@ -772,10 +780,13 @@ impl Scheduler {
             Cmd::Generate(pending) => self.enqueue(*pending),
             Cmd::Abort(rid) => {
                 let matches = |s: &Seq| s.pending.request.request_id.as_ref() == Some(&rid);
-                if let Some(i) = self.waiting.iter().position(matches) {
-                    if let Some(seq) = self.waiting.remove(i) {
-                        self.finish_aborted(seq);
-                    }
+                if let Some(seq) = self
+                    .waiting
+                    .iter()
+                    .position(matches)
+                    .and_then(|i| self.waiting.remove(i))
+                {
+                    self.finish_aborted(seq);
                 }
                 if let Some(i) = self.running.iter().position(matches) {
                     self.running[i].finish = Some((FinishReason::Abort, None));
@@ -824,10 +835,7 @@ impl Scheduler {
             ))
         } else if !params.stop.is_empty() && self.detokenizer.is_none() {
             Some("stop strings need a tokenizer; this engine has none".to_string())
-        } else if !(params.temperature >= 0.0)
-            || !(params.top_p > 0.0 && params.top_p <= 1.0)
-            || !(0.0..=1.0).contains(&params.min_p)
-        {
+        } else if !valid_sampling(params) {
             Some("temperature must be ≥ 0, top_p in (0, 1], min_p in [0, 1]".to_string())
         } else if request.input_ids.len() >= self.model.config.max_position_embeddings {
             Some(format!(

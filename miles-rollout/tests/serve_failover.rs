@@ -116,7 +116,7 @@ async fn killing_a_server_under_load_loses_no_request() {
         REQUESTS,
         "every request is accounted for"
     );
-    assert_eq!(router.healthy_engines(), [b.url.clone()]);
+    assert_eq!(router.healthy_engines(), std::slice::from_ref(&b.url));
     assert_eq!(router.outstanding(), [0, 0]);
 
     // Restarted on its port, A passes the health check and rejoins.
