@@ -313,14 +313,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
         let steps: usize = args.parsed("--sft-steps")?;
         if steps > 0 {
             let t = Instant::now();
-            model = warm_start(model, &split.train, encoder.as_ref(), &eos_ids, &args)?;
+            let sft = warm_start(model, &split.train, encoder.as_ref(), &eos_ids, &args)?;
+            let weights = sft.export(FloatDtype::F32)?;
+            model = sft.model().clone();
             println!(
                 "supervised warm-start: {steps} steps in {:.0} s",
                 t.elapsed().as_secs_f64()
             );
-            engine
-                .update_weights(&export(&model)?, WeightVersion(0))
-                .await?;
+            engine.update_weights(&weights, WeightVersion(0)).await?;
             summary["reward_after_warm_start"] = json!(eval_now("after the warm-start").await?);
             summary["warm_start_seconds"] = json!(t.elapsed().as_secs_f64());
         }
@@ -460,17 +460,6 @@ impl MetricsSink for ProgressRef {
     }
 }
 
-fn export(model: &CausalLm) -> Result<miles_core::NamedTensors, BoxError> {
-    let mut out = miles_core::NamedTensors::new();
-    for (name, t) in model.to_hf_tensors(FloatDtype::F32)? {
-        out.insert(
-            name,
-            miles_core::TensorBytes::new(miles_core::DType::F32, t.shape, t.bytes)?,
-        );
-    }
-    Ok(out)
-}
-
 /// Writes HF-named weights with the model directory's config and tokenizer files.
 fn save_hf(
     weights: &miles_core::NamedTensors,
@@ -497,13 +486,14 @@ fn save_hf(
 }
 
 /// Supervised warm-start: the answer and the end-of-turn token after each training prompt.
+/// Returns the trained SFT actor.
 fn warm_start(
     model: CausalLm,
     problems: &[AdditionProblem],
     encoder: &ChatPromptEncoder,
     eos_ids: &[u32],
     args: &Args,
-) -> Result<CausalLm, BoxError> {
+) -> Result<Actor, BoxError> {
     let steps: usize = args.parsed("--sft-steps")?;
     let batch: usize = args.parsed("--sft-batch-size")?;
     let eos = *eos_ids.first().ok_or("the model has no EOS token")?;
@@ -554,5 +544,5 @@ fn warm_start(
             );
         }
     }
-    Ok(actor.model().clone())
+    Ok(actor)
 }
