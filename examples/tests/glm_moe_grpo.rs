@@ -127,6 +127,9 @@ fn a_few_grpo_steps_move_reward_loss_and_versions() {
         assert!((0.0..=1.0).contains(&r), "{key} = {r}");
     }
     assert!(out.join("final/model.safetensors").exists());
+    // The warm-start is saved as an HF checkpoint of its own.
+    assert!(out.join("warm_start/model.safetensors").exists());
+    assert!(out.join("warm_start/config.json").exists());
     assert!(out.join("curves.svg").exists());
     let svg = std::fs::read_to_string(out.join("curves.svg")).unwrap();
     assert!(svg.contains("<svg"));

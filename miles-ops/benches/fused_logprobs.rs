@@ -12,7 +12,9 @@
 //! With the `wgpu` feature, the same comparison also runs on the kernel device (CubeCL kernels
 //! on wgpu; lavapipe without a GPU) at 1,024 × 128 × 32,000 (the issue's 8:1 tokens : hidden) (`MILES_BENCH_WGPU_TOKENS` /
 //! `MILES_BENCH_WGPU_HIDDEN` change the sizes), with device memory read from the allocator.
-//! `MILES_BENCH_TOKENS` changes the token count of the flex comparison.
+//! `MILES_BENCH_TOKENS` changes the token count of the flex comparison, `MILES_BENCH_VOCABS`
+//! (comma-separated) its vocabularies. Sizes above 300 M logits (the Qwen vocabulary) are timed
+//! as the best of `MILES_BENCH_ONESHOT_RUNS` (default 2) single runs: one plain step takes minutes.
 //!
 //! ```text
 //! cargo bench -p miles-ops --bench fused_logprobs                 # the issue's sizes
@@ -222,13 +224,16 @@ fn bench_step(
 fn fused_vs_plain(c: &mut Criterion) {
     let (tokens, hidden) = if small() { (512, 128) } else { (4096, 512) };
     let tokens = env_usize("MILES_BENCH_TOKENS", tokens);
-    let vocabs: &[usize] = if small() {
-        &[8_000]
-    } else {
-        &[32_000, 151_936]
+    let vocabs: Vec<usize> = match std::env::var("MILES_BENCH_VOCABS") {
+        Ok(list) => list
+            .split(',')
+            .filter_map(|v| v.trim().parse().ok())
+            .collect(),
+        Err(_) if small() => vec![8_000],
+        Err(_) => vec![32_000, 151_936],
     };
     let mut plain_bytes_per_logit = None;
-    for &vocab in vocabs {
+    for &vocab in &vocabs {
         let id = format!("fused_logprobs_{tokens}x{hidden}x{vocab}");
         let inputs = inputs(&Device::flex(), tokens, hidden, vocab);
         let mut group = c.benchmark_group(&id);
@@ -243,18 +248,52 @@ fn fused_vs_plain(c: &mut Criterion) {
         let per_logit: f64 = plain_bytes_per_logit.unwrap_or(24.0);
         let need = (per_logit * logits as f64 * 1.25) as usize;
         let plain_fits = mem_available().is_none_or(|avail| need < avail);
-        let plain_peak = plain_fits.then(|| bench_step(&mut group, "baseline", &inputs, false));
-        let fused_peak = bench_step(&mut group, "fused", &inputs, true);
-        group.finish();
+        // Above ~300 M logits one plain step takes minutes: time single runs (best of
+        // MILES_BENCH_ONESHOT_RUNS, default 2) instead of criterion's ten samples.
+        let oneshot = logits > 300_000_000;
+        let (plain_peak, fused_peak, oneshot_secs) = if oneshot {
+            group.finish();
+            let runs = env_usize("MILES_BENCH_ONESHOT_RUNS", 2);
+            let best = |fused: bool| {
+                (0..runs)
+                    .map(|_| measure(|| step(&inputs.0, &inputs.1, &inputs.2, fused)))
+                    .fold((f64::INFINITY, 0usize), |(t, p), (s, b)| {
+                        (t.min(s), p.max(b))
+                    })
+            };
+            let plain = plain_fits.then(|| best(false));
+            let fused = best(true);
+            println!(
+                "# {id}: fused {:.2} s, plain {}",
+                fused.0,
+                plain.map_or("not run".to_string(), |p| format!("{:.2} s", p.0))
+            );
+            (
+                plain.map(|p| p.1),
+                fused.1,
+                Some((fused.0, plain.map(|p| p.0))),
+            )
+        } else {
+            let plain_peak = plain_fits.then(|| bench_step(&mut group, "baseline", &inputs, false));
+            let fused_peak = bench_step(&mut group, "fused", &inputs, true);
+            group.finish();
+            (plain_peak, fused_peak, None)
+        };
         if fused_peak == 0 {
             continue; // filtered out on the command line
         }
         if let Some(p) = plain_peak {
             plain_bytes_per_logit.get_or_insert(p as f64 / logits as f64);
-            println!(
-                "xtask-result: {id} ours=@{id}/fused baseline=@{id}/baseline target=<=1.0 \
-                 note=fused vs plain log-probs + entropy, fwd+bwd, flex f32"
-            );
+            match oneshot_secs {
+                Some((fused, Some(plain))) => println!(
+                    "xtask-result: {id} ours={fused:.3}s baseline={plain:.3}s target=<=1.0 \
+                     note=fused vs plain log-probs + entropy, fwd+bwd, flex f32, best of single runs"
+                ),
+                _ => println!(
+                    "xtask-result: {id} ours=@{id}/fused baseline=@{id}/baseline target=<=1.0 \
+                     note=fused vs plain log-probs + entropy, fwd+bwd, flex f32"
+                ),
+            }
             println!(
                 "xtask-result: {id}_peak_memory ours={:.1}MiB baseline={:.1}MiB target=<=0.25 \
                  note=peak heap, fused vs plain (plain / fused >= 4)",
@@ -315,6 +354,9 @@ fn policy_loss_step(c: &mut Criterion) {
         })
     });
     group.finish();
+    if peak == 0 {
+        return; // filtered out on the command line
+    }
     println!("peak-memory: loss_step_{b}x{n} {:.0} MiB", mib(peak));
     println!(
         "xtask-result: loss_step_{b}x{n} ours=@loss_step_{b}x{n}/all_terms \

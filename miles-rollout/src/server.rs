@@ -24,12 +24,12 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use miles_core::{
-    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message,
-    PauseMode, RequestId, SamplingParams, TokenId, ToolArguments, ToolSpec, WeightVersion,
+    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, PauseMode,
+    RequestId, SamplingParams, TokenId, ToolArguments, WeightVersion,
 };
 use miles_session::chat::ChatTokenizer;
+use miles_session::openai::ChatCompletionRequest;
 use miles_session::server::ROUTING_KEY_HEADER;
-use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::task::JoinSet;
 
@@ -818,71 +818,6 @@ async fn generate_inner(state: &AppState, headers: &HeaderMap, body: &Value) -> 
 // ---------------------------------------------------------------------------------------------
 // /v1/chat/completions
 
-/// `stop` as OpenAI allows it: one string or a list.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum StopSpec {
-    One(String),
-    Many(Vec<String>),
-}
-
-/// The OpenAI chat-completions body with SGLang's extensions (MILES_SPEC §7.3).
-#[derive(Debug, Deserialize)]
-struct ChatBody {
-    messages: Vec<Message>,
-    #[serde(default)]
-    tools: Option<Vec<ToolSpec>>,
-    #[serde(default)]
-    model: Option<String>,
-    #[serde(default)]
-    max_tokens: Option<usize>,
-    #[serde(default)]
-    max_completion_tokens: Option<usize>,
-    #[serde(default)]
-    min_tokens: Option<usize>,
-    #[serde(default)]
-    temperature: Option<f32>,
-    #[serde(default)]
-    top_p: Option<f32>,
-    #[serde(default)]
-    top_k: Option<i32>,
-    #[serde(default)]
-    min_p: Option<f32>,
-    #[serde(default)]
-    seed: Option<u64>,
-    #[serde(default)]
-    stop: Option<StopSpec>,
-    #[serde(default)]
-    stop_token_ids: Option<Vec<TokenId>>,
-    #[serde(default)]
-    frequency_penalty: Option<f32>,
-    #[serde(default)]
-    presence_penalty: Option<f32>,
-    #[serde(default)]
-    n: Option<usize>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    logprobs: Option<bool>,
-    #[serde(default)]
-    chat_template_kwargs: Option<Value>,
-    /// SGLang extension (set by Miles' session server): the prompt as ids, not rendered again.
-    #[serde(default)]
-    input_ids: Option<Vec<TokenId>>,
-    #[serde(default)]
-    return_routed_experts: Option<bool>,
-    #[serde(default)]
-    routed_experts_start_len: Option<usize>,
-    #[serde(default)]
-    return_meta_info: Option<bool>,
-    #[serde(default)]
-    no_stop_trim: Option<bool>,
-    #[serde(default)]
-    separate_reasoning: Option<bool>,
-    #[serde(default)]
-    rid: Option<String>,
-}
-
 async fn chat_completions(State(state): AppStateRef, request: Request) -> Response {
     let headers = request.headers().clone();
     let result = async {
@@ -905,7 +840,7 @@ async fn chat_inner(
     let tokenizer = state.info.tokenizer.clone().ok_or_else(|| {
         ApiError::bad_request("this server has no tokenizer: chat completions need one")
     })?;
-    let chat: ChatBody = serde_json::from_value(body)
+    let chat: ChatCompletionRequest = serde_json::from_value(body)
         .map_err(|e| ApiError::bad_request(format!("invalid chat request: {e}")))?;
     if chat.messages.is_empty() && chat.input_ids.is_none() {
         return Err(ApiError::bad_request("messages must not be empty"));
@@ -931,38 +866,9 @@ async fn chat_inner(
     };
     check_prompt(&state.info, &prompt)?;
 
-    let mut params = SamplingParams::default();
-    if let Some(v) = chat.temperature {
-        params.temperature = v;
-    }
-    if let Some(v) = chat.top_p {
-        params.top_p = v;
-    }
-    if let Some(v) = chat.top_k {
-        params.top_k = v;
-    }
-    if let Some(v) = chat.min_p {
-        params.min_p = v;
-    }
-    params.min_new_tokens = chat.min_tokens.unwrap_or(0);
-    params.sampling_seed = chat.seed;
-    params.frequency_penalty = chat.frequency_penalty.unwrap_or(0.0);
-    params.presence_penalty = chat.presence_penalty.unwrap_or(0.0);
-    params.n = chat.n.unwrap_or(1);
-    params.stop = match &chat.stop {
-        None => Vec::new(),
-        Some(StopSpec::One(s)) => vec![s.clone()],
-        Some(StopSpec::Many(v)) => v.clone(),
-    };
-    params.stop_token_ids = tokenizer.stop_token_ids();
-    for id in chat.stop_token_ids.iter().flatten() {
-        if !params.stop_token_ids.contains(id) {
-            params.stop_token_ids.push(*id);
-        }
-    }
+    let mut params = chat.sampling_params(tokenizer.stop_token_ids());
     // The stop token stays in the ids (log-probs, meta_info); text trimming is done below.
-    params.no_stop_trim = true;
-    let requested = chat.max_completion_tokens.or(chat.max_tokens);
+    let requested = chat.requested_max_tokens();
     let default_max = state
         .info
         .context_length

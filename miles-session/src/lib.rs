@@ -22,6 +22,8 @@
 //! * [`assembly`] and [`codec`]: records → training [`miles_core::Sample`]s (trailing-token
 //!   trim, truncation, merge) and Miles' safetensors samples wire format.
 //! * [`agent`]: the agent driver (`agentic_tool_call.generate`).
+//! * [`openai`]: the typed chat-completions body (with SGLang's extensions) and its mapping to
+//!   sampling parameters, shared with miles-rollout's SGLang-compatible server.
 //! * [`sglang`]: the SGLang-protocol HTTP client implementing `InferenceEngine`.
 //! * [`tito_adapter`]: [`tito_adapter::TitoChat`], the [`chat::ChatTokenizer`] over
 //!   miles-tito (HF-exact templates, the TITO families, incremental tokenization) that the
@@ -74,6 +76,7 @@ pub mod error;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
+pub mod openai;
 pub mod parsers;
 pub mod server;
 pub mod sglang;

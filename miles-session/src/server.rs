@@ -27,6 +27,7 @@ use crate::chat::{ChatTokenizer, Mismatch};
 use crate::codec::{EmptyReason, SamplesPayload, encode_samples};
 use crate::error::{Error, Result};
 use crate::metrics::ServerMetrics;
+use crate::openai::ChatCompletionRequest;
 use crate::trajectory::{LinearTrajectory, SessionRecord};
 
 /// The sticky routing header sent to engines with every call of a session.
@@ -325,56 +326,9 @@ async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Byt
     Ok((parts.headers, bytes))
 }
 
-/// `stop` as OpenAI allows it: one string or a list.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum StopSpec {
-    One(String),
-    Many(Vec<String>),
-}
-
-/// The typed view of a chat-completions body (validated once; unknown fields are kept in the
-/// recorded body and ignored).
-#[derive(Debug, Deserialize)]
-struct ChatRequest {
-    messages: Vec<Message>,
-    #[serde(default)]
-    tools: Option<Vec<ToolSpec>>,
-    #[serde(default)]
-    model: Option<String>,
-    #[serde(default)]
-    max_tokens: Option<usize>,
-    #[serde(default)]
-    max_completion_tokens: Option<usize>,
-    #[serde(default)]
-    min_tokens: Option<usize>,
-    #[serde(default)]
-    temperature: Option<f32>,
-    #[serde(default)]
-    top_p: Option<f32>,
-    #[serde(default)]
-    top_k: Option<i32>,
-    #[serde(default)]
-    min_p: Option<f32>,
-    #[serde(default)]
-    seed: Option<u64>,
-    #[serde(default)]
-    stop: Option<StopSpec>,
-    #[serde(default)]
-    stop_token_ids: Option<Vec<u32>>,
-    #[serde(default)]
-    frequency_penalty: Option<f32>,
-    #[serde(default)]
-    presence_penalty: Option<f32>,
-    #[serde(default)]
-    n: Option<usize>,
-    #[serde(default)]
-    stream: Option<bool>,
-}
-
 /// A validated chat request: the typed fields, the body to record, the kwargs to render with.
 struct PreparedChat {
-    request: ChatRequest,
+    request: ChatCompletionRequest,
     record_body: Value,
     kwargs: Map<String, Value>,
     stream: bool,
@@ -390,7 +344,7 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
         });
     };
     map.remove("stream_options");
-    let request = ChatRequest::deserialize(&body).map_err(|e| Error::InvalidBody {
+    let request = ChatCompletionRequest::deserialize(&body).map_err(|e| Error::InvalidBody {
         reason: e.to_string(),
     })?;
     if request.n.is_some_and(|n| n != 1) {
@@ -425,42 +379,13 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
 
 fn sampling_params(
     state: &AppState,
-    request: &ChatRequest,
+    request: &ChatCompletionRequest,
     prompt_len: usize,
 ) -> Result<SamplingParams> {
-    let mut params = SamplingParams::default();
-    if let Some(v) = request.temperature {
-        params.temperature = v;
-    }
-    if let Some(v) = request.top_p {
-        params.top_p = v;
-    }
-    if let Some(v) = request.top_k {
-        params.top_k = v;
-    }
-    if let Some(v) = request.min_p {
-        params.min_p = v;
-    }
-    params.min_new_tokens = request.min_tokens.unwrap_or(0);
-    params.sampling_seed = request.seed;
-    params.frequency_penalty = request.frequency_penalty.unwrap_or(0.0);
-    params.presence_penalty = request.presence_penalty.unwrap_or(0.0);
-    params.stop = match &request.stop {
-        None => Vec::new(),
-        Some(StopSpec::One(s)) => vec![s.clone()],
-        Some(StopSpec::Many(v)) => v.clone(),
-    };
-    params.stop_token_ids = state.tokenizer.stop_token_ids();
-    for id in request.stop_token_ids.iter().flatten() {
-        if !params.stop_token_ids.contains(id) {
-            params.stop_token_ids.push(*id);
-        }
-    }
-    // The session needs the stop token in the output ids (they come from the log-probs).
-    params.no_stop_trim = true;
+    // `n` is checked to be 1 when the body is prepared.
+    let params = request.sampling_params(state.tokenizer.stop_token_ids());
     let mut max_new = request
-        .max_completion_tokens
-        .or(request.max_tokens)
+        .requested_max_tokens()
         .or(state.config.default_max_tokens);
     if let Some(limit) = state.config.max_context_len {
         if prompt_len >= limit {
@@ -471,14 +396,16 @@ fn sampling_params(
         let room = limit - prompt_len;
         max_new = Some(max_new.map_or(room, |m| m.min(room)));
     }
-    params.max_new_tokens = max_new;
-    Ok(params)
+    Ok(SamplingParams {
+        max_new_tokens: max_new,
+        ..params
+    })
 }
 
 /// Builds the chat-completion JSON (with `meta_info`) from an engine output.
 fn completion_body(
     state: &AppState,
-    request: &ChatRequest,
+    request: &ChatCompletionRequest,
     prompt_len: usize,
     output: &GenerateOutput,
     tools: &[ToolSpec],

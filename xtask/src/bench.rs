@@ -34,13 +34,17 @@ pub struct BenchOptions {
     pub list: bool,
     /// Extra arguments for `cargo bench` (before its `--`).
     pub cargo_args: Vec<String>,
+    /// `(suite, log file)`: record the output of a bench run by hand instead of running it
+    /// (for suites that take too long to rerun as a whole).
+    pub record: Vec<(String, String)>,
 }
 
 /// Usage of the `bench` task.
 pub const USAGE: &str = "usage: cargo xtask bench [--only NAME]... [--quick] [--list] [-- CARGO_BENCH_ARGS]\n  \
      --only NAME   run only this suite (bench name like loop_overlap, or package/bench); repeatable\n  \
      --quick       small sizes, short measurement (MILES_BENCH_QUICK=1, criterion --quick): a smoke run\n  \
-     --list        list the suites and exit\n\
+     --list        list the suites and exit\n  \
+     --record SUITE=LOG  take SUITE's rows from LOG (the output of `cargo bench` run by hand)\n\
      Each suite runs as `cargo bench -p PACKAGE --bench NAME`; its xtask-result lines become rows of\n\
      one table, printed and merged into BENCHMARKS.md (rows of suites not run this time are kept).";
 
@@ -57,6 +61,15 @@ pub fn parse_options(args: &[String]) -> Result<BenchOptions, String> {
             ),
             "--quick" => options.quick = true,
             "--list" => options.list = true,
+            "--record" => {
+                let spec = iter
+                    .next()
+                    .ok_or_else(|| format!("--record needs SUITE=LOG\n{USAGE}"))?;
+                let (suite, log) = spec
+                    .split_once('=')
+                    .ok_or_else(|| format!("--record {spec:?}: expected SUITE=LOG\n{USAGE}"))?;
+                options.record.push((suite.to_string(), log.to_string()));
+            }
             "--" => {
                 options.cargo_args.extend(iter.by_ref().cloned());
             }
@@ -145,10 +158,30 @@ pub fn bench(args: &[String]) -> Result<(), String> {
         }
         return Ok(());
     }
-    let chosen = select(&suites, &options.only)?;
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     let mut runs = Vec::new();
+    if !options.record.is_empty() {
+        let mut recorded = Vec::new();
+        for (name, log) in &options.record {
+            let suite = select(&suites, std::slice::from_ref(name))?
+                .pop()
+                .ok_or_else(|| format!("--record: no suite {name:?}"))?;
+            let output = std::fs::read_to_string(log)
+                .map_err(|e| format!("--record: cannot read {log}: {e}"))?;
+            rows.extend(rows_for(&suite.id(), &output));
+            runs.push(RunNote {
+                suite: suite.id(),
+                text: format!(
+                    "recorded {} UTC from a log of `cargo bench` run by hand",
+                    utc_now()
+                ),
+            });
+            recorded.push(suite);
+        }
+        return write_document(rows, runs, &suites, &recorded, &[]);
+    }
+    let chosen = select(&suites, &options.only)?;
     for suite in &chosen {
         let load = load_average();
         match run_suite(suite, &options) {
@@ -169,9 +202,21 @@ pub fn bench(args: &[String]) -> Result<(), String> {
             ),
         });
     }
+    write_document(rows, runs, &suites, &chosen, &failures)
+}
+
+/// Merges this run's rows into `BENCHMARKS.md`, prints the table, and reports failures and
+/// unmet targets of the `chosen` suites.
+fn write_document(
+    rows: Vec<Row>,
+    runs: Vec<RunNote>,
+    suites: &[Suite],
+    chosen: &[Suite],
+    failures: &[String],
+) -> Result<(), String> {
     let path = workspace_root().join("BENCHMARKS.md");
     let previous = std::fs::read_to_string(&path).unwrap_or_default();
-    let (all_rows, all_runs) = merge(&previous, rows, runs, &suites);
+    let (all_rows, all_runs) = merge(&previous, rows, runs, suites);
     let table = render_table(&all_rows);
     println!("\n{table}");
     std::fs::write(&path, document(&table, &all_runs))
@@ -366,6 +411,13 @@ mod tests {
         assert_eq!(o.cargo_args, ["-v"]);
         assert!(parse_options(&["--only".into()]).is_err());
         assert!(parse_options(&["--fast".into()]).is_err());
+        let o = parse_options(&["--record".into(), "fused_logprobs=/tmp/f.log".into()]).unwrap();
+        assert_eq!(
+            o.record,
+            [("fused_logprobs".to_string(), "/tmp/f.log".to_string())]
+        );
+        assert!(parse_options(&["--record".into(), "no-equals".into()]).is_err());
+        assert!(parse_options(&["--record".into()]).is_err());
     }
 
     #[test]

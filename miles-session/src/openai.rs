@@ -1,0 +1,174 @@
+//! The OpenAI chat-completions request body, with the SGLang extensions Miles sends
+//! (MILES_SPEC §7.3), as one typed view shared by the session server and by miles-rollout's
+//! SGLang-compatible server.
+//!
+//! Only the fields either server acts on are typed; unknown fields are ignored (the session
+//! server keeps them in the recorded body). [`ChatCompletionRequest::sampling_params`] maps the
+//! OpenAI sampling fields onto [`SamplingParams`] the same way for both servers; the token
+//! budget (`max_tokens` against the context length) stays with each server, since they bound it
+//! differently.
+//!
+//! ```
+//! use miles_session::openai::ChatCompletionRequest;
+//!
+//! let body = serde_json::json!({
+//!     "messages": [{"role": "user", "content": "hi"}],
+//!     "temperature": 0.7, "top_k": 20, "stop": "\n\n", "stop_token_ids": [7, 2],
+//! });
+//! let request: ChatCompletionRequest = serde_json::from_value(body)?;
+//! let params = request.sampling_params(vec![2]);
+//! assert_eq!(params.temperature, 0.7);
+//! assert_eq!(params.top_k, 20);
+//! assert_eq!(params.stop, vec!["\n\n".to_string()]);
+//! assert_eq!(params.stop_token_ids, vec![2, 7]);
+//! assert!(params.no_stop_trim);
+//! # Ok::<(), serde_json::Error>(())
+//! ```
+
+use miles_core::{Message, SamplingParams, TokenId, ToolSpec};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// `stop` as OpenAI allows it: one string or a list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// `"stop": "\n\n"`.
+    One(String),
+    /// `"stop": ["a", "b"]`.
+    Many(Vec<String>),
+}
+
+impl StopSpec {
+    /// The stop strings as a list.
+    pub fn to_vec(&self) -> Vec<String> {
+        match self {
+            StopSpec::One(s) => vec![s.clone()],
+            StopSpec::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// The typed view of a chat-completions body.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// Tools offered to the model.
+    #[serde(default)]
+    pub tools: Option<Vec<ToolSpec>>,
+    /// Model name (echoed back).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Legacy token limit.
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// Token limit (wins over `max_tokens`).
+    #[serde(default)]
+    pub max_completion_tokens: Option<usize>,
+    /// SGLang's `min_tokens`.
+    #[serde(default)]
+    pub min_tokens: Option<usize>,
+    /// Sampling temperature.
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling.
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Top-k (SGLang extension; `-1` = off).
+    #[serde(default)]
+    pub top_k: Option<i32>,
+    /// Min-p (SGLang extension).
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    /// Sampling seed.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<StopSpec>,
+    /// Extra stop token ids (SGLang extension).
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<TokenId>>,
+    /// Frequency penalty.
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    /// Presence penalty.
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// Completions per request.
+    #[serde(default)]
+    pub n: Option<usize>,
+    /// Stream the answer (as one SSE chunk + `[DONE]`).
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Return per-token log-probs.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    /// Extra chat-template variables.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<Value>,
+    /// SGLang extension (set by Miles' session server): the prompt as ids, not rendered again.
+    #[serde(default)]
+    pub input_ids: Option<Vec<TokenId>>,
+    /// SGLang extension: return the routed experts.
+    #[serde(default)]
+    pub return_routed_experts: Option<bool>,
+    /// SGLang extension: first position whose routed experts are returned.
+    #[serde(default)]
+    pub routed_experts_start_len: Option<usize>,
+    /// SGLang extension: return `meta_info`.
+    #[serde(default)]
+    pub return_meta_info: Option<bool>,
+    /// SGLang extension: keep the stop string / token in the text.
+    #[serde(default)]
+    pub no_stop_trim: Option<bool>,
+    /// SGLang extension: split reasoning from content.
+    #[serde(default)]
+    pub separate_reasoning: Option<bool>,
+    /// SGLang extension: the request id (abortable by it).
+    #[serde(default)]
+    pub rid: Option<String>,
+}
+
+impl ChatCompletionRequest {
+    /// The request's sampling fields as [`SamplingParams`]: temperature, top-p / top-k / min-p,
+    /// `min_tokens`, seed, penalties, `n`, stop strings, and `stop_token_ids` appended (without
+    /// repeats) to `default_stop_ids` (the tokenizer's own stop tokens). `no_stop_trim` is on:
+    /// the stop token stays in the output ids, whose log-probs are recorded; both servers trim
+    /// the text themselves. `max_new_tokens` is left to the caller.
+    pub fn sampling_params(&self, default_stop_ids: Vec<TokenId>) -> SamplingParams {
+        let mut params = SamplingParams::default();
+        if let Some(v) = self.temperature {
+            params.temperature = v;
+        }
+        if let Some(v) = self.top_p {
+            params.top_p = v;
+        }
+        if let Some(v) = self.top_k {
+            params.top_k = v;
+        }
+        if let Some(v) = self.min_p {
+            params.min_p = v;
+        }
+        params.min_new_tokens = self.min_tokens.unwrap_or(0);
+        params.sampling_seed = self.seed;
+        params.frequency_penalty = self.frequency_penalty.unwrap_or(0.0);
+        params.presence_penalty = self.presence_penalty.unwrap_or(0.0);
+        params.n = self.n.unwrap_or(1);
+        params.stop = self.stop.as_ref().map(StopSpec::to_vec).unwrap_or_default();
+        params.stop_token_ids = default_stop_ids;
+        for id in self.stop_token_ids.iter().flatten() {
+            if !params.stop_token_ids.contains(id) {
+                params.stop_token_ids.push(*id);
+            }
+        }
+        params.no_stop_trim = true;
+        params
+    }
+
+    /// The requested token limit: `max_completion_tokens`, else `max_tokens`.
+    pub fn requested_max_tokens(&self) -> Option<usize> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+}
