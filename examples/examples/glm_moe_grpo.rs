@@ -10,8 +10,8 @@
 //! The default task is multi-digit addition (`12+35=` → `47`) on a model built from a config,
 //! with a byte-level BPE tokenizer and Qwen3's chat template written next to it (an ordinary HF
 //! model directory). A short supervised warm-start teaches the answer format first; it is
-//! reported as such. Held-out prompts are evaluated (sampled like the rollout, as Miles does) before anything, after the
-//! warm-start and during / after GRPO.
+//! reported as such. Held-out prompts are evaluated (sampled like the rollout, as Miles does)
+//! before anything, after the warm-start and during / after GRPO.
 //!
 //! ```text
 //! cargo run --release --example glm_moe_grpo                 # defaults, ~10 min on 2 cores
@@ -274,10 +274,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     // Held-out evaluation samples like the rollout unless --eval-temperature says otherwise
     // (Miles' default), with a fixed seed so that successive evaluations differ only by the
     // weights.
-    let eval_temperature: f32 = match args.get("--eval-temperature") {
-        Some(_) => args.parsed("--eval-temperature")?,
-        None => sampling.temperature,
-    };
+    let eval_temperature: f32 = args
+        .parsed_opt("--eval-temperature")?
+        .unwrap_or(sampling.temperature);
     let eval_manager = Arc::new(RolloutManager::new(
         RolloutConfig {
             n_samples_per_prompt: args.parsed("--n-samples-per-eval-prompt")?,
@@ -510,6 +509,7 @@ fn warm_start(
 ) -> Result<Actor, BoxError> {
     let steps: usize = args.parsed("--sft-steps")?;
     let batch: usize = args.parsed("--sft-batch-size")?;
+    let sft_lr: f64 = args.parsed("--sft-lr")?;
     let eos = *eos_ids.first().ok_or("the model has no EOS token")?;
     let samples: Vec<Sample> = problems
         .iter()
@@ -538,8 +538,8 @@ fn warm_start(
             // Cosine from --sft-lr to a tenth of it over the warm-start: the annealed end
             // lifts greedy accuracy well above a constant rate's.
             lr_schedule: LrSchedule {
-                lr: args.parsed("--sft-lr")?,
-                min_lr: args.parsed::<f64>("--sft-lr")? / 10.0,
+                lr: sft_lr,
+                min_lr: sft_lr / 10.0,
                 lr_decay_iters: Some(steps as u64),
                 lr_decay_style: LrDecayStyle::Cosine,
                 ..LrSchedule::default()

@@ -251,7 +251,8 @@ fn fused_vs_plain(c: &mut Criterion) {
         // Above ~300 M logits one plain step takes minutes: time single runs (best of
         // MILES_BENCH_ONESHOT_RUNS, default 2) instead of criterion's ten samples.
         let oneshot = logits > 300_000_000;
-        let (plain_peak, fused_peak, oneshot_secs) = if oneshot {
+        // `ours=` / `baseline=` of the time row: criterion references, or seconds.
+        let (plain_peak, fused_peak, ours, baseline, how) = if oneshot {
             group.finish();
             let runs = env_usize("MILES_BENCH_ONESHOT_RUNS", 2);
             let best = |fused: bool| {
@@ -262,38 +263,33 @@ fn fused_vs_plain(c: &mut Criterion) {
                     })
             };
             let plain = plain_fits.then(|| best(false));
-            let fused = best(true);
-            println!(
-                "# {id}: fused {:.2} s, plain {}",
-                fused.0,
-                plain.map_or("not run".to_string(), |p| format!("{:.2} s", p.0))
-            );
+            let (fused_secs, fused_peak) = best(true);
+            let plain_secs = plain.map_or("not run".to_string(), |p| format!("{:.3}s", p.0));
+            println!("# {id}: fused {fused_secs:.3}s, plain {plain_secs}");
+            let ours = format!("{fused_secs:.3}s");
             (
                 plain.map(|p| p.1),
-                fused.1,
-                Some((fused.0, plain.map(|p| p.0))),
+                fused_peak,
+                ours,
+                plain_secs,
+                ", best of single runs",
             )
         } else {
             let plain_peak = plain_fits.then(|| bench_step(&mut group, "baseline", &inputs, false));
             let fused_peak = bench_step(&mut group, "fused", &inputs, true);
             group.finish();
-            (plain_peak, fused_peak, None)
+            let (ours, baseline) = (format!("@{id}/fused"), format!("@{id}/baseline"));
+            (plain_peak, fused_peak, ours, baseline, "")
         };
         if fused_peak == 0 {
             continue; // filtered out on the command line
         }
         if let Some(p) = plain_peak {
             plain_bytes_per_logit.get_or_insert(p as f64 / logits as f64);
-            match oneshot_secs {
-                Some((fused, Some(plain))) => println!(
-                    "xtask-result: {id} ours={fused:.3}s baseline={plain:.3}s target=<=1.0 \
-                     note=fused vs plain log-probs + entropy, fwd+bwd, flex f32, best of single runs"
-                ),
-                _ => println!(
-                    "xtask-result: {id} ours=@{id}/fused baseline=@{id}/baseline target=<=1.0 \
-                     note=fused vs plain log-probs + entropy, fwd+bwd, flex f32"
-                ),
-            }
+            println!(
+                "xtask-result: {id} ours={ours} baseline={baseline} target=<=1.0 \
+                 note=fused vs plain log-probs + entropy, fwd+bwd, flex f32{how}"
+            );
             println!(
                 "xtask-result: {id}_peak_memory ours={:.1}MiB baseline={:.1}MiB target=<=0.25 \
                  note=peak heap, fused vs plain (plain / fused >= 4)",
@@ -313,8 +309,8 @@ fn fused_vs_plain(c: &mut Criterion) {
             );
         } else {
             println!(
-                "xtask-result: {id} ours=@{id}/fused target=<=1.0 \
-                 note=plain path not run: it needs ~{:.0} MiB",
+                "xtask-result: {id} ours={ours} target=<=1.0 \
+                 note=plain path not run: it needs ~{:.0} MiB{how}",
                 mib(need)
             );
             println!(
