@@ -14,7 +14,7 @@
 //! before anything, after the warm-start and during / after GRPO.
 //!
 //! ```text
-//! cargo run --release --example glm_moe_grpo                 # defaults, ~10 min on 2 cores
+//! cargo run --release --example glm_moe_grpo                 # defaults, ~6 min on 2 cores
 //! cargo run --release --example glm_moe_grpo -- --help       # every flag
 //! cargo run --release --example glm_moe_grpo -- --sync
 //! cargo run --release --example glm_moe_grpo -- --hf-checkpoint DIR          # a real GLM-4-MoE / Qwen3
@@ -26,7 +26,7 @@
 //! JSONL), `metrics.jsonl`, `checkpoints/step_*/` (trainer + rollout state), `final/` (the trained
 //! HF checkpoint), `curves.svg` (reward / KL / entropy) and `summary.json`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -35,21 +35,24 @@ use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{
-    InferenceEngine, JsonlMetricsSink, Metrics, MetricsSink, PolicyTrainer, Reward, Sample,
-    SamplingParams, WeightVersion,
+    InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample, SamplingParams,
+    WeightVersion,
 };
 use miles_examples::addition::{AdditionProblem, AdditionReward, AdditionTask, write_jsonl};
-use miles_examples::args::{Args, Cli, Parse};
-use miles_examples::plot::{PlotSpec, plot_metrics_file};
+use miles_examples::args::{Args, Cli, exit_code, parse_env};
+use miles_examples::sft::{WarmStart, warm_start};
 use miles_examples::toy::{ToyModelSpec, write_model_dir};
-use miles_examples::wiring::{FanOut, ProgressSink, TrainerScorer};
+use miles_examples::wiring::{
+    FanOut, ProgressSink, SharedProgress, embedded_engine, held_out_reward, save_hf_checkpoint,
+    write_final_outputs,
+};
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{
-    ChatPromptEncoder, DataSource, EmbeddedEngine, EngineConfig, EvalSet, LoopConfig,
-    PromptEncoder, RlLoop, RolloutConfig, RolloutManager, Router, SharedTrainer,
+    ChatPromptEncoder, DataSource, EvalSet, LoopConfig, PromptEncoder, RlLoop, RolloutConfig,
+    RolloutManager, Router, SharedTrainer,
 };
 use miles_session::sglang::{SglangConfig, SglangEngine};
-use miles_train::{Actor, BatchLayout, LossType, LrDecayStyle, LrSchedule, TrainConfig};
+use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::json;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -65,7 +68,7 @@ fn cli() -> Cli {
         .multi("--engine-url", "URL", "roll out on this SGLang-compatible server instead of the embedded engine (repeatable; a router spreads the load; the servers must see --output-dir for weight updates)")
         .option("--resume", "DIR", None, "continue a killed run from its latest checkpoint in DIR (its output dir)")
         .flag("--sync", "synchronous loop (rollout → train → update) instead of fully asynchronous")
-        .option("--num-rollout", "N", Some("40"), "GRPO steps")
+        .option("--num-rollout", "N", Some("60"), "GRPO steps")
         .option("--rollout-batch-size", "N", Some("32"), "prompts per step")
         .option("--n-samples-per-prompt", "N", Some("8"), "samples per prompt (the GRPO group)")
         .option("--advantage-estimator", "NAME", Some("grpo"), "grpo | gspo | reinforce_plus_plus | reinforce_plus_plus_baseline")
@@ -80,6 +83,7 @@ fn cli() -> Cli {
         .option("--lr", "LR", Some("1e-4"), "GRPO learning rate (AdamW; 3e-4 and up degrade the warm-started model's held-out reward)")
         .option("--lr-warmup-iters", "N", Some("0"), "GRPO optimizer steps of linear learning-rate warm-up from 0")
         .option("--num-steps-per-rollout", "N", Some("1"), "optimizer steps per rollout batch (the batch is split into this many mini-batches)")
+        .option("--batch-layout", "NAME", Some("padded"), "how training micro-batches are laid out: padded | packed | per_sample (equal up to float rounding; padded is fastest for short samples on CPU)")
         .option("--max-weight-staleness", "N", Some("1"), "samples older than this many weight versions are regenerated")
         .option("--update-weights-interval", "N", Some("1"), "push weights to the engines every N steps")
         .option("--save-interval", "N", Some("10"), "checkpoint every N steps")
@@ -88,7 +92,7 @@ fn cli() -> Cli {
         .option("--eval-temperature", "T", None, "held-out sampling temperature (default: the rollout temperature, as Miles; 0 = greedy)")
         .option("--n-samples-per-eval-prompt", "N", Some("4"), "samples per held-out prompt (the reward is their mean)")
         .option("--rollout-max-response-len", "N", Some("8"), "response token limit")
-        .option("--sft-steps", "N", Some("300"), "supervised warm-start steps before GRPO (0 = none)")
+        .option("--sft-steps", "N", Some("1200"), "supervised warm-start steps before GRPO (0 = none)")
         .option("--sft-batch-size", "N", Some("64"), "problems per warm-start step")
         .option("--sft-lr", "LR", Some("3e-3"), "warm-start peak learning rate (cosine-decayed to a tenth; the result is saved to OUTPUT/warm_start/)")
         .option("--min-digits", "N", Some("1"), "fewest digits of an addend")
@@ -102,31 +106,9 @@ fn cli() -> Cli {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
-    let parsed = match cli().parse(std::env::args().skip(1)) {
-        Ok(Parse::Help(text)) => {
-            println!("{text}");
-            return ExitCode::SUCCESS;
-        }
-        Ok(Parse::Args(args)) => args,
-        Err(e) => {
-            eprintln!("error: {e}\n(see --help)");
-            return ExitCode::from(2);
-        }
-    };
-    match run(parsed).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn bool_arg(args: &Args, name: &str) -> Result<bool, BoxError> {
-    match args.get(name).unwrap_or("false") {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
-        other => Err(format!("{name}: expected true or false, got {other:?}").into()),
+    match parse_env(&cli()) {
+        Ok(args) => exit_code(run(args).await),
+        Err(code) => code,
     }
 }
 
@@ -168,7 +150,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let seed: u64 = args.parsed("--seed")?;
     let n: usize = args.parsed("--n-samples-per-prompt")?;
     let num_rollout: u64 = args.parsed("--num-rollout")?;
-    let use_r3 = bool_arg(&args, "--use-rollout-routing-replay")?;
+    let use_r3 = args.boolean("--use-rollout-routing-replay")?;
     let device = Device::flex();
 
     // 1. The model directory: built from a config (tokenizer + Qwen3 template + GLM-4-MoE),
@@ -214,20 +196,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     // 3. Engines: the embedded one (scoring with the trainer's function), or SGLang servers.
     let urls = args.all("--engine-url");
     let engine: Arc<dyn InferenceEngine> = if urls.is_empty() {
-        let tokenizer = tokenizers::Tokenizer::from_file(model_dir.join("tokenizer.json"))
-            .map_err(|e| format!("tokenizer: {e}"))?;
-        Arc::new(
-            EmbeddedEngine::builder(model.valid())
-                .config(EngineConfig {
-                    max_running_requests: 64,
-                    eos_token_ids: eos_ids.clone(),
-                    seed,
-                    ..EngineConfig::default()
-                })
-                .scorer(Arc::new(TrainerScorer::default()))
-                .detokenizer(Arc::new(tokenizer))
-                .build()?,
-        )
+        embedded_engine(model.valid(), &model_dir, eos_ids.clone(), 64, seed)?
     } else {
         let moe_layers = (0..model.config.num_hidden_layers)
             .filter(|&l| model.config.is_moe_layer(l))
@@ -302,18 +271,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
             .collect(),
         manager: eval_manager.clone(),
     };
-    let eval_now = |label: &'static str| {
-        let set = eval_set();
-        async move {
-            let m = set.evaluate().await?;
-            let r = m
-                .get("eval/addition/raw_reward")
-                .copied()
-                .unwrap_or(f64::NAN);
-            println!("held-out reward {label}: {r:.3}");
-            Ok::<f64, BoxError>(r)
-        }
-    };
+    let eval_now = |label: &'static str| held_out_reward(eval_set(), label);
 
     // 4. Warm start (supervised, reported as such), then the GRPO trainer.
     let mut summary = json!({});
@@ -323,10 +281,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
         let steps: usize = args.parsed("--sft-steps")?;
         if steps > 0 {
             let t = Instant::now();
-            let sft = warm_start(model, &split.train, encoder.as_ref(), &eos_ids, &args)?;
+            let sft = addition_warm_start(model, &split.train, encoder.as_ref(), &eos_ids, &args)?;
             let weights = sft.export(FloatDtype::F32)?;
             model = sft.model().clone();
-            save_hf(&weights, &model_dir, &out.join("warm_start"))?;
+            save_hf_checkpoint(&weights, &model_dir, &out.join("warm_start"))?;
             println!(
                 "supervised warm-start: {steps} steps in {:.0} s",
                 t.elapsed().as_secs_f64()
@@ -341,6 +299,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .unwrap_or("grpo")
         .parse()
         .map_err(|e| format!("--advantage-estimator: {e}"))?;
+    let layout: BatchLayout = args.parsed("--batch-layout")?;
     let mut train_config = TrainConfig {
         lr_schedule: LrSchedule {
             lr: args.parsed("--lr")?,
@@ -354,7 +313,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         }
         .with_n_samples_per_prompt(n),
         micro_batch_size: 64,
-        layout: BatchLayout::Packed,
+        layout,
         use_routing_replay: use_r3,
         ..TrainConfig::default()
     };
@@ -362,9 +321,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     p.advantage_estimator = estimator;
     p.eps_clip = args.parsed("--eps-clip")?;
     p.eps_clip_high = Some(args.parsed("--eps-clip-high")?);
-    p.use_tis = bool_arg(&args, "--use-tis")?;
+    p.use_tis = args.boolean("--use-tis")?;
     p.tis_clip = args.parsed("--tis-clip")?;
-    p.use_kl_loss = bool_arg(&args, "--use-kl-loss")?;
+    p.use_kl_loss = args.boolean("--use-kl-loss")?;
     p.kl_loss_coef = args.parsed("--kl-loss-coef")?;
     p.entropy_coef = args.parsed("--entropy-coef")?;
     let actor = Actor::new(model, train_config)?;
@@ -380,7 +339,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let progress = Arc::new(ProgressSink::new(num_rollout, "eval/addition/raw_reward"));
     let sink: Arc<dyn MetricsSink> = Arc::new(FanOut(vec![
         Box::new(jsonl),
-        Box::new(ProgressRef(progress.clone())),
+        Box::new(SharedProgress(progress.clone())),
     ]));
     let data = DataSource::new(
         split
@@ -416,7 +375,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         } else {
             "fully asynchronous"
         },
-        bool_arg(&args, "--use-tis")?,
+        args.boolean("--use-tis")?,
         use_r3,
     );
     if sync {
@@ -430,20 +389,12 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let final_reward = eval_now("after GRPO").await?;
 
     // 6. Outputs: final checkpoint, curves, summary.
-    let final_dir = out.join("final");
-    {
-        let guard = trainer.lock().map_err(|_| "trainer lock poisoned")?;
-        let weights = guard.export_weights()?;
-        let version = guard.weight_version();
-        drop(guard);
-        save_hf(&weights, &model_dir, &final_dir)?;
-        summary["weight_version"] = json!(version.0);
-    }
-    plot_metrics_file(
-        &metrics_path,
-        &out.join("curves.svg"),
-        &PlotSpec::reward_kl_entropy(),
-    )?;
+    summary["weight_version"] = json!(write_final_outputs(
+        &trainer,
+        &model_dir,
+        &out,
+        "eval/addition/raw_reward"
+    )?);
     summary["reward_final"] = json!(final_reward);
     summary["grpo_seconds"] = json!(grpo_seconds);
     summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
@@ -464,43 +415,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// A metrics sink that forwards to a shared [`ProgressSink`].
-struct ProgressRef(Arc<ProgressSink>);
-
-impl MetricsSink for ProgressRef {
-    fn log(&self, step: u64, metrics: &Metrics) -> miles_core::Result<()> {
-        self.0.log(step, metrics)
-    }
-}
-
-/// Writes HF-named weights with the model directory's config and tokenizer files.
-fn save_hf(
-    weights: &miles_core::NamedTensors,
-    model_dir: &Path,
-    dir: &Path,
-) -> Result<(), BoxError> {
-    std::fs::create_dir_all(dir)?;
-    std::fs::write(
-        dir.join("model.safetensors"),
-        weights.to_safetensors_bytes(),
-    )?;
-    for file in [
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-    ] {
-        if model_dir.join(file).exists() {
-            std::fs::copy(model_dir.join(file), dir.join(file))?;
-        }
-    }
-    Ok(())
-}
-
 /// Supervised warm-start: the answer and the end-of-turn token after each training prompt.
 /// Returns the trained SFT actor.
-fn warm_start(
+fn addition_warm_start(
     model: CausalLm,
     problems: &[AdditionProblem],
     encoder: &ChatPromptEncoder,
@@ -508,8 +425,6 @@ fn warm_start(
     args: &Args,
 ) -> Result<Actor, BoxError> {
     let steps: usize = args.parsed("--sft-steps")?;
-    let batch: usize = args.parsed("--sft-batch-size")?;
-    let sft_lr: f64 = args.parsed("--sft-lr")?;
     let eos = *eos_ids.first().ok_or("the model has no EOS token")?;
     let samples: Vec<Sample> = problems
         .iter()
@@ -531,37 +446,15 @@ fn warm_start(
             })
         })
         .collect::<Result<_, _>>()?;
-    let mut actor = Actor::new(
-        model,
-        TrainConfig {
-            loss_type: LossType::SftLoss,
-            // Cosine from --sft-lr to a tenth of it over the warm-start: the annealed end
-            // lifts greedy accuracy well above a constant rate's.
-            lr_schedule: LrSchedule {
-                lr: sft_lr,
-                min_lr: sft_lr / 10.0,
-                lr_decay_iters: Some(steps as u64),
-                lr_decay_style: LrDecayStyle::Cosine,
-                ..LrSchedule::default()
-            },
-            micro_batch_size: batch,
-            layout: BatchLayout::Packed,
-            ..TrainConfig::default()
-        },
-    )?;
-    let mut cursor = 0;
-    for step in 0..steps {
-        let chunk: Vec<Sample> = (0..batch)
-            .map(|i| samples[(cursor + i) % samples.len()].clone())
-            .collect();
-        cursor = (cursor + batch) % samples.len();
-        let m = actor.train(step as u64, &chunk)?;
-        if step % 25 == 0 || step + 1 == steps {
-            println!(
-                "warm-start step {step:>4}/{steps}: loss {:.4}",
-                m.get("train/loss").copied().unwrap_or(f64::NAN)
-            );
+    let options = WarmStart {
+        steps,
+        batch_size: args.parsed("--sft-batch-size")?,
+        lr: args.parsed("--sft-lr")?,
+        layout: args.parsed("--batch-layout")?,
+    };
+    Ok(warm_start(model, &samples, &options, |step, loss| {
+        if step % 100 == 0 || step + 1 == steps {
+            println!("warm-start step {step:>4}/{steps}: loss {loss:.4}");
         }
-    }
-    Ok(actor)
+    })?)
 }

@@ -209,6 +209,33 @@ impl Cli {
     }
 }
 
+/// Parses the process's arguments with `cli`: the arguments, or the exit code after printing
+/// the help (0) or the error (2).
+pub fn parse_env(cli: &Cli) -> Result<Args, std::process::ExitCode> {
+    match cli.parse(std::env::args().skip(1)) {
+        Ok(Parse::Help(text)) => {
+            println!("{text}");
+            Err(std::process::ExitCode::SUCCESS)
+        }
+        Ok(Parse::Args(args)) => Ok(args),
+        Err(e) => {
+            eprintln!("error: {e}\n(see --help)");
+            Err(std::process::ExitCode::from(2))
+        }
+    }
+}
+
+/// The exit code of a run: 0, or 1 after printing the error.
+pub fn exit_code<E: std::fmt::Display>(result: Result<(), E>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 impl Args {
     /// The value of an option (its default when not given), if any.
     pub fn get(&self, name: &str) -> Option<&str> {
@@ -250,6 +277,18 @@ impl Args {
     /// Whether a flag was given.
     pub fn flag(&self, name: &str) -> bool {
         self.flags.contains(&name)
+    }
+
+    /// A boolean option (`true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`; absent = false),
+    /// for Miles' `--use-*` options that take a value.
+    pub fn boolean(&self, name: &str) -> Result<bool, Error> {
+        match self.get(name).unwrap_or("false") {
+            "true" | "1" | "yes" | "on" => Ok(true),
+            "false" | "0" | "no" | "off" => Ok(false),
+            other => Err(Error::Args(format!(
+                "{name}: expected true or false, got {other:?}"
+            ))),
+        }
     }
 }
 

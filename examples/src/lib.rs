@@ -46,6 +46,7 @@ use std::path::{Path, PathBuf};
 
 pub mod addition;
 pub mod args;
+pub mod calculator;
 pub mod plot;
 pub mod sft;
 pub mod template_check;

@@ -100,6 +100,13 @@ fn symbols(text: &str, table: &[char; 256]) -> Vec<String> {
 /// The BPE vocabulary (symbol → id) and merges of the toy tokenizer, without the added
 /// tokens: ids `0..256` are the byte symbols in byte order, then one id per merge result.
 pub fn vocab_and_merges() -> (Vec<String>, Vec<(String, String)>) {
+    vocab_and_merges_with(&[])
+}
+
+/// [`vocab_and_merges`] with merges for `extra_words` too (each as itself and with a
+/// leading space), after [`MERGED_WORDS`]. A word should be one pre-token of the GPT-2
+/// split (letters, or a run of punctuation), or its merges are never used.
+pub fn vocab_and_merges_with(extra_words: &[String]) -> (Vec<String>, Vec<(String, String)>) {
     let table = byte_symbols();
     let mut vocab: Vec<String> = table.iter().map(char::to_string).collect();
     let mut merges: Vec<(String, String)> = Vec::new();
@@ -116,7 +123,8 @@ pub fn vocab_and_merges() -> (Vec<String>, Vec<(String, String)>) {
     };
     // "\n\n" (one pre-token under the GPT-2 split) as one token.
     add_word(symbols("\n\n", &table), &mut vocab);
-    for word in MERGED_WORDS {
+    let extra = extra_words.iter().map(String::as_str);
+    for word in MERGED_WORDS.into_iter().chain(extra) {
         add_word(symbols(word, &table), &mut vocab);
         add_word(symbols(&format!(" {word}"), &table), &mut vocab);
     }
@@ -126,7 +134,12 @@ pub fn vocab_and_merges() -> (Vec<String>, Vec<(String, String)>) {
 /// Builds the toy tokenizer (byte-level BPE, no normaliser, no post-processor: HF's
 /// Qwen2-style setup, so `add_special_tokens` adds nothing).
 pub fn build_tokenizer() -> Result<Tokenizer, Error> {
-    let (vocab, merges) = vocab_and_merges();
+    build_tokenizer_with(&[])
+}
+
+/// [`build_tokenizer`] with merges for `extra_words` ([`vocab_and_merges_with`]).
+pub fn build_tokenizer_with(extra_words: &[String]) -> Result<Tokenizer, Error> {
+    let (vocab, merges) = vocab_and_merges_with(extra_words);
     let vocab: Vocab = vocab
         .into_iter()
         .enumerate()
@@ -177,6 +190,9 @@ pub struct ToyModelSpec {
     pub max_position_embeddings: usize,
     /// `initializer_range`: the standard deviation of the random weights.
     pub initializer_range: f64,
+    /// Words the tokenizer merges into single tokens besides [`MERGED_WORDS`]
+    /// ([`build_tokenizer_with`]); empty by default.
+    pub extra_merged_words: Vec<String>,
 }
 
 impl Default for ToyModelSpec {
@@ -194,6 +210,7 @@ impl Default for ToyModelSpec {
             n_shared_experts: 1,
             max_position_embeddings: 512,
             initializer_range: 0.02,
+            extra_merged_words: Vec::new(),
         }
     }
 }
@@ -318,7 +335,7 @@ pub fn write_model_dir(
     device: &Device,
 ) -> Result<ToyModelInfo, Error> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let tokenizer = build_tokenizer()?;
+    let tokenizer = build_tokenizer_with(&spec.extra_merged_words)?;
     let tokenizer_path = dir.join("tokenizer.json");
     tokenizer
         .save(&tokenizer_path, false)

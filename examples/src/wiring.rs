@@ -2,11 +2,12 @@
 //! embedded engine's [`SequenceScorer`], a progress-bar metrics sink, and a fan-out sink.
 
 use std::io::IsTerminal;
-use std::sync::Mutex;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_bridge::CausalLm;
-use miles_core::{Metrics, MetricsSink};
+use miles_core::{Metrics, MetricsSink, NamedTensors};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::SequenceScorer;
@@ -123,4 +124,100 @@ impl MetricsSink for ProgressSink {
         }
         Ok(())
     }
+}
+
+/// A [`ProgressSink`] shared with the caller (to [`ProgressSink::finish`] it) while a
+/// [`FanOut`] owns a box of it.
+pub struct SharedProgress(pub Arc<ProgressSink>);
+
+impl MetricsSink for SharedProgress {
+    fn log(&self, step: u64, metrics: &Metrics) -> miles_core::Result<()> {
+        self.0.log(step, metrics)
+    }
+}
+
+/// Writes HF-named `weights` as `dir/model.safetensors` with the config, generation config,
+/// tokenizer and chat-template files of `model_dir`: a directory HF transformers (and
+/// `--hf-checkpoint`) loads.
+pub fn save_hf_checkpoint(
+    weights: &NamedTensors,
+    model_dir: &Path,
+    dir: &Path,
+) -> Result<(), crate::Error> {
+    std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
+    let file = dir.join("model.safetensors");
+    std::fs::write(&file, weights.to_safetensors_bytes())
+        .map_err(|e| crate::Error::io(&file, e))?;
+    for name in crate::sft::TOKENIZER_FILES {
+        let from = model_dir.join(name);
+        if from.exists() {
+            std::fs::copy(&from, dir.join(name)).map_err(|e| crate::Error::io(&from, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// The embedded engine the examples roll out on: `model` (an inference copy), continuous
+/// batching up to `max_running_requests`, the trainer's scoring function (rollout log-probs
+/// equal to the trainer's), the tokenizer of `model_dir` as detokenizer, seeded sampling.
+pub fn embedded_engine(
+    model: miles_bridge::CausalLm,
+    model_dir: &Path,
+    eos_token_ids: Vec<u32>,
+    max_running_requests: usize,
+    seed: u64,
+) -> Result<Arc<dyn miles_core::InferenceEngine>, crate::Error> {
+    let path = model_dir.join("tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| crate::Error::Tokenizer(format!("{}: {e}", path.display())))?;
+    let engine = miles_rollout::EmbeddedEngine::builder(model)
+        .config(miles_rollout::EngineConfig {
+            max_running_requests,
+            eos_token_ids,
+            seed,
+            ..miles_rollout::EngineConfig::default()
+        })
+        .scorer(Arc::new(TrainerScorer::default()))
+        .detokenizer(Arc::new(tokenizer))
+        .build()
+        .map_err(|e| crate::Error::Invalid {
+            what: "embedded engine",
+            reason: e.to_string(),
+        })?;
+    Ok(Arc::new(engine))
+}
+
+/// Evaluates `set` on the current weights and prints `held-out reward {label}: R`, where R
+/// is `eval/<set name>/raw_reward`.
+pub async fn held_out_reward(
+    set: miles_rollout::EvalSet,
+    label: &str,
+) -> Result<f64, miles_rollout::Error> {
+    let key = format!("eval/{}/raw_reward", set.name);
+    let metrics = set.evaluate().await?;
+    let reward = metrics.get(&key).copied().unwrap_or(f64::NAN);
+    println!("held-out reward {label}: {reward:.3}");
+    Ok(reward)
+}
+
+/// The end of an RL example: the trainer's weights as an HF checkpoint in `out/final/` (with
+/// `model_dir`'s config and tokenizer files), and `out/curves.svg` from `out/metrics.jsonl`
+/// (reward with the held-out `eval_key`, KL, entropy). Returns the final weight version.
+pub fn write_final_outputs(
+    trainer: &miles_rollout::SharedTrainer,
+    model_dir: &Path,
+    out: &Path,
+    eval_key: &str,
+) -> Result<u64, crate::Error> {
+    let (weights, version) = {
+        let guard = trainer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (guard.export_weights()?, guard.weight_version())
+    };
+    save_hf_checkpoint(&weights, model_dir, &out.join("final"))?;
+    let mut plot = crate::plot::PlotSpec::reward_kl_entropy();
+    plot.panels[0].metrics.push(eval_key.to_owned());
+    crate::plot::plot_metrics_file(&out.join("metrics.jsonl"), &out.join("curves.svg"), &plot)?;
+    Ok(version.0)
 }

@@ -1,9 +1,10 @@
-//! The reference binary end to end, as a user runs it: a few GRPO steps at tiny size (reward,
-//! loss and version bookkeeping), and a run killed mid-way (SIGKILL) then resumed with
-//! `--resume`: it finishes every step exactly once.
+//! The RL examples end to end, as a user runs them: the reference binary for a few GRPO steps
+//! at tiny size (reward, loss and version bookkeeping), a run of it killed mid-way (SIGKILL)
+//! then resumed with `--resume` (it finishes every step exactly once), and the agentic
+//! example (GRPO through a session server, TITO mismatch rate 0).
 //!
-//! `cargo test` builds the examples before the tests, so the binary sits next to the test
-//! executable (`target/<profile>/examples/glm_moe_grpo`).
+//! `cargo test` builds the examples before the tests, so the binaries sit next to the test
+//! executable (`target/<profile>/examples/<name>`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-fn binary() -> PathBuf {
+fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("target/<profile>/deps");
-    let path = profile_dir.join("examples").join("glm_moe_grpo");
+    let path = profile_dir.join("examples").join(name);
     assert!(
         path.exists(),
         "{} missing: run through `cargo test`, which builds the examples",
@@ -86,7 +87,7 @@ fn fresh_dir(name: &str) -> PathBuf {
 #[test]
 fn a_few_grpo_steps_move_reward_loss_and_versions() {
     let out = fresh_dir("e2e");
-    let status = Command::new(binary())
+    let status = Command::new(binary("glm_moe_grpo"))
         .args(tiny_args(&out, 4))
         .arg("--sync")
         .status()
@@ -140,7 +141,7 @@ fn a_few_grpo_steps_move_reward_loss_and_versions() {
 fn a_killed_run_resumes_and_trains_every_step_once() {
     let out = fresh_dir("kill");
     let steps = 6;
-    let mut child = Command::new(binary())
+    let mut child = Command::new(binary("glm_moe_grpo"))
         .args(tiny_args(&out, steps))
         .stdout(Stdio::null())
         .spawn()
@@ -173,7 +174,7 @@ fn a_killed_run_resumes_and_trains_every_step_once() {
         .collect();
     assert!((killed_at.len() as u64) < steps, "killed before the end");
 
-    let status = Command::new(binary())
+    let status = Command::new(binary("glm_moe_grpo"))
         .args(tiny_args(&out, steps))
         .args(["--resume", out.to_str().unwrap()])
         .stdout(Stdio::null())
@@ -195,5 +196,77 @@ fn a_killed_run_resumes_and_trains_every_step_once() {
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["weight_version"], steps);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn the_agentic_example_trains_through_sessions_without_tito_mismatches() {
+    let out = fresh_dir("agentic");
+    let args = [
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--sft-steps",
+        "30",
+        "--sft-batch-size",
+        "16",
+        "--num-train-prompts",
+        "200",
+        "--num-eval-prompts",
+        "8",
+        "--hidden-size",
+        "32",
+        "--num-layers",
+        "2",
+        "--eval-interval",
+        "2",
+        "--sync",
+    ];
+    let status = Command::new(binary("agentic_tool_call"))
+        .arg("--output-dir")
+        .arg(&out)
+        .args(args)
+        .stdout(Stdio::null())
+        .status()
+        .expect("run the example");
+    // The example exits non-zero when no session was checked or any had a hard mismatch.
+    assert!(status.success());
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["weight_version"], 3);
+    assert_eq!(summary["tito_mismatch_rate"], 0.0);
+    assert!(summary["tito_sessions_checked"].as_u64().unwrap() > 0);
+    for key in ["reward_initial", "reward_after_warm_start", "reward_final"] {
+        let r = summary[key].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&r), "{key} = {r}");
+    }
+    let steps = metrics(&out);
+    let train: Vec<&BTreeMap<String, f64>> = steps
+        .iter()
+        .filter(|(_, m)| m.contains_key("train/pg_loss"))
+        .map(|(_, m)| m)
+        .collect();
+    assert_eq!(train.len(), 3, "one training record per step");
+    for m in &train {
+        assert!(m["train/grad_norm"].is_finite());
+        assert!((0.0..=1.0).contains(&m["rollout/raw_reward"]));
+        // Miles' session-mismatch metrics are there. They count every session, also those
+        // no template can render back (a last turn cut at the token limit, a barely trained
+        // model generating `<|im_start|>`), which the summary's rate leaves out.
+        for kind in [
+            "",
+            "/special_token_count",
+            "/non_assistant_text",
+            "/assistant_text",
+        ] {
+            let rate = m[&format!("rollout/tito_session_mismatch_rate/v1{kind}")];
+            assert!((0.0..=1.0).contains(&rate), "{kind}: {rate}");
+        }
+    }
+    assert!(out.join("final/model.safetensors").exists());
+    assert!(out.join("warm_start/model.safetensors").exists());
     let _ = std::fs::remove_dir_all(&out);
 }

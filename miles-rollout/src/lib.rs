@@ -15,10 +15,15 @@
 //! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
 //!   of returned groups;
 //! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
-//!   checker) implementing [`miles_core::RewardFn`];
+//!   checker) and a reward model over HTTP ([`RemoteReward`], Miles' `remote_rm`), all
+//!   implementing [`miles_core::RewardFn`];
 //! * [`manager`]: the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
 //!   concurrency, rewards, dynamic filters, over-sampling with abort of the surplus, partial
-//!   rollout;
+//!   rollout — with three generation modes: single-turn (one engine call per sample, the
+//!   default), agentic ([`AgentGenerator`]: a user agent talks to a session server over
+//!   HTTP) and the token-level multi-turn tool loop ([`multi_turn`]:
+//!   [`MultiTurnGenerator`] with a user [`ToolExecutor`]); any [`SampleGenerator`] plugs in
+//!   with [`RolloutManager::with_generator`];
 //! * [`router`]: a [`Router`] over engines (itself an engine) — sticky routing keys, least
 //!   outstanding requests, failover, health checks with re-creation and weight catch-up;
 //! * [`server`]: SGLang's HTTP protocol over any engine ([`sglang_router`]: `/generate`,
@@ -58,6 +63,7 @@ pub mod engine;
 pub mod error;
 pub mod loops;
 pub mod manager;
+pub mod multi_turn;
 pub mod reward;
 pub mod router;
 pub mod server;
@@ -72,8 +78,12 @@ pub use error::{Error, Result};
 pub use loops::{
     EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,
 };
-pub use manager::{PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager};
-pub use reward::BuiltinReward;
+pub use manager::{
+    AgentGenerator, PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager, SampleGenerator,
+    TITO_MISMATCH_TYPES, tito_mismatch_metrics,
+};
+pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
+pub use reward::{BuiltinReward, RemoteReward};
 pub use router::{EngineFactory, Router};
 pub use server::{ServerInfo, sglang_router};
 

@@ -7,8 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use miles_core::{
     FinishReason, GenerateRequest, InferenceEngine, Metrics, RequestId, RewardFn, Sample,
-    SampleStatus, SamplingParams, TokenId,
+    SampleStatus, SamplingParams, TokenId, async_trait,
 };
+use miles_session::agent::{Agent, AgentDriverConfig};
+use miles_session::http::HttpClient;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::Semaphore;
@@ -27,6 +29,58 @@ pub trait PromptEncoder: Send + Sync {
 
     /// Decodes response tokens.
     fn decode(&self, tokens: &[TokenId]) -> String;
+}
+
+/// How one sample is generated, in place of the manager's single engine call (Miles'
+/// `--custom-generate-function-path`). It gets the sample as the data source made it (prompt,
+/// label, metadata, index) and the sampling parameters of this sample (per-turn
+/// `max_new_tokens` = `rollout_max_response_len`, `sampling_seed` from `rollout_seed`), and
+/// returns the generated sample: tokens, `response_length`, `loss_mask`, rollout log-probs,
+/// status. It must not fail: a failure is a sample with status ABORTED or FAILED (the
+/// manager scores only COMPLETED and TRUNCATED samples). [`AgentGenerator`] is the agentic
+/// one.
+#[async_trait]
+pub trait SampleGenerator: Send + Sync {
+    /// Generates `sample`.
+    async fn generate(&self, sample: Sample, sampling: SamplingParams) -> Sample;
+}
+
+/// Multi-turn agentic generation through a session server (Miles'
+/// `generate_hub/agentic_tool_call.generate`, MILES_SPEC §3.1): each sample opens a session,
+/// the user's [`Agent`] talks to it as to an OpenAI endpoint, and the session's records
+/// become the training sample (exact token ids, log-probs, routed experts; tool outputs
+/// masked out of the loss). The session server must serve the engine the manager trains
+/// against (so that weight updates reach it).
+pub struct AgentGenerator {
+    agent: Arc<dyn Agent>,
+    config: AgentDriverConfig,
+    http: HttpClient,
+}
+
+impl AgentGenerator {
+    /// `agent` against the session server of `config.server_url`.
+    pub fn new(agent: Arc<dyn Agent>, config: AgentDriverConfig) -> Self {
+        let http = HttpClient::new(config.http_timeout);
+        Self {
+            agent,
+            config,
+            http,
+        }
+    }
+}
+
+#[async_trait]
+impl SampleGenerator for AgentGenerator {
+    async fn generate(&self, sample: Sample, sampling: SamplingParams) -> Sample {
+        miles_session::agent::generate(
+            self.agent.as_ref(),
+            &sample,
+            &sampling,
+            &self.config,
+            &self.http,
+        )
+        .await
+    }
 }
 
 /// Rollout settings, with Miles' flag names and defaults.
@@ -124,6 +178,7 @@ pub struct RolloutManager {
     engine: Arc<dyn InferenceEngine>,
     encoder: Arc<dyn PromptEncoder>,
     reward: Arc<dyn RewardFn>,
+    generator: Option<Arc<dyn SampleGenerator>>,
     permits: Arc<Semaphore>,
     next_request: Arc<AtomicU64>,
 }
@@ -143,8 +198,17 @@ impl RolloutManager {
             engine,
             encoder,
             reward,
+            generator: None,
             next_request: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Generates each sample with `generator` (e.g. an [`AgentGenerator`]) instead of one
+    /// engine call. Concurrency limits, rewards, filters, over-sampling and abort stay the
+    /// manager's; the engine is still what weight updates and `abort_all` go to.
+    pub fn with_generator(mut self, generator: Arc<dyn SampleGenerator>) -> Self {
+        self.generator = Some(generator);
+        self
     }
 
     /// The configuration.
@@ -163,6 +227,7 @@ impl RolloutManager {
             engine: self.engine.clone(),
             encoder: self.encoder.clone(),
             reward: self.reward.clone(),
+            generator: self.generator.clone(),
             permits: self.permits.clone(),
             next_request: self.next_request.clone(),
         }
@@ -277,6 +342,7 @@ struct GroupWorker {
     engine: Arc<dyn InferenceEngine>,
     encoder: Arc<dyn PromptEncoder>,
     reward: Arc<dyn RewardFn>,
+    generator: Option<Arc<dyn SampleGenerator>>,
     permits: Arc<Semaphore>,
     next_request: Arc<AtomicU64>,
 }
@@ -344,6 +410,10 @@ impl GroupWorker {
             sample.status = SampleStatus::Aborted;
             return sample;
         };
+        if let Some(generator) = &self.generator {
+            let sampling = self.sampling_for(&sample, self.config.rollout_max_response_len);
+            return generator.generate(sample, sampling).await;
+        }
         if let Err(reason) = self.generate_into(&mut sample).await {
             sample.status = SampleStatus::Failed;
             sample
@@ -351,6 +421,17 @@ impl GroupWorker {
                 .insert("failure".into(), Value::from(reason.to_string()));
         }
         sample
+    }
+
+    /// The rollout sampling parameters for `sample` with `max_new_tokens` = `budget` and
+    /// `sampling_seed` = `rollout_seed + index`.
+    fn sampling_for(&self, sample: &Sample, budget: usize) -> SamplingParams {
+        let mut sampling = self.config.sampling.clone();
+        sampling.max_new_tokens = Some(budget);
+        if let (Some(seed), Some(index)) = (self.config.rollout_seed, sample.index) {
+            sampling.sampling_seed = Some(seed.wrapping_add(index));
+        }
+        sampling
     }
 
     /// One generate call for `sample`, resuming a partial response if there is one.
@@ -370,11 +451,7 @@ impl GroupWorker {
             sample.status = SampleStatus::Truncated;
             return Ok(());
         }
-        let mut sampling = config.sampling.clone();
-        sampling.max_new_tokens = Some(budget);
-        if let (Some(seed), Some(index)) = (config.rollout_seed, sample.index) {
-            sampling.sampling_seed = Some(seed.wrapping_add(index));
-        }
+        let sampling = self.sampling_for(sample, budget);
         let mut request = GenerateRequest::new(sample.tokens.clone(), sampling);
         request.request_id = Some(RequestId::new(format!(
             "rollout-{}",
@@ -456,5 +533,47 @@ pub fn rollout_metrics(groups: &[Vec<Sample>], reward_key: Option<&str>) -> Metr
         .count();
     metrics.insert("rollout/truncated_ratio".into(), truncated as f64 / n);
     metrics.insert("rollout/samples".into(), samples.len() as f64);
+    metrics.extend(tito_mismatch_metrics(&samples));
+    metrics
+}
+
+/// The mismatch types a session server reports, in Miles' order. All but `assistant_text`
+/// are hard failures of token-in-token-out; `assistant_text` is tolerated (the model's own
+/// tokens may differ from the canonical tokenization of their text, which is what TITO keeps).
+pub const TITO_MISMATCH_TYPES: [&str; 4] = [
+    "special_token_count",
+    "special_token_type",
+    "non_assistant_text",
+    "assistant_text",
+];
+
+/// Miles' session-mismatch rollout metrics over the samples that carry
+/// `metadata.tito_session_mismatch` (agentic samples from a session server):
+/// `rollout/tito_session_mismatch_rate/v1` = the fraction with at least one mismatch, and
+/// `rollout/tito_session_mismatch_rate/v1/<type>` = the fraction with one of that type. Empty
+/// when no sample carries it.
+pub fn tito_mismatch_metrics(samples: &[&Sample]) -> Metrics {
+    let lists: Vec<&Vec<Value>> = samples
+        .iter()
+        .filter_map(|s| s.metadata.get("tito_session_mismatch")?.as_array())
+        .collect();
+    let mut metrics = Metrics::new();
+    if lists.is_empty() {
+        return metrics;
+    }
+    let n = lists.len() as f64;
+    let key = "rollout/tito_session_mismatch_rate/v1";
+    let any = lists.iter().filter(|l| !l.is_empty()).count();
+    metrics.insert(key.into(), any as f64 / n);
+    for kind in TITO_MISMATCH_TYPES {
+        let with = lists
+            .iter()
+            .filter(|l| {
+                l.iter()
+                    .any(|m| m.get("type").and_then(Value::as_str) == Some(kind))
+            })
+            .count();
+        metrics.insert(format!("{key}/{kind}"), with as f64 / n);
+    }
     metrics
 }

@@ -364,3 +364,359 @@ async fn held_out_evaluation_is_logged_before_and_during_training() {
     let last = &steps.last().unwrap().1;
     assert_eq!(last["eval/digits/samples"], 64.0);
 }
+
+/// The weather agent of MILES_SPEC §3.1's shape: calls the tool until the model answers in
+/// text, over a real HTTP client against a real session server; `fail` makes it error after
+/// its first turn.
+struct WeatherAgent {
+    fail: bool,
+}
+
+#[async_trait]
+impl miles_session::agent::Agent for WeatherAgent {
+    async fn run(
+        &self,
+        ctx: miles_session::agent::AgentContext,
+    ) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+        use serde_json::json;
+        let http = miles_session::http::HttpClient::new(Duration::from_secs(10));
+        let mut messages: Vec<serde_json::Value> = ctx
+            .prompt
+            .iter()
+            .map(|m| serde_json::to_value(m).unwrap())
+            .collect();
+        loop {
+            let mut body = json!({"model": "toy", "messages": messages});
+            for (k, v) in &ctx.request_kwargs {
+                body[k] = v.clone();
+            }
+            let r = http
+                .post_json(&format!("{}/v1/chat/completions", ctx.base_url), &body, &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            if r.status != 200 {
+                return Err(format!("chat answered {}: {}", r.status, r.text()));
+            }
+            if self.fail {
+                return Err("tool crashed".into());
+            }
+            let v: serde_json::Value = r.json().map_err(|e| e.to_string())?;
+            let message = v["choices"][0]["message"].clone();
+            messages.push(message.clone());
+            let Some(calls) = message["tool_calls"].as_array() else {
+                let mut meta = serde_json::Map::new();
+                meta.insert("final_answer".into(), message["content"].clone());
+                return Ok(meta);
+            };
+            for call in calls {
+                messages
+                    .push(json!({"role": "tool", "tool_call_id": call["id"], "content": "sunny"}));
+            }
+        }
+    }
+}
+
+/// 1 when the agent's final answer mentions the label.
+struct MentionsLabel;
+
+#[async_trait]
+impl RewardFn for MentionsLabel {
+    async fn reward(&self, sample: &Sample) -> CoreResult<Reward> {
+        let answer = sample.metadata["final_answer"].as_str().unwrap_or("");
+        let label = sample.label.as_deref().unwrap_or("?");
+        Ok(Reward::Scalar(f64::from(u8::from(answer.contains(label)))))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentic_generation_goes_through_a_session_server() {
+    use miles_rollout::{AgentGenerator, tito_mismatch_metrics};
+    use miles_session::agent::AgentDriverConfig;
+    use miles_session::testkit::{ByteChatml, ToyEngine};
+    use miles_session::{SessionServer, SessionServerConfig};
+
+    let engine = ToyEngine::new();
+    let server = SessionServer::new(
+        engine.clone(),
+        Arc::new(ByteChatml::default()),
+        SessionServerConfig {
+            return_routed_experts: true,
+            ..SessionServerConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = server.router();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let prompts = vec![
+        PromptRecord::text("What is the weather in Paris?", "sunny"),
+        PromptRecord::text("What is the weather in Oslo?", "rainy"),
+    ];
+    let run = |fail: bool| {
+        let generator = Arc::new(AgentGenerator::new(
+            Arc::new(WeatherAgent { fail }),
+            AgentDriverConfig::new(url.clone()),
+        ));
+        let manager = RolloutManager::new(
+            RolloutConfig {
+                n_samples_per_prompt: 2,
+                rollout_batch_size: 2,
+                rollout_max_response_len: 512,
+                rollout_seed: Some(5),
+                ..RolloutConfig::default()
+            },
+            engine.clone(),
+            Arc::new(DigitEncoder),
+            Arc::new(MentionsLabel),
+        )
+        .unwrap()
+        .with_generator(generator);
+        let prompts = prompts.clone();
+        async move {
+            let mut data = DataSource::new(prompts, 2, false, 0).unwrap();
+            manager.generate_rollout(0, &mut data).await.unwrap()
+        }
+    };
+
+    let batch = run(false).await;
+    assert_eq!(batch.groups.len(), 2);
+
+    let rewards: Vec<f64> = batch
+        .samples()
+        .iter()
+        .map(|s| s.scalar_reward(None).unwrap())
+        .collect();
+    // The toy engine answers "The weather is sunny." for both cities.
+    assert_eq!(rewards, [1.0, 1.0, 0.0, 0.0]);
+    for s in batch.samples() {
+        s.validate().unwrap();
+        assert_eq!(s.status, SampleStatus::Completed);
+        // Two model turns (tool call, answer) and the tool's output between them, which is
+        // not trained on: the loss mask has zeros inside the response.
+        let mask = s.loss_mask.as_ref().unwrap();
+        assert_eq!(mask.len(), s.response_length);
+        assert_eq!(mask[0], 1);
+        assert_eq!(*mask.last().unwrap(), 1);
+        assert!(mask.contains(&0), "tool output masked out");
+        assert_eq!(
+            s.rollout_log_probs.as_ref().unwrap().len(),
+            s.response_length
+        );
+        assert_eq!(
+            s.rollout_routed_experts.as_ref().unwrap().rows(),
+            s.tokens.len() - 1
+        );
+        // Two engine calls, each at the toy engine's version.
+        assert_eq!(s.weight_versions, ["7", "7"]);
+        assert_eq!(s.metadata["tito_session_mismatch"], serde_json::json!([]));
+    }
+    let samples = batch.samples();
+    let refs: Vec<&Sample> = samples.iter().collect();
+    let tito = tito_mismatch_metrics(&refs);
+    assert_eq!(tito["rollout/tito_session_mismatch_rate/v1"], 0.0);
+    assert_eq!(
+        batch.metrics["rollout/tito_session_mismatch_rate/v1/special_token_count"],
+        0.0
+    );
+
+    // A failing agent: every sample ABORTED (a copy of the input), kept in its group for the
+    // statistics but never trained on; no reward is computed for it.
+    let batch = run(true).await;
+    for s in batch.samples() {
+        assert_eq!(s.status, SampleStatus::Aborted);
+        assert!(s.remove_sample);
+        assert!(s.reward.is_none());
+        assert!(
+            s.metadata["abort_reason"]
+                .as_str()
+                .unwrap()
+                .contains("tool crashed")
+        );
+    }
+    assert!(
+        !batch
+            .metrics
+            .contains_key("rollout/tito_session_mismatch_rate/v1")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_reward_model_over_http_with_retries_and_typed_failures() {
+    use axum::Json;
+    use axum::http::StatusCode;
+    use miles_rollout::RemoteReward;
+    use serde_json::{Value, json};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    // A reward model on loopback: 1 for the label, 0 otherwise; the first call for a response
+    // "flaky" answers 503; "BAD" gets a 400; "WEIRD" a string; "PARTS" named components.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let flaky = Arc::new(AtomicUsize::new(0));
+    let (c, f) = (calls.clone(), flaky.clone());
+    let app = axum::Router::new().route(
+        "/reward",
+        axum::routing::post(move |Json(body): Json<Value>| {
+            let (c, f) = (c.clone(), f.clone());
+            async move {
+                c.fetch_add(1, Ordering::SeqCst);
+                let response = body["response"].as_str().unwrap_or("").to_owned();
+                match response.as_str() {
+                    "flaky" if f.fetch_add(1, Ordering::SeqCst) == 0 => {
+                        (StatusCode::SERVICE_UNAVAILABLE, Json(json!("busy")))
+                    }
+                    "BAD" => (StatusCode::BAD_REQUEST, Json(json!({"error": "bad"}))),
+                    "WEIRD" => (StatusCode::OK, Json(json!("high"))),
+                    "PARTS" => (StatusCode::OK, Json(json!({"acc": 1.0, "fmt": 0.5}))),
+                    _ => {
+                        let hit = Some(response.as_str()) == body["label"].as_str();
+                        assert_eq!(body["prompt"], json!("q0"));
+                        assert_eq!(body["metadata"]["k"], json!(1));
+                        (StatusCode::OK, Json(json!(f64::from(u8::from(hit)))))
+                    }
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/reward", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let rm = RemoteReward::new(url.clone(), Duration::from_secs(5));
+    let sample = |response: &str| {
+        let mut s = Sample {
+            prompt: miles_core::Prompt::Text("q0".into()),
+            response: response.into(),
+            label: Some("3".into()),
+            ..Sample::default()
+        };
+        s.metadata.insert("k".into(), json!(1));
+        s
+    };
+    assert_eq!(rm.reward(&sample("3")).await.unwrap(), Reward::Scalar(1.0));
+    assert_eq!(rm.reward(&sample("4")).await.unwrap(), Reward::Scalar(0.0));
+    // A 503 is retried.
+    assert_eq!(
+        rm.reward(&sample("flaky")).await.unwrap(),
+        Reward::Scalar(0.0)
+    );
+    assert_eq!(flaky.load(Ordering::SeqCst), 2);
+    let parts = rm.reward(&sample("PARTS")).await.unwrap();
+    assert_eq!(parts.scalar(Some("fmt")), Some(0.5));
+    // A 400 is not retried; a non-number is an error; a dead server fails after the retries.
+    let before = calls.load(Ordering::SeqCst);
+    let e = rm.reward(&sample("BAD")).await.unwrap_err().to_string();
+    assert!(e.contains("400"), "{e}");
+    assert_eq!(calls.load(Ordering::SeqCst), before + 1);
+    let e = rm.reward(&sample("WEIRD")).await.unwrap_err().to_string();
+    assert!(e.contains("expected a number or an object"), "{e}");
+    let dead =
+        RemoteReward::new("http://127.0.0.1:9/reward", Duration::from_secs(1)).with_retries(1);
+    let e = dead.reward(&sample("3")).await.unwrap_err().to_string();
+    assert!(e.contains("after 2 attempts"), "{e}");
+}
+
+/// `get_weather(city)` → "sunny" for Paris, an error otherwise.
+struct Weather;
+
+#[async_trait]
+impl miles_rollout::ToolExecutor for Weather {
+    async fn execute_one(
+        &self,
+        name: &str,
+        params: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, String> {
+        assert_eq!(name, "get_weather");
+        match params.get("city").and_then(|c| c.as_str()) {
+            Some("Paris") => Ok("sunny".into()),
+            other => Err(format!("no weather for {other:?}")),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_turn_tool_loop_appends_tool_outputs_with_tito_and_masks_them() {
+    use miles_core::{InferenceEngine as _, Message, Prompt, SamplingParams, ToolSpec};
+    use miles_rollout::{MultiTurnGenerator, SampleGenerator};
+    use miles_session::ChatTokenizer;
+    use miles_session::testkit::{ByteChatml, ToyEngine};
+
+    let engine = ToyEngine::new();
+    let chat = Arc::new(ByteChatml::default());
+    let _: &dyn ChatTokenizer = chat.as_ref();
+    let tool = ToolSpec::function(
+        "get_weather",
+        "Weather of a city",
+        serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+    );
+    let generator = MultiTurnGenerator::new(
+        engine.clone(),
+        chat.clone(),
+        vec![tool.clone()],
+        Arc::new(Weather),
+    )
+    .with_max_turns(4)
+    .with_routed_experts(true);
+    let ask = |city: &str| Sample {
+        prompt: Prompt::Messages(vec![Message::user(format!(
+            "What is the weather in {city}?"
+        ))]),
+        ..Sample::default()
+    };
+    let sampling = SamplingParams {
+        max_new_tokens: Some(400),
+        ..SamplingParams::default()
+    };
+    let s = generator.generate(ask("Paris"), sampling.clone()).await;
+    assert_eq!(s.status, SampleStatus::Completed, "{:?}", s.metadata);
+    s.validate().unwrap();
+    assert!(s.response.contains("<tool_call>"));
+    assert!(s.response.contains("sunny"));
+    assert!(
+        s.response.ends_with("The weather is sunny.<|im_end|>"),
+        "{}",
+        s.response
+    );
+    // Loss mask: 1 on the model's ids, 0 on the tool message between the turns; log-prob 0
+    // there; the engine's log-probs on the model's ids.
+    let mask = s.loss_mask.as_ref().unwrap();
+    let lp = s.rollout_log_probs.as_ref().unwrap();
+    let zeros = mask.iter().filter(|&&m| m == 0).count();
+    assert!(zeros > 0 && mask[0] == 1 && *mask.last().unwrap() == 1);
+    let first_zero = mask.iter().position(|&m| m == 0).unwrap();
+    let tool_text =
+        chat.decode(&s.tokens[s.tokens.len() - s.response_length + first_zero..][..zeros]);
+    assert!(
+        tool_text.contains("<tool_response>\nsunny\n</tool_response>"),
+        "{tool_text:?}"
+    );
+    for (m, l) in mask.iter().zip(lp) {
+        if *m == 0 {
+            assert_eq!(*l, 0.0);
+        } else {
+            assert!(*l < 0.0);
+        }
+    }
+    assert_eq!(s.weight_versions.len(), 2, "two engine calls");
+    assert_eq!(
+        s.rollout_routed_experts.as_ref().unwrap().rows(),
+        s.tokens.len() - 1
+    );
+
+    // A failing tool answers the model with its error; a budget too small truncates.
+    let s = generator.generate(ask("Oslo"), sampling.clone()).await;
+    assert_eq!(s.status, SampleStatus::Completed);
+    assert!(
+        s.response.contains("error: no weather for"),
+        "{}",
+        s.response
+    );
+    let short = SamplingParams {
+        max_new_tokens: Some(5),
+        ..sampling
+    };
+    let s = generator.generate(ask("Paris"), short).await;
+    assert_eq!(s.status, SampleStatus::Truncated);
+    assert_eq!(s.response_length, 5);
+    assert_eq!(engine.weight_version().await.unwrap().0, 7);
+}

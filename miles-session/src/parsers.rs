@@ -148,7 +148,10 @@ impl ToolCallParser {
     }
 
     /// Splits `text` into normal text and tool calls. Calls to tools not in `tools` are dropped
-    /// (as SGLang does) unless `tools` is empty; a call whose body does not parse is an error.
+    /// (as SGLang does) unless `tools` is empty. A Qwen 2.5 block that does not parse is
+    /// skipped (SGLang's detector); for the other formats a call that does not parse is an
+    /// error ([`OutputParser::parse`] then keeps the whole text as content, as SGLang's chat
+    /// serving does).
     /// Arguments are JSON strings in Python's spelling (`{"city": "Paris"}`).
     pub fn parse(self, text: &str, tools: &[ToolSpec]) -> Result<(String, Vec<ToolCall>)> {
         let Some(at) = text.find(self.start_token()) else {
@@ -159,15 +162,20 @@ impl ToolCallParser {
         let mut calls = Vec::new();
         match self {
             Self::Qwen25 => {
+                // SGLang's Qwen25Detector: blocks that are unterminated or not JSON are
+                // skipped (logged), the others kept.
                 for block in body.split("<tool_call>").skip(1) {
                     let Some((inner, _)) = block.split_once("</tool_call>") else {
-                        return Err(Error::upstream(format!(
-                            "unterminated <tool_call>: {block:.80}"
-                        )));
+                        tracing::warn!(block = %format!("{block:.80}"), "unterminated <tool_call> skipped");
+                        continue;
                     };
-                    let v: Value = serde_json::from_str(inner.trim()).map_err(|e| {
-                        Error::upstream(format!("tool call is not JSON ({e}): {inner:.80}"))
-                    })?;
+                    let v: Value = match serde_json::from_str(inner.trim()) {
+                        Ok(v) => v,
+                        Err(e) => {
+                            tracing::warn!(%e, inner = %format!("{inner:.80}"), "tool call that is not JSON skipped");
+                            continue;
+                        }
+                    };
                     let name = v
                         .get("name")
                         .and_then(Value::as_str)
@@ -287,8 +295,14 @@ impl OutputParser {
             Some(parser) => parser.parse(text),
             None => (None, text.to_owned()),
         };
+        // A malformed call is the model's mistake, not a request error: like SGLang's chat
+        // serving, answer with the text as content and no calls (the agent sees it; the
+        // session records the exact tokens either way).
         let (content, tool_calls) = match self.tool_calls {
-            Some(parser) => parser.parse(&rest, tools)?,
+            Some(parser) => parser.parse(&rest, tools).unwrap_or_else(|error| {
+                tracing::warn!(%error, "tool-call parsing failed; the text is kept as content");
+                (rest, Vec::new())
+            }),
             None => (rest, Vec::new()),
         };
         Ok(ParsedAssistant {
@@ -355,10 +369,18 @@ mod tests {
             parsed.tool_calls[0].function.arguments,
             ToolArguments::Json(r#"{"city": "Paris", "days": 2}"#.into())
         );
-        assert!(
-            parser
-                .parse("<tool_call>\n{broken\n</tool_call>", &weather())
-                .is_err()
+        // Malformed or unterminated blocks are skipped, the good ones kept (SGLang).
+        let parsed = parser
+            .parse(
+                "Try.<tool_call>\n{broken\n</tool_call><tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call><tool_call>{\"name\"",
+                &weather(),
+            )
+            .unwrap();
+        assert_eq!(parsed.content, "Try.");
+        assert_eq!(parsed.tool_calls.len(), 1);
+        assert_eq!(
+            parsed.tool_calls[0].function.arguments,
+            ToolArguments::Json("{}".into())
         );
     }
 
@@ -379,14 +401,17 @@ mod tests {
             calls[0].function.arguments.to_object().unwrap()["city"],
             json!("Oslo")
         );
-        assert!(
-            ToolCallParser::Glm47
-                .parse(
-                    "<tool_call>get_weather<arg_key>city</arg_key></tool_call>",
-                    &[]
-                )
-                .is_err()
-        );
+        let broken = "Hm.<tool_call>get_weather<arg_key>city</arg_key></tool_call>";
+        assert!(ToolCallParser::Glm47.parse(broken, &[]).is_err());
+        // The output parser answers with the whole text as content and no calls.
+        let output = OutputParser {
+            reasoning: None,
+            tool_calls: Some(ToolCallParser::Glm47),
+            end_of_turn: vec![],
+        };
+        let parsed = output.parse(broken, &[]).unwrap();
+        assert_eq!(parsed.content, broken);
+        assert!(parsed.tool_calls.is_empty());
     }
 
     #[test]

@@ -24,6 +24,23 @@ pub enum BatchLayout {
     Padded,
 }
 
+impl std::str::FromStr for BatchLayout {
+    type Err = Error;
+    /// `per_sample`, `packed` or `padded` (the serde names).
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "per_sample" => Ok(Self::PerSample),
+            "packed" => Ok(Self::Packed),
+            "padded" => Ok(Self::Padded),
+            other => Err(Error::Config {
+                field: "batch_layout",
+                value: other.to_string(),
+                reason: "expected per_sample, packed or padded",
+            }),
+        }
+    }
+}
+
 /// One sample, checked and converted for training. Vectors over the response cover the last
 /// `response_length` entries of `tokens`.
 #[derive(Debug, Clone, PartialEq)]
