@@ -78,6 +78,15 @@ fn metrics(out: &Path) -> Vec<(u64, BTreeMap<String, f64>)> {
         .collect()
 }
 
+/// The metrics of the steps that trained (those with `train/pg_loss`), in order.
+fn training_records(out: &Path) -> Vec<BTreeMap<String, f64>> {
+    metrics(out)
+        .into_iter()
+        .filter(|(_, m)| m.contains_key("train/pg_loss"))
+        .map(|(_, m)| m)
+        .collect()
+}
+
 fn fresh_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("miles-grpo-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -93,12 +102,7 @@ fn a_few_grpo_steps_move_reward_loss_and_versions() {
         .status()
         .expect("run the example");
     assert!(status.success());
-    let steps = metrics(&out);
-    let train: Vec<&BTreeMap<String, f64>> = steps
-        .iter()
-        .filter(|(_, m)| m.contains_key("train/pg_loss"))
-        .map(|(_, m)| m)
-        .collect();
+    let train = training_records(&out);
     assert_eq!(train.len(), 4, "one training record per step");
     for m in &train {
         for key in [
@@ -115,7 +119,7 @@ fn a_few_grpo_steps_move_reward_loss_and_versions() {
     }
     // Held-out evaluation before training and at the eval interval.
     assert!(
-        steps
+        metrics(&out)
             .iter()
             .any(|(_, m)| m.contains_key("eval/addition/raw_reward"))
     );
@@ -243,12 +247,7 @@ fn the_agentic_example_trains_through_sessions_without_tito_mismatches() {
         let r = summary[key].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&r), "{key} = {r}");
     }
-    let steps = metrics(&out);
-    let train: Vec<&BTreeMap<String, f64>> = steps
-        .iter()
-        .filter(|(_, m)| m.contains_key("train/pg_loss"))
-        .map(|(_, m)| m)
-        .collect();
+    let train = training_records(&out);
     assert_eq!(train.len(), 3, "one training record per step");
     for m in &train {
         assert!(m["train/grad_norm"].is_finite());
