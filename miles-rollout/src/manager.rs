@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use miles_core::{
-    FinishReason, GenerateRequest, InferenceEngine, Metrics, RequestId, RewardFn, Sample,
-    SampleStatus, SamplingParams, TokenId, async_trait,
+    FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Metrics, RequestId, RewardFn,
+    Sample, SampleStatus, SamplingParams, TokenId, async_trait,
 };
 use miles_session::agent::{Agent, AgentDriverConfig};
 use miles_session::http::HttpClient;
@@ -469,33 +469,42 @@ impl GroupWorker {
                 return Ok(());
             }
         };
-        let log_probs = (output.output_log_probs.len() == output.output_ids.len())
-            .then_some(output.output_log_probs.as_slice());
-        sample.append_response(&output.output_ids, log_probs, 1)?;
-        if let Some(routes) = output.routed_experts {
-            let rows = sample.tokens.len().saturating_sub(1);
-            if routes.rows() != rows {
-                return Err(Error::Core(miles_core::Error::SampleLength {
-                    field: "rollout_routed_experts",
-                    expected: rows,
-                    got: routes.rows(),
-                }));
-            }
-            sample.rollout_routed_experts = Some(routes);
-        }
-        sample
-            .weight_versions
-            .push(output.weight_version.to_string());
-        sample.prefix_cache_info.cached_tokens += output.cached_tokens as u64;
-        sample.prefix_cache_info.total_prompt_tokens += output.prompt_tokens as u64;
+        apply_output(sample, output)?;
         sample.response = self.encoder.decode(sample.response_tokens());
-        sample.status = match output.finish_reason {
-            FinishReason::Stop => SampleStatus::Completed,
-            FinishReason::Length => SampleStatus::Truncated,
-            FinishReason::Abort => SampleStatus::Aborted,
-        };
         Ok(())
     }
+}
+
+/// Appends one engine call's output to `sample`: the generated ids with loss mask 1 and
+/// their log-probs, the routed experts (which must cover every token but the last), the
+/// weight version, prefix-cache counts, and the status from the finish reason (stop →
+/// COMPLETED, length → TRUNCATED, abort → ABORTED).
+pub(crate) fn apply_output(sample: &mut Sample, output: GenerateOutput) -> Result<()> {
+    let log_probs = (output.output_log_probs.len() == output.output_ids.len())
+        .then_some(output.output_log_probs.as_slice());
+    sample.append_response(&output.output_ids, log_probs, 1)?;
+    if let Some(routes) = output.routed_experts {
+        let rows = sample.tokens.len().saturating_sub(1);
+        if routes.rows() != rows {
+            return Err(Error::Core(miles_core::Error::SampleLength {
+                field: "rollout_routed_experts",
+                expected: rows,
+                got: routes.rows(),
+            }));
+        }
+        sample.rollout_routed_experts = Some(routes);
+    }
+    sample
+        .weight_versions
+        .push(output.weight_version.to_string());
+    sample.prefix_cache_info.cached_tokens += output.cached_tokens as u64;
+    sample.prefix_cache_info.total_prompt_tokens += output.prompt_tokens as u64;
+    sample.status = match output.finish_reason {
+        FinishReason::Stop => SampleStatus::Completed,
+        FinishReason::Length => SampleStatus::Truncated,
+        FinishReason::Abort => SampleStatus::Aborted,
+    };
+    Ok(())
 }
 
 /// Aborted or failed samples of a kept group stay in it (group statistics need them) but are

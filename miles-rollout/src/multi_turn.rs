@@ -13,13 +13,13 @@
 use std::sync::Arc;
 
 use miles_core::{
-    FinishReason, GenerateRequest, InferenceEngine, Message, Prompt, Role, Sample, SampleStatus,
-    SamplingParams, TokenId, ToolSpec, async_trait,
+    GenerateRequest, InferenceEngine, Message, Prompt, Role, Sample, SampleStatus, SamplingParams,
+    ToolSpec, async_trait,
 };
 use miles_session::ChatTokenizer;
 use serde_json::{Map, Value};
 
-use crate::manager::SampleGenerator;
+use crate::manager::{SampleGenerator, apply_output};
 
 /// Runs one tool call (Miles' `execute_one(name, params) -> str`). An `Err` is sent back to
 /// the model as the tool's output (`error: …`), as a failing tool would answer.
@@ -96,7 +96,6 @@ impl MultiTurnGenerator {
         sample.loss_mask = Some(Vec::new());
         sample.rollout_log_probs = Some(Vec::new());
         let total = sampling.max_new_tokens.unwrap_or(usize::MAX);
-        let mut turn_outputs: Vec<TokenId> = Vec::new();
         for turn in 0..self.max_turns {
             let budget = total.saturating_sub(sample.response_length);
             if budget == 0 {
@@ -127,44 +126,23 @@ impl MultiTurnGenerator {
                     return Ok(());
                 }
             };
-            let log_probs = (output.output_log_probs.len() == output.output_ids.len())
-                .then_some(output.output_log_probs.as_slice());
-            sample
-                .append_response(&output.output_ids, log_probs, 1)
-                .map_err(|e| e.to_string())?;
-            if let Some(routes) = output.routed_experts {
-                sample.rollout_routed_experts = Some(routes);
-            }
-            sample
-                .weight_versions
-                .push(output.weight_version.to_string());
-            turn_outputs.clone_from(&output.output_ids);
-            match output.finish_reason {
-                FinishReason::Abort => {
-                    sample.status = SampleStatus::Aborted;
-                    return Ok(());
-                }
-                FinishReason::Length => {
-                    sample.status = SampleStatus::Truncated;
-                    return Ok(());
-                }
-                FinishReason::Stop => {}
+            let generated = output.output_ids.clone();
+            apply_output(sample, output).map_err(|e| e.to_string())?;
+            if sample.status != SampleStatus::Completed {
+                // Aborted or cut at the token limit: the loop ends here.
+                return Ok(());
             }
             let parsed = self
                 .chat
-                .parse_assistant(&turn_outputs, &self.tools)
+                .parse_assistant(&generated, &self.tools)
                 .map_err(|e| format!("parsing turn {turn}: {e}"))?;
             if parsed.tool_calls.is_empty() {
-                sample.status = SampleStatus::Completed;
                 return Ok(());
             }
             let old = messages.clone();
             messages.push(parsed.to_message());
             for (i, call) in parsed.tool_calls.iter().enumerate() {
-                let params = match call.function.arguments.to_object() {
-                    Ok(map) => map,
-                    Err(_) => Map::new(),
-                };
+                let params = call.function.arguments.to_object().unwrap_or_default();
                 let content = match self
                     .executor
                     .execute_one(&call.function.name, &params)
@@ -191,7 +169,7 @@ impl MultiTurnGenerator {
                 .take_while(|(a, b)| a == b)
                 .count();
             let trimmed = sample.tokens.len() - keep;
-            if trimmed > self.chat.max_trim_tokens().min(output.output_ids.len()) {
+            if trimmed > self.chat.max_trim_tokens().min(generated.len()) {
                 return Err(format!(
                     "the boundary rule rewrote {trimmed} stored ids (at most {} allowed)",
                     self.chat.max_trim_tokens()

@@ -365,57 +365,6 @@ async fn held_out_evaluation_is_logged_before_and_during_training() {
     assert_eq!(last["eval/digits/samples"], 64.0);
 }
 
-/// The weather agent of MILES_SPEC §3.1's shape: calls the tool until the model answers in
-/// text, over a real HTTP client against a real session server; `fail` makes it error after
-/// its first turn.
-struct WeatherAgent {
-    fail: bool,
-}
-
-#[async_trait]
-impl miles_session::agent::Agent for WeatherAgent {
-    async fn run(
-        &self,
-        ctx: miles_session::agent::AgentContext,
-    ) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-        use serde_json::json;
-        let http = miles_session::http::HttpClient::new(Duration::from_secs(10));
-        let mut messages: Vec<serde_json::Value> = ctx
-            .prompt
-            .iter()
-            .map(|m| serde_json::to_value(m).unwrap())
-            .collect();
-        loop {
-            let mut body = json!({"model": "toy", "messages": messages});
-            for (k, v) in &ctx.request_kwargs {
-                body[k] = v.clone();
-            }
-            let r = http
-                .post_json(&format!("{}/v1/chat/completions", ctx.base_url), &body, &[])
-                .await
-                .map_err(|e| e.to_string())?;
-            if r.status != 200 {
-                return Err(format!("chat answered {}: {}", r.status, r.text()));
-            }
-            if self.fail {
-                return Err("tool crashed".into());
-            }
-            let v: serde_json::Value = r.json().map_err(|e| e.to_string())?;
-            let message = v["choices"][0]["message"].clone();
-            messages.push(message.clone());
-            let Some(calls) = message["tool_calls"].as_array() else {
-                let mut meta = serde_json::Map::new();
-                meta.insert("final_answer".into(), message["content"].clone());
-                return Ok(meta);
-            };
-            for call in calls {
-                messages
-                    .push(json!({"role": "tool", "tool_call_id": call["id"], "content": "sunny"}));
-            }
-        }
-    }
-}
-
 /// 1 when the agent's final answer mentions the label.
 struct MentionsLabel;
 
@@ -432,7 +381,7 @@ impl RewardFn for MentionsLabel {
 async fn agentic_generation_goes_through_a_session_server() {
     use miles_rollout::{AgentGenerator, tito_mismatch_metrics};
     use miles_session::agent::AgentDriverConfig;
-    use miles_session::testkit::{ByteChatml, ToyEngine};
+    use miles_session::testkit::{ByteChatml, ToyEngine, WeatherAgent};
     use miles_session::{SessionServer, SessionServerConfig};
 
     let engine = ToyEngine::new();
@@ -455,7 +404,9 @@ async fn agentic_generation_goes_through_a_session_server() {
     ];
     let run = |fail: bool| {
         let generator = Arc::new(AgentGenerator::new(
-            Arc::new(WeatherAgent { fail }),
+            Arc::new(WeatherAgent {
+                fail_after_first_turn: fail,
+            }),
             AgentDriverConfig::new(url.clone()),
         ));
         let manager = RolloutManager::new(
@@ -636,7 +587,7 @@ impl miles_rollout::ToolExecutor for Weather {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_turn_tool_loop_appends_tool_outputs_with_tito_and_masks_them() {
-    use miles_core::{InferenceEngine as _, Message, Prompt, SamplingParams, ToolSpec};
+    use miles_core::{InferenceEngine as _, Message, Prompt, SamplingParams};
     use miles_rollout::{MultiTurnGenerator, SampleGenerator};
     use miles_session::ChatTokenizer;
     use miles_session::testkit::{ByteChatml, ToyEngine};
@@ -644,11 +595,7 @@ async fn multi_turn_tool_loop_appends_tool_outputs_with_tito_and_masks_them() {
     let engine = ToyEngine::new();
     let chat = Arc::new(ByteChatml::default());
     let _: &dyn ChatTokenizer = chat.as_ref();
-    let tool = ToolSpec::function(
-        "get_weather",
-        "Weather of a city",
-        serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
-    );
+    let tool = miles_session::testkit::weather_tool();
     let generator = MultiTurnGenerator::new(
         engine.clone(),
         chat.clone(),

@@ -3,7 +3,8 @@
 //! the specials) with a ChatML / Qwen3-style template and Qwen3's TITO boundary rule, and
 //! [`ToyEngine`], a deterministic engine that reads the prompt ids and answers with token ids
 //! and log-probs computed from them (a weather tool call for "weather in X", a sentence using a
-//! tool response, an echo otherwise).
+//! tool response, an echo otherwise), with [`WeatherAgent`], a user agent that drives it
+//! through a session server, and its [`weather_tool`].
 
 use std::path::Path;
 use std::sync::Arc;
@@ -652,5 +653,74 @@ mod tests {
         assert_eq!(out.output_ids.len(), 3);
         assert_eq!(out.finish_reason, FinishReason::Length);
         assert_eq!(out.output_log_probs[1], toy_logprob(out.output_ids[1], 1));
+    }
+}
+
+/// The weather tool of [`ToyEngine`]'s script: `get_weather(city)`.
+pub fn weather_tool() -> ToolSpec {
+    ToolSpec::function(
+        "get_weather",
+        "Weather of a city",
+        json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+    )
+}
+
+/// A user agent for tests (MILES_SPEC §3.1's shape): offers [`weather_tool`], answers every
+/// tool call with "sunny" and asks again until the model answers in text, through a real HTTP
+/// client against `ctx.base_url`. Its metadata: `turns`, `final_answer` and
+/// `agent_metrics.total_tool_time` = 0.25. With `fail_after_first_turn` it fails ("tool
+/// crashed") after its first chat call.
+#[derive(Debug, Clone, Default)]
+pub struct WeatherAgent {
+    /// Fail after the first turn.
+    pub fail_after_first_turn: bool,
+}
+
+#[async_trait]
+impl crate::agent::Agent for WeatherAgent {
+    async fn run(
+        &self,
+        ctx: crate::agent::AgentContext,
+    ) -> std::result::Result<Map<String, Value>, String> {
+        let http = crate::http::HttpClient::new(Duration::from_secs(10));
+        let mut messages: Vec<Value> = ctx
+            .prompt
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        let mut turns = 0;
+        let final_answer = loop {
+            let mut body = json!({"model": "toy", "messages": messages, "tools": [weather_tool()]});
+            for (k, v) in &ctx.request_kwargs {
+                body[k] = v.clone();
+            }
+            let r = http
+                .post_json(&format!("{}/v1/chat/completions", ctx.base_url), &body, &[])
+                .await
+                .map_err(|e| e.to_string())?;
+            if r.status != 200 {
+                return Err(format!("chat answered {}: {}", r.status, r.text()));
+            }
+            turns += 1;
+            if self.fail_after_first_turn {
+                return Err("tool crashed".into());
+            }
+            let v: Value = r.json().map_err(|e| e.to_string())?;
+            let message = v["choices"][0]["message"].clone();
+            messages.push(message.clone());
+            let Some(calls) = message["tool_calls"].as_array() else {
+                break message["content"].clone();
+            };
+            for call in calls {
+                messages
+                    .push(json!({"role": "tool", "tool_call_id": call["id"], "content": "sunny"}));
+            }
+        };
+        let mut meta = Map::new();
+        meta.insert("turns".into(), json!(turns));
+        meta.insert("final_answer".into(), final_answer);
+        meta.insert("agent_metrics".into(), json!({"total_tool_time": 0.25}));
+        Ok(meta)
     }
 }

@@ -6,61 +6,12 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ByteChatml, ToyEngine, serve, weather_tool};
+use common::{ByteChatml, ToyEngine, WeatherAgent, serve};
 use miles_core::{Message, Prompt, Sample, SampleStatus, SamplingParams, async_trait};
 use miles_session::agent::{Agent, AgentContext, AgentDriverConfig, generate, request_kwargs};
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
 use serde_json::{Map, Value, json};
-
-/// Calls the weather tool until the model answers in text.
-struct WeatherAgent {
-    fail_after_first_turn: bool,
-}
-
-#[async_trait]
-impl Agent for WeatherAgent {
-    async fn run(&self, ctx: AgentContext) -> Result<Map<String, Value>, String> {
-        let http = HttpClient::new(Duration::from_secs(10));
-        let mut messages: Vec<Value> = ctx
-            .prompt
-            .iter()
-            .map(|m| serde_json::to_value(m).unwrap())
-            .collect();
-        let mut turns = 0;
-        loop {
-            let mut body = json!({"model": "toy", "messages": messages, "tools": [weather_tool()]});
-            for (k, v) in &ctx.request_kwargs {
-                body[k] = v.clone();
-            }
-            let r = http
-                .post_json(&format!("{}/v1/chat/completions", ctx.base_url), &body, &[])
-                .await
-                .map_err(|e| e.to_string())?;
-            if r.status != 200 {
-                return Err(format!("chat answered {}: {}", r.status, r.text()));
-            }
-            turns += 1;
-            if self.fail_after_first_turn {
-                return Err("tool crashed".into());
-            }
-            let v: Value = r.json().map_err(|e| e.to_string())?;
-            let message = v["choices"][0]["message"].clone();
-            messages.push(message.clone());
-            let Some(calls) = message["tool_calls"].as_array() else {
-                break;
-            };
-            for call in calls {
-                messages
-                    .push(json!({"role": "tool", "tool_call_id": call["id"], "content": "sunny"}));
-            }
-        }
-        let mut meta = Map::new();
-        meta.insert("turns".into(), json!(turns));
-        meta.insert("agent_metrics".into(), json!({"total_tool_time": 0.25}));
-        Ok(meta)
-    }
-}
 
 struct SleepyAgent;
 

@@ -3,9 +3,6 @@
 
 pub use miles_session::testkit::*;
 
-use miles_core::ToolSpec;
-use serde_json::json;
-
 /// Serves `router` on 127.0.0.1 (ephemeral port); returns the base URL.
 pub async fn serve(router: axum::Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -14,13 +11,4 @@ pub async fn serve(router: axum::Router) -> String {
         axum::serve(listener, router).await.unwrap();
     });
     format!("http://{addr}")
-}
-
-/// A weather tool spec.
-pub fn weather_tool() -> ToolSpec {
-    ToolSpec::function(
-        "get_weather",
-        "Weather of a city",
-        json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
-    )
 }
