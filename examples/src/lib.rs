@@ -47,6 +47,7 @@ use std::path::{Path, PathBuf};
 pub mod addition;
 pub mod args;
 pub mod calculator;
+pub mod fleet;
 pub mod plot;
 pub mod sft;
 pub mod template_check;
@@ -127,6 +128,9 @@ pub enum Error {
     /// miles-train failed.
     #[error(transparent)]
     Train(#[from] miles_train::Error),
+    /// miles-rollout failed (engine, manager, loop).
+    #[error(transparent)]
+    Rollout(#[from] miles_rollout::Error),
     /// A miles-core seam failed (trainer, sample).
     #[error(transparent)]
     Core(#[from] miles_core::Error),

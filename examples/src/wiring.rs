@@ -167,23 +167,30 @@ pub fn embedded_engine(
     max_running_requests: usize,
     seed: u64,
 ) -> Result<Arc<dyn miles_core::InferenceEngine>, crate::Error> {
+    let config = miles_rollout::EngineConfig {
+        max_running_requests,
+        eos_token_ids,
+        seed,
+        ..miles_rollout::EngineConfig::default()
+    };
+    Ok(embedded_engine_with(model, model_dir, config)?)
+}
+
+/// [`embedded_engine`] with a whole [`miles_rollout::EngineConfig`], returned as the concrete
+/// engine (to read its stats or [`miles_rollout::EmbeddedEngine::shutdown`] it).
+pub fn embedded_engine_with(
+    model: miles_bridge::CausalLm,
+    model_dir: &Path,
+    config: miles_rollout::EngineConfig,
+) -> Result<Arc<miles_rollout::EmbeddedEngine>, crate::Error> {
     let path = model_dir.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&path)
         .map_err(|e| crate::Error::Tokenizer(format!("{}: {e}", path.display())))?;
     let engine = miles_rollout::EmbeddedEngine::builder(model)
-        .config(miles_rollout::EngineConfig {
-            max_running_requests,
-            eos_token_ids,
-            seed,
-            ..miles_rollout::EngineConfig::default()
-        })
+        .config(config)
         .scorer(Arc::new(TrainerScorer::default()))
         .detokenizer(Arc::new(tokenizer))
-        .build()
-        .map_err(|e| crate::Error::Invalid {
-            what: "embedded engine",
-            reason: e.to_string(),
-        })?;
+        .build()?;
     Ok(Arc::new(engine))
 }
 

@@ -1,7 +1,9 @@
 //! The embedded engine with `recompute_logprobs_via_prefill` and the trainer's scoring function
 //! returns rollout log-probs equal to miles-train's bit for bit, on the dense and the MoE
 //! fixture: the trainer then reports `train/train_rollout_logprob_abs_diff` = 0 on the
-//! engine's own samples.
+//! engine's own samples. The fault-injection test of the RL loop on the embedded engine and
+//! the real trainer (`fleet/fault_injection.rs`) is built into this test binary too, to link
+//! one binary fewer.
 
 use std::sync::Arc;
 
@@ -17,6 +19,9 @@ use miles_ops::advantages::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::{EmbeddedEngine, EngineConfig};
 use miles_train::{Actor, TrainConfig, score_log_probs};
+
+#[path = "fleet/fault_injection.rs"]
+mod fault_injection;
 
 fn load(name: &str, device: &Device) -> CausalLm {
     CausalLm::from_pretrained(fixture_path(format!("models/{name}")).unwrap(), device).unwrap()

@@ -19,7 +19,9 @@
 //! `recompute_logprobs_via_prefill` (default on) they are recomputed after the sequence ends by
 //! a [`SequenceScorer`] over the whole sequence; plug in the trainer's scoring function (as
 //! `miles-examples` does with miles-train's) and rollout log-probs equal the trainer's bit for
-//! bit.
+//! bit. Aborted requests keep their decode-time log-probs: a weight update ends every
+//! interrupted request at once, and a prefill per request then would stall the update (the
+//! difference is float rounding under the same weights, which TIS absorbs).
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -56,8 +58,8 @@ pub struct EngineConfig {
     pub kv_token_budget: usize,
     /// Tokens of finished / prefilled sequences kept for prefix reuse (0 disables reuse).
     pub prefix_cache_tokens: usize,
-    /// After a sequence ends, recompute its log-probs with the [`SequenceScorer`] over the
-    /// whole sequence (Miles' `recompute_logprobs_via_prefill`).
+    /// After a sequence ends (stop or length; not abort), recompute its log-probs with the
+    /// [`SequenceScorer`] over the whole sequence (Miles' `recompute_logprobs_via_prefill`).
     pub recompute_logprobs_via_prefill: bool,
     /// `max_new_tokens` when a request does not set it.
     pub default_max_new_tokens: usize,
@@ -67,6 +69,11 @@ pub struct EngineConfig {
     pub seed: u64,
     /// Version the initial weights carry.
     pub initial_version: WeightVersion,
+    /// Threads the engine computes with: its scheduler runs in a rayon pool of this size of
+    /// its own (`None`: the process-wide pool). Pinning the engine and the trainer to pools
+    /// of their own keeps generation and training from competing for the same cores, the
+    /// in-process counterpart of giving rollout and training separate GPUs.
+    pub compute_threads: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -80,6 +87,7 @@ impl Default for EngineConfig {
             eos_token_ids: Vec::new(),
             seed: 0,
             initial_version: WeightVersion(0),
+            compute_threads: None,
         }
     }
 }
@@ -250,6 +258,10 @@ impl EngineBuilder {
                 "max_running_requests and kv_token_budget must be positive".into(),
             ));
         }
+        let pool = c
+            .compute_threads
+            .map(|threads| crate::compute_pool(threads, "miles-engine"))
+            .transpose()?;
         let model_config = self.model.config.clone();
         let device = self.model.lm_head_weight().device();
         let shared = Arc::new(Shared {
@@ -268,7 +280,10 @@ impl EngineBuilder {
         );
         let thread = std::thread::Builder::new()
             .name("miles-engine".into())
-            .spawn(move || scheduler.run())
+            .spawn(move || match pool {
+                Some(pool) => pool.install(move || scheduler.run()),
+                None => scheduler.run(),
+            })
             .map_err(|e| crate::Error::Task(format!("cannot start the engine thread: {e}")))?;
         Ok(EmbeddedEngine {
             commands: tx,
@@ -358,12 +373,24 @@ impl EmbeddedEngine {
     }
 }
 
-impl Drop for EmbeddedEngine {
-    fn drop(&mut self) {
+impl EmbeddedEngine {
+    /// Stops the engine now, as if its process died: requests in flight end ABORTED with what
+    /// they had generated, later calls fail with an `Unavailable` engine error and
+    /// [`InferenceEngine::health`] reports it down (a [`crate::Router`] then re-creates it
+    /// through its factory). Blocks until the scheduler thread has exited; idempotent.
+    pub fn shutdown(&self) {
         let _ = self.commands.send(Cmd::Shutdown);
-        if let Some(handle) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(handle) = handle {
             let _ = handle.join();
         }
+        self.shared.alive.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for EmbeddedEngine {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }
 
@@ -1292,6 +1319,7 @@ impl Scheduler {
         let output_ids = tokens[prompt_len..].to_vec();
         if self.config.recompute_logprobs_via_prefill
             && request.return_logprob
+            && finish_reason != FinishReason::Abort
             && !output_ids.is_empty()
         {
             match self.scorer.score(&self.model, &tokens, output_ids.len()) {
@@ -1323,7 +1351,12 @@ impl Scheduler {
             let c = &self.model.config;
             let k = c.num_experts_per_tok;
             let layers = c.num_hidden_layers;
-            let rows = tokens.len().saturating_sub(1);
+            // A sequence aborted before (or during) prefill has fewer routed rows than
+            // tokens: report the rows it has.
+            let rows = tokens
+                .len()
+                .saturating_sub(1)
+                .min(routing.len() / self.route_width);
             let start = request.routed_experts_start_len.unwrap_or(0).min(rows);
             let mut data = Vec::with_capacity((rows - start) * layers * k);
             for row in start..rows {

@@ -90,6 +90,28 @@ pub use server::{ServerInfo, sglang_router};
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 
+/// A rayon pool of `threads` threads named `name-N`, for work that must stay on its own
+/// cores (the engine's [`EngineConfig::compute_threads`], the loop's
+/// [`LoopConfig::train_threads`]). burn's CPU backend parallelises through the rayon pool it
+/// is called from, so running inside [`rayon::ThreadPool::install`] bounds its cores.
+pub fn compute_pool(threads: usize, name: &str) -> Result<rayon::ThreadPool> {
+    if threads == 0 {
+        return Err(Error::Config(format!(
+            "{name}: compute threads must be >= 1"
+        )));
+    }
+    let prefix = name.to_string();
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("{prefix}-{i}"))
+        .build()
+        .map_err(|e| {
+            Error::Task(format!(
+                "{name}: cannot start {threads} compute threads: {e}"
+            ))
+        })
+}
+
 /// Staleness of a group for the trainer at `current`: `current − min over samples of their
 /// oldest weight version` (MILES_SPEC §6.3). `None` when no sample carries a numeric version.
 pub fn group_staleness(group: &[Sample], current: WeightVersion) -> Option<u64> {

@@ -50,6 +50,11 @@ pub struct LoopConfig {
     pub save_interval: Option<u64>,
     /// Where checkpoints go (`--save`).
     pub save: Option<PathBuf>,
+    /// Threads the trainer computes with: train steps, checkpoints and weight exports run in
+    /// a rayon pool of this size of its own (`None`: the process-wide pool). With
+    /// [`crate::EngineConfig::compute_threads`] this splits the cores between generation and
+    /// training, so the fully async loop overlaps them instead of time-slicing them.
+    pub train_threads: Option<usize>,
 }
 
 impl Default for LoopConfig {
@@ -63,6 +68,7 @@ impl Default for LoopConfig {
             async_data_buffer_capacity_factor: 2.0,
             save_interval: None,
             save: None,
+            train_threads: None,
         }
     }
 }
@@ -129,6 +135,7 @@ pub struct RlLoop {
     next_rollout_id: u64,
     evals: Vec<EvalSet>,
     eval_interval: Option<u64>,
+    train_pool: Option<Arc<rayon::ThreadPool>>,
 }
 
 impl RlLoop {
@@ -150,6 +157,10 @@ impl RlLoop {
                 "async_data_buffer_capacity_factor must be > 0".into(),
             ));
         }
+        let train_pool = config
+            .train_threads
+            .map(|threads| crate::compute_pool(threads, "miles-train").map(Arc::new))
+            .transpose()?;
         Ok(Self {
             config,
             manager,
@@ -159,6 +170,7 @@ impl RlLoop {
             next_rollout_id: 0,
             evals: Vec::new(),
             eval_interval: None,
+            train_pool,
         })
     }
 
@@ -230,7 +242,7 @@ impl RlLoop {
             .map_err(|e| Error::Config(format!("{}: {e}", state_path.display())))?;
         let trainer_dir = dir.join("trainer");
         let trainer = self.trainer.clone();
-        blocking(move || {
+        self.on_trainer(move || {
             lock(&trainer)?
                 .load_checkpoint(&trainer_dir)
                 .map_err(Error::from)
@@ -238,12 +250,7 @@ impl RlLoop {
         .await?;
         self.data.restore(state.data)?;
         self.next_rollout_id = state.next_rollout_id;
-        update_weights(
-            self.manager.engine(),
-            &self.trainer,
-            self.config.pause_generation_mode,
-        )
-        .await?;
+        self.push_weights().await?;
         Ok(self.next_rollout_id)
     }
 
@@ -262,8 +269,10 @@ impl RlLoop {
             let mut metrics = batch.metrics.clone();
             metrics.insert("perf/rollout_time".into(), rollout_time);
             let version = self
-                .train_and_update(rollout_id, batch.samples(), &mut metrics)
+                .train_and_update(rollout_id, batch.samples(), &mut metrics, None)
                 .await?;
+            // Nothing generates while the synchronous loop trains.
+            metrics.insert("perf/overlap_ratio".into(), 0.0);
             metrics.insert("weight_version".into(), version.0 as f64);
             metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
             self.maybe_eval(Some(rollout_id), &mut metrics).await?;
@@ -274,33 +283,70 @@ impl RlLoop {
         Ok(())
     }
 
+    /// Runs `work` on a blocking thread, inside the trainer's pool when it has one.
+    async fn on_trainer<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        match self.train_pool.clone() {
+            Some(pool) => blocking(move || pool.install(work)).await,
+            None => blocking(work).await,
+        }
+    }
+
+    /// [`update_weights`] with the export on the trainer's pool.
+    async fn push_weights(&self) -> Result<WeightVersion> {
+        let shared = self.trainer.clone();
+        let (weights, version) = self
+            .on_trainer(move || {
+                let trainer = lock(&shared)?;
+                Ok((trainer.export_weights()?, trainer.weight_version()))
+            })
+            .await?;
+        push_to_engine(
+            self.manager.engine(),
+            &weights,
+            version,
+            self.config.pause_generation_mode,
+        )
+        .await
+    }
+
+    /// Trains on `samples` and updates the engines when due. With `generation` (the async
+    /// loop's busy clock) it also logs `perf/overlap_ratio`: the share of the train time during
+    /// which generation was running.
     async fn train_and_update(
         &self,
         rollout_id: u64,
         samples: Vec<Sample>,
         metrics: &mut Metrics,
+        generation: Option<&BusyClock>,
     ) -> Result<WeightVersion> {
         let trainer = self.trainer.clone();
         let train_started = Instant::now();
-        let train_metrics = blocking(move || {
-            lock(&trainer)?
-                .train(rollout_id, &samples)
-                .map_err(Error::from)
-        })
-        .await?;
-        metrics.insert(
-            "perf/train_time".into(),
-            train_started.elapsed().as_secs_f64(),
-        );
+        let busy_before = generation.map(BusyClock::busy);
+        let train_metrics = self
+            .on_trainer(move || {
+                lock(&trainer)?
+                    .train(rollout_id, &samples)
+                    .map_err(Error::from)
+            })
+            .await?;
+        let train_time = train_started.elapsed();
+        metrics.insert("perf/train_time".into(), train_time.as_secs_f64());
+        if let (Some(clock), Some(before)) = (generation, busy_before)
+            && !train_time.is_zero()
+        {
+            let overlapped = clock.busy().saturating_sub(before);
+            metrics.insert(
+                "perf/overlap_ratio".into(),
+                (overlapped.as_secs_f64() / train_time.as_secs_f64()).min(1.0),
+            );
+        }
         metrics.extend(train_metrics);
         if (rollout_id + 1).is_multiple_of(self.config.update_weights_interval) {
             let update_started = Instant::now();
-            let version = update_weights(
-                self.manager.engine(),
-                &self.trainer,
-                self.config.pause_generation_mode,
-            )
-            .await?;
+            let version = self.push_weights().await?;
             metrics.insert(
                 "perf/update_weights_time".into(),
                 update_started.elapsed().as_secs_f64(),
@@ -324,6 +370,7 @@ impl RlLoop {
             .max(1);
         let (sender, mut receiver) = mpsc::channel::<Vec<Sample>>(capacity);
         let placeholder = placeholder_source(&self.data)?;
+        let clock = Arc::new(BusyClock::default());
         let data = Arc::new(tokio::sync::Mutex::new(std::mem::replace(
             &mut self.data,
             placeholder,
@@ -333,8 +380,11 @@ impl RlLoop {
             data.clone(),
             sender,
             batch_size,
+            clock.clone(),
         ));
-        let outcome = self.async_steps(&mut receiver, &data, batch_size).await;
+        let outcome = self
+            .async_steps(&mut receiver, &data, batch_size, &clock)
+            .await;
         worker.abort();
         let _ = worker.await;
         // Groups still buffered were generated but not trained on: return them to the data
@@ -357,6 +407,7 @@ impl RlLoop {
         receiver: &mut mpsc::Receiver<Vec<Sample>>,
         data: &Arc<tokio::sync::Mutex<DataSource>>,
         batch_size: usize,
+        clock: &BusyClock,
     ) -> Result<()> {
         while self.next_rollout_id < self.config.num_rollout {
             let rollout_id = self.next_rollout_id;
@@ -393,6 +444,12 @@ impl RlLoop {
                 "rollout/fully_async/stale_groups_filtered".into(),
                 stale as f64,
             );
+            metrics.insert(
+                "rollout/fully_async/aborted_groups_regenerated".into(),
+                clock
+                    .aborted_groups
+                    .swap(0, std::sync::atomic::Ordering::SeqCst) as f64,
+            );
             if !staleness.is_empty() {
                 metrics.insert(
                     "rollout/fully_async/avg_staleness".into(),
@@ -409,7 +466,7 @@ impl RlLoop {
             );
             let samples: Vec<Sample> = groups.into_iter().flatten().collect();
             let version = self
-                .train_and_update(rollout_id, samples, &mut metrics)
+                .train_and_update(rollout_id, samples, &mut metrics, Some(clock))
                 .await?;
             metrics.insert("weight_version".into(), version.0 as f64);
             metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
@@ -448,12 +505,13 @@ impl RlLoop {
         let _ = std::fs::remove_dir_all(&partial);
         let trainer = self.trainer.clone();
         let trainer_dir = partial.join("trainer");
-        let version = blocking(move || {
-            let trainer = lock(&trainer)?;
-            trainer.save_checkpoint(&trainer_dir)?;
-            Ok(trainer.weight_version())
-        })
-        .await?;
+        let version = self
+            .on_trainer(move || {
+                let trainer = lock(&trainer)?;
+                trainer.save_checkpoint(&trainer_dir)?;
+                Ok(trainer.weight_version())
+            })
+            .await?;
         let state = RolloutCheckpoint {
             next_rollout_id: rollout_id + 1,
             weight_version: version,
@@ -503,12 +561,22 @@ pub async fn update_weights(
         Ok((trainer.export_weights()?, trainer.weight_version()))
     })
     .await?;
+    push_to_engine(engine, &weights, version, mode).await
+}
+
+/// Pause, flush (unless paused in place), update to `version`, resume, check the version.
+async fn push_to_engine(
+    engine: &Arc<dyn InferenceEngine>,
+    weights: &miles_core::NamedTensors,
+    version: WeightVersion,
+    mode: PauseMode,
+) -> Result<WeightVersion> {
     engine.pause(mode).await?;
     let updated = async {
         if mode != PauseMode::InPlace {
             engine.flush_cache().await?;
         }
-        engine.update_weights(&weights, version).await
+        engine.update_weights(weights, version).await
     }
     .await;
     // Always resume, even when the update failed, so generation is never left paused.
@@ -531,6 +599,7 @@ async fn generation_worker(
     data: Arc<tokio::sync::Mutex<DataSource>>,
     sender: mpsc::Sender<Vec<Sample>>,
     in_flight: usize,
+    clock: Arc<BusyClock>,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
     loop {
@@ -538,7 +607,11 @@ async fn generation_worker(
             let groups = data.lock().await.get_groups(1);
             for group in groups {
                 let manager = manager.clone();
-                tasks.spawn(async move { manager.generate_group(group).await });
+                let busy = clock.enter();
+                tasks.spawn(async move {
+                    let _busy = busy;
+                    manager.generate_group(group).await
+                });
             }
         }
         let Some(joined) = tasks.join_next().await else {
@@ -549,8 +622,19 @@ async fn generation_worker(
             .iter()
             .any(|s| s.status == miles_core::SampleStatus::Aborted)
         {
-            // Aborted by a pause in abort mode: regenerate from scratch later.
-            group.iter_mut().for_each(Sample::reset_for_retry);
+            // Aborted by a weight update or an engine that died. With partial rollout the
+            // samples resume from what they generated (each keeps every weight version it
+            // saw, so staleness counts from the oldest); otherwise they start again.
+            clock
+                .aborted_groups
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let resume =
+                manager.config().partial_rollout && group.iter().any(|s| s.response_length > 0);
+            for sample in &mut group {
+                if !resume || sample.status == miles_core::SampleStatus::Failed {
+                    sample.reset_for_retry();
+                }
+            }
             if data.lock().await.add_groups(vec![group]).is_err() {
                 return;
             }
@@ -562,6 +646,59 @@ async fn generation_worker(
         mask_unusable(&mut group);
         if sender.send(group).await.is_err() {
             return;
+        }
+    }
+}
+
+/// What the async generation worker reports to the steps: the time during which at least
+/// one generation task is in flight, and the groups it had to regenerate.
+#[derive(Debug, Default)]
+struct BusyClock {
+    state: Mutex<BusyState>,
+    /// Groups that came back with an aborted sample (a weight update, an engine that died)
+    /// and were queued again, since the last step took the count.
+    aborted_groups: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct BusyState {
+    active: usize,
+    since: Option<Instant>,
+    total: std::time::Duration,
+}
+
+impl BusyClock {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BusyState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks one task in flight until the guard drops (finished or aborted).
+    fn enter(self: &Arc<Self>) -> BusyGuard {
+        let mut state = self.lock();
+        if state.active == 0 {
+            state.since = Some(Instant::now());
+        }
+        state.active += 1;
+        BusyGuard(self.clone())
+    }
+
+    /// Busy time so far, the current stretch included.
+    fn busy(&self) -> std::time::Duration {
+        let state = self.lock();
+        state.total + state.since.map_or_else(Default::default, |t| t.elapsed())
+    }
+}
+
+struct BusyGuard(Arc<BusyClock>);
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.active -= 1;
+        if state.active == 0
+            && let Some(since) = state.since.take()
+        {
+            state.total += since.elapsed();
         }
     }
 }

@@ -406,6 +406,14 @@ impl GroupWorker {
     }
 
     async fn run_sample(&self, mut sample: Sample) -> Sample {
+        // A recycled partial group holds samples that had finished before the abort: they
+        // keep their response (generating again would run past their stop).
+        if matches!(
+            sample.status,
+            SampleStatus::Completed | SampleStatus::Truncated
+        ) {
+            return sample;
+        }
         let Ok(_permit) = self.permits.acquire().await else {
             sample.status = SampleStatus::Aborted;
             return sample;
@@ -483,7 +491,10 @@ pub(crate) fn apply_output(sample: &mut Sample, output: GenerateOutput) -> Resul
     let log_probs = (output.output_log_probs.len() == output.output_ids.len())
         .then_some(output.output_log_probs.as_slice());
     sample.append_response(&output.output_ids, log_probs, 1)?;
-    if let Some(routes) = output.routed_experts {
+    // A request aborted before it was prefilled ran no row: its (empty) table says nothing
+    // about the sample's rows, which keep what earlier turns recorded.
+    let ran_nothing = output.finish_reason == FinishReason::Abort && output.output_ids.is_empty();
+    if let Some(routes) = output.routed_experts.filter(|_| !ran_nothing) {
         let rows = sample.tokens.len().saturating_sub(1);
         if routes.rows() != rows {
             return Err(Error::Core(miles_core::Error::SampleLength {

@@ -474,6 +474,72 @@ async fn abort_pause_and_resume() {
     engine.resume().await.unwrap();
 }
 
+/// An MoE request aborted while it waits (no row prefilled) ends ABORTED with no routed
+/// rows; one aborted mid-decode reports the rows it ran. Shutting the engine down ends what
+/// is in flight ABORTED, then it refuses work as unavailable, as a dead engine does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborted_moe_requests_and_shutdown() {
+    let model = load("glm4moe-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let layers = model.config.num_hidden_layers;
+    let engine = Arc::new(
+        EmbeddedEngine::new(
+            model,
+            EngineConfig {
+                compute_threads: Some(1),
+                ..config(true)
+            },
+        )
+        .unwrap(),
+    );
+
+    engine.pause(PauseMode::InPlace).await.unwrap();
+    let mut queued = request(prompt(5, 4, vocab), 20, 1);
+    queued.request_id = Some(RequestId::new("queued"));
+    let e = engine.clone();
+    let h = tokio::spawn(async move { e.generate(queued).await });
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    engine.abort(&RequestId::new("queued")).await.unwrap();
+    let out = h.await.unwrap().unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Abort);
+    assert!(out.output_ids.is_empty());
+    assert_eq!(out.routed_experts.map(|r| r.rows()), Some(0));
+    engine.resume().await.unwrap();
+    engine.health().await.unwrap();
+
+    let e = engine.clone();
+    let h = tokio::spawn(async move { e.generate(request(prompt(5, 5, vocab), 400, 2)).await });
+    while engine.stats().generated_tokens < 3 {
+        tokio::task::yield_now().await;
+    }
+    let e = engine.clone();
+    tokio::task::spawn_blocking(move || e.shutdown())
+        .await
+        .unwrap();
+    let out = h.await.unwrap().unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Abort);
+    assert!(!out.output_ids.is_empty() && out.output_ids.len() < 400);
+    let routes = out.routed_experts.expect("routes of the rows it ran");
+    assert_eq!(routes.layers(), layers);
+    assert_eq!(routes.rows(), 5 + out.output_ids.len() - 1);
+    let err = engine
+        .generate(request(prompt(5, 6, vocab), 4, 3))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CoreError::Engine {
+                kind: EngineErrorKind::Unavailable,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(engine.health().await.is_err());
+    engine.shutdown(); // idempotent
+}
+
 struct IdText;
 
 impl Detokenizer for IdText {

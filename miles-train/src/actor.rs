@@ -619,14 +619,35 @@ fn named_tensors(tensors: miles_bridge::TensorMap, dtype: FloatDtype) -> Result<
 impl PolicyTrainer for Actor {
     fn train(&mut self, rollout_id: u64, samples: &[Sample]) -> miles_core::Result<Metrics> {
         let require_reward = self.config.loss_type == LossType::PolicyLoss;
+        let reward_key = self.config.reward_key.as_deref();
+        // A sample flagged `remove_sample` (aborted, failed) has a zero loss mask; it stays in
+        // the batch for its group's statistics when it can, and is left out when it cannot be
+        // an item at all: no response token (aborted before its first token) or no reward (its
+        // reward function failed). Any other malformed sample is an error.
+        let unusable = |s: &Sample| {
+            s.remove_sample
+                && (s.response_length == 0
+                    || (require_reward && s.scalar_reward(reward_key).is_none()))
+        };
+        let dropped = samples.iter().filter(|s| unusable(s)).count();
         let items = samples
             .iter()
             .enumerate()
-            .map(|(i, s)| {
-                TrainItem::from_sample(i, s, self.config.reward_key.as_deref(), require_reward)
-            })
+            .filter(|(_, s)| !unusable(s))
+            .map(|(i, s)| TrainItem::from_sample(i, s, reward_key, require_reward))
             .collect::<Result<Vec<_>>>()?;
+        if items.is_empty() {
+            return Err(Error::Sample {
+                index: 0,
+                reason: format!(
+                    "none of the {} samples can be trained on (all removed: aborted or failed)",
+                    samples.len()
+                ),
+            }
+            .into());
+        }
         let mut metrics = self.train_items(&items)?;
+        metrics.insert("train/removed_samples_dropped".into(), dropped as f64);
         metrics.insert("train/rollout_id".into(), rollout_id as f64);
         Ok(metrics)
     }

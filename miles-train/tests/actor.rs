@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::{BridgeError, CausalLm, ModelConfig};
-use miles_core::{PolicyTrainer, Reward, Sample};
+use miles_core::{PolicyTrainer, Reward, Sample, SampleStatus};
 use miles_ops::advantages::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{
@@ -346,6 +346,56 @@ fn resume_from_checkpoint_is_bit_identical() {
     let reloaded = CausalLm::from_pretrained(ckpt.join("model"), &Device::flex()).unwrap();
     assert_eq!(reloaded.num_params(), straight.model().num_params());
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+#[test]
+fn removed_samples_that_cannot_be_items_are_left_out_not_an_error() {
+    // An aborted request that never got a token, and a sample whose reward function failed:
+    // both flagged `remove_sample` by the rollout, as in Miles; neither can be trained on.
+    let mut with_unusable = samples();
+    with_unusable.insert(
+        1,
+        Sample {
+            tokens: vec![5, 17, 42, 9],
+            response_length: 0,
+            group_index: Some(0),
+            remove_sample: true,
+            status: SampleStatus::Aborted,
+            ..Sample::default()
+        },
+    );
+    with_unusable.push(Sample {
+        tokens: vec![7, 8, 50, 51],
+        response_length: 2,
+        group_index: Some(1),
+        remove_sample: true,
+        status: SampleStatus::Failed,
+        ..Sample::default()
+    });
+    let mut plain = Actor::new(model(), config()).unwrap();
+    plain.train(0, &samples()).unwrap();
+    let mut actor = Actor::new(model(), config()).unwrap();
+    let metrics = actor.train(0, &with_unusable).unwrap();
+    assert_eq!(metrics["train/removed_samples_dropped"], 2.0);
+    let (a, b) = (
+        plain.export_weights().unwrap(),
+        actor.export_weights().unwrap(),
+    );
+    for (name, t) in a.iter() {
+        assert_eq!(t.data(), b.get(name).unwrap().data(), "{name}");
+    }
+    // The same empty sample without the flag is a malformed batch.
+    with_unusable[1].remove_sample = false;
+    let err = actor.train(1, &with_unusable).unwrap_err();
+    assert!(err.to_string().contains("sample 1"), "{err}");
+    // A batch with nothing trainable is an error, and changes nothing.
+    let version = actor.weight_version();
+    let err = actor.train(1, &with_unusable[1..2]).unwrap_err();
+    assert!(err.to_string().contains("sample 0"), "{err}");
+    let only_removed = vec![with_unusable.last().unwrap().clone()];
+    let err = actor.train(1, &only_removed).unwrap_err();
+    assert!(err.to_string().contains("none of the 1 samples"), "{err}");
+    assert_eq!(actor.weight_version(), version);
 }
 
 #[test]
