@@ -4,9 +4,12 @@
 //! about as long as its training. The synchronous loop runs first and gives, in the same run,
 //! the rollout time and the train time of a step (each measured alone); the fully async loop
 //! then runs the same steps. Target: async wall time per step ≤ 1.15 × max(rollout, train),
-//! where the sync loop's is ≈ their sum.
+//! where the sync loop's is ≈ their sum. The modes run in turn for 3 rounds; figures are the
+//! medians. The learning rate is 0 so that every run does the same work (see `run`).
 //!
-//! `MILES_BENCH_QUICK=1` runs 4 steps (a smoke run; the figures are not the issue's).
+//! `MILES_BENCH_QUICK=1` runs 4 steps, one round (a smoke run; the figures are not the
+//! issue's); `MILES_OVERLAP_STEPS` changes the 32 steps (the async loop's first step waits
+//! for a whole rollout before it can train: over 16 steps that fill alone adds ~4 % a step).
 //! `MILES_OVERLAP_BATCH` / `MILES_OVERLAP_RESPONSE` change the prompts per step and the
 //! response length (to rebalance rollout against training on another machine).
 //! `MILES_OVERLAP_DEBUG=1` prints every async step's wait / train / update times.
@@ -29,9 +32,9 @@ fn env(name: &str, default: usize) -> usize {
 }
 
 /// One run of `steps` steps; returns the wall time and the per-step metrics.
-fn run(rl: &AdditionRl, asynchronous: bool, steps: u64, staleness: u64) -> (f64, Vec<Metrics>) {
+fn run(rl: &AdditionRl, mode: &Mode, steps: u64) -> (f64, Vec<Metrics>) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+        .worker_threads(env("MILES_OVERLAP_TOKIO", 1))
         .enable_all()
         .build()
         .expect("runtime");
@@ -46,13 +49,21 @@ fn run(rl: &AdditionRl, asynchronous: bool, steps: u64, staleness: u64) -> (f64,
             ..rl.rollout_config(N, batch, response)
         };
         let manager = rl.manager(engine, rollout).expect("manager");
+        // Learning rate 0: every step does the full GRPO work (forward, backward, optimizer
+        // step, export, weight update) but the policy, and so the work per step, stays the
+        // same, so the sync and the async run measure the same steps. (With learning, the two
+        // loops' policies drift apart and so do their response lengths.)
+        let mut train = rl.train_config(N, batch * N);
+        train.lr_schedule.lr = 0.0;
         let trainer: SharedTrainer = Arc::new(Mutex::new(Box::new(
-            rl.actor(N, batch * N).expect("actor"),
+            rl.actor_with(train).expect("actor"),
         ) as Box<dyn PolicyTrainer>));
         let sink = Arc::new(MemoryMetricsSink::new());
         let config = LoopConfig {
             num_rollout: steps,
-            max_weight_staleness: Some(staleness),
+            max_weight_staleness: Some(mode.staleness),
+            async_data_buffer_capacity_factor: mode.buffer_factor,
+            overlap_weight_updates: mode.overlap_updates,
             train_threads: Some(1),
             ..LoopConfig::default()
         };
@@ -65,7 +76,7 @@ fn run(rl: &AdditionRl, asynchronous: bool, steps: u64, staleness: u64) -> (f64,
         )
         .expect("loop");
         let started = Instant::now();
-        if asynchronous {
+        if mode.asynchronous {
             rl_loop.run_async().await.expect("async loop");
         } else {
             rl_loop.run_sync().await.expect("sync loop");
@@ -89,7 +100,11 @@ fn main() {
         return;
     }
     let quick = std::env::var("MILES_BENCH_QUICK").is_ok_and(|v| v == "1");
-    let steps: u64 = if quick { 4 } else { 16 };
+    let steps: u64 = if quick {
+        4
+    } else {
+        env("MILES_OVERLAP_STEPS", 32) as u64
+    };
     let dir = std::env::temp_dir().join(format!("miles-overlap-{}", std::process::id()));
     let spec = ToyModelSpec {
         hidden_size: 64,
@@ -97,18 +112,77 @@ fn main() {
         ..ToyModelSpec::default()
     };
     let rl = AdditionRl::build(&dir, &spec, 3, 1000).expect("model");
-    // Warm-up (allocator, caches), then the measured runs on fresh engines and trainers.
-    let _ = run(&rl, false, 2, 1);
-    let (sync_wall, sync) = run(&rl, false, steps, 1);
-    // The async loop at a staleness bound of 1 and of 2 versions: with a weight update every
-    // step, groups generated while the trainer trains are already one version old when the
-    // next step takes them, and those interrupted by the update resume one more version on.
-    let (strict_wall, strict) = run(&rl, true, steps, 1);
-    let (async_wall, asy) = run(&rl, true, steps, 2);
+    let modes = [
+        Mode {
+            asynchronous: false,
+            staleness: 1,
+            buffer_factor: 2.0,
+            overlap_updates: false,
+        },
+        // The async loop pushing weights in the background while the next step trains
+        // (`LoopConfig::overlap_weight_updates`). With a weight update every step, a group
+        // started while the trainer trains step k and finished after the update is taken at
+        // step k + 1: lag 1 from its start. Surplus groups waiting in the buffer (generation is
+        // faster than training here) age one more version: a bound of 2 trains them, a bound
+        // of 1 drops them, so at 1 the buffer is kept to one batch
+        // (`--async-data-buffer-capacity-factor 1`) to waste less.
+        Mode {
+            asynchronous: true,
+            staleness: 2,
+            buffer_factor: 2.0,
+            overlap_updates: true,
+        },
+        Mode {
+            asynchronous: true,
+            staleness: 1,
+            buffer_factor: 1.0,
+            overlap_updates: true,
+        },
+        // The same as the first async mode, waiting for each weight update as Miles does.
+        Mode {
+            asynchronous: true,
+            staleness: 2,
+            buffer_factor: 2.0,
+            overlap_updates: false,
+        },
+    ];
+    // Warm-up (allocator, caches), then rounds of every mode in turn on fresh engines and
+    // trainers; the medians over rounds damp the machine's drift.
+    let _ = run(&rl, &modes[0], 2);
+    let rounds = if quick { 1 } else { 3 };
+    let mut per_step: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    let mut rollout = Vec::new();
+    let mut train = Vec::new();
+    let mut update = Vec::new();
+    let mut last: Vec<Vec<Metrics>> = vec![Vec::new(); modes.len()];
+    for _ in 0..rounds {
+        for (i, mode) in modes.iter().enumerate() {
+            let (wall, metrics) = run(&rl, mode, steps);
+            per_step[i].push(wall / steps as f64);
+            if !mode.asynchronous {
+                rollout.push(mean(&metrics, "perf/rollout_time"));
+                train.push(mean(&metrics, "perf/train_time"));
+                update.push(mean(&metrics, "perf/update_weights_time"));
+            }
+            last[i] = metrics;
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 
     if std::env::var("MILES_OVERLAP_DEBUG").is_ok() {
-        for (i, m) in asy.iter().enumerate() {
+        println!(
+            "async: per-step wall {:?} ms; sum of step times {:.1} ms",
+            per_step[1]
+                .iter()
+                .map(|s| (s * steps as f64 * 1e3).round())
+                .collect::<Vec<_>>(),
+            last[1]
+                .iter()
+                .filter_map(|m| m.get("perf/step_time"))
+                .sum::<f64>()
+                * 1e3
+        );
+        for (i, m) in last[1].iter().enumerate() {
             let g = |k: &str| m.get(k).copied().unwrap_or(f64::NAN) * 1e3;
             println!(
                 "async step {i}: wait {:.1} ms, train {:.1} ms, update {:.1} ms, step {:.1} ms, queue {}, stale {}, resumed {}",
@@ -122,58 +196,62 @@ fn main() {
             );
         }
     }
-    let rollout = mean(&sync, "perf/rollout_time");
-    let train = mean(&sync, "perf/train_time");
-    let update = mean(&sync, "perf/update_weights_time");
-    let per_step_sync = sync_wall / steps as f64;
-    let per_step_async = async_wall / steps as f64;
-    let per_step_strict = strict_wall / steps as f64;
-    // Steady state: the async loop's first step also waits for the pipeline to fill.
-    let steady: Vec<f64> = asy
-        .iter()
-        .skip(1)
-        .filter_map(|m| m.get("perf/step_time").copied())
-        .collect();
-    let per_step_steady = steady.iter().sum::<f64>() / steady.len().max(1) as f64;
+    let (rollout, train, update) = (median(rollout), median(train), median(update));
+    let [sync, asy, strict, waiting] = [0, 1, 2, 3].map(|i| median(per_step[i].clone()));
     let bound = rollout.max(train);
     let ms = |s: f64| s * 1e3;
+    let sum = |i: usize, key: &str| last[i].iter().filter_map(|m| m.get(key)).sum::<f64>();
     println!(
-        "loop_overlap_embedded: {steps} steps; sync step: rollout {:.1} ms + train {:.1} ms + update {:.1} ms = {:.1} ms wall; async step (max staleness 2) {:.1} ms wall ({:.1} ms after the first), train {:.1} ms of it; overlap ratio {:.2}; staleness mean {:.2}; groups resumed {}",
+        "loop_overlap_embedded: {steps} steps, median of {rounds} rounds; sync step: rollout {:.1} ms + train {:.1} ms + update {:.1} ms = {:.1} ms wall, response {:.2} tokens; async step {:.1} ms (staleness 2; train {:.1} ms of it, response {:.2} tokens, overlap ratio {:.2}, mean staleness {:.2}), {:.1} ms (staleness 1; {} stale groups dropped in its last round)",
         ms(rollout),
         ms(train),
         ms(update),
-        ms(per_step_sync),
-        ms(per_step_async),
-        ms(per_step_steady),
-        ms(mean(&asy, "perf/train_time")),
-        mean(&asy, "perf/overlap_ratio"),
-        mean(&asy, "rollout/fully_async/avg_staleness"),
-        asy.iter()
-            .filter_map(|m| m.get("rollout/fully_async/aborted_groups_regenerated"))
-            .sum::<f64>(),
+        ms(sync),
+        mean(&last[0], "rollout/response_len/mean"),
+        ms(asy),
+        ms(mean(&last[1], "perf/train_time")),
+        mean(&last[1], "rollout/response_len/mean"),
+        mean(&last[1], "perf/overlap_ratio"),
+        mean(&last[1], "rollout/fully_async/avg_staleness"),
+        ms(strict),
+        sum(2, "rollout/fully_async/stale_groups_filtered"),
     );
     println!(
-        "xtask-result: loop_overlap_embedded ours={:.1}ms baseline={:.1}ms target=<=1.15 note=async wall time per step (max staleness 2, all {steps} steps, pipeline fill included) vs max(rollout, train) of the sync run; embedded GLM-4-MoE engine and GRPO actor on 1 thread each",
-        ms(per_step_async),
+        "xtask-result: loop_overlap_embedded ours={:.1}ms baseline={:.1}ms target=<=1.15 note=async wall time per step (max staleness 2, weights pushed in the background; {steps} steps, pipeline fill included; median of {rounds} rounds) vs max(rollout, train) of the sync loop in the same run; embedded GLM-4-MoE engine and GRPO actor on 1 thread each, lr 0",
+        ms(asy),
         ms(bound)
     );
     println!(
-        "xtask-result: loop_overlap_embedded_staleness1 ours={:.1}ms baseline={:.1}ms target=<=1.15 note=the same at max staleness 1 ({} stale groups dropped in all)",
-        ms(per_step_strict),
+        "xtask-result: loop_overlap_embedded_staleness1 ours={:.1}ms baseline={:.1}ms target=<=1.15 note=the same at max staleness 1 with a one-batch buffer",
+        ms(strict),
         ms(bound),
-        strict
-            .iter()
-            .filter_map(|m| m.get("rollout/fully_async/stale_groups_filtered"))
-            .sum::<f64>()
     );
     println!(
-        "xtask-result: loop_overlap_embedded_steady ours={:.1}ms baseline={:.1}ms target=<=1.15 note=max staleness 2, after the first step (pipeline filled)",
-        ms(per_step_steady),
-        ms(bound)
+        "xtask-result: loop_overlap_embedded_waiting_update ours={:.1}ms baseline={:.1}ms target=<=1.15 note=the same at max staleness 2, the step waiting for each weight update (overlap_weight_updates off, as Miles)",
+        ms(waiting),
+        ms(bound),
+    );
+    println!(
+        "xtask-result: loop_overlap_embedded_vs_sync ours={:.1}ms baseline={:.1}ms note=async (staleness 2) vs sync wall time per step",
+        ms(asy),
+        ms(sync)
     );
     println!(
         "xtask-result: loop_overlap_embedded_sync ours={:.1}ms baseline={:.1}ms note=sync wall time per step vs rollout + train (≈ 1: nothing overlaps)",
-        ms(per_step_sync),
+        ms(sync),
         ms(rollout + train)
     );
+}
+
+/// One loop configuration of the bench.
+struct Mode {
+    asynchronous: bool,
+    staleness: u64,
+    buffer_factor: f64,
+    overlap_updates: bool,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }

@@ -124,9 +124,9 @@ impl AdditionRl {
         )?))
     }
 
-    /// The GRPO actor of the reference binary: groups of `n`, TIS, R3 on MoE models, padded
-    /// micro-batches of `micro_batch_size`.
-    pub fn actor(&self, n: usize, micro_batch_size: usize) -> Result<Actor, Error> {
+    /// The GRPO configuration of the reference binary: groups of `n`, TIS, R3 on MoE models,
+    /// padded micro-batches of `micro_batch_size`.
+    pub fn train_config(&self, n: usize, micro_batch_size: usize) -> TrainConfig {
         let use_r3 = self.model.config.has_moe();
         let mut config = TrainConfig {
             advantage: AdvantageConfig {
@@ -140,6 +140,16 @@ impl AdditionRl {
             ..TrainConfig::default()
         };
         config.policy_loss.use_tis = true;
+        config
+    }
+
+    /// A GRPO actor on the model with [`AdditionRl::train_config`].
+    pub fn actor(&self, n: usize, micro_batch_size: usize) -> Result<Actor, Error> {
+        self.actor_with(self.train_config(n, micro_batch_size))
+    }
+
+    /// A GRPO actor on the model with `config`.
+    pub fn actor_with(&self, config: TrainConfig) -> Result<Actor, Error> {
         Ok(Actor::new(self.model.clone(), config)?)
     }
 

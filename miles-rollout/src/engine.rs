@@ -685,7 +685,8 @@ struct PrefixEntry {
 }
 
 struct Scheduler {
-    model: CausalLm,
+    /// The current weights (shared with finished sequences still waiting for their answer).
+    model: Arc<CausalLm>,
     config: EngineConfig,
     scorer: Arc<dyn SequenceScorer>,
     detokenizer: Option<Arc<dyn Detokenizer>>,
@@ -696,6 +697,10 @@ struct Scheduler {
     batch: KvCache,
     paused: Option<PauseMode>,
     updates: VecDeque<(Box<CausalLm>, WeightVersion, oneshot::Sender<()>)>,
+    /// Finished sequences whose log-probs are still to be recomputed, each with the weights
+    /// (and their version) that generated it. They are answered one per scheduler iteration,
+    /// so a burst of sequences finishing together never holds a pause or an update for long.
+    finished: VecDeque<(Seq, Arc<CausalLm>, WeightVersion)>,
     prefix: Vec<PrefixEntry>,
     clock: u64,
     counter: u64,
@@ -719,7 +724,7 @@ impl Scheduler {
             .count();
         let route_width = moe_layers * c.num_experts_per_tok;
         Self {
-            model,
+            model: Arc::new(model),
             config,
             scorer,
             detokenizer,
@@ -730,6 +735,7 @@ impl Scheduler {
             batch: KvCache::new(),
             paused: None,
             updates: VecDeque::new(),
+            finished: VecDeque::new(),
             prefix: Vec::new(),
             clock: 0,
             counter: 0,
@@ -747,7 +753,8 @@ impl Scheduler {
         loop {
             let idle = self.running.is_empty()
                 && (self.waiting.is_empty() || self.paused.is_some())
-                && self.updates.is_empty();
+                && self.updates.is_empty()
+                && self.finished.is_empty();
             let first = if idle {
                 match self.commands.recv() {
                     Ok(cmd) => Some(cmd),
@@ -764,6 +771,9 @@ impl Scheduler {
             // A panic inside the model (a backend bug, an out-of-memory) fails the requests in
             // flight with a typed error; the engine keeps serving.
             let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if let Some((seq, model, version)) = self.finished.pop_front() {
+                    self.answer(seq, &model, version);
+                }
                 self.apply_updates();
                 if self.paused.is_none() && self.updates.is_empty() {
                     self.admit();
@@ -783,7 +793,11 @@ impl Scheduler {
             }
             self.publish_stats();
         }
-        // Shutting down: everything still queued ends as aborted.
+        // Shutting down: finished sequences get their answer, everything still queued ends
+        // as aborted.
+        while let Some((seq, model, version)) = self.finished.pop_front() {
+            self.answer(seq, &model, version);
+        }
         let rest: Vec<Seq> = self
             .waiting
             .drain(..)
@@ -960,7 +974,7 @@ impl Scheduler {
             }
         }
         while let Some((model, version, reply)) = self.updates.pop_front() {
-            self.model = *model;
+            self.model = Arc::new(*model);
             self.shared.version.store(version.0, Ordering::SeqCst);
             let _ = reply.send(());
         }
@@ -1273,7 +1287,7 @@ impl Scheduler {
         for &i in &done_rows {
             if let Some(seq) = all[i].take() {
                 self.reserved -= seq.reserved;
-                self.answer(seq);
+                self.finish(seq);
             }
         }
         self.running = all.into_iter().flatten().collect();
@@ -1299,11 +1313,35 @@ impl Scheduler {
     fn finish_aborted(&mut self, mut seq: Seq) {
         self.reserved = self.reserved.saturating_sub(seq.reserved);
         seq.finish = Some((FinishReason::Abort, None));
-        self.answer(seq);
+        let model = self.model.clone();
+        self.answer(seq, &model, self.version());
     }
 
-    /// Builds the output of a finished sequence and sends it.
-    fn answer(&mut self, seq: Seq) {
+    /// Answers a finished sequence now, or queues it (with the current weights) when its
+    /// log-probs must be recomputed first.
+    fn finish(&mut self, seq: Seq) {
+        let model = self.model.clone();
+        let version = self.version();
+        if self.needs_recompute(&seq) {
+            self.finished.push_back((seq, model, version));
+        } else {
+            self.answer(seq, &model, version);
+        }
+    }
+
+    fn needs_recompute(&self, seq: &Seq) -> bool {
+        self.config.recompute_logprobs_via_prefill
+            && seq.pending.request.return_logprob
+            && seq
+                .finish
+                .as_ref()
+                .is_none_or(|f| f.0 != FinishReason::Abort)
+            && seq.tokens.len() > seq.prompt_len
+    }
+
+    /// Builds the output of a finished sequence and sends it; `model` holds the weights that
+    /// generated it (for the log-prob recompute) and `version` their version.
+    fn answer(&mut self, seq: Seq, model: &CausalLm, version: WeightVersion) {
         let Seq {
             pending,
             tokens,
@@ -1322,7 +1360,7 @@ impl Scheduler {
             && finish_reason != FinishReason::Abort
             && !output_ids.is_empty()
         {
-            match self.scorer.score(&self.model, &tokens, output_ids.len()) {
+            match self.scorer.score(model, &tokens, output_ids.len()) {
                 Ok(lp) if lp.len() == output_ids.len() => {
                     log_probs = lp.into_iter().map(f64::from).collect();
                 }
@@ -1384,7 +1422,7 @@ impl Scheduler {
             routed_experts,
             finish_reason,
             matched_stop,
-            weight_version: self.version(),
+            weight_version: version,
             prompt_tokens: prompt_len,
             cached_tokens,
         };

@@ -55,6 +55,14 @@ pub struct LoopConfig {
     /// [`crate::EngineConfig::compute_threads`] this splits the cores between generation and
     /// training, so the fully async loop overlaps them instead of time-slicing them.
     pub train_threads: Option<usize>,
+    /// Fully async loop only: push new weights to the engines in the background while the
+    /// next step trains, instead of waiting for the push (pause → flush → update → resume →
+    /// version check) before training again. The push still pauses and flushes the engines,
+    /// so no sample mixes versions, and each push finishes before the next starts (its
+    /// errors fail the loop one step later); the engines then serve the previous version
+    /// for the length of a push, which the staleness bound accounts for. Off by default
+    /// (Miles waits for the update).
+    pub overlap_weight_updates: bool,
 }
 
 impl Default for LoopConfig {
@@ -69,6 +77,7 @@ impl Default for LoopConfig {
             save_interval: None,
             save: None,
             train_threads: None,
+            overlap_weight_updates: false,
         }
     }
 }
@@ -191,17 +200,22 @@ impl RlLoop {
         Ok(metrics)
     }
 
-    async fn maybe_eval(&self, finished_step: Option<u64>, metrics: &mut Metrics) -> Result<()> {
+    /// Whether held-out evaluation runs after `finished_step` (`None`: before training).
+    fn eval_due(&self, finished_step: Option<u64>) -> bool {
         let Some(interval) = self.eval_interval else {
-            return Ok(());
+            return false;
         };
-        let due = match finished_step {
-            None => true,
-            Some(step) => {
-                (step + 1).is_multiple_of(interval) || step + 1 == self.config.num_rollout
+        !self.evals.is_empty()
+            && match finished_step {
+                None => true,
+                Some(step) => {
+                    (step + 1).is_multiple_of(interval) || step + 1 == self.config.num_rollout
+                }
             }
-        };
-        if due && !self.evals.is_empty() {
+    }
+
+    async fn maybe_eval(&self, finished_step: Option<u64>, metrics: &mut Metrics) -> Result<()> {
+        if self.eval_due(finished_step) {
             metrics.extend(self.evaluate().await?);
         }
         Ok(())
@@ -269,7 +283,7 @@ impl RlLoop {
             let mut metrics = batch.metrics.clone();
             metrics.insert("perf/rollout_time".into(), rollout_time);
             let version = self
-                .train_and_update(rollout_id, batch.samples(), &mut metrics, None)
+                .train_and_update(rollout_id, batch.samples(), &mut metrics, None, None)
                 .await?;
             // Nothing generates while the synchronous loop trains.
             metrics.insert("perf/overlap_ratio".into(), 0.0);
@@ -294,15 +308,19 @@ impl RlLoop {
         }
     }
 
+    /// The trainer's weights and version, exported on the trainer's pool.
+    async fn export_weights(&self) -> Result<(miles_core::NamedTensors, WeightVersion)> {
+        let shared = self.trainer.clone();
+        self.on_trainer(move || {
+            let trainer = lock(&shared)?;
+            Ok((trainer.export_weights()?, trainer.weight_version()))
+        })
+        .await
+    }
+
     /// [`update_weights`] with the export on the trainer's pool.
     async fn push_weights(&self) -> Result<WeightVersion> {
-        let shared = self.trainer.clone();
-        let (weights, version) = self
-            .on_trainer(move || {
-                let trainer = lock(&shared)?;
-                Ok((trainer.export_weights()?, trainer.weight_version()))
-            })
-            .await?;
+        let (weights, version) = self.export_weights().await?;
         push_to_engine(
             self.manager.engine(),
             &weights,
@@ -314,13 +332,16 @@ impl RlLoop {
 
     /// Trains on `samples` and updates the engines when due. With `generation` (the async
     /// loop's busy clock) it also logs `perf/overlap_ratio`: the share of the train time during
-    /// which generation was running.
+    /// which generation was running. With `background` (see
+    /// [`LoopConfig::overlap_weight_updates`]) the push runs as a task left in the slot, after
+    /// the previous one has finished.
     async fn train_and_update(
         &self,
         rollout_id: u64,
         samples: Vec<Sample>,
         metrics: &mut Metrics,
         generation: Option<&BusyClock>,
+        background: Option<&mut Option<PendingPush>>,
     ) -> Result<WeightVersion> {
         let trainer = self.trainer.clone();
         let train_started = Instant::now();
@@ -346,13 +367,31 @@ impl RlLoop {
         metrics.extend(train_metrics);
         if (rollout_id + 1).is_multiple_of(self.config.update_weights_interval) {
             let update_started = Instant::now();
-            let version = self.push_weights().await?;
+            let version = match background {
+                None => self.push_weights().await?,
+                Some(slot) => {
+                    settle(slot).await?;
+                    let (weights, version) = self.export_weights().await?;
+                    let engine = self.manager.engine().clone();
+                    let mode = self.config.pause_generation_mode;
+                    *slot = Some(tokio::spawn(async move {
+                        push_to_engine(&engine, &weights, version, mode).await
+                    }));
+                    version
+                }
+            };
+            // The time the step spent on the update (with a background push: the export and
+            // the wait for the previous push).
             metrics.insert(
                 "perf/update_weights_time".into(),
                 update_started.elapsed().as_secs_f64(),
             );
             Ok(version)
         } else {
+            if let Some(slot) = background {
+                // Read the version the engines settle on, not one mid-push.
+                settle(slot).await?;
+            }
             Ok(self.manager.engine().weight_version().await?)
         }
     }
@@ -409,6 +448,25 @@ impl RlLoop {
         batch_size: usize,
         clock: &BusyClock,
     ) -> Result<()> {
+        let mut pending: Option<PendingPush> = None;
+        let outcome = self
+            .async_step_loop(receiver, data, batch_size, clock, &mut pending)
+            .await;
+        // The last push must land (and its version check pass) before the loop returns.
+        let settled = settle(&mut pending).await;
+        outcome?;
+        settled
+    }
+
+    async fn async_step_loop(
+        &mut self,
+        receiver: &mut mpsc::Receiver<Vec<Sample>>,
+        data: &Arc<tokio::sync::Mutex<DataSource>>,
+        batch_size: usize,
+        clock: &BusyClock,
+        pending: &mut Option<PendingPush>,
+    ) -> Result<()> {
+        let overlap = self.config.overlap_weight_updates;
         while self.next_rollout_id < self.config.num_rollout {
             let rollout_id = self.next_rollout_id;
             let started = Instant::now();
@@ -466,10 +524,20 @@ impl RlLoop {
             );
             let samples: Vec<Sample> = groups.into_iter().flatten().collect();
             let version = self
-                .train_and_update(rollout_id, samples, &mut metrics, Some(clock))
+                .train_and_update(
+                    rollout_id,
+                    samples,
+                    &mut metrics,
+                    Some(clock),
+                    overlap.then_some(&mut *pending),
+                )
                 .await?;
             metrics.insert("weight_version".into(), version.0 as f64);
             metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
+            if self.eval_due(Some(rollout_id)) {
+                // Evaluate the new weights, not the ones a push in flight replaces.
+                settle(pending).await?;
+            }
             self.maybe_eval(Some(rollout_id), &mut metrics).await?;
             self.metrics.log(rollout_id, &metrics)?;
             self.next_rollout_id += 1;
@@ -562,6 +630,18 @@ pub async fn update_weights(
     })
     .await?;
     push_to_engine(engine, &weights, version, mode).await
+}
+
+/// A weight push running in the background (see [`LoopConfig::overlap_weight_updates`]).
+type PendingPush = tokio::task::JoinHandle<Result<WeightVersion>>;
+
+/// Waits for the push in `slot`, if any, and returns its error.
+async fn settle(slot: &mut Option<PendingPush>) -> Result<()> {
+    if let Some(push) = slot.take() {
+        push.await
+            .map_err(|e| Error::Task(format!("weight push task failed: {e}")))??;
+    }
+    Ok(())
 }
 
 /// Pause, flush (unless paused in place), update to `version`, resume, check the version.

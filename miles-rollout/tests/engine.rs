@@ -228,6 +228,13 @@ fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
 
 #[tokio::test]
 async fn a_weight_update_under_load_never_mixes_versions() {
+    update_under_load(false).await;
+    // With the recompute, sequences that finished before the swap are scored after it, on the
+    // weights (and with the version) that generated them.
+    update_under_load(true).await;
+}
+
+async fn update_under_load(recompute: bool) {
     let model = load("glm4moe-tiny");
     let vocab = model.config.vocab_size as u32;
     let new_weights = scaled_weights(&model, 1.05);
@@ -245,7 +252,7 @@ async fn a_weight_update_under_load_never_mixes_versions() {
         }
         CausalLm::from_hf_tensors(&model.config, map, &Device::flex()).unwrap()
     };
-    let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(false)).unwrap());
+    let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(recompute)).unwrap());
     let mut handles = Vec::new();
     for i in 0..16u32 {
         let e = engine.clone();
@@ -301,6 +308,46 @@ async fn a_weight_update_under_load_never_mixes_versions() {
     }
     assert!(seen[0] > 0 && seen[1] > 0, "{seen:?}");
     assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(1));
+
+    if recompute {
+        // Sequences finishing in the same step are answered one per scheduler step, and an
+        // update waiting for them swaps after the first answer: the others are scored after
+        // the swap, still on the weights and with the version that generated them.
+        engine.pause(PauseMode::InPlace).await.unwrap();
+        let together: Vec<_> = (0..4u32)
+            .map(|i| {
+                let e = engine.clone();
+                let p = prompt(5, 30 + i, vocab);
+                tokio::spawn(async move { (p.clone(), e.generate(request(p, 12, 7)).await) })
+            })
+            .collect();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let before = engine.stats().generated_tokens;
+        engine.resume().await.unwrap();
+        while engine.stats().generated_tokens < before + 8 {
+            tokio::task::yield_now().await;
+        }
+        engine
+            .update_weights(&scaled_weights(&model, 1.0), WeightVersion(2))
+            .await
+            .unwrap();
+        for h in together {
+            let (p, out) = h.await.unwrap();
+            let out = out.unwrap();
+            assert_eq!(out.output_ids.len(), 12);
+            assert_eq!(out.weight_version, WeightVersion(1));
+            let tokens: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
+            let (v1, _) = full_forward(&updated, &tokens, 12);
+            let (v2, _) = full_forward(&model, &tokens, 12);
+            let (d1, d2) = (
+                max_diff(&out.output_log_probs, &v1),
+                max_diff(&out.output_log_probs, &v2),
+            );
+            assert!(d1 < 2e-4 && d2 > 1e-2, "{d1} / {d2}");
+        }
+        assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(2));
+        return;
+    }
 
     // A broken update is a typed error; the engine keeps serving the old weights.
     let mut broken = new_weights.clone();

@@ -188,9 +188,13 @@ async fn reward_failures_mark_samples_failed_and_filters_drop_flat_groups() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_loop_respects_the_staleness_bound_and_learns() {
-    for (max_staleness, handler) in [
-        (0, UnusedSamplesHandler::Retry),
-        (1, UnusedSamplesHandler::Drop),
+    for (max_staleness, handler, overlap_weight_updates) in [
+        (0, UnusedSamplesHandler::Retry, false),
+        (1, UnusedSamplesHandler::Drop, false),
+        // Weights pushed in the background while the next step trains: the bound still
+        // holds, and the last push has landed when the loop returns.
+        (1, UnusedSamplesHandler::Drop, true),
+        (0, UnusedSamplesHandler::Retry, true),
     ] {
         let engine = TabularEngine::new(Duration::from_millis(1));
         let seen = Arc::default();
@@ -204,6 +208,7 @@ async fn async_loop_respects_the_staleness_bound_and_learns() {
             max_weight_staleness: Some(max_staleness),
             unused_samples_handler: handler,
             pause_generation_mode: PauseMode::InPlace,
+            overlap_weight_updates,
             ..LoopConfig::default()
         };
         let mut rl = RlLoop::new(loop_config, manager, trainer(&seen), sink.clone(), data).unwrap();
