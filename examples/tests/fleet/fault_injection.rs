@@ -17,7 +17,17 @@ const STEPS: u64 = 6;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_an_embedded_engine_mid_run_loses_nothing_and_training_continues() {
-    let dir = std::env::temp_dir().join(format!("miles-fault-{}", std::process::id()));
+    kill_engine_mid_run(false).await;
+    // Weights pushed in the background while the next step trains: a push that meets the
+    // dead engine takes it out of rotation and the run goes on the same way.
+    kill_engine_mid_run(true).await;
+}
+
+async fn kill_engine_mid_run(overlap_weight_updates: bool) {
+    let dir = std::env::temp_dir().join(format!(
+        "miles-fault-{}-{overlap_weight_updates}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     let spec = ToyModelSpec {
         hidden_size: 32,
@@ -59,6 +69,7 @@ async fn killing_an_embedded_engine_mid_run_loses_nothing_and_training_continues
     let config = LoopConfig {
         num_rollout: STEPS,
         max_weight_staleness: Some(1),
+        overlap_weight_updates,
         ..LoopConfig::default()
     };
     let mut rl_loop = RlLoop::new(
@@ -134,7 +145,7 @@ async fn killing_an_embedded_engine_mid_run_loses_nothing_and_training_continues
     let killed = &made_now[0][0];
     assert!(killed.health().await.is_err(), "the killed engine is down");
     println!(
-        "fault injection: engine 0 killed with requests in flight = {}, groups regenerated (engine death and weight updates) = {regenerated}, engines made = {:?}",
+        "fault injection (overlap_weight_updates = {overlap_weight_updates}): engine 0 killed with requests in flight = {}, groups regenerated (engine death and weight updates) = {regenerated}, engines made = {:?}",
         killed_busy.load(Ordering::SeqCst),
         made_now.iter().map(Vec::len).collect::<Vec<_>>()
     );
