@@ -402,6 +402,18 @@ impl RlLoop {
     /// than `max_weight_staleness` to the unused-samples handler, trains, and updates the
     /// engines' weights every `update_weights_interval` steps (generation paused meanwhile).
     pub async fn run_async(&mut self) -> Result<()> {
+        // Between two updates the trainer moves ahead of the engines by up to
+        // `update_weights_interval − 1` versions, so even fresh samples lag that much: a
+        // tighter bound could never fill a batch.
+        if let Some(max) = self.config.max_weight_staleness
+            && max + 1 < self.config.update_weights_interval
+        {
+            return Err(Error::Config(format!(
+                "max_weight_staleness {max} is below update_weights_interval - 1 = {}: samples \
+                 generated between two weight updates would all be too stale to train on",
+                self.config.update_weights_interval - 1
+            )));
+        }
         self.eval_before_training().await?;
         let batch_size = self.manager.config().rollout_batch_size;
         let capacity = ((self.config.async_data_buffer_capacity_factor * batch_size as f64).floor()
@@ -517,6 +529,17 @@ impl RlLoop {
                     "rollout/fully_async/max_staleness".into(),
                     staleness.iter().copied().fold(0.0, f64::max),
                 );
+                // The staleness histogram: groups trained at each lag.
+                let mut histogram = std::collections::BTreeMap::<u64, u64>::new();
+                for &lag in &staleness {
+                    *histogram.entry(lag as u64).or_default() += 1;
+                }
+                for (lag, groups) in histogram {
+                    metrics.insert(
+                        format!("rollout/fully_async/staleness_hist/{lag}"),
+                        groups as f64,
+                    );
+                }
             }
             metrics.insert(
                 "rollout/fully_async/queue_size".into(),

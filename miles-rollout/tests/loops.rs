@@ -229,6 +229,117 @@ async fn async_loop_respects_the_staleness_bound_and_learns() {
     }
 }
 
+/// Property: whatever the settings and timing, no sample staler than
+/// `--max-weight-staleness` reaches the trainer, every step trains a full batch, and the
+/// staleness histogram accounts for every trained group. 24 random cases (seeded): bound
+/// (any feasible one: at least `update_weights_interval − 1`), update interval, unused-samples handler, buffer size, group and batch sizes, background
+/// weight pushes, pause mode and engine latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn property_no_sample_staler_than_the_bound_reaches_the_trainer() {
+    let mut state = 0x5EED_u64;
+    let mut next = |bound: u64| {
+        // SplitMix64.
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)) % bound
+    };
+    // The infeasible setting is a typed error, not a loop that never fills a batch.
+    {
+        let engine = TabularEngine::new(Duration::from_millis(0));
+        let manager = manager(
+            &engine,
+            rollout_config(2, 1),
+            Arc::new(BuiltinReward::ExactMatch),
+        );
+        let loop_config = LoopConfig {
+            num_rollout: 3,
+            update_weights_interval: 3,
+            max_weight_staleness: Some(1),
+            ..LoopConfig::default()
+        };
+        let data = DataSource::new(prompts(), 2, false, 0).unwrap();
+        let mut rl = RlLoop::new(
+            loop_config,
+            manager,
+            trainer(&Arc::default()),
+            Arc::new(MemoryMetricsSink::new()),
+            data,
+        )
+        .unwrap();
+        let err = rl.run_async().await.unwrap_err().to_string();
+        assert!(err.contains("update_weights_interval"), "{err}");
+    }
+    for case in 0..24 {
+        let interval = 1 + next(3);
+        // A bound below `interval − 1` is refused (fresh samples already lag that much).
+        let max_staleness = interval - 1 + next(2);
+        let handler = if next(2) == 0 {
+            UnusedSamplesHandler::Drop
+        } else {
+            UnusedSamplesHandler::Retry
+        };
+        let n = 2 + next(4) as usize;
+        let batch = 1 + next(3) as usize;
+        let factor = [0.5, 1.0, 2.0, 3.0][next(4) as usize];
+        let overlap = next(2) == 1;
+        let mode = [PauseMode::InPlace, PauseMode::Retract, PauseMode::Abort][next(3) as usize];
+        let delay = Duration::from_micros(200 + 300 * next(4));
+        let steps = 4 + next(4);
+        let label = format!(
+            "case {case}: bound {max_staleness}, interval {interval}, {handler:?}, n {n}, batch {batch}, buffer {factor}, overlap {overlap}, {mode:?}, {delay:?}"
+        );
+
+        let engine = TabularEngine::new(delay);
+        let seen = Arc::default();
+        let sink = Arc::new(MemoryMetricsSink::new());
+        let mut config = rollout_config(n, batch);
+        config.rollout_seed = None;
+        let manager = manager(&engine, config, Arc::new(BuiltinReward::ExactMatch));
+        let data = DataSource::new(prompts(), n, true, case).unwrap();
+        let loop_config = LoopConfig {
+            num_rollout: steps,
+            update_weights_interval: interval,
+            max_weight_staleness: Some(max_staleness),
+            unused_samples_handler: handler,
+            pause_generation_mode: mode,
+            async_data_buffer_capacity_factor: factor,
+            overlap_weight_updates: overlap,
+            ..LoopConfig::default()
+        };
+        let mut rl = RlLoop::new(loop_config, manager, trainer(&seen), sink.clone(), data).unwrap();
+        rl.run_async().await.expect(&label);
+
+        let seen: Vec<Seen> = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), steps as usize * batch * n, "{label}");
+        for (trainer_version, oldest, index) in &seen {
+            let oldest = oldest.expect("every sample carries its version");
+            assert!(
+                oldest.staleness(*trainer_version) <= max_staleness,
+                "{label}: sample {index:?} generated at {oldest} trained at {trainer_version}"
+            );
+        }
+        for (step, metrics) in sink.steps() {
+            let histogram: f64 = metrics
+                .iter()
+                .filter(|(k, _)| k.starts_with("rollout/fully_async/staleness_hist/"))
+                .map(|(k, v)| {
+                    let lag: u64 = k.rsplit('/').next().unwrap().parse().unwrap();
+                    assert!(lag <= max_staleness, "{label}: step {step} histogram {k}");
+                    *v
+                })
+                .sum();
+            assert_eq!(histogram, batch as f64, "{label}: step {step}");
+        }
+        assert_eq!(
+            engine.weight_version().await.unwrap(),
+            WeightVersion(steps / interval * interval),
+            "{label}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resume_after_a_kill_continues_with_nothing_lost_or_trained_twice() {
     let root = std::env::temp_dir().join(format!("miles-rollout-resume-{}", std::process::id()));
