@@ -1329,19 +1329,22 @@ impl Scheduler {
         }
     }
 
+    /// Whether the sequence's log-probs are recomputed by the scorer: a stop or length finish
+    /// with generated tokens, when asked for (aborted outputs keep their decode log-probs).
     fn needs_recompute(&self, seq: &Seq) -> bool {
         self.config.recompute_logprobs_via_prefill
             && seq.pending.request.return_logprob
             && seq
                 .finish
                 .as_ref()
-                .is_none_or(|f| f.0 != FinishReason::Abort)
+                .is_some_and(|f| f.0 != FinishReason::Abort)
             && seq.tokens.len() > seq.prompt_len
     }
 
     /// Builds the output of a finished sequence and sends it; `model` holds the weights that
     /// generated it (for the log-prob recompute) and `version` their version.
     fn answer(&mut self, seq: Seq, model: &CausalLm, version: WeightVersion) {
+        let recompute = self.needs_recompute(&seq);
         let Seq {
             pending,
             tokens,
@@ -1355,11 +1358,7 @@ impl Scheduler {
         let request = &pending.request;
         let (finish_reason, matched_stop) = finish.unwrap_or((FinishReason::Abort, None));
         let output_ids = tokens[prompt_len..].to_vec();
-        if self.config.recompute_logprobs_via_prefill
-            && request.return_logprob
-            && finish_reason != FinishReason::Abort
-            && !output_ids.is_empty()
-        {
+        if recompute {
             match self.scorer.score(model, &tokens, output_ids.len()) {
                 Ok(lp) if lp.len() == output_ids.len() => {
                     log_probs = lp.into_iter().map(f64::from).collect();

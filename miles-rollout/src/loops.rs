@@ -433,9 +433,12 @@ impl RlLoop {
             batch_size,
             clock.clone(),
         ));
+        let mut pending = None;
         let outcome = self
-            .async_steps(&mut receiver, &data, batch_size, &clock)
+            .async_steps(&mut receiver, &data, batch_size, &clock, &mut pending)
             .await;
+        // The last push must land (and its version check pass) before the loop returns.
+        let settled = settle(&mut pending).await;
         worker.abort();
         let _ = worker.await;
         // Groups still buffered were generated but not trained on: return them to the data
@@ -450,27 +453,10 @@ impl RlLoop {
             .into_inner();
         source.add_groups(leftover)?;
         self.data = source;
-        outcome
+        outcome.and(settled)
     }
 
     async fn async_steps(
-        &mut self,
-        receiver: &mut mpsc::Receiver<Vec<Sample>>,
-        data: &Arc<tokio::sync::Mutex<DataSource>>,
-        batch_size: usize,
-        clock: &BusyClock,
-    ) -> Result<()> {
-        let mut pending: Option<PendingPush> = None;
-        let outcome = self
-            .async_step_loop(receiver, data, batch_size, clock, &mut pending)
-            .await;
-        // The last push must land (and its version check pass) before the loop returns.
-        let settled = settle(&mut pending).await;
-        outcome?;
-        settled
-    }
-
-    async fn async_step_loop(
         &mut self,
         receiver: &mut mpsc::Receiver<Vec<Sample>>,
         data: &Arc<tokio::sync::Mutex<DataSource>>,
@@ -731,12 +717,8 @@ async fn generation_worker(
             clock
                 .aborted_groups
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let resume =
-                manager.config().partial_rollout && group.iter().any(|s| s.response_length > 0);
-            for sample in &mut group {
-                if !resume || sample.status == miles_core::SampleStatus::Failed {
-                    sample.reset_for_retry();
-                }
+            if !crate::manager::keep_partial(&mut group, manager.config().partial_rollout) {
+                group.iter_mut().for_each(Sample::reset_for_retry);
             }
             if data.lock().await.add_groups(vec![group]).is_err() {
                 return;

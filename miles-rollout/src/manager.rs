@@ -284,16 +284,12 @@ impl RolloutManager {
             let mut returned = Vec::new();
             while let Some(joined) = in_flight.join_next().await {
                 let Ok(mut group) = joined else { continue };
-                let generated = group.iter().any(|s| s.response_length > 0);
-                if self.config.partial_rollout && generated {
+                if keep_partial(&mut group, self.config.partial_rollout) {
                     for sample in &mut group {
                         sample
                             .metadata
                             .entry("start_rollout_id")
                             .or_insert(Value::from(rollout_id));
-                        if sample.status == SampleStatus::Failed {
-                            sample.reset_for_retry();
-                        }
                     }
                     returned.push(group);
                 }
@@ -380,12 +376,7 @@ impl GroupWorker {
         // Rewards for the samples that finished generating (group-level reward functions see
         // the whole group).
         let scored: Vec<usize> = (0..samples.len())
-            .filter(|&i| {
-                matches!(
-                    samples[i].status,
-                    SampleStatus::Completed | SampleStatus::Truncated
-                )
-            })
+            .filter(|&i| finished_generating(&samples[i]))
             .collect();
         if !scored.is_empty() {
             let subset: Vec<Sample> = scored.iter().map(|&i| samples[i].clone()).collect();
@@ -408,10 +399,7 @@ impl GroupWorker {
     async fn run_sample(&self, mut sample: Sample) -> Sample {
         // A recycled partial group holds samples that had finished before the abort: they
         // keep their response (generating again would run past their stop).
-        if matches!(
-            sample.status,
-            SampleStatus::Completed | SampleStatus::Truncated
-        ) {
+        if finished_generating(&sample) {
             return sample;
         }
         let Ok(_permit) = self.permits.acquire().await else {
@@ -516,6 +504,29 @@ pub(crate) fn apply_output(sample: &mut Sample, output: GenerateOutput) -> Resul
         FinishReason::Abort => SampleStatus::Aborted,
     };
     Ok(())
+}
+
+/// Partial rollout of an interrupted group: with `partial_rollout` and some tokens generated,
+/// the group is kept to resume from its partial output (its failed samples start again) and
+/// `true` is returned; otherwise the group is left as it is and `false` returned.
+pub(crate) fn keep_partial(group: &mut [Sample], partial_rollout: bool) -> bool {
+    if !partial_rollout || group.iter().all(|s| s.response_length == 0) {
+        return false;
+    }
+    for sample in group.iter_mut() {
+        if sample.status == SampleStatus::Failed {
+            sample.reset_for_retry();
+        }
+    }
+    true
+}
+
+/// Whether a sample has finished generating (stop or length).
+fn finished_generating(sample: &Sample) -> bool {
+    matches!(
+        sample.status,
+        SampleStatus::Completed | SampleStatus::Truncated
+    )
 }
 
 /// Aborted or failed samples of a kept group stay in it (group statistics need them) but are
