@@ -6,6 +6,9 @@
 //! then runs the same steps. Target: async wall time per step ≤ 1.15 × max(rollout, train),
 //! where the sync loop's is ≈ their sum. The modes run in turn for 3 rounds; figures are the
 //! medians. The learning rate is 0 so that every run does the same work (see `run`).
+//! The run also measures how independent the machine's two cores are (a fixed compute kernel
+//! on two threads at once vs alone, row `loop_overlap_embedded_core_contention`): the bound
+//! assumes the engine's and the trainer's cores do not slow each other down.
 //!
 //! `MILES_BENCH_QUICK=1` runs 4 steps, one round (a smoke run; the figures are not the
 //! issue's); `MILES_OVERLAP_STEPS` changes the 32 steps (the async loop's first step waits
@@ -168,6 +171,7 @@ fn main() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    let (paired, alone) = core_contention();
 
     if std::env::var("MILES_OVERLAP_DEBUG").is_ok() {
         println!(
@@ -241,6 +245,47 @@ fn main() {
         ms(sync),
         ms(rollout + train)
     );
+    println!(
+        "xtask-result: loop_overlap_embedded_core_contention ours={:.1}ms baseline={:.1}ms note=the machine: a fixed compute kernel on two threads at once vs alone (1 = two independent cores, 2 = one shared core); the async loop's rollout and training contend the same way",
+        ms(paired),
+        ms(alone)
+    );
+}
+
+/// Seconds one thread takes for a fixed compute kernel (multiply-adds over a 64 KiB buffer,
+/// the shape of a small matmul's inner loop: core-bound, cache-resident).
+fn kernel_seconds() -> f64 {
+    let mut buffer: Vec<f32> = (0..16 * 1024).map(|i| (i % 97) as f32 * 1e-3).collect();
+    let started = Instant::now();
+    for round in 0..6_000 {
+        let scale = 1.0 + round as f32 * 1e-7;
+        let mut acc = 0.0f32;
+        for x in buffer.iter_mut() {
+            acc = x.mul_add(scale, acc);
+            *x = acc * 1e-4 + *x * 0.999;
+        }
+        std::hint::black_box(acc);
+    }
+    std::hint::black_box(&buffer);
+    started.elapsed().as_secs_f64()
+}
+
+/// How independent the machine's two cores are, measured in the run: the kernel's time on
+/// two threads at once over its time alone (median of 3 each). 1.0: two independent cores;
+/// 2.0: the two threads share one core (SMT siblings or a shared CPU quota), in which case
+/// a rollout and a training step on one thread each cannot both run at full speed.
+fn core_contention() -> (f64, f64) {
+    let alone = median((0..3).map(|_| kernel_seconds()).collect());
+    let paired = median(
+        (0..3)
+            .map(|_| {
+                let other = std::thread::spawn(kernel_seconds);
+                let mine = kernel_seconds();
+                mine.max(other.join().unwrap_or(f64::NAN))
+            })
+            .collect(),
+    );
+    (paired, alone)
 }
 
 /// One loop configuration of the bench.

@@ -65,13 +65,38 @@ const CITIES: [&str; 8] = [
     "Paris", "Lyon", "Oslo", "Rome", "Kyoto", "Lima", "Accra", "Perth",
 ];
 
-/// The chat-completions body, serialised from borrowed parts (no copy of the history).
-#[derive(serde::Serialize)]
-struct ChatBody<'a> {
-    model: &'a str,
-    messages: &'a [Value],
-    tools: &'a Value,
-    max_tokens: u32,
+/// The tool every request declares, as JSON text.
+const TOOLS: &str = r#"[{"type":"function","function":{"name":"get_weather","description":"Weather of a city","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]"#;
+
+/// The part of a chat completion the client reads: the first choice's message. The rest of
+/// the response (`meta_info` with its per-token log-probs, `logprobs`, `usage`) is skipped
+/// while parsing, without building values for it, as a lean OpenAI client would.
+#[derive(serde::Deserialize)]
+struct Completion {
+    choices: Vec<Choice>,
+}
+
+#[derive(serde::Deserialize)]
+struct Choice {
+    message: Value,
+}
+
+/// The chat-completions body from the history kept as JSON text, one entry per message (each
+/// message is serialised once, when it joins the history).
+fn chat_body(history: &[String]) -> Vec<u8> {
+    let size = history.iter().map(|m| m.len() + 1).sum::<usize>() + TOOLS.len() + 64;
+    let mut body = String::with_capacity(size);
+    body.push_str(r#"{"model":"m","messages":["#);
+    for (i, message) in history.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(message);
+    }
+    body.push_str(r#"],"tools":"#);
+    body.push_str(TOOLS);
+    body.push_str(r#","max_tokens":256}"#);
+    body.into_bytes()
 }
 
 fn fail(reason: String) -> Error {
@@ -95,23 +120,21 @@ pub async fn run_session(
         .ok_or_else(|| fail(format!("no session id in {created}")))?
         .to_owned();
     let chat = format!("{url}/sessions/{id}/v1/chat/completions");
-    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
-    let mut messages =
-        vec![json!({"role": "system", "content": "You are a helpful assistant with tools."})];
+    let mut history = vec![
+        json!({"role": "system", "content": "You are a helpful assistant with tools."}).to_string(),
+    ];
     let mut pending_tool: Option<Value> = None;
     for t in 0..turns {
-        match pending_tool.take() {
-            Some(call_id) => messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": format!("sunny and {} degrees", 10 + t)})),
-            None => messages.push(json!({"role": "user", "content": format!("What is the weather in {}?", CITIES[(seed + t) % CITIES.len()])})),
-        }
-        let body = serde_json::to_vec(&ChatBody {
-            model: "m",
-            messages: &messages,
-            tools: &tools,
-            max_tokens: 256,
-        })
-        .map_err(|e| fail(e.to_string()))?;
+        let next = match pending_tool.take() {
+            Some(call_id) => {
+                json!({"role": "tool", "tool_call_id": call_id, "content": format!("sunny and {} degrees", 10 + t)})
+            }
+            None => {
+                json!({"role": "user", "content": format!("What is the weather in {}?", CITIES[(seed + t) % CITIES.len()])})
+            }
+        };
+        history.push(next.to_string());
+        let body = chat_body(&history);
         let started = Instant::now();
         let response = http
             .send(
@@ -129,12 +152,17 @@ pub async fn run_session(
                 response.text()
             )));
         }
-        let mut v: Value = response.json()?;
-        let message = v["choices"][0]["message"].take();
+        let completion: Completion = response.json()?;
+        let message = completion
+            .choices
+            .into_iter()
+            .next()
+            .ok_or_else(|| fail(format!("turn {t}: no choice")))?
+            .message;
         if let Some(call) = message["tool_calls"].get(0) {
             pending_tool = Some(call["id"].clone());
         }
-        messages.push(message);
+        history.push(message.to_string());
     }
     let response = http
         .send(

@@ -41,6 +41,9 @@
 //!   GPT-4-style split regex (Qwen2/Qwen3, Llama 3, GLM-4.x), used by [`HfChat`] and
 //!   [`TitoTokenizer`] when the tokenizer qualifies; anything else goes through HF
 //!   tokenizers unchanged.
+//! * [`FastDecoder`] ([`fastdec`]): a text-exact table-driven path for
+//!   `decode(ids, skip_special_tokens=False)` on tokenizers whose decoder is `ByteLevel`,
+//!   used by [`TitoTokenizer::decode`] (the session server decodes every model output).
 //! * [`TitoFamily`] / [`TitoTokenizer`] ([`tito`]): Miles' families (`default`, `qwen3`,
 //!   `qwen35`, `qwennext`, `glm47`, `nemotron3`, `kimi25`, `kimi26`, `minimax_m25`,
 //!   `minimax_m27`) with their embedded fixed templates, forced kwargs (conflicts are errors),
@@ -61,6 +64,7 @@
 
 pub mod comparator;
 pub mod error;
+pub mod fastdec;
 pub mod fastenc;
 pub mod matcher;
 pub mod model;
@@ -72,6 +76,7 @@ pub mod verify;
 
 pub use comparator::{Mismatch, MismatchMetric, MismatchType, TokenSeqComparator};
 pub use error::{Error, Result};
+pub use fastdec::FastDecoder;
 pub use fastenc::FastEncoder;
 pub use matcher::{MessageMatcher, assert_append_only};
 pub use model::{HfChat, Rendered};

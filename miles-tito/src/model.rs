@@ -13,6 +13,7 @@ use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
 use crate::error::{Error, Result};
+use crate::fastdec::FastDecoder;
 use crate::fastenc::FastEncoder;
 use crate::template::{ChatTemplate, RenderArgs};
 
@@ -36,6 +37,7 @@ pub struct HfChat {
     special_tokens: Map<String, Json>,
     tokenizer: Option<Arc<Tokenizer>>,
     fast: Option<Arc<FastEncoder>>,
+    fast_decoder: Option<Arc<FastDecoder>>,
 }
 
 /// Output of [`HfChat::apply_chat_template`]: the rendered text and, when a tokenizer is
@@ -169,6 +171,7 @@ impl HfChat {
             None
         };
         let fast = tokenizer.clone().and_then(FastEncoder::new).map(Arc::new);
+        let fast_decoder = tokenizer.as_deref().and_then(crate::fastdec::shared);
         Ok(Self {
             dir,
             default_template,
@@ -176,6 +179,7 @@ impl HfChat {
             special_tokens,
             tokenizer,
             fast,
+            fast_decoder,
         })
     }
 
@@ -209,6 +213,11 @@ impl HfChat {
     /// [`FastEncoder`] reproduces (Qwen2/3, Llama 3, GLM-4.x byte-level BPE).
     pub fn fast_encoder(&self) -> Option<&Arc<FastEncoder>> {
         self.fast.as_ref()
+    }
+
+    /// The table-driven text-exact decoder, when the tokenizer's decoder is `ByteLevel`.
+    pub fn fast_decoder(&self) -> Option<&Arc<FastDecoder>> {
+        self.fast_decoder.as_ref()
     }
 
     /// Names of the available templates (`default` for the main one).

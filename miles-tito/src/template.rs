@@ -11,10 +11,11 @@
 //! such as `list.append` do not exist, matching HF's immutable sandbox: such templates fail
 //! with [`Error::Render`] where HF raises `SecurityError`.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
-use minijinja::value::{Kwargs, Rest, Value, ValueKind};
+use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Rest, Value, ValueKind};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, State};
 use serde_json::{Map, Value as Json};
 
@@ -31,6 +32,53 @@ const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning
 /// The last `tools` list rendered and its template value.
 type ToolsEntry = (Vec<Json>, Value);
 
+/// The template variables that do not change between renders with the same kwargs: the
+/// special tokens (unless a kwarg of the same name overrides them) and the kwargs.
+type Variables = HashMap<String, Value>;
+
+/// The last kwargs rendered with and their [`Variables`].
+type VariablesEntry = (Map<String, Json>, Arc<Variables>);
+
+/// The render's root context: the per-render variables plus the memoised [`Variables`],
+/// looked up without building a map per render.
+#[derive(Debug)]
+struct RootContext {
+    variables: Arc<Variables>,
+    messages: Value,
+    tools: Value,
+    add_generation_prompt: bool,
+}
+
+impl Object for RootContext {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Map
+    }
+
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        self.get_value_by_str(key.as_str()?)
+    }
+
+    fn get_value_by_str(self: &Arc<Self>, key: &str) -> Option<Value> {
+        match key {
+            "messages" => Some(self.messages.clone()),
+            "tools" => Some(self.tools.clone()),
+            "documents" => Some(Value::from(())),
+            "add_generation_prompt" => Some(Value::from(self.add_generation_prompt)),
+            _ => self.variables.get(key).cloned(),
+        }
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        let mut keys: Vec<Value> = self
+            .variables
+            .keys()
+            .map(|k| Value::from(k.as_str()))
+            .collect();
+        keys.extend(RESERVED_KWARGS.iter().map(|k| Value::from(*k)));
+        Enumerator::Values(keys)
+    }
+}
+
 /// A compiled chat template plus the special-token variables HF passes to it.
 ///
 /// The template is compiled once; the special tokens are converted to template values once;
@@ -43,6 +91,7 @@ pub struct ChatTemplate {
     special_tokens: Map<String, Json>,
     special_values: Arc<[(String, Value)]>,
     tools_cache: Arc<Mutex<Option<ToolsEntry>>>,
+    variables_cache: Arc<Mutex<Option<VariablesEntry>>>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -83,6 +132,7 @@ impl ChatTemplate {
             special_tokens: Map::new(),
             special_values: Arc::new([]),
             tools_cache: Arc::default(),
+            variables_cache: Arc::default(),
         })
     }
 
@@ -101,6 +151,31 @@ impl ChatTemplate {
         value
     }
 
+    /// The [`Variables`] for `kwargs`, memoised for the last kwargs seen (a tokenizer renders
+    /// with the same kwargs every time).
+    fn variables(&self, kwargs: &Map<String, Json>) -> Arc<Variables> {
+        if let Ok(cache) = self.variables_cache.lock()
+            && let Some((cached, value)) = cache.as_ref()
+            && cached == kwargs
+        {
+            return value.clone();
+        }
+        let mut variables: Variables = self
+            .special_values
+            .iter()
+            .filter(|(k, _)| !kwargs.contains_key(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (k, v) in kwargs {
+            variables.insert(k.clone(), Value::from_serialize(v));
+        }
+        let variables = Arc::new(variables);
+        if let Ok(mut cache) = self.variables_cache.lock() {
+            *cache = Some((kwargs.clone(), variables.clone()));
+        }
+        variables
+    }
+
     /// Sets the special-token variables (`bos_token`, `eos_token`, …) passed to every render,
     /// as HF passes `tokenizer.special_tokens_map`. Caller kwargs override them.
     pub fn with_special_tokens(mut self, special_tokens: Map<String, Json>) -> Self {
@@ -109,6 +184,8 @@ impl ChatTemplate {
             .map(|(k, v)| (k.clone(), Value::from_serialize(v)))
             .collect();
         self.special_tokens = special_tokens;
+        // The clone this came from may share the memo of the old special tokens.
+        self.variables_cache = Arc::default();
         self
     }
 
@@ -138,34 +215,21 @@ impl ChatTemplate {
                 "render() got multiple values for keyword argument {key:?}"
             )));
         }
-        let messages = messages_value(args.messages)?;
-        let mut ctx: Vec<(&str, Value)> =
-            Vec::with_capacity(self.special_values.len() + args.kwargs.len() + 4);
-        for (k, v) in self.special_values.iter() {
-            if !args.kwargs.contains_key(k) {
-                ctx.push((k, v.clone()));
-            }
-        }
-        for (k, v) in args.kwargs {
-            ctx.push((k, Value::from_serialize(v)));
-        }
-        ctx.push(("messages", messages));
-        ctx.push((
-            "tools",
-            args.tools.map_or(Value::from(()), |t| self.tools_value(t)),
-        ));
-        ctx.push(("documents", Value::from(())));
-        ctx.push((
-            "add_generation_prompt",
-            Value::from(args.add_generation_prompt),
-        ));
+        let root = RootContext {
+            variables: self.variables(args.kwargs),
+            messages: messages_value(args.messages)?,
+            tools: args.tools.map_or(Value::from(()), |t| self.tools_value(t)),
+            add_generation_prompt: args.add_generation_prompt,
+        };
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| Error::TemplateSyntax {
                 message: describe(&e),
             })?;
-        template.render(Value::from_iter(ctx)).map_err(render_error)
+        template
+            .render(Value::from_object(root))
+            .map_err(render_error)
     }
 
     /// Renders typed messages and tool specs (see [`ChatTemplate::render`]).

@@ -227,6 +227,7 @@ pub struct TitoTokenizer {
     template: ChatTemplate,
     tokenizer: Arc<Tokenizer>,
     fast: Option<Arc<FastEncoder>>,
+    fast_decoder: Option<Arc<crate::FastDecoder>>,
     kwargs: Map<String, Json>,
     boundary: Boundary,
     special_ids: BTreeSet<u32>,
@@ -368,6 +369,7 @@ impl TitoTokenizer {
             template,
             tokenizer,
             fast: chat.fast_encoder().cloned(),
+            fast_decoder: chat.fast_decoder().cloned(),
             kwargs,
             boundary,
             special_ids,
@@ -494,7 +496,10 @@ impl TitoTokenizer {
 
     /// Decodes ids, keeping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        model::decode(&self.tokenizer, ids)
+        match &self.fast_decoder {
+            Some(fast) => Ok(fast.decode(ids)),
+            None => model::decode(&self.tokenizer, ids),
+        }
     }
 
     /// Full render + encode of a conversation (what a fresh session does).
