@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use miles_core::{Message, Role, TokenId, ToolSpec};
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer, TokenSeqComparator};
@@ -107,6 +107,39 @@ pub struct TitoChat {
     stop_ids: Vec<TokenId>,
     comparator: TokenSeqComparator,
     token_texts: Arc<TokenTextCache>,
+    tools: Arc<ToolsMemo>,
+}
+
+/// The template JSON of the last tool list seen (a session sends the same tools every turn,
+/// and every turn renders them twice).
+#[derive(Debug, Default)]
+struct ToolsMemo {
+    last: Mutex<Option<(Vec<ToolSpec>, Arc<[Value]>)>>,
+}
+
+impl ToolsMemo {
+    fn json(&self, tools: &[ToolSpec]) -> Result<Option<Arc<[Value]>>> {
+        if tools.is_empty() {
+            return Ok(None);
+        }
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((specs, json)) = last.as_ref()
+            && specs.as_slice() == tools
+        {
+            return Ok(Some(json.clone()));
+        }
+        let json: Arc<[Value]> = tools
+            .iter()
+            .map(|t| {
+                serde_json::to_value(t).map_err(|e| Error::Tokenization {
+                    reason: format!("tool spec: {e}"),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?
+            .into();
+        *last = Some((tools.to_vec(), json.clone()));
+        Ok(Some(json))
+    }
 }
 
 /// Decoded text of single token ids, filled as ids are seen (bounded by the vocabulary).
@@ -178,6 +211,7 @@ impl TitoChat {
             stop_ids,
             comparator,
             token_texts: Arc::default(),
+            tools: Arc::default(),
         })
     }
 
@@ -204,21 +238,6 @@ impl TitoChat {
     }
 }
 
-fn tools_json(tools: &[ToolSpec]) -> Result<Option<Vec<Value>>> {
-    if tools.is_empty() {
-        return Ok(None);
-    }
-    tools
-        .iter()
-        .map(|t| {
-            serde_json::to_value(t).map_err(|e| Error::Tokenization {
-                reason: format!("tool spec: {e}"),
-            })
-        })
-        .collect::<Result<Vec<_>>>()
-        .map(Some)
-}
-
 fn mismatch_kind(kind: miles_tito::MismatchType) -> MismatchType {
     match kind {
         miles_tito::MismatchType::SpecialTokenCount => MismatchType::SpecialTokenCount,
@@ -240,7 +259,7 @@ impl ChatTokenizer for TitoChat {
         add_generation_prompt: bool,
         kwargs: &Map<String, Value>,
     ) -> Result<Vec<TokenId>> {
-        let tools = tools_json(tools)?;
+        let tools = self.tools.json(tools)?;
         self.with_kwargs(kwargs)?
             .apply_chat_template(messages, tools.as_deref(), add_generation_prompt)
             .map_err(from_tito)
@@ -253,7 +272,7 @@ impl ChatTokenizer for TitoChat {
         tools: &[ToolSpec],
         kwargs: &Map<String, Value>,
     ) -> Result<Vec<TokenId>> {
-        let tools = tools_json(tools)?;
+        let tools = self.tools.json(tools)?;
         self.with_kwargs(kwargs)?
             .tokenize_additional_messages(old, new, tools.as_deref())
             .map_err(from_tito)
