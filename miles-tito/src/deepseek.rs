@@ -1160,11 +1160,16 @@ fn lax_bool(value: &Json, field: &str) -> Py<bool> {
     const FALSE: [&str; 6] = ["0", "off", "f", "false", "n", "no"];
     let parsed = match value {
         Json::Bool(b) => Some(*b),
-        Json::Number(n) => match n.as_f64() {
-            Some(f) if f == 1.0 => Some(true),
-            Some(f) if f == 0.0 => Some(false),
-            _ => None,
-        },
+        Json::Number(n) => {
+            let f = n.as_f64().unwrap_or(f64::NAN);
+            if f == 1.0 {
+                Some(true)
+            } else if f == 0.0 {
+                Some(false)
+            } else {
+                None
+            }
+        }
         Json::String(s) => {
             let lower = s.to_lowercase();
             if TRUE.contains(&lower.as_str()) {
@@ -1418,6 +1423,36 @@ mod tests {
             json!({"enable_thinking": null, "thinking": null})
         )));
         assert!(!thinking_enabled(&map(json!({"thinking_mode": null}))));
+    }
+
+    #[test]
+    fn json_string_arguments_differ_from_python_only_where_documented() {
+        // COMPATIBILITY.md: Python's json.loads accepts NaN and keeps big integers exact.
+        let dsml = |args: &str| encode_arguments_to_dsml(&json!(args));
+        assert!(matches!(
+            dsml("{\"x\": NaN}"),
+            Err(Raise {
+                exception: "JSONDecodeError",
+                ..
+            })
+        ));
+        let big = dsml("{\"x\": 123456789012345678901234567890}")
+            .ok()
+            .unwrap();
+        assert!(big.contains(">1.2345678901234568e+29<"), "{big}");
+        let neg_zero = dsml("{\"x\": -0}").ok().unwrap();
+        assert!(neg_zero.contains(">-0.0<"), "{neg_zero}");
+        // Everything else round-trips as Python prints it.
+        let text = dsml("{\"f\": 1.0, \"e\": 1E3, \"s\": \"\\u00e9\", \"l\": [1, null, true]}")
+            .ok()
+            .unwrap();
+        assert_eq!(
+            text,
+            "<｜DSML｜parameter name=\"f\" string=\"false\">1.0</｜DSML｜parameter>\n\
+             <｜DSML｜parameter name=\"e\" string=\"false\">1000.0</｜DSML｜parameter>\n\
+             <｜DSML｜parameter name=\"s\" string=\"true\">é</｜DSML｜parameter>\n\
+             <｜DSML｜parameter name=\"l\" string=\"false\">[1, null, true]</｜DSML｜parameter>"
+        );
     }
 
     #[test]

