@@ -102,6 +102,28 @@ pub enum Error {
         /// Roles of the appended messages.
         roles: Vec<String>,
     },
+    /// A DeepSeek encoder (or Miles' bridge to it) rejected the input; `exception` names the
+    /// Python exception raised for the same input (`DS32EncodingError`, `ValueError`,
+    /// `JSONDecodeError`, `AssertionError`, `TypeError`, `KeyError`, `AttributeError`,
+    /// `NotImplementedError`, `ValidationError`).
+    #[error("{encoder} encoder rejected the input ({exception}): {message}")]
+    DeepSeekEncoding {
+        /// `deepseek_v32` or `deepseek_v4`.
+        encoder: &'static str,
+        /// The Python exception class raised for this input.
+        exception: &'static str,
+        /// What was wrong.
+        message: String,
+    },
+    /// A family that diffs real-history renders (DeepSeek V4) found the render of the stored
+    /// messages is not a prefix of the render of the new ones.
+    #[error(
+        "{family} render is not append-only for the appended messages (prefix render changed; check drop_thinking and tool-result ordering)"
+    )]
+    RenderNotAppendOnly {
+        /// The renderer (`deepseek_v4`).
+        family: String,
+    },
     /// A new token sequence does not extend the stored one (§1.9).
     #[error(
         "pretokenized prefix mismatch at token {index}: stored {stored_len} tokens, new sequence {new_len} tokens (checked {checked})"

@@ -46,10 +46,16 @@
 //!   used by [`TitoTokenizer::decode`] (the session server decodes every model output).
 //! * [`TitoFamily`] / [`TitoTokenizer`] ([`tito`]): Miles' families (`default`, `qwen3`,
 //!   `qwen35`, `qwennext`, `glm47`, `nemotron3`, `kimi25`, `kimi26`, `minimax_m25`,
-//!   `minimax_m27`) with their embedded fixed templates, forced kwargs (conflicts are errors),
-//!   allowed append roles and boundary rules; `tokenize_additional_messages` against the
-//!   synthetic context with the rendered-suffix check, `merge_tokens`,
-//!   `clone_with_chat_template_kwargs`, and a session replay.
+//!   `minimax_m27`, `deepseekv32`, `deepseekv4`) with their embedded fixed templates or
+//!   DeepSeek encoders, forced kwargs (conflicts are errors), allowed append roles and boundary
+//!   rules; `tokenize_additional_messages` against the synthetic context with the
+//!   rendered-suffix check (DeepSeek V4: against the real histories), `merge_tokens`,
+//!   `clone_with_chat_template_kwargs` (with DeepSeek's thinking-alias group), and a session
+//!   replay.
+//! * [`deepseek`]: the DeepSeek V3.2 and V4 prompt encoders (no Jinja template exists for
+//!   them), byte-exact with the Python encoders Miles renders with, and Miles' bridge to them
+//!   ([`deepseek::apply_chat_template`]); [`HfChat`] routes a directory whose `config.json`
+//!   `model_type` is `deepseek_v32` / `deepseek_v4` there.
 //! * [`assert_append_only`] / [`MessageMatcher`] ([`matcher`]): append-only message
 //!   validation with Miles' `strict` normalisation (§1.6).
 //! * [`TokenTrajectory`] ([`trajectory`]): the extend-only token trajectory with the runtime
@@ -63,6 +69,7 @@
 //! The crate depends on tokenizers, minijinja and serde only: no burn, no async runtime.
 
 pub mod comparator;
+pub mod deepseek;
 pub mod error;
 pub mod fastdec;
 pub mod fastenc;
@@ -75,6 +82,7 @@ pub mod trajectory;
 pub mod verify;
 
 pub use comparator::{Mismatch, MismatchMetric, MismatchType, TokenSeqComparator};
+pub use deepseek::DeepSeekVersion;
 pub use error::{Error, Result};
 pub use fastdec::FastDecoder;
 pub use fastenc::FastEncoder;

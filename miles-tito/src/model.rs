@@ -4,6 +4,10 @@
 //! `tokenizer_config.json` (special tokens; `chat_template` as a string or as a named list
 //! `[{"name": …, "template": …}]`) and `chat_template.jinja` (which, as in transformers, takes
 //! precedence over the config's template), plus any `additional_chat_templates/NAME.jinja`.
+//!
+//! As in Miles (`template.py`, MILES_SPEC §1.3 step 1), a directory whose `config.json`
+//! `model_type` is `deepseek_v32` or `deepseek_v4` renders with that DeepSeek encoder (see
+//! [`crate::deepseek`]) instead of a chat template.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,6 +16,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
+use crate::deepseek::{self, DeepSeekVersion};
 use crate::error::{Error, Result};
 use crate::fastdec::FastDecoder;
 use crate::fastenc::FastEncoder;
@@ -38,6 +43,8 @@ pub struct HfChat {
     tokenizer: Option<Arc<Tokenizer>>,
     fast: Option<Arc<FastEncoder>>,
     fast_decoder: Option<Arc<FastDecoder>>,
+    model_type: Option<String>,
+    deepseek: Option<DeepSeekVersion>,
 }
 
 /// Output of [`HfChat::apply_chat_template`]: the rendered text and, when a tokenizer is
@@ -55,6 +62,18 @@ fn read_text(path: &Path) -> Result<String> {
         path: path.to_owned(),
         source,
     })
+}
+
+/// `config.json`'s `model_type`, read as Miles does: a missing, unreadable or malformed file,
+/// or a non-string value, is no model type.
+fn read_model_type(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let config: Json = serde_json::from_str(&text).ok()?;
+    config
+        .get("model_type")
+        .and_then(Json::as_str)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
 }
 
 /// A special-token value from `tokenizer_config.json`: a string, or an `AddedToken` object
@@ -172,6 +191,10 @@ impl HfChat {
         };
         let fast = tokenizer.clone().and_then(FastEncoder::new).map(Arc::new);
         let fast_decoder = tokenizer.as_deref().and_then(crate::fastdec::shared);
+        let model_type = read_model_type(&dir);
+        let deepseek = model_type
+            .as_deref()
+            .and_then(DeepSeekVersion::from_model_type);
         Ok(Self {
             dir,
             default_template,
@@ -180,13 +203,17 @@ impl HfChat {
             tokenizer,
             fast,
             fast_decoder,
+            model_type,
+            deepseek,
         })
     }
 
     /// Replaces the chat template with `source` (what `--template FILE` or
-    /// `apply_chat_template(chat_template=…)` does).
+    /// `apply_chat_template(chat_template=…)` does). An explicit template also takes the place
+    /// of a DeepSeek encoder.
     pub fn with_template_source(mut self, source: impl Into<String>) -> Result<Self> {
         let template = ChatTemplate::new(source)?.with_special_tokens(self.special_tokens.clone());
+        self.deepseek = None;
         self.named_templates.clear();
         self.named_templates
             .insert("default".into(), template.clone());
@@ -197,6 +224,17 @@ impl HfChat {
     /// The directory this was loaded from.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// `config.json`'s `model_type`, when the directory has one.
+    pub fn model_type(&self) -> Option<&str> {
+        self.model_type.as_deref()
+    }
+
+    /// The DeepSeek encoder this directory renders with (`model_type` `deepseek_v32` or
+    /// `deepseek_v4`, unless a template was set with [`HfChat::with_template_source`]).
+    pub fn deepseek_version(&self) -> Option<DeepSeekVersion> {
+        self.deepseek
     }
 
     /// The special-token variables passed to templates.
@@ -251,8 +289,18 @@ impl HfChat {
             .ok_or_else(|| Error::NoChatTemplate(format!("no template named {name:?}")))
     }
 
-    /// Renders with the HF-selected template.
+    /// Renders with the HF-selected template, or with the DeepSeek encoder for a DeepSeek
+    /// checkpoint (Miles' bridge: [`deepseek::apply_chat_template`]).
     pub fn render(&self, args: RenderArgs<'_>) -> Result<String> {
+        if let Some(version) = self.deepseek {
+            return deepseek::apply_chat_template(
+                version,
+                args.messages,
+                args.tools,
+                args.add_generation_prompt,
+                args.kwargs,
+            );
+        }
         self.template(args.tools.is_some())?.render(args)
     }
 

@@ -6,6 +6,10 @@
 //! appended messages (plus the next generation prompt) against a two-message synthetic
 //! context, and [`TitoTokenizer::merge_tokens`] joins them to the stored token prefix after
 //! fixing the boundary where the model stopped.
+//!
+//! The DeepSeek V3.2 / V4 families render with the DeepSeek encoders ([`crate::deepseek`])
+//! instead of a Jinja template; V4 diffs the renders of the real histories instead of the
+//! synthetic context, because its encoder folds adjacent tool results and user turns.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -15,6 +19,7 @@ use serde_json::{Map, Value as Json, json};
 use tokenizers::Tokenizer;
 
 use crate::comparator::TokenSeqComparator;
+use crate::deepseek::{self, DeepSeekVersion};
 use crate::error::{Error, Result};
 use crate::fastenc::FastEncoder;
 use crate::matcher::{MessageMatcher, assert_append_only};
@@ -49,6 +54,11 @@ pub enum TitoFamily {
     MinimaxM25,
     /// MiniMax M2.7 with `minimax_m27_fixed.jinja`.
     MinimaxM27,
+    /// DeepSeek V3.2: Miles' vendored `encoding_dsv32` encoder, `drop_thinking=False`.
+    DeepseekV32,
+    /// DeepSeek V4: sglang's `encoding_dsv4` encoder, `drop_thinking=False`, incremental
+    /// tokens from the real histories' renders (no mid-session system messages).
+    DeepseekV4,
 }
 
 /// How the stored prefix is joined to the incremental tokens.
@@ -67,7 +77,7 @@ pub enum BoundaryRule {
 
 impl TitoFamily {
     /// Every supported family.
-    pub const ALL: [TitoFamily; 10] = [
+    pub const ALL: [TitoFamily; 12] = [
         Self::Default,
         Self::Qwen3,
         Self::Qwen35,
@@ -78,6 +88,8 @@ impl TitoFamily {
         Self::Kimi26,
         Self::MinimaxM25,
         Self::MinimaxM27,
+        Self::DeepseekV32,
+        Self::DeepseekV4,
     ];
 
     /// Miles' name (`qwen3`, `glm47`, …).
@@ -93,6 +105,8 @@ impl TitoFamily {
             Self::Kimi26 => "kimi26",
             Self::MinimaxM25 => "minimax_m25",
             Self::MinimaxM27 => "minimax_m27",
+            Self::DeepseekV32 => "deepseekv32",
+            Self::DeepseekV4 => "deepseekv4",
         }
     }
 
@@ -134,7 +148,12 @@ impl TitoFamily {
                 "minimax_m27_fixed.jinja",
                 include_str!("../templates/minimax_m27_fixed.jinja"),
             )),
-            Self::Default | Self::Glm47 | Self::Nemotron3 | Self::Kimi26 => None,
+            Self::Default
+            | Self::Glm47
+            | Self::Nemotron3
+            | Self::Kimi26
+            | Self::DeepseekV32
+            | Self::DeepseekV4 => None,
         }
     }
 
@@ -146,6 +165,7 @@ impl TitoFamily {
             Self::MinimaxM25 | Self::MinimaxM27 => ("clear_thinking", false),
             Self::Nemotron3 => ("truncate_history_thinking", false),
             Self::Kimi25 | Self::Kimi26 => ("preserve_thinking", true),
+            Self::DeepseekV32 | Self::DeepseekV4 => ("drop_thinking", false),
         };
         let mut map = Map::new();
         map.insert(key.to_owned(), Json::Bool(value));
@@ -155,7 +175,7 @@ impl TitoFamily {
     /// Roles that may be appended to a session.
     pub fn allowed_append_roles(self) -> &'static [Role] {
         match self {
-            Self::Qwen35 | Self::MinimaxM25 | Self::MinimaxM27 => &NO_SYSTEM,
+            Self::Qwen35 | Self::MinimaxM25 | Self::MinimaxM27 | Self::DeepseekV4 => &NO_SYSTEM,
             _ => &ALL_ROLES,
         }
     }
@@ -169,6 +189,7 @@ impl TitoFamily {
             Self::Glm47 => Some("<|assistant|>"),
             Self::Kimi25 | Self::Kimi26 => Some("<|im_assistant|>"),
             Self::MinimaxM25 | Self::MinimaxM27 => Some("]~b]ai"),
+            Self::DeepseekV32 | Self::DeepseekV4 => Some(deepseek::ASSISTANT_TOKEN),
         }
     }
 
@@ -180,7 +201,9 @@ impl TitoFamily {
     /// The family's boundary rule.
     pub fn boundary_rule(self) -> BoundaryRule {
         match self {
-            Self::Default | Self::Kimi25 | Self::Kimi26 => BoundaryRule::Concat,
+            Self::Default | Self::Kimi25 | Self::Kimi26 | Self::DeepseekV32 | Self::DeepseekV4 => {
+                BoundaryRule::Concat
+            }
             Self::Qwen3 | Self::Qwen35 | Self::QwenNext | Self::Nemotron3 => {
                 BoundaryRule::NewlineAfter("<|im_end|>")
             }
@@ -189,18 +212,51 @@ impl TitoFamily {
         }
     }
 
-    /// Merges the family's forced kwargs into `kwargs`; a caller value that differs from a
-    /// forced one is [`Error::KwargConflict`].
+    /// The kwargs a tokenizer of this family renders with: `kwargs` with the family's forced
+    /// kwargs merged in (a caller value that differs from a forced one is
+    /// [`Error::KwargConflict`]); the DeepSeek families also set `thinking` to whether the
+    /// kwargs resolve to thinking mode.
     pub fn merge_kwargs(self, kwargs: Map<String, Json>) -> Result<Map<String, Json>> {
-        merge_forced(self, kwargs)
+        let mut kwargs = merge_forced(self, kwargs)?;
+        if self.deepseek_encoder().is_some() {
+            let thinking = deepseek::thinking_enabled(&kwargs);
+            kwargs.insert("thinking".into(), Json::Bool(thinking));
+        }
+        Ok(kwargs)
+    }
+
+    /// The DeepSeek encoder the family renders with, for the DeepSeek families.
+    pub fn deepseek_encoder(self) -> Option<DeepSeekVersion> {
+        match self {
+            Self::DeepseekV32 => Some(DeepSeekVersion::V32),
+            Self::DeepseekV4 => Some(DeepSeekVersion::V4),
+            _ => None,
+        }
+    }
+
+    /// Kwargs that are aliases of one setting: when a request sets any of them,
+    /// [`TitoTokenizer::clone_with_chat_template_kwargs`] drops all of them from the base
+    /// kwargs first (DeepSeek: `thinking_mode`, `enable_thinking`, `thinking`).
+    pub fn kwarg_aliases(self) -> &'static [&'static str] {
+        match self {
+            Self::DeepseekV32 | Self::DeepseekV4 => {
+                &["thinking_mode", "enable_thinking", "thinking"]
+            }
+            _ => &[],
+        }
     }
 
     /// Texts whose ids form `trailing_token_ids` (where the model may stop, stripped by the
     /// verifier and comparator).
     fn trailing_token_texts(self) -> &'static [&'static str] {
         match self {
-            Self::Default | Self::Kimi25 | Self::Kimi26 => &[],
+            Self::Default | Self::Kimi25 | Self::Kimi26 | Self::DeepseekV32 => &[],
             Self::Glm47 => &["<|observation|>", "<|user|>"],
+            Self::DeepseekV4 => &[
+                deepseek::ASSISTANT_TOKEN,
+                deepseek::THINK_START,
+                deepseek::THINK_END,
+            ],
             _ => &["\n"],
         }
     }
@@ -220,11 +276,18 @@ enum Boundary {
     Trim { observation: u32, user: u32 },
 }
 
+/// What renders a conversation: a Jinja chat template, or a DeepSeek encoder.
+#[derive(Debug, Clone)]
+enum Renderer {
+    Jinja(ChatTemplate),
+    DeepSeek(DeepSeekVersion),
+}
+
 /// A family-bound incremental tokenizer (Miles' `TITOTokenizer` subclasses).
 #[derive(Debug, Clone)]
 pub struct TitoTokenizer {
     family: TitoFamily,
-    template: ChatTemplate,
+    renderer: Renderer,
     tokenizer: Arc<Tokenizer>,
     fast: Option<Arc<FastEncoder>>,
     fast_decoder: Option<Arc<crate::FastDecoder>>,
@@ -310,29 +373,58 @@ fn tool_calls_json(calls: &[miles_core::ToolCall]) -> Result<Json> {
 }
 
 impl TitoTokenizer {
-    /// Builds the family's tokenizer over a loaded model directory. The family's fixed
-    /// template is used when it has one, else the directory's own; `kwargs` are the caller's
-    /// chat-template kwargs, merged with the family's forced ones (a conflicting value is an
-    /// error).
+    /// Builds the family's tokenizer over a loaded model directory. The DeepSeek families
+    /// render with their encoder; the others with the family's fixed template when it has
+    /// one, else the directory's own — except that a directory whose `config.json`
+    /// `model_type` is a DeepSeek one renders with that encoder, as in Miles. `kwargs` are
+    /// the caller's chat-template kwargs, merged with the family's forced ones (a conflicting
+    /// value is an error).
     pub fn new(chat: &HfChat, family: TitoFamily, kwargs: Map<String, Json>) -> Result<Self> {
-        let template = match family.fixed_template() {
-            Some((_, source)) => {
-                ChatTemplate::new(source)?.with_special_tokens(chat.special_tokens().clone())
+        let renderer = match (family.deepseek_encoder(), chat.deepseek_version()) {
+            (Some(version), Some(model)) if model != version => {
+                return Err(Error::FamilyTokenizer {
+                    family: family.name().into(),
+                    reason: format!(
+                        "the model directory's config.json model_type is {model}, the family renders {version}"
+                    ),
+                });
             }
-            None => chat.template(false)?.clone(),
+            (Some(version), _) | (None, Some(version)) => Renderer::DeepSeek(version),
+            (None, None) => Renderer::Jinja(match family.fixed_template() {
+                Some((_, source)) => {
+                    ChatTemplate::new(source)?.with_special_tokens(chat.special_tokens().clone())
+                }
+                None => chat.template(false)?.clone(),
+            }),
         };
-        Self::with_template(chat, template, family, kwargs)
+        Self::build(chat, renderer, family, kwargs)
     }
 
-    /// Like [`TitoTokenizer::new`] with an explicit template (a user override).
+    /// Like [`TitoTokenizer::new`] with an explicit template (a user override). The DeepSeek
+    /// families take no template (Miles forbids `--chat-template-path` with a named
+    /// `--tito-model`): [`Error::InvalidInput`].
     pub fn with_template(
         chat: &HfChat,
         template: ChatTemplate,
         family: TitoFamily,
         kwargs: Map<String, Json>,
     ) -> Result<Self> {
+        if let Some(version) = family.deepseek_encoder() {
+            return Err(Error::InvalidInput(format!(
+                "TITO family {family} renders with the {version} encoder and takes no chat template"
+            )));
+        }
+        Self::build(chat, Renderer::Jinja(template), family, kwargs)
+    }
+
+    fn build(
+        chat: &HfChat,
+        renderer: Renderer,
+        family: TitoFamily,
+        kwargs: Map<String, Json>,
+    ) -> Result<Self> {
         let tokenizer = chat.tokenizer().cloned().ok_or(Error::NoTokenizer)?;
-        let kwargs = merge_forced(family, kwargs)?;
+        let kwargs = family.merge_kwargs(kwargs)?;
         let boundary = match family.boundary_rule() {
             BoundaryRule::Concat => Boundary::Concat,
             BoundaryRule::NewlineAfter(end) => Boundary::NewlineAfter {
@@ -348,17 +440,31 @@ impl TitoTokenizer {
         for text in family.trailing_token_texts() {
             let id = if *text == "\n" {
                 single_token(&tokenizer, family, text)?
+            } else if family.deepseek_encoder().is_some() {
+                // Miles looks these up with convert_tokens_to_ids: a vocabulary without
+                // `<think>` (pre-V3.1) just has no such trailing id.
+                match tokenizer.token_to_id(text) {
+                    Some(id) => id,
+                    None => continue,
+                }
             } else {
                 token_id(&tokenizer, family, text)?
             };
             trailing_ids.insert(id);
         }
-        let mut special_ids: BTreeSet<u32> = tokenizer
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, token)| token.special)
-            .map(|(id, _)| id)
-            .collect();
+        let mut special_ids: BTreeSet<u32> = if family.deepseek_encoder().is_some() {
+            [deepseek::USER_TOKEN, deepseek::ASSISTANT_TOKEN]
+                .into_iter()
+                .map(|text| token_id(&tokenizer, family, text))
+                .collect::<Result<_>>()?
+        } else {
+            tokenizer
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, token)| token.special)
+                .map(|(id, _)| id)
+                .collect()
+        };
         if matches!(family, TitoFamily::Kimi25 | TitoFamily::Kimi26)
             && let Some(id) = tokenizer.token_to_id("<|im_middle|>")
         {
@@ -366,7 +472,7 @@ impl TitoTokenizer {
         }
         Ok(Self {
             family,
-            template,
+            renderer,
             tokenizer,
             fast: chat.fast_encoder().cloned(),
             fast_decoder: chat.fast_decoder().cloned(),
@@ -378,13 +484,21 @@ impl TitoTokenizer {
     }
 
     /// `clone_with_chat_template_kwargs`: a tokenizer of the same family whose kwargs are
-    /// these merged with `request` (request wins; forced kwargs still conflict).
+    /// these merged with `request` (request wins; forced kwargs still conflict). When the
+    /// request sets any kwarg of an alias group ([`TitoFamily::kwarg_aliases`]), the base
+    /// kwargs of that group are dropped first.
     pub fn clone_with_chat_template_kwargs(&self, request: &Map<String, Json>) -> Result<Self> {
         let mut kwargs = self.kwargs.clone();
+        let aliases = self.family.kwarg_aliases();
+        if aliases.iter().any(|a| request.contains_key(*a)) {
+            for alias in aliases {
+                kwargs.shift_remove(*alias);
+            }
+        }
         for (k, v) in request {
             kwargs.insert(k.clone(), v.clone());
         }
-        let kwargs = merge_forced(self.family, kwargs)?;
+        let kwargs = self.family.merge_kwargs(kwargs)?;
         Ok(Self {
             kwargs,
             ..self.clone()
@@ -401,9 +515,20 @@ impl TitoTokenizer {
         &self.kwargs
     }
 
-    /// The template in use.
-    pub fn template(&self) -> &ChatTemplate {
-        &self.template
+    /// The Jinja template in use (`None` for a DeepSeek encoder).
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        match &self.renderer {
+            Renderer::Jinja(template) => Some(template),
+            Renderer::DeepSeek(_) => None,
+        }
+    }
+
+    /// The DeepSeek encoder in use, if the tokenizer renders with one.
+    pub fn deepseek_version(&self) -> Option<DeepSeekVersion> {
+        match &self.renderer {
+            Renderer::Jinja(_) => None,
+            Renderer::DeepSeek(version) => Some(*version),
+        }
     }
 
     /// The tokenizer.
@@ -438,14 +563,18 @@ impl TitoTokenizer {
 
     /// Renders `messages` (normalised as Miles does) with the family's template and kwargs.
     /// When rendering with tools fails, it is retried once with only the inner `function`
-    /// objects of the tools, as Miles does.
+    /// objects of the tools, as Miles does. A DeepSeek encoder gets the messages as sent
+    /// (its bridge normalises them: [`deepseek::apply_chat_template`]).
     pub fn render(
         &self,
         messages: &[Message],
         tools: Option<&[Json]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let messages = miles_normalise(messages)?;
+        let messages = match &self.renderer {
+            Renderer::Jinja(_) => miles_normalise(messages)?,
+            Renderer::DeepSeek(_) => messages.iter().map(Message::to_template_value).collect(),
+        };
         self.render_json(&messages, tools, add_generation_prompt)
     }
 
@@ -455,6 +584,18 @@ impl TitoTokenizer {
         tools: Option<&[Json]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        let template = match &self.renderer {
+            Renderer::Jinja(template) => template,
+            Renderer::DeepSeek(version) => {
+                return deepseek::apply_chat_template(
+                    *version,
+                    messages,
+                    tools,
+                    add_generation_prompt,
+                    &self.kwargs,
+                );
+            }
+        };
         let tools = tools.map(|t| {
             if t.iter().all(|tool| tool.get("function").is_some()) {
                 std::borrow::Cow::Borrowed(t)
@@ -468,7 +609,7 @@ impl TitoTokenizer {
             add_generation_prompt,
             kwargs: &self.kwargs,
         };
-        match self.template.render(args) {
+        match template.render(args) {
             Ok(text) => Ok(text),
             Err(first) => {
                 let Some(tools) = tools.as_deref() else {
@@ -478,7 +619,7 @@ impl TitoTokenizer {
                     .iter()
                     .map(|t| t.get("function").cloned().unwrap_or_else(|| t.clone()))
                     .collect();
-                self.template.render(crate::RenderArgs {
+                template.render(crate::RenderArgs {
                     tools: Some(&inner),
                     ..args
                 })
@@ -516,6 +657,10 @@ impl TitoTokenizer {
     /// roles, renders the appended messages plus the generation prompt after the synthetic
     /// context `[dummy system, dummy assistant carrying old's last tool calls]`, checks the
     /// rendered text extends the context's render, and encodes the difference.
+    ///
+    /// DeepSeek V4 renders the real histories instead — `old` without, `new` with the
+    /// generation prompt — because its encoder folds adjacent tool results and user turns;
+    /// a render of `old` that is not a prefix is [`Error::RenderNotAppendOnly`].
     pub fn tokenize_additional_messages(
         &self,
         old: &[Message],
@@ -528,10 +673,27 @@ impl TitoTokenizer {
             self.family.allowed_append_roles(),
             MessageMatcher::Strict,
         )?;
+        if self.family == TitoFamily::DeepseekV4 {
+            let text_old = self.render(old, tools, false)?;
+            let text_new = self.render(new, tools, true)?;
+            return match text_new.strip_prefix(&text_old) {
+                Some(suffix) => self.encode(suffix),
+                None => Err(Error::RenderNotAppendOnly {
+                    family: DeepSeekVersion::V4.model_type().into(),
+                }),
+            };
+        }
         let appended = &new[old.len().min(new.len())..];
-        let last_calls = match old.last().and_then(|m| m.tool_calls.as_deref()) {
-            Some(calls) => tool_calls_json(calls)?,
-            None => json!([]),
+        let last_calls = match (
+            old.last().and_then(|m| m.tool_calls.as_deref()),
+            &self.renderer,
+        ) {
+            (Some(calls), Renderer::Jinja(_)) => tool_calls_json(calls)?,
+            // The DeepSeek bridge takes the stored calls as sent.
+            (Some(calls), Renderer::DeepSeek(_)) => {
+                serde_json::to_value(calls).map_err(|e| Error::json("tool calls", e))?
+            }
+            (None, _) => json!([]),
         };
         let base = vec![
             json!({"role": "system", "content": "dummy system"}),
@@ -539,7 +701,10 @@ impl TitoTokenizer {
         ];
         let without = self.render_json(&base, tools, false)?;
         let mut full = base;
-        full.extend(miles_normalise(appended)?);
+        match &self.renderer {
+            Renderer::Jinja(_) => full.extend(miles_normalise(appended)?),
+            Renderer::DeepSeek(_) => full.extend(appended.iter().map(Message::to_template_value)),
+        }
         let with = self.render_json(&full, tools, true)?;
         let Some(suffix) = with.strip_prefix(&without) else {
             return Err(Error::SuffixDiff {

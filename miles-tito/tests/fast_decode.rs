@@ -8,7 +8,15 @@ use std::path::PathBuf;
 
 use miles_tito::{FastDecoder, HfChat};
 
-const TOKENIZERS: [&str; 5] = ["qwen3", "llama3.1", "glm-4.5", "deepseek-v3", "kimi-k2"];
+const TOKENIZERS: [&str; 7] = [
+    "qwen3",
+    "llama3.1",
+    "glm-4.5",
+    "deepseek-v3",
+    "deepseek-v32",
+    "deepseek-v4",
+    "kimi-k2",
+];
 
 fn load(name: &str) -> HfChat {
     HfChat::load(

@@ -7,6 +7,10 @@
 //! miles-tito verify --model DIR [--template FILE] [--tito FAMILY] [--thinking on|off|both] [--kwargs JSON] [--trajectories FILE]
 //! ```
 //!
+//! For a DeepSeek checkpoint (`config.json` `model_type` `deepseek_v32` / `deepseek_v4`) or
+//! `--tito deepseekv32|deepseekv4`, `render` uses the DeepSeek encoder through Miles' bridge
+//! (messages as sent, so `developer` and V4's `latest_reminder` / `task` work too).
+//!
 //! Exit codes: 0 success (verify: all cases pass), 1 verify found failures, 2 bad arguments,
 //! unreadable files or any other error (one line on stderr).
 
@@ -182,6 +186,40 @@ fn cmd_render(args: &Args) -> Result<ExitCode, String> {
                 .map_err(|e| e.to_string())?;
             json!({"text": rendered.text, "ids": rendered.ids})
         }
+        Some(family) if args.get("--template").is_some() && family.deepseek_encoder().is_some() => {
+            return Err(format!(
+                "--tito {family} renders with the DeepSeek encoder and takes no --template"
+            ));
+        }
+        Some(family)
+            if family
+                .deepseek_encoder()
+                .or(chat.deepseek_version())
+                .is_some() =>
+        {
+            // The DeepSeek encoder (the family's, or the checkpoint's model_type) through
+            // Miles' bridge, with the family's kwargs; messages as sent.
+            let version = family
+                .deepseek_encoder()
+                .or(chat.deepseek_version())
+                .ok_or("no DeepSeek encoder")?;
+            let kwargs = family
+                .merge_kwargs(kwargs(args)?)
+                .map_err(|e| e.to_string())?;
+            let text = miles_tito::deepseek::apply_chat_template(
+                version,
+                &messages,
+                tools.as_deref(),
+                add_generation_prompt,
+                &kwargs,
+            )
+            .map_err(|e| e.to_string())?;
+            let ids = match chat.tokenizer() {
+                Some(_) => Some(chat.encode(&text).map_err(|e| e.to_string())?),
+                None => None,
+            };
+            json!({"text": text, "ids": ids})
+        }
         Some(family) => {
             // The family's template (unless --template overrides it), forced kwargs and
             // Miles' message normalisation; ids only when the directory has a tokenizer.
@@ -265,8 +303,15 @@ fn cmd_verify(args: &Args) -> Result<ExitCode, String> {
         }
         Some(family) => {
             let tito = tito(args, &chat, family)?;
-            let source = match (args.get("--template"), family.fixed_template()) {
-                (None, Some((name, _))) => format!("{name} (fixed template of --tito {family})"),
+            let source = match (
+                args.get("--template"),
+                family.fixed_template(),
+                tito.deepseek_version(),
+            ) {
+                (_, _, Some(version)) => format!("{version} encoder (--tito {family})"),
+                (None, Some((name, _)), None) => {
+                    format!("{name} (fixed template of --tito {family})")
+                }
                 _ => source,
             };
             verify(
