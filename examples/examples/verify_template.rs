@@ -38,7 +38,8 @@ fn cli() -> Cli {
         "FAMILY",
         None,
         "TITO family: default, qwen3, qwen35, qwennext, glm47, nemotron3, kimi25, kimi26, \
-         minimax_m25, minimax_m27 (guessed from the special tokens when absent)",
+         minimax_m25, minimax_m27 (guessed from the special tokens when absent; the DeepSeek \
+         families are checked with `miles-tito verify --tito deepseekv32|deepseekv4`)",
     )
     .option(
         "--template",

@@ -275,6 +275,17 @@ pub fn check_model_dir(options: &CheckOptions) -> Result<TemplateCheck, Error> {
     };
     let family_guessed = options.family.is_none();
     let family = options.family.unwrap_or_else(|| guess_family(&chat));
+    if family.deepseek_encoder().is_some() {
+        // The report compares the directory's Jinja template with the family's; a DeepSeek
+        // family renders with its Python-equivalent encoder instead.
+        return Err(Error::Invalid {
+            what: "--tito family for this check",
+            reason: format!(
+                "{family} renders with the DeepSeek encoder, not a Jinja template; verify it \
+                 with `miles-tito verify --model DIR --tito {family}`"
+            ),
+        });
+    }
     let tito = if options.template.is_some() {
         let template = chat.template(false)?.clone();
         TitoTokenizer::with_template(&chat, template, family, options.kwargs.clone())?
@@ -323,6 +334,27 @@ pub fn check_model_dir(options: &CheckOptions) -> Result<TemplateCheck, Error> {
 mod tests {
     use super::*;
     use crate::fixture_path;
+
+    #[test]
+    fn a_deepseek_family_is_refused_with_the_command_that_checks_it() {
+        let dir = fixture_path("tokenizers/deepseek-v32").unwrap();
+        let options = CheckOptions {
+            family: Some(TitoFamily::DeepseekV32),
+            ..CheckOptions::new(&dir)
+        };
+        match check_model_dir(&options) {
+            Err(Error::Invalid { reason, .. }) => {
+                assert!(
+                    reason.contains("miles-tito verify --model DIR --tito deepseekv32"),
+                    "{reason}"
+                );
+            }
+            other => panic!(
+                "expected Error::Invalid, got {:?}",
+                other.map(|c| c.render())
+            ),
+        }
+    }
 
     #[test]
     fn qwen3_is_tito_safe_with_its_family() {
