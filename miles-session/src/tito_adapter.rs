@@ -114,8 +114,11 @@ pub struct TitoChat {
 /// and every turn renders them twice).
 #[derive(Debug, Default)]
 struct ToolsMemo {
-    last: Mutex<Option<(Vec<ToolSpec>, Arc<[Value]>)>>,
+    last: Mutex<Option<ToolsEntry>>,
 }
+
+/// A tool list and its template JSON.
+type ToolsEntry = (Vec<ToolSpec>, Arc<[Value]>);
 
 impl ToolsMemo {
     fn json(&self, tools: &[ToolSpec]) -> Result<Option<Arc<[Value]>>> {
