@@ -130,8 +130,8 @@ fn main() {
         // interrupted and resumed. Miles' default buffer (factor 2) lets the engine run a
         // whole batch further ahead; when training slows down those groups age past the
         // bound and are dropped, and the engine's work on them is lost to the trainer's core
-        // (measured: 1.02-1.19 x max(rollout, train) over six runs, against 1.03-1.12 with a
-        // one-batch buffer). The waiting-update mode below keeps Miles' default.
+        // (measured: 1.02-1.19 x max(rollout, train) over six runs, against 1.02-1.15, median
+        // 1.04, over seven runs with a one-batch buffer). The waiting-update mode below keeps Miles' default.
         Mode {
             asynchronous: true,
             staleness: 2,
