@@ -578,7 +578,7 @@ fn encode_v32(messages: &[Json], options: &EncodeOptions) -> Py<String> {
         prompt.push_str(BOS);
     }
     if options.thinking() && options.drop_thinking {
-        full = drop_thinking_v32(&full)?;
+        full = drop_thinking(&full, &KEEP_V32)?;
     }
     for idx in 0..messages.len() {
         render_v32(idx + context.len(), &full, options, &mut prompt)?;
@@ -586,12 +586,25 @@ fn encode_v32(messages: &[Json], options: &EncodeOptions) -> Py<String> {
     Ok(prompt)
 }
 
-fn drop_thinking_v32(messages: &[Json]) -> Py<Vec<Json>> {
+/// Roles whose messages V3.2's `drop_thinking` keeps as they are.
+const KEEP_V32: [&str; 3] = ["user", "system", "tool"];
+/// Roles whose messages V4's `drop_thinking` keeps as they are.
+const KEEP_V4: [&str; 5] = [
+    "user",
+    "system",
+    "tool",
+    "latest_reminder",
+    "direct_search_results",
+];
+
+/// `drop_thinking`: before the last user message, assistant messages lose their
+/// `reasoning_content`, messages of the `keep` roles stay as they are, any other is dropped.
+fn drop_thinking(messages: &[Json], keep: &[&str]) -> Py<Vec<Json>> {
     let last_user = find_last_user_index(messages)?;
     let mut out = Vec::with_capacity(messages.len());
     for (idx, message) in messages.iter().enumerate() {
         let role = role_of(message)?;
-        if ["user", "system", "tool"].iter().any(|r| is_str(role, r)) || idx as isize >= last_user {
+        if keep.iter().any(|r| is_str(role, r)) || idx as isize >= last_user {
             out.push(message.clone());
         } else if is_str(role, "assistant") {
             let mut copy = message.clone();
@@ -868,31 +881,6 @@ fn sort_tool_results(messages: &mut [Json]) -> Py<()> {
     Ok(())
 }
 
-fn drop_thinking_v4(messages: &[Json]) -> Py<Vec<Json>> {
-    const KEEP: [&str; 5] = [
-        "user",
-        "system",
-        "tool",
-        "latest_reminder",
-        "direct_search_results",
-    ];
-    let last_user = find_last_user_index(messages)?;
-    let mut out = Vec::with_capacity(messages.len());
-    for (idx, message) in messages.iter().enumerate() {
-        let role = role_of(message)?;
-        if KEEP.iter().any(|r| is_str(role, r)) || idx as isize >= last_user {
-            out.push(message.clone());
-        } else if is_str(role, "assistant") {
-            let mut copy = message.clone();
-            if let Json::Object(map) = &mut copy {
-                map.shift_remove("reasoning_content");
-            }
-            out.push(copy);
-        }
-    }
-    Ok(out)
-}
-
 fn encode_v4(messages: &[Json], options: &EncodeOptions) -> Py<String> {
     let merged = merge_tool_messages(messages)?;
     let raw_context = options.context()?;
@@ -918,8 +906,8 @@ fn encode_v4(messages: &[Json], options: &EncodeOptions) -> Py<String> {
     }
     let drop = options.drop_thinking && !any_tools;
     let (count, context_len) = if options.thinking() && drop {
-        full = drop_thinking_v4(&full)?;
-        let count = full.len() as isize - drop_thinking_v4(&context)?.len() as isize;
+        full = drop_thinking(&full, &KEEP_V4)?;
+        let count = full.len() as isize - drop_thinking(&context, &KEEP_V4)?.len() as isize;
         (count, full.len() as isize - count)
     } else {
         (messages.len() as isize, context.len() as isize)

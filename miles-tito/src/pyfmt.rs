@@ -388,94 +388,17 @@ fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
 }
 
-/// Python's text of a number as `json.loads` would have produced it: integers as integers,
-/// everything else as a float (`repr(float)`).
-fn json_number_text(n: &serde_json::Number) -> String {
-    if n.is_i64() || n.is_u64() {
-        n.to_string()
-    } else {
-        float_repr(n.as_f64().unwrap_or(f64::NAN))
-    }
-}
-
 /// Python `json.dumps(value, ensure_ascii=False)` (default separators `", "` and `": "`) of a
-/// value as `json.loads` would have produced it.
+/// value as `json.loads` would have produced it: [`json_dumps`] of its template value.
 pub fn json_value_dumps(value: &serde_json::Value) -> String {
-    let mut out = String::new();
-    write_json_value(&mut out, value);
-    out
-}
-
-fn write_json_value(out: &mut String, value: &serde_json::Value) {
-    use serde_json::Value as J;
-    match value {
-        J::Null => out.push_str("null"),
-        J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        J::Number(n) => out.push_str(&json_number_text(n)),
-        J::String(s) => write_json_str(out, s, false),
-        J::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_json_value(out, item);
-            }
-            out.push(']');
-        }
-        J::Object(map) => {
-            out.push('{');
-            for (i, (key, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_json_str(out, key, false);
-                out.push_str(": ");
-                write_json_value(out, item);
-            }
-            out.push('}');
-        }
-    }
+    // A JSON value converts only to values JSON can hold, so the dump does not fail.
+    json_dumps(&Value::from_serialize(value), &JsonDumpOptions::default()).unwrap_or_default()
 }
 
 /// Python `repr()` of a value as `json.loads` would have produced it (`None`, `True`,
-/// `'text'`, `[1, 2.5]`, `{'k': 'v'}`).
+/// `'text'`, `[1, 2.5]`, `{'k': 'v'}`): [`py_repr`] of its template value.
 pub fn json_value_repr(value: &serde_json::Value) -> String {
-    let mut out = String::new();
-    write_json_value_repr(&mut out, value);
-    out
-}
-
-fn write_json_value_repr(out: &mut String, value: &serde_json::Value) {
-    use serde_json::Value as J;
-    match value {
-        J::Null => out.push_str("None"),
-        J::Bool(b) => out.push_str(if *b { "True" } else { "False" }),
-        J::Number(n) => out.push_str(&json_number_text(n)),
-        J::String(s) => out.push_str(&str_repr(s)),
-        J::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_json_value_repr(out, item);
-            }
-            out.push(']');
-        }
-        J::Object(map) => {
-            out.push('{');
-            for (i, (key, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                out.push_str(&str_repr(key));
-                out.push_str(": ");
-                write_json_value_repr(out, item);
-            }
-            out.push('}');
-        }
-    }
+    py_repr(&Value::from_serialize(value))
 }
 
 /// Python `str()` of a value as `json.loads` would have produced it: a string is itself,

@@ -29,15 +29,36 @@ const RAISE_MARKER: &str = "\u{1}raise_exception\u{1}";
 const RESERVED_KWARGS: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
 const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
 
-/// The last `tools` list rendered and its template value.
-type ToolsEntry = (Vec<Json>, Value);
+/// The value made for the last key seen (a tokenizer renders with the same tools and kwargs
+/// turn after turn), shared by clones.
+struct LastMemo<K, V>(Mutex<Option<(K, V)>>);
+
+impl<K, V: Clone> LastMemo<K, V> {
+    /// The memoised value when `is_key` accepts the last key, else `make()`'s, remembered.
+    fn get(&self, is_key: impl Fn(&K) -> bool, make: impl FnOnce() -> (K, V)) -> V {
+        if let Ok(last) = self.0.lock()
+            && let Some((key, value)) = last.as_ref()
+            && is_key(key)
+        {
+            return value.clone();
+        }
+        let (key, value) = make();
+        if let Ok(mut last) = self.0.lock() {
+            *last = Some((key, value.clone()));
+        }
+        value
+    }
+}
+
+impl<K, V> Default for LastMemo<K, V> {
+    fn default() -> Self {
+        Self(Mutex::new(None))
+    }
+}
 
 /// The template variables that do not change between renders with the same kwargs: the
 /// special tokens (unless a kwarg of the same name overrides them) and the kwargs.
 type Variables = HashMap<String, Value>;
-
-/// The last kwargs rendered with and their [`Variables`].
-type VariablesEntry = (Map<String, Json>, Arc<Variables>);
 
 /// The render's root context: the per-render variables plus the memoised [`Variables`],
 /// looked up without building a map per render.
@@ -90,8 +111,10 @@ pub struct ChatTemplate {
     source: Arc<str>,
     special_tokens: Map<String, Json>,
     special_values: Arc<[(String, Value)]>,
-    tools_cache: Arc<Mutex<Option<ToolsEntry>>>,
-    variables_cache: Arc<Mutex<Option<VariablesEntry>>>,
+    /// The last `tools` list rendered and its template value.
+    tools_cache: Arc<LastMemo<Vec<Json>, Value>>,
+    /// The last kwargs rendered with and their [`Variables`].
+    variables_cache: Arc<LastMemo<Map<String, Json>, Arc<Variables>>>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -138,42 +161,30 @@ impl ChatTemplate {
 
     /// The template value of `tools`, memoised for the last list seen.
     fn tools_value(&self, tools: &[Json]) -> Value {
-        if let Ok(cache) = self.tools_cache.lock()
-            && let Some((cached, value)) = cache.as_ref()
-            && cached.as_slice() == tools
-        {
-            return value.clone();
-        }
-        let value = Value::from_serialize(tools);
-        if let Ok(mut cache) = self.tools_cache.lock() {
-            *cache = Some((tools.to_vec(), value.clone()));
-        }
-        value
+        self.tools_cache.get(
+            |cached| cached.as_slice() == tools,
+            || (tools.to_vec(), Value::from_serialize(tools)),
+        )
     }
 
     /// The [`Variables`] for `kwargs`, memoised for the last kwargs seen (a tokenizer renders
     /// with the same kwargs every time).
     fn variables(&self, kwargs: &Map<String, Json>) -> Arc<Variables> {
-        if let Ok(cache) = self.variables_cache.lock()
-            && let Some((cached, value)) = cache.as_ref()
-            && cached == kwargs
-        {
-            return value.clone();
-        }
-        let mut variables: Variables = self
-            .special_values
-            .iter()
-            .filter(|(k, _)| !kwargs.contains_key(k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (k, v) in kwargs {
-            variables.insert(k.clone(), Value::from_serialize(v));
-        }
-        let variables = Arc::new(variables);
-        if let Ok(mut cache) = self.variables_cache.lock() {
-            *cache = Some((kwargs.clone(), variables.clone()));
-        }
-        variables
+        self.variables_cache.get(
+            |cached| cached == kwargs,
+            || {
+                let mut variables: Variables = self
+                    .special_values
+                    .iter()
+                    .filter(|(k, _)| !kwargs.contains_key(k))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                for (k, v) in kwargs {
+                    variables.insert(k.clone(), Value::from_serialize(v));
+                }
+                (kwargs.clone(), Arc::new(variables))
+            },
+        )
     }
 
     /// Sets the special-token variables (`bos_token`, `eos_token`, …) passed to every render,

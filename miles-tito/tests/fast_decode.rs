@@ -4,8 +4,6 @@
 //! tokens that split multi-byte characters, lone continuation bytes and invalid UTF-8 occur),
 //! every added token, ids past the vocabulary (HF skips them), and whole encoded texts.
 
-use std::path::PathBuf;
-
 use miles_tito::{FastDecoder, HfChat};
 
 const TOKENIZERS: [&str; 7] = [
@@ -18,26 +16,8 @@ const TOKENIZERS: [&str; 7] = [
     "kimi-k2",
 ];
 
-fn load(name: &str) -> HfChat {
-    HfChat::load(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/tokenizers")
-            .join(name),
-    )
-    .expect("fixture model directory")
-}
-
-/// xorshift64*: deterministic ids without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
+mod common;
+use common::{Rng, load};
 
 #[test]
 fn fast_decode_equals_hf_decode_on_every_fixture_tokenizer() {

@@ -5,34 +5,8 @@
 //! disabled for the DeepSeek-V3 and Kimi-K2 ones, whose pre-tokenizers it does not reproduce.
 //! (`tests/hf_exact.rs` also runs every fixture render through it against transformers' ids.)
 
-use std::path::PathBuf;
-
-use miles_tito::HfChat;
-
-fn load(name: &str) -> HfChat {
-    HfChat::load(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/tokenizers")
-            .join(name),
-    )
-    .expect("fixture model directory")
-}
-
-/// xorshift64*: deterministic test text without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
-        items[(self.next() % items.len() as u64) as usize]
-    }
-}
+mod common;
+use common::{Rng, load};
 
 /// Fragments chosen for the regex's edge cases: contractions in any case, letter runs with
 /// a leading space / punctuation / tab, digit runs, punctuation runs with trailing newlines,
