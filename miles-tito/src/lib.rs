@@ -75,6 +75,7 @@ pub mod fastdec;
 pub mod fastenc;
 pub mod matcher;
 pub mod model;
+mod native;
 pub mod pyfmt;
 pub mod template;
 pub mod tito;

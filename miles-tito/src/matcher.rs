@@ -5,8 +5,8 @@
 //! whitespace included, must be identical. Inside `tool_calls` the wire-only key `index` is
 //! ignored.
 
-use miles_core::{Content, Message, Role, ToolCall};
-use serde_json::Value as Json;
+use miles_core::{Content, Message, Role, ToolArguments, ToolCall};
+use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
 
@@ -97,8 +97,43 @@ fn calls_eq(a: &Option<Vec<ToolCall>>, b: &Option<Vec<ToolCall>>) -> bool {
     a.len() == b.len()
         && a.iter().zip(b).all(|(x, y)| {
             // `index` is wire-only and ignored.
-            x.id == y.id && x.kind == y.kind && x.function == y.function
+            x.id == y.id
+                && x.kind == y.kind
+                && x.function.name == y.function.name
+                && match (&x.function.arguments, &y.function.arguments) {
+                    (ToolArguments::Object(p), ToolArguments::Object(q)) => map_eq(p, q),
+                    (ToolArguments::Json(p), ToolArguments::Json(q)) => p == q,
+                    _ => false,
+                }
         })
+}
+
+/// `a == b` for JSON values (objects compare as unordered maps, as serde_json's `==` does),
+/// deciding the common case — the same keys in the same order — without hashing a key.
+pub(crate) fn json_eq(a: &Json, b: &Json) -> bool {
+    match (a, b) {
+        (Json::Object(x), Json::Object(y)) => map_eq(x, y),
+        (Json::Array(x), Json::Array(y)) => slice_eq(x, y),
+        _ => a == b,
+    }
+}
+
+/// [`json_eq`] over two lists.
+pub(crate) fn slice_eq(a: &[Json], b: &[Json]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| json_eq(x, y))
+}
+
+/// [`json_eq`] of two objects.
+pub(crate) fn map_eq(a: &Map<String, Json>, b: &Map<String, Json>) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    // Same order: equal exactly when every pair is; otherwise the unordered comparison
+    // decides (keys in another order, or a differing value).
+    a.iter()
+        .zip(b)
+        .all(|((ka, va), (kb, vb))| ka == kb && json_eq(va, vb))
+        || a == b
 }
 
 fn is_falsy(value: Option<&Json>) -> bool {

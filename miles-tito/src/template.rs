@@ -22,6 +22,8 @@ use serde_json::{Map, Value as Json};
 use miles_core::{Message, ToolSpec};
 
 use crate::error::{Error, Result};
+use crate::matcher::{map_eq, slice_eq};
+use crate::native::Compiled;
 use crate::pyfmt::{self, CivilTime, JsonDumpOptions};
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -115,6 +117,10 @@ pub struct ChatTemplate {
     tools_cache: Arc<LastMemo<Vec<Json>, Value>>,
     /// The last kwargs rendered with and their [`Variables`].
     variables_cache: Arc<LastMemo<Map<String, Json>, Arc<Variables>>>,
+    /// The compiled form of the template, when it is one miles-tito ships ([`crate::native`]).
+    compiled: Option<Compiled>,
+    /// The last `tools` list the compiled form rendered and its `"\n" ~ tool|tojson` text.
+    compiled_tools: Arc<LastMemo<Vec<Json>, Arc<str>>>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -122,6 +128,7 @@ impl std::fmt::Debug for ChatTemplate {
         f.debug_struct("ChatTemplate")
             .field("source_len", &self.source.len())
             .field("special_tokens", &self.special_tokens)
+            .field("compiled", &self.compiled)
             .finish()
     }
 }
@@ -151,18 +158,48 @@ impl ChatTemplate {
             })?;
         Ok(Self {
             env: Arc::new(env),
+            compiled: Compiled::detect(&source),
             source: source.into(),
             special_tokens: Map::new(),
             special_values: Arc::new([]),
             tools_cache: Arc::default(),
             variables_cache: Arc::default(),
+            compiled_tools: Arc::default(),
         })
+    }
+
+    /// Whether the template renders through a compiled form ([`crate::native`]): its source
+    /// is byte-identical to a template miles-tito ships.
+    pub fn is_compiled(&self) -> bool {
+        self.compiled.is_some()
+    }
+
+    /// The same template rendered through minijinja only, never through a compiled form (for
+    /// comparing the two, or to rule the compiled form out while debugging).
+    pub fn interpreted(mut self) -> Self {
+        self.compiled = None;
+        self
+    }
+
+    /// `"\n" ~ tool|tojson` over every tool, memoised for the last list seen.
+    pub(crate) fn compiled_tools_text(&self, tools: &[Json]) -> Arc<str> {
+        self.compiled_tools.get(
+            |cached| slice_eq(cached, tools),
+            || {
+                let mut text = String::new();
+                for tool in tools {
+                    text.push('\n');
+                    text.push_str(&pyfmt::json_value_dumps(tool));
+                }
+                (tools.to_vec(), text.into())
+            },
+        )
     }
 
     /// The template value of `tools`, memoised for the last list seen.
     fn tools_value(&self, tools: &[Json]) -> Value {
         self.tools_cache.get(
-            |cached| cached.as_slice() == tools,
+            |cached| slice_eq(cached, tools),
             || (tools.to_vec(), Value::from_serialize(tools)),
         )
     }
@@ -171,7 +208,7 @@ impl ChatTemplate {
     /// with the same kwargs every time).
     fn variables(&self, kwargs: &Map<String, Json>) -> Arc<Variables> {
         self.variables_cache.get(
-            |cached| cached == kwargs,
+            |cached| map_eq(cached, kwargs),
             || {
                 let mut variables: Variables = self
                     .special_values
@@ -225,6 +262,13 @@ impl ChatTemplate {
             return Err(Error::InvalidInput(format!(
                 "render() got multiple values for keyword argument {key:?}"
             )));
+        }
+        if let Some(compiled) = self.compiled
+            && let Some(text) = compiled.render(&args, &self.special_tokens, |tools| {
+                self.compiled_tools_text(tools)
+            })
+        {
+            return Ok(text);
         }
         let root = RootContext {
             variables: self.variables(args.kwargs),

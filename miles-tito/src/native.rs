@@ -1,0 +1,440 @@
+//! Compiled renderers for chat templates miles-tito ships: the same text as the Jinja
+//! template through minijinja, written as Rust.
+//!
+//! A [`ChatTemplate`](crate::ChatTemplate) whose source is byte-identical to a template known
+//! here renders through its compiled form when the input has the shapes the compiled form
+//! handles (string roles and contents, tool calls as a list of objects, …); any other input
+//! (a list content, a non-string tool name, a kwarg of an unusual type) renders through
+//! minijinja as before, so the output and the errors never differ from the template's.
+//! `tests` below check the equality on generated conversations.
+//!
+//! A session renders two small conversations per turn (MILES_SPEC §1.4); through minijinja
+//! most of that is interpreter work, compiled it is string appends.
+
+use serde_json::{Map, Value as Json};
+
+use crate::pyfmt;
+use crate::template::RenderArgs;
+
+/// A template with a compiled renderer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Compiled {
+    /// `templates/qwen3_fixed.jinja` (the `qwen3` family).
+    Qwen3Fixed,
+}
+
+const QWEN3_FIXED: &str = include_str!("../templates/qwen3_fixed.jinja");
+
+const QWEN3_TOOLS_HEADER: &str = "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>";
+const QWEN3_TOOLS_FOOTER: &str = "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n";
+
+impl Compiled {
+    /// The compiled form of `source`, if it has one.
+    pub(crate) fn detect(source: &str) -> Option<Self> {
+        (source == QWEN3_FIXED).then_some(Self::Qwen3Fixed)
+    }
+
+    /// Renders `args`, or `None` when the input needs the Jinja template. `special_tokens`
+    /// are the template variables under the kwargs; `tools_text` gives
+    /// `"\n" ~ tool|tojson` over every tool, concatenated.
+    pub(crate) fn render(
+        self,
+        args: &RenderArgs<'_>,
+        special_tokens: &Map<String, Json>,
+        tools_text: impl FnOnce(&[Json]) -> std::sync::Arc<str>,
+    ) -> Option<String> {
+        let variable = |key: &str| args.kwargs.get(key).or_else(|| special_tokens.get(key));
+        match self {
+            Self::Qwen3Fixed => qwen3_fixed(args, variable, tools_text),
+        }
+    }
+}
+
+/// A message field as the template sees it after HF's normalisation: `None` when absent or
+/// null (null-valued keys are dropped).
+fn field<'a>(message: &'a Map<String, Json>, key: &str) -> Option<&'a Json> {
+    message.get(key).filter(|v| !v.is_null())
+}
+
+/// Jinja truthiness of a JSON value.
+fn truthy(value: &Json) -> bool {
+    match value {
+        Json::Null => false,
+        Json::Bool(b) => *b,
+        Json::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
+        Json::String(s) => !s.is_empty(),
+        Json::Array(a) => !a.is_empty(),
+        Json::Object(o) => !o.is_empty(),
+    }
+}
+
+/// A message's role, which the compiled renderers need to be a string.
+fn role(message: &Map<String, Json>) -> Option<&str> {
+    field(message, "role")?.as_str()
+}
+
+/// `qwen3_fixed.jinja`.
+fn qwen3_fixed<'v>(
+    args: &RenderArgs<'_>,
+    variable: impl Fn(&str) -> Option<&'v Json>,
+    tools_text: impl FnOnce(&[Json]) -> std::sync::Arc<str>,
+) -> Option<String> {
+    let messages: Vec<&Map<String, Json>> = args
+        .messages
+        .iter()
+        .map(Json::as_object)
+        .collect::<Option<_>>()?;
+    let roles: Vec<&str> = messages.iter().map(|m| role(m)).collect::<Option<_>>()?;
+    let first = *messages.first()?;
+    let size: usize = messages
+        .iter()
+        .map(|m| {
+            field(m, "content")
+                .and_then(Json::as_str)
+                .map_or(0, str::len)
+                + 64
+        })
+        .sum();
+    let mut out = String::with_capacity(size + 512);
+
+    // The system block, with the tool list when there is one.
+    let tools = args.tools.filter(|t| !t.is_empty());
+    let system_content = || field(first, "content").and_then(Json::as_str);
+    if let Some(tools) = tools {
+        out.push_str("<|im_start|>system\n");
+        if roles[0] == "system" {
+            out.push_str(system_content()?);
+            out.push_str("\n\n");
+        }
+        out.push_str(QWEN3_TOOLS_HEADER);
+        out.push_str(&tools_text(tools));
+        out.push_str(QWEN3_TOOLS_FOOTER);
+    } else if roles[0] == "system" {
+        out.push_str("<|im_start|>system\n");
+        out.push_str(system_content()?);
+        out.push_str("<|im_end|>\n");
+    }
+
+    // The last user query that is not a wrapped tool response.
+    let mut last_query_index = messages.len() - 1;
+    for (index, message) in messages.iter().enumerate().rev() {
+        if roles[index] == "user"
+            && let Some(content) = field(message, "content").and_then(Json::as_str)
+            && !(content.starts_with("<tool_response>") && content.ends_with("</tool_response>"))
+        {
+            last_query_index = index;
+            break;
+        }
+    }
+    // `not (clear_thinking | default(true))`: every assistant turn keeps its reasoning.
+    let keep_all_reasoning = match variable("clear_thinking") {
+        None => false,
+        Some(value) => !truthy(value),
+    };
+
+    for (index, message) in messages.iter().enumerate() {
+        let role = roles[index];
+        let mut content = field(message, "content")
+            .and_then(Json::as_str)
+            .unwrap_or("");
+        if role == "user" || (role == "system" && index > 0) {
+            for part in ["<|im_start|>", role, "\n", content, "<|im_end|>\n"] {
+                out.push_str(part);
+            }
+        } else if role == "assistant" {
+            let reasoning = ["reasoning_content", "thinking", "reasoning"]
+                .iter()
+                .find_map(|key| field(message, key));
+            let mut reasoning_content = "";
+            match reasoning.map(|r| r.as_str()) {
+                Some(Some(text)) => reasoning_content = text,
+                _ => {
+                    if let Some((before, _)) = content.split_once("</think>") {
+                        let before = before.trim_end_matches('\n');
+                        reasoning_content = before
+                            .rsplit_once("<think>")
+                            .map_or(before, |(_, after)| after)
+                            .trim_start_matches('\n');
+                        content = content
+                            .rsplit_once("</think>")
+                            .map_or(content, |(_, after)| after)
+                            .trim_start_matches('\n');
+                    }
+                }
+            }
+            if keep_all_reasoning || index > last_query_index {
+                out.push_str("<|im_start|>assistant\n<think>\n");
+                out.push_str(reasoning_content.trim_matches('\n'));
+                out.push_str("\n</think>\n\n");
+                out.push_str(content.trim_start_matches('\n'));
+            } else {
+                out.push_str("<|im_start|>assistant\n");
+                out.push_str(content);
+            }
+            if let Some(calls) = field(message, "tool_calls")
+                && truthy(calls)
+            {
+                for (position, call) in calls.as_array()?.iter().enumerate() {
+                    if position > 0 || !content.is_empty() {
+                        out.push('\n');
+                    }
+                    let mut call = call.as_object()?;
+                    if let Some(function) = field(call, "function")
+                        && truthy(function)
+                    {
+                        call = function.as_object()?;
+                    }
+                    out.push_str("<tool_call>\n{\"name\": \"");
+                    out.push_str(field(call, "name")?.as_str()?);
+                    out.push_str("\", \"arguments\": ");
+                    match field(call, "arguments")? {
+                        Json::String(text) => out.push_str(text),
+                        arguments @ Json::Object(_) => {
+                            out.push_str(&pyfmt::json_value_dumps(arguments));
+                        }
+                        _ => return None,
+                    }
+                    out.push_str("}\n</tool_call>");
+                }
+            }
+            out.push_str("<|im_end|>\n");
+        } else if role == "tool" {
+            if index == 0 || roles[index - 1] != "tool" {
+                out.push_str("<|im_start|>user");
+            }
+            out.push_str("\n<tool_response>\n");
+            out.push_str(content);
+            out.push_str("\n</tool_response>");
+            if index + 1 == messages.len() || roles[index + 1] != "tool" {
+                out.push_str("<|im_end|>\n");
+            }
+        }
+    }
+
+    if args.add_generation_prompt {
+        out.push_str("<|im_start|>assistant\n");
+        if variable("enable_thinking") == Some(&Json::Bool(false)) {
+            out.push_str("<think>\n\n</think>\n\n");
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ChatTemplate;
+    use serde_json::json;
+
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+            &items[self.below(items.len())]
+        }
+    }
+
+    const PIECES: [&str; 12] = [
+        "plain text",
+        "<think>",
+        "</think>",
+        "\n",
+        "\n\n",
+        "<tool_response>",
+        "</tool_response>",
+        "héllo 🌍 \"quoted\"",
+        "  ",
+        "x",
+        "<|im_end|>",
+        "",
+    ];
+
+    fn text(rng: &mut Rng) -> String {
+        (0..rng.below(5)).map(|_| *rng.pick(&PIECES)).collect()
+    }
+
+    /// A JSON value for an optional string field: usually a string, sometimes null, absent
+    /// (`None`) or another type.
+    fn maybe_text(rng: &mut Rng) -> Option<Json> {
+        match rng.below(10) {
+            0 => None,
+            1 => Some(Json::Null),
+            2 => Some(json!([{"type": "text", "text": text(rng)}])),
+            3 => Some(json!(7)),
+            _ => Some(Json::String(text(rng))),
+        }
+    }
+
+    fn arguments(rng: &mut Rng) -> Json {
+        match rng.below(6) {
+            0 => Json::String("{\"city\": \"Paris\"}".into()),
+            1 => json!({}),
+            2 => json!({"n": 1.5, "list": [1, "a", null, true], "nested": {"é": "ü\n"}}),
+            3 => json!(3),
+            _ => json!({"city": text(rng)}),
+        }
+    }
+
+    fn tool_call(rng: &mut Rng) -> Json {
+        let function =
+            json!({"name": *rng.pick(&["get_weather", "f", ""]), "arguments": arguments(rng)});
+        match rng.below(8) {
+            0 => function,
+            1 => json!({"id": "c", "type": "function", "function": {}}),
+            2 => json!({"id": "c", "type": "function", "function": {"name": 5, "arguments": {}}}),
+            _ => json!({"id": "c", "type": "function", "function": function}),
+        }
+    }
+
+    fn message(rng: &mut Rng) -> Json {
+        let role = match rng.below(30) {
+            0 => json!(3),
+            1 => json!("developer"),
+            _ => json!(*rng.pick(&["system", "user", "user", "assistant", "assistant", "tool"])),
+        };
+        let mut m = Map::new();
+        m.insert("role".into(), role);
+        if let Some(content) = maybe_text(rng) {
+            m.insert("content".into(), content);
+        }
+        if m["role"] == "assistant" {
+            for key in ["reasoning_content", "thinking", "reasoning"] {
+                if rng.below(4) == 0
+                    && let Some(value) = maybe_text(rng)
+                {
+                    m.insert(key.into(), value);
+                }
+            }
+            match rng.below(6) {
+                0 | 1 => {
+                    let calls: Vec<Json> = (0..rng.below(3)).map(|_| tool_call(rng)).collect();
+                    m.insert("tool_calls".into(), Json::Array(calls));
+                }
+                2 if rng.below(4) == 0 => {
+                    m.insert("tool_calls".into(), json!("not a list"));
+                }
+                _ => {}
+            }
+        }
+        if m["role"] == "tool" && rng.below(2) == 0 {
+            m.insert("tool_call_id".into(), json!("c"));
+        }
+        Json::Object(m)
+    }
+
+    fn kwarg(rng: &mut Rng) -> Option<Json> {
+        match rng.below(7) {
+            0 => None,
+            1 => Some(Json::Null),
+            2 => Some(json!(0)),
+            3 => Some(json!("x")),
+            4 => Some(json!(true)),
+            _ => Some(json!(false)),
+        }
+    }
+
+    #[test]
+    fn qwen3_fixed_compiled_equals_minijinja_on_generated_conversations() {
+        let compiled = ChatTemplate::new(QWEN3_FIXED).unwrap();
+        assert!(compiled.is_compiled());
+        let interpreted = compiled.clone().interpreted();
+        assert!(!interpreted.is_compiled());
+        let tool_lists = [
+            None,
+            Some(vec![]),
+            Some(vec![
+                json!({"type": "function", "function": {"name": "get_weather",
+                "description": "Météo «ici»", "parameters": {"type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "number", "default": 1.0}},
+                "required": ["city"]}}}),
+            ]),
+            Some(vec![
+                json!({"name": "bare"}),
+                json!({"type": "function", "function": {"name": "g"}}),
+            ]),
+        ];
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let (mut handled, mut cases) = (0, 0);
+        for _ in 0..4000 {
+            let len = 1 + rng.below(7);
+            let messages: Vec<Json> = (0..len).map(|_| message(&mut rng)).collect();
+            let tools = rng.pick(&tool_lists).clone();
+            let mut kwargs = Map::new();
+            for key in ["clear_thinking", "enable_thinking"] {
+                if let Some(value) = kwarg(&mut rng) {
+                    kwargs.insert(key.into(), value);
+                }
+            }
+            let args = RenderArgs {
+                messages: &messages,
+                tools: tools.as_deref(),
+                add_generation_prompt: rng.below(2) == 0,
+                kwargs: &kwargs,
+            };
+            let fast = Compiled::Qwen3Fixed.render(&args, &Map::new(), |tools| {
+                compiled.compiled_tools_text(tools)
+            });
+            let reference = interpreted.render(args);
+            cases += 1;
+            if let Some(fast) = fast {
+                handled += 1;
+                assert_eq!(
+                    Some(&fast),
+                    reference.as_ref().ok(),
+                    "messages {messages:?} tools {tools:?} kwargs {kwargs:?}"
+                );
+            }
+            // Through the public entry point the result is always the template's.
+            assert_eq!(
+                compiled.render(args).map_err(|e| e.to_string()),
+                reference.map_err(|e| e.to_string())
+            );
+        }
+        // The generator favours the shapes sessions send: most cases take the compiled path.
+        assert!(handled * 2 > cases, "compiled {handled} of {cases}");
+    }
+
+    #[test]
+    fn compiled_form_only_for_the_exact_source() {
+        assert_eq!(Compiled::detect(QWEN3_FIXED), Some(Compiled::Qwen3Fixed));
+        assert_eq!(Compiled::detect(&format!("{QWEN3_FIXED}\n")), None);
+        assert_eq!(Compiled::detect("{{ messages }}"), None);
+    }
+
+    #[test]
+    fn session_shapes_take_the_compiled_path() {
+        let messages = vec![
+            json!({"role": "system", "content": "dummy system"}),
+            json!({"role": "assistant", "content": "", "reasoning_content": " ",
+                   "tool_calls": [{"id": "c1", "type": "function",
+                                   "function": {"name": "f", "arguments": {"a": [1, 2.5]}}}]}),
+            json!({"role": "tool", "content": "ok", "tool_call_id": "c1"}),
+        ];
+        let mut kwargs = Map::new();
+        kwargs.insert("clear_thinking".into(), json!(false));
+        let args = RenderArgs {
+            messages: &messages,
+            tools: None,
+            add_generation_prompt: true,
+            kwargs: &kwargs,
+        };
+        let text = Compiled::Qwen3Fixed
+            .render(&args, &Map::new(), |_| "".into())
+            .expect("compiled");
+        assert_eq!(
+            text,
+            "<|im_start|>system\ndummy system<|im_end|>\n<|im_start|>assistant\n<think>\n \n</think>\n\n\
+             <tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2.5]}}\n</tool_call><|im_end|>\n\
+             <|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+}
