@@ -60,7 +60,9 @@ pub trait ChatTokenizer: Send + Sync {
 
     /// Token ids of `new[old.len()..]` followed by the generation prompt, computed
     /// incrementally (MILES_SPEC §1.4 `tokenize_additional_messages`). `new` is already
-    /// validated as an append-only extension of `old`.
+    /// validated as an append-only extension of `old` (its first `old.len()` messages match
+    /// `old`'s under the strict matcher), so implementations read `old` and the appended tail
+    /// only.
     fn tokenize_additional(
         &self,
         old: &[Message],

@@ -277,7 +277,7 @@ impl ChatTokenizer for TitoChat {
     ) -> Result<Vec<TokenId>> {
         let tools = self.tools.json(tools)?;
         self.with_kwargs(kwargs)?
-            .tokenize_additional_messages(old, new, tools.as_deref())
+            .tokenize_appended(old, &new[old.len().min(new.len())..], tools.as_deref())
             .map_err(from_tito)
     }
 

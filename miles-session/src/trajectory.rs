@@ -248,15 +248,8 @@ impl LinearTrajectory {
         } else {
             let stored = self.kept_messages(keep);
             assert_append_only(stored, request, tokenizer.allowed_append_roles())?;
-            let mut effective = stored.to_vec();
-            effective.extend_from_slice(&request[stored.len()..]);
-            tokenizer.merge_tokens(
-                stored,
-                &effective,
-                &self.checkpoints[keep - 1],
-                tools,
-                kwargs,
-            )?
+            // Validated: the tokenizer reads the stored messages and the appended tail.
+            tokenizer.merge_tokens(stored, request, &self.checkpoints[keep - 1], tools, kwargs)?
         };
         Ok(PreparedTurn {
             prompt_ids,

@@ -674,16 +674,43 @@ impl TitoTokenizer {
             MessageMatcher::Strict,
         )?;
         if self.family == TitoFamily::DeepseekV4 {
-            let text_old = self.render(old, tools, false)?;
-            let text_new = self.render(new, tools, true)?;
-            return match text_new.strip_prefix(&text_old) {
-                Some(suffix) => self.encode(suffix),
-                None => Err(Error::RenderNotAppendOnly {
-                    family: DeepSeekVersion::V4.model_type().into(),
-                }),
-            };
+            return self.render_diff(old, new, tools);
         }
-        let appended = &new[old.len().min(new.len())..];
+        self.tokenize_appended(old, &new[old.len()..], tools)
+    }
+
+    /// DeepSeek V4: the ids of `render(new, gen=True)` beyond `render(old, gen=False)`.
+    fn render_diff(
+        &self,
+        old: &[Message],
+        new: &[Message],
+        tools: Option<&[Json]>,
+    ) -> Result<Vec<u32>> {
+        let text_old = self.render(old, tools, false)?;
+        let text_new = self.render(new, tools, true)?;
+        match text_new.strip_prefix(&text_old) {
+            Some(suffix) => self.encode(suffix),
+            None => Err(Error::RenderNotAppendOnly {
+                family: DeepSeekVersion::V4.model_type().into(),
+            }),
+        }
+    }
+
+    /// [`TitoTokenizer::tokenize_additional_messages`] for a caller that has already checked
+    /// that the request extends `old` (a session server validates every request once): the
+    /// ids of `appended` plus the generation prompt after `old`, without the append-only
+    /// validation. DeepSeek V4 renders `old` followed by `appended` as the new history.
+    pub fn tokenize_appended(
+        &self,
+        old: &[Message],
+        appended: &[Message],
+        tools: Option<&[Json]>,
+    ) -> Result<Vec<u32>> {
+        if self.family == TitoFamily::DeepseekV4 {
+            let mut new = old.to_vec();
+            new.extend_from_slice(appended);
+            return self.render_diff(old, &new, tools);
+        }
         let last_calls = match (
             old.last().and_then(|m| m.tool_calls.as_deref()),
             &self.renderer,
