@@ -35,7 +35,10 @@
 //!   minijinja configured like HF's immutable Jinja2 sandbox. Text and ids equal
 //!   transformers 5.24 exactly on 3762 renders over 33 real templates
 //!   (`tests/hf_exact.rs`). Where HF raises (`raise_exception`, `list.append`, undefined
-//!   values), rendering returns a typed [`Error`].
+//!   values), rendering returns a typed [`Error`]. A template byte-identical to one the crate
+//!   ships in compiled form (so far `qwen3_fixed.jinja`) renders through that Rust form when
+//!   the input has the shapes it handles, with the template's exact text
+//!   ([`ChatTemplate::is_compiled`], [`ChatTemplate::interpreted`]).
 //! * [`FastEncoder`] ([`fastenc`]): an id-exact faster path for
 //!   `encode(text, add_special_tokens=False)` on byte-level BPE tokenizers with the
 //!   GPT-4-style split regex (Qwen2/Qwen3, Llama 3, GLM-4.x), used by [`HfChat`] and

@@ -117,7 +117,7 @@ pub struct ChatTemplate {
     tools_cache: Arc<LastMemo<Vec<Json>, Value>>,
     /// The last kwargs rendered with and their [`Variables`].
     variables_cache: Arc<LastMemo<Map<String, Json>, Arc<Variables>>>,
-    /// The compiled form of the template, when it is one miles-tito ships ([`crate::native`]).
+    /// The compiled form of the template, when it is one miles-tito ships (`src/native.rs`).
     compiled: Option<Compiled>,
     /// The last `tools` list the compiled form rendered and its `"\n" ~ tool|tojson` text.
     compiled_tools: Arc<LastMemo<Vec<Json>, Arc<str>>>,
@@ -168,7 +168,7 @@ impl ChatTemplate {
         })
     }
 
-    /// Whether the template renders through a compiled form ([`crate::native`]): its source
+    /// Whether the template renders through a compiled form (`src/native.rs`): its source
     /// is byte-identical to a template miles-tito ships.
     pub fn is_compiled(&self) -> bool {
         self.compiled.is_some()
