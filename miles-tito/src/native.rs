@@ -21,9 +21,13 @@ use crate::template::RenderArgs;
 pub(crate) enum Compiled {
     /// `templates/qwen3_fixed.jinja` (the `qwen3` family).
     Qwen3Fixed,
+    /// `templates/qwen3_thinking_2507_and_next_fixed.jinja` (the `qwennext` family): the
+    /// same template with a generation prompt that opens `<think>`.
+    QwenNextFixed,
 }
 
 const QWEN3_FIXED: &str = include_str!("../templates/qwen3_fixed.jinja");
+const QWEN_NEXT_FIXED: &str = include_str!("../templates/qwen3_thinking_2507_and_next_fixed.jinja");
 
 const QWEN3_TOOLS_HEADER: &str = "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>";
 const QWEN3_TOOLS_FOOTER: &str = "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n";
@@ -31,7 +35,13 @@ const QWEN3_TOOLS_FOOTER: &str = "\n</tools>\n\nFor each function call, return a
 impl Compiled {
     /// The compiled form of `source`, if it has one.
     pub(crate) fn detect(source: &str) -> Option<Self> {
-        (source == QWEN3_FIXED).then_some(Self::Qwen3Fixed)
+        if source == QWEN3_FIXED {
+            Some(Self::Qwen3Fixed)
+        } else if source == QWEN_NEXT_FIXED {
+            Some(Self::QwenNextFixed)
+        } else {
+            None
+        }
     }
 
     /// Renders `args`, or `None` when the input needs the Jinja template. `special_tokens`
@@ -44,9 +54,7 @@ impl Compiled {
         tools_text: impl FnOnce(&[Json]) -> std::sync::Arc<str>,
     ) -> Option<String> {
         let variable = |key: &str| args.kwargs.get(key).or_else(|| special_tokens.get(key));
-        match self {
-            Self::Qwen3Fixed => qwen3_fixed(args, variable, tools_text),
-        }
+        qwen3_fixed(args, variable, tools_text, self == Self::QwenNextFixed)
     }
 }
 
@@ -73,11 +81,13 @@ fn role(message: &Map<String, Json>) -> Option<&str> {
     field(message, "role")?.as_str()
 }
 
-/// `qwen3_fixed.jinja`.
+/// `qwen3_fixed.jinja`, or with `next` its Qwen3-Next / thinking-2507 variant (whose
+/// generation prompt always opens `<think>`).
 fn qwen3_fixed<'v>(
     args: &RenderArgs<'_>,
     variable: impl Fn(&str) -> Option<&'v Json>,
     tools_text: impl FnOnce(&[Json]) -> std::sync::Arc<str>,
+    next: bool,
 ) -> Option<String> {
     let messages: Vec<&Map<String, Json>> = args
         .messages
@@ -212,9 +222,13 @@ fn qwen3_fixed<'v>(
     }
 
     if args.add_generation_prompt {
-        out.push_str("<|im_start|>assistant\n");
-        if variable("enable_thinking") == Some(&Json::Bool(false)) {
-            out.push_str("<think>\n\n</think>\n\n");
+        if next {
+            out.push_str("<|im_start|>assistant\n<think>\n");
+        } else {
+            out.push_str("<|im_start|>assistant\n");
+            if variable("enable_thinking") == Some(&Json::Bool(false)) {
+                out.push_str("<think>\n\n</think>\n\n");
+            }
         }
     }
     Some(out)
@@ -344,7 +358,20 @@ mod tests {
 
     #[test]
     fn qwen3_fixed_compiled_equals_minijinja_on_generated_conversations() {
-        let compiled = ChatTemplate::new(QWEN3_FIXED).unwrap();
+        compiled_equals_minijinja(QWEN3_FIXED, Compiled::Qwen3Fixed, 0x9e37_79b9_7f4a_7c15);
+    }
+
+    #[test]
+    fn qwen_next_fixed_compiled_equals_minijinja_on_generated_conversations() {
+        compiled_equals_minijinja(
+            QWEN_NEXT_FIXED,
+            Compiled::QwenNextFixed,
+            0x2545_f491_4f6c_dd1d,
+        );
+    }
+
+    fn compiled_equals_minijinja(source: &str, form: Compiled, seed: u64) {
+        let compiled = ChatTemplate::new(source).unwrap();
         assert!(compiled.is_compiled());
         let interpreted = compiled.clone().interpreted();
         assert!(!interpreted.is_compiled());
@@ -362,7 +389,7 @@ mod tests {
                 json!({"type": "function", "function": {"name": "g"}}),
             ]),
         ];
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = Rng(seed);
         let (mut handled, mut cases) = (0, 0);
         for _ in 0..4000 {
             let len = 1 + rng.below(7);
@@ -380,7 +407,7 @@ mod tests {
                 add_generation_prompt: rng.below(2) == 0,
                 kwargs: &kwargs,
             };
-            let fast = Compiled::Qwen3Fixed.render(&args, &Map::new(), |tools| {
+            let fast = form.render(&args, &Map::new(), |tools| {
                 compiled.compiled_tools_text(tools)
             });
             let reference = interpreted.render(args);
@@ -406,6 +433,10 @@ mod tests {
     #[test]
     fn compiled_form_only_for_the_exact_source() {
         assert_eq!(Compiled::detect(QWEN3_FIXED), Some(Compiled::Qwen3Fixed));
+        assert_eq!(
+            Compiled::detect(QWEN_NEXT_FIXED),
+            Some(Compiled::QwenNextFixed)
+        );
         assert_eq!(Compiled::detect(&format!("{QWEN3_FIXED}\n")), None);
         assert_eq!(Compiled::detect("{{ messages }}"), None);
     }

@@ -33,6 +33,14 @@ fn renders_and_ids_equal_hf_transformers() {
             std::fs::read_to_string(fixtures().join(entry["template_file"].as_str().unwrap()))
                 .unwrap();
         let chat = base.with_template_source(source).unwrap();
+        // The templates miles-tito ships in compiled form render through it here, so HF's
+        // renders check the compiled form too.
+        let compiled = ["qwen3_fixed", "qwen3_thinking_2507_and_next_fixed"].contains(&name);
+        assert_eq!(
+            chat.template(false).unwrap().is_compiled(),
+            compiled,
+            "{name}: compiled form"
+        );
         assert_eq!(
             &Value::Object(chat.special_tokens().clone()),
             &entry["special_tokens_map"],
