@@ -60,5 +60,5 @@ pub use error::BridgeError;
 pub use lora::{ExpertLora, LoraAdapter, LoraConfig, LoraForward};
 pub use model::{
     CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, HiddenOutput, KvCache, ModelInput,
-    ModelOutput, MoeBlock, MoeRouting, TopkRouter, ids_tensor, token_logprobs,
+    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, TopkRouter, ids_tensor, token_logprobs,
 };

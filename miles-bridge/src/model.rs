@@ -115,6 +115,23 @@ pub struct MoeBlock {
     pub norm_topk_prob: bool,
     /// Scale of routed weights.
     pub routed_scaling_factor: f64,
+    /// How routed tokens reach their experts.
+    #[module(skip)]
+    pub dispatch: MoeDispatch,
+}
+
+/// How an MoE layer applies its routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeDispatch {
+    /// Sparse on CPU backends (flex), dense elsewhere.
+    #[default]
+    Auto,
+    /// Every expert on every token, unchosen experts weighted by zero: fixed shapes, nothing
+    /// read back to the host (for GPU backends).
+    Dense,
+    /// Each expert on the tokens routed to it (`top_k / n_experts` of the dense work); the
+    /// chosen ids are read back to the host to group the tokens.
+    Sparse,
 }
 
 /// What one MoE layer computed for its tokens.
@@ -145,7 +162,7 @@ impl MoeBlock {
         x: Tensor<2>,
         hook: &dyn RouterHook,
     ) -> Result<(Tensor<2>, MoeRouting), BridgeError> {
-        let [tokens, hidden] = x.dims();
+        let [tokens, _] = x.dims();
         let info = self.info();
         let experts = info.num_experts;
         let logits = x.clone().matmul(self.gate.weight.val().transpose());
@@ -197,10 +214,44 @@ impl MoeBlock {
         if self.routed_scaling_factor != 1.0 {
             weights = weights * self.routed_scaling_factor;
         }
+        let sparse = match self.dispatch {
+            MoeDispatch::Auto => x.device() == Device::flex(),
+            MoeDispatch::Dense => false,
+            MoeDispatch::Sparse => true,
+        };
+        let mut out = if sparse {
+            self.experts_sparse(x.clone(), &chosen, weights.clone())?
+        } else {
+            self.experts_dense(x.clone(), &chosen, weights.clone())
+        };
+        if let Some(shared) = &self.shared_experts {
+            out = out + shared.forward(x);
+        }
+        Ok((
+            out,
+            MoeRouting {
+                layer_index: self.layer_index,
+                experts: chosen,
+                weights,
+            },
+        ))
+    }
+
+    /// The routed experts' output for every token, computing every expert for every token
+    /// and weighting the unchosen ones by zero: dense matmuls with no data-dependent shape,
+    /// so nothing is read back to the host (GPU backends).
+    fn experts_dense(
+        &self,
+        x: Tensor<2>,
+        chosen: &Tensor<2, Int>,
+        weights: Tensor<2>,
+    ) -> Tensor<2> {
+        let [tokens, hidden] = x.dims();
+        let experts = self.gate.weight.val().dims()[0];
         let combine = Tensor::<2>::zeros([tokens, experts], &x.device()).scatter(
             1,
             chosen.clone(),
-            weights.clone(),
+            weights,
             IndexingUpdateOp::Add,
         );
         let [_, inter, _] = self.experts.gate_proj.val().dims();
@@ -220,17 +271,88 @@ impl MoeBlock {
             .effective_down_proj()
             .swap_dims(1, 2)
             .reshape([experts * inter, hidden]);
-        let mut out = act.reshape([tokens, experts * inter]).matmul(down_all);
-        if let Some(shared) = &self.shared_experts {
-            out = out + shared.forward(x);
+        act.reshape([tokens, experts * inter]).matmul(down_all)
+    }
+
+    /// The routed experts' output for every token, computing each expert only on the tokens
+    /// routed to it: the (token, slot) pairs are counting-sorted by expert on the host (the
+    /// chosen ids are read back, which costs nothing on a CPU backend), each expert's rows run
+    /// through its own matmuls, and the weighted results are added back to their tokens.
+    /// Used on flex, where it does `top_k / n_experts` of the dense path's expert work.
+    fn experts_sparse(
+        &self,
+        x: Tensor<2>,
+        chosen: &Tensor<2, Int>,
+        weights: Tensor<2>,
+    ) -> Result<Tensor<2>, BridgeError> {
+        let [tokens, hidden] = x.dims();
+        let k = self.top_k;
+        let device = x.device();
+        let experts = self.gate.weight.val().dims()[0];
+        let ids = chosen
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .map_err(|e| BridgeError::input(format!("reading routed experts: {e:?}")))?;
+        let mut counts = vec![0usize; experts];
+        for &id in &ids {
+            match usize::try_from(id).ok().filter(|&e| e < experts) {
+                Some(e) => counts[e] += 1,
+                None => {
+                    return Err(BridgeError::input(format!(
+                        "router hook chose expert {id} in layer {}, which has {experts} experts",
+                        self.layer_index
+                    )));
+                }
+            }
         }
-        Ok((
-            out,
-            MoeRouting {
-                layer_index: self.layer_index,
-                experts: chosen,
-                weights,
-            },
+        let mut cursor = Vec::with_capacity(experts);
+        let mut start = 0usize;
+        for &count in &counts {
+            cursor.push(start);
+            start += count;
+        }
+        let starts = cursor.clone();
+        // pair_of_slot[slot] = t * k + j for the pair placed at `slot`.
+        let mut pair_of_slot = vec![0i32; ids.len()];
+        for (pair, &id) in ids.iter().enumerate() {
+            let e = id as usize;
+            pair_of_slot[cursor[e]] = pair as i32;
+            cursor[e] += 1;
+        }
+        let token_of_slot: Vec<i32> = pair_of_slot.iter().map(|&p| p / k as i32).collect();
+        let pairs =
+            Tensor::<1, Int>::from_data(TensorData::new(pair_of_slot, [ids.len()]), &device);
+        let token_index =
+            Tensor::<1, Int>::from_data(TensorData::new(token_of_slot, [ids.len()]), &device);
+        let rows = x.select(0, token_index.clone());
+        let slot_weights = weights.reshape([tokens * k]).select(0, pairs);
+        let gate = self.experts.effective_gate_proj();
+        let up = self.experts.effective_up_proj();
+        let down = self.experts.effective_down_proj();
+        let [_, inter, _] = gate.dims();
+        let mut outputs = Vec::new();
+        for (e, (&count, &from)) in counts.iter().zip(&starts).enumerate() {
+            if count == 0 {
+                continue;
+            }
+            let xs = rows.clone().slice([from..from + count, 0..hidden]);
+            let g = gate.clone().narrow(0, e, 1).reshape([inter, hidden]);
+            let u = up.clone().narrow(0, e, 1).reshape([inter, hidden]);
+            let d = down.clone().narrow(0, e, 1).reshape([hidden, inter]);
+            let act = silu(xs.clone().matmul(g.transpose())) * xs.matmul(u.transpose());
+            outputs.push(act.matmul(d.transpose()));
+        }
+        if outputs.is_empty() {
+            return Ok(Tensor::<2>::zeros([tokens, hidden], &device));
+        }
+        let weighted = Tensor::cat(outputs, 0) * slot_weights.unsqueeze_dim(1);
+        Ok(Tensor::<2>::zeros([tokens, hidden], &device).select_assign(
+            0,
+            token_index,
+            weighted,
+            IndexingUpdateOp::Add,
         ))
     }
 
@@ -621,6 +743,15 @@ impl CausalLm {
         self.config.architecture
     }
 
+    /// Sets how every MoE layer applies its routed experts (default [`MoeDispatch::Auto`]).
+    pub fn set_moe_dispatch(&mut self, dispatch: MoeDispatch) {
+        for layer in &mut self.model.layers {
+            if let FeedForward::Moe(block) = &mut layer.mlp {
+                block.dispatch = dispatch;
+            }
+        }
+    }
+
     fn build(
         config: &ModelConfig,
         device: &Device,
@@ -717,6 +848,7 @@ impl CausalLm {
                     topk_group: c.topk_group,
                     norm_topk_prob: c.norm_topk_prob,
                     routed_scaling_factor: c.routed_scaling_factor,
+                    dispatch: MoeDispatch::Auto,
                 };
                 moe_index += 1;
                 FeedForward::Moe(block)

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file, serialize_safetensors};
 use miles_bridge::{
-    BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput, TensorMap,
-    ids_tensor, names::internal_to_hf, token_logprobs,
+    BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput, MoeDispatch,
+    TensorMap, ids_tensor, names::internal_to_hf, token_logprobs,
 };
 use miles_r3::{Fallthrough, MoeLayerInfo, R3Error, RouterHook};
 use safetensors::SafeTensors;
@@ -61,9 +61,21 @@ fn load(device: &Device) -> CausalLm {
 }
 
 #[test]
-fn logits_logprobs_routing_and_gradients_match_transformers() {
+fn logits_logprobs_routing_and_gradients_match_transformers_sparse_dispatch() {
+    // The default on flex.
+    check_against_transformers(MoeDispatch::Auto);
+    check_against_transformers(MoeDispatch::Sparse);
+}
+
+#[test]
+fn logits_logprobs_routing_and_gradients_match_transformers_dense_dispatch() {
+    check_against_transformers(MoeDispatch::Dense);
+}
+
+fn check_against_transformers(dispatch: MoeDispatch) {
     let device = Device::flex().autodiff();
-    let model = load(&device);
+    let mut model = load(&device);
+    model.set_moe_dispatch(dispatch);
     let ids = ids_tensor(&inputs(), &device).unwrap();
     let out = model
         .forward(&ModelInput::new(ids.clone()), &Fallthrough)
@@ -159,7 +171,10 @@ fn logits_logprobs_routing_and_gradients_match_transformers() {
             worst = (diff / bound, name.clone());
         }
     }
-    println!("worst gradient diff / bound = {:.3} ({})", worst.0, worst.1);
+    println!(
+        "{dispatch:?}: worst gradient diff / bound = {:.3} ({})",
+        worst.0, worst.1
+    );
 }
 
 #[test]

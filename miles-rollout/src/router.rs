@@ -62,6 +62,9 @@ pub struct Router {
     affinity: Mutex<HashMap<String, usize>>,
     latest: Mutex<LatestWeights>,
     paused: Mutex<Option<PauseMode>>,
+    /// Held while the fleet's weights or pause state change and while an engine is brought
+    /// to them and re-admitted, so a re-admitted engine never misses a change made meanwhile.
+    fleet_state: tokio::sync::Mutex<()>,
 }
 
 /// Decrements a slot's outstanding count when a request ends, however it ends.
@@ -93,6 +96,7 @@ impl Router {
             affinity: Mutex::new(HashMap::new()),
             latest: Mutex::new(LatestWeights::None),
             paused: Mutex::new(None),
+            fleet_state: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -203,6 +207,7 @@ impl Router {
             None => slot.engine(),
         };
         engine.health().await?;
+        let _fleet_state = self.fleet_state.lock().await;
         let latest = self
             .latest
             .lock()
@@ -339,23 +344,27 @@ impl InferenceEngine for Router {
         weights: &NamedTensors,
         version: WeightVersion,
     ) -> CoreResult<()> {
+        let _fleet_state = self.fleet_state.lock().await;
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
             LatestWeights::Tensors(Arc::new(weights.clone()), version);
         self.broadcast(FleetOp::Update(weights, version)).await
     }
 
     async fn update_weights_from_disk(&self, dir: &Path, version: WeightVersion) -> CoreResult<()> {
+        let _fleet_state = self.fleet_state.lock().await;
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
             LatestWeights::Disk(dir.to_path_buf(), version);
         self.broadcast(FleetOp::Disk(dir, version)).await
     }
 
     async fn pause(&self, mode: PauseMode) -> CoreResult<()> {
+        let _fleet_state = self.fleet_state.lock().await;
         *self.paused.lock().unwrap_or_else(|p| p.into_inner()) = Some(mode);
         self.broadcast(FleetOp::Pause(mode)).await
     }
 
     async fn resume(&self) -> CoreResult<()> {
+        let _fleet_state = self.fleet_state.lock().await;
         *self.paused.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.broadcast(FleetOp::Resume).await
     }

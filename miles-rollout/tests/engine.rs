@@ -264,6 +264,12 @@ async fn update_under_load(recompute: bool) {
             (p, out.unwrap())
         }));
         if i == 6 {
+            // The update must find requests 0-6 started (else all of them would rightly run
+            // on the new weights) and reach the engine before requests 7-15 (which then wait
+            // for it): let the engine prefill, send the update, give it time to be queued.
+            while engine.stats().prefill_tokens == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
             let e = engine.clone();
             let w = new_weights.clone();
             handles.push(tokio::spawn(async move {
@@ -283,6 +289,7 @@ async fn update_under_load(recompute: bool) {
                     },
                 )
             }));
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
     }
     let mut seen = [0usize; 2];
@@ -483,15 +490,16 @@ async fn abort_pause_and_resume() {
     assert!(out.output_ids.len() < 200);
     assert_eq!(out.output_log_probs.len(), out.output_ids.len());
 
-    // In-place pause holds the sequence; after resume it completes.
+    // In-place pause holds the sequence; after resume it completes. (A long request, so the
+    // pause lands while it is still generating even when this test thread is descheduled.)
     let reference = engine
-        .generate(request(prompt(6, 2, vocab), 40, 5))
+        .generate(request(prompt(6, 2, vocab), 200, 5))
         .await
         .unwrap();
     for mode in [PauseMode::InPlace, PauseMode::Retract] {
         let e = engine.clone();
         let before = engine.stats().generated_tokens;
-        let h = tokio::spawn(async move { e.generate(request(prompt(6, 2, vocab), 40, 5)).await });
+        let h = tokio::spawn(async move { e.generate(request(prompt(6, 2, vocab), 200, 5)).await });
         while engine.stats().generated_tokens < before + 5 {
             tokio::task::yield_now().await;
         }

@@ -196,8 +196,8 @@ fn py_type(value: &Json) -> &'static str {
     }
 }
 
-/// Python truthiness.
-fn truthy(value: &Json) -> bool {
+/// Python truthiness of a JSON value (Jinja's is the same for JSON values).
+pub(crate) fn truthy(value: &Json) -> bool {
     match value {
         Json::Null => false,
         Json::Bool(b) => *b,

@@ -13,6 +13,7 @@
 
 use serde_json::{Map, Value as Json};
 
+use crate::deepseek::truthy;
 use crate::pyfmt;
 use crate::template::RenderArgs;
 
@@ -62,18 +63,6 @@ impl Compiled {
 /// null (null-valued keys are dropped).
 fn field<'a>(message: &'a Map<String, Json>, key: &str) -> Option<&'a Json> {
     message.get(key).filter(|v| !v.is_null())
-}
-
-/// Jinja truthiness of a JSON value.
-fn truthy(value: &Json) -> bool {
-    match value {
-        Json::Null => false,
-        Json::Bool(b) => *b,
-        Json::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
-        Json::String(s) => !s.is_empty(),
-        Json::Array(a) => !a.is_empty(),
-        Json::Object(o) => !o.is_empty(),
-    }
 }
 
 /// A message's role, which the compiled renderers need to be a string.

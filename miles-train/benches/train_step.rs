@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype, ModelConfig, ModelInput, ids_tensor};
+use miles_bridge::{CausalLm, FloatDtype, ModelConfig, ModelInput, MoeDispatch, ids_tensor};
 use miles_core::{PolicyTrainer, Reward, RoutedExperts, Sample};
 use miles_ops::advantages::AdvantageConfig;
 use miles_r3::Fallthrough;
@@ -152,6 +152,11 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
     if moe {
         attach_routing(&model, &mut samples);
     }
+    let dense_model = moe.then(|| {
+        let mut dense = model.clone();
+        dense.set_moe_dispatch(MoeDispatch::Dense);
+        dense
+    });
     let (steps, actor) = step_times(model.clone(), &samples, false, iters);
     let baseline = tokens / torch_tokens_per_s;
     let mean = steps.iter().sum::<f64>() / steps.len() as f64;
@@ -182,6 +187,22 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
             tokens / mean_replay,
             tokens / mean_fall,
             100.0 * (mean_replay / mean_fall - 1.0)
+        );
+    }
+    if let Some(dense) = dense_model {
+        // Expert dispatch: sparse (the default on flex) against dense, same run.
+        let (dense_steps, _) = step_times(dense, &samples, false, iters);
+        let mean_sparse = steps.iter().sum::<f64>() / steps.len() as f64;
+        let mean_dense = dense_steps.iter().sum::<f64>() / dense_steps.len() as f64;
+        println!(
+            "xtask-result: train_step_moe_dispatch_{name} ours={mean_sparse:.4}s \
+             baseline={mean_dense:.4}s note=train step with sparse expert dispatch (the default on \
+             flex) vs dense (every expert on every token), same run"
+        );
+        println!(
+            "# {name}: sparse dispatch {:.0} tokens/s, dense {:.0} tokens/s",
+            tokens / mean_sparse,
+            tokens / mean_dense
         );
     }
     let mut export = Vec::new();
