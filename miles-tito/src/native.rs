@@ -3,9 +3,10 @@
 //!
 //! A [`ChatTemplate`](crate::ChatTemplate) whose source is byte-identical to a template known
 //! here renders through its compiled form when the input has the shapes the compiled form
-//! handles (string roles and contents, tool calls as a list of objects, …); any other input
-//! (a list content, a non-string tool name, a kwarg of an unusual type) renders through
-//! minijinja as before, so the output and the errors never differ from the template's.
+//! handles (string roles, string system contents, tool calls as a list of objects with string
+//! names and object or string arguments); any other input (a list system content, a
+//! non-string tool name or role, …) renders through minijinja as before, so the output and
+//! the errors never differ from the template's.
 //! `tests` below check the equality on generated conversations.
 //!
 //! A session renders two small conversations per turn (MILES_SPEC §1.4); through minijinja
