@@ -123,13 +123,11 @@ pub struct MoeBlock {
 /// How an MoE layer applies its routed experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeDispatch {
-    /// Dense for now: sparse dispatch makes a training step alone ≈ 1.2× faster on flex, but
-    /// with an engine running beside the trainer on the same two cores it slowed the trainer
-    /// (the overlap benchmark went from ≈ 1.05 to 1.44 × max(rollout, train)).
-    #[default]
-    Auto,
     /// Every expert on every token, unchosen experts weighted by zero: fixed shapes, nothing
-    /// read back to the host (for GPU backends).
+    /// read back to the host. The default: sparse dispatch makes a training step alone ≈ 1.2×
+    /// faster on flex, but with an engine running beside the trainer on the same two cores it
+    /// slowed the trainer (one overlap-benchmark run at 1.44 × max(rollout, train)).
+    #[default]
     Dense,
     /// Each expert on the tokens routed to it (`top_k / n_experts` of the dense work); the
     /// chosen ids are read back to the host to group the tokens.
@@ -216,14 +214,9 @@ impl MoeBlock {
         if self.routed_scaling_factor != 1.0 {
             weights = weights * self.routed_scaling_factor;
         }
-        let sparse = match self.dispatch {
-            MoeDispatch::Auto | MoeDispatch::Dense => false,
-            MoeDispatch::Sparse => true,
-        };
-        let mut out = if sparse {
-            self.experts_sparse(x.clone(), &chosen, weights.clone())?
-        } else {
-            self.experts_dense(x.clone(), &chosen, weights.clone())
+        let mut out = match self.dispatch {
+            MoeDispatch::Sparse => self.experts_sparse(x.clone(), &chosen, weights.clone())?,
+            MoeDispatch::Dense => self.experts_dense(x.clone(), &chosen, weights.clone()),
         };
         if let Some(shared) = &self.shared_experts {
             out = out + shared.forward(x);
@@ -744,7 +737,7 @@ impl CausalLm {
         self.config.architecture
     }
 
-    /// Sets how every MoE layer applies its routed experts (default [`MoeDispatch::Auto`]).
+    /// Sets how every MoE layer applies its routed experts (default [`MoeDispatch::Dense`]).
     pub fn set_moe_dispatch(&mut self, dispatch: MoeDispatch) {
         for layer in &mut self.model.layers {
             if let FeedForward::Moe(block) = &mut layer.mlp {
@@ -849,7 +842,7 @@ impl CausalLm {
                     topk_group: c.topk_group,
                     norm_topk_prob: c.norm_topk_prob,
                     routed_scaling_factor: c.routed_scaling_factor,
-                    dispatch: MoeDispatch::Auto,
+                    dispatch: MoeDispatch::Dense,
                 };
                 moe_index += 1;
                 FeedForward::Moe(block)

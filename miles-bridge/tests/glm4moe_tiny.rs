@@ -67,8 +67,6 @@ fn logits_logprobs_routing_and_gradients_match_transformers_sparse_dispatch() {
 
 #[test]
 fn logits_logprobs_routing_and_gradients_match_transformers_dense_dispatch() {
-    // `Auto`, the default, is dense.
-    check_against_transformers(MoeDispatch::Auto);
     check_against_transformers(MoeDispatch::Dense);
 }
 
