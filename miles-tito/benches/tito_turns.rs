@@ -28,6 +28,11 @@ use miles_core::{Message, ToolCall};
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
 use serde_json::{Map, Value, json};
 
+/// The session server's allocator (`miles-session` binary), so the step is measured as the
+/// server runs it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Miles' Python TITO on this conversation (issue 3's constants, ms).
 const MILES_INCREMENTAL_TURN_2: f64 = 0.67;
 const MILES_INCREMENTAL_TURN_64: f64 = 0.93;

@@ -44,6 +44,11 @@ const WORDS: [&str; 24] = [
     "morning",
 ];
 
+/// The session server's allocator (`miles-session` binary), so the step is measured as the
+/// server runs it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn words(n: usize, seed: usize) -> String {
     (0..n)
         .map(|i| WORDS[(i * 7 + seed * 13) % WORDS.len()])
@@ -87,7 +92,25 @@ fn main() -> Result<(), miles_tito::Error> {
     for turn in [2usize, 64] {
         let a = 2 + 2 * (turn - 2);
         let stored = tito.apply_chat_template(&messages[..=a], Some(&tools), false)?;
-        let (old, new) = (&messages[..=a], &messages[..=a + 1]);
+        // The request is parsed afresh, as the session server receives it.
+        let request: Vec<Message> =
+            serde_json::from_value(serde_json::to_value(&messages[..=a + 1]).expect("serialise"))
+                .expect("parse request");
+        let (old, new) = (&messages[..=a], &request[..]);
+        if let Ok(n) = std::env::var("MILES_TURN_COST_LOOP") {
+            // Profiling aid: only the incremental step, n times.
+            if turn == 64 {
+                let n: usize = n.parse().expect("MILES_TURN_COST_LOOP is a count");
+                for _ in 0..n {
+                    std::hint::black_box(
+                        tito.merge_tokens(old, new, &stored, Some(&tools))
+                            .expect("merge"),
+                    );
+                }
+                return Ok(());
+            }
+            continue;
+        }
         let tokens = tito.apply_chat_template(new, Some(&tools), true)?.len();
         let inc = time_ms(200, || {
             tito.merge_tokens(old, new, &stored, Some(&tools))

@@ -24,6 +24,7 @@
 //! randomised ASCII text for the Qwen3, Llama 3.1 and GLM-4.5 tokenizers.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, RwLock};
 
 use serde_json::Value as Json;
@@ -49,9 +50,56 @@ pub struct FastEncoder {
     digits: usize,
     /// Added tokens by first byte, longest first.
     added: Vec<Vec<(Box<[u8]>, u32)>>,
+    /// Whether any added token starts with the byte.
+    added_first: [bool; 256],
     /// GPT-2 byte-to-character map.
     byte_char: [char; 256],
-    cache: RwLock<HashMap<Box<str>, Box<[u32]>>>,
+    cache: RwLock<PieceCache>,
+}
+
+type PieceCache = HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<PieceHasher>>;
+
+/// A multiply-rotate hasher over 8-byte words (the Fx scheme) for the piece cache: pieces are
+/// short ASCII strings of our own text, so SipHash's resistance to chosen keys buys nothing
+/// and costs a third of a cache lookup.
+#[derive(Default)]
+struct PieceHasher(u64);
+
+impl PieceHasher {
+    const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(Self::SEED);
+    }
+}
+
+impl Hasher for PieceHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for chunk in &mut chunks {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(chunk);
+            self.add(u64::from_le_bytes(word));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut word = [0u8; 8];
+            word[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u8(&mut self, byte: u8) {
+        self.add(u64::from(byte));
+    }
+
+    fn write_usize(&mut self, value: usize) {
+        self.add(value as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// GPT-2's reversible byte-to-unicode map (printable Latin-1 maps to itself, the rest to
@@ -178,9 +226,10 @@ impl FastEncoder {
         let encoder = Self {
             tokenizer,
             digits,
+            added_first: std::array::from_fn(|b| !added[b].is_empty()),
             added,
             byte_char: byte_char_table(),
-            cache: RwLock::new(HashMap::new()),
+            cache: RwLock::new(PieceCache::default()),
         };
         let agrees = PROBES.iter().all(|text| {
             matches!(
@@ -197,7 +246,11 @@ impl FastEncoder {
         let mut ids = Vec::with_capacity(text.len() / 3 + 4);
         let mut start = 0;
         let mut i = 0;
-        while i < bytes.len() {
+        while let Some(at) = bytes[i..]
+            .iter()
+            .position(|&b| self.added_first[b as usize])
+        {
+            i += at;
             if let Some((len, id)) = self.added_at(&bytes[i..]) {
                 self.encode_segment(&text[start..i], &mut ids)?;
                 ids.push(id);
@@ -229,39 +282,48 @@ impl FastEncoder {
             return Ok(());
         }
         let bytes = segment.as_bytes();
-        let mut i = 0;
-        while i < bytes.len() {
-            let len = piece_len(bytes, i, self.digits);
-            self.encode_piece(&segment[i..i + len], ids)?;
-            i += len;
+        // One read lock for the segment; pieces it misses are tokenized and memoised after.
+        let mut misses: Vec<(usize, usize, Box<[u32]>)> = Vec::new();
+        {
+            let cache = self.cache.read().ok();
+            let mut i = 0;
+            while i < bytes.len() {
+                let len = piece_len(bytes, i, self.digits);
+                let piece = &segment[i..i + len];
+                if let Some(hit) = cache.as_ref().and_then(|c| c.get(piece)) {
+                    ids.extend_from_slice(hit);
+                } else {
+                    let piece_ids = self.tokenize_piece(piece)?;
+                    ids.extend_from_slice(&piece_ids);
+                    if len <= CACHE_MAX_PIECE {
+                        misses.push((i, len, piece_ids));
+                    }
+                }
+                i += len;
+            }
+        }
+        if !misses.is_empty()
+            && let Ok(mut cache) = self.cache.write()
+        {
+            for (at, len, piece_ids) in misses {
+                if cache.len() >= CACHE_CAPACITY {
+                    cache.clear();
+                }
+                cache.insert(segment[at..at + len].into(), piece_ids);
+            }
         }
         Ok(())
     }
 
-    fn encode_piece(&self, piece: &str, ids: &mut Vec<u32>) -> Result<()> {
-        if let Ok(cache) = self.cache.read()
-            && let Some(hit) = cache.get(piece)
-        {
-            ids.extend_from_slice(hit);
-            return Ok(());
-        }
+    /// The model's ids for one pre-tokenized ASCII piece.
+    fn tokenize_piece(&self, piece: &str) -> Result<Box<[u32]>> {
         let mapped: String = piece.bytes().map(|b| self.byte_char[b as usize]).collect();
         let tokens = self
             .tokenizer
             .get_model()
             .tokenize(&mapped)
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let piece_ids: Box<[u32]> = tokens.iter().map(|t| t.id).collect();
-        ids.extend_from_slice(&piece_ids);
-        if piece.len() <= CACHE_MAX_PIECE
-            && let Ok(mut cache) = self.cache.write()
-        {
-            if cache.len() >= CACHE_CAPACITY {
-                cache.clear();
-            }
-            cache.insert(piece.into(), piece_ids);
-        }
-        Ok(())
+        Ok(tokens.iter().map(|t| t.id).collect())
     }
 }
 

@@ -55,7 +55,7 @@ impl Compiled {
         special_tokens: &Map<String, Json>,
         tools_text: impl FnOnce(&[Json]) -> std::sync::Arc<str>,
     ) -> Option<String> {
-        let variable = |key: &str| args.kwargs.get(key).or_else(|| special_tokens.get(key));
+        let variable = |key: &str| lookup(args.kwargs, key).or_else(|| lookup(special_tokens, key));
         qwen3_fixed(args, variable, tools_text, self == Self::QwenNextFixed)
     }
 }
@@ -63,7 +63,17 @@ impl Compiled {
 /// A message field as the template sees it after HF's normalisation: `None` when absent or
 /// null (null-valued keys are dropped).
 fn field<'a>(message: &'a Map<String, Json>, key: &str) -> Option<&'a Json> {
-    message.get(key).filter(|v| !v.is_null())
+    lookup(message, key).filter(|v| !v.is_null())
+}
+
+/// `map.get(key)`; a scan when the map is small (a message, a kwargs map), which is cheaper
+/// than hashing the key with serde_json's SipHash.
+fn lookup<'a>(map: &'a Map<String, Json>, key: &str) -> Option<&'a Json> {
+    if map.len() <= 8 {
+        map.iter().find_map(|(k, v)| (k == key).then_some(v))
+    } else {
+        map.get(key)
+    }
 }
 
 /// A message's role, which the compiled renderers need to be a string.

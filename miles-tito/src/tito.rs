@@ -358,16 +358,28 @@ pub fn miles_normalise(messages: &[Message]) -> Result<Vec<Json>> {
 /// Tool calls as Miles renders them: each call as sent, with `function.arguments` an object
 /// (a JSON-string argument is parsed).
 fn tool_calls_json(calls: &[miles_core::ToolCall]) -> Result<Json> {
+    // Built field by field in the serialised order (`id`, `index`, `type`, `function`), the
+    // same object as `serde_json::to_value(call)` with the arguments as an object.
     let mut out = Vec::with_capacity(calls.len());
     for call in calls {
-        let mut call_json = serde_json::to_value(call).map_err(|e| Error::json("tool call", e))?;
         let args = call
             .function
             .arguments
             .to_object()
             .map_err(|e| Error::json("tool-call arguments", e))?;
-        call_json["function"]["arguments"] = Json::Object(args);
-        out.push(call_json);
+        let mut function = Map::new();
+        function.insert("name".into(), Json::String(call.function.name.clone()));
+        function.insert("arguments".into(), Json::Object(args));
+        let mut call_json = Map::new();
+        if let Some(id) = &call.id {
+            call_json.insert("id".into(), Json::String(id.clone()));
+        }
+        if let Some(index) = call.index {
+            call_json.insert("index".into(), Json::from(index));
+        }
+        call_json.insert("type".into(), Json::String(call.kind.clone()));
+        call_json.insert("function".into(), Json::Object(function));
+        out.push(Json::Object(call_json));
     }
     Ok(Json::Array(out))
 }
@@ -892,6 +904,45 @@ mod tests {
             merge_forced(TitoFamily::Default, Map::new())
                 .unwrap()
                 .is_empty()
+        );
+    }
+
+    #[test]
+    fn tool_calls_json_is_the_serialised_call_with_object_arguments() {
+        let mut with_index = miles_core::ToolCall::function(
+            "call_1",
+            "f",
+            serde_json::from_str(r#"{"b": 1, "a": [2]}"#).unwrap(),
+        );
+        with_index.index = Some(3);
+        let mut string_args = with_index.clone();
+        string_args.id = None;
+        string_args.index = None;
+        string_args.function.arguments = miles_core::ToolArguments::Json(r#"{"z": null}"#.into());
+        let built = tool_calls_json(&[with_index.clone(), string_args]).unwrap();
+        let expected = json!([
+            {"id": "call_1", "index": 3, "type": "function",
+             "function": {"name": "f", "arguments": {"b": 1, "a": [2]}}},
+            {"type": "function", "function": {"name": "f", "arguments": {"z": null}}}
+        ]);
+        assert_eq!(built, expected);
+        // Same key order as serde's form of the call.
+        let serde_keys: Vec<String> = serde_json::to_value(&with_index)
+            .unwrap()
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        let built_keys: Vec<String> = built[0].as_object().unwrap().keys().cloned().collect();
+        assert_eq!(built_keys, serde_keys);
+        assert_eq!(
+            built[0]["function"]
+                .as_object()
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>(),
+            ["name", "arguments"]
         );
     }
 
