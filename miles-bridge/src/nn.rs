@@ -4,15 +4,12 @@
 //! importers and the parameter visitor used by export and gradient checks.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::silu;
 use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 
 use crate::BridgeError;
 use crate::checkpoint::TensorMap;
 use crate::lora::{LoraAdapter, LoraForward};
-
-/// Value used for masked attention scores (finite, so fully masked padding rows stay NaN-free).
-const MASKED: f32 = -1.0e30;
 
 /// How a freshly initialised parameter is filled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -473,20 +470,16 @@ impl Attention {
             });
         }
         let total = k.dims()[2];
-        let group = self.num_heads / self.num_kv_heads;
-        let expand = |t: Tensor<4>| -> Tensor<4> {
-            if group == 1 {
-                return t;
-            }
-            t.unsqueeze_dim::<5>(2)
-                .expand([batch, self.num_kv_heads, group, total, self.head_dim])
-                .reshape([batch, self.num_heads, total, self.head_dim])
-        };
-        let (k, v) = (expand(k), expand(v));
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = q.matmul(k.swap_dims(2, 3)) * scale;
-        let scores = scores.mask_fill(mask.expand([batch, self.num_heads, seq, total]), MASKED);
-        let out = softmax(scores, 3).matmul(v);
+        let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
+        let mask = mask.reshape([batch, seq, total]);
+        // One fused op on flex (scores never materialised between ops); the same
+        // computation with tensor ops elsewhere. Shapes are ours, so the fallback on an
+        // error only re-raises burn's own shape panic.
+        let out =
+            miles_ops::attention::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
+                .unwrap_or_else(|_| {
+                    miles_ops::attention::attention_reference(q, k, v, mask, scale)
+                });
         let out = out
             .swap_dims(1, 2)
             .reshape([batch * seq, self.num_heads * self.head_dim]);

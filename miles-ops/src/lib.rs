@@ -57,9 +57,11 @@
 //! ```
 
 pub mod advantages;
+pub mod attention;
 pub mod clipped;
 pub mod corrections;
 mod error;
+mod flex_attention;
 mod flex_steps;
 pub mod fused;
 pub mod kernel_device;

@@ -1,0 +1,316 @@
+//! Fused masked softmax attention with grouped key/value heads, forward and backward.
+//!
+//! [`attention`] computes `softmax(mask_fill(q·kᵀ·scale, mask, −1e30))·v` for queries
+//! `[batch, heads, rows, head_dim]`, keys and values `[batch, kv_heads, keys, head_dim]`
+//! (query head `h` reads key/value head `h / (heads / kv_heads)`, as HF's `repeat_kv`) and a
+//! boolean mask `[batch, rows, keys]` (`true` = masked). A row whose keys are all masked
+//! attends uniformly to every key, as the masked-fill form does.
+//!
+//! On flex (`f32`) it runs as one backend op ([`FusedAttentionOps`]): rayon tasks per head,
+//! row blocks that skip the keys past their last unmasked one (half the work under a causal
+//! mask), the scale, masking and softmax fused over each block, and a custom backward that
+//! recomputes the probabilities from the forward's log-sum-exp, so neither the
+//! `[batch, heads, rows, keys]` scores nor their gradients are materialised between ops.
+//! Elsewhere (other devices or dtypes) it is the same computation written with tensor ops
+//! ([`attention_reference`]), which is also what the flex op is tested against.
+
+use burn::backend::autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::{
+    AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension,
+    tensor::{BoolTensor, FloatTensor},
+};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Tensor};
+
+use crate::flex_attention;
+use crate::{OpsError, Result};
+
+/// The score a masked key gets before the softmax.
+pub const MASKED_SCORE: f32 = -1.0e30;
+
+fn check(q: &[usize; 4], k: &[usize; 4], v: &[usize; 4], mask: &[usize; 3]) -> Result<()> {
+    let [b, h, s, d] = *q;
+    let [bk, hk, t, dk] = *k;
+    let expected_kv = [b, hk, t, d];
+    if bk != b || dk != d || hk == 0 || h % hk != 0 {
+        return Err(OpsError::ShapeMismatch {
+            what: "attention keys",
+            expected: expected_kv.to_vec(),
+            got: k.to_vec(),
+        });
+    }
+    if *v != expected_kv {
+        return Err(OpsError::ShapeMismatch {
+            what: "attention values",
+            expected: expected_kv.to_vec(),
+            got: v.to_vec(),
+        });
+    }
+    if *mask != [b, s, t] {
+        return Err(OpsError::ShapeMismatch {
+            what: "attention mask",
+            expected: vec![b, s, t],
+            got: mask.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// Whether [`attention`] runs the fused op for tensors on `device` (flex, with or without
+/// autodiff; `f32` tensors).
+pub fn runs_fused(device: &burn::tensor::Device) -> bool {
+    matches!(
+        device.clone().without_autodiff().as_dispatch(),
+        burn::backend::DispatchDevice::Flex(_)
+    )
+}
+
+/// Masked softmax attention (see the module docs). Errors on inconsistent shapes (heads not
+/// a multiple of key/value heads, mismatched batch, keys, head size or mask).
+pub fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<3, Bool>,
+    scale: f32,
+) -> Result<Tensor<4>> {
+    check(&q.dims(), &k.dims(), &v.dims(), &mask.dims())?;
+    let f32s = [&q, &k, &v]
+        .iter()
+        .all(|t| t.dtype() == burn::tensor::DType::F32);
+    if !f32s || !runs_fused(&q.device()) {
+        return Ok(attention_reference(q, k, v, mask, scale));
+    }
+    Ok(Tensor::from_dispatch(
+        <Dispatch as FusedAttentionOps>::fused_attention(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            mask.into_dispatch(),
+            scale,
+        ),
+    ))
+}
+
+/// The computation with tensor ops: key/value heads repeated, scores, masked fill, softmax.
+pub fn attention_reference(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<3, Bool>,
+    scale: f32,
+) -> Tensor<4> {
+    let [b, h, s, d] = q.dims();
+    let [_, hk, t, _] = k.dims();
+    let group = h / hk.max(1);
+    let repeat = |x: Tensor<4>| -> Tensor<4> {
+        if group == 1 {
+            return x;
+        }
+        x.unsqueeze_dim::<5>(2)
+            .expand([b, hk, group, t, d])
+            .reshape([b, h, t, d])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let scores = q.matmul(k.swap_dims(2, 3)) * scale;
+    let mask = mask.unsqueeze_dim::<4>(1).expand([b, h, s, t]);
+    softmax(scores.mask_fill(mask, MASKED_SCORE), 3).matmul(v)
+}
+
+/// Backend op of [`attention`]: native kernels on flex, the custom backward on `Autodiff`.
+#[backend_extension(Flex, Autodiff)]
+pub trait FusedAttentionOps: Backend {
+    /// `softmax(mask_fill(q·kᵀ·scale, mask))·v`, `[batch, heads, rows, head_dim]`.
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self>;
+
+    /// The output and the per-row log-sum-exp of the scores `[batch, heads, rows]`.
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients `(dq, dk, dv)` for the upstream gradient `grad` of the output `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// Casts to `f32` when needed (the flex kernels' dtype).
+fn as_f32(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
+    if t.dtype() == burn::backend::DType::F32 {
+        t
+    } else {
+        <Flex as burn::backend::ops::FloatTensorOps<Flex>>::float_cast(
+            t,
+            burn::backend::FloatDType::F32,
+        )
+    }
+}
+
+impl FusedAttentionOps for Flex {
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        Self::fused_attention_forward(q, k, v, mask, scale).0
+    }
+
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v) = (as_f32(q), as_f32(k), as_f32(v));
+        debug_assert!(flex_attention::supported(&q, &k, &v));
+        let dims = flex_attention::dims_of(&q.shape(), &k.shape());
+        flex_attention::forward(&q, &k, &v, &mask, scale, dims)
+    }
+
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v) = (as_f32(q), as_f32(k), as_f32(v));
+        let (out, grad) = (as_f32(out), as_f32(grad));
+        let dims = flex_attention::dims_of(&q.shape(), &k.shape());
+        flex_attention::backward(&q, &k, &v, &mask, &out, &lse, &grad, scale, dims)
+    }
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: FusedAttentionOps> Backward<B, 3> for AttentionBackward {
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        BoolTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        f32,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (q, k, v, mask, out, lse, scale) = ops.state;
+        let (dq, dk, dv) = B::fused_attention_backward(q, k, v, mask, out, lse, grad, scale);
+        for (node, g) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+impl<B: Backend + FusedAttentionOps, C: CheckpointStrategy> FusedAttentionOps for Autodiff<B, C> {
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        let guards = [q.node(), k.node(), v.node()];
+        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+        match AttentionBackward
+            .prepare::<C>(guards)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (out, lse) = B::fused_attention_forward(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    mask.clone(),
+                    scale,
+                );
+                prep.finish((q, k, v, mask, out.clone(), lse, scale), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_attention(q, k, v, mask, scale)),
+        }
+    }
+
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // Constants: only called inside the op's own passes.
+        let (out, lse) = B::fused_attention_forward(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            mask,
+            scale,
+        );
+        (
+            <Self as AutodiffBackend>::from_inner(out),
+            <Self as AutodiffBackend>::from_inner(lse),
+        )
+    }
+
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = B::fused_attention_backward(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            mask,
+            out.into_primitive(),
+            lse.into_primitive(),
+            grad.into_primitive(),
+            scale,
+        );
+        (
+            <Self as AutodiffBackend>::from_inner(dq),
+            <Self as AutodiffBackend>::from_inner(dk),
+            <Self as AutodiffBackend>::from_inner(dv),
+        )
+    }
+}

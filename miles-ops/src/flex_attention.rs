@@ -1,0 +1,504 @@
+//! Native `Flex` kernels of [`crate::attention`]: masked softmax attention, forward and
+//! backward, over contiguous `f32` `[batch, heads, rows, head_dim]` tensors.
+//!
+//! Work is split into rayon tasks — one per (batch, query head) forward and one per
+//! (batch, key/value head) backward, so a task owns the key/value gradients it accumulates —
+//! and each task walks its query rows in blocks of [`BLOCK`]. A block multiplies only the
+//! keys up to the last unmasked one of its rows (`gemm`, single-threaded inside the task), so
+//! a causal mask halves the work; the softmax, its gradient and the masking run fused over the
+//! block's scores. The backward pass recomputes the probabilities from the forward's
+//! log-sum-exp instead of keeping them.
+//!
+//! Semantics are those of `softmax(mask_fill(q·kᵀ·scale, mask, −1e30))·v`: a masked score
+//! has probability 0, and a row with every key masked attends uniformly to all keys (its
+//! gradient reaches `v` only).
+
+use burn::backend::{DType, Flex, Shape, TensorMetadata, tensor::FloatTensor};
+use burn::tensor::TensorData;
+use rayon::prelude::*;
+
+type FlexTensor = FloatTensor<Flex>;
+
+/// Query rows per block.
+const BLOCK: usize = 64;
+
+/// Sizes of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub rows: usize,
+    pub keys: usize,
+    pub head_dim: usize,
+}
+
+impl Dims {
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+/// The contiguous `f32` data of `t` (copied when `t` is a strided view).
+fn f32_data(t: &FlexTensor) -> std::borrow::Cow<'_, [f32]> {
+    match t.as_slice::<f32>() {
+        Some(s) => std::borrow::Cow::Borrowed(s),
+        None => std::borrow::Cow::Owned(
+            t.to_contiguous()
+                .as_slice::<f32>()
+                .map(<[f32]>::to_vec)
+                .unwrap_or_default(),
+        ),
+    }
+}
+
+/// The mask as one byte per element (non-zero = masked), contiguous.
+fn mask_bytes(mask: &FlexTensor) -> Vec<u8> {
+    let contiguous = mask.to_contiguous();
+    let n = contiguous.shape().num_elements();
+    contiguous.bytes()[..n].to_vec()
+}
+
+fn tensor(data: Vec<f32>, shape: &[usize]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(data, shape.to_vec()))
+}
+
+/// For every (batch, row), one past the last unmasked key (0: the whole row is masked).
+fn row_limits(mask: &[u8], dims: &Dims) -> Vec<usize> {
+    mask.chunks(dims.keys.max(1))
+        .take(dims.batch * dims.rows)
+        .map(|row| row.iter().rposition(|&m| m == 0).map_or(0, |j| j + 1))
+        .collect()
+}
+
+/// `exp(x)` for `x ≤ 0` (Cephes' polynomial after a base-2 range reduction, within 2 ulp),
+/// written without branches or calls so that row loops vectorise.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    let x = x.max(-87.0);
+    let t = x * LOG2E + 0.5;
+    let mut n = t as i32;
+    n -= i32::from((n as f32) > t);
+    let nf = n as f32;
+    let g = x - nf * C1 - nf * C2;
+    let z = g * g;
+    let y = (((((1.987_569_1e-4 * g + 1.398_199_9e-3) * g + 8.333_452e-3) * g + 4.166_579_6e-2)
+        * g
+        + 1.666_666_5e-1)
+        * g
+        + 5.000_000_1e-1)
+        * z
+        + g
+        + 1.0;
+    y * f32::from_bits(((n + 127) as u32) << 23)
+}
+
+/// `dst[m×n] = beta·lhs[m×k]·rhs[k×n] (+ dst when `accumulate`)`, with explicit
+/// (row, column) strides, on the calling thread.
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: &[f32],
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: &[f32],
+    (rhs_rs, rhs_cs): (usize, usize),
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // Bounds of every element gemm touches, checked here so the raw pointers stay inside.
+    assert!(dst.len() >= (m - 1) * dst_rs + n);
+    if k > 0 {
+        assert!(lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
+        assert!(rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    }
+    // SAFETY: the asserts above keep every (row, column) gemm reads or writes inside the
+    // slices; `dst` is exclusively borrowed and does not alias `lhs` / `rhs`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// One block's key count: the furthest limit among its rows.
+fn block_keys(limits: &[usize]) -> usize {
+    limits.iter().copied().max().unwrap_or(0)
+}
+
+/// Softmax of one row of scaled scores in place (masked and beyond-limit keys → 0);
+/// returns the row's log-sum-exp.
+fn softmax_row(scores: &mut [f32], mask: &[u8]) -> f32 {
+    let mut max = f32::NEG_INFINITY;
+    for (s, &m) in scores.iter().zip(mask) {
+        let v = if m == 0 { *s } else { f32::NEG_INFINITY };
+        max = max.max(v);
+    }
+    let mut sum = 0.0f32;
+    for (s, &m) in scores.iter_mut().zip(mask) {
+        let e = exp_nonpositive(*s - max);
+        let e = if m == 0 { e } else { 0.0 };
+        *s = e;
+        sum += e;
+    }
+    let inv = 1.0 / sum;
+    for s in scores.iter_mut() {
+        *s *= inv;
+    }
+    max + sum.ln()
+}
+
+/// `exp(scores − lse)` in place, masked keys → 0 (the forward's probabilities).
+fn probs_row(scores: &mut [f32], mask: &[u8], lse: f32) {
+    for (s, &m) in scores.iter_mut().zip(mask) {
+        let e = exp_nonpositive(*s - lse);
+        *s = if m == 0 { e } else { 0.0 };
+    }
+}
+
+/// Forward: `(out [b, h, s, d], lse [b, h, s])`. Rows with every key masked get the mean of
+/// `v` and a log-sum-exp of `−1e30 + ln(keys)` (as the masked-fill reference computes it).
+pub(crate) fn forward(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    mask: &FlexTensor,
+    scale: f32,
+    dims: Dims,
+) -> (FlexTensor, FlexTensor) {
+    let (q, k, v) = (f32_data(q), f32_data(k), f32_data(v));
+    let mask = mask_bytes(mask);
+    let limits = row_limits(&mask, &dims);
+    let Dims {
+        batch,
+        heads,
+        kv_heads,
+        rows: s,
+        keys: t,
+        head_dim: d,
+    } = dims;
+    let group = dims.group();
+    let masked_lse = -1.0e30f32 + (t as f32).ln();
+    // Mean of v over all keys per (batch, kv head), for fully masked rows.
+    let means: Vec<f32> = (0..batch * kv_heads)
+        .flat_map(|bk| {
+            let vs = &v[bk * t * d..(bk + 1) * t * d];
+            let mut mean = vec![0.0f32; d];
+            for row in vs.chunks(d) {
+                for (m, x) in mean.iter_mut().zip(row) {
+                    *m += x;
+                }
+            }
+            mean.iter_mut().for_each(|m| *m /= t.max(1) as f32);
+            mean
+        })
+        .collect();
+    let mut out = vec![0.0f32; batch * heads * s * d];
+    let mut lse = vec![0.0f32; batch * heads * s];
+    out.par_chunks_mut((s * d).max(1))
+        .zip(lse.par_chunks_mut(s.max(1)))
+        .enumerate()
+        .for_each(|(bh, (out, lse))| {
+            let (bi, h) = (bh / heads, bh % heads);
+            let kv = bi * kv_heads + h / group;
+            let qh = &q[bh * s * d..(bh + 1) * s * d];
+            let kh = &k[kv * t * d..(kv + 1) * t * d];
+            let vh = &v[kv * t * d..(kv + 1) * t * d];
+            let maskb = &mask[bi * s * t..(bi + 1) * s * t];
+            let lim = &limits[bi * s..(bi + 1) * s];
+            let mut scores = vec![0.0f32; BLOCK * t];
+            for r0 in (0..s).step_by(BLOCK) {
+                let r1 = (r0 + BLOCK).min(s);
+                let n = r1 - r0;
+                let kk = block_keys(&lim[r0..r1]);
+                if kk > 0 {
+                    let sc = &mut scores[..n * kk];
+                    matmul(
+                        n,
+                        kk,
+                        d,
+                        sc,
+                        kk,
+                        false,
+                        &qh[r0 * d..r1 * d],
+                        (d, 1),
+                        kh,
+                        (1, d),
+                        scale,
+                    );
+                    for (i, row) in sc.chunks_mut(kk).enumerate() {
+                        let r = r0 + i;
+                        if lim[r] == 0 {
+                            row.fill(0.0);
+                        } else {
+                            lse[r] = softmax_row(row, &maskb[r * t..r * t + kk]);
+                        }
+                    }
+                    matmul(
+                        n,
+                        d,
+                        kk,
+                        &mut out[r0 * d..r1 * d],
+                        d,
+                        false,
+                        sc,
+                        (kk, 1),
+                        vh,
+                        (d, 1),
+                        1.0,
+                    );
+                }
+                for r in r0..r1 {
+                    if lim[r] == 0 {
+                        out[r * d..(r + 1) * d].copy_from_slice(&means[kv * d..(kv + 1) * d]);
+                        lse[r] = masked_lse;
+                    }
+                }
+            }
+        });
+    (
+        tensor(out, &[batch, heads, s, d]),
+        tensor(lse, &[batch, heads, s]),
+    )
+}
+
+/// Backward: `(dq, dk, dv)` for upstream `grad` `[b, h, s, d]`, from the forward's `out`
+/// and `lse`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    mask: &FlexTensor,
+    out: &FlexTensor,
+    lse: &FlexTensor,
+    grad: &FlexTensor,
+    scale: f32,
+    dims: Dims,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let (q, k, v) = (f32_data(q), f32_data(k), f32_data(v));
+    let (o, lse, go) = (f32_data(out), f32_data(lse), f32_data(grad));
+    let mask = mask_bytes(mask);
+    let limits = row_limits(&mask, &dims);
+    let Dims {
+        batch,
+        heads,
+        kv_heads,
+        rows: s,
+        keys: t,
+        head_dim: d,
+    } = dims;
+    let group = dims.group();
+    let mut dq = vec![0.0f32; batch * heads * s * d];
+    let mut dk = vec![0.0f32; batch * kv_heads * t * d];
+    let mut dv = vec![0.0f32; batch * kv_heads * t * d];
+    dq.par_chunks_mut((group * s * d).max(1))
+        .zip(dk.par_chunks_mut((t * d).max(1)))
+        .zip(dv.par_chunks_mut((t * d).max(1)))
+        .enumerate()
+        .for_each(|(kv, ((dq, dk), dv))| {
+            let bi = kv / kv_heads;
+            let kh = &k[kv * t * d..(kv + 1) * t * d];
+            let vh = &v[kv * t * d..(kv + 1) * t * d];
+            let maskb = &mask[bi * s * t..(bi + 1) * s * t];
+            let lim = &limits[bi * s..(bi + 1) * s];
+            let mut probs = vec![0.0f32; BLOCK * t];
+            let mut dscores = vec![0.0f32; BLOCK * t];
+            for g in 0..group {
+                let bh = bi * heads + (kv % kv_heads) * group + g;
+                let span = bh * s * d..(bh + 1) * s * d;
+                let (qh, oh, goh) = (&q[span.clone()], &o[span.clone()], &go[span]);
+                let lseh = &lse[bh * s..(bh + 1) * s];
+                let dqh = &mut dq[g * s * d..(g + 1) * s * d];
+                for r0 in (0..s).step_by(BLOCK) {
+                    let r1 = (r0 + BLOCK).min(s);
+                    let n = r1 - r0;
+                    // Fully masked rows: uniform weights over all keys reach v only.
+                    for r in r0..r1 {
+                        if lim[r] == 0 && t > 0 {
+                            let w = 1.0 / t as f32;
+                            let g_row = &goh[r * d..(r + 1) * d];
+                            for dv_row in dv.chunks_mut(d) {
+                                for (x, gr) in dv_row.iter_mut().zip(g_row) {
+                                    *x += w * gr;
+                                }
+                            }
+                        }
+                    }
+                    let kk = block_keys(&lim[r0..r1]);
+                    if kk == 0 {
+                        continue;
+                    }
+                    let p = &mut probs[..n * kk];
+                    matmul(
+                        n,
+                        kk,
+                        d,
+                        p,
+                        kk,
+                        false,
+                        &qh[r0 * d..r1 * d],
+                        (d, 1),
+                        kh,
+                        (1, d),
+                        scale,
+                    );
+                    for (i, row) in p.chunks_mut(kk).enumerate() {
+                        let r = r0 + i;
+                        if lim[r] == 0 {
+                            row.fill(0.0);
+                        } else {
+                            probs_row(row, &maskb[r * t..r * t + kk], lseh[r]);
+                        }
+                    }
+                    // dP = dO·vᵀ, then dS = P ⊙ (dP − rowsum(dO ⊙ O)).
+                    let ds = &mut dscores[..n * kk];
+                    matmul(
+                        n,
+                        kk,
+                        d,
+                        ds,
+                        kk,
+                        false,
+                        &goh[r0 * d..r1 * d],
+                        (d, 1),
+                        vh,
+                        (1, d),
+                        1.0,
+                    );
+                    for (i, (ds_row, p_row)) in ds.chunks_mut(kk).zip(p.chunks(kk)).enumerate() {
+                        let r = r0 + i;
+                        let delta: f32 = goh[r * d..(r + 1) * d]
+                            .iter()
+                            .zip(&oh[r * d..(r + 1) * d])
+                            .map(|(a, b)| a * b)
+                            .sum();
+                        for (x, &pv) in ds_row.iter_mut().zip(p_row) {
+                            *x = pv * (*x - delta);
+                        }
+                    }
+                    // dQ = scale·dS·k; dK += scale·dSᵀ·q; dV += Pᵀ·dO.
+                    matmul(
+                        n,
+                        d,
+                        kk,
+                        &mut dqh[r0 * d..r1 * d],
+                        d,
+                        false,
+                        ds,
+                        (kk, 1),
+                        kh,
+                        (d, 1),
+                        scale,
+                    );
+                    matmul(
+                        kk,
+                        d,
+                        n,
+                        &mut dk[..kk * d],
+                        d,
+                        true,
+                        ds,
+                        (1, kk),
+                        &qh[r0 * d..r1 * d],
+                        (d, 1),
+                        scale,
+                    );
+                    matmul(
+                        kk,
+                        d,
+                        n,
+                        &mut dv[..kk * d],
+                        d,
+                        true,
+                        p,
+                        (1, kk),
+                        &goh[r0 * d..r1 * d],
+                        (d, 1),
+                        1.0,
+                    );
+                }
+            }
+        });
+    (
+        tensor(dq, &[batch, heads, s, d]),
+        tensor(dk, &[batch, kv_heads, t, d]),
+        tensor(dv, &[batch, kv_heads, t, d]),
+    )
+}
+
+/// Whether the flex kernels take these tensors (`f32` floats).
+pub(crate) fn supported(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> bool {
+    [q, k, v].iter().all(|t| t.dtype() == DType::F32)
+}
+
+/// The dims of a call, from `q` `[b, h, s, d]` and `k` `[b, hkv, t, d]`.
+pub(crate) fn dims_of(q: &Shape, k: &Shape) -> Dims {
+    Dims {
+        batch: q[0],
+        heads: q[1],
+        kv_heads: k[1],
+        rows: q[2],
+        keys: k[2],
+        head_dim: q[3],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_std_on_the_softmax_range() {
+        let mut worst = 0.0f32;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let (ours, reference) = (exp_nonpositive(x), x.exp());
+            worst = worst.max(((ours - reference) / reference).abs());
+        }
+        assert!(worst < 4.0 * f32::EPSILON, "worst relative error {worst}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert!(exp_nonpositive(-1.0e30) < 1.0e-37);
+    }
+
+    #[test]
+    fn row_limits_find_the_last_unmasked_key() {
+        let dims = Dims {
+            batch: 1,
+            heads: 1,
+            kv_heads: 1,
+            rows: 3,
+            keys: 4,
+            head_dim: 1,
+        };
+        let mask = [0, 1, 1, 1, 0, 0, 1, 0, 1, 1, 1, 1];
+        assert_eq!(row_limits(&mask, &dims), vec![1, 4, 0]);
+    }
+}

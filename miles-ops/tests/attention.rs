@@ -1,0 +1,280 @@
+//! The fused attention op on flex against its definition written with tensor ops
+//! (`attention_reference`: repeated key/value heads, `q·kᵀ·scale`, masked fill, softmax, `·v`):
+//! outputs and the gradients of a weighted sum of them w.r.t. `q`, `k` and `v`, under causal,
+//! padded, packed, fully masked and cached (rows < keys) masks, grouped heads, strided inputs,
+//! and shapes that do not fill a row block.
+
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+use miles_ops::OpsError;
+use miles_ops::attention::{attention, attention_reference};
+
+fn lcg(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+}
+
+fn assert_rel_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b
+        .iter()
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(f32::MIN_POSITIVE);
+    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        err <= tol * scale,
+        "{what}: max abs err {err} > {tol} × scale {scale}"
+    );
+}
+
+#[derive(Clone, Copy)]
+enum MaskKind {
+    /// Causal over a cache: query `i` sits at key position `past + i`.
+    Causal,
+    /// Causal, and the first `pad` keys of every sequence are padding (left padding): the
+    /// first rows see no key at all.
+    LeftPadded(usize),
+    /// Two packed segments per row, causal within each.
+    Packed,
+    /// Nothing masked.
+    None,
+}
+
+struct Case {
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    rows: usize,
+    keys: usize,
+    head_dim: usize,
+    mask: MaskKind,
+}
+
+fn mask_data(c: &Case) -> Vec<bool> {
+    let past = c.keys - c.rows;
+    let mut m = Vec::with_capacity(c.batch * c.rows * c.keys);
+    for b in 0..c.batch {
+        for i in 0..c.rows {
+            let pos = past + i;
+            for j in 0..c.keys {
+                let masked = match c.mask {
+                    MaskKind::Causal => j > pos,
+                    MaskKind::LeftPadded(pad) => j > pos || j < pad + b,
+                    MaskKind::Packed => {
+                        let cut = c.keys / 2 + b;
+                        j > pos || (pos >= cut) != (j >= cut)
+                    }
+                    MaskKind::None => false,
+                };
+                m.push(masked);
+            }
+        }
+    }
+    m
+}
+
+/// (out, dq, dk, dv) of `Σ w ⊙ attention(q, k, v)`; `transposed` builds q, k and v as
+/// `[b, rows, heads, d]` tensors swapped to `[b, heads, rows, d]` (strided views, as a model
+/// makes them).
+fn run(c: &Case, fused: bool, transposed: bool) -> [Vec<f32>; 4] {
+    let device = Device::flex().autodiff();
+    let make = |heads: usize, rows: usize, seed: u64| {
+        let data = lcg(c.batch * heads * rows * c.head_dim, seed, 1.5);
+        let t = if transposed {
+            Tensor::<1>::from_floats(data.as_slice(), &device)
+                .reshape([c.batch, rows, heads, c.head_dim])
+                .require_grad()
+        } else {
+            Tensor::<1>::from_floats(data.as_slice(), &device)
+                .reshape([c.batch, heads, rows, c.head_dim])
+                .require_grad()
+        };
+        t
+    };
+    let q0 = make(c.heads, c.rows, 1);
+    let k0 = make(c.kv_heads, c.keys, 2);
+    let v0 = make(c.kv_heads, c.keys, 3);
+    let view = |t: &Tensor<4>| {
+        if transposed {
+            t.clone().swap_dims(1, 2)
+        } else {
+            t.clone()
+        }
+    };
+    let mask = Tensor::<3, Bool>::from_data(
+        TensorData::new(mask_data(c), [c.batch, c.rows, c.keys]),
+        &device,
+    );
+    let scale = 1.0 / (c.head_dim as f32).sqrt();
+    let out = if fused {
+        attention(view(&q0), view(&k0), view(&v0), mask, scale).unwrap()
+    } else {
+        attention_reference(view(&q0), view(&k0), view(&v0), mask, scale)
+    };
+    let w = Tensor::<1>::from_floats(
+        lcg(c.batch * c.heads * c.rows * c.head_dim, 9, 1.0).as_slice(),
+        &device,
+    )
+    .reshape([c.batch, c.heads, c.rows, c.head_dim]);
+    let grads = (out.clone() * w).sum().backward();
+    [
+        to_vec(out.detach()),
+        to_vec(q0.grad(&grads).unwrap()),
+        to_vec(k0.grad(&grads).unwrap()),
+        to_vec(v0.grad(&grads).unwrap()),
+    ]
+}
+
+fn compare(c: &Case) {
+    for transposed in [false, true] {
+        let reference = run(c, false, transposed);
+        let fused = run(c, true, transposed);
+        for (i, what) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+            assert_rel_close(what, &fused[i], &reference[i], 2e-5);
+        }
+    }
+}
+
+#[test]
+fn causal_grouped_heads_over_several_blocks() {
+    compare(&Case {
+        batch: 2,
+        heads: 6,
+        kv_heads: 2,
+        rows: 150,
+        keys: 150,
+        head_dim: 16,
+        mask: MaskKind::Causal,
+    });
+}
+
+#[test]
+fn left_padding_leaves_rows_with_no_key() {
+    compare(&Case {
+        batch: 3,
+        heads: 4,
+        kv_heads: 4,
+        rows: 70,
+        keys: 70,
+        head_dim: 8,
+        mask: MaskKind::LeftPadded(5),
+    });
+}
+
+#[test]
+fn packed_segments_and_no_mask() {
+    compare(&Case {
+        batch: 2,
+        heads: 3,
+        kv_heads: 1,
+        rows: 66,
+        keys: 66,
+        head_dim: 12,
+        mask: MaskKind::Packed,
+    });
+    compare(&Case {
+        batch: 1,
+        heads: 2,
+        kv_heads: 1,
+        rows: 9,
+        keys: 9,
+        head_dim: 4,
+        mask: MaskKind::None,
+    });
+}
+
+#[test]
+fn cached_keys_prefill_and_decode() {
+    compare(&Case {
+        batch: 2,
+        heads: 4,
+        kv_heads: 2,
+        rows: 20,
+        keys: 85,
+        head_dim: 8,
+        mask: MaskKind::Causal,
+    });
+    compare(&Case {
+        batch: 3,
+        heads: 2,
+        kv_heads: 1,
+        rows: 1,
+        keys: 40,
+        head_dim: 8,
+        mask: MaskKind::LeftPadded(3),
+    });
+}
+
+#[test]
+fn inference_forward_matches_without_autodiff() {
+    let device = Device::flex();
+    let (b, h, s, d) = (2, 4, 33, 8);
+    let q = Tensor::<1>::from_floats(lcg(b * h * s * d, 4, 1.0).as_slice(), &device)
+        .reshape([b, h, s, d]);
+    let k = Tensor::<1>::from_floats(lcg(b * 2 * s * d, 5, 1.0).as_slice(), &device)
+        .reshape([b, 2, s, d]);
+    let v = Tensor::<1>::from_floats(lcg(b * 2 * s * d, 6, 1.0).as_slice(), &device)
+        .reshape([b, 2, s, d]);
+    let case = Case {
+        batch: b,
+        heads: h,
+        kv_heads: 2,
+        rows: s,
+        keys: s,
+        head_dim: d,
+        mask: MaskKind::Causal,
+    };
+    let mask = Tensor::<3, Bool>::from_data(TensorData::new(mask_data(&case), [b, s, s]), &device);
+    let fused = attention(q.clone(), k.clone(), v.clone(), mask.clone(), 0.3).unwrap();
+    let reference = attention_reference(q, k, v, mask, 0.3);
+    assert_rel_close("out", &to_vec(fused), &to_vec(reference), 2e-5);
+}
+
+#[test]
+fn inconsistent_shapes_are_typed_errors() {
+    let device = Device::flex();
+    let q = Tensor::<4>::zeros([1, 3, 4, 8], &device);
+    let k = Tensor::<4>::zeros([1, 2, 4, 8], &device);
+    let mask = Tensor::<3, Bool>::from_data(TensorData::new(vec![false; 16], [1, 4, 4]), &device);
+    let err = attention(q.clone(), k.clone(), k.clone(), mask.clone(), 1.0).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OpsError::ShapeMismatch {
+                what: "attention keys",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let k = Tensor::<4>::zeros([1, 1, 4, 8], &device);
+    let v = Tensor::<4>::zeros([1, 1, 5, 8], &device);
+    let err = attention(q.clone(), k.clone(), v, mask.clone(), 1.0).unwrap_err();
+    assert!(matches!(
+        err,
+        OpsError::ShapeMismatch {
+            what: "attention values",
+            ..
+        }
+    ));
+    let bad_mask =
+        Tensor::<3, Bool>::from_data(TensorData::new(vec![false; 12], [1, 4, 3]), &device);
+    let err = attention(q, k.clone(), k, bad_mask, 1.0).unwrap_err();
+    assert!(matches!(
+        err,
+        OpsError::ShapeMismatch {
+            what: "attention mask",
+            ..
+        }
+    ));
+}

@@ -1,0 +1,63 @@
+//! One model's training step, repeated, for profilers (`perf record`): the Qwen3-style 25 M
+//! model of `benches/train_step.rs` at batch 8 × 512 (`MILES_PROFILE_ITERS`, default 2).
+//!
+//! `cargo run -p miles-train --release --example step_profile`
+
+use burn::tensor::Device;
+use miles_bridge::{CausalLm, ModelConfig};
+use miles_core::{PolicyTrainer, Reward, Sample};
+use miles_ops::advantages::AdvantageConfig;
+use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
+
+fn main() {
+    let config = ModelConfig::from_hf_json(
+        r#"{"model_type": "qwen3", "vocab_size": 32000, "hidden_size": 384,
+        "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 6,
+        "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
+    )
+    .expect("config");
+    let iters: usize = std::env::var("MILES_PROFILE_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let device = Device::flex().autodiff();
+    let model = CausalLm::init(&config, &device).expect("init");
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let samples: Vec<Sample> = (0..8)
+        .map(|i| Sample {
+            tokens: (0..512)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state % 32000) as u32
+                })
+                .collect(),
+            response_length: 480,
+            reward: Some(Reward::Scalar((i % 2) as f64)),
+            group_index: Some((i / 2) as u64),
+            ..Sample::default()
+        })
+        .collect();
+    let cfg = TrainConfig {
+        lr_schedule: LrSchedule {
+            lr: 1e-5,
+            ..LrSchedule::default()
+        },
+        micro_batch_size: 8,
+        layout: BatchLayout::Padded,
+        advantage: AdvantageConfig::default().with_n_samples_per_prompt(2),
+        ..TrainConfig::default()
+    };
+    let mut actor = Actor::new(model, cfg).expect("actor");
+    for i in 0..iters {
+        let m = actor.train(i as u64, &samples).expect("train");
+        let keys = ["perf/step_time", "perf/old_logprob_time"];
+        for k in keys {
+            if let Some(v) = m.get(k) {
+                println!("step {i}: {k} = {v:.3} s");
+            }
+        }
+    }
+}
