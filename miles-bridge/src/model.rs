@@ -24,7 +24,7 @@
 use std::path::Path;
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::{log_softmax, sigmoid, silu, softmax};
+use burn::tensor::activation::{log_softmax, sigmoid, softmax};
 use burn::tensor::module::embedding;
 use burn::tensor::{Bool, Device, IndexingUpdateOp, Int, Tensor, TensorData};
 use miles_r3::{MoeLayerInfo, RouterHook};
@@ -257,8 +257,10 @@ impl MoeBlock {
             .experts
             .effective_up_proj()
             .reshape([experts * inter, hidden]);
-        let act =
-            silu(x.clone().matmul(gate_all.transpose())) * x.clone().matmul(up_all.transpose());
+        let act = swiglu(
+            x.clone().matmul(gate_all.transpose()),
+            x.clone().matmul(up_all.transpose()),
+        );
         let act = act.reshape([tokens, experts, inter]) * combine.unsqueeze_dim(2);
         let down_all = self
             .experts
@@ -335,7 +337,7 @@ impl MoeBlock {
             let g = gate.clone().narrow(0, e, 1).reshape([inter, hidden]);
             let u = up.clone().narrow(0, e, 1).reshape([inter, hidden]);
             let d = down.clone().narrow(0, e, 1).reshape([hidden, inter]);
-            let act = silu(xs.clone().matmul(g.transpose())) * xs.matmul(u.transpose());
+            let act = swiglu(xs.clone().matmul(g.transpose()), xs.matmul(u.transpose()));
             outputs.push(act.matmul(d.transpose()));
         }
         if outputs.is_empty() {
@@ -1225,4 +1227,11 @@ pub fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor<2, Int>, 
         TensorData::new(flat, [rows.len(), seq]),
         device,
     ))
+}
+
+/// `silu(gate) * up`, fused on flex (equal shapes by construction; the fallback only
+/// re-raises burn's own shape panic).
+fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
+    miles_ops::swiglu::swiglu(gate.clone(), up.clone())
+        .unwrap_or_else(|_| miles_ops::swiglu::swiglu_reference(gate, up))
 }

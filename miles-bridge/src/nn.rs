@@ -4,7 +4,6 @@
 //! importers and the parameter visitor used by export and gradient checks.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::silu;
 use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 
 use crate::BridgeError;
@@ -244,7 +243,12 @@ impl Mlp {
 
     /// Applies the MLP to `[tokens, hidden]` rows.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let h = silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x);
+        let gate = self.gate_proj.forward(x.clone());
+        let up = self.up_proj.forward(x);
+        // One fused op on flex; `silu(gate) * up` elsewhere (shapes are equal by
+        // construction, so the fallback is never taken on flex).
+        let h = miles_ops::swiglu::swiglu(gate.clone(), up.clone())
+            .unwrap_or_else(|_| miles_ops::swiglu::swiglu_reference(gate, up));
         self.down_proj.forward(h)
     }
 

@@ -74,7 +74,7 @@ fn row_limits(mask: &[u8], dims: &Dims) -> Vec<usize> {
 /// `exp(x)` for `x ≤ 0` (Cephes' polynomial after a base-2 range reduction, within 2 ulp),
 /// written without branches or calls so that row loops vectorise.
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;

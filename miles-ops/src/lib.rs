@@ -71,5 +71,6 @@ pub mod kl;
 pub mod logprobs;
 pub mod policy;
 pub mod reduce;
+pub mod swiglu;
 
 pub use error::{OpsError, Result};
