@@ -205,10 +205,10 @@ impl RmsNorm {
 
     /// Normalises the last dimension of `x`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let inv_rms = (x.clone().square().mean_dim(D - 1) + self.eps)
-            .sqrt()
-            .recip();
-        x * inv_rms * self.weight.val().unsqueeze()
+        // One fused op on flex, tensor ops elsewhere (the weight is `[d]` by construction).
+        let weight = self.weight.val();
+        miles_ops::norm::rms_norm(x.clone(), weight.clone(), self.eps)
+            .unwrap_or_else(|_| miles_ops::norm::rms_norm_reference(x, weight, self.eps))
     }
 
     pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
@@ -293,19 +293,12 @@ impl Rope {
         if self.rotary_dim == 0 {
             return x;
         }
-        let [_, _, _, head_dim] = x.dims();
-        let half = self.rotary_dim / 2;
-        let rot = x.clone().narrow(3, 0, self.rotary_dim);
-        let x1 = rot.clone().narrow(3, 0, half);
-        let x2 = rot.clone().narrow(3, half, half);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        let out = rot * self.cos.clone() + rotated * self.sin.clone();
-        if self.rotary_dim == head_dim {
-            out
-        } else {
-            let pass = x.narrow(3, self.rotary_dim, head_dim - self.rotary_dim);
-            Tensor::cat(vec![out, pass], 3)
-        }
+        let [batch, _, seq, _] = x.dims();
+        let table = |t: &Tensor<4>| t.clone().reshape([batch, seq, self.rotary_dim]);
+        let (cos, sin) = (table(&self.cos), table(&self.sin));
+        // One fused op on flex, tensor ops elsewhere (the tables match `x` by construction).
+        miles_ops::norm::rope(x.clone(), cos.clone(), sin.clone())
+            .unwrap_or_else(|_| miles_ops::norm::rope_reference(x, cos, sin))
     }
 }
 

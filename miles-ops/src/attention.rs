@@ -28,6 +28,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 
 use crate::flex_attention;
+use crate::flex_util::as_f32;
 use crate::{OpsError, Result};
 
 /// The score a masked key gets before the softmax.
@@ -155,18 +156,6 @@ pub trait FusedAttentionOps: Backend {
         grad: FloatTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
-}
-
-/// Casts to `f32` when needed (the flex kernels' dtype).
-fn as_f32(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
-    if t.dtype() == burn::backend::DType::F32 {
-        t
-    } else {
-        <Flex as burn::backend::ops::FloatTensorOps<Flex>>::float_cast(
-            t,
-            burn::backend::FloatDType::F32,
-        )
-    }
 }
 
 impl FusedAttentionOps for Flex {

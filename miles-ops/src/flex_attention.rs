@@ -14,8 +14,9 @@
 //! gradient reaches `v` only).
 
 use burn::backend::{DType, Flex, Shape, TensorMetadata, tensor::FloatTensor};
-use burn::tensor::TensorData;
 use rayon::prelude::*;
+
+use crate::flex_util::{f32_data, tensor};
 
 type FlexTensor = FloatTensor<Flex>;
 
@@ -39,28 +40,11 @@ impl Dims {
     }
 }
 
-/// The contiguous `f32` data of `t` (copied when `t` is a strided view).
-fn f32_data(t: &FlexTensor) -> std::borrow::Cow<'_, [f32]> {
-    match t.as_slice::<f32>() {
-        Some(s) => std::borrow::Cow::Borrowed(s),
-        None => std::borrow::Cow::Owned(
-            t.to_contiguous()
-                .as_slice::<f32>()
-                .map(<[f32]>::to_vec)
-                .unwrap_or_default(),
-        ),
-    }
-}
-
 /// The mask as one byte per element (non-zero = masked), contiguous.
 fn mask_bytes(mask: &FlexTensor) -> Vec<u8> {
     let contiguous = mask.to_contiguous();
     let n = contiguous.shape().num_elements();
     contiguous.bytes()[..n].to_vec()
-}
-
-fn tensor(data: Vec<f32>, shape: &[usize]) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(data, shape.to_vec()))
 }
 
 /// For every (batch, row), one past the last unmasked key (0: the whole row is masked).

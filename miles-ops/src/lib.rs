@@ -63,12 +63,14 @@ pub mod corrections;
 mod error;
 mod flex_attention;
 mod flex_steps;
+mod flex_util;
 pub mod fused;
 pub mod kernel_device;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels;
 pub mod kl;
 pub mod logprobs;
+pub mod norm;
 pub mod policy;
 pub mod reduce;
 pub mod swiglu;

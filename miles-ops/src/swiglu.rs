@@ -14,13 +14,13 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{
-    AutodiffBackend, Backend, DType, Dispatch, Flex, TensorMetadata, backend_extension,
-    tensor::FloatTensor,
+    AutodiffBackend, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor,
 };
+use burn::tensor::Tensor;
 use burn::tensor::activation::silu;
-use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
+use crate::flex_util::{as_f32, dims, f32_data, tensor};
 use crate::{OpsError, Result};
 
 /// Elements per parallel task.
@@ -72,38 +72,10 @@ fn sigmoid(x: f32) -> f32 {
     if x >= 0.0 { r } else { e * r }
 }
 
-fn contiguous_f32(t: &FloatTensor<Flex>) -> std::borrow::Cow<'_, [f32]> {
-    match t.as_slice::<f32>() {
-        Some(s) => std::borrow::Cow::Borrowed(s),
-        None => std::borrow::Cow::Owned(
-            t.to_contiguous()
-                .as_slice::<f32>()
-                .map(<[f32]>::to_vec)
-                .unwrap_or_default(),
-        ),
-    }
-}
-
-fn as_f32(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
-    if t.dtype() == DType::F32 {
-        t
-    } else {
-        <Flex as burn::backend::ops::FloatTensorOps<Flex>>::float_cast(
-            t,
-            burn::backend::FloatDType::F32,
-        )
-    }
-}
-
-fn from_vec(data: Vec<f32>, like: &FloatTensor<Flex>) -> FloatTensor<Flex> {
-    let dims: Vec<usize> = like.shape().iter().copied().collect();
-    FloatTensor::<Flex>::from_data(TensorData::new(data, dims))
-}
-
 impl SwiGluOps for Flex {
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         let (gate, up) = (as_f32(gate), as_f32(up));
-        let (g, u) = (contiguous_f32(&gate), contiguous_f32(&up));
+        let (g, u) = (f32_data(&gate), f32_data(&up));
         let mut out = vec![0.0f32; g.len()];
         out.par_chunks_mut(CHUNK)
             .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
@@ -112,7 +84,7 @@ impl SwiGluOps for Flex {
                     *o = g * sigmoid(g) * u;
                 }
             });
-        from_vec(out, &gate)
+        tensor(out, &dims(&gate))
     }
 
     fn swiglu_backward(
@@ -121,11 +93,7 @@ impl SwiGluOps for Flex {
         grad: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (gate, up, grad) = (as_f32(gate), as_f32(up), as_f32(grad));
-        let (g, u, dy) = (
-            contiguous_f32(&gate),
-            contiguous_f32(&up),
-            contiguous_f32(&grad),
-        );
+        let (g, u, dy) = (f32_data(&gate), f32_data(&up), f32_data(&grad));
         let mut d_gate = vec![0.0f32; g.len()];
         let mut d_up = vec![0.0f32; g.len()];
         d_gate
@@ -140,7 +108,7 @@ impl SwiGluOps for Flex {
                     *dg = dy * u * s * (1.0 + g * (1.0 - s));
                 }
             });
-        (from_vec(d_gate, &gate), from_vec(d_up, &gate))
+        (tensor(d_gate, &dims(&gate)), tensor(d_up, &dims(&gate)))
     }
 }
 
