@@ -41,13 +41,26 @@ pub const DEFAULT_TOKEN_CHUNK: usize = 1024;
 /// Default number of vocabulary rows per chunk.
 pub const DEFAULT_VOCAB_CHUNK: usize = 8192;
 
-/// Chunk sizes of the fused computation.
+/// Default [`FusedLogProbConfig::keep_logits_bytes`]: 1 GiB.
+pub const DEFAULT_KEEP_LOGITS_BYTES: usize = 1 << 30;
+
+/// Chunk sizes of the fused computation, and how much of the logits the backward may reuse.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FusedLogProbConfig {
     /// Tokens per chunk (≥ 1).
     pub token_chunk: usize,
     /// Vocabulary rows per chunk (≥ 1).
     pub vocab_chunk: usize,
+    /// On autodiff devices, the forward keeps its logit chunks for the backward when all of
+    /// them (`tokens × vocab × 4` bytes) fit in this many bytes, saving the backward's
+    /// recomputation (one `tokens × hidden × vocab` matmul); above it the backward
+    /// recomputes them and memory stays O(chunk). 0: always recompute.
+    #[serde(default = "default_keep_logits_bytes")]
+    pub keep_logits_bytes: usize,
+}
+
+fn default_keep_logits_bytes() -> usize {
+    DEFAULT_KEEP_LOGITS_BYTES
 }
 
 impl Default for FusedLogProbConfig {
@@ -55,17 +68,25 @@ impl Default for FusedLogProbConfig {
         Self {
             token_chunk: DEFAULT_TOKEN_CHUNK,
             vocab_chunk: DEFAULT_VOCAB_CHUNK,
+            keep_logits_bytes: DEFAULT_KEEP_LOGITS_BYTES,
         }
     }
 }
 
 impl FusedLogProbConfig {
-    /// Sets the chunk sizes.
+    /// Sets the chunk sizes (with the default logits budget).
     pub fn new(token_chunk: usize, vocab_chunk: usize) -> Self {
         Self {
             token_chunk,
             vocab_chunk,
+            keep_logits_bytes: DEFAULT_KEEP_LOGITS_BYTES,
         }
+    }
+
+    /// Sets [`FusedLogProbConfig::keep_logits_bytes`].
+    pub fn with_keep_logits_bytes(mut self, bytes: usize) -> Self {
+        self.keep_logits_bytes = bytes;
+        self
     }
 
     /// Computes `(log_probs, entropy)`, both `[tokens]`, from `hidden` `[tokens, hidden]`,
@@ -130,6 +151,10 @@ impl FusedLogProbConfig {
             let device = hidden.device();
             return Ok((Tensor::zeros([0], &device), Tensor::zeros([0], &device)));
         }
+        let keep_logits = tokens
+            .checked_mul(vocab)
+            .and_then(|n| n.checked_mul(4))
+            .is_some_and(|bytes| bytes <= self.keep_logits_bytes);
         let out =
             Tensor::<2>::from_dispatch(<Dispatch as FusedLogProbOps>::fused_log_prob_entropy(
                 hidden.into_dispatch(),
@@ -137,6 +162,7 @@ impl FusedLogProbConfig {
                 targets.into_dispatch(),
                 self.token_chunk,
                 self.vocab_chunk,
+                keep_logits,
             ));
         let log_probs = out.clone().slice([0..tokens, 0..1]).reshape([tokens]);
         let entropy = out.slice([0..tokens, 1..2]).reshape([tokens]);
@@ -211,13 +237,15 @@ pub const RUNNING_MAX_INIT: f32 = -1.0e30;
     Autodiff
 )]
 pub trait FusedLogProbOps: Backend {
-    /// Forward pass (no autodiff bookkeeping on plain backends).
+    /// Forward pass (no autodiff bookkeeping on plain backends). With `keep_logits`, an
+    /// autodiff backend keeps the logit chunks for its backward instead of recomputing them.
     fn fused_log_prob_entropy(
         hidden: FloatTensor<Self>,
         lm_head: FloatTensor<Self>,
         targets: IntTensor<Self>,
         token_chunk: usize,
         vocab_chunk: usize,
+        keep_logits: bool,
     ) -> FloatTensor<Self>;
 
     /// Forward step: `[rows, cols]` logits and `[rows, 3]` running `(m, s, u)` → updated
@@ -242,6 +270,7 @@ impl FusedLogProbOps for burn::backend::Flex {
         targets: IntTensor<Self>,
         token_chunk: usize,
         vocab_chunk: usize,
+        _keep_logits: bool,
     ) -> FloatTensor<Self> {
         forward_chunked::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
     }
@@ -270,6 +299,9 @@ pub struct ForwardState<B: Backend> {
     pub lse: FloatTensor<B>,
     /// `[tokens, 1]` expected logit `Σ p·z`.
     pub expected_logit: FloatTensor<B>,
+    /// The logit chunks, token chunk by token chunk and vocabulary chunk by vocabulary chunk,
+    /// when the forward was asked to keep them ([`forward_chunked_keeping`]); else empty.
+    pub logits: Vec<FloatTensor<B>>,
 }
 
 fn rows<B: Backend>(t: FloatTensor<B>, start: usize, end: usize) -> FloatTensor<B> {
@@ -338,6 +370,7 @@ pub fn forward_reference<B: Backend>(
         targets,
         token_chunk,
         vocab_chunk,
+        false,
         logit_chunk_stats_reference::<B>,
     )
 }
@@ -356,6 +389,27 @@ pub fn forward_chunked<B: FusedLogProbOps>(
         targets,
         token_chunk,
         vocab_chunk,
+        false,
+        B::logit_chunk_stats,
+    )
+}
+
+/// [`forward_chunked`], also returning the logit chunks in [`ForwardState::logits`] (for a
+/// backward that reuses them: [`backward_chunked_from`]).
+pub fn forward_chunked_keeping<B: FusedLogProbOps>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    token_chunk: usize,
+    vocab_chunk: usize,
+) -> ForwardState<B> {
+    forward_with::<B>(
+        hidden,
+        lm_head,
+        targets,
+        token_chunk,
+        vocab_chunk,
+        true,
         B::logit_chunk_stats,
     )
 }
@@ -366,6 +420,7 @@ fn forward_with<B: Backend>(
     targets: IntTensor<B>,
     token_chunk: usize,
     vocab_chunk: usize,
+    keep: bool,
     step: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
 ) -> ForwardState<B> {
     let tokens = hidden.shape()[0];
@@ -378,6 +433,7 @@ fn forward_with<B: Backend>(
 
     let mut lse_chunks = Vec::new();
     let mut ez_chunks = Vec::new();
+    let mut kept = Vec::new();
     for t0 in (0..tokens).step_by(token_chunk) {
         let t1 = (t0 + token_chunk).min(tokens);
         let n = t1 - t0;
@@ -399,6 +455,9 @@ fn forward_with<B: Backend>(
             let v1 = (v0 + vocab_chunk).min(vocab);
             let w_c = rows::<B>(lm_head.clone(), v0, v1);
             let z = B::float_matmul(h_c.clone(), B::float_transpose(w_c));
+            if keep {
+                kept.push(z.clone());
+            }
             state = step(z, state);
         }
         let m = cols::<B>(state.clone(), 0, 1);
@@ -415,6 +474,7 @@ fn forward_with<B: Backend>(
         output: B::float_cat(vec![log_prob, entropy], 1),
         lse,
         expected_logit,
+        logits: kept,
     }
 }
 
@@ -438,6 +498,7 @@ pub fn backward_reference<B: Backend>(
         [lse, expected_logit, grad],
         token_chunk,
         vocab_chunk,
+        Vec::new(),
         logit_chunk_grad_reference::<B>,
     )
 }
@@ -461,6 +522,31 @@ pub fn backward_chunked<B: FusedLogProbOps>(
         [lse, expected_logit, grad],
         token_chunk,
         vocab_chunk,
+        Vec::new(),
+        B::logit_chunk_grad,
+    )
+}
+
+/// [`backward_chunked`] reusing the forward's logit chunks ([`ForwardState::logits`] of
+/// [`forward_chunked_keeping`]) instead of recomputing them; with no chunks it recomputes.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_chunked_from<B: FusedLogProbOps>(
+    hidden: FloatTensor<B>,
+    lm_head: FloatTensor<B>,
+    targets: IntTensor<B>,
+    forward: ForwardState<B>,
+    grad: FloatTensor<B>,
+    token_chunk: usize,
+    vocab_chunk: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    backward_with::<B>(
+        hidden,
+        lm_head,
+        targets,
+        [forward.lse, forward.expected_logit, grad],
+        token_chunk,
+        vocab_chunk,
+        forward.logits,
         B::logit_chunk_grad,
     )
 }
@@ -472,6 +558,7 @@ fn backward_with<B: Backend>(
     [lse, expected_logit, grad]: [FloatTensor<B>; 3],
     token_chunk: usize,
     vocab_chunk: usize,
+    kept: Vec<FloatTensor<B>>,
     step: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let tokens = hidden.shape()[0];
@@ -480,6 +567,7 @@ fn backward_with<B: Backend>(
     let g_lp = cols::<B>(grad.clone(), 0, 1);
     // Per-token (lse, E, g_lp, g_H).
     let row_stats = B::float_cat(vec![lse, expected_logit, grad], 1);
+    let mut kept = kept.into_iter();
 
     let mut d_hidden_chunks = Vec::new();
     let mut d_head_chunks: Vec<Option<FloatTensor<B>>> =
@@ -492,7 +580,10 @@ fn backward_with<B: Backend>(
         for (k, v0) in (0..vocab).step_by(vocab_chunk).enumerate() {
             let v1 = (v0 + vocab_chunk).min(vocab);
             let w_c = rows::<B>(lm_head.clone(), v0, v1);
-            let z = B::float_matmul(h_c.clone(), B::float_transpose(w_c.clone()));
+            let z = match kept.next() {
+                Some(z) => z,
+                None => B::float_matmul(h_c.clone(), B::float_transpose(w_c.clone())),
+            };
             let coef = step(z, stats_c.clone());
             let dh = B::float_matmul(coef.clone(), w_c);
             dh_c = Some(match dh_c {
@@ -531,8 +622,7 @@ impl<B: FusedLogProbOps> Backward<B, 2> for FusedBackward {
         FloatTensor<B>,
         FloatTensor<B>,
         IntTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
+        ForwardState<B>,
         usize,
         usize,
     );
@@ -540,9 +630,9 @@ impl<B: FusedLogProbOps> Backward<B, 2> for FusedBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_hidden, node_head] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (hidden, lm_head, targets, lse, ez, tc, vc) = ops.state;
+        let (hidden, lm_head, targets, forward, tc, vc) = ops.state;
         let (d_hidden, d_head) =
-            backward_chunked::<B>(hidden, lm_head, targets, lse, ez, grad, tc, vc);
+            backward_chunked_from::<B>(hidden, lm_head, targets, forward, grad, tc, vc);
         if let Some(node) = node_hidden {
             grads.register::<B>(node.id, d_hidden);
         }
@@ -559,6 +649,7 @@ impl<B: Backend + FusedLogProbOps, C: CheckpointStrategy> FusedLogProbOps for Au
         targets: IntTensor<Self>,
         token_chunk: usize,
         vocab_chunk: usize,
+        keep_logits: bool,
     ) -> FloatTensor<Self> {
         let guards = [hidden.node(), lm_head.node()];
         let hidden = hidden.into_primitive();
@@ -569,23 +660,23 @@ impl<B: Backend + FusedLogProbOps, C: CheckpointStrategy> FusedLogProbOps for Au
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let fwd = forward_chunked::<B>(
+                let forward = if keep_logits {
+                    forward_chunked_keeping::<B>
+                } else {
+                    forward_chunked::<B>
+                };
+                let mut fwd = forward(
                     hidden.clone(),
                     lm_head.clone(),
                     targets.clone(),
                     token_chunk,
                     vocab_chunk,
                 );
-                let state = (
-                    hidden,
-                    lm_head,
-                    targets,
-                    fwd.lse,
-                    fwd.expected_logit,
-                    token_chunk,
-                    vocab_chunk,
-                );
-                prep.finish(state, fwd.output)
+                let output = fwd.output.clone();
+                // The backward needs the statistics (and kept logits), not the output.
+                fwd.output = fwd.lse.clone();
+                let state = (hidden, lm_head, targets, fwd, token_chunk, vocab_chunk);
+                prep.finish(state, output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::fused_log_prob_entropy(
                 hidden,
@@ -593,6 +684,7 @@ impl<B: Backend + FusedLogProbOps, C: CheckpointStrategy> FusedLogProbOps for Au
                 targets,
                 token_chunk,
                 vocab_chunk,
+                keep_logits,
             )),
         }
     }

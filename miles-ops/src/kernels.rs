@@ -252,6 +252,7 @@ impl FusedLogProbOps for CubeBackend {
         targets: IntTensor<Self>,
         token_chunk: usize,
         vocab_chunk: usize,
+        _keep_logits: bool,
     ) -> FloatTensor<Self> {
         forward_chunked::<Self>(hidden, lm_head, targets, token_chunk, vocab_chunk).output
     }

@@ -92,14 +92,18 @@ fn run(c: &Case, fused: Option<FusedLogProbConfig>) -> [Vec<f32>; 4] {
     ]
 }
 
+/// Both backward modes: reusing the forward's logit chunks (the default budget holds these
+/// small cases) and recomputing them (budget 0).
 fn compare(c: &Case, cfg: FusedLogProbConfig) {
     let plain = run(c, None);
-    let fused = run(c, Some(cfg));
-    for (i, what) in ["log_probs", "entropy", "d_hidden", "d_lm_head"]
-        .iter()
-        .enumerate()
-    {
-        assert_rel_close(what, &fused[i], &plain[i], 1e-5);
+    for cfg in [cfg, cfg.with_keep_logits_bytes(0)] {
+        let fused = run(c, Some(cfg));
+        for (i, what) in ["log_probs", "entropy", "d_hidden", "d_lm_head"]
+            .iter()
+            .enumerate()
+        {
+            assert_rel_close(what, &fused[i], &plain[i], 1e-5);
+        }
     }
 }
 
