@@ -62,7 +62,8 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;
-    let x = x.max(-87.0);
+    // Written so that a NaN argument stays NaN (`f32::max` would replace it).
+    let x = if x < -87.0 { -87.0 } else { x };
     let t = x * LOG2E + 0.5;
     let mut n = t as i32;
     n -= i32::from((n as f32) > t);
@@ -470,6 +471,7 @@ mod tests {
         assert!(worst < 4.0 * f32::EPSILON, "worst relative error {worst}");
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert!(exp_nonpositive(-1.0e30) < 1.0e-37);
+        assert!(exp_nonpositive(f32::NAN).is_nan());
     }
 
     #[test]

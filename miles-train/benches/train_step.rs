@@ -152,10 +152,10 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
     if moe {
         attach_routing(&model, &mut samples);
     }
-    let sparse_model = moe.then(|| {
-        let mut sparse = model.clone();
-        sparse.set_moe_dispatch(MoeDispatch::Sparse);
-        sparse
+    let dense_model = moe.then(|| {
+        let mut dense = model.clone();
+        dense.set_moe_dispatch(MoeDispatch::Dense);
+        dense
     });
     let (steps, actor) = step_times(model.clone(), &samples, false, iters);
     let baseline = tokens / torch_tokens_per_s;
@@ -189,21 +189,21 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
             100.0 * (mean_replay / mean_fall - 1.0)
         );
     }
-    if let Some(sparse) = sparse_model {
-        // Expert dispatch: sparse (opt-in) against dense (the default), same run.
-        let (sparse_steps, _) = step_times(sparse, &samples, false, iters);
-        let mean_dense = steps.iter().sum::<f64>() / steps.len() as f64;
-        let mean_sparse = sparse_steps.iter().sum::<f64>() / sparse_steps.len() as f64;
+    if let Some(dense) = dense_model {
+        // Expert dispatch: sparse (the default) against dense, same run.
+        let (dense_steps, _) = step_times(dense, &samples, false, iters);
+        let mean_sparse = steps.iter().sum::<f64>() / steps.len() as f64;
+        let mean_dense = dense_steps.iter().sum::<f64>() / dense_steps.len() as f64;
         println!(
             "xtask-result: train_step_moe_dispatch_{name} ours={mean_sparse:.4}s \
-             baseline={mean_dense:.4}s note=train step with sparse expert dispatch \
-             (MoeDispatch::Sparse) vs dense (every expert on every token, the default), same run"
+             baseline={mean_dense:.4}s note=train step with sparse expert dispatch (the default) \
+             vs dense (MoeDispatch::Dense: every expert on every token), same run"
         );
         println!(
-            "# {name}: sparse dispatch {:.0} tokens/s ({:.2}x PyTorch), dense {:.0} tokens/s",
+            "# {name}: sparse dispatch {:.0} tokens/s, dense {:.0} tokens/s ({:.2}x PyTorch)",
             tokens / mean_sparse,
-            tokens / mean_sparse / torch_tokens_per_s,
-            tokens / mean_dense
+            tokens / mean_dense,
+            tokens / mean_dense / torch_tokens_per_s
         );
     }
     let mut export = Vec::new();

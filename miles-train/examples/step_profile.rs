@@ -1,5 +1,6 @@
 //! One model's training step, repeated, for profilers (`perf record`): the Qwen3-style 25 M
-//! model of `benches/train_step.rs` at batch 8 × 512 (`MILES_PROFILE_ITERS`, default 2).
+//! model of `benches/train_step.rs` (or its GLM-4-MoE 88 M with `MILES_PROFILE_MODEL=glm`) at
+//! batch 8 × 512 (`MILES_PROFILE_ITERS`, default 2).
 //!
 //! `cargo run -p miles-train --release --example step_profile`
 
@@ -10,12 +11,22 @@ use miles_ops::advantages::AdvantageConfig;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 
 fn main() {
-    let config = ModelConfig::from_hf_json(
+    let glm = std::env::var("MILES_PROFILE_MODEL").is_ok_and(|m| m == "glm");
+    let config = ModelConfig::from_hf_json(if glm {
+        r#"{"model_type": "glm4_moe", "vocab_size": 32000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 8,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+        "routed_scaling_factor": 1.0, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+        "attention_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02}"#
+    } else {
         r#"{"model_type": "qwen3", "vocab_size": 32000, "hidden_size": 384,
         "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 6,
         "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 1000000.0,
-        "tie_word_embeddings": true, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
-    )
+        "tie_word_embeddings": true, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#
+    })
     .expect("config");
     let iters: usize = std::env::var("MILES_PROFILE_ITERS")
         .ok()
