@@ -106,6 +106,8 @@ fn cli() -> Cli {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
+    // Training allocates and frees large tensors every step: keep freed memory for reuse.
+    miles_train::retain_freed_memory();
     match parse_env(&cli()) {
         Ok(args) => exit_code(run(args).await),
         Err(code) => code,

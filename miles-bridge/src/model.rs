@@ -309,7 +309,6 @@ impl MoeBlock {
             cursor.push(start);
             start += count;
         }
-        let starts = cursor.clone();
         // pair_of_slot[slot] = t * k + j for the pair placed at `slot`.
         let mut pair_of_slot = vec![0i32; ids.len()];
         for (pair, &id) in ids.iter().enumerate() {
@@ -324,26 +323,18 @@ impl MoeBlock {
             Tensor::<1, Int>::from_data(TensorData::new(token_of_slot, [ids.len()]), &device);
         let rows = x.select(0, token_index.clone());
         let slot_weights = weights.reshape([tokens * k]).select(0, pairs);
-        let gate = self.experts.effective_gate_proj();
-        let up = self.experts.effective_up_proj();
-        let down = self.experts.effective_down_proj();
-        let [_, inter, _] = gate.dims();
-        let mut outputs = Vec::new();
-        for (e, (&count, &from)) in counts.iter().zip(&starts).enumerate() {
-            if count == 0 {
-                continue;
-            }
-            let xs = rows.clone().slice([from..from + count, 0..hidden]);
-            let g = gate.clone().narrow(0, e, 1).reshape([inter, hidden]);
-            let u = up.clone().narrow(0, e, 1).reshape([inter, hidden]);
-            let d = down.clone().narrow(0, e, 1).reshape([hidden, inter]);
-            let act = swiglu(xs.clone().matmul(g.transpose()), xs.matmul(u.transpose()));
-            outputs.push(act.matmul(d.transpose()));
-        }
-        if outputs.is_empty() {
-            return Ok(Tensor::<2>::zeros([tokens, hidden], &device));
-        }
-        let weighted = Tensor::cat(outputs, 0) * slot_weights.unsqueeze_dim(1);
+        // One grouped matmul per projection over the expert-sorted rows (per-expert slices
+        // and narrows would cost autodiff a full-size zero tensor each).
+        let grouped = |x: Tensor<2>, w: Tensor<3>| {
+            miles_ops::grouped::grouped_matmul(x.clone(), w.clone(), &counts)
+                .unwrap_or_else(|_| miles_ops::grouped::grouped_matmul_reference(x, w, &counts))
+        };
+        let act = swiglu(
+            grouped(rows.clone(), self.experts.effective_gate_proj()),
+            grouped(rows, self.experts.effective_up_proj()),
+        );
+        let outputs = grouped(act, self.experts.effective_down_proj());
+        let weighted = outputs * slot_weights.unsqueeze_dim(1);
         Ok(Tensor::<2>::zeros([tokens, hidden], &device).select_assign(
             0,
             token_index,

@@ -84,7 +84,7 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
 /// `dst[m×n] = beta·lhs[m×k]·rhs[k×n] (+ dst when `accumulate`)`, with explicit
 /// (row, column) strides, on the calling thread.
 #[allow(clippy::too_many_arguments)]
-fn matmul(
+pub(crate) fn matmul(
     m: usize,
     n: usize,
     k: usize,

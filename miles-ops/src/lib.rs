@@ -65,6 +65,7 @@ mod flex_attention;
 mod flex_steps;
 mod flex_util;
 pub mod fused;
+pub mod grouped;
 pub mod kernel_device;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels;

@@ -9,6 +9,9 @@
 //! printed as the equivalent step time; it is a constant, not re-measured here.
 //! Target: ours ≥ 0.8× PyTorch throughput, i.e. step time ≤ 1.25× the baseline.
 //!
+//! The process keeps freed memory for reuse (`miles_train::retain_freed_memory`), as the
+//! reference binary `examples/glm_moe_grpo.rs` does.
+//!
 //! Run: `cargo bench -p miles-train --bench train_step` (or `cargo xtask bench`).
 
 use std::time::Instant;
@@ -222,6 +225,8 @@ fn run(name: &str, config: ModelConfig, torch_tokens_per_s: f64, iters: usize) {
 }
 
 fn main() {
+    // As the reference binary (examples/glm_moe_grpo.rs) does.
+    miles_train::retain_freed_memory();
     let iters = std::env::var("MILES_BENCH_ITERS")
         .ok()
         .and_then(|v| v.parse().ok())

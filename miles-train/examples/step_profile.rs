@@ -11,6 +11,7 @@ use miles_ops::advantages::AdvantageConfig;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 
 fn main() {
+    miles_train::retain_freed_memory();
     let glm = std::env::var("MILES_PROFILE_MODEL").is_ok_and(|m| m == "glm");
     let config = ModelConfig::from_hf_json(if glm {
         r#"{"model_type": "glm4_moe", "vocab_size": 32000, "hidden_size": 512,

@@ -610,8 +610,17 @@ fn routing_replay_flows_from_samples_into_the_training_forward() {
     assert_eq!(mr["r3/flip_rate"], 0.0);
     let mut plain = Actor::new(model(), config()).unwrap();
     let mp = plain.train(0, &batch).unwrap();
-    assert_eq!(mr["train/grad_norm"], mp["train/grad_norm"]);
-    assert_eq!(mr["train/pg_loss"], mp["train/pg_loss"]);
+    // Equal up to f32 summation order: replayed ids arrive sorted, the router's in score
+    // order, so sparse dispatch adds a token's expert outputs in a different order.
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1e-12);
+    assert!(
+        close(mr["train/grad_norm"], mp["train/grad_norm"]),
+        "{mr:?} vs {mp:?}"
+    );
+    assert!(
+        close(mr["train/pg_loss"], mp["train/pg_loss"]),
+        "{mr:?} vs {mp:?}"
+    );
 
     // A different recorded routing (every MoE token routed to experts {0, 1}): flips are
     // reported, and the trainer's forward follows the recorded experts.

@@ -1,0 +1,106 @@
+//! The grouped expert matmul on flex against its tensor-op form (a slice of the rows and a
+//! narrow of the stacked weight per group): output and both gradients, with empty groups,
+//! fewer groups than experts, one row per group, and the shape errors.
+
+use burn::tensor::{Device, Tensor};
+use miles_ops::OpsError;
+use miles_ops::grouped::{grouped_matmul, grouped_matmul_reference};
+
+fn lcg(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+}
+
+fn run(fused: bool, sizes: &[usize], experts: usize, m: usize, k: usize) -> [Vec<f32>; 3] {
+    let device = Device::flex().autodiff();
+    let rows: usize = sizes.iter().sum();
+    let x = Tensor::<1>::from_floats(lcg(rows * k, 1, 1.0).as_slice(), &device)
+        .reshape([rows, k])
+        .require_grad();
+    let w = Tensor::<1>::from_floats(lcg(experts * m * k, 2, 0.5).as_slice(), &device)
+        .reshape([experts, m, k])
+        .require_grad();
+    let y = if fused {
+        grouped_matmul(x.clone(), w.clone(), sizes).unwrap()
+    } else {
+        grouped_matmul_reference(x.clone(), w.clone(), sizes)
+    };
+    let c = Tensor::<1>::from_floats(lcg(rows * m, 3, 1.0).as_slice(), &device).reshape([rows, m]);
+    let grads = (y.clone() * c).sum().backward();
+    [
+        to_vec(y.detach()),
+        to_vec(x.grad(&grads).unwrap()),
+        to_vec(w.grad(&grads).unwrap()),
+    ]
+}
+
+fn compare(sizes: &[usize], experts: usize, m: usize, k: usize) {
+    let (f, r) = (
+        run(true, sizes, experts, m, k),
+        run(false, sizes, experts, m, k),
+    );
+    for (i, what) in ["y", "dx", "dw"].iter().enumerate() {
+        let scale = r[i]
+            .iter()
+            .fold(0f32, |a, x| a.max(x.abs()))
+            .max(f32::MIN_POSITIVE);
+        let err = f[i]
+            .iter()
+            .zip(&r[i])
+            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        assert!(
+            err <= 1e-5 * scale,
+            "{what} ({sizes:?}): {err} vs scale {scale}"
+        );
+    }
+}
+
+#[test]
+fn grouped_matmul_matches_slices_and_narrows() {
+    compare(&[5, 0, 17, 3, 0, 40], 6, 24, 32);
+    compare(&[1, 1, 1], 3, 8, 5);
+    // Fewer groups listed than experts: the rest have no rows (and zero gradients).
+    compare(&[9, 4], 5, 12, 16);
+}
+
+#[test]
+fn bad_sizes_are_typed_errors() {
+    let device = Device::flex();
+    let x = Tensor::<2>::zeros([6, 4], &device);
+    let w = Tensor::<3>::zeros([2, 3, 4], &device);
+    let err = grouped_matmul(x.clone(), w.clone(), &[2, 3]).unwrap_err();
+    assert!(matches!(
+        err,
+        OpsError::ShapeMismatch {
+            what: "grouped_matmul group sizes (sum)",
+            ..
+        }
+    ));
+    let err = grouped_matmul(x.clone(), w.clone(), &[2, 2, 2]).unwrap_err();
+    assert!(matches!(
+        err,
+        OpsError::ShapeMismatch {
+            what: "grouped_matmul weights",
+            ..
+        }
+    ));
+    let err = grouped_matmul(x, Tensor::<3>::zeros([2, 3, 5], &device), &[3, 3]).unwrap_err();
+    assert!(matches!(
+        err,
+        OpsError::ShapeMismatch {
+            what: "grouped_matmul weights",
+            ..
+        }
+    ));
+}
