@@ -1,0 +1,66 @@
+"""PyTorch reference for `benches/train_step.rs`: the same two models and batch, trained with
+HF transformers on the CPU with 2 threads (forward + causal-LM loss + backward + AdamW).
+
+Usage: python torch_train_step.py [--iters N]   (needs torch, transformers)
+Prints one line per model: `torch-result: <name> tokens_per_s=<x> step_s=<y>`.
+The Rust bench runs this script in the same run when a Python with torch is available
+(`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root).
+"""
+import argparse
+import time
+
+import torch
+import transformers
+
+BATCH, SEQ = 8, 512
+
+GLM = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
+           num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=16,
+           num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+           norm_topk_prob=True, routed_scaling_factor=1.0, num_attention_heads=8,
+           num_key_value_heads=4, head_dim=64,
+           rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                partial_rotary_factor=0.5),
+           attention_bias=False, tie_word_embeddings=False, rms_norm_eps=1e-5,
+           initializer_range=0.02)
+QWEN3 = dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+             tie_word_embeddings=True, rms_norm_eps=1e-6, initializer_range=0.02)
+
+MODELS = {
+    "glm_moe_88m": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, GLM),
+    "qwen3_25m": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    for name, (config_cls, model_cls, kwargs) in MODELS.items():
+        if args.only and name != args.only:
+            continue
+        model = model_cls(config_cls(**kwargs)).float().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.randint(0, kwargs["vocab_size"], (BATCH, SEQ))
+        times = []
+        for i in range(args.iters + 1):
+            start = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i > 0:  # the first step is a warm-up
+                times.append(time.perf_counter() - start)
+        step = sum(times) / len(times)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"torch-result: {name} tokens_per_s={BATCH * SEQ / step:.1f} step_s={step:.4f} "
+              f"params={params}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
