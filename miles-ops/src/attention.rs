@@ -28,7 +28,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 
 use crate::flex_attention;
-use crate::flex_util::as_f32;
+use crate::flex_util::{as_f32, takes_fused};
 use crate::{OpsError, Result};
 
 /// The score a masked key gets before the softmax.
@@ -81,10 +81,7 @@ pub fn attention(
     scale: f32,
 ) -> Result<Tensor<4>> {
     check(&q.dims(), &k.dims(), &v.dims(), &mask.dims())?;
-    let f32s = [&q, &k, &v]
-        .iter()
-        .all(|t| t.dtype() == burn::tensor::DType::F32);
-    if !f32s || !runs_fused(&q.device()) {
+    if !takes_fused(&[q.dtype(), k.dtype(), v.dtype()], &q.device()) {
         return Ok(attention_reference(q, k, v, mask, scale));
     }
     Ok(Tensor::from_dispatch(

@@ -133,6 +133,24 @@ pub(crate) fn matmul(
     }
 }
 
+/// `dst[n×kk] = scale · q_rows[n×d] · keys[..kk]ᵀ` (keys `[t, d]` row-major).
+fn scaled_scores(dst: &mut [f32], q_rows: &[f32], keys: &[f32], kk: usize, d: usize, scale: f32) {
+    let n = q_rows.len() / d.max(1);
+    matmul(
+        n,
+        kk,
+        d,
+        dst,
+        kk,
+        false,
+        q_rows,
+        (d, 1),
+        keys,
+        (1, d),
+        scale,
+    );
+}
+
 /// One block's key count: the furthest limit among its rows.
 fn block_keys(limits: &[usize]) -> usize {
     limits.iter().copied().max().unwrap_or(0)
@@ -225,19 +243,7 @@ pub(crate) fn forward(
                 let kk = block_keys(&lim[r0..r1]);
                 if kk > 0 {
                     let sc = &mut scores[..n * kk];
-                    matmul(
-                        n,
-                        kk,
-                        d,
-                        sc,
-                        kk,
-                        false,
-                        &qh[r0 * d..r1 * d],
-                        (d, 1),
-                        kh,
-                        (1, d),
-                        scale,
-                    );
+                    scaled_scores(sc, &qh[r0 * d..r1 * d], kh, kk, d, scale);
                     for (i, row) in sc.chunks_mut(kk).enumerate() {
                         let r = r0 + i;
                         if lim[r] == 0 {
@@ -342,19 +348,7 @@ pub(crate) fn backward(
                         continue;
                     }
                     let p = &mut probs[..n * kk];
-                    matmul(
-                        n,
-                        kk,
-                        d,
-                        p,
-                        kk,
-                        false,
-                        &qh[r0 * d..r1 * d],
-                        (d, 1),
-                        kh,
-                        (1, d),
-                        scale,
-                    );
+                    scaled_scores(p, &qh[r0 * d..r1 * d], kh, kk, d, scale);
                     for (i, row) in p.chunks_mut(kk).enumerate() {
                         let r = r0 + i;
                         if lim[r] == 0 {

@@ -39,3 +39,9 @@ pub(crate) fn tensor(data: Vec<f32>, shape: &[usize]) -> FloatTensor<Flex> {
 pub(crate) fn dims(t: &FloatTensor<Flex>) -> Vec<usize> {
     t.shape().iter().copied().collect()
 }
+
+/// Whether the fused ops take tensors of these dtypes on `device`: `f32` on flex (with or
+/// without autodiff).
+pub(crate) fn takes_fused(dtypes: &[burn::tensor::DType], device: &burn::tensor::Device) -> bool {
+    dtypes.iter().all(|d| *d == burn::tensor::DType::F32) && crate::attention::runs_fused(device)
+}

@@ -26,7 +26,7 @@ use burn::tensor::Tensor;
 use rayon::prelude::*;
 
 use crate::flex_attention::matmul;
-use crate::flex_util::{as_f32, dims, f32_data, tensor};
+use crate::flex_util::{as_f32, dims, f32_data, takes_fused, tensor};
 use crate::{OpsError, Result};
 
 /// `x_e · w_eᵀ` for consecutive row groups (see the module docs). Errors when the group
@@ -49,8 +49,7 @@ pub fn grouped_matmul(x: Tensor<2>, w: Tensor<3>, group_sizes: &[usize]) -> Resu
             got: vec![total],
         });
     }
-    let f32s = x.dtype() == burn::tensor::DType::F32 && w.dtype() == burn::tensor::DType::F32;
-    if !f32s || !crate::attention::runs_fused(&x.device()) {
+    if !takes_fused(&[x.dtype(), w.dtype()], &x.device()) {
         return Ok(grouped_matmul_reference(x, w, group_sizes));
     }
     let mut sizes = group_sizes.to_vec();

@@ -25,7 +25,7 @@ use burn::backend::{
 use burn::tensor::Tensor;
 use rayon::prelude::*;
 
-use crate::flex_util::{as_f32, dims, f32_data, tensor};
+use crate::flex_util::{as_f32, dims, f32_data, takes_fused, tensor};
 use crate::{OpsError, Result};
 
 /// Rows per parallel task.
@@ -41,8 +41,7 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64) -> Re
             got: weight.dims().to_vec(),
         });
     }
-    let f32s = x.dtype() == burn::tensor::DType::F32 && weight.dtype() == burn::tensor::DType::F32;
-    if !f32s || !crate::attention::runs_fused(&x.device()) {
+    if !takes_fused(&[x.dtype(), weight.dtype()], &x.device()) {
         return Ok(rms_norm_reference(x, weight, eps));
     }
     Ok(Tensor::from_dispatch(<Dispatch as NormRopeOps>::rms_norm(
@@ -73,10 +72,7 @@ pub fn rope(x: Tensor<4>, cos: Tensor<3>, sin: Tensor<3>) -> Result<Tensor<4>> {
     if rot == 0 {
         return Ok(x);
     }
-    let f32s = [x.dtype(), cos.dtype(), sin.dtype()]
-        .iter()
-        .all(|d| *d == burn::tensor::DType::F32);
-    if !f32s || !crate::attention::runs_fused(&x.device()) {
+    if !takes_fused(&[x.dtype(), cos.dtype(), sin.dtype()], &x.device()) {
         return Ok(rope_reference(x, cos, sin));
     }
     Ok(Tensor::from_dispatch(<Dispatch as NormRopeOps>::rope(
@@ -180,6 +176,27 @@ fn rope_pass(
     out
 }
 
+/// [`rope_pass`] on flex tensors.
+fn rope_flex(
+    x: FloatTensor<Flex>,
+    cos: FloatTensor<Flex>,
+    sin: FloatTensor<Flex>,
+    transpose: bool,
+) -> FloatTensor<Flex> {
+    let (x, cos, sin) = (as_f32(x), as_f32(cos), as_f32(sin));
+    let shape = dims(&x);
+    let rot = dims(&cos)[2];
+    let out = rope_pass(
+        &f32_data(&x),
+        &f32_data(&cos),
+        &f32_data(&sin),
+        &shape,
+        rot,
+        transpose,
+    );
+    tensor(out, &shape)
+}
+
 impl NormRopeOps for Flex {
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self> {
         let (x, weight) = (as_f32(x), as_f32(weight));
@@ -247,18 +264,7 @@ impl NormRopeOps for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let (x, cos, sin) = (as_f32(x), as_f32(cos), as_f32(sin));
-        let shape = dims(&x);
-        let rot = dims(&cos)[2];
-        let out = rope_pass(
-            &f32_data(&x),
-            &f32_data(&cos),
-            &f32_data(&sin),
-            &shape,
-            rot,
-            false,
-        );
-        tensor(out, &shape)
+        rope_flex(x, cos, sin, false)
     }
 
     fn rope_backward(
@@ -266,18 +272,7 @@ impl NormRopeOps for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let (grad, cos, sin) = (as_f32(grad), as_f32(cos), as_f32(sin));
-        let shape = dims(&grad);
-        let rot = dims(&cos)[2];
-        let out = rope_pass(
-            &f32_data(&grad),
-            &f32_data(&cos),
-            &f32_data(&sin),
-            &shape,
-            rot,
-            true,
-        );
-        tensor(out, &shape)
+        rope_flex(grad, cos, sin, true)
     }
 }
 

@@ -20,7 +20,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::silu;
 use rayon::prelude::*;
 
-use crate::flex_util::{as_f32, dims, f32_data, tensor};
+use crate::flex_util::{as_f32, dims, f32_data, takes_fused, tensor};
 use crate::{OpsError, Result};
 
 /// Elements per parallel task.
@@ -35,8 +35,7 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Result<Tensor<D
             got: up.dims().to_vec(),
         });
     }
-    let f32s = gate.dtype() == burn::tensor::DType::F32 && up.dtype() == burn::tensor::DType::F32;
-    if !f32s || !crate::attention::runs_fused(&gate.device()) {
+    if !takes_fused(&[gate.dtype(), up.dtype()], &gate.device()) {
         return Ok(swiglu_reference(gate, up));
     }
     Ok(Tensor::from_dispatch(<Dispatch as SwiGluOps>::swiglu(

@@ -6,21 +6,8 @@ use burn::tensor::{Device, Tensor};
 use miles_ops::OpsError;
 use miles_ops::grouped::{grouped_matmul, grouped_matmul_reference};
 
-fn lcg(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
-}
+mod common;
+use common::{assert_rel_close, lcg, to_vec};
 
 fn run(fused: bool, sizes: &[usize], experts: usize, m: usize, k: usize) -> [Vec<f32>; 3] {
     let device = Device::flex().autodiff();
@@ -51,18 +38,7 @@ fn compare(sizes: &[usize], experts: usize, m: usize, k: usize) {
         run(false, sizes, experts, m, k),
     );
     for (i, what) in ["y", "dx", "dw"].iter().enumerate() {
-        let scale = r[i]
-            .iter()
-            .fold(0f32, |a, x| a.max(x.abs()))
-            .max(f32::MIN_POSITIVE);
-        let err = f[i]
-            .iter()
-            .zip(&r[i])
-            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-        assert!(
-            err <= 1e-5 * scale,
-            "{what} ({sizes:?}): {err} vs scale {scale}"
-        );
+        assert_rel_close(what, &f[i], &r[i], 1e-5);
     }
 }
 

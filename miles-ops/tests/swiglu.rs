@@ -5,21 +5,8 @@ use burn::tensor::{Device, Tensor};
 use miles_ops::OpsError;
 use miles_ops::swiglu::{swiglu, swiglu_reference};
 
-fn lcg(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
-}
+mod common;
+use common::{assert_rel_close, lcg, to_vec};
 
 fn run(fused: bool, transposed: bool) -> [Vec<f32>; 3] {
     let device = Device::flex().autodiff();
@@ -61,15 +48,7 @@ fn fused_swiglu_matches_the_tensor_op_form() {
     for transposed in [false, true] {
         let (fused, reference) = (run(true, transposed), run(false, transposed));
         for (i, what) in ["out", "d_gate", "d_up"].iter().enumerate() {
-            let scale = reference[i].iter().fold(0f32, |m, x| m.max(x.abs()));
-            let err = fused[i]
-                .iter()
-                .zip(&reference[i])
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                err <= 1e-6 * scale,
-                "{what} (transposed {transposed}): {err} vs scale {scale}"
-            );
+            assert_rel_close(what, &fused[i], &reference[i], 1e-6);
         }
     }
 }
