@@ -70,6 +70,18 @@ fn logits_logprobs_routing_and_gradients_match_transformers_dense_dispatch() {
     check_against_transformers(MoeDispatch::Dense);
 }
 
+#[test]
+fn auto_dispatch_is_sparse_on_flex() {
+    for device in [Device::flex(), Device::flex().autodiff()] {
+        assert_eq!(MoeDispatch::Auto.resolve(&device), MoeDispatch::Sparse);
+    }
+    assert_eq!(
+        MoeDispatch::Dense.resolve(&Device::flex()),
+        MoeDispatch::Dense
+    );
+    assert_eq!(MoeDispatch::default(), MoeDispatch::Auto);
+}
+
 fn check_against_transformers(dispatch: MoeDispatch) {
     let device = Device::flex().autodiff();
     let mut model = load(&device);

@@ -74,7 +74,7 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
         * g
         + 1.666_666_5e-1)
         * g
-        + 5.000_000_1e-1)
+        + 0.5)
         * z
         + g
         + 1.0;

@@ -551,6 +551,7 @@ pub fn backward_chunked_from<B: FusedLogProbOps>(
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn backward_with<B: Backend>(
     hidden: FloatTensor<B>,
     lm_head: FloatTensor<B>,

@@ -64,16 +64,13 @@ fn run(c: &Case, fused: bool, transposed: bool) -> [Vec<f32>; 4] {
     let device = Device::flex().autodiff();
     let make = |heads: usize, rows: usize, seed: u64| {
         let data = lcg(c.batch * heads * rows * c.head_dim, seed, 1.5);
-        let t = if transposed {
-            Tensor::<1>::from_floats(data.as_slice(), &device)
-                .reshape([c.batch, rows, heads, c.head_dim])
-                .require_grad()
+        let flat = Tensor::<1>::from_floats(data.as_slice(), &device);
+        let shape = if transposed {
+            [c.batch, rows, heads, c.head_dim]
         } else {
-            Tensor::<1>::from_floats(data.as_slice(), &device)
-                .reshape([c.batch, heads, rows, c.head_dim])
-                .require_grad()
+            [c.batch, heads, rows, c.head_dim]
         };
-        t
+        flat.reshape(shape).require_grad()
     };
     let q0 = make(c.heads, c.rows, 1);
     let k0 = make(c.kv_heads, c.keys, 2);
