@@ -125,8 +125,11 @@ pub struct MoeBlock {
 /// How an MoE layer applies its routed experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeDispatch {
-    /// `Sparse` on flex, where reading the chosen ids back is a copy in the same memory;
-    /// `Dense` on other devices, where it would be a device-to-host round trip. The default.
+    /// `Sparse` on flex for batches of at least [`MoeDispatch::AUTO_SPARSE_MIN_TOKENS`]
+    /// tokens (training, prefill), where reading the chosen ids back is a copy in the same
+    /// memory; `Dense` for smaller batches (decode steps, where per-expert launches cost more
+    /// than the skipped work) and on other devices, where the read would be a device-to-host
+    /// round trip. The default.
     #[default]
     Auto,
     /// Every expert on every token, unchosen experts weighted by zero: fixed shapes, nothing
@@ -139,10 +142,18 @@ pub enum MoeDispatch {
 }
 
 impl MoeDispatch {
-    /// The dispatch used on `device` (`Auto` resolved).
-    pub fn resolve(self, device: &Device) -> Self {
+    /// Smallest batch (tokens) that `Auto` dispatches sparsely on flex.
+    pub const AUTO_SPARSE_MIN_TOKENS: usize = 256;
+
+    /// The dispatch used for `tokens` tokens on `device` (`Auto` resolved).
+    pub fn resolve(self, device: &Device, tokens: usize) -> Self {
         match self {
-            Self::Auto if miles_ops::attention::runs_fused(device) => Self::Sparse,
+            Self::Auto
+                if tokens >= Self::AUTO_SPARSE_MIN_TOKENS
+                    && miles_ops::attention::runs_fused(device) =>
+            {
+                Self::Sparse
+            }
             Self::Auto => Self::Dense,
             other => other,
         }
@@ -229,7 +240,7 @@ impl MoeBlock {
         if self.routed_scaling_factor != 1.0 {
             weights = weights * self.routed_scaling_factor;
         }
-        let mut out = match self.dispatch.resolve(&x.device()) {
+        let mut out = match self.dispatch.resolve(&x.device(), x.dims()[0]) {
             MoeDispatch::Sparse => self.experts_sparse(x.clone(), &chosen, weights.clone())?,
             MoeDispatch::Dense | MoeDispatch::Auto => {
                 self.experts_dense(x.clone(), &chosen, weights.clone())

@@ -71,13 +71,25 @@ fn logits_logprobs_routing_and_gradients_match_transformers_dense_dispatch() {
 }
 
 #[test]
-fn auto_dispatch_is_sparse_on_flex() {
+fn auto_dispatch_is_sparse_on_flex_for_large_batches() {
+    let many = MoeDispatch::AUTO_SPARSE_MIN_TOKENS;
     for device in [Device::flex(), Device::flex().autodiff()] {
-        assert_eq!(MoeDispatch::Auto.resolve(&device), MoeDispatch::Sparse);
+        assert_eq!(
+            MoeDispatch::Auto.resolve(&device, many),
+            MoeDispatch::Sparse
+        );
+        assert_eq!(
+            MoeDispatch::Auto.resolve(&device, many - 1),
+            MoeDispatch::Dense
+        );
     }
     assert_eq!(
-        MoeDispatch::Dense.resolve(&Device::flex()),
+        MoeDispatch::Dense.resolve(&Device::flex(), many),
         MoeDispatch::Dense
+    );
+    assert_eq!(
+        MoeDispatch::Sparse.resolve(&Device::flex(), 1),
+        MoeDispatch::Sparse
     );
     assert_eq!(MoeDispatch::default(), MoeDispatch::Auto);
 }
