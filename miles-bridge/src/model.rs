@@ -13,8 +13,8 @@
 //! Qwen3-MoE routing: `p = softmax(logits)`, top-k of `p` chosen by the hook, `w = p[chosen]`,
 //! renormalised (`w / sum w`) when `norm_topk_prob`; no shared experts.
 //!
-//! Expert dispatch ([`MoeDispatch`]; `Auto`, the default, is `Sparse` on flex and `Dense`
-//! elsewhere). `Sparse` groups the (token, slot) pairs
+//! Expert dispatch ([`MoeDispatch`]; `Auto`, the default, is `Sparse` on flex for batches of
+//! at least 256 tokens and `Dense` otherwise). `Sparse` groups the (token, slot) pairs
 //! by expert with a counting sort of the chosen ids (read back to the host: a copy on a CPU
 //! backend) and runs each expert on its own rows, `top_k / E` of the dense work. `Dense` runs
 //! entirely on the device with static shapes (no host round trip, no `sort` / `one_hot`): the
@@ -37,7 +37,7 @@ use crate::lora::{ExpertLora, LoraConfig};
 use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
 use crate::nn::{
     Attention, AttentionShape, Builder, Init, LayerCache, Linear, Mlp, ParamRef, ParamVisitor,
-    RmsNorm, Rope, WeightSource, attention_mask,
+    RmsNorm, Rope, WeightSource, attention_mask, swiglu,
 };
 use crate::{BridgeError, ModelConfig};
 
@@ -1246,11 +1246,4 @@ pub fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor<2, Int>, 
         TensorData::new(flat, [rows.len(), seq]),
         device,
     ))
-}
-
-/// `silu(gate) * up`, fused on flex (equal shapes by construction; the fallback only
-/// re-raises burn's own shape panic).
-fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
-    miles_ops::swiglu::swiglu(gate.clone(), up.clone())
-        .unwrap_or_else(|_| miles_ops::swiglu::swiglu_reference(gate, up))
 }

@@ -216,6 +216,13 @@ impl RmsNorm {
     }
 }
 
+/// `silu(gate) * up`: one fused op on flex, tensor ops elsewhere (equal shapes by
+/// construction; the fallback only re-raises burn's own shape panic).
+pub(crate) fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
+    miles_ops::swiglu::swiglu(gate.clone(), up.clone())
+        .unwrap_or_else(|_| miles_ops::swiglu::swiglu_reference(gate, up))
+}
+
 /// SwiGLU MLP `down(silu(gate(x)) * up(x))` (no biases).
 #[derive(Module, Debug)]
 pub struct Mlp {
@@ -243,12 +250,7 @@ impl Mlp {
 
     /// Applies the MLP to `[tokens, hidden]` rows.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let gate = self.gate_proj.forward(x.clone());
-        let up = self.up_proj.forward(x);
-        // One fused op on flex; `silu(gate) * up` elsewhere (shapes are equal by
-        // construction, so the fallback is never taken on flex).
-        let h = miles_ops::swiglu::swiglu(gate.clone(), up.clone())
-            .unwrap_or_else(|_| miles_ops::swiglu::swiglu_reference(gate, up));
+        let h = swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
         self.down_proj.forward(h)
     }
 
