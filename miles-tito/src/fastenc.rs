@@ -24,7 +24,7 @@
 //! randomised ASCII text for the Qwen3, Llama 3.1 and GLM-4.5 tokenizers.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 use std::sync::{Arc, RwLock};
 
 use serde_json::Value as Json;
@@ -57,13 +57,33 @@ pub struct FastEncoder {
     cache: RwLock<PieceCache>,
 }
 
-type PieceCache = HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<PieceHasher>>;
+type PieceCache = HashMap<Box<str>, Box<[u32]>, PieceHasherBuilder>;
 
-/// A multiply-rotate hasher over 8-byte words (the Fx scheme) for the piece cache: pieces are
-/// short ASCII strings of our own text, so SipHash's resistance to chosen keys buys nothing
-/// and costs a third of a cache lookup.
-#[derive(Default)]
+/// A multiply-rotate hasher over 8-byte words (the Fx scheme) with a per-process random seed
+/// and a murmur3 finaliser, for the piece cache: SipHash cost a third of a cache lookup. The
+/// seed keeps collisions from being chosen by whoever writes the text (the words after the
+/// first are mixed with seed-dependent state), and the finaliser spreads every input bit
+/// into the bucket bits (plain Fx leaves the low bits blind to the high bytes of a word).
 struct PieceHasher(u64);
+
+/// Builds [`PieceHasher`]s from one random seed.
+#[derive(Clone)]
+struct PieceHasherBuilder(u64);
+
+impl Default for PieceHasherBuilder {
+    fn default() -> Self {
+        use std::hash::BuildHasher;
+        Self(std::collections::hash_map::RandomState::new().hash_one(0x9e37_79b9_u64))
+    }
+}
+
+impl std::hash::BuildHasher for PieceHasherBuilder {
+    type Hasher = PieceHasher;
+
+    fn build_hasher(&self) -> PieceHasher {
+        PieceHasher(self.0)
+    }
+}
 
 impl PieceHasher {
     const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
@@ -98,7 +118,12 @@ impl Hasher for PieceHasher {
     }
 
     fn finish(&self) -> u64 {
-        self.0
+        let mut h = self.0;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^ (h >> 33)
     }
 }
 
@@ -423,6 +448,22 @@ mod tests {
         assert_eq!(pieces("\tfoo ,bar", 1), ["\tfoo", " ,", "bar"]);
         assert_eq!(pieces("\nfoo", 1), ["\n", "foo"]);
         assert_eq!(pieces("   {", 1), ["  ", " {"]);
+    }
+
+    #[test]
+    fn piece_hasher_spreads_high_bytes_into_bucket_bits() {
+        use std::hash::BuildHasher;
+        let build = PieceHasherBuilder::default();
+        // Pieces that differ only in the high bytes of their one word: with plain Fx their
+        // low hash bits (the bucket of a small table) would all be equal.
+        let buckets: std::collections::HashSet<u64> = (b'A'..=b'Z')
+            .map(|c| build.hash_one(format!("abcd{}xyz", c as char)) & 0xff)
+            .collect();
+        assert!(
+            buckets.len() > 16,
+            "{} distinct buckets of 26 pieces",
+            buckets.len()
+        );
     }
 
     #[test]
