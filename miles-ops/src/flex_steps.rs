@@ -7,8 +7,6 @@ use burn::backend::{DType, Flex, TensorMetadata};
 use burn::tensor::TensorData;
 use rayon::prelude::*;
 
-use crate::flex_attention::exp_nonpositive;
-
 type FlexTensor = FloatTensor<Flex>;
 
 /// `(data, rows, cols)` of a 2-D `f32` tensor, made contiguous; `None` for other dtypes.
@@ -59,11 +57,11 @@ pub(crate) fn logit_chunk_stats(logits: FlexTensor, running: FlexTensor) -> Flex
                 let m_new = zr.iter().fold(st[0], |m, &x| if x > m { x } else { m });
                 let (mut s, mut u) = (0f64, 0f64);
                 for &x in zr {
-                    let e = exp_nonpositive(x - m_new);
+                    let e = (x - m_new).exp();
                     s += f64::from(e);
                     u += f64::from(e * x);
                 }
-                let scale = exp_nonpositive(st[0] - m_new);
+                let scale = (st[0] - m_new).exp();
                 o[0] = m_new;
                 o[1] = (f64::from(st[1] * scale) + s) as f32;
                 o[2] = (f64::from(st[2] * scale) + u) as f32;
@@ -91,7 +89,7 @@ pub(crate) fn logit_chunk_grad(logits: FlexTensor, row_stats: FlexTensor) -> Fle
             .for_each(|((o, zr), st)| {
                 let (lse, ez, g_lp, g_h) = (st[0], st[1], st[2], st[3]);
                 for (o, &x) in o.iter_mut().zip(zr) {
-                    *o = -exp_nonpositive(x - lse) * (g_lp + g_h * (x - ez));
+                    *o = -(x - lse).exp() * (g_lp + g_h * (x - ez));
                 }
             });
         (out, rows, cols)
