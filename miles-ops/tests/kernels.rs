@@ -18,18 +18,8 @@ use miles_ops::fused::{
 use miles_ops::kernel_device::kernel_test_device;
 use miles_ops::logprobs::log_probs_and_entropy_plain;
 
-/// Deterministic pseudo-random numbers in [-scale, scale).
-fn lcg(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
+mod common;
+use common::lcg;
 
 fn t2(v: &[f32], shape: [usize; 2], d: &Device) -> Tensor<2> {
     Tensor::<2>::from_data(TensorData::new(v.to_vec(), shape), d)
