@@ -152,8 +152,71 @@ fn safetensors_error(path: &Path, err: impl fmt::Display) -> BridgeError {
     }
 }
 
-/// Reads every tensor of one `.safetensors` file.
+/// Largest safetensors JSON header accepted (the safetensors format's own limit: 100 MB).
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Checks a `.safetensors` file's size against its header before anything else is read: the
+/// 8-byte header length must be within [`MAX_HEADER_BYTES`] and the file, the header JSON
+/// must parse, and the file must be exactly as long as the header's largest data offset says
+/// (a truncated or padded file is an error). Returns that length.
+pub fn check_safetensors_size(path: &Path) -> Result<u64, BridgeError> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| BridgeError::io(path, e))?;
+    let file_len = file.metadata().map_err(|e| BridgeError::io(path, e))?.len();
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix)
+        .map_err(|_| safetensors_error(path, format!("file of {file_len} bytes has no header")))?;
+    let header_len = u64::from_le_bytes(prefix);
+    if header_len > MAX_HEADER_BYTES || header_len > file_len - 8 {
+        return Err(safetensors_error(
+            path,
+            format!("header length {header_len} does not fit a file of {file_len} bytes"),
+        ));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| BridgeError::io(path, e))?;
+    let header: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| safetensors_error(path, format!("header is not JSON: {e}")))?;
+    let entries = header
+        .as_object()
+        .ok_or_else(|| safetensors_error(path, "header is not a JSON object"))?;
+    let mut data_end = 0u64;
+    for (name, entry) in entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let offsets = entry
+            .get("data_offsets")
+            .and_then(serde_json::Value::as_array)
+            .filter(|o| o.len() == 2)
+            .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
+            .ok_or_else(|| {
+                safetensors_error(path, format!("tensor `{name}` has no data_offsets"))
+            })?;
+        if offsets.0 > offsets.1 {
+            return Err(safetensors_error(
+                path,
+                format!("tensor `{name}` has data_offsets {offsets:?} out of order"),
+            ));
+        }
+        data_end = data_end.max(offsets.1);
+    }
+    let expected = 8 + header_len + data_end;
+    if expected != file_len {
+        return Err(safetensors_error(
+            path,
+            format!("the header describes {expected} bytes but the file has {file_len}"),
+        ));
+    }
+    Ok(file_len)
+}
+
+/// Reads every tensor of one `.safetensors` file. The file's size is checked against its
+/// header first ([`check_safetensors_size`]), so a truncated file or a hostile header is an
+/// error before the data is read.
 pub fn read_safetensors_file(path: &Path) -> Result<TensorMap, BridgeError> {
+    check_safetensors_size(path)?;
     let bytes = std::fs::read(path).map_err(|e| BridgeError::io(path, e))?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| safetensors_error(path, e))?;
     let mut out = TensorMap::new();
@@ -207,9 +270,10 @@ pub fn read_checkpoint_dir(dir: &Path) -> Result<TensorMap, BridgeError> {
                 .or_default()
                 .push(name.clone());
         }
+        let root = dir.canonicalize().map_err(|e| BridgeError::io(dir, e))?;
         let mut out = TensorMap::new();
         for (file, names) in files {
-            let shard_path = dir.join(&file);
+            let shard_path = shard_inside(&root, &index_path, &file)?;
             let mut shard = read_safetensors_file(&shard_path)?;
             for name in names {
                 let tensor = shard
@@ -224,6 +288,32 @@ pub fn read_checkpoint_dir(dir: &Path) -> Result<TensorMap, BridgeError> {
     } else {
         read_safetensors_file(&dir.join(SINGLE_FILE))
     }
+}
+
+/// The path of shard `file` of the index at `index_path`: a plain file name whose canonical
+/// path (symlinks resolved) stays inside the checkpoint directory `root` (canonical).
+fn shard_inside(root: &Path, index_path: &Path, file: &str) -> Result<PathBuf, BridgeError> {
+    let plain = Path::new(file);
+    let mut components = plain.components();
+    let is_plain = matches!(
+        (components.next(), components.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    );
+    if !is_plain {
+        return Err(safetensors_error(
+            index_path,
+            format!("shard {file:?} is not a file name inside the checkpoint directory"),
+        ));
+    }
+    let path = root.join(plain);
+    let canonical = path.canonicalize().map_err(|e| BridgeError::io(&path, e))?;
+    if !canonical.starts_with(root) {
+        return Err(safetensors_error(
+            index_path,
+            format!("shard {file:?} resolves outside the checkpoint directory"),
+        ));
+    }
+    Ok(canonical)
 }
 
 /// Serialises `tensors` (converted to `dtype`) into safetensors bytes with
@@ -336,6 +426,86 @@ mod tests {
             fine.to_dtype(FloatDtype::F16).to_f32(),
             vec![1.0 + 1.0 / 512.0]
         );
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("miles-bridge-{name}-{}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        dir
+    }
+
+    fn two_tensors() -> TensorMap {
+        let mut tensors = TensorMap::new();
+        tensors.insert("a".into(), HostTensor::from_f32(vec![2, 3], &[1.0; 6]));
+        tensors.insert("b".into(), HostTensor::from_f32(vec![4], &[2.0; 4]));
+        tensors
+    }
+
+    #[test]
+    fn truncated_padded_and_hostile_files_are_errors_before_reading() {
+        let dir = scratch("corrupt");
+        write_checkpoint_dir(&dir, &two_tensors(), None, None).unwrap();
+        let file = dir.join(SINGLE_FILE);
+        let good = std::fs::read(&file).unwrap();
+        assert_eq!(check_safetensors_size(&file).unwrap(), good.len() as u64);
+        let expect_err = |bytes: &[u8], needle: &str| {
+            std::fs::write(&file, bytes).unwrap();
+            let err = read_checkpoint_dir(&dir).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err} (wanted {needle:?})");
+        };
+        // Truncated by one byte, padded by one byte.
+        expect_err(&good[..good.len() - 1], "but the file has");
+        let mut padded = good.clone();
+        padded.push(0);
+        expect_err(&padded, "but the file has");
+        // A header length of 2^63 and one past the file.
+        let mut huge = good.clone();
+        huge[..8].copy_from_slice(&(1u64 << 63).to_le_bytes());
+        expect_err(&huge, "does not fit");
+        let mut past = good.clone();
+        past[..8].copy_from_slice(&(good.len() as u64).to_le_bytes());
+        expect_err(&past, "does not fit");
+        // Fewer than 8 bytes; a header that is not JSON.
+        expect_err(&good[..5], "has no header");
+        let mut garbage = good.clone();
+        garbage[8] = b'!';
+        expect_err(&garbage, "not JSON");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn index_entries_cannot_point_outside_the_directory() {
+        let dir = scratch("escape");
+        write_checkpoint_dir(&dir, &two_tensors(), None, Some(30)).unwrap();
+        let outside = scratch("escape-target");
+        std::fs::create_dir_all(&outside).unwrap();
+        write_checkpoint_dir(&outside, &two_tensors(), None, None).unwrap();
+        let index_path = dir.join(INDEX_FILE);
+        let index = std::fs::read_to_string(&index_path).unwrap();
+        let shard: serde_json::Value = serde_json::from_str(&index).unwrap();
+        let first = shard["weight_map"]["a"].as_str().unwrap().to_owned();
+        let escape = format!(
+            "../{}/{SINGLE_FILE}",
+            outside.file_name().unwrap().to_string_lossy()
+        );
+        for bad in [escape.as_str(), "/etc/passwd", "sub/../x.safetensors"] {
+            std::fs::write(&index_path, index.replace(&first, bad)).unwrap();
+            let err = read_checkpoint_dir(&dir).unwrap_err().to_string();
+            assert!(err.contains("not a file name inside"), "{bad}: {err}");
+        }
+        // A symlinked shard that resolves outside.
+        #[cfg(unix)]
+        {
+            std::fs::write(&index_path, index.replace(&first, "link.safetensors")).unwrap();
+            std::os::unix::fs::symlink(outside.join(SINGLE_FILE), dir.join("link.safetensors"))
+                .unwrap();
+            let err = read_checkpoint_dir(&dir).unwrap_err().to_string();
+            assert!(err.contains("resolves outside"), "{err}");
+        }
+        std::fs::write(&index_path, &index).unwrap();
+        assert_eq!(read_checkpoint_dir(&dir).unwrap(), two_tensors());
+        std::fs::remove_dir_all(&dir).ok();
+        std::fs::remove_dir_all(&outside).ok();
     }
 
     #[test]

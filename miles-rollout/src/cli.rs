@@ -33,6 +33,10 @@ options:
   --kv-token-budget TOKENS    KV-cache budget in tokens
   --seed N                    seed for requests without sampling_seed
   --no-recompute-logprobs     return decode-time log-probs (no prefill recompute)
+  --max-n N                   largest n (samples per prompt) a request may ask for (default 64)
+  --max-request-bytes BYTES   largest request body (default 67108864; larger → 413)
+  --weights-root DIR          the only directory update_weights_from_disk may read from
+                              (without it that route is disabled: 403)
 ";
 
 /// Options of `miles-rollout serve`.
@@ -59,6 +63,12 @@ pub struct ServeArgs {
     /// Engine: recompute log-probs with a prefill pass after each sequence (Miles'
     /// `recompute_logprobs_via_prefill`).
     pub recompute_logprobs: bool,
+    /// Largest `n` a request may ask for.
+    pub max_n: Option<usize>,
+    /// Largest request body in bytes.
+    pub max_request_bytes: Option<usize>,
+    /// The directory `update_weights_from_disk` is confined to (`None`: route disabled).
+    pub weights_root: Option<PathBuf>,
 }
 
 /// A parsed command line.
@@ -78,6 +88,13 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T> {
     value
         .parse()
         .map_err(|_| usage_error(format!("{flag} expects a number, got {value:?}")))
+}
+
+fn positive(flag: &str, value: &str) -> Result<usize> {
+    match number::<usize>(flag, value)? {
+        0 => Err(usage_error(format!("{flag} must be at least 1"))),
+        n => Ok(n),
+    }
 }
 
 /// Parses the arguments after the program name.
@@ -100,6 +117,9 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         kv_token_budget: None,
         seed: None,
         recompute_logprobs: true,
+        max_n: None,
+        max_request_bytes: None,
+        weights_root: None,
     };
     while let Some(flag) = args.next() {
         let (flag, inline) = match flag.split_once('=') {
@@ -127,6 +147,9 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
             "--max-running-requests" => parsed.max_running_requests = Some(number(&flag, &value)?),
             "--kv-token-budget" => parsed.kv_token_budget = Some(number(&flag, &value)?),
             "--seed" => parsed.seed = Some(number(&flag, &value)?),
+            "--max-n" => parsed.max_n = Some(positive(&flag, &value)?),
+            "--max-request-bytes" => parsed.max_request_bytes = Some(positive(&flag, &value)?),
+            "--weights-root" => parsed.weights_root = Some(PathBuf::from(value)),
             other => return Err(usage_error(format!("unknown option {other}"))),
         }
     }
@@ -140,6 +163,22 @@ pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
     let mut info = ServerInfo::from_model_dir(&args.model)?;
     if let Some(name) = &args.served_model_name {
         info.served_model_name = name.clone();
+    }
+    if let Some(n) = args.max_n {
+        info.limits.max_n = n;
+        info.limits.max_sequences = info.limits.max_sequences.max(n);
+    }
+    if let Some(bytes) = args.max_request_bytes {
+        info.max_body_bytes = bytes;
+    }
+    if let Some(root) = &args.weights_root {
+        if !root.is_dir() {
+            return Err(Error::Config(format!(
+                "--weights-root {} is not a directory",
+                root.display()
+            )));
+        }
+        info.weights_root = Some(root.clone());
     }
     let tokenizer_dir = args.tokenizer.clone().unwrap_or_else(|| args.model.clone());
     let family = args

@@ -884,10 +884,11 @@ impl Scheduler {
                 request.input_ids.len(),
                 self.model.config.max_position_embeddings
             ))
-        } else if request.input_ids.len() + max_new > self.config.kv_token_budget {
+        } else if request.input_ids.len().saturating_add(max_new) > self.config.kv_token_budget {
             Some(format!(
-                "prompt + max_new_tokens = {} exceeds the KV budget of {} tokens",
-                request.input_ids.len() + max_new,
+                "prompt ({} tokens) + max_new_tokens ({max_new}) exceeds the KV budget of {} \
+                 tokens: this request could never be admitted",
+                request.input_ids.len(),
                 self.config.kv_token_budget
             ))
         } else {

@@ -56,6 +56,7 @@
 //! );
 //! ```
 
+pub mod checkpoint;
 pub mod cli;
 pub mod data;
 pub mod encoder;

@@ -63,6 +63,9 @@ pub struct LoopConfig {
     /// for the length of a push, which the staleness bound accounts for. Off by default
     /// (Miles waits for the update).
     pub overlap_weight_updates: bool,
+    /// Keep only the newest this many checkpoints under `save` (`--keep-checkpoints`;
+    /// `None` keeps all).
+    pub keep_checkpoints: Option<usize>,
 }
 
 impl Default for LoopConfig {
@@ -78,6 +81,7 @@ impl Default for LoopConfig {
             save: None,
             train_threads: None,
             overlap_weight_updates: false,
+            keep_checkpoints: None,
         }
     }
 }
@@ -145,6 +149,7 @@ pub struct RlLoop {
     evals: Vec<EvalSet>,
     eval_interval: Option<u64>,
     train_pool: Option<Arc<rayon::ThreadPool>>,
+    resume_notes: Vec<String>,
 }
 
 impl RlLoop {
@@ -180,6 +185,7 @@ impl RlLoop {
             evals: Vec::new(),
             eval_interval: None,
             train_pool,
+            resume_notes: Vec::new(),
         })
     }
 
@@ -243,11 +249,25 @@ impl RlLoop {
     /// Resumes from the latest checkpoint under `save` if there is one: trainer state, data
     /// cursor and buffer, and the engines get the trainer's weights at its version. Returns
     /// the step it resumes at (0 when there was nothing to resume).
+    ///
+    /// Checkpoints that are incomplete or fail their manifest (truncated, corrupt) are
+    /// skipped for the newest valid one; [`RlLoop::resume_notes`] says which and why (also
+    /// logged as warnings).
     pub async fn resume(&mut self) -> Result<u64> {
-        let Some(dir) = self.config.save.clone().and_then(|d| latest_checkpoint(&d)) else {
+        let Some(root) = self.config.save.clone() else {
             return Ok(0);
         };
-        let state_path = dir.join("rollout_state.json");
+        let (found, skipped) = crate::checkpoint::latest_valid_checkpoint(&root);
+        for note in &skipped {
+            tracing::warn!("resume: {note}");
+        }
+        self.resume_notes = skipped;
+        let Some(dir) = found else {
+            return Ok(0);
+        };
+        self.resume_notes
+            .push(format!("resumed from {}", dir.display()));
+        let state_path = dir.join(crate::checkpoint::ROLLOUT_STATE_FILE);
         let text = std::fs::read_to_string(&state_path).map_err(|source| Error::Io {
             path: state_path.clone(),
             source,
@@ -426,28 +446,41 @@ impl RlLoop {
             &mut self.data,
             placeholder,
         )));
+        let in_flight = Arc::new(InFlight::default());
         let worker = tokio::spawn(generation_worker(
             self.manager.clone(),
             data.clone(),
             sender,
             batch_size,
             clock.clone(),
+            in_flight.clone(),
         ));
         let mut pending = None;
         let outcome = self
-            .async_steps(&mut receiver, &data, batch_size, &clock, &mut pending)
+            .async_steps(
+                &mut receiver,
+                &data,
+                batch_size,
+                &clock,
+                &mut pending,
+                &in_flight,
+            )
             .await;
         // The last push must land (and its version check pass) before the loop returns.
         let settled = settle(&mut pending).await;
         worker.abort();
         let _ = worker.await;
+        // Groups the worker had taken and not finished go back too (regenerated from scratch).
+        let unfinished = in_flight.take_all();
         // Groups still buffered were generated but not trained on: return them to the data
         // source so a checkpoint keeps them.
         receiver.close();
         let mut leftover = Vec::new();
         while let Ok(group) = receiver.try_recv() {
+            in_flight.finished(&group);
             leftover.push(group);
         }
+        leftover.extend(in_flight_for_retry(unfinished));
         let mut source = Arc::try_unwrap(data)
             .map_err(|_| Error::Task("generation worker still holds the data source".into()))?
             .into_inner();
@@ -463,6 +496,7 @@ impl RlLoop {
         batch_size: usize,
         clock: &BusyClock,
         pending: &mut Option<PendingPush>,
+        in_flight: &InFlight,
     ) -> Result<()> {
         let overlap = self.config.overlap_weight_updates;
         while self.next_rollout_id < self.config.num_rollout {
@@ -476,6 +510,7 @@ impl RlLoop {
                 let Some(group) = receiver.recv().await else {
                     return Err(Error::Task("the generation worker stopped".into()));
                 };
+                in_flight.finished(&group);
                 let lag = group_staleness(&group, current);
                 let too_stale = matches!(
                     (self.config.max_weight_staleness, lag),
@@ -552,7 +587,17 @@ impl RlLoop {
             self.next_rollout_id += 1;
             if self.should_save(rollout_id) {
                 // The checkpoint needs the data source: borrow it back from the worker's lock.
-                let state = data.lock().await.state();
+                // Groups taken from it but not trained yet (generating, or queued for the
+                // trainer) go into the checkpoint's buffer, to be generated again after a
+                // resume: nothing is skipped, nothing is trained twice.
+                let state = {
+                    let source = data.lock().await;
+                    let mut state = source.state();
+                    state
+                        .buffer
+                        .extend(in_flight_for_retry(in_flight.snapshot()));
+                    state
+                };
                 self.save_checkpoint(rollout_id, state).await?;
             }
         }
@@ -579,6 +624,10 @@ impl RlLoop {
         };
         let dir = root.join(format!("iter_{rollout_id:07}"));
         let partial = root.join(format!(".iter_{rollout_id:07}.partial"));
+        std::fs::create_dir_all(&root).map_err(|source| Error::Io {
+            path: root.clone(),
+            source,
+        })?;
         let _ = std::fs::remove_dir_all(&partial);
         let trainer = self.trainer.clone();
         let trainer_dir = partial.join("trainer");
@@ -594,35 +643,31 @@ impl RlLoop {
             weight_version: version,
             data,
         };
-        let path = partial.join("rollout_state.json");
+        let path = partial.join(crate::checkpoint::ROLLOUT_STATE_FILE);
         let json = serde_json::to_vec_pretty(&state)
             .map_err(|e| Error::Config(format!("cannot serialise the rollout state: {e}")))?;
         std::fs::write(&path, json).map_err(|source| Error::Io { path, source })?;
-        // Publish atomically: a run killed mid-save leaves only a `.partial` folder behind.
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&partial, &dir).map_err(|source| Error::Io {
-            path: dir.clone(),
-            source,
-        })?;
+        // Publish atomically and durably: every file fsynced, a manifest of sizes and
+        // checksums, rename, parent fsynced. A run killed mid-save leaves only a `.partial`
+        // folder behind.
+        crate::checkpoint::publish(&partial, &dir)?;
+        if let Some(keep) = self.config.keep_checkpoints {
+            crate::checkpoint::prune(&root, keep)?;
+        }
         Ok(())
+    }
+
+    /// What the last [`RlLoop::resume`] found: checkpoints skipped (and why), and the one it
+    /// resumed from.
+    pub fn resume_notes(&self) -> &[String] {
+        &self.resume_notes
     }
 }
 
-/// The newest complete `iter_NNNNNNN` checkpoint under `root`.
+/// The newest complete, valid `iter_NNNNNNN` checkpoint under `root` (checked against its
+/// manifest; see [`crate::checkpoint::latest_valid_checkpoint`]).
 pub fn latest_checkpoint(root: &Path) -> Option<PathBuf> {
-    let entries = std::fs::read_dir(root).ok()?;
-    entries
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let step: u64 = name.strip_prefix("iter_")?.parse().ok()?;
-            e.path()
-                .join("rollout_state.json")
-                .exists()
-                .then_some((step, e.path()))
-        })
-        .max_by_key(|(step, _)| *step)
-        .map(|(_, path)| path)
+    crate::checkpoint::latest_valid_checkpoint(root).0
 }
 
 /// Pushes the trainer's weights to `engine` at the trainer's version: pause, flush (unless
@@ -689,11 +734,19 @@ async fn generation_worker(
     sender: mpsc::Sender<Vec<Sample>>,
     in_flight: usize,
     clock: Arc<BusyClock>,
+    taken: Arc<InFlight>,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
     loop {
         while tasks.len() < in_flight {
-            let groups = data.lock().await.get_groups(1);
+            let groups = {
+                // Taken and registered under the data lock, so a checkpoint sees each group
+                // either in the data source or in flight, never in neither.
+                let mut source = data.lock().await;
+                let groups = source.get_groups(1);
+                groups.iter().for_each(|g| taken.taken(g));
+                groups
+            };
             for group in groups {
                 let manager = manager.clone();
                 let busy = clock.enter();
@@ -720,12 +773,15 @@ async fn generation_worker(
             if !crate::manager::keep_partial(&mut group, manager.config().partial_rollout) {
                 group.iter_mut().for_each(Sample::reset_for_retry);
             }
-            if data.lock().await.add_groups(vec![group]).is_err() {
+            let mut source = data.lock().await;
+            taken.finished(&group);
+            if source.add_groups(vec![group]).is_err() {
                 return;
             }
             continue;
         }
         if let FilterVerdict::Drop { .. } = manager.verdict(&group) {
+            taken.finished(&group);
             continue;
         }
         mask_unusable(&mut group);
@@ -733,6 +789,58 @@ async fn generation_worker(
             return;
         }
     }
+}
+
+/// Groups the async loop's worker took from the data source that are not yet trained,
+/// dropped by a filter or returned to the data source: generating, or queued for the
+/// trainer. A checkpoint stores them as groups to generate again.
+#[derive(Debug, Default)]
+struct InFlight {
+    groups: Mutex<std::collections::BTreeMap<(u64, u64), Vec<Sample>>>,
+}
+
+impl InFlight {
+    fn key(group: &[Sample]) -> (u64, u64) {
+        group.first().map_or((u64::MAX, u64::MAX), |s| {
+            (
+                s.group_index.unwrap_or(u64::MAX),
+                s.index.unwrap_or(u64::MAX),
+            )
+        })
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<(u64, u64), Vec<Sample>>> {
+        self.groups.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn taken(&self, group: &[Sample]) {
+        self.lock().insert(Self::key(group), group.to_vec());
+    }
+
+    fn finished(&self, group: &[Sample]) {
+        self.lock().remove(&Self::key(group));
+    }
+
+    fn snapshot(&self) -> Vec<Vec<Sample>> {
+        self.lock().values().cloned().collect()
+    }
+
+    fn take_all(&self) -> Vec<Vec<Sample>> {
+        std::mem::take(&mut *self.lock()).into_values().collect()
+    }
+}
+
+/// In-flight groups as the data source re-serves them: reset, to be generated again.
+fn in_flight_for_retry(groups: Vec<Vec<Sample>>) -> Vec<Vec<Sample>> {
+    groups
+        .into_iter()
+        .map(|mut group| {
+            group.iter_mut().for_each(Sample::reset_for_retry);
+            group
+        })
+        .collect()
 }
 
 /// What the async generation worker reports to the steps: the time during which at least

@@ -15,7 +15,7 @@
 //! prompt on another engine. Any other failure after the engine took the request (an internal
 //! error, a protocol violation) may hide generated tokens, so the request ends ABORTED.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -56,10 +56,51 @@ enum LatestWeights {
     Disk(PathBuf, WeightVersion),
 }
 
+/// Most routing keys the router remembers; past it the oldest key is forgotten (its next
+/// request is placed by load again), so a client inventing keys cannot grow memory.
+pub const MAX_ROUTING_KEYS: usize = 65_536;
+
+/// Routing key → engine, bounded to `capacity` keys; the oldest key is evicted first.
+struct Affinity {
+    map: HashMap<String, usize>,
+    order: VecDeque<String>,
+    capacity: usize,
+}
+
+impl Affinity {
+    fn new(capacity: usize) -> Self {
+        Self {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<usize> {
+        self.map.get(key).copied()
+    }
+
+    fn insert(&mut self, key: &str, engine: usize) {
+        if self.map.insert(key.to_owned(), engine).is_none() {
+            self.order.push_back(key.to_owned());
+            while self.map.len() > self.capacity {
+                let Some(oldest) = self.order.pop_front() else {
+                    break;
+                };
+                self.map.remove(&oldest);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
 /// Spreads requests over engines. See the module docs.
 pub struct Router {
     slots: Vec<Arc<Slot>>,
-    affinity: Mutex<HashMap<String, usize>>,
+    affinity: Mutex<Affinity>,
     latest: Mutex<LatestWeights>,
     paused: Mutex<Option<PauseMode>>,
     /// Held while the fleet's weights or pause state change and while an engine is brought
@@ -93,7 +134,7 @@ impl Router {
                     })
                 })
                 .collect(),
-            affinity: Mutex::new(HashMap::new()),
+            affinity: Mutex::new(Affinity::new(MAX_ROUTING_KEYS)),
             latest: Mutex::new(LatestWeights::None),
             paused: Mutex::new(None),
             fleet_state: tokio::sync::Mutex::new(()),
@@ -148,6 +189,14 @@ impl Router {
             .collect()
     }
 
+    /// Number of routing keys currently remembered (at most [`MAX_ROUTING_KEYS`]).
+    pub fn routing_keys(&self) -> usize {
+        self.affinity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
     /// Outstanding requests per engine, in engine order.
     pub fn outstanding(&self) -> Vec<usize> {
         self.slots
@@ -161,11 +210,11 @@ impl Router {
             |i: &usize| self.slots[*i].healthy.load(Ordering::SeqCst) && !exclude.contains(i);
         if let Some(key) = routing_key {
             let mut affinity = self.affinity.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(&i) = affinity.get(key).filter(|i| usable(i)) {
+            if let Some(i) = affinity.get(key).filter(|i| usable(i)) {
                 return Some(i);
             }
             let chosen = self.least_loaded(&usable)?;
-            affinity.insert(key.to_owned(), chosen);
+            affinity.insert(key, chosen);
             return Some(chosen);
         }
         self.least_loaded(&usable)
@@ -214,14 +263,24 @@ impl Router {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let current = engine.weight_version().await?;
-        match latest {
+        let caught_up = match latest {
             LatestWeights::Tensors(weights, version) if current != version => {
-                engine.update_weights(&weights, version).await?
+                engine.update_weights(&weights, version).await
             }
             LatestWeights::Disk(dir, version) if current != version => {
-                engine.update_weights_from_disk(&dir, version).await?
+                engine.update_weights_from_disk(&dir, version).await
             }
-            _ => {}
+            _ => Ok(()),
+        };
+        match caught_up {
+            Ok(()) => {}
+            // The engine is up but could not load these weights: it serves its own version
+            // (samples carry it) and gets the next version with the rest of the fleet, rather
+            // than being retried on a path it cannot load.
+            Err(error) if is_load_failure(&error) => {
+                tracing::warn!(engine = %slot.name, %error, "re-admitted on its own weights");
+            }
+            Err(error) => return Err(error),
         }
         let paused = *self.paused.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(mode) = paused {
@@ -244,6 +303,13 @@ impl Router {
             }
             match op.apply(slot.engine().as_ref()).await {
                 Ok(()) => succeeded += 1,
+                Err(error) if op.is_weight_update() && is_load_failure(&error) => {
+                    // The engine answered that it cannot load these weights: it keeps serving
+                    // its last good version (samples carry it, staleness control sees it) and
+                    // is offered the next version like every other engine.
+                    tracing::warn!(engine = %slot.name, %error, "weight update refused; engine keeps its version");
+                    last_error = Some(error);
+                }
                 Err(error) => {
                     self.mark_unhealthy(index, &format!("{} failed: {error}", op.name()));
                     last_error = Some(error);
@@ -271,7 +337,23 @@ enum FleetOp<'a> {
     AbortAll,
 }
 
+/// The engine answered and could not load the weights (bad path, bad checkpoint, refused
+/// version): it is alive and still holds its previous weights.
+fn is_load_failure(error: &CoreError) -> bool {
+    matches!(
+        error,
+        CoreError::Engine {
+            kind: EngineErrorKind::WeightUpdate | EngineErrorKind::InvalidRequest,
+            ..
+        }
+    )
+}
+
 impl FleetOp<'_> {
+    fn is_weight_update(&self) -> bool {
+        matches!(self, Self::Update(..) | Self::Disk(..))
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Self::Update(..) => "update_weights",
@@ -391,27 +473,44 @@ impl InferenceEngine for Router {
         Ok(())
     }
 
-    /// The version every engine in rotation holds; engines that disagree are an error.
+    /// The newest version an engine in rotation holds. Engines that could not load an update
+    /// serve an older one until the next update reaches them; every sample carries the
+    /// version that produced it, so staleness control sees the difference.
     async fn weight_version(&self) -> CoreResult<WeightVersion> {
-        let mut version = None;
+        let mut version: Option<WeightVersion> = None;
         for slot in self
             .slots
             .iter()
             .filter(|s| s.healthy.load(Ordering::SeqCst))
         {
             let v = slot.engine().weight_version().await?;
-            match version {
-                None => version = Some(v),
-                Some(seen) if seen != v => {
-                    return Err(CoreError::engine(
-                        EngineErrorKind::WeightUpdate,
-                        format!("engines disagree: {seen} vs {v} on {}", slot.name),
-                    ));
-                }
-                Some(_) => {}
-            }
+            version = Some(version.map_or(v, |seen| seen.max(v)));
         }
         version
             .ok_or_else(|| CoreError::engine(EngineErrorKind::Unavailable, "no engine in rotation"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn affinity_is_bounded_and_forgets_the_oldest_key_first() {
+        let mut affinity = Affinity::new(3);
+        for (i, key) in ["a", "b", "c", "d", "e"].into_iter().enumerate() {
+            affinity.insert(key, i);
+        }
+        assert_eq!(affinity.len(), 3);
+        assert_eq!(affinity.get("a"), None);
+        assert_eq!(affinity.get("b"), None);
+        assert_eq!(affinity.get("e"), Some(4));
+        // Re-inserting a known key updates it in place and evicts nothing.
+        affinity.insert("c", 9);
+        assert_eq!(
+            (affinity.len(), affinity.get("c"), affinity.get("d")),
+            (3, Some(9), Some(3))
+        );
+        assert_eq!(affinity.order.len(), 3);
     }
 }

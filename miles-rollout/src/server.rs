@@ -12,7 +12,7 @@
 //! `{"error": {"message", "type", "code"}}`; nothing a client sends can panic the server.
 //! A request whose client disconnects is aborted in the engine, as SGLang does.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -63,6 +63,41 @@ pub struct ServerInfo {
     pub default_max_new_tokens: usize,
     /// Largest accepted request body, in bytes (larger → 413).
     pub max_body_bytes: usize,
+    /// Bounds on what one request may ask for, checked before anything is allocated.
+    pub limits: RequestLimits,
+    /// The only directory tree `/update_weights_from_disk` may read from (canonicalised; a
+    /// path outside it, through `..` or a symlink, is 403). `None` disables the route (403):
+    /// a server reads the file system only where its operator said it may.
+    pub weights_root: Option<PathBuf>,
+}
+
+/// Bounds on one request of the SGLang-protocol server (`--max-n`, …). Every check runs on
+/// the parsed request before any per-sample work is allocated; a request over a bound is a
+/// 400 with an OpenAI-shaped error body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Largest `n` (samples per prompt).
+    pub max_n: usize,
+    /// Largest number of sequences one request may expand to (prompts × `n`).
+    pub max_sequences: usize,
+    /// Largest number of stop strings.
+    pub max_stop_strings: usize,
+    /// Longest stop string, in bytes.
+    pub max_stop_bytes: usize,
+    /// Largest number of `stop_token_ids`.
+    pub max_stop_token_ids: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_n: 64,
+            max_sequences: 1024,
+            max_stop_strings: 64,
+            max_stop_bytes: 1024,
+            max_stop_token_ids: 1024,
+        }
+    }
 }
 
 impl std::fmt::Debug for ServerInfo {
@@ -94,7 +129,15 @@ impl ServerInfo {
             tokenizer: None,
             default_max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
             max_body_bytes: 64 << 20,
+            limits: RequestLimits::default(),
+            weights_root: None,
         }
+    }
+
+    /// Lets `/update_weights_from_disk` read checkpoints under `root` (and nowhere else).
+    pub fn with_weights_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.weights_root = Some(root.into());
+        self
     }
 
     /// Reads `dir/config.json` (HF layout) for `model_type`, `architectures`, `vocab_size`
@@ -524,6 +567,49 @@ fn verify_sampling(params: &SamplingParams) -> ApiResult<()> {
     Ok(())
 }
 
+/// Checks a request's sampling parameters against the server's [`RequestLimits`];
+/// `prompts` is the number of prompts the request carries.
+fn check_limits(limits: &RequestLimits, params: &SamplingParams, prompts: usize) -> ApiResult<()> {
+    let bad = |m: String| Err(ApiError::bad_request(m));
+    if params.n > limits.max_n {
+        return bad(format!(
+            "n = {} is over this server's limit of {} (--max-n)",
+            params.n, limits.max_n
+        ));
+    }
+    match prompts.checked_mul(params.n.max(1)) {
+        Some(total) if total <= limits.max_sequences => {}
+        _ => {
+            return bad(format!(
+                "{prompts} prompts × n = {} is over this server's limit of {} sequences a request",
+                params.n, limits.max_sequences
+            ));
+        }
+    }
+    if params.stop.len() > limits.max_stop_strings {
+        return bad(format!(
+            "{} stop strings; at most {} are accepted",
+            params.stop.len(),
+            limits.max_stop_strings
+        ));
+    }
+    if let Some(long) = params.stop.iter().find(|s| s.len() > limits.max_stop_bytes) {
+        return bad(format!(
+            "a stop string of {} bytes is over the limit of {} bytes",
+            long.len(),
+            limits.max_stop_bytes
+        ));
+    }
+    if params.stop_token_ids.len() > limits.max_stop_token_ids {
+        return bad(format!(
+            "{} stop_token_ids; at most {} are accepted",
+            params.stop_token_ids.len(),
+            limits.max_stop_token_ids
+        ));
+    }
+    Ok(())
+}
+
 fn parse_sampling(value: Option<&Value>) -> ApiResult<SamplingParams> {
     match value {
         None | Some(Value::Null) => Ok(SamplingParams::default()),
@@ -545,7 +631,9 @@ fn resolve_max_new(
 ) -> ApiResult<usize> {
     let max_new = requested.unwrap_or(default);
     if let Some(limit) = info.context_length
-        && prompt_len + max_new > limit
+        && prompt_len
+            .checked_add(max_new)
+            .is_none_or(|total| total > limit)
     {
         return Err(ApiError::bad_request(format!(
             "requested token count exceeds the model's maximum context length of {limit} tokens: \
@@ -732,9 +820,18 @@ async fn generate_inner(state: &AppState, headers: &HeaderMap, body: &Value) -> 
             "stream is not supported by this server; send stream: false",
         ));
     }
-    let (prompts, batched) = parse_prompts(state, body)?;
     let mut params = parse_sampling(body.get("sampling_params"))?;
     verify_sampling(&params)?;
+    let prompt_count = match body.get("input_ids").or_else(|| body.get("text")) {
+        Some(Value::Array(items))
+            if items.first().is_some_and(|v| v.is_array() || v.is_string()) =>
+        {
+            items.len()
+        }
+        _ => 1,
+    };
+    check_limits(&state.info.limits, &params, prompt_count)?;
+    let (prompts, batched) = parse_prompts(state, body)?;
     let options = OutputOptions {
         return_logprob: bool_field(body, "return_logprob")?,
         return_text_in_logprobs: bool_field(body, "return_text_in_logprobs")?,
@@ -882,6 +979,7 @@ async fn chat_inner(
         default_max,
     )?);
     verify_sampling(&params)?;
+    check_limits(&state.info.limits, &params, 1)?;
 
     let mut request = GenerateRequest::new(prompt.clone(), params);
     request.request_id = Some(RequestId::new(
@@ -1201,6 +1299,78 @@ async fn abort_request(State(state): AppStateRef, request: Request) -> Response 
     }
 }
 
+/// `model_path` of an `update_weights_from_disk` request, canonicalised and confined to the
+/// server's weights root: 403 when the server has none, or the path (after `..` and symlinks
+/// are resolved) leaves it; 400 when it does not exist. Shards named by an index are confined
+/// to the checkpoint directory by the reader itself.
+fn confined_weights_path(info: &ServerInfo, model_path: &str) -> ApiResult<PathBuf> {
+    let forbidden = |message: String| ApiError {
+        status: StatusCode::FORBIDDEN,
+        message,
+    };
+    let Some(root) = &info.weights_root else {
+        return Err(forbidden(
+            "update_weights_from_disk is disabled: start the server with --weights-root DIR".into(),
+        ));
+    };
+    let root = root.canonicalize().map_err(|e| ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message: format!("the weights root {} is unusable: {e}", root.display()),
+    })?;
+    let requested = Path::new(model_path);
+    let path = if requested.is_absolute() {
+        requested.to_path_buf()
+    } else {
+        root.join(requested)
+    };
+    let canonical = match path.canonicalize() {
+        Ok(canonical) => canonical,
+        // No existence oracle outside the root: a missing path there is 403 as well.
+        Err(_) if !lexically_inside(&path, &root) => {
+            return Err(forbidden(format!(
+                "model_path {model_path:?} is outside the weights root {}",
+                root.display()
+            )));
+        }
+        Err(e) => {
+            return Err(ApiError::bad_request(format!(
+                "model_path {model_path:?} cannot be read: {e}"
+            )));
+        }
+    };
+    if !canonical.starts_with(&root) {
+        return Err(forbidden(format!(
+            "model_path {model_path:?} is outside the weights root {}",
+            root.display()
+        )));
+    }
+    Ok(canonical)
+}
+
+/// Whether a path that does not exist would be under `root` (canonical): its nearest
+/// existing ancestor is canonicalised and the missing rest, which can hold no symlink, must
+/// not go up (`..`).
+fn lexically_inside(path: &Path, root: &Path) -> bool {
+    let mut missing = Vec::new();
+    let mut ancestor = path;
+    loop {
+        if let Ok(canonical) = ancestor.canonicalize() {
+            let goes_up = missing
+                .iter()
+                .any(|c| matches!(c, std::path::Component::ParentDir));
+            return canonical.starts_with(root) && !goes_up;
+        }
+        let Some(last) = ancestor.components().next_back() else {
+            return false;
+        };
+        missing.push(last);
+        match ancestor.parent() {
+            Some(parent) => ancestor = parent,
+            None => return false,
+        }
+    }
+}
+
 async fn update_weights_from_disk(State(state): AppStateRef, request: Request) -> Response {
     let result = async {
         let body = read_json(&state, request, false).await?;
@@ -1232,6 +1402,7 @@ async fn update_weights_from_disk(State(state): AppStateRef, request: Request) -
                 )));
             }
         };
+        let model_path = confined_weights_path(&state.info, model_path)?;
         if bool_field(&body, "abort_all_requests")? {
             state
                 .engine
@@ -1239,17 +1410,30 @@ async fn update_weights_from_disk(State(state): AppStateRef, request: Request) -
                 .await
                 .map_err(ApiError::from_engine)?;
         }
-        Ok((model_path.clone(), version, flush))
+        Ok((model_path, version, flush))
     }
     .await;
     let (model_path, version, flush) = match result {
         Ok(parsed) => parsed,
-        Err(error) => return error.into_response(),
+        Err(error) => {
+            // SGLang's `{"success": false, "message"}` beside the OpenAI-shaped error.
+            let status = error.status;
+            let message = error.message.clone();
+            let mut response = error.into_response();
+            *response.body_mut() = Body::from(
+                json!({"success": false, "message": message,
+                       "error": {"message": message, "type": if status.is_client_error() {
+                           "BadRequestError" } else { "InternalServerError" },
+                           "code": status.as_u16()}})
+                .to_string(),
+            );
+            return response;
+        }
     };
     let updated = async {
         state
             .engine
-            .update_weights_from_disk(Path::new(&model_path), version)
+            .update_weights_from_disk(&model_path, version)
             .await?;
         if flush {
             state.engine.flush_cache().await?;
@@ -1283,6 +1467,54 @@ async fn get_weight_version(State(state): AppStateRef) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_limits_bound_n_sequences_and_stops() {
+        let limits = RequestLimits {
+            max_n: 4,
+            max_sequences: 10,
+            max_stop_strings: 2,
+            max_stop_bytes: 3,
+            max_stop_token_ids: 2,
+        };
+        let params = |f: &dyn Fn(&mut SamplingParams)| {
+            let mut p = SamplingParams::default();
+            f(&mut p);
+            p
+        };
+        let message = |p: &SamplingParams, prompts: usize| {
+            check_limits(&limits, p, prompts).map_err(|e| (e.status, e.message))
+        };
+        assert!(message(&params(&|p| p.n = 4), 2).is_ok());
+        assert!(
+            message(&params(&|p| p.n = 5), 1)
+                .unwrap_err()
+                .1
+                .contains("n = 5")
+        );
+        // 3 prompts × 4 = 12 > 10; usize::MAX prompts × 2 overflows and is rejected too.
+        assert!(
+            message(&params(&|p| p.n = 4), 3)
+                .unwrap_err()
+                .1
+                .contains("3 prompts")
+        );
+        assert!(message(&params(&|p| p.n = 2), usize::MAX).is_err());
+        assert!(message(&params(&|p| p.stop = vec!["a".into(); 3]), 1).is_err());
+        assert!(message(&params(&|p| p.stop = vec!["abcd".into()]), 1).is_err());
+        assert!(message(&params(&|p| p.stop = vec!["abc".into(); 2]), 1).is_ok());
+        assert!(message(&params(&|p| p.stop_token_ids = vec![1, 2, 3]), 1).is_err());
+        let (status, _) = message(&params(&|p| p.n = 99), 1).unwrap_err();
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        // prompt + max_new past usize is over any context, never a wrap-around.
+        let info = ServerInfo {
+            context_length: Some(100),
+            ..ServerInfo::new("m")
+        };
+        assert!(resolve_max_new(&info, Some(usize::MAX), 5, 1).is_err());
+        assert_eq!(resolve_max_new(&info, Some(95), 5, 1).unwrap(), 95);
+        assert!(resolve_max_new(&info, Some(96), 5, 1).is_err());
+    }
 
     #[test]
     fn families_follow_model_types() {

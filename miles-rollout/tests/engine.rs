@@ -644,18 +644,35 @@ async fn stop_tokens_stop_strings_min_new_tokens_and_eos() {
     assert!(out.output_ids.len() > first_pos + 1);
 
     // The model's EOS (from generation_config.json) ends generation when loaded from disk.
-    let disk =
-        EmbeddedEngine::from_pretrained(&fixture("glm4moe-tiny"), &Device::flex(), config(true))
-            .unwrap();
+    // Two copies of the checkpoint that differ only in that file: one whose EOS is the third
+    // greedy token stops there, one whose EOS the model never emits runs to the length limit.
     let mut eos = greedy;
     eos.sampling_params.stop_token_ids.clear();
     eos.input_ids = p;
-    let out = disk.generate(eos).await.unwrap();
-    if let Some(pos) = out.output_ids.iter().position(|&t| t == 1) {
-        assert_eq!(out.output_ids.len(), pos + 1);
-        assert_eq!(out.finish_reason, FinishReason::Stop);
-    } else {
-        assert_eq!(out.finish_reason, FinishReason::Length);
+    let never = (0..vocab).find(|t| !full.output_ids.contains(t)).unwrap();
+    for (eos_id, expected_len, reason) in [
+        (third, first_pos + 1, FinishReason::Stop),
+        (never, 12, FinishReason::Length),
+    ] {
+        let dir =
+            std::env::temp_dir().join(format!("miles-engine-eos-{eos_id}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for file in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture("glm4moe-tiny").join(file), dir.join(file)).unwrap();
+        }
+        std::fs::write(
+            dir.join("generation_config.json"),
+            serde_json::json!({"eos_token_id": eos_id}).to_string(),
+        )
+        .unwrap();
+        let disk = EmbeddedEngine::from_pretrained(&dir, &Device::flex(), config(true)).unwrap();
+        let out = disk.generate(eos.clone()).await.unwrap();
+        assert_eq!(out.finish_reason, reason, "eos {eos_id}");
+        assert_eq!(out.output_ids, full.output_ids[..expected_len].to_vec());
+        if reason == FinishReason::Stop {
+            assert_eq!(out.matched_stop, Some(serde_json::json!(eos_id)));
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
 

@@ -435,6 +435,145 @@ async fn resume_after_a_kill_continues_with_nothing_lost_or_trained_twice() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// One async run over the tabular engine, checkpointing every 2 steps into `root`.
+async fn async_run(
+    root: &std::path::Path,
+    num_rollout: u64,
+    resume: bool,
+) -> (Vec<Seen>, u64, Vec<String>) {
+    let engine = TabularEngine::new(Duration::from_millis(3));
+    let manager = manager(
+        &engine,
+        rollout_config(2, 2),
+        Arc::new(BuiltinReward::ExactMatch),
+    );
+    let data = DataSource::new(prompts(), 2, true, 5).unwrap();
+    let config = LoopConfig {
+        num_rollout,
+        save_interval: Some(2),
+        save: Some(root.to_path_buf()),
+        keep_checkpoints: Some(2),
+        pause_generation_mode: PauseMode::InPlace,
+        ..LoopConfig::default()
+    };
+    let seen = Arc::default();
+    let mut rl = RlLoop::new(
+        config,
+        manager,
+        trainer(&seen),
+        Arc::new(MemoryMetricsSink::new()),
+        data,
+    )
+    .unwrap();
+    let start = if resume {
+        rl.resume().await.unwrap()
+    } else {
+        0
+    };
+    let notes = rl.resume_notes().to_vec();
+    rl.run_async().await.unwrap();
+    let seen = seen.lock().unwrap().clone();
+    (seen, start, notes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_checkpoints_keep_in_flight_prompts_and_fall_back_past_corrupt_ones() {
+    use std::collections::BTreeSet;
+    let root = std::env::temp_dir().join(format!("miles-async-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // A run "killed" after its step-3 checkpoint, while the worker had groups generating
+    // and queued.
+    let (first, _, _) = async_run(&root, 4, false).await;
+    assert_eq!(first.len(), 4 * 2 * 2);
+    let names: Vec<String> = miles_rollout::checkpoint::checkpoints(&root)
+        .into_iter()
+        .map(|(_, p)| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["iter_0000003", "iter_0000001"]);
+    let dir = root.join("iter_0000003");
+    miles_rollout::checkpoint::verify_checkpoint(&dir).unwrap();
+    let state: miles_rollout::RolloutCheckpoint =
+        serde_json::from_slice(&std::fs::read(dir.join("rollout_state.json")).unwrap()).unwrap();
+    let trained: BTreeSet<u64> = first.iter().map(|(_, _, i)| i.unwrap()).collect();
+    assert_eq!(trained.len(), first.len(), "no sample trained twice");
+    let buffered: BTreeSet<u64> = state
+        .data
+        .buffer
+        .iter()
+        .flatten()
+        .map(|s| s.index.unwrap())
+        .collect();
+    assert!(
+        !buffered.is_empty(),
+        "groups were in flight at the checkpoint"
+    );
+    assert!(
+        state
+            .data
+            .buffer
+            .iter()
+            .flatten()
+            .all(|s| s.response_length == 0 && s.reward.is_none()),
+        "in-flight groups are stored to be generated again"
+    );
+    // Every sample handed out before the checkpoint is either trained or in the checkpoint,
+    // never both, never neither.
+    assert!(trained.is_disjoint(&buffered));
+    let handed_out: BTreeSet<u64> = (0..state.data.cursor.sample_index).collect();
+    let accounted: BTreeSet<u64> = trained.union(&buffered).copied().collect();
+    assert_eq!(accounted, handed_out);
+
+    // A fresh process resumes: the in-flight prompts are generated again and trained once.
+    let (resumed, start, notes) = async_run(&root, 10, true).await;
+    assert_eq!(start, 4);
+    assert!(notes.last().unwrap().contains("iter_0000003"), "{notes:?}");
+    let again: BTreeSet<u64> = resumed.iter().map(|(_, _, i)| i.unwrap()).collect();
+    assert_eq!(again.len(), resumed.len(), "no sample trained twice");
+    assert!(
+        trained.is_disjoint(&again),
+        "nothing trained twice across the kill"
+    );
+    assert!(
+        buffered.is_subset(&again),
+        "in-flight prompts were regenerated"
+    );
+
+    // The newest checkpoint truncated: resume falls back to the one before and says why.
+    let names: Vec<u64> = miles_rollout::checkpoint::checkpoints(&root)
+        .into_iter()
+        .map(|(step, _)| step)
+        .collect();
+    assert_eq!(names, [9, 7]);
+    let newest = root.join("iter_0000009/rollout_state.json");
+    let text = std::fs::read(&newest).unwrap();
+    std::fs::write(&newest, &text[..text.len() / 2]).unwrap();
+    let engine = TabularEngine::new(Duration::from_millis(0));
+    let mut rl = RlLoop::new(
+        LoopConfig {
+            num_rollout: 10,
+            save: Some(root.clone()),
+            ..LoopConfig::default()
+        },
+        manager(
+            &engine,
+            rollout_config(2, 2),
+            Arc::new(BuiltinReward::ExactMatch),
+        ),
+        trainer(&Arc::default()),
+        Arc::new(MemoryMetricsSink::new()),
+        DataSource::new(prompts(), 2, true, 5).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(rl.resume().await.unwrap(), 8);
+    let notes = rl.resume_notes();
+    assert!(
+        notes[0].contains("iter_0000009") && notes[0].contains("rollout_state.json"),
+        "{notes:?}"
+    );
+    assert!(notes[1].contains("iter_0000007"), "{notes:?}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_out_evaluation_is_logged_before_and_during_training() {
     let engine = TabularEngine::new(Duration::from_millis(0));

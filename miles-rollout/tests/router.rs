@@ -218,3 +218,72 @@ async fn a_run_completes_when_an_engine_dies_mid_run() {
     }
     assert_eq!(router.weight_version().await.unwrap(), WeightVersion(10));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_cannot_load_an_update_keeps_serving_and_gets_the_next_one() {
+    let fleet = engines(2, Duration::from_millis(2));
+    let router = router(&fleet, None);
+    let weights = |favourite: usize| {
+        let mut logits = vec![0.0; VOCAB];
+        logits[favourite] = 9.0;
+        let mut t = NamedTensors::new();
+        t.insert(
+            "logits",
+            TensorBytes::from_f32(vec![VOCAB], &logits).unwrap(),
+        );
+        t
+    };
+    // Engine 0 is already at version 5, so version 3 is refused there ("went backwards").
+    fleet[0]
+        .update_weights(&weights(2), WeightVersion(5))
+        .await
+        .unwrap();
+    router
+        .update_weights(&weights(3), WeightVersion(3))
+        .await
+        .unwrap();
+    assert_eq!(
+        router.healthy_engines().len(),
+        2,
+        "the refusing engine stays in rotation"
+    );
+    assert_eq!(fleet[0].weight_version().await.unwrap(), WeightVersion(5));
+    assert_eq!(fleet[1].weight_version().await.unwrap(), WeightVersion(3));
+    assert_eq!(router.weight_version().await.unwrap(), WeightVersion(5));
+    // Both keep serving; each answer carries the version that produced it.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let router = router.clone();
+        tasks.spawn(async move { router.generate(request(None, 10)).await.unwrap() });
+    }
+    let mut versions = std::collections::BTreeSet::new();
+    while let Some(output) = tasks.join_next().await {
+        versions.insert(output.unwrap().weight_version);
+    }
+    assert_eq!(versions.len(), 2, "{versions:?}");
+    // The next version reaches every engine.
+    router
+        .update_weights(&weights(4), WeightVersion(6))
+        .await
+        .unwrap();
+    for engine in &fleet {
+        assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(6));
+    }
+    // An update no engine can load is an error, and the fleet still serves.
+    let mut empty = NamedTensors::new();
+    empty.insert("other", TensorBytes::from_f32(vec![1], &[0.0]).unwrap());
+    let err = router.update_weights(&empty, WeightVersion(7)).await;
+    assert!(
+        matches!(
+            err,
+            Err(CoreError::Engine {
+                kind: EngineErrorKind::WeightUpdate,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(router.healthy_engines().len(), 2);
+    let output = router.generate(request(None, 2)).await.unwrap();
+    assert_eq!(output.weight_version, WeightVersion(6));
+}

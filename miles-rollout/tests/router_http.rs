@@ -64,7 +64,10 @@ impl InferenceEngine for DiskLoaded {
 async fn serve(engine: Arc<TabularEngine>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = sglang_router(Arc::new(DiskLoaded(engine)), ServerInfo::new("tabular"));
+    let app = sglang_router(
+        Arc::new(DiskLoaded(engine)),
+        ServerInfo::new("tabular").with_weights_root(std::env::temp_dir()),
+    );
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     format!("http://{addr}")
 }

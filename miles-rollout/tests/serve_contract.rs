@@ -33,8 +33,24 @@ async fn serve(router: axum::Router) -> String {
     format!("http://{addr}")
 }
 
+/// The weights root of the toy servers, holding one checkpoint folder `new-weights`.
+fn weights_root() -> std::path::PathBuf {
+    let root = std::env::temp_dir().join(format!("miles-serve-contract-{}", std::process::id()));
+    std::fs::create_dir_all(root.join("new-weights")).unwrap();
+    root
+}
+
+fn new_weights() -> String {
+    weights_root()
+        .join("new-weights")
+        .to_string_lossy()
+        .into_owned()
+}
+
 fn info_with_tokenizer() -> ServerInfo {
-    ServerInfo::new("toy-model").with_tokenizer(Arc::new(ByteChatml::default()), "byte-chatml")
+    ServerInfo::new("toy-model")
+        .with_tokenizer(Arc::new(ByteChatml::default()), "byte-chatml")
+        .with_weights_root(weights_root())
 }
 
 async fn toy_server(info: ServerInfo) -> (Arc<ToyEngine>, String) {
@@ -292,7 +308,7 @@ async fn control_routes_answer_as_sglang_documents() {
     let r = post(
         &base,
         "/update_weights_from_disk",
-        &json!({"model_path": "/tmp/new-weights", "weight_version": "12"}),
+        &json!({"model_path": new_weights(), "weight_version": "12"}),
     )
     .await;
     assert_eq!(r.status, 200);
@@ -311,7 +327,7 @@ async fn control_routes_answer_as_sglang_documents() {
     post(
         &base,
         "/update_weights_from_disk",
-        &json!({"model_path": "/tmp/new-weights"}),
+        &json!({"model_path": new_weights()}),
     )
     .await;
     assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(13));
@@ -578,7 +594,7 @@ async fn the_sglang_client_drives_our_server() {
     assert_eq!(seen.request_id, Some(RequestId::new("c-1")));
 
     client
-        .update_weights_from_disk(std::path::Path::new("/tmp/w"), WeightVersion(8))
+        .update_weights_from_disk(std::path::Path::new(&new_weights()), WeightVersion(8))
         .await
         .unwrap();
     assert_eq!(client.weight_version().await.unwrap(), WeightVersion(8));

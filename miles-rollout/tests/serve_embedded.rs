@@ -32,6 +32,8 @@ async fn serve(dir: &Path) -> String {
         "serve".to_owned(),
         "--model".to_owned(),
         dir.to_string_lossy().into_owned(),
+        "--weights-root".to_owned(),
+        fixture("models").to_string_lossy().into_owned(),
     ])
     .unwrap() else {
         panic!("serve expected");
@@ -268,7 +270,15 @@ async fn chat_weights_abort_and_sessions_on_the_embedded_engine() {
         &json!({"model_path": "/nonexistent/ckpt", "weight_version": "6"}),
     )
     .await;
-    assert_eq!(status, 400);
+    assert_eq!(status, 403, "outside --weights-root: {body}");
+    assert_eq!(body["success"], json!(false));
+    let (status, body) = post(
+        &base,
+        "/update_weights_from_disk",
+        &json!({"model_path": fixture("models/no-such-checkpoint"), "weight_version": "6"}),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
     assert_eq!(body["success"], json!(false));
 
     // Abort by request id: the long generation ends with finish reason abort.

@@ -1,0 +1,308 @@
+//! `miles-rollout serve` against hostile input, on a real server over loopback with the
+//! embedded engine and the real tiny Qwen3 checkpoint of `fixtures/`: every bad request is a
+//! 4xx with an OpenAI-shaped JSON error, and the server serves a normal request afterwards.
+//! The file-system route (`update_weights_from_disk`) reads only under `--weights-root`, and a
+//! checkpoint that cannot be loaded leaves the engine on its previous weights.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::Method;
+use miles_rollout::cli::{self, Command};
+use miles_rollout::server::sglang_router;
+use miles_rollout::{EmbeddedEngine, EngineConfig};
+use miles_session::http::HttpClient;
+use serde_json::{Value, json};
+
+fn fixture(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures")
+        .join(path)
+}
+
+/// Starts `miles-rollout serve` (library form of the binary) with `flags` after `--model`.
+async fn serve(flags: &[String]) -> String {
+    let dir = fixture("serve/qwen3-tiny-chat");
+    let mut args = vec![
+        "serve".to_owned(),
+        "--model".to_owned(),
+        dir.to_string_lossy().into_owned(),
+    ];
+    args.extend_from_slice(flags);
+    let Command::Serve(args) = cli::parse_args(args).unwrap() else {
+        panic!("serve expected");
+    };
+    let info = cli::server_info(&args).unwrap();
+    let engine = EmbeddedEngine::from_pretrained(
+        &dir,
+        &burn::tensor::Device::flex(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = sglang_router(Arc::new(engine), info);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+fn http() -> HttpClient {
+    HttpClient::new(Duration::from_secs(120))
+}
+
+async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
+    let r = http()
+        .post_json(&format!("{base}{path}"), body, &[])
+        .await
+        .unwrap();
+    let value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+    (r.status.as_u16(), value)
+}
+
+/// A normal greedy request: the server still works.
+async fn still_serves(base: &str) -> Value {
+    let (status, body) = post(
+        base,
+        "/generate",
+        &json!({"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 3}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["output_ids"].as_array().unwrap().len(), 3, "{body}");
+    body
+}
+
+/// The body is an OpenAI-shaped error whose message contains `needle`.
+fn assert_error(status: u16, body: &Value, expected: u16, needle: &str) {
+    assert_eq!(status, expected, "{body}");
+    assert_eq!(body["error"]["code"], json!(expected), "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_limits_are_typed_errors_and_the_server_survives() {
+    let base = serve(&[
+        "--max-n".into(),
+        "8".into(),
+        "--max-request-bytes".into(),
+        "4096".into(),
+    ])
+    .await;
+    let ids = json!([1, 2, 3]);
+    // The crash: n = 10^12 (was an allocation abort).
+    let cases = [
+        (
+            json!({"input_ids": ids, "sampling_params": {"n": 1_000_000_000_000u64}}),
+            "--max-n",
+        ),
+        (
+            json!({"input_ids": ids, "sampling_params": {"n": 9}}),
+            "--max-n",
+        ),
+        (
+            json!({"input_ids": ids, "sampling_params": {"max_new_tokens": u64::MAX}}),
+            "context length",
+        ),
+        (
+            json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 254}}),
+            "context length",
+        ),
+        (
+            json!({"input_ids": ids, "sampling_params": {"stop": vec!["x"; 65]}}),
+            "65 stop strings",
+        ),
+        (
+            json!({"input_ids": ids, "sampling_params": {"stop": ["y".repeat(1025)]}}),
+            "1025 bytes",
+        ),
+        (
+            json!({"input_ids": ids, "sampling_params": {"stop_token_ids": vec![1; 1025]}}),
+            "1025 stop_token_ids",
+        ),
+        (json!({"input_ids": vec![1; 256]}), "context length"),
+        (json!({"input_ids": [1, 2, 512]}), "out of the vocabulary"),
+    ];
+    for (body, needle) in &cases {
+        let (status, answer) = post(&base, "/generate", body).await;
+        assert_error(status, &answer, 400, needle);
+    }
+    // Chat: n and stop strings through the OpenAI route.
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    for (body, needle) in [
+        (json!({"messages": messages, "n": 100_000}), "--max-n"),
+        (
+            json!({"messages": messages, "stop": vec!["z"; 100]}),
+            "100 stop strings",
+        ),
+        (
+            json!({"messages": messages, "max_tokens": u64::MAX}),
+            "context length",
+        ),
+    ] {
+        let (status, answer) = post(&base, "/v1/chat/completions", &body).await;
+        assert_error(status, &answer, 400, needle);
+    }
+    // A body over --max-request-bytes: 413.
+    let big = json!({"input_ids": vec![1; 3000]});
+    let (status, answer) = post(&base, "/generate", &big).await;
+    assert_error(status, &answer, 413, "over 4096 bytes");
+    // n within the limit works and is expanded into n answers.
+    let (status, answer) = post(
+        &base,
+        "/generate",
+        &json!({"input_ids": ids, "sampling_params": {"n": 8, "max_new_tokens": 2}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer.as_array().unwrap().len(), 8);
+    still_serves(&base).await;
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "miles-serve-hardening-{name}-{}",
+        std::process::id()
+    ));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn copy_checkpoint(to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("models/qwen3-tiny").join(file), to.join(file)).unwrap();
+    }
+}
+
+async fn update(base: &str, path: &Path, version: u64) -> (u16, Value) {
+    post(
+        base,
+        "/update_weights_from_disk",
+        &json!({"model_path": path, "weight_version": version.to_string()}),
+    )
+    .await
+}
+
+async fn version(base: &str) -> String {
+    let r = http()
+        .get(&format!("{base}/get_weight_version"))
+        .await
+        .unwrap();
+    let body: Value = r.json().unwrap();
+    body["weight_version"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_weights_from_disk_is_confined_and_failures_keep_the_last_version() {
+    // Without --weights-root the route is disabled.
+    let closed = serve(&[]).await;
+    let (status, body) = update(&closed, &fixture("models/qwen3-tiny"), 1).await;
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(body["success"], json!(false));
+    assert!(body["message"].as_str().unwrap().contains("--weights-root"));
+    still_serves(&closed).await;
+
+    let root = scratch("root");
+    let outside = scratch("outside");
+    copy_checkpoint(&root.join("good"));
+    copy_checkpoint(&outside.join("ckpt"));
+    let base = serve(&["--weights-root".into(), root.to_string_lossy().into_owned()]).await;
+
+    // A good checkpoint under the root loads (absolute or relative to the root).
+    let (status, body) = update(&base, &root.join("good"), 1).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["success"], json!(true));
+    let (status, body) = update(&base, Path::new("good"), 2).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(version(&base).await, "2");
+
+    // Out of the root: absolute, through `..`, through a symlink; a missing path outside is
+    // 403 as well (no existence oracle).
+    let escape = root
+        .join("good/../../")
+        .join(outside.file_name().unwrap())
+        .join("ckpt");
+    let mut forbidden = vec![
+        outside.join("ckpt"),
+        escape,
+        PathBuf::from("/nonexistent/x"),
+    ];
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink(outside.join("ckpt"), root.join("link")).unwrap();
+        forbidden.push(root.join("link"));
+    }
+    for path in &forbidden {
+        let (status, body) = update(&base, path, 3).await;
+        assert_eq!(status, 403, "{}: {body}", path.display());
+        assert_eq!(body["success"], json!(false));
+        assert!(
+            body["message"].as_str().unwrap().contains("outside"),
+            "{body}"
+        );
+    }
+
+    // Broken checkpoints under the root: missing, truncated, an index pointing outside. Each
+    // is `success: false` with the reason, and the engine keeps serving version 2.
+    let truncated = root.join("truncated");
+    copy_checkpoint(&truncated);
+    let weights = std::fs::read(truncated.join("model.safetensors")).unwrap();
+    std::fs::write(
+        truncated.join("model.safetensors"),
+        &weights[..weights.len() / 2],
+    )
+    .unwrap();
+    let indexed = root.join("indexed");
+    std::fs::create_dir_all(&indexed).unwrap();
+    std::fs::copy(
+        fixture("models/qwen3-tiny/config.json"),
+        indexed.join("config.json"),
+    )
+    .unwrap();
+    let outside_file = outside.join("ckpt/model.safetensors");
+    std::fs::write(
+        indexed.join("model.safetensors.index.json"),
+        json!({"metadata": {}, "weight_map": {"model.norm.weight": outside_file}}).to_string(),
+    )
+    .unwrap();
+    for (path, needle) in [
+        (root.join("missing"), "cannot be read"),
+        (truncated, "but the file has"),
+        (indexed, "not a file name inside"),
+    ] {
+        let (status, body) = update(&base, &path, 3).await;
+        assert_eq!(status, 400, "{}: {body}", path.display());
+        assert_eq!(body["success"], json!(false));
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+    }
+    assert_eq!(version(&base).await, "2");
+    let answer = still_serves(&base).await;
+    assert_eq!(answer["meta_info"]["weight_version"], "2");
+
+    // Malformed bodies on the route: typed errors.
+    for body in [
+        json!({}),
+        json!({"model_path": 7}),
+        json!({"model_path": "good", "weight_version": "v"}),
+    ] {
+        let (status, answer) = post(&base, "/update_weights_from_disk", &body).await;
+        assert_eq!(status, 400, "{body}: {answer}");
+    }
+    let raw = http()
+        .send(
+            Method::POST,
+            &format!("{base}/update_weights_from_disk"),
+            &[],
+            Some(("application/json", b"{not json".to_vec())),
+        )
+        .await
+        .unwrap();
+    assert_eq!(raw.status.as_u16(), 400);
+    still_serves(&base).await;
+    std::fs::remove_dir_all(&root).ok();
+    std::fs::remove_dir_all(&outside).ok();
+}
