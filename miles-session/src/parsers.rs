@@ -276,14 +276,131 @@ fn coder_properties<'a>(tools: &'a [ToolSpec], name: &str) -> Option<&'a Map<Str
     }
 }
 
-/// Python's `ast.literal_eval` for the scalar and JSON-like cases a model writes: JSON, or
-/// `True` / `False` / `None`; anything else stays a string.
+/// Python's `ast.literal_eval(raw)` as JSON, for the literals a model writes (numbers,
+/// quoted strings, `True` / `False` / `None`, lists, tuples, dicts); anything else stays the
+/// string.
 fn py_literal(raw: &str) -> Value {
-    match raw.trim() {
-        "True" => Value::Bool(true),
-        "False" => Value::Bool(false),
-        "None" => Value::Null,
-        trimmed => serde_json::from_str(trimmed).unwrap_or_else(|_| Value::String(raw.to_owned())),
+    let mut lit = PyLiteral {
+        s: raw.trim(),
+        at: 0,
+    };
+    match lit.value(0) {
+        Some(v) if lit.rest().trim().is_empty() => v,
+        _ => Value::String(raw.to_owned()),
+    }
+}
+
+/// A recursive-descent reader of Python literals (depth-limited: never overflows the stack).
+struct PyLiteral<'a> {
+    s: &'a str,
+    at: usize,
+}
+
+impl PyLiteral<'_> {
+    fn rest(&self) -> &str {
+        &self.s[self.at..]
+    }
+
+    fn skip_ws(&mut self) {
+        self.at = self.s.len() - self.rest().trim_start().len();
+    }
+
+    fn eat(&mut self, c: char) -> bool {
+        self.skip_ws();
+        if self.rest().starts_with(c) {
+            self.at += c.len_utf8();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn value(&mut self, depth: usize) -> Option<Value> {
+        if depth > 64 {
+            return None;
+        }
+        self.skip_ws();
+        let first = self.rest().chars().next()?;
+        match first {
+            '[' | '(' => {
+                self.at += 1;
+                let close = if first == '[' { ']' } else { ')' };
+                let mut items = Vec::new();
+                while !self.eat(close) {
+                    items.push(self.value(depth + 1)?);
+                    if !self.eat(',') {
+                        self.eat(close).then_some(())?;
+                        break;
+                    }
+                }
+                Some(Value::Array(items))
+            }
+            '{' => {
+                self.at += 1;
+                let mut map = Map::new();
+                while !self.eat('}') {
+                    let key = match self.value(depth + 1)? {
+                        Value::String(k) => k,
+                        Value::Object(_) | Value::Array(_) => return None,
+                        other => other.to_string(),
+                    };
+                    self.eat(':').then_some(())?;
+                    map.insert(key, self.value(depth + 1)?);
+                    if !self.eat(',') {
+                        self.eat('}').then_some(())?;
+                        break;
+                    }
+                }
+                Some(Value::Object(map))
+            }
+            '\'' | '"' => {
+                self.at += 1;
+                let mut out = String::new();
+                let mut chars = self.rest().char_indices();
+                loop {
+                    let (i, c) = chars.next()?;
+                    match c {
+                        c if c == first => {
+                            self.at += i + 1;
+                            return Some(Value::String(out));
+                        }
+                        '\\' => {
+                            let (_, e) = chars.next()?;
+                            out.push(match e {
+                                'n' => '\n',
+                                't' => '\t',
+                                'r' => '\r',
+                                '0' => '\0',
+                                other => other,
+                            });
+                        }
+                        c => out.push(c),
+                    }
+                }
+            }
+            _ => {
+                let len = self
+                    .rest()
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || "_.+-".contains(c)))
+                    .unwrap_or(self.rest().len());
+                let whole = self.s;
+                let token = &whole[self.at..self.at + len];
+                self.at += len;
+                match token {
+                    "True" => Some(Value::Bool(true)),
+                    "False" => Some(Value::Bool(false)),
+                    "None" => Some(Value::Null),
+                    _ => token.parse::<i64>().map(Value::from).ok().or_else(|| {
+                        let f = py_float(token)?;
+                        token
+                            .contains(|c: char| c.is_ascii_digit())
+                            .then(|| serde_json::Number::from_f64(f))
+                            .flatten()
+                            .map(Value::Number)
+                    }),
+                }
+            }
+        }
     }
 }
 
@@ -305,7 +422,7 @@ fn int_or_float(f: f64) -> Value {
 /// `null` is null; parameters the schema does not declare, and string types, stay strings;
 /// integer types parse as integers and number types as numbers (an integral number written
 /// without `.`/`e` becomes an integer), falling back to the string; booleans are
-/// `value.lower() == "true"`; objects and arrays (and other types) parse as JSON, then as a
+/// `value.lower() == "true"`; objects and arrays parse as JSON, then (like other types) as a
 /// Python literal, else stay strings.
 fn coder_value(raw: &str, key: &str, props: Option<&Map<String, Value>>) -> Value {
     if raw.eq_ignore_ascii_case("null") {
@@ -1168,5 +1285,153 @@ mod tests {
             ToolCallParser::from_name("glm47").unwrap(),
             ToolCallParser::Glm47
         );
+    }
+    #[test]
+    fn qwen3_coder_values_follow_the_schema() {
+        let props = json!({
+            "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"},
+            "b": {"type": "boolean"}, "o": {"type": "object"}, "a": {"type": "array"},
+            "u": {"type": "uint8"}, "any": {"type": "any"}, "untyped": {}
+        });
+        let props = props.as_object();
+        let cases = [
+            ("s", "007", json!("007")),
+            ("s", "null", Value::Null),
+            ("i", " 42 ", json!(42)),
+            ("i", "4.5", json!("4.5")),
+            ("n", "3", json!(3)),
+            ("n", "3.0", json!(3.0)),
+            ("n", "1e3", json!(1000.0)),
+            ("n", "abc", json!("abc")),
+            ("b", "True", json!(true)),
+            ("b", "yes", json!(false)),
+            ("o", r#"{"k": [1]}"#, json!({"k": [1]})),
+            (
+                "o",
+                "{'k': 1, 'v': (True, None)}",
+                json!({"k": 1, "v": [true, null]}),
+            ),
+            ("o", "{'k': ", json!("{'k': ")),
+            ("any", "true", json!("true")),
+            ("any", "-2.5", json!(-2.5)),
+            ("any", "['a\\'b', \"c\"]", json!(["a'b", "c"])),
+            ("a", "[1, 2]", json!([1, 2])),
+            ("u", "7", json!(7)),
+            ("any", "x", json!("x")),
+            ("untyped", "5", json!("5")),
+            ("undeclared", "12", json!("12")),
+        ];
+        for (key, raw, want) in cases {
+            assert_eq!(coder_value(raw, key, props), want, "{key}={raw:?}");
+        }
+        assert_eq!(coder_value("5", "k", None), json!("5"));
+    }
+
+    #[test]
+    fn minimax_values_follow_the_schema() {
+        let tools = vec![ToolSpec::function(
+            "f",
+            "",
+            json!({"type": "object", "properties": {
+                "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"},
+                "b": {"type": "boolean"}, "o": {"type": "object"},
+                "e": {"enum": [1, 2]}, "u": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                "opt": {"type": ["string", "null"]}
+            }}),
+        )];
+        let cases = [
+            ("s", "12", json!("12")),
+            ("i", "12", json!(12)),
+            ("i", "x", json!("x")),
+            ("n", "2.0", json!(2)),
+            ("n", "2.5", json!(2.5)),
+            ("b", "on", json!(true)),
+            ("b", "0", json!(false)),
+            ("o", r#"{"a": 1}"#, json!({"a": 1})),
+            ("e", "2", json!(2)),
+            ("u", "7", json!(7)),
+            ("u", "seven", json!("seven")),
+            ("opt", "text", json!("text")),
+            ("opt", "None", Value::Null),
+            ("missing", "[1]", json!("[1]")),
+        ];
+        for (key, raw, want) in cases {
+            assert_eq!(minimax_value(raw, "f", key, &tools), want, "{key}={raw:?}");
+        }
+    }
+
+    #[test]
+    fn dsml_tags_and_reasoning_toggles() {
+        // Mixed DSML / plain tags (SGLang's V3.2 detector), extra spaces, JSON bodies.
+        let text = "Ok.\n\n<function_calls>\n<｜DSML｜invoke  name=\"get_weather\" >\n<parameter name=\"city\" string=\"true\"> Oslo </｜DSML｜parameter>\n<｜DSML｜parameter name=\"days\" string=\"false\">2</parameter>\n</invoke>\n<invoke name=\"get_weather\">{\"city\": \"Rome\"}</｜DSML｜invoke>\n</｜DSML｜function_calls>";
+        let (normal, calls) = ToolCallParser::DeepSeekV32.parse(text, &weather()).unwrap();
+        assert_eq!(normal, "Ok.");
+        assert_eq!(
+            calls[0].function.arguments,
+            ToolArguments::Json(r#"{"city": "Oslo", "days": 2}"#.into())
+        );
+        assert_eq!(
+            calls[1].function.arguments,
+            ToolArguments::Json(r#"{"city": "Rome"}"#.into())
+        );
+        // V4 is strict: a repeated parameter is an error.
+        let v4 = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"city\" string=\"true\">a</｜DSML｜parameter>\n<｜DSML｜parameter name=\"city\" string=\"true\">b</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        assert!(ToolCallParser::DeepSeekV4.parse(v4, &weather()).is_err());
+
+        let mut off = Map::new();
+        off.insert("thinking".into(), json!(false));
+        let forced = ReasoningParser::DeepSeekV3 {
+            force_reasoning: true,
+        };
+        assert_eq!(
+            forced.for_kwargs(&off),
+            ReasoningParser::DeepSeekV3 {
+                force_reasoning: false
+            }
+        );
+        let mut on = Map::new();
+        on.insert("thinking_mode".into(), json!("thinking"));
+        assert_eq!(
+            ReasoningParser::from_name("deepseek-v4")
+                .unwrap()
+                .for_kwargs(&on),
+            ReasoningParser::DeepSeekV4 {
+                force_reasoning: true
+            }
+        );
+        assert_eq!(
+            ReasoningParser::from_name("deepseek-r1")
+                .unwrap()
+                .parse("a</think>b"),
+            (Some("a".to_owned()), "b".to_owned())
+        );
+        // Kimi: the tool section ends an unclosed reasoning block.
+        let (r, rest) = ReasoningParser::KimiK2 {
+            force_reasoning: true,
+        }
+        .parse("plan<|tool_calls_section_begin|>x");
+        assert_eq!(
+            (r.as_deref(), rest.as_str()),
+            (Some("plan"), "<|tool_calls_section_begin|>x")
+        );
+        for name in [
+            "qwen3_coder",
+            "minimax-m2",
+            "deepseekv31",
+            "deepseekv32",
+            "deepseekv4",
+            "kimi_k2_raw_id",
+        ] {
+            assert!(ToolCallParser::from_name(name).is_ok(), "{name}");
+        }
+        for name in [
+            "deepseek-v3",
+            "nemotron_3",
+            "minimax-append-think",
+            "minimax",
+            "qwen3-thinking",
+        ] {
+            assert!(ReasoningParser::from_name(name).is_ok(), "{name}");
+        }
     }
 }

@@ -315,6 +315,16 @@ impl ChatTokenizer for TitoChat {
         self.parser.parse(&text, tools)
     }
 
+    fn parse_assistant_with_kwargs(
+        &self,
+        output_ids: &[TokenId],
+        tools: &[ToolSpec],
+        kwargs: &Map<String, Value>,
+    ) -> Result<ParsedAssistant> {
+        let text = self.tito.decode(output_ids).map_err(from_tito)?;
+        self.parser.for_kwargs(kwargs).parse(&text, tools)
+    }
+
     fn decode(&self, ids: &[TokenId]) -> String {
         match self.tito.decode(ids) {
             Ok(text) => text,

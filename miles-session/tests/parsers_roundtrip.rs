@@ -411,10 +411,22 @@ fn deepseek_round_trip(family: TitoFamily, version: DeepSeekVersion, dir: &str, 
     off.insert("thinking".into(), json!(false));
     let off = family.merge_kwargs(off).unwrap();
     let turn = renderer.assistant_turn(assistant(false, false), &off, deepseek::EOS);
-    let parsed = parser.for_kwargs(&off).parse(&turn, &tools()).unwrap();
-    assert_eq!(parsed.reasoning_content, None);
-    assert_eq!(parsed.content, CONTENT);
-    assert_calls(&parsed, false);
+    let chat = TitoChat::load(&fixtures().join(dir), family.name()).unwrap();
+    let ids = chat.encode(&turn).unwrap();
+    for parsed in [
+        parser.for_kwargs(&off).parse(&turn, &tools()).unwrap(),
+        // What the server calls, with the request's kwargs.
+        chat.parse_assistant_with_kwargs(&ids, &tools(), &off)
+            .unwrap(),
+    ] {
+        assert_eq!(parsed.reasoning_content, None);
+        assert_eq!(parsed.content, CONTENT);
+        assert_calls(&parsed, false);
+    }
+    // Without the kwargs the default (thinking) parser reads it all as reasoning, as SGLang
+    // does for a thinking request.
+    let forced = chat.parse_assistant(&ids, &tools()).unwrap();
+    assert!(forced.tool_calls.is_empty() && forced.content.is_empty());
 }
 
 #[test]
