@@ -412,7 +412,12 @@ fn deepseek_round_trip(family: TitoFamily, version: DeepSeekVersion, dir: &str, 
     let off = family.merge_kwargs(off).unwrap();
     let turn = renderer.assistant_turn(assistant(false, false), &off, deepseek::EOS);
     let chat = TitoChat::load(&fixtures().join(dir), family.name()).unwrap();
+    // The engine stops at the end of the turn: `<｜end▁of▁sentence｜>` is the stop id.
+    let eos = chat.encode(deepseek::EOS).unwrap();
+    assert_eq!(eos.len(), 1);
+    assert_eq!(chat.stop_token_ids(), eos);
     let ids = chat.encode(&turn).unwrap();
+    assert_eq!(ids.last(), eos.last());
     for parsed in [
         parser.for_kwargs(&off).parse(&turn, &tools()).unwrap(),
         // What the server calls, with the request's kwargs.
