@@ -549,3 +549,117 @@ fn malformed_outputs_stay_content() {
         ToolArguments::Json(r#"{"city": "Paris", "days": 2}"#.into())
     );
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Markup fragments of every format, to be shuffled with text.
+    const FRAGMENTS: &[&str] = &[
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<function=get_weather>",
+        "<function=",
+        "</function>",
+        "<parameter=city>",
+        "<parameter=",
+        "</parameter>",
+        "<minimax:tool_call>",
+        "</minimax:tool_call>",
+        "<invoke name=\"search\">",
+        "<invoke name=\"",
+        "</invoke>",
+        "<parameter name=\"days\">",
+        "<parameter name=\"",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "functions.search:0",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜DSML｜function_calls>",
+        "</｜DSML｜function_calls>",
+        "<｜DSML｜tool_calls>",
+        "</｜DSML｜tool_calls>",
+        "<｜DSML｜invoke name=\"get_weather\">",
+        "</｜DSML｜invoke>",
+        "<｜DSML｜parameter name=\"city\" string=\"true\">",
+        "string=\"false\">",
+        "</｜DSML｜parameter>",
+        "<function_calls>",
+        "{\"city\": \"x\"}",
+        "{'a': [1, (2,",
+        "\"",
+        "'",
+        ">",
+        "\n",
+        " ",
+        "3",
+        "True",
+        "null",
+        "é",
+        "[[[[",
+        "<|im_end|>",
+        "[e~[",
+        "<｜end▁of▁sentence｜>",
+    ];
+
+    fn all_parsers() -> Vec<OutputParser> {
+        let reasoning = [
+            "qwen3",
+            "qwen3-thinking",
+            "glm45",
+            "kimi_k2",
+            "deepseek-r1",
+            "deepseek-v3",
+            "deepseek-v4",
+            "nemotron_3",
+            "minimax",
+            "minimax-append-think",
+        ];
+        let tool_calls = [
+            "qwen25",
+            "glm45",
+            "glm47",
+            "kimi_k2",
+            "qwen3_coder",
+            "minimax-m2",
+            "deepseekv31",
+            "deepseekv32",
+            "deepseekv4",
+        ];
+        let mut out = Vec::new();
+        for (i, t) in tool_calls.iter().enumerate() {
+            out.push(OutputParser {
+                reasoning: Some(
+                    ReasoningParser::from_name(reasoning[i % reasoning.len()]).unwrap(),
+                ),
+                tool_calls: Some(ToolCallParser::from_name(t).unwrap()),
+                end_of_turn: vec!["<|im_end|>".into(), deepseek::EOS.into()],
+            });
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// No arrangement of markup makes a parser fail or panic, with or without tools.
+        #[test]
+        fn any_markup_parses(picks in proptest::collection::vec((0..FRAGMENTS.len(), "[a-z ]{0,3}"), 0..24)) {
+            let text: String = picks.iter().map(|(i, s)| format!("{}{s}", FRAGMENTS[*i])).collect();
+            let tools = tools();
+            for parser in all_parsers() {
+                for tools in [&tools[..], &[]] {
+                    let parsed = parser.parse(&text, tools);
+                    prop_assert!(parsed.is_ok());
+                }
+            }
+        }
+    }
+}
