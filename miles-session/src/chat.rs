@@ -78,6 +78,19 @@ pub trait ChatTokenizer: Send + Sync {
         tools: &[ToolSpec],
     ) -> Result<ParsedAssistant>;
 
+    /// [`ChatTokenizer::parse_assistant`] for a request with chat-template `kwargs`: a family
+    /// whose parser depends on the thinking toggles (`enable_thinking`, `thinking`, …: whether
+    /// the output starts inside reasoning) reads them here. Default: the kwargs are ignored.
+    fn parse_assistant_with_kwargs(
+        &self,
+        output_ids: &[TokenId],
+        tools: &[ToolSpec],
+        kwargs: &Map<String, Value>,
+    ) -> Result<ParsedAssistant> {
+        let _ = kwargs;
+        self.parse_assistant(output_ids, tools)
+    }
+
     /// Decodes ids to text, special tokens included.
     fn decode(&self, ids: &[TokenId]) -> String;
 

@@ -418,7 +418,12 @@ fn completion_body(
         )));
     }
     let tok = state.tokenizer.as_ref();
-    let mut parsed = tok.parse_assistant(&output.output_ids, tools)?;
+    let kwargs = request
+        .chat_template_kwargs
+        .as_ref()
+        .and_then(Value::as_object);
+    let mut parsed =
+        tok.parse_assistant_with_kwargs(&output.output_ids, tools, kwargs.unwrap_or(&Map::new()))?;
     if output.finish_reason == FinishReason::Stop
         && let Some(Value::String(stop)) = &output.matched_stop
         && let Some(stripped) = parsed.content.strip_suffix(stop.as_str())

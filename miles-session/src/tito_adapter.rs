@@ -37,12 +37,18 @@ pub fn from_tito(error: miles_tito::Error) -> Error {
 
 /// The reasoning and tool-call parsers the session server uses for a family's output.
 ///
-/// Miles binds SGLang parser names per family (§1.2); where this crate has the parser it is
-/// used, otherwise the output is left unparsed (reasoning / tool-call text stays in
-/// `content`): `qwen3_coder` tool calls (Qwen3.5, Nemotron 3), `minimax-m2` tool calls and
-/// the `nemotron_3` / `minimax-append-think` reasoning modes are not implemented yet.
-/// Qwen3.5 and Qwen-Next open `<think>` in the generation prompt, so their reasoning is
-/// parsed with `force_reasoning` (SGLang's `qwen3-thinking`).
+/// Miles binds SGLang parser names per family (§1.2): `qwen3` + `qwen25` (Qwen3, Qwen-Next),
+/// `qwen3` + `qwen3_coder` (Qwen3.5), `nemotron_3` + `qwen3_coder` (Nemotron 3), `glm45` +
+/// `glm47` (GLM-4.7), `kimi_k2` + `kimi_k2_raw_id` (Kimi K2.6), `minimax-append-think` +
+/// `minimax-m2` (MiniMax M2.5 / M2.7), `deepseek-v3` + `deepseekv32` (DeepSeek V3.2),
+/// `deepseek-v4` + `deepseekv4` (DeepSeek V4). Miles leaves Kimi K2.5 unbound; it gets SGLang's
+/// Kimi parsers (`kimi_k2` for both), which read its format.
+///
+/// Where the family's template opens `<think>` in the generation prompt (Qwen3.5, Qwen-Next,
+/// Nemotron 3, Kimi K2.5 / K2.6, DeepSeek in thinking mode, the default), the output starts
+/// inside the reasoning block: the parser forces reasoning, as SGLang does for these parsers
+/// by default; a request that turns thinking off un-forces it
+/// ([`OutputParser::for_kwargs`]).
 pub fn family_parsers(family: TitoFamily) -> (Option<ReasoningParser>, Option<ToolCallParser>) {
     match family {
         TitoFamily::Qwen3 => (
@@ -61,20 +67,38 @@ pub fn family_parsers(family: TitoFamily) -> (Option<ReasoningParser>, Option<To
             Some(ReasoningParser::Qwen3 {
                 force_reasoning: true,
             }),
-            None,
+            Some(ToolCallParser::Qwen3Coder),
         ),
         TitoFamily::Nemotron3 => (
-            Some(ReasoningParser::Qwen3 {
-                force_reasoning: false,
+            Some(ReasoningParser::Nemotron3 {
+                force_reasoning: true,
             }),
-            None,
+            Some(ToolCallParser::Qwen3Coder),
         ),
         TitoFamily::Glm47 => (Some(ReasoningParser::Glm45), Some(ToolCallParser::Glm47)),
-        TitoFamily::Kimi26 => (Some(ReasoningParser::KimiK2), Some(ToolCallParser::KimiK2)),
-        TitoFamily::Default
-        | TitoFamily::Kimi25
-        | TitoFamily::MinimaxM25
-        | TitoFamily::MinimaxM27 => (None, None),
+        TitoFamily::Kimi25 | TitoFamily::Kimi26 => (
+            Some(ReasoningParser::KimiK2 {
+                force_reasoning: true,
+            }),
+            Some(ToolCallParser::KimiK2),
+        ),
+        TitoFamily::MinimaxM25 | TitoFamily::MinimaxM27 => (
+            Some(ReasoningParser::MinimaxAppendThink),
+            Some(ToolCallParser::MinimaxM2),
+        ),
+        TitoFamily::DeepseekV32 => (
+            Some(ReasoningParser::DeepSeekV3 {
+                force_reasoning: true,
+            }),
+            Some(ToolCallParser::DeepSeekV32),
+        ),
+        TitoFamily::DeepseekV4 => (
+            Some(ReasoningParser::DeepSeekV4 {
+                force_reasoning: true,
+            }),
+            Some(ToolCallParser::DeepSeekV4),
+        ),
+        TitoFamily::Default => (None, None),
         #[allow(unreachable_patterns)]
         _ => (None, None),
     }
@@ -92,6 +116,7 @@ pub fn family_end_of_turn(family: TitoFamily) -> &'static [&'static str] {
         | TitoFamily::Kimi26 => &["<|im_end|>"],
         TitoFamily::Glm47 => &["<|user|>", "<|observation|>", "<|endoftext|>"],
         TitoFamily::MinimaxM25 | TitoFamily::MinimaxM27 => &["[e~["],
+        TitoFamily::DeepseekV32 | TitoFamily::DeepseekV4 => &[miles_tito::deepseek::EOS],
         TitoFamily::Default => &[],
         #[allow(unreachable_patterns)]
         _ => &[],
@@ -288,6 +313,16 @@ impl ChatTokenizer for TitoChat {
     ) -> Result<ParsedAssistant> {
         let text = self.tito.decode(output_ids).map_err(from_tito)?;
         self.parser.parse(&text, tools)
+    }
+
+    fn parse_assistant_with_kwargs(
+        &self,
+        output_ids: &[TokenId],
+        tools: &[ToolSpec],
+        kwargs: &Map<String, Value>,
+    ) -> Result<ParsedAssistant> {
+        let text = self.tito.decode(output_ids).map_err(from_tito)?;
+        self.parser.for_kwargs(kwargs).parse(&text, tools)
     }
 
     fn decode(&self, ids: &[TokenId]) -> String {
