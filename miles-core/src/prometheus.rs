@@ -8,7 +8,7 @@
 //!   cardinality stays bounded.
 //! * [`Registry::render`] writes the text exposition format 0.0.4: `# HELP` and `# TYPE`
 //!   per family, help and label values escaped, histograms as cumulative `_bucket{le=…}`
-//!   (with `+Inf`), `_sum` and `_count`; values `NaN`, `+Inf`, `-Inf` spelled as Prometheus
+//!   (with `+Inf`; whole bounds keep their `.0`, `le="6.0"`, as SGLang's client writes), `_sum` and `_count`; values `NaN`, `+Inf`, `-Inf` spelled as Prometheus
 //!   does. Serve it with `Content-Type: text/plain; version=0.0.4` ([`CONTENT_TYPE`]).
 //! * Ready-made sets: [`SglangMetrics`] (SGLang's own metric names, for `miles-rollout
 //!   serve`), [`TrainerMetrics`] (a trainer process), and [`PrometheusMetricsSink`], a
@@ -24,7 +24,7 @@
 //! ttft.observe(0.25);
 //! let text = registry.render();
 //! assert!(text.contains("# TYPE sglang:generation_tokens_total counter\nsglang:generation_tokens_total 12\n"));
-//! assert!(text.contains("sglang:time_to_first_token_seconds_bucket{le=\"1\"} 1\n"));
+//! assert!(text.contains("sglang:time_to_first_token_seconds_bucket{le=\"1.0\"} 1\n"));
 //! # Ok::<(), miles_core::Error>(())
 //! ```
 
@@ -448,7 +448,9 @@ impl Registry {
                     Series::Histogram(h) => {
                         let counts = h.cumulative_counts();
                         for (bound, count) in h.bounds().iter().zip(&counts) {
-                            let le = format_value(*bound);
+                            // `{:?}` keeps a `.0` on whole bounds (`le="6.0"`), as
+                            // SGLang's (Python) client writes them.
+                            let le = format!("{bound:?}");
                             sample(out, name, "_bucket", labels, Some(&le), *count as f64);
                         }
                         let count = counts.last().copied().unwrap_or(0) as f64;
@@ -873,7 +875,7 @@ mod tests {
             text.contains("h_seconds_bucket{m=\"q\",le=\"0.1\"} 2\n"),
             "{text}"
         );
-        assert!(text.contains("h_seconds_bucket{m=\"q\",le=\"1\"} 3\n"));
+        assert!(text.contains("h_seconds_bucket{m=\"q\",le=\"1.0\"} 3\n"));
         assert!(text.contains("h_seconds_bucket{m=\"q\",le=\"+Inf\"} 4\n"));
         assert!(text.contains("h_seconds_sum{m=\"q\"} 3.65\n"));
         assert!(text.contains("h_seconds_count{m=\"q\"} 4\n"));
