@@ -61,18 +61,21 @@ pub struct MetricsServer {
 
 impl MetricsServer {
     /// Binds `addr` (port 0 picks a free port) and serves `registry` from a new thread.
-    /// Binding errors are returned here, not later.
+    /// Binding errors are returned here, not later. Callable from blocking code and from
+    /// inside a tokio runtime alike.
     pub fn start(addr: SocketAddr, registry: Arc<Registry>) -> std::io::Result<Self> {
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let local_addr = listener.local_addr()?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let listener = runtime.block_on(TcpListener::bind(addr))?;
-        let local_addr = listener.local_addr()?;
         let (shutdown, stop) = oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("miles-metrics".into())
             .spawn(move || {
                 runtime.block_on(async move {
+                    let listener = TcpListener::from_std(listener)?;
                     axum::serve(listener, router(registry))
                         .with_graceful_shutdown(async move {
                             let _ = stop.await;
@@ -146,5 +149,27 @@ mod tests {
         let addr = server.local_addr();
         server.stop().unwrap();
         assert!(std::net::TcpStream::connect(addr).is_err(), "stopped");
+    }
+
+    #[test]
+    fn starts_and_stops_inside_a_runtime() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let registry = Arc::new(Registry::new());
+            registry.counter("miles_test_total", "Test.").unwrap().inc();
+            let server = MetricsServer::start("127.0.0.1:0".parse().unwrap(), registry).unwrap();
+            let http = HttpClient::new(Duration::from_secs(5));
+            let url = format!("http://{}/metrics", server.local_addr());
+            let text = http.get(&url).await.unwrap().text();
+            assert!(text.ends_with("miles_test_total 1\n"), "{text}");
+            // A taken port is an error at start, not later.
+            let taken = MetricsServer::start(server.local_addr(), Arc::new(Registry::new()));
+            assert!(taken.is_err());
+            drop(server);
+        });
     }
 }
