@@ -47,13 +47,23 @@ fn require_python(module: &str, test: &str) -> Option<PathBuf> {
 
 const READER: &str = r#"
 import json, math, sys
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0})
-acc.Reload()
+from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
+from tensorboard.util import tensor_util
 def enc(v):
     return v if math.isfinite(v) else repr(v)
-print(json.dumps({tag: [[e.step, enc(e.value)] for e in acc.Scalars(tag)]
-                  for tag in acc.Tags()["scalars"]}))
+# The classic reader's scalars.
+acc = event_accumulator.EventAccumulator(sys.argv[1], size_guidance={"scalars": 0})
+acc.Reload()
+scalars = {tag: [[e.step, enc(e.value)] for e in acc.Scalars(tag)]
+           for tag in acc.Tags()["scalars"]}
+# What the TensorBoard server itself loads (simple_value migrated to scalar tensors).
+plugin = plugin_event_accumulator.EventAccumulator(sys.argv[1], size_guidance={"tensors": 0})
+plugin.Reload()
+tensors = {tag: {"plugin": plugin.SummaryMetadata(tag).plugin_data.plugin_name,
+                 "points": [[e.step, enc(float(tensor_util.make_ndarray(e.tensor_proto)))]
+                            for e in plugin.Tensors(tag)]}
+           for tag in plugin.Tags()["tensors"]}
+print(json.dumps({"scalars": scalars, "tensors": tensors}))
 "#;
 
 fn metrics(step: u64) -> Metrics {
@@ -120,7 +130,15 @@ fn tensorboard_reader_sees_what_jsonl_got() {
         "EventAccumulator failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let seen: serde_json::Map<String, Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let read: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let seen = read["scalars"].as_object().unwrap();
+    // The server's loader sees the same points, as the `scalars` plugin's data.
+    let tensors = read["tensors"].as_object().unwrap();
+    assert_eq!(tensors.len(), seen.len());
+    for (tag, points) in seen {
+        assert_eq!(tensors[tag]["plugin"], "scalars", "{tag}");
+        assert_eq!(&tensors[tag]["points"], points, "{tag}");
+    }
 
     // Expected from the JSONL file: tag -> [(step, value or null)].
     let mut expected: std::collections::BTreeMap<String, Vec<(u64, Value)>> = Default::default();
