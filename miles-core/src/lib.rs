@@ -15,6 +15,10 @@
 //!   protocol with SGLang's field names.
 //! * The seams: [`InferenceEngine`] (async, object-safe), [`PolicyTrainer`] (blocking),
 //!   [`RewardFn`] (async, object-safe), [`MetricsSink`] (+ [`JsonlMetricsSink`]).
+//! * Observability: [`TensorBoardSink`] (TensorBoard event files, written by hand),
+//!   [`FanoutMetricsSink`] (several sinks at once), and [`prometheus`]: a small registry
+//!   and text-format encoder with SGLang's engine metrics, a trainer set and
+//!   [`PrometheusMetricsSink`].
 //!
 //! It depends only on serde, serde_json, thiserror and async-trait, so `cargo add miles-core`
 //! stays light.
@@ -48,9 +52,11 @@ pub mod engine;
 pub mod error;
 pub mod message;
 pub mod metrics;
+pub mod prometheus;
 pub mod reward;
 pub mod routed;
 pub mod sample;
+pub mod tensorboard;
 pub mod trainer;
 pub mod weights;
 
@@ -62,12 +68,16 @@ pub use error::{EngineErrorKind, Error, Result};
 pub use message::{
     Content, FunctionCall, FunctionSpec, Message, Role, ToolArguments, ToolCall, ToolSpec,
 };
-pub use metrics::{JsonlMetricsSink, MemoryMetricsSink, Metrics, MetricsSink, metrics_line};
+pub use metrics::{
+    FanoutMetricsSink, JsonlMetricsSink, MemoryMetricsSink, Metrics, MetricsSink, metrics_line,
+};
+pub use prometheus::PrometheusMetricsSink;
 pub use reward::RewardFn;
 pub use routed::RoutedExperts;
 pub use sample::{
     PrefixCacheInfo, Prompt, Reward, Sample, SampleBuilder, SampleStatus, SpecInfo, TokenId,
 };
+pub use tensorboard::TensorBoardSink;
 pub use trainer::PolicyTrainer;
 pub use weights::{DType, NamedTensors, TensorBytes, WeightVersion};
 

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Number, Value};
 
@@ -126,6 +126,64 @@ impl MetricsSink for MemoryMetricsSink {
     }
 }
 
+/// Sends every step to several sinks (JSONL + TensorBoard + Prometheus, ...), in order.
+///
+/// Every sink gets every step even when an earlier one fails; the first error is returned.
+#[derive(Default)]
+pub struct FanoutMetricsSink {
+    sinks: Vec<Arc<dyn MetricsSink>>,
+}
+
+impl FanoutMetricsSink {
+    /// Fans out to `sinks`.
+    pub fn new(sinks: Vec<Arc<dyn MetricsSink>>) -> Self {
+        Self { sinks }
+    }
+
+    /// Adds one more sink (builder style).
+    pub fn with(mut self, sink: Arc<dyn MetricsSink>) -> Self {
+        self.sinks.push(sink);
+        self
+    }
+
+    /// Adds one more sink.
+    pub fn push(&mut self, sink: Arc<dyn MetricsSink>) {
+        self.sinks.push(sink);
+    }
+
+    /// How many sinks there are.
+    pub fn len(&self) -> usize {
+        self.sinks.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.sinks.is_empty()
+    }
+}
+
+impl MetricsSink for FanoutMetricsSink {
+    fn log(&self, step: u64, metrics: &Metrics) -> Result<()> {
+        let mut first = Ok(());
+        for sink in &self.sinks {
+            if let Err(e) = sink.log(step, metrics) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
+    fn flush(&self) -> Result<()> {
+        let mut first = Ok(());
+        for sink in &self.sinks {
+            if let Err(e) = sink.flush() {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,5 +226,28 @@ mod tests {
         assert_eq!(steps.len(), 2);
         assert_eq!(steps[0].0, 5);
         assert_eq!(steps[0].1["a"], 1.0);
+    }
+
+    struct Failing;
+
+    impl MetricsSink for Failing {
+        fn log(&self, _: u64, _: &Metrics) -> Result<()> {
+            Err(Error::Metrics("full".into()))
+        }
+    }
+
+    #[test]
+    fn fanout_reaches_every_sink_and_reports_the_first_error() {
+        let a = Arc::new(MemoryMetricsSink::new());
+        let b = Arc::new(MemoryMetricsSink::new());
+        let fanout = FanoutMetricsSink::new(vec![a.clone(), Arc::new(Failing)]).with(b.clone());
+        assert_eq!(fanout.len(), 3);
+        let m = Metrics::from([("train/pg_loss".to_string(), 0.5)]);
+        let err = fanout.log(7, &m).unwrap_err();
+        assert!(err.to_string().contains("full"));
+        assert_eq!(a.steps(), [(7, m.clone())]);
+        assert_eq!(b.steps(), [(7, m)]);
+        fanout.flush().unwrap();
+        assert!(FanoutMetricsSink::default().is_empty());
     }
 }

@@ -28,6 +28,9 @@
 //! * [`tito_adapter`]: [`tito_adapter::TitoChat`], the [`chat::ChatTokenizer`] over
 //!   miles-tito (HF-exact templates, the TITO families, incremental tokenization) that the
 //!   binary serves for `--model DIR --tito FAMILY`.
+//! * [`metrics_server`]: a `/metrics` endpoint for any [`miles_core::prometheus::Registry`]
+//!   (trainer processes, `miles-rollout serve`), as a router, an async `serve` or a
+//!   self-contained [`metrics_server::MetricsServer`] thread.
 //! * [`testkit`]: a byte-level ChatML tokenizer, a deterministic engine and an instant engine
 //!   (tests, load tests, benchmarks, trying the binary without a model).
 //! * [`loadgen`]: the closed-loop load generator (8-turn tool-calling sessions over HTTP) and a
@@ -76,6 +79,7 @@ pub mod error;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
+pub mod metrics_server;
 pub mod openai;
 pub mod parsers;
 pub mod server;
