@@ -73,6 +73,7 @@ pub mod chat;
 pub mod cli;
 pub mod codec;
 pub mod error;
+pub mod guard;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;
