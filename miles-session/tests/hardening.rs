@@ -805,3 +805,60 @@ async fn concurrency_limit_and_request_timeout() {
     *h.engine.delay.lock().unwrap() = None;
     h.assert_alive().await;
 }
+
+#[tokio::test]
+async fn hostile_chat_template_is_a_typed_500_with_the_reason() {
+    use miles_session::chat::ChatTokenizer;
+    use miles_session::testkit::InstantEngine;
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
+    let dir = std::env::temp_dir().join(format!("miles-session-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+    }
+    let original = std::fs::read_to_string(fixture.join("chat_template.jinja")).unwrap();
+    // The real template, except for a conversation whose last message is "go": then it loops.
+    let hostile = format!(
+        "{{% if messages[-1].content == 'go' %}}{{% for a in range(100000) %}}{{% for b in range(100000) %}}{{% endfor %}}{{% endfor %}}{{% else %}}{original}{{% endif %}}"
+    );
+    std::fs::write(dir.join("chat_template.jinja"), hostile).unwrap();
+    let tok: Arc<dyn ChatTokenizer> =
+        Arc::new(miles_session::TitoChat::load(&dir, "default").unwrap());
+    let engine = InstantEngine::for_chatml(tok.as_ref()).unwrap();
+    let server = SessionServer::new(engine, tok, SessionServerConfig::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(guard::serve(
+        listener,
+        server.router(),
+        GuardConfig::default(),
+    ));
+    let http = HttpClient::new(Duration::from_secs(60));
+    let create = || async {
+        let r = http
+            .post_json(&format!("{base}/sessions"), &json!({}), &[])
+            .await
+            .unwrap();
+        r.json::<Value>().unwrap()["session_id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let id = create().await;
+    let url = format!("{base}/sessions/{id}/v1/chat/completions");
+    let started = Instant::now();
+    let r = http.post_json(&url, &user("go"), &[]).await.unwrap();
+    let message = assert_error(&r, 500, "server_error", "tokenization");
+    assert!(
+        message.contains("chat template exceeded its fuel limit"),
+        "{message}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    // The same server still serves a normal conversation with the same template.
+    let id = create().await;
+    let url = format!("{base}/sessions/{id}/v1/chat/completions");
+    let r = http.post_json(&url, &user("hello"), &[]).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -136,7 +136,8 @@ pub struct ChatTemplate {
 pub struct RenderLimits {
     /// minijinja fuel: instructions one render may run (`None`: unbounded).
     pub fuel: Option<u64>,
-    /// Deepest nesting of macro calls / includes (minijinja caps it at 500).
+    /// Deepest nesting of minijinja frames (a macro call costs about five; minijinja caps
+    /// it at 500, which stays inside a 2 MiB thread stack).
     pub max_recursion: usize,
     /// Largest rendered text, in bytes.
     pub max_output_bytes: usize,
@@ -144,11 +145,11 @@ pub struct RenderLimits {
 
 impl Default for RenderLimits {
     /// 50 million instructions (some seconds; the largest real conversations need well under
-    /// a million), recursion depth 100, 64 MiB of output.
+    /// a million), recursion depth 500 (about 90 nested macro calls), 64 MiB of output.
     fn default() -> Self {
         Self {
             fuel: Some(50_000_000),
-            max_recursion: 100,
+            max_recursion: 500,
             max_output_bytes: 64 << 20,
         }
     }
