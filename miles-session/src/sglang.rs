@@ -112,7 +112,10 @@ pub fn parse_weight_version(value: Option<&Value>) -> miles_core::Result<WeightV
     match value {
         None | Some(Value::Null) => Ok(WeightVersion(0)),
         Some(Value::String(s)) if s == "default" => Ok(WeightVersion(0)),
-        Some(Value::String(s)) => s.parse(),
+        Some(Value::String(s)) => s.parse().map_err(|_| {
+            let shown: String = s.chars().take(40).collect();
+            protocol(format!("weight_version {shown:?} is not a version"))
+        }),
         Some(Value::Number(n)) => n
             .as_u64()
             .map(WeightVersion)

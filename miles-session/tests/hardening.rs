@@ -862,3 +862,322 @@ async fn hostile_chat_template_is_a_typed_500_with_the_reason() {
     assert_eq!(r.status, 200, "{}", r.text());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A hostile SGLang `/generate`: answers with whatever body the test sets.
+struct HostileEngine {
+    /// `(status, content type, body)`; `None`: a well-formed answer for the request.
+    reply: std::sync::Mutex<Option<(u16, &'static str, Vec<u8>)>>,
+}
+
+async fn hostile_generate(
+    axum::extract::State(fake): axum::extract::State<Arc<HostileEngine>>,
+    body: axum::body::Bytes,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if let Some((status, content_type, bytes)) = fake.reply.lock().unwrap().clone() {
+        return (
+            axum::http::StatusCode::from_u16(status).unwrap(),
+            [("content-type", content_type)],
+            bytes,
+        )
+            .into_response();
+    }
+    let request: Value = serde_json::from_slice(&body).unwrap();
+    let prompt = request["input_ids"].as_array().unwrap().len();
+    axum::Json(json!({
+        "text": "ok",
+        "output_ids": [111, 107, common::IM_END],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": common::IM_END},
+            "prompt_tokens": prompt,
+            "completion_tokens": 3,
+            "cached_tokens": 0,
+            "weight_version": "7",
+            "output_token_logprobs": [[-0.5, 111, null], [-0.25, 107, null], [-0.125, common::IM_END, null]],
+        }
+    }))
+    .into_response()
+}
+
+fn meta(extra: Value) -> Value {
+    let mut meta = json!({
+        "finish_reason": {"type": "stop"},
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "weight_version": "7",
+        "output_token_logprobs": [[-0.5, 5, null], [-0.25, 6, null]],
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        if v.is_null() {
+            meta.as_object_mut().unwrap().remove(k);
+        } else {
+            meta[k] = v.clone();
+        }
+    }
+    json!({"text": "", "meta_info": meta})
+}
+
+#[tokio::test]
+async fn hostile_engine_answers_are_typed_engine_errors() {
+    use miles_core::{EngineErrorKind, GenerateRequest, InferenceEngine};
+    let fake = Arc::new(HostileEngine {
+        reply: std::sync::Mutex::new(None),
+    });
+    let app = axum::Router::new()
+        .route("/generate", axum::routing::post(hostile_generate))
+        .with_state(fake.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let mut config = miles_session::SglangConfig::new(&url);
+    config.num_layers = Some(2);
+    config.max_response_bytes = 1 << 20;
+    let client = miles_session::SglangEngine::new(config);
+    let request = || {
+        let mut r = GenerateRequest::new(
+            vec![1, 2, 3],
+            SamplingParams {
+                max_new_tokens: Some(16),
+                ..SamplingParams::default()
+            },
+        );
+        r.return_routed_experts = true;
+        r
+    };
+    let json_body = |v: Value| (200u16, "application/json", serde_json::to_vec(&v).unwrap());
+    let raw = |s: &str| (200u16, "application/json", s.as_bytes().to_vec());
+    let big = "A".repeat(200_000);
+    let cases: Vec<((u16, &'static str, Vec<u8>), EngineErrorKind, &str)> = vec![
+        (
+            json_body(json!({"text": "x"})),
+            EngineErrorKind::Protocol,
+            "no meta_info",
+        ),
+        (
+            json_body(json!({"meta_info": 5})),
+            EngineErrorKind::Protocol,
+            "no meta_info",
+        ),
+        (
+            json_body(meta(json!({"finish_reason": null}))),
+            EngineErrorKind::Protocol,
+            "no finish_reason",
+        ),
+        (
+            json_body(meta(json!({"finish_reason": {"type": "explode"}}))),
+            EngineErrorKind::Protocol,
+            "unknown finish_reason",
+        ),
+        (
+            json_body(meta(json!({"completion_tokens": u64::MAX}))),
+            EngineErrorKind::Protocol,
+            "completion_tokens = 18446744073709551615",
+        ),
+        (
+            json_body(meta(json!({"completion_tokens": 1e300}))),
+            EngineErrorKind::Protocol,
+            "no completion_tokens",
+        ),
+        (
+            json_body(meta(json!({"completion_tokens": 17}))),
+            EngineErrorKind::Protocol,
+            "over the requested max_new_tokens",
+        ),
+        (
+            json_body(meta(json!({"completion_tokens": 3}))),
+            EngineErrorKind::Protocol,
+            "2 output_token_logprobs for completion_tokens = 3",
+        ),
+        (
+            json_body(meta(json!({"completion_tokens": null}))),
+            EngineErrorKind::Protocol,
+            "no completion_tokens",
+        ),
+        (
+            json_body(meta(
+                json!({"output_token_logprobs": [[1e308, 5, null], [-0.25, 6, null]]}),
+            )),
+            EngineErrorKind::Protocol,
+            "not a log-probability",
+        ),
+        (
+            json_body(meta(
+                json!({"output_token_logprobs": [["NaN", 5, null], [-0.25, 6, null]]}),
+            )),
+            EngineErrorKind::Protocol,
+            "is not [logprob, token_id, text]",
+        ),
+        (
+            raw(
+                r#"{"meta_info": {"finish_reason": "stop", "completion_tokens": 1, "output_token_logprobs": [[NaN, 5, null]]}}"#,
+            ),
+            EngineErrorKind::Protocol,
+            "non-JSON",
+        ),
+        (
+            json_body(meta(
+                json!({"output_token_logprobs": [[-0.5, 1u64 << 40, null], [-0.25, 6, null]]}),
+            )),
+            EngineErrorKind::Protocol,
+            "is not [logprob, token_id, text]",
+        ),
+        (
+            json_body(meta(
+                json!({"output_token_logprobs": [[-0.5, -1, null], [-0.25, 6, null]]}),
+            )),
+            EngineErrorKind::Protocol,
+            "is not [logprob, token_id, text]",
+        ),
+        (
+            json_body(meta(
+                json!({"output_token_logprobs": [[-0.5], [-0.25, 6, null]]}),
+            )),
+            EngineErrorKind::Protocol,
+            "is not [logprob, token_id, text]",
+        ),
+        (
+            json_body(meta(json!({"output_token_logprobs": null}))),
+            EngineErrorKind::Protocol,
+            "no output_token_logprobs",
+        ),
+        (
+            json_body(meta(json!({"prompt_tokens": u64::MAX}))),
+            EngineErrorKind::Protocol,
+            "prompt_tokens = 18446744073709551615 for 3 input ids",
+        ),
+        (
+            json_body(meta(json!({"prompt_tokens": 99}))),
+            EngineErrorKind::Protocol,
+            "prompt_tokens = 99",
+        ),
+        (
+            json_body(meta(json!({"cached_tokens": 1000}))),
+            EngineErrorKind::Protocol,
+            "cached_tokens = 1000",
+        ),
+        (
+            json_body(meta(json!({"routed_experts": big}))),
+            EngineErrorKind::Protocol,
+            "more than 4 rows",
+        ),
+        (
+            json_body(meta(json!({"routed_experts": "!!!!"}))),
+            EngineErrorKind::Protocol,
+            "base64",
+        ),
+        (
+            json_body(meta(json!({"routed_experts": "AAAAAAA="}))),
+            EngineErrorKind::Protocol,
+            "not a whole number of int32",
+        ),
+        (
+            json_body(meta(json!({"routed_experts": "AAAAAAAAAAAAAAAA"}))),
+            EngineErrorKind::Protocol,
+            "split into",
+        ),
+        (
+            json_body(meta(json!({"weight_version": "abc"}))),
+            EngineErrorKind::Protocol,
+            "abc",
+        ),
+        (
+            raw(&"[".repeat(100_000)),
+            EngineErrorKind::Protocol,
+            "non-JSON",
+        ),
+        (raw(""), EngineErrorKind::Protocol, "non-JSON"),
+        (
+            (200, "text/html", b"<html>gateway</html>".to_vec()),
+            EngineErrorKind::Protocol,
+            "non-JSON",
+        ),
+        (
+            (200, "application/json", vec![b' '; 2 << 20]),
+            EngineErrorKind::Unavailable,
+            "over the limit of 1048576 bytes",
+        ),
+        (
+            (500, "text/plain", vec![b'x'; 100_000]),
+            EngineErrorKind::Internal,
+            "500",
+        ),
+        (
+            (
+                503,
+                "application/json",
+                br#"{"error": {"message": "overloaded"}}"#.to_vec(),
+            ),
+            EngineErrorKind::Unavailable,
+            "overloaded",
+        ),
+    ];
+    let count = cases.len();
+    for (reply, kind, needle) in cases {
+        *fake.reply.lock().unwrap() = Some(reply);
+        let err = client.generate(request()).await.unwrap_err();
+        match &err {
+            miles_core::Error::Engine { kind: k, message } => {
+                assert_eq!(*k, kind, "{message}");
+                assert!(message.contains(needle), "wanted {needle:?} in {message}");
+                assert!(
+                    message.len() < 2000,
+                    "error messages stay short: {} bytes",
+                    message.len()
+                );
+            }
+            other => panic!("not an engine error: {other:?}"),
+        }
+    }
+    assert_eq!(count, 30);
+    // A well-formed answer still parses (and its routes check out).
+    let routes = miles_core::RoutedExperts::new(4, 2, 1, vec![0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+    *fake.reply.lock().unwrap() = Some(json_body(meta(
+        json!({"routed_experts": routes.to_base64()}),
+    )));
+    let out = client.generate(request()).await.unwrap();
+    assert_eq!(out.output_ids, vec![5, 6]);
+    assert_eq!(out.output_log_probs, vec![-0.5, -0.25]);
+    assert_eq!(out.routed_experts.unwrap().rows(), 4);
+
+    // Through the session server: a hostile engine answer is a 502 JSON error, nothing is
+    // recorded, and the next normal answer is served.
+    let sglang = miles_session::SglangEngine::new(miles_session::SglangConfig::new(&url));
+    let server = SessionServer::new(
+        Arc::new(sglang),
+        Arc::new(ByteChatml::default()),
+        SessionServerConfig::default(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(guard::serve(
+        listener,
+        server.router(),
+        GuardConfig::default(),
+    ));
+    let http = HttpClient::new(Duration::from_secs(20));
+    let r = http
+        .post_json(&format!("{base}/sessions"), &json!({}), &[])
+        .await
+        .unwrap();
+    let id = r.json::<Value>().unwrap()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let chat_url = format!("{base}/sessions/{id}/v1/chat/completions");
+    *fake.reply.lock().unwrap() = Some(json_body(meta(json!({"completion_tokens": u64::MAX}))));
+    let r = http.post_json(&chat_url, &user("hi"), &[]).await.unwrap();
+    let message = assert_error(&r, 502, "server_error", "upstream_response");
+    assert!(message.contains("completion_tokens"), "{message}");
+    *fake.reply.lock().unwrap() = None;
+    let r = http.post_json(&chat_url, &user("hi"), &[]).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "ok");
+    let s: Value = http
+        .get(&format!("{base}/sessions/{id}"))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(s["records"].as_array().unwrap().len(), 1);
+}
