@@ -258,6 +258,7 @@ impl SessionServer {
             .route("/sessions/{id}/v1/chat/completions", post(chat_completions))
             .route("/sessions/{id}/samples", post(samples))
             .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
             .layer(DefaultBodyLimit::disable())
             .with_state(self.state.clone());
         crate::guard::harden(router, &guard)
@@ -304,6 +305,20 @@ async fn not_found(State(state): AppStateRef, request: Request) -> Response {
     };
     state.metrics.error("not_found");
     (StatusCode::NOT_FOUND, axum::Json(json!({"error": {"message": err.to_string(), "type": "invalid_request_error", "code": "not_found"}})))
+        .into_response()
+}
+
+async fn method_not_allowed(State(state): AppStateRef, request: Request) -> Response {
+    state.metrics.error("method_not_allowed");
+    let message = format!(
+        "method {} not allowed on {}",
+        request.method(),
+        request.uri().path()
+    );
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        axum::Json(json!({"error": {"message": message, "type": "invalid_request_error", "code": "method_not_allowed"}})),
+    )
         .into_response()
 }
 
