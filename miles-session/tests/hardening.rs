@@ -863,10 +863,13 @@ async fn hostile_chat_template_is_a_typed_500_with_the_reason() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A raw answer: status, content type, body.
+type Reply = (u16, &'static str, Vec<u8>);
+
 /// A hostile SGLang `/generate`: answers with whatever body the test sets.
 struct HostileEngine {
-    /// `(status, content type, body)`; `None`: a well-formed answer for the request.
-    reply: std::sync::Mutex<Option<(u16, &'static str, Vec<u8>)>>,
+    /// `None`: a well-formed answer for the request.
+    reply: std::sync::Mutex<Option<Reply>>,
 }
 
 async fn hostile_generate(
@@ -947,7 +950,7 @@ async fn hostile_engine_answers_are_typed_engine_errors() {
     let json_body = |v: Value| (200u16, "application/json", serde_json::to_vec(&v).unwrap());
     let raw = |s: &str| (200u16, "application/json", s.as_bytes().to_vec());
     let big = "A".repeat(200_000);
-    let cases: Vec<((u16, &'static str, Vec<u8>), EngineErrorKind, &str)> = vec![
+    let cases: Vec<(Reply, EngineErrorKind, &str)> = vec![
         (
             json_body(json!({"text": "x"})),
             EngineErrorKind::Protocol,
