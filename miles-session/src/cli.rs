@@ -369,6 +369,56 @@ mod tests {
     }
 
     #[test]
+    fn hardening_flags() {
+        let a = args("--engine-url toy --tito byte_chatml").unwrap();
+        let defaults = SessionServerConfig::default();
+        let config = a.server_config();
+        assert_eq!(config.max_sessions, defaults.max_sessions);
+        assert_eq!(config.session_idle_timeout, defaults.session_idle_timeout);
+        assert_eq!(config.limits, defaults.limits);
+        assert_eq!(a.host, "127.0.0.1");
+        let a = args(
+            "--engine-url toy --tito byte_chatml --api-key k3y --max-request-bytes 1000 --max-n 4 \
+             --max-sessions 0 --session-idle-timeout 2.5 --max-records-per-session 7 \
+             --max-tokens-per-session 0 --request-timeout-s 30 --header-read-timeout-s 0 \
+             --max-connections 9 --max-concurrent-requests 0",
+        )
+        .unwrap();
+        assert_eq!(a.api_key, Some(ApiKey::new("k3y").unwrap()));
+        assert!(!format!("{a:?}").contains("k3y"), "the key never prints");
+        let config = a.server_config();
+        assert_eq!(config.max_body_bytes, 1000);
+        assert_eq!(config.limits.max_n, 4);
+        assert_eq!(config.max_sessions, None);
+        assert_eq!(
+            config.session_idle_timeout,
+            Some(Duration::from_millis(2500))
+        );
+        assert_eq!(config.max_records_per_session, Some(7));
+        assert_eq!(config.max_tokens_per_session, None);
+        let guard = a.guard_config();
+        assert_eq!(guard.api_key, a.api_key);
+        assert_eq!(guard.max_body_bytes, 1000);
+        assert_eq!(guard.request_timeout, Some(Duration::from_secs(30)));
+        assert_eq!(guard.header_read_timeout, None);
+        assert_eq!(guard.max_connections, Some(9));
+        assert_eq!(guard.max_concurrent_requests, None);
+        for bad in [
+            "--max-n 0",
+            "--max-request-bytes 0",
+            "--api-key clé",
+            "--session-idle-timeout -1",
+            "--session-idle-timeout inf",
+            "--request-timeout-s NaN",
+            "--engine-timeout-s 1e300",
+            "--max-sessions -3",
+        ] {
+            let line = format!("--engine-url toy --tito byte_chatml {bad}");
+            assert!(args(&line).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn model_families_load_through_the_miles_tito_adapter() {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/tokenizers/qwen3");
         for family in ["qwen3", "qwen35", "qwennext", "nemotron3", "default"] {

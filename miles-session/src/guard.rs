@@ -487,3 +487,73 @@ pub async fn serve(listener: TcpListener, router: Router, config: GuardConfig) -
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_compare_in_full_and_never_print() {
+        let key = ApiKey::new("abc123").unwrap();
+        assert!(key.matches_authorization(b"Bearer abc123"));
+        assert!(key.matches_authorization(b"bearer abc123"));
+        assert!(key.matches_authorization(b"BEARER abc123"));
+        for wrong in [
+            &b""[..],
+            b"Bearer",
+            b"Bearer ",
+            b"Bearer abc12",
+            b"Bearer abc1234",
+            b"Bearer abd123",
+            b"Basic abc123",
+            b"abc123",
+            b"Bearer  abc123",
+        ] {
+            assert!(!key.matches_authorization(wrong), "{wrong:?}");
+        }
+        assert!(constant_time_eq(b"", b""));
+        assert!(!constant_time_eq(b"a", b""));
+        assert!(!constant_time_eq(b"", b"a"));
+        assert!(constant_time_eq(b"xyz", b"xyz"));
+        assert!(!constant_time_eq(b"xyz", b"xyw"));
+        assert_eq!(format!("{key:?}"), "ApiKey(<redacted>)");
+        let config = GuardConfig::default().with_api_key(Some(key.clone()));
+        assert!(!format!("{config:?}").contains("abc123"));
+        assert_eq!(key.bearer(), "Bearer abc123");
+        for bad in ["", "has space", "tab\t", "é"] {
+            assert!(matches!(ApiKey::new(bad), Err(Error::Config(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn json_content_types() {
+        for ok in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            "application/vnd.api+json",
+        ] {
+            assert!(is_json(ok), "{ok}");
+        }
+        for bad in [
+            "text/plain",
+            "application/jsonx",
+            "",
+            "json",
+            "text/json+xml",
+        ] {
+            assert!(!is_json(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn config_validation_rejects_zero_limits() {
+        assert!(GuardConfig::default().validate().is_ok());
+        let zero = GuardConfig::default().with_max_body_bytes(0);
+        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+        let zero = GuardConfig::default().with_max_connections(Some(0));
+        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+        let zero = GuardConfig::default().with_header_read_timeout(Some(Duration::ZERO));
+        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+    }
+}
