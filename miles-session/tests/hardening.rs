@@ -633,7 +633,7 @@ async fn per_session_record_and_token_caps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_turns_on_one_session_are_refused_never_silently_dropped() {
     let h = Arc::new(start(SessionServerConfig::default()).await);
-    *h.engine.delay.lock().unwrap() = Some(Duration::from_millis(150));
+    *h.engine.delay.lock().unwrap() = Some(Duration::from_millis(300));
     let id = h.create().await;
     let before = h.server.metrics().turns.load(Ordering::SeqCst);
     let mut tasks = Vec::new();
@@ -762,7 +762,7 @@ async fn slow_clients_cannot_starve_health() {
 async fn concurrency_limit_and_request_timeout() {
     let guard = GuardConfig::default()
         .with_max_concurrent_requests(Some(2))
-        .with_request_timeout(Some(Duration::from_millis(600)));
+        .with_request_timeout(Some(Duration::from_secs(3)));
     let h = Arc::new(start_guarded(SessionServerConfig::default(), guard).await);
     let ids = [
         h.create().await,
@@ -770,7 +770,7 @@ async fn concurrency_limit_and_request_timeout() {
         h.create().await,
         h.create().await,
     ];
-    *h.engine.delay.lock().unwrap() = Some(Duration::from_millis(300));
+    *h.engine.delay.lock().unwrap() = Some(Duration::from_secs(1));
     let mut tasks = Vec::new();
     for id in ids.clone() {
         let h = h.clone();
@@ -798,10 +798,19 @@ async fn concurrency_limit_and_request_timeout() {
     assert_eq!(ok, 2);
     assert_eq!(overloaded, 2);
     // A handler slower than the request timeout: 504, and the turn is not recorded.
-    *h.engine.delay.lock().unwrap() = Some(Duration::from_millis(1500));
-    let r = h.chat(&ids[3], &user("too slow")).await;
+    *h.engine.delay.lock().unwrap() = Some(Duration::from_secs(5));
+    let slow = h.create().await;
+    let r = h.chat(&slow, &user("too slow")).await;
     let message = assert_error(&r, 504, "server_error", "timeout");
-    assert!(message.contains("0.6"), "{message}");
+    assert!(message.contains("timed out after 3 s"), "{message}");
+    let s: Value = h
+        .http
+        .get(&format!("{}/sessions/{slow}", h.base))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(s["records"], json!([]));
     *h.engine.delay.lock().unwrap() = None;
     h.assert_alive().await;
 }
@@ -1183,4 +1192,109 @@ async fn hostile_engine_answers_are_typed_engine_errors() {
         .json()
         .unwrap();
     assert_eq!(s["records"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_takes_its_key_from_the_environment_and_drops_slow_clients() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_miles-session"))
+        .args([
+            "--engine-url",
+            "toy",
+            "--tito",
+            "byte_chatml",
+            "--port",
+            "0",
+            "--header-read-timeout-s",
+            "0.5",
+        ])
+        .env("MILES_API_KEY", "from-the-env")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        std::io::BufReader::new(stdout)
+            .lines()
+            .next()
+            .unwrap()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    assert!(line.contains("api key required"), "{line}");
+    let base = line
+        .split("listening on ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    assert!(
+        base.starts_with("http://127.0.0.1:"),
+        "loopback by default: {base}"
+    );
+    let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse().unwrap();
+    let anon = HttpClient::new(Duration::from_secs(10));
+    assert_eq!(
+        anon.get(&format!("{base}/health")).await.unwrap().status,
+        200
+    );
+    let r = anon
+        .post_json(&format!("{base}/sessions"), &json!({}), &[])
+        .await
+        .unwrap();
+    assert_error(&r, 401, "authentication_error", "unauthorized");
+    let keyed = HttpClient::new(Duration::from_secs(10))
+        .with_api_key(Some(&ApiKey::new("from-the-env").unwrap()));
+    let r = keyed
+        .post_json(&format!("{base}/sessions"), &json!({}), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let id = r.json::<Value>().unwrap()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r = keyed
+        .post_json(
+            &format!("{base}/sessions/{id}/v1/chat/completions"),
+            &user("hello binary"),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    // A client that sends half a request head is disconnected after the head timeout.
+    let started = Instant::now();
+    let closed = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = Vec::new();
+        match s.read_to_end(&mut buf) {
+            Ok(_) => true,
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        }
+    })
+    .await
+    .unwrap();
+    assert!(closed, "the stalled connection stayed open");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
 }
