@@ -834,6 +834,13 @@ async fn hostile_chat_template_is_a_typed_500_with_the_reason() {
     std::fs::write(dir.join("chat_template.jinja"), hostile).unwrap();
     let tok: Arc<dyn ChatTokenizer> =
         Arc::new(miles_session::TitoChat::load(&dir, "default").unwrap());
+    // Engine ids outside the vocabulary decode and parse without a panic.
+    let hostile_ids = [4_000_000_000u32, u32::MAX, 0, 151_645];
+    let _ = tok.decode(&hostile_ids);
+    let _ = tok.decode_token(u32::MAX);
+    let _ = tok.is_special(u32::MAX);
+    let _ = tok.parse_assistant(&hostile_ids, &[]);
+    let _ = tok.compare_sequences(&hostile_ids, &hostile_ids[1..]);
     let engine = InstantEngine::for_chatml(tok.as_ref()).unwrap();
     let server = SessionServer::new(engine, tok, SessionServerConfig::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1180,6 +1187,32 @@ async fn hostile_engine_answers_are_typed_engine_errors() {
     let r = http.post_json(&chat_url, &user("hi"), &[]).await.unwrap();
     let message = assert_error(&r, 502, "server_error", "upstream_response");
     assert!(message.contains("completion_tokens"), "{message}");
+    // Token ids outside the vocabulary: a typed answer, never a panic.
+    let out_of_vocab = json!({"text": "", "meta_info": {
+        "finish_reason": {"type": "length"}, "completion_tokens": 3,
+        "output_token_logprobs": [[-0.5, 4_000_000_000u32, null], [-0.5, 300, null], [-0.5, u32::MAX, null]],
+    }});
+    *fake.reply.lock().unwrap() = Some(json_body(out_of_vocab));
+    let r = http.post_json(&chat_url, &user("hi"), &[]).await.unwrap();
+    assert!(
+        r.status == 200 || r.status == 502,
+        "{} {}",
+        r.status,
+        r.text()
+    );
+    if r.status == 502 {
+        assert_error(&r, 502, "server_error", "upstream_response");
+    }
+    let http = HttpClient::new(Duration::from_secs(20));
+    let r = http
+        .post_json(&format!("{base}/sessions"), &json!({}), &[])
+        .await
+        .unwrap();
+    let id = r.json::<Value>().unwrap()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let chat_url = format!("{base}/sessions/{id}/v1/chat/completions");
     *fake.reply.lock().unwrap() = None;
     let r = http.post_json(&chat_url, &user("hi"), &[]).await.unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
