@@ -137,6 +137,13 @@ pub enum Error {
         /// Which cap, and its value.
         reason: String,
     },
+    /// The chat template cannot render the request's messages (it raised, or does not handle
+    /// a content shape or role they use).
+    #[error("the chat template rejected the messages: {reason}")]
+    TemplateRejected {
+        /// The template's error.
+        reason: String,
+    },
     /// A request field is outside the server's limits (`n`, stop strings, token budget, …).
     #[error("request outside the server's limits: {reason}")]
     LimitExceeded {
@@ -181,6 +188,7 @@ impl Error {
             Self::SessionBusy { .. } => "session_busy",
             Self::SessionLimit { .. } => "session_limit",
             Self::LimitExceeded { .. } => "limit_exceeded",
+            Self::TemplateRejected { .. } => "template_rejected",
         }
     }
 
@@ -200,7 +208,9 @@ impl Error {
             Self::Overloaded { .. } => 503,
             Self::TooManySessions { .. } => 429,
             Self::SessionBusy { .. } => 409,
-            Self::SessionLimit { .. } | Self::LimitExceeded { .. } => 400,
+            Self::SessionLimit { .. }
+            | Self::LimitExceeded { .. }
+            | Self::TemplateRejected { .. } => 400,
             Self::Tokenization { .. } | Self::Core(_) | Self::Config(_) | Self::Io(_) => 500,
             Self::UpstreamResponse { .. } | Self::Transport { .. } => 502,
             Self::Timeout { .. } => 504,

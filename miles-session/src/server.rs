@@ -506,6 +506,35 @@ struct PreparedChat {
     stream: bool,
 }
 
+/// A render error the request caused (the template raised, or cannot render these messages:
+/// a content shape or role it does not handle) is the client's 400, as in SGLang; other
+/// tokenization failures (template limits, tokenizer errors) stay 500.
+fn template_rejection(error: Error) -> Error {
+    match error {
+        Error::Tokenization { reason } if is_template_rejection(&reason) => {
+            Error::TemplateRejected { reason }
+        }
+        other => other,
+    }
+}
+
+/// Whether a tokenization reason is miles-tito's render error, `raise_exception` or invalid
+/// render input (recognised by the prefixes of their own messages).
+fn is_template_rejection(reason: &str) -> bool {
+    let prefixes = [
+        miles_tito::Error::Render {
+            message: String::new(),
+        }
+        .to_string(),
+        miles_tito::Error::TemplateRaised {
+            message: String::new(),
+        }
+        .to_string(),
+        miles_tito::Error::InvalidInput(String::new()).to_string(),
+    ];
+    prefixes.iter().any(|p| reason.starts_with(p.as_str()))
+}
+
 fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
     let mut body: Value = serde_json::from_slice(bytes).map_err(|e| Error::InvalidBody {
         reason: format!("invalid JSON: {e}"),
@@ -917,12 +946,14 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
                 reason: format!("the session already has {cap} records"),
             });
         }
-        trajectory.prepare(
-            &chat.request.messages,
-            &tools,
-            &chat.kwargs,
-            state.tokenizer.as_ref(),
-        )?
+        trajectory
+            .prepare(
+                &chat.request.messages,
+                &tools,
+                &chat.kwargs,
+                state.tokenizer.as_ref(),
+            )
+            .map_err(template_rejection)?
     };
 
     // Phase 2 (no lock): the engine call.

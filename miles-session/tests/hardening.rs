@@ -1331,3 +1331,39 @@ async fn the_binary_takes_its_key_from_the_environment_and_drops_slow_clients() 
         started.elapsed()
     );
 }
+
+#[tokio::test]
+async fn messages_the_template_cannot_render_are_a_400() {
+    use miles_session::chat::ChatTokenizer;
+    use miles_session::testkit::InstantEngine;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
+    let tok: Arc<dyn ChatTokenizer> =
+        Arc::new(miles_session::TitoChat::load(&dir, "qwen3").unwrap());
+    let engine = InstantEngine::for_chatml(tok.as_ref()).unwrap();
+    let server = SessionServer::new(engine, tok, SessionServerConfig::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(guard::serve(
+        listener,
+        server.router(),
+        GuardConfig::default(),
+    ));
+    let http = HttpClient::new(Duration::from_secs(20));
+    let r = http
+        .post_json(&format!("{base}/sessions"), &json!({}), &[])
+        .await
+        .unwrap();
+    let id = r.json::<Value>().unwrap()["session_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let url = format!("{base}/sessions/{id}/v1/chat/completions");
+    // Found by the fuzz: the Qwen3 template concatenates a system message's content as a string.
+    let body =
+        json!({"messages": [{"role": "system", "content": [{"type": "text", "text": "part"}]}]});
+    let r = http.post_json(&url, &body, &[]).await.unwrap();
+    let message = assert_error(&r, 400, "invalid_request_error", "template_rejected");
+    assert!(message.contains("chat template render error"), "{message}");
+    let r = http.post_json(&url, &user("hello"), &[]).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}
