@@ -18,7 +18,8 @@
 //!   [`GuardConfig::max_connections`] connections at once (further clients wait in the
 //!   listen backlog), and a connection that does not deliver a complete request head within
 //!   [`GuardConfig::header_read_timeout`] (slowloris, or an idle keep-alive) is closed, so slow
-//!   clients cannot starve `/health`. HTTP/1.1 only.
+//!   clients cannot starve `/health`. HTTP/1.1 only. [`serve_with_shutdown`] stops
+//!   accepting when a future completes.
 //!
 //! Like SGLang, the key comes from `--api-key` or the `MILES_API_KEY` environment variable
 //! ([`ApiKey::from_env`]), `/health` stays open, and servers bind 127.0.0.1 unless told
@@ -443,22 +444,38 @@ async fn guard(State(state): State<Arc<GuardState>>, request: Request, next: Nex
 }
 
 /// Serves `router` on `listener` over HTTP/1.1 with the connection limit and the request-head
-/// timeout of `config` (see the module docs); runs until the listener fails for good.
-/// Accept errors (a full file table, a reset during the handshake) are logged and retried.
+/// timeout of `config` (see the module docs); runs until the process ends. Accept errors (a
+/// full file table, a reset during the handshake) are logged and retried.
 pub async fn serve(listener: TcpListener, router: Router, config: GuardConfig) -> Result<()> {
+    serve_with_shutdown(listener, router, config, std::future::pending()).await
+}
+
+/// [`serve`] until `shutdown` completes: then it stops accepting and returns; connections
+/// already accepted finish their requests on their own tasks.
+pub async fn serve_with_shutdown(
+    listener: TcpListener,
+    router: Router,
+    config: GuardConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
     config.validate()?;
     let connections = config
         .max_connections
         .map(|n| Arc::new(Semaphore::new(n.clamp(1, Semaphore::MAX_PERMITS))));
+    let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let permit = match &connections {
-            Some(s) => match s.clone().acquire_owned().await {
-                Ok(p) => Some(p),
-                Err(_) => return Ok(()),
-            },
-            None => None,
+        let next = async {
+            let permit = match &connections {
+                Some(s) => s.clone().acquire_owned().await.ok(),
+                None => None,
+            };
+            (permit, listener.accept().await)
         };
-        let stream = match listener.accept().await {
+        let (permit, accepted) = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            next = next => next,
+        };
+        let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(error) => {
                 tracing::debug!(%error, "accept failed");
@@ -544,6 +561,35 @@ mod tests {
         ] {
             assert!(!is_json(bad), "{bad}");
         }
+    }
+
+    #[tokio::test]
+    async fn serve_stops_at_shutdown() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().route("/health", axum::routing::get(|| async { "ok" }));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(serve_with_shutdown(
+            listener,
+            app,
+            GuardConfig::default(),
+            async {
+                let _ = rx.await;
+            },
+        ));
+        let http = crate::http::HttpClient::new(Duration::from_secs(5));
+        let r = http.get(&format!("http://{addr}/health")).await.unwrap();
+        assert_eq!(r.text(), "ok");
+        tx.send(()).unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(5), served).await;
+        assert!(matches!(result, Ok(Ok(Ok(())))), "{result:?}");
+        let zero = GuardConfig::default().with_max_body_bytes(0);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let app = Router::new();
+        assert!(matches!(
+            serve(listener, app, zero).await,
+            Err(Error::Config(_))
+        ));
     }
 
     #[test]
