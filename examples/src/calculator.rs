@@ -341,7 +341,8 @@ pub fn run_tool_call(call: &Value) -> (String, bool) {
 #[async_trait]
 impl Agent for CalculatorAgent {
     async fn run(&self, ctx: AgentContext) -> Result<Map<String, Value>, String> {
-        let http = HttpClient::new(self.request_timeout);
+        // The session server's key, when it requires one.
+        let http = HttpClient::new(self.request_timeout).with_api_key(ctx.api_key.as_ref());
         let url = format!("{}/v1/chat/completions", ctx.base_url);
         let mut messages: Vec<Value> = ctx
             .prompt

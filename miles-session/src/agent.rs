@@ -10,6 +10,7 @@ use serde_json::{Map, Value, json};
 
 use crate::codec::decode_samples;
 use crate::error::{Error, Result};
+use crate::guard::ApiKey;
 use crate::http::HttpClient;
 
 /// What an agent gets: where to send chat completions, the prompt, sampling kwargs in OpenAI
@@ -25,6 +26,19 @@ pub struct AgentContext {
     pub request_kwargs: Map<String, Value>,
     /// The sample's metadata + `max_seq_len` + `session_server_id`.
     pub metadata: Map<String, Value>,
+    /// The session server's API key, when it requires one: send it as
+    /// `Authorization: Bearer <key>` ([`AgentContext::headers`]).
+    pub api_key: Option<ApiKey>,
+}
+
+impl AgentContext {
+    /// The headers every request to [`AgentContext::base_url`] needs (the bearer key, if any).
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        self.api_key
+            .iter()
+            .map(|k| ("authorization", k.bearer()))
+            .collect()
+    }
 }
 
 /// A user agent: drives a conversation against `ctx.base_url` and returns its own metadata
@@ -49,6 +63,8 @@ pub struct AgentDriverConfig {
     /// ABORT the sample when the agent fails or times out (default). `false` keeps Miles'
     /// behaviour: log and train on whatever the session recorded.
     pub abort_on_agent_error: bool,
+    /// The session server's API key (sent by the driver, handed to the agent).
+    pub api_key: Option<ApiKey>,
 }
 
 impl AgentDriverConfig {
@@ -60,7 +76,14 @@ impl AgentDriverConfig {
             agent_timeout: None,
             http_timeout: Duration::from_secs(120),
             abort_on_agent_error: true,
+            api_key: None,
         }
+    }
+
+    /// Sets [`AgentDriverConfig::api_key`].
+    pub fn with_api_key(mut self, key: Option<ApiKey>) -> Self {
+        self.api_key = key;
+        self
     }
 }
 
@@ -114,6 +137,14 @@ pub async fn generate(
     config: &AgentDriverConfig,
     http: &HttpClient,
 ) -> Sample {
+    let authed;
+    let http = match &config.api_key {
+        Some(key) => {
+            authed = http.clone().with_api_key(Some(key));
+            &authed
+        }
+        None => http,
+    };
     let server = &config.server_url;
     let session_id = match create_session(http, server).await {
         Ok(id) => id,
@@ -140,6 +171,7 @@ pub async fn generate(
         prompt,
         request_kwargs: request_kwargs(sampling),
         metadata,
+        api_key: config.api_key.clone(),
     };
     let run = agent.run(ctx);
     let agent_result = match config.agent_timeout {

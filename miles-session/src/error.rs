@@ -98,6 +98,58 @@ pub enum Error {
     /// An I/O error (binding a socket, …).
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// The request lacks `Authorization: Bearer <key>` or the key is wrong.
+    #[error("missing or invalid API key (send Authorization: Bearer <key>)")]
+    Unauthorized,
+    /// A request body that is not `application/json`.
+    #[error("unsupported content type {content_type:?}: the body must be application/json")]
+    UnsupportedMediaType {
+        /// The `Content-Type` sent (empty when none).
+        content_type: String,
+    },
+    /// The request body did not arrive within the body-read timeout.
+    #[error("the request body did not arrive within {seconds} s")]
+    RequestTimeout {
+        /// The timeout in seconds.
+        seconds: f64,
+    },
+    /// The server is at its concurrent-request limit.
+    #[error("server overloaded: {limit} requests already in progress, retry later")]
+    Overloaded {
+        /// The limit.
+        limit: usize,
+    },
+    /// `POST /sessions` while the configured number of sessions is open.
+    #[error("too many open sessions (limit {limit}); delete finished sessions first")]
+    TooManySessions {
+        /// The limit.
+        limit: usize,
+    },
+    /// A chat turn arrived while another turn of the same session was in progress.
+    #[error("session {session_id} already has a turn in progress; send turns one at a time")]
+    SessionBusy {
+        /// The session.
+        session_id: String,
+    },
+    /// The session reached its per-session cap on records or tokens.
+    #[error("session limit reached: {reason}")]
+    SessionLimit {
+        /// Which cap, and its value.
+        reason: String,
+    },
+    /// The chat template cannot render the request's messages (it raised, or does not handle
+    /// a content shape or role they use).
+    #[error("the chat template rejected the messages: {reason}")]
+    TemplateRejected {
+        /// The template's error.
+        reason: String,
+    },
+    /// A request field is outside the server's limits (`n`, stop strings, token budget, …).
+    #[error("request outside the server's limits: {reason}")]
+    LimitExceeded {
+        /// Which limit, and the value sent.
+        reason: String,
+    },
 }
 
 impl Error {
@@ -128,11 +180,21 @@ impl Error {
             Self::Timeout { .. } => "timeout",
             Self::Config(_) => "config",
             Self::Io(_) => "io",
+            Self::Unauthorized => "unauthorized",
+            Self::UnsupportedMediaType { .. } => "unsupported_media_type",
+            Self::RequestTimeout { .. } => "request_timeout",
+            Self::Overloaded { .. } => "overloaded",
+            Self::TooManySessions { .. } => "too_many_sessions",
+            Self::SessionBusy { .. } => "session_busy",
+            Self::SessionLimit { .. } => "session_limit",
+            Self::LimitExceeded { .. } => "limit_exceeded",
+            Self::TemplateRejected { .. } => "template_rejected",
         }
     }
 
     /// The HTTP status the session server answers with (MILES_SPEC §2.1: not found 404,
-    /// validation 400, tokenization 500, upstream 502; assembly 422; engine timeout 504).
+    /// validation 400, tokenization 500, upstream 502; assembly 422; engine timeout 504; and
+    /// the guards of [`crate::guard`]: 401, 408, 413, 415, 429, 409, 503).
     pub fn status(&self) -> u16 {
         match self {
             Self::SessionNotFound { .. } => 404,
@@ -140,6 +202,15 @@ impl Error {
             | Self::MessageValidation { .. }
             | Self::KwargConflict { .. } => 400,
             Self::BodyTooLarge { .. } => 413,
+            Self::Unauthorized => 401,
+            Self::UnsupportedMediaType { .. } => 415,
+            Self::RequestTimeout { .. } => 408,
+            Self::Overloaded { .. } => 503,
+            Self::TooManySessions { .. } => 429,
+            Self::SessionBusy { .. } => 409,
+            Self::SessionLimit { .. }
+            | Self::LimitExceeded { .. }
+            | Self::TemplateRejected { .. } => 400,
             Self::Tokenization { .. } | Self::Core(_) | Self::Config(_) | Self::Io(_) => 500,
             Self::UpstreamResponse { .. } | Self::Transport { .. } => 502,
             Self::Timeout { .. } => 504,
@@ -155,10 +226,12 @@ impl Error {
         }
     }
 
-    /// The OpenAI error `type` for the body (`invalid_request_error` for 4xx, `server_error`
-    /// otherwise).
+    /// The OpenAI error `type` for the body (`authentication_error` for 401,
+    /// `invalid_request_error` for other 4xx, `server_error` otherwise).
     pub fn openai_type(&self) -> &'static str {
-        if self.status() < 500 {
+        if matches!(self, Self::Unauthorized) {
+            "authentication_error"
+        } else if self.status() < 500 {
             "invalid_request_error"
         } else {
             "server_error"

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::header::{CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -41,12 +41,35 @@ impl HttpResponse {
     }
 }
 
-/// A cloneable pooled HTTP/1.1 client (`http://` only) with a default timeout.
-#[derive(Debug, Clone)]
+/// A cloneable pooled HTTP/1.1 client (`http://` only) with a default timeout, and optionally
+/// a bearer key sent with every request ([`HttpClient::with_api_key`]).
+#[derive(Clone)]
 pub struct HttpClient {
     client: Client<HttpConnector, Full<Bytes>>,
     timeout: Duration,
+    authorization: Option<HeaderValue>,
+    max_response_bytes: usize,
 }
+
+impl std::fmt::Debug for HttpClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpClient")
+            .field("timeout", &self.timeout)
+            .field(
+                "api_key",
+                &self.authorization.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+/// Idle pooled connections are dropped after this long: shorter than the servers'
+/// request-head timeout ([`crate::guard::GuardConfig::header_read_timeout`], 10 s by
+/// default), so the client does not reuse a connection the server is closing.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Default bound on a response body read by [`HttpClient`] (1 GiB).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1 << 30;
 
 impl HttpClient {
     /// A client whose requests time out after `timeout` (connect + response + body).
@@ -56,8 +79,32 @@ impl HttpClient {
         connector.set_connect_timeout(Some(timeout));
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(1024)
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .pool_timer(hyper_util::rt::TokioTimer::new())
             .build(connector);
-        Self { client, timeout }
+        Self {
+            client,
+            timeout,
+            authorization: None,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+        }
+    }
+
+    /// This client refusing response bodies over `bytes` (a transport error).
+    pub fn with_max_response_bytes(mut self, bytes: usize) -> Self {
+        self.max_response_bytes = bytes;
+        self
+    }
+
+    /// This client sending `Authorization: Bearer <key>` with every request that does not set
+    /// its own `Authorization` (`None`: no header).
+    pub fn with_api_key(mut self, key: Option<&crate::guard::ApiKey>) -> Self {
+        self.authorization = key.and_then(|k| {
+            let mut v = HeaderValue::from_str(&k.bearer()).ok()?;
+            v.set_sensitive(true);
+            Some(v)
+        });
+        self
     }
 
     /// The default timeout.
@@ -91,6 +138,13 @@ impl HttpClient {
             reason,
         };
         let mut builder = Request::builder().method(method).uri(url);
+        if let Some(auth) = &self.authorization
+            && !headers
+                .iter()
+                .any(|(n, _)| n.eq_ignore_ascii_case("authorization"))
+        {
+            builder = builder.header(hyper::header::AUTHORIZATION, auth.clone());
+        }
         for (name, value) in headers {
             let name =
                 HeaderName::from_bytes(name.as_bytes()).map_err(|e| transport(e.to_string()))?;
@@ -114,10 +168,33 @@ impl HttpClient {
                 .await
                 .map_err(|e| transport(format!("{e:?}")))?;
             let (parts, body) = response.into_parts();
-            let body = body
+            let limit = self.max_response_bytes;
+            let too_large = |n: u64| {
+                transport(format!(
+                    "response body of {n} bytes or more, over the limit of {limit} bytes"
+                ))
+            };
+            if let Some(n) = parts
+                .headers
+                .get(CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&n| n > limit as u64)
+            {
+                return Err(too_large(n));
+            }
+            let body = http_body_util::Limited::new(body, limit)
                 .collect()
                 .await
-                .map_err(|e| transport(e.to_string()))?
+                .map_err(|e| {
+                    if e.downcast_ref::<http_body_util::LengthLimitError>()
+                        .is_some()
+                    {
+                        too_large(limit as u64 + 1)
+                    } else {
+                        transport(e.to_string())
+                    }
+                })?
                 .to_bytes();
             Ok(HttpResponse {
                 status: parts.status,

@@ -13,6 +13,9 @@
 //!   `/sessions/{id}/v1/chat/completions` (incl. fake SSE streaming), `/sessions/{id}/samples`,
 //!   `/metrics` (Prometheus text); the session registry and three-phase locking; typed
 //!   OpenAI-shaped JSON errors.
+//! * [`guard`]: the HTTP guards applied by the router (bearer API key, JSON-only bodies, body
+//!   and request timeouts, request and connection caps, request-head timeout), reusable by any
+//!   axum server of the workspace.
 //! * [`trajectory`]: the linear trajectory with one-step rollback, and the records.
 //! * [`chat`]: the [`chat::ChatTokenizer`] seam (render, incremental tokenization, output
 //!   parsing, decode) that miles-tito plugs into, strict append-only validation and the
@@ -76,6 +79,7 @@ pub mod chat;
 pub mod cli;
 pub mod codec;
 pub mod error;
+pub mod guard;
 pub mod http;
 pub mod loadgen;
 pub mod metrics;

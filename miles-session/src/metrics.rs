@@ -69,8 +69,11 @@ pub struct ServerMetrics {
     pub sessions_deleted: AtomicU64,
     /// Turns committed to a session.
     pub turns: AtomicU64,
-    /// Turns answered but not committed (session changed or closing in the meantime).
+    /// Turns not committed because the session was deleted or expired during the engine call
+    /// (answered 404, never 200).
     pub turns_skipped: AtomicU64,
+    /// Sessions closed by the idle timeout.
+    pub sessions_expired: AtomicU64,
     /// Prompt tokens sent to the engine.
     pub prompt_tokens: AtomicU64,
     /// Completion tokens received from the engine.
@@ -145,6 +148,12 @@ impl ServerMetrics {
         );
         counter(
             &mut out,
+            "miles_session_sessions_expired_total",
+            "Sessions closed by the idle timeout.",
+            &self.sessions_expired,
+        );
+        counter(
+            &mut out,
             "miles_session_turns_total",
             "Chat turns committed.",
             &self.turns,
@@ -152,7 +161,7 @@ impl ServerMetrics {
         counter(
             &mut out,
             "miles_session_turns_skipped_total",
-            "Chat turns answered but not committed (session changed or closing).",
+            "Chat turns not committed because the session was deleted or expired during the engine call (answered 404).",
             &self.turns_skipped,
         );
         counter(

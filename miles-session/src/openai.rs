@@ -172,3 +172,117 @@ impl ChatCompletionRequest {
         self.max_completion_tokens.or(self.max_tokens)
     }
 }
+
+/// Bounds on the fields of a chat request, checked by [`ChatCompletionRequest::check_limits`]
+/// before anything is allocated for the request (`n` copies, stop matchers, …).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RequestLimits {
+    /// Largest `n` (choices per request). Servers expand `n` lazily, one generation at a time.
+    pub max_n: usize,
+    /// Most stop strings.
+    pub max_stop_strings: usize,
+    /// Longest stop string, in bytes.
+    pub max_stop_len: usize,
+    /// Most `stop_token_ids`.
+    pub max_stop_token_ids: usize,
+}
+
+impl Default for RequestLimits {
+    /// `n ≤ 64`, ≤ 64 stop strings of ≤ 4096 bytes, ≤ 1024 stop token ids.
+    fn default() -> Self {
+        Self {
+            max_n: 64,
+            max_stop_strings: 64,
+            max_stop_len: 4096,
+            max_stop_token_ids: 1024,
+        }
+    }
+}
+
+impl RequestLimits {
+    /// Sets [`RequestLimits::max_n`].
+    pub fn with_max_n(mut self, max_n: usize) -> Self {
+        self.max_n = max_n;
+        self
+    }
+    /// Sets [`RequestLimits::max_stop_strings`] and [`RequestLimits::max_stop_len`].
+    pub fn with_stop_strings(mut self, count: usize, max_len: usize) -> Self {
+        self.max_stop_strings = count;
+        self.max_stop_len = max_len;
+        self
+    }
+    /// Sets [`RequestLimits::max_stop_token_ids`].
+    pub fn with_max_stop_token_ids(mut self, count: usize) -> Self {
+        self.max_stop_token_ids = count;
+        self
+    }
+}
+
+impl ChatCompletionRequest {
+    /// Checks the request against `limits` and the value ranges SGLang accepts
+    /// (`temperature ≥ 0`, `0 < top_p ≤ 1`, `top_k = -1` or `≥ 1`, `0 ≤ min_p ≤ 1`,
+    /// penalties in `[-2, 2]`, `min_tokens ≤ max_tokens`); the error says which field.
+    pub fn check_limits(&self, limits: &RequestLimits) -> Result<(), String> {
+        if let Some(n) = self.n
+            && (n == 0 || n > limits.max_n)
+        {
+            return Err(format!("n = {n} is outside 1..={}", limits.max_n));
+        }
+        let stops: &[String] = match &self.stop {
+            None => &[],
+            Some(StopSpec::One(s)) => std::slice::from_ref(s),
+            Some(StopSpec::Many(v)) => v,
+        };
+        if stops.len() > limits.max_stop_strings {
+            return Err(format!(
+                "{} stop strings, more than the limit {}",
+                stops.len(),
+                limits.max_stop_strings
+            ));
+        }
+        if let Some(long) = stops.iter().find(|s| s.len() > limits.max_stop_len) {
+            return Err(format!(
+                "a stop string of {} bytes, longer than the limit {}",
+                long.len(),
+                limits.max_stop_len
+            ));
+        }
+        if stops.iter().any(String::is_empty) {
+            return Err("empty stop string".into());
+        }
+        let ids = self.stop_token_ids.as_deref().unwrap_or(&[]);
+        if ids.len() > limits.max_stop_token_ids {
+            return Err(format!(
+                "{} stop_token_ids, more than the limit {}",
+                ids.len(),
+                limits.max_stop_token_ids
+            ));
+        }
+        let finite = |name: &str, v: Option<f32>, ok: &dyn Fn(f32) -> bool| match v {
+            Some(x) if !(x.is_finite() && ok(x)) => Err(format!("{name} = {x} is out of range")),
+            _ => Ok(()),
+        };
+        finite("temperature", self.temperature, &|x| x >= 0.0)?;
+        finite("top_p", self.top_p, &|x| x > 0.0 && x <= 1.0)?;
+        finite("min_p", self.min_p, &|x| (0.0..=1.0).contains(&x))?;
+        finite("frequency_penalty", self.frequency_penalty, &|x| {
+            (-2.0..=2.0).contains(&x)
+        })?;
+        finite("presence_penalty", self.presence_penalty, &|x| {
+            (-2.0..=2.0).contains(&x)
+        })?;
+        if let Some(k) = self.top_k
+            && k != -1
+            && k < 1
+        {
+            return Err(format!("top_k = {k} must be -1 (off) or at least 1"));
+        }
+        if let (Some(min), Some(max)) = (self.min_tokens, self.requested_max_tokens())
+            && min > max
+        {
+            return Err(format!("min_tokens = {min} is over max_tokens = {max}"));
+        }
+        Ok(())
+    }
+}

@@ -2,7 +2,7 @@
 //! chat completions over a token-level [`InferenceEngine`], records, samples, metrics.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -26,8 +26,9 @@ use crate::assembly::{
 use crate::chat::{ChatTokenizer, Mismatch};
 use crate::codec::{EmptyReason, SamplesPayload, encode_samples};
 use crate::error::{Error, Result};
+use crate::guard::GuardConfig;
 use crate::metrics::ServerMetrics;
-use crate::openai::ChatCompletionRequest;
+use crate::openai::{ChatCompletionRequest, RequestLimits};
 use crate::trajectory::{LinearTrajectory, SessionRecord};
 
 /// The sticky routing header sent to engines with every call of a session.
@@ -52,6 +53,22 @@ pub struct SessionServerConfig {
     pub engine_timeout: Duration,
     /// Reported by `/health` as `session_server_instance_id`.
     pub instance_id: Option<String>,
+    /// Bounds on request fields (`n`, stop strings, stop token ids, sampling ranges).
+    pub limits: RequestLimits,
+    /// The HTTP guards ([`crate::guard`]: API key, JSON content type, timeouts, concurrency)
+    /// applied by [`SessionServer::router`]; its body limit is replaced by
+    /// [`SessionServerConfig::max_body_bytes`].
+    pub guard: GuardConfig,
+    /// Most sessions open at once (`POST /sessions` past it → 429).
+    pub max_sessions: Option<usize>,
+    /// A session without requests for this long is closed (counted in
+    /// `miles_session_sessions_expired_total`).
+    pub session_idle_timeout: Option<Duration>,
+    /// Most records (committed turns) per session (400 past it).
+    pub max_records_per_session: Option<usize>,
+    /// Most tokens in a session's trajectory (prompt + completion): prompts at or over it are
+    /// rejected with 400 and `max_new_tokens` is capped to what is left, like the context.
+    pub max_tokens_per_session: Option<usize>,
 }
 
 impl Default for SessionServerConfig {
@@ -64,15 +81,34 @@ impl Default for SessionServerConfig {
             max_context_len: None,
             engine_timeout: Duration::from_secs(600),
             instance_id: None,
+            limits: RequestLimits::default(),
+            guard: GuardConfig::default(),
+            max_sessions: Some(65_536),
+            session_idle_timeout: Some(Duration::from_secs(3600)),
+            max_records_per_session: Some(4096),
+            max_tokens_per_session: Some(1 << 20),
         }
     }
 }
 
-/// One open session: its trajectory behind an async lock, and the closing flag.
+/// One open session: its trajectory behind an async lock, the closing flag, the flag of a
+/// turn in progress and the time of its last request.
 #[derive(Debug, Default)]
 struct Session {
     trajectory: Mutex<LinearTrajectory>,
     closing: AtomicBool,
+    busy: AtomicBool,
+    /// Milliseconds since the server's epoch.
+    last_used_ms: AtomicU64,
+}
+
+/// Clears a session's busy flag when the turn ends (also when the request is cancelled).
+struct BusyGuard<'a>(&'a Session);
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.busy.store(false, Ordering::Release);
+    }
 }
 
 /// Shared state behind the router.
@@ -82,6 +118,71 @@ struct AppState {
     config: SessionServerConfig,
     sessions: RwLock<HashMap<String, Arc<Session>>>,
     metrics: ServerMetrics,
+    /// The server's clock origin (session idle times are measured from it).
+    epoch: Instant,
+    /// When the next idle sweep is due, in milliseconds since `epoch`.
+    next_sweep_ms: AtomicU64,
+}
+
+impl AppState {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Closes the sessions idle for longer than the timeout (no request since, no turn in
+    /// progress). Runs at most every quarter of the timeout, on any request and from the
+    /// background sweeper.
+    fn sweep_idle(&self) {
+        let Some(timeout) = self.config.session_idle_timeout else {
+            return;
+        };
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let now = self.now_ms();
+        let due = self.next_sweep_ms.load(Ordering::Relaxed);
+        if now < due
+            || self
+                .next_sweep_ms
+                .compare_exchange(
+                    due,
+                    now + (timeout_ms / 4).max(1),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return;
+        }
+        let expired = |s: &Session| {
+            !s.busy.load(Ordering::Acquire)
+                && now.saturating_sub(s.last_used_ms.load(Ordering::Acquire)) > timeout_ms
+        };
+        let any = self
+            .sessions
+            .read()
+            .map(|m| m.values().any(|s| expired(s)))
+            .unwrap_or(false);
+        if !any {
+            return;
+        }
+        let mut removed = 0u64;
+        if let Ok(mut map) = self.sessions.write() {
+            map.retain(|_, s| {
+                // A session whose lock is held is being read or deleted: keep it this round;
+                // one already closing is left to its DELETE.
+                let close = expired(s)
+                    && s.trajectory.try_lock().is_ok()
+                    && !s.closing.swap(true, Ordering::AcqRel);
+                removed += u64::from(close);
+                !close
+            });
+        }
+        if removed > 0 {
+            self.metrics
+                .sessions_expired
+                .fetch_add(removed, Ordering::Relaxed);
+            tracing::info!(removed, "closed idle sessions");
+        }
+    }
 }
 
 /// A handle on a running session server's state, for embedding (metrics, session counts).
@@ -113,13 +214,43 @@ impl SessionServer {
                 config,
                 sessions: RwLock::new(HashMap::new()),
                 metrics: ServerMetrics::default(),
+                epoch: Instant::now(),
+                next_sweep_ms: AtomicU64::new(0),
             }),
         }
     }
 
-    /// The routes of MILES_SPEC §2.1 (+ `/metrics`).
+    /// The routes of MILES_SPEC §2.1 (+ `/metrics`), behind the guards of
+    /// [`SessionServerConfig::guard`] ([`crate::guard::harden`]). Serve it with
+    /// [`crate::guard::serve`] for the connection limit and the request-head timeout. Called
+    /// inside a Tokio runtime with an idle timeout set, it also starts the idle-session
+    /// sweeper (which ends when the server is dropped).
     pub fn router(&self) -> Router {
-        Router::new()
+        if let (Some(timeout), Ok(handle)) = (
+            self.state.config.session_idle_timeout,
+            tokio::runtime::Handle::try_current(),
+        ) {
+            let weak = Arc::downgrade(&self.state);
+            let period = (timeout / 4).max(Duration::from_millis(10));
+            handle.spawn(async move {
+                loop {
+                    tokio::time::sleep(period).await;
+                    let Some(state) = weak.upgrade() else { break };
+                    state.sweep_idle();
+                }
+            });
+        }
+        let metrics_state = self.state.clone();
+        let guard = self
+            .state
+            .config
+            .guard
+            .clone()
+            .with_max_body_bytes(self.state.config.max_body_bytes)
+            .with_on_reject(Some(Arc::new(move |label| {
+                metrics_state.metrics.error(label)
+            })));
+        let router = Router::new()
             .route("/health", get(health))
             .route("/metrics", get(metrics))
             .route("/sessions", post(create_session))
@@ -127,8 +258,10 @@ impl SessionServer {
             .route("/sessions/{id}/v1/chat/completions", post(chat_completions))
             .route("/sessions/{id}/samples", post(samples))
             .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
             .layer(DefaultBodyLimit::disable())
-            .with_state(self.state.clone())
+            .with_state(self.state.clone());
+        crate::guard::harden(router, &guard)
     }
 
     /// Sessions currently open.
@@ -159,8 +292,7 @@ pub fn error_body(error: &Error) -> Value {
 fn error_response(state: &AppState, error: Error) -> Response {
     state.metrics.error(error.label());
     tracing::debug!(label = error.label(), %error, "request failed");
-    let status = StatusCode::from_u16(error.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (status, axum::Json(error_body(&error))).into_response()
+    crate::guard::rejection(&error)
 }
 
 fn respond(state: &AppState, result: Result<Response>) -> Response {
@@ -176,6 +308,20 @@ async fn not_found(State(state): AppStateRef, request: Request) -> Response {
         .into_response()
 }
 
+async fn method_not_allowed(State(state): AppStateRef, request: Request) -> Response {
+    state.metrics.error("method_not_allowed");
+    let message = format!(
+        "method {} not allowed on {}",
+        request.method(),
+        request.uri().path()
+    );
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        axum::Json(json!({"error": {"message": message, "type": "invalid_request_error", "code": "method_not_allowed"}})),
+    )
+        .into_response()
+}
+
 async fn health(State(state): AppStateRef) -> Response {
     let mut body = json!({"status": "ok"});
     if let Some(id) = &state.config.instance_id {
@@ -185,6 +331,7 @@ async fn health(State(state): AppStateRef) -> Response {
 }
 
 async fn metrics(State(state): AppStateRef) -> Response {
+    state.sweep_idle();
     let open = state.sessions.read().map(|m| m.len()).unwrap_or(0);
     (
         [(
@@ -197,9 +344,30 @@ async fn metrics(State(state): AppStateRef) -> Response {
 }
 
 async fn create_session(State(state): AppStateRef) -> Response {
+    state.sweep_idle();
     let id = uuid::Uuid::new_v4().simple().to_string();
-    if let Ok(mut map) = state.sessions.write() {
-        map.insert(id.clone(), Arc::new(Session::default()));
+    let session = Session {
+        last_used_ms: AtomicU64::new(state.now_ms()),
+        ..Session::default()
+    };
+    let inserted = match state.sessions.write() {
+        Ok(mut map) => {
+            if state
+                .config
+                .max_sessions
+                .is_some_and(|cap| map.len() >= cap)
+            {
+                false
+            } else {
+                map.insert(id.clone(), Arc::new(session));
+                true
+            }
+        }
+        Err(_) => false,
+    };
+    if !inserted {
+        let limit = state.config.max_sessions.unwrap_or(0);
+        return error_response(&state, Error::TooManySessions { limit });
     }
     state
         .metrics
@@ -209,6 +377,7 @@ async fn create_session(State(state): AppStateRef) -> Response {
 }
 
 fn lookup(state: &AppState, id: &str) -> Result<Arc<Session>> {
+    state.sweep_idle();
     let session = state
         .sessions
         .read()
@@ -222,6 +391,9 @@ fn lookup(state: &AppState, id: &str) -> Result<Arc<Session>> {
             session_id: id.to_owned(),
         });
     }
+    session
+        .last_used_ms
+        .fetch_max(state.now_ms(), Ordering::AcqRel);
     Ok(session)
 }
 
@@ -334,6 +506,35 @@ struct PreparedChat {
     stream: bool,
 }
 
+/// A render error the request caused (the template raised, or cannot render these messages:
+/// a content shape or role it does not handle) is the client's 400, as in SGLang; other
+/// tokenization failures (template limits, tokenizer errors) stay 500.
+fn template_rejection(error: Error) -> Error {
+    match error {
+        Error::Tokenization { reason } if is_template_rejection(&reason) => {
+            Error::TemplateRejected { reason }
+        }
+        other => other,
+    }
+}
+
+/// Whether a tokenization reason is miles-tito's render error, `raise_exception` or invalid
+/// render input (recognised by the prefixes of their own messages).
+fn is_template_rejection(reason: &str) -> bool {
+    let prefixes = [
+        miles_tito::Error::Render {
+            message: String::new(),
+        }
+        .to_string(),
+        miles_tito::Error::TemplateRaised {
+            message: String::new(),
+        }
+        .to_string(),
+        miles_tito::Error::InvalidInput(String::new()).to_string(),
+    ];
+    prefixes.iter().any(|p| reason.starts_with(p.as_str()))
+}
+
 fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
     let mut body: Value = serde_json::from_slice(bytes).map_err(|e| Error::InvalidBody {
         reason: format!("invalid JSON: {e}"),
@@ -347,6 +548,9 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
     let request = ChatCompletionRequest::deserialize(&body).map_err(|e| Error::InvalidBody {
         reason: e.to_string(),
     })?;
+    request
+        .check_limits(&state.config.limits)
+        .map_err(|reason| Error::LimitExceeded { reason })?;
     if request.n.is_some_and(|n| n != 1) {
         return Err(Error::InvalidBody {
             reason: "only n=1 is supported in a session".into(),
@@ -387,13 +591,29 @@ fn sampling_params(
     let mut max_new = request
         .requested_max_tokens()
         .or(state.config.default_max_tokens);
-    if let Some(limit) = state.config.max_context_len {
-        if prompt_len >= limit {
+    let bounds = [
+        (state.config.max_context_len, "the context length"),
+        (
+            state.config.max_tokens_per_session,
+            "the session's token limit",
+        ),
+    ];
+    for (limit, what) in bounds {
+        let Some(limit) = limit else { continue };
+        let room = limit
+            .checked_sub(prompt_len)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| {
+                Error::validation(format!(
+                    "the prompt has {prompt_len} tokens, at or over {what} {limit}"
+                ))
+            })?;
+        if params.min_new_tokens > room {
             return Err(Error::validation(format!(
-                "the prompt has {prompt_len} tokens, at or over the context length {limit}"
+                "min_tokens = {} can never fit: the prompt has {prompt_len} tokens and {what} is {limit}",
+                params.min_new_tokens
             )));
         }
-        let room = limit - prompt_len;
         max_new = Some(max_new.map_or(room, |m| m.min(room)));
     }
     Ok(SamplingParams {
@@ -707,6 +927,14 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
     let (_, bytes) = read_body(state, request).await?;
     let chat = prepare_chat(state, &bytes)?;
     let tools = chat.request.tools.clone().unwrap_or_default();
+    // One turn at a time per session: a concurrent turn would be answered but could not be
+    // recorded (the trajectory is linear), so it is refused up front.
+    if session.busy.swap(true, Ordering::AcqRel) {
+        return Err(Error::SessionBusy {
+            session_id: id.to_owned(),
+        });
+    }
+    let _busy = BusyGuard(&session);
 
     // Phase 1 (session lock): closing check, TITO-prepare the prompt ids.
     let prepared = {
@@ -716,12 +944,21 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
                 session_id: id.to_owned(),
             });
         }
-        trajectory.prepare(
-            &chat.request.messages,
-            &tools,
-            &chat.kwargs,
-            state.tokenizer.as_ref(),
-        )?
+        if let Some(cap) = state.config.max_records_per_session
+            && trajectory.records().len() >= cap
+        {
+            return Err(Error::SessionLimit {
+                reason: format!("the session already has {cap} records"),
+            });
+        }
+        trajectory
+            .prepare(
+                &chat.request.messages,
+                &tools,
+                &chat.kwargs,
+                state.tokenizer.as_ref(),
+            )
+            .map_err(template_rejection)?
     };
 
     // Phase 2 (no lock): the engine call.
@@ -755,11 +992,16 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
         let mut trajectory = session.trajectory.lock().await;
         if session.closing.load(Ordering::Acquire) || trajectory.generation() != prepared.generation
         {
+            // Never a 200 for a turn that is not recorded: the session was deleted (or
+            // expired) during the engine call.
             state.metrics.turns_skipped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 session = id,
                 "session changed or closing during the engine call; turn not recorded"
             );
+            return Err(Error::SessionNotFound {
+                session_id: id.to_owned(),
+            });
         } else {
             let record = SessionRecord {
                 timestamp: now_secs(),

@@ -16,6 +16,7 @@ use miles_core::{
 use serde_json::{Value, json};
 
 use crate::error::Error;
+use crate::guard::ApiKey;
 use crate::http::{HttpClient, HttpResponse};
 use crate::server::ROUTING_KEY_HEADER;
 
@@ -34,6 +35,10 @@ pub struct SglangConfig {
     /// written there as `v<version>/model.safetensors`, then loaded with
     /// `update_weights_from_disk`.
     pub shared_weights_dir: Option<PathBuf>,
+    /// The engine's `--api-key`, sent as `Authorization: Bearer` with every call.
+    pub api_key: Option<ApiKey>,
+    /// Largest engine response body read (a larger one is a protocol error); 1 GiB.
+    pub max_response_bytes: usize,
 }
 
 impl SglangConfig {
@@ -45,7 +50,15 @@ impl SglangConfig {
             control_timeout: Duration::from_secs(60),
             num_layers: None,
             shared_weights_dir: None,
+            api_key: None,
+            max_response_bytes: 1 << 30,
         }
+    }
+
+    /// Sets [`SglangConfig::api_key`].
+    pub fn with_api_key(mut self, key: Option<ApiKey>) -> Self {
+        self.api_key = key;
+        self
     }
 }
 
@@ -99,7 +112,10 @@ pub fn parse_weight_version(value: Option<&Value>) -> miles_core::Result<WeightV
     match value {
         None | Some(Value::Null) => Ok(WeightVersion(0)),
         Some(Value::String(s)) if s == "default" => Ok(WeightVersion(0)),
-        Some(Value::String(s)) => s.parse(),
+        Some(Value::String(s)) => s.parse().map_err(|_| {
+            let shown: String = s.chars().take(40).collect();
+            protocol(format!("weight_version {shown:?} is not a version"))
+        }),
         Some(Value::Number(n)) => n
             .as_u64()
             .map(WeightVersion)
@@ -135,12 +151,34 @@ pub fn parse_generate_response(
         "abort" => FinishReason::Abort,
         other => return Err(protocol(format!("unknown finish_reason type {other:?}"))),
     };
-    let completion_tokens =
-        meta.get("completion_tokens")
-            .and_then(Value::as_u64)
-            .ok_or_else(|| protocol("meta_info has no completion_tokens"))? as usize;
-    let mut output_ids: Vec<TokenId> = Vec::with_capacity(completion_tokens);
-    let mut output_log_probs = Vec::with_capacity(completion_tokens);
+    let completion_tokens = meta
+        .get("completion_tokens")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| protocol("meta_info has no completion_tokens"))?;
+    let completion_tokens = usize::try_from(completion_tokens)
+        .ok()
+        .filter(|&n| {
+            request
+                .sampling_params
+                .max_new_tokens
+                .is_none_or(|max| n <= max)
+        })
+        .ok_or_else(|| {
+            protocol(format!(
+                "completion_tokens = {completion_tokens} is over the requested max_new_tokens {:?}",
+                request.sampling_params.max_new_tokens
+            ))
+        })?;
+    // Never trust a count for an allocation: the entries themselves bound the vectors.
+    let announced = match meta.get("output_token_logprobs") {
+        Some(Value::Array(entries)) => entries.len(),
+        _ => body
+            .get("output_ids")
+            .and_then(Value::as_array)
+            .map_or(0, Vec::len),
+    };
+    let mut output_ids: Vec<TokenId> = Vec::with_capacity(completion_tokens.min(announced));
+    let mut output_log_probs = Vec::with_capacity(completion_tokens.min(announced));
     match meta.get("output_token_logprobs") {
         Some(Value::Array(entries)) => {
             for (i, entry) in entries.iter().enumerate() {
@@ -150,10 +188,17 @@ pub fn parse_generate_response(
                     .and_then(Value::as_u64)
                     .and_then(|v| TokenId::try_from(v).ok());
                 let (Some(lp), Some(id)) = (lp, id) else {
+                    let shown: String = entry.to_string().chars().take(100).collect();
                     return Err(protocol(format!(
-                        "output_token_logprobs[{i}] = {entry} is not [logprob, token_id, text]"
+                        "output_token_logprobs[{i}] = {shown} is not [logprob, token_id, text]"
                     )));
                 };
+                // A log-probability is finite and at most 0 (a little rounding allowed).
+                if !(lp.is_finite() && lp <= LOGPROB_SLACK) {
+                    return Err(protocol(format!(
+                        "output_token_logprobs[{i}] has log-prob {lp}, not a log-probability"
+                    )));
+                }
                 output_log_probs.push(lp);
                 output_ids.push(id);
             }
@@ -174,6 +219,12 @@ pub fn parse_generate_response(
                 .ok_or_else(|| {
                     protocol("response has neither output_token_logprobs nor output_ids")
                 })?;
+            if ids.len() != completion_tokens {
+                return Err(protocol(format!(
+                    "{} output_ids for completion_tokens = {completion_tokens}",
+                    ids.len()
+                )));
+            }
             for v in ids {
                 output_ids.push(
                     v.as_u64()
@@ -195,10 +246,19 @@ pub fn parse_generate_response(
             return Err(protocol("output_ids disagree with output_token_logprobs"));
         }
     }
-    let prompt_tokens = meta
-        .get("prompt_tokens")
-        .and_then(Value::as_u64)
-        .map_or(request.input_ids.len(), |v| v as usize);
+    let prompt_tokens = match meta.get("prompt_tokens") {
+        None | Some(Value::Null) => request.input_ids.len(),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n == request.input_ids.len())
+            .ok_or_else(|| {
+                protocol(format!(
+                    "prompt_tokens = {v} for {} input ids",
+                    request.input_ids.len()
+                ))
+            })?,
+    };
     let routed_experts = match meta.get("routed_experts") {
         Some(Value::String(b64)) if request.return_routed_experts => {
             let layers = num_layers.ok_or_else(|| {
@@ -208,6 +268,18 @@ pub fn parse_generate_response(
             let rows = (prompt_tokens + output_ids.len())
                 .saturating_sub(1)
                 .saturating_sub(start);
+            // Bound the payload before decoding it: rows × layers × top-k int32, base64.
+            let max_len = rows
+                .checked_mul(layers)
+                .and_then(|v| v.checked_mul(MAX_EXPERTS_PER_TOKEN * 4))
+                .map(|bytes| bytes.div_ceil(3) * 4)
+                .ok_or_else(|| protocol("routed_experts shape overflows"))?;
+            if b64.len() > max_len {
+                return Err(protocol(format!(
+                    "routed_experts has {} base64 bytes, more than {rows} rows × {layers} layers × {MAX_EXPERTS_PER_TOKEN} experts allow",
+                    b64.len()
+                )));
+            }
             Some(
                 RoutedExperts::from_base64(b64, rows, layers)
                     .map_err(|e| protocol(e.to_string()))?,
@@ -224,17 +296,34 @@ pub fn parse_generate_response(
         matched_stop,
         weight_version: parse_weight_version(meta.get("weight_version"))?,
         prompt_tokens,
-        cached_tokens: meta
-            .get("cached_tokens")
-            .and_then(Value::as_u64)
-            .unwrap_or(0) as usize,
+        cached_tokens: match meta.get("cached_tokens") {
+            None | Some(Value::Null) => 0,
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n <= prompt_tokens)
+                .ok_or_else(|| {
+                    protocol(format!(
+                        "cached_tokens = {v} for {prompt_tokens} prompt tokens"
+                    ))
+                })?,
+        },
     })
 }
+
+/// Log-probs above this are rejected as not log-probabilities (rounding slack above 0).
+const LOGPROB_SLACK: f64 = 1e-3;
+
+/// The most experts per token a `routed_experts` payload may carry (bounds its size before it
+/// is decoded).
+pub const MAX_EXPERTS_PER_TOKEN: usize = 256;
 
 impl SglangEngine {
     /// A client for the server at `config.base_url`.
     pub fn new(config: SglangConfig) -> Self {
-        let http = HttpClient::new(config.control_timeout);
+        let http = HttpClient::new(config.control_timeout)
+            .with_api_key(config.api_key.as_ref())
+            .with_max_response_bytes(config.max_response_bytes);
         Self { config, http }
     }
 

@@ -682,7 +682,8 @@ impl crate::agent::Agent for WeatherAgent {
         &self,
         ctx: crate::agent::AgentContext,
     ) -> std::result::Result<Map<String, Value>, String> {
-        let http = crate::http::HttpClient::new(Duration::from_secs(10));
+        let http = crate::http::HttpClient::new(Duration::from_secs(10))
+            .with_api_key(ctx.api_key.as_ref());
         let mut messages: Vec<Value> = ctx
             .prompt
             .iter()

@@ -636,7 +636,8 @@ async fn length_finish_is_truncated_and_max_context_is_enforced() {
 async fn concurrent_requests_and_deletes_lose_nothing_and_leak_nothing() {
     let h = Arc::new(harness().await);
     *h.engine.delay.lock().unwrap() = Some(Duration::from_millis(20));
-    // Overlapping identical first turns on one session: all answered, exactly one recorded.
+    // Overlapping identical first turns on one session: one turn at a time is accepted, the
+    // overlapping ones are refused with 409; every 200 was committed, exactly one record left.
     let id = h.create().await;
     let body = json!({"messages": [{"role": "user", "content": "race"}]});
     let mut tasks = Vec::new();
@@ -646,19 +647,21 @@ async fn concurrent_requests_and_deletes_lose_nothing_and_leak_nothing() {
             h.chat(&id, &body).await.status.as_u16()
         }));
     }
+    let mut statuses = Vec::new();
     for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
+        statuses.push(t.await.unwrap());
     }
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 409),
+        "{statuses:?}"
+    );
+    let answered = statuses.iter().filter(|s| **s == 200).count() as u64;
+    assert!((1..8).contains(&answered), "{statuses:?}");
     let s: Value = h.session(&id).await.json().unwrap();
     assert_eq!(s["records"].as_array().unwrap().len(), 1);
-    // Each answered turn was either committed (a later one rolling the earlier back) or skipped
-    // because the session changed while it was at the engine.
     let m = h.server.metrics();
-    assert_eq!(
-        m.turns.load(Ordering::SeqCst) + m.turns_skipped.load(Ordering::SeqCst),
-        8
-    );
-    assert!(m.turns_skipped.load(Ordering::SeqCst) >= 1);
+    assert_eq!(m.turns.load(Ordering::SeqCst), answered);
+    assert_eq!(m.turns_skipped.load(Ordering::SeqCst), 0);
 
     // Many sessions, each with turns in flight while it is deleted.
     let mut tasks = Vec::new();

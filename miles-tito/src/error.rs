@@ -138,6 +138,16 @@ pub enum Error {
         /// Number of positions that had to agree.
         checked: usize,
     },
+    /// Rendering hit a [`crate::template::RenderLimits`] bound: the template ran out of
+    /// fuel (instructions), recursed too deep or produced too much output. Templates are
+    /// untrusted input: such a template is rejected, never allowed to hang or exhaust memory.
+    #[error("chat template exceeded its {limit} limit ({detail})")]
+    RenderLimit {
+        /// `fuel`, `recursion` or `output size`.
+        limit: &'static str,
+        /// The bound, in words.
+        detail: String,
+    },
     /// A trajectory operation that the current state does not allow (rollback with nothing
     /// to roll back, a trim beyond the allowed count, ...).
     #[error("trajectory error: {0}")]

@@ -92,7 +92,7 @@ pub use fastdec::FastDecoder;
 pub use fastenc::FastEncoder;
 pub use matcher::{MessageMatcher, assert_append_only};
 pub use model::{HfChat, Rendered};
-pub use template::{ChatTemplate, RenderArgs};
+pub use template::{ChatTemplate, RenderArgs, RenderLimits};
 pub use tito::{BoundaryRule, TitoFamily, TitoTokenizer};
 pub use trajectory::{
     TokenTrajectory, TurnRecord, TurnSample, TurnSpan, assert_pretokenized_prefix,

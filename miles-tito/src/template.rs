@@ -121,6 +121,78 @@ pub struct ChatTemplate {
     compiled: Option<Compiled>,
     /// The last `tools` list the compiled form rendered and its `"\n" ~ tool|tojson` text.
     compiled_tools: Arc<LastMemo<Vec<Json>, Arc<str>>>,
+    /// Bounds on one render.
+    limits: RenderLimits,
+}
+
+/// Bounds on one render of a template through minijinja. Chat templates come with model
+/// directories and are untrusted: a template that loops forever, recurses without end or
+/// writes gigabytes fails with [`Error::RenderLimit`] instead.
+///
+/// Not bounded: memory a template builds *without writing it* (a string doubled by `~` in a
+/// loop over a `namespace`); the fuel bound keeps such loops short, not their strings small.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RenderLimits {
+    /// minijinja fuel: instructions one render may run (`None`: unbounded).
+    pub fuel: Option<u64>,
+    /// Deepest nesting of minijinja frames (a macro call costs about five; minijinja caps
+    /// it at 500, which stays inside a 2 MiB thread stack).
+    pub max_recursion: usize,
+    /// Largest rendered text, in bytes.
+    pub max_output_bytes: usize,
+}
+
+impl Default for RenderLimits {
+    /// 50 million instructions (some seconds; the largest real conversations need well under
+    /// a million), recursion depth 500 (about 90 nested macro calls), 64 MiB of output.
+    fn default() -> Self {
+        Self {
+            fuel: Some(50_000_000),
+            max_recursion: 500,
+            max_output_bytes: 64 << 20,
+        }
+    }
+}
+
+impl RenderLimits {
+    /// Sets [`RenderLimits::fuel`].
+    pub fn with_fuel(mut self, fuel: Option<u64>) -> Self {
+        self.fuel = fuel;
+        self
+    }
+    /// Sets [`RenderLimits::max_recursion`].
+    pub fn with_max_recursion(mut self, depth: usize) -> Self {
+        self.max_recursion = depth;
+        self
+    }
+    /// Sets [`RenderLimits::max_output_bytes`].
+    pub fn with_max_output_bytes(mut self, bytes: usize) -> Self {
+        self.max_output_bytes = bytes;
+        self
+    }
+}
+
+/// The render's output buffer, failing writes past its limit.
+struct BoundedOutput {
+    buf: Vec<u8>,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len().saturating_add(data.len()) > self.limit {
+            self.overflowed = true;
+            return Err(std::io::Error::other("render output limit"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -150,13 +222,10 @@ impl ChatTemplate {
     /// Compiles `source` (the Jinja text of a chat template).
     pub fn new(source: impl Into<String>) -> Result<Self> {
         let source: String = source.into();
-        let mut env = Environment::new();
-        configure(&mut env);
-        env.add_template_owned(TEMPLATE_NAME, source.clone())
-            .map_err(|e| Error::TemplateSyntax {
-                message: describe(&e),
-            })?;
+        let limits = RenderLimits::default();
+        let env = environment(&source, &limits)?;
         Ok(Self {
+            limits,
             env: Arc::new(env),
             compiled: Compiled::detect(&source),
             source: source.into(),
@@ -166,6 +235,18 @@ impl ChatTemplate {
             variables_cache: Arc::default(),
             compiled_tools: Arc::default(),
         })
+    }
+
+    /// The same template under other [`RenderLimits`].
+    pub fn with_render_limits(mut self, limits: RenderLimits) -> Result<Self> {
+        self.env = Arc::new(environment(&self.source, &limits)?);
+        self.limits = limits;
+        Ok(self)
+    }
+
+    /// The bounds on one render.
+    pub fn render_limits(&self) -> RenderLimits {
+        self.limits
     }
 
     /// Whether the template renders through a compiled form (`src/native.rs`): its source
@@ -282,9 +363,40 @@ impl ChatTemplate {
             .map_err(|e| Error::TemplateSyntax {
                 message: describe(&e),
             })?;
-        template
-            .render(Value::from_object(root))
-            .map_err(render_error)
+        let mut out = BoundedOutput {
+            buf: Vec::new(),
+            limit: self.limits.max_output_bytes,
+            overflowed: false,
+        };
+        match template.render_captured_to(Value::from_object(root), &mut out) {
+            Ok(_) => String::from_utf8(out.buf).map_err(|e| Error::Render {
+                message: format!("output is not UTF-8: {e}"),
+            }),
+            Err(_) if out.overflowed => Err(Error::RenderLimit {
+                limit: "output size",
+                detail: format!("more than {} bytes", self.limits.max_output_bytes),
+            }),
+            Err(e) => Err(self.render_error(e)),
+        }
+    }
+
+    fn render_error(&self, err: JinjaError) -> Error {
+        match err.kind() {
+            ErrorKind::OutOfFuel => Error::RenderLimit {
+                limit: "fuel",
+                detail: format!(
+                    "more than {} instructions",
+                    self.limits.fuel.unwrap_or(u64::MAX)
+                ),
+            },
+            ErrorKind::InvalidOperation if err.to_string().contains("recursion limit exceeded") => {
+                Error::RenderLimit {
+                    limit: "recursion",
+                    detail: format!("deeper than {}", self.limits.max_recursion),
+                }
+            }
+            _ => render_error(err),
+        }
     }
 
     /// Renders typed messages and tool specs (see [`ChatTemplate::render`]).
@@ -424,6 +536,19 @@ fn render_error(err: JinjaError) -> Error {
 
 fn write_err(_: std::fmt::Error) -> JinjaError {
     JinjaError::new(ErrorKind::WriteFailure, "formatter write failed")
+}
+
+/// The environment of one template: HF's sandbox configuration, `limits`, `source` compiled.
+fn environment(source: &str, limits: &RenderLimits) -> Result<Environment<'static>> {
+    let mut env = Environment::new();
+    configure(&mut env);
+    env.set_fuel(limits.fuel);
+    env.set_recursion_limit(limits.max_recursion);
+    env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+        .map_err(|e| Error::TemplateSyntax {
+            message: describe(&e),
+        })?;
+    Ok(env)
 }
 
 /// Applies HF's sandbox configuration to a minijinja environment.

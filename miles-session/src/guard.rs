@@ -1,0 +1,605 @@
+//! Guards for an HTTP server exposed to untrusted clients, as a small reusable piece: the
+//! session server applies it, and so can any other axum server of the workspace (miles-rollout's
+//! SGLang-compatible `serve`).
+//!
+//! Two halves:
+//!
+//! * [`harden`] wraps an [`axum::Router`] in one middleware that, per request and in this
+//!   order: lets the [`GuardConfig::open_paths`] (`/health`) through untouched; checks
+//!   `Authorization: Bearer <key>` against [`GuardConfig::api_key`] in constant time (401);
+//!   bounds the requests in progress (503 + `Retry-After`); rejects a body that is not
+//!   `application/json` (415), larger than [`GuardConfig::max_body_bytes`] (413, from
+//!   `Content-Length` before reading, or while reading) or slower than
+//!   [`GuardConfig::body_timeout`] (408); then bounds the handler by
+//!   [`GuardConfig::request_timeout`] (504). The body reaches the handler fully buffered.
+//!   Every rejection is an OpenAI-shaped JSON error (`{"error": {"message", "type", "code"}}`,
+//!   [`crate::server::error_body`]).
+//! * [`serve`] is the accept loop to use instead of `axum::serve`: at most
+//!   [`GuardConfig::max_connections`] connections at once (further clients wait in the
+//!   listen backlog), and a connection that does not deliver a complete request head within
+//!   [`GuardConfig::header_read_timeout`] (slowloris, or an idle keep-alive) is closed, so slow
+//!   clients cannot starve `/health`. HTTP/1.1 only. [`serve_with_shutdown`] stops
+//!   accepting when a future completes.
+//!
+//! Like SGLang, the key comes from `--api-key` or the `MILES_API_KEY` environment variable
+//! ([`ApiKey::from_env`]), `/health` stays open, and servers bind 127.0.0.1 unless told
+//! otherwise.
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{Router, routing::{get, post}};
+//! use miles_session::guard::{self, ApiKey, GuardConfig};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! let app = Router::new()
+//!     .route("/health", get(|| async { "ok" }))
+//!     .route("/generate", post(|body: String| async move { body }));
+//! let config = GuardConfig::default()
+//!     .with_api_key(Some(ApiKey::new("s3cret")?))
+//!     .with_max_body_bytes(1 << 20)
+//!     .with_header_read_timeout(Some(Duration::from_secs(5)));
+//! let app = guard::harden(app, &config);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! let base = format!("http://{}", listener.local_addr()?);
+//! tokio::spawn(guard::serve(listener, app, config.clone()));
+//!
+//! let http = miles_session::http::HttpClient::new(Duration::from_secs(10));
+//! assert_eq!(http.get(&format!("{base}/health")).await?.status, 200);
+//! let body = serde_json::json!({"text": "hi"});
+//! let denied = http.post_json(&format!("{base}/generate"), &body, &[]).await?;
+//! assert_eq!(denied.status, 401);
+//! let allowed = http.post_json(&format!("{base}/generate"), &body, &[("authorization", "Bearer s3cret")]).await?;
+//! assert_eq!(allowed.status, 200);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::error::{Error, Result};
+
+/// The environment variable read by [`ApiKey::from_env`] (SGLang reads `--api-key` only; the
+/// variable keeps the key out of `ps`).
+pub const API_KEY_ENV: &str = "MILES_API_KEY";
+
+/// A bearer API key. Its `Debug` output never shows the key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
+}
+
+impl ApiKey {
+    /// A key: non-empty, printable ASCII without spaces (it travels in a header).
+    pub fn new(key: impl Into<String>) -> Result<Self> {
+        let key = key.into();
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(Error::Config(
+                "an API key must be non-empty printable ASCII without spaces".into(),
+            ));
+        }
+        Ok(Self(key))
+    }
+
+    /// The key in [`API_KEY_ENV`], if set and non-empty.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var(API_KEY_ENV) {
+            Ok(v) if v.is_empty() => Ok(None),
+            Ok(v) => Self::new(v).map(Some),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                Err(Error::Config(format!("{API_KEY_ENV} is not valid UTF-8")))
+            }
+        }
+    }
+
+    /// The key itself (to send it).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The `Authorization` header value, `Bearer <key>`.
+    pub fn bearer(&self) -> String {
+        format!("Bearer {}", self.0)
+    }
+
+    /// Whether an `Authorization` header value is `Bearer <this key>` (scheme
+    /// case-insensitive), compared in constant time in the key's length.
+    pub fn matches_authorization(&self, value: &[u8]) -> bool {
+        let Some(token) = value
+            .get(..7)
+            .filter(|scheme| scheme.eq_ignore_ascii_case(b"bearer "))
+            .and_then(|_| value.get(7..))
+        else {
+            return false;
+        };
+        constant_time_eq(token, self.0.as_bytes())
+    }
+}
+
+/// Compares two byte strings in time that depends only on their lengths (not on where they
+/// differ).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    // Walk the expected value's length whatever `a` is, so timing reveals nothing about it.
+    for (i, &y) in b.iter().enumerate() {
+        let x = a.get(i).copied().unwrap_or(!y);
+        diff |= x ^ y;
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// Called with the error label (e.g. `unauthorized`) of every request the guard rejects, so
+/// the server can count them in its metrics.
+pub type RejectHook = Arc<dyn Fn(&'static str) + Send + Sync>;
+
+/// What the guard enforces. Defaults: no key, `/health` open, JSON bodies only, 16 MiB bodies
+/// read within 30 s, no request timeout, 4096 requests and 1024 connections at once, 10 s to
+/// send a request head.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct GuardConfig {
+    /// Required bearer key (`None`: no authentication, as SGLang without `--api-key`).
+    pub api_key: Option<ApiKey>,
+    /// Paths served without authentication, concurrency limit or body checks (exact match).
+    pub open_paths: Vec<String>,
+    /// Non-empty bodies must be `application/json` (or `…+json`); an empty body may omit
+    /// the content type.
+    pub require_json: bool,
+    /// Largest request body (413 above it).
+    pub max_body_bytes: usize,
+    /// Time allowed to receive the whole body once the head arrived (408 after it).
+    pub body_timeout: Option<Duration>,
+    /// Time allowed to the handler (504 after it; the handler is cancelled).
+    pub request_timeout: Option<Duration>,
+    /// Requests in progress at once, open paths excluded (503 above it).
+    pub max_concurrent_requests: Option<usize>,
+    /// [`serve`]: connections at once; further clients wait in the listen backlog.
+    pub max_connections: Option<usize>,
+    /// [`serve`]: time to receive a complete request head, on a new or an idle keep-alive
+    /// connection (the connection is closed after it).
+    pub header_read_timeout: Option<Duration>,
+    /// Told about every rejection.
+    pub on_reject: Option<RejectHook>,
+}
+
+impl std::fmt::Debug for GuardConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuardConfig")
+            .field("api_key", &self.api_key)
+            .field("open_paths", &self.open_paths)
+            .field("require_json", &self.require_json)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("body_timeout", &self.body_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("max_concurrent_requests", &self.max_concurrent_requests)
+            .field("max_connections", &self.max_connections)
+            .field("header_read_timeout", &self.header_read_timeout)
+            .field("on_reject", &self.on_reject.as_ref().map(|_| "<hook>"))
+            .finish()
+    }
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self {
+            api_key: None,
+            open_paths: vec!["/health".to_owned()],
+            require_json: true,
+            max_body_bytes: 16 << 20,
+            body_timeout: Some(Duration::from_secs(30)),
+            request_timeout: None,
+            max_concurrent_requests: Some(4096),
+            max_connections: Some(1024),
+            header_read_timeout: Some(Duration::from_secs(10)),
+            on_reject: None,
+        }
+    }
+}
+
+impl GuardConfig {
+    /// Sets [`GuardConfig::api_key`].
+    pub fn with_api_key(mut self, key: Option<ApiKey>) -> Self {
+        self.api_key = key;
+        self
+    }
+    /// Sets [`GuardConfig::open_paths`].
+    pub fn with_open_paths<I: IntoIterator<Item = S>, S: Into<String>>(mut self, paths: I) -> Self {
+        self.open_paths = paths.into_iter().map(Into::into).collect();
+        self
+    }
+    /// Sets [`GuardConfig::require_json`].
+    pub fn with_require_json(mut self, on: bool) -> Self {
+        self.require_json = on;
+        self
+    }
+    /// Sets [`GuardConfig::max_body_bytes`].
+    pub fn with_max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
+    }
+    /// Sets [`GuardConfig::body_timeout`].
+    pub fn with_body_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.body_timeout = timeout;
+        self
+    }
+    /// Sets [`GuardConfig::request_timeout`].
+    pub fn with_request_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+    /// Sets [`GuardConfig::max_concurrent_requests`].
+    pub fn with_max_concurrent_requests(mut self, limit: Option<usize>) -> Self {
+        self.max_concurrent_requests = limit;
+        self
+    }
+    /// Sets [`GuardConfig::max_connections`].
+    pub fn with_max_connections(mut self, limit: Option<usize>) -> Self {
+        self.max_connections = limit;
+        self
+    }
+    /// Sets [`GuardConfig::header_read_timeout`].
+    pub fn with_header_read_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.header_read_timeout = timeout;
+        self
+    }
+    /// Sets [`GuardConfig::on_reject`].
+    pub fn with_on_reject(mut self, hook: Option<RejectHook>) -> Self {
+        self.on_reject = hook;
+        self
+    }
+
+    /// Checks the limits are usable (non-zero).
+    pub fn validate(&self) -> Result<()> {
+        let zero_duration = [
+            self.body_timeout,
+            self.request_timeout,
+            self.header_read_timeout,
+        ]
+        .into_iter()
+        .flatten()
+        .any(|d| d.is_zero());
+        if zero_duration {
+            return Err(Error::Config("guard timeouts must be positive".into()));
+        }
+        if self.max_body_bytes == 0
+            || self.max_concurrent_requests == Some(0)
+            || self.max_connections == Some(0)
+        {
+            return Err(Error::Config("guard limits must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+struct GuardState {
+    config: GuardConfig,
+    requests: Option<Arc<Semaphore>>,
+}
+
+impl GuardState {
+    fn reject(&self, error: Error) -> Response {
+        if let Some(hook) = &self.config.on_reject {
+            hook(error.label());
+        }
+        rejection(&error)
+    }
+}
+
+/// The JSON error response of `error` (status from [`Error::status`]).
+pub fn rejection(error: &Error) -> Response {
+    let status = StatusCode::from_u16(error.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (status, axum::Json(crate::server::error_body(error))).into_response();
+    match error {
+        Error::Unauthorized => {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        Error::Overloaded { .. } | Error::TooManySessions { .. } => {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        _ => {}
+    }
+    response
+}
+
+/// Wraps `router` in the request guards of `config` (see the module docs). Apply it last, so
+/// it runs first.
+pub fn harden(router: Router, config: &GuardConfig) -> Router {
+    let state = Arc::new(GuardState {
+        requests: config
+            .max_concurrent_requests
+            .map(|n| Arc::new(Semaphore::new(n.clamp(1, Semaphore::MAX_PERMITS)))),
+        config: config.clone(),
+    });
+    router.layer(axum::middleware::from_fn_with_state(state, guard))
+}
+
+fn is_json(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+async fn guard(State(state): State<Arc<GuardState>>, request: Request, next: Next) -> Response {
+    let config = &state.config;
+    if config.open_paths.iter().any(|p| p == request.uri().path()) {
+        return next.run(request).await;
+    }
+    if let Some(key) = &config.api_key {
+        let ok = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .is_some_and(|v| key.matches_authorization(v.as_bytes()));
+        if !ok {
+            return state.reject(Error::Unauthorized);
+        }
+    }
+    let _permit = match &state.requests {
+        Some(semaphore) => match semaphore.clone().try_acquire_owned() {
+            Ok(permit) => Some(permit),
+            Err(_) => {
+                return state.reject(Error::Overloaded {
+                    limit: config.max_concurrent_requests.unwrap_or(0),
+                });
+            }
+        },
+        None => None,
+    };
+    let (parts, body) = request.into_parts();
+    let limit = config.max_body_bytes;
+    if content_length(&parts.headers).is_some_and(|n| n > limit as u64) {
+        return state.reject(Error::BodyTooLarge { limit });
+    }
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    if config.require_json
+        && let Some(ct) = &content_type
+        && !is_json(ct)
+    {
+        return state.reject(Error::UnsupportedMediaType {
+            content_type: ct.chars().take(100).collect(),
+        });
+    }
+    let bytes = if matches!(parts.method, Method::GET | Method::HEAD | Method::DELETE)
+        && content_length(&parts.headers).is_none_or(|n| n == 0)
+        && !parts.headers.contains_key(header::TRANSFER_ENCODING)
+    {
+        axum::body::Bytes::new()
+    } else {
+        let read = Limited::new(body, limit).collect();
+        let collected = match config.body_timeout {
+            Some(t) => match tokio::time::timeout(t, read).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return state.reject(Error::RequestTimeout {
+                        seconds: t.as_secs_f64(),
+                    });
+                }
+            },
+            None => read.await,
+        };
+        match collected {
+            Ok(c) => c.to_bytes(),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                return state.reject(Error::BodyTooLarge { limit });
+            }
+            Err(e) => {
+                return state.reject(Error::InvalidBody {
+                    reason: format!("cannot read the body: {e}"),
+                });
+            }
+        }
+    };
+    if config.require_json && content_type.is_none() && !bytes.is_empty() {
+        return state.reject(Error::UnsupportedMediaType {
+            content_type: String::new(),
+        });
+    }
+    let request = Request::from_parts(parts, Body::from(bytes));
+    let path = request.uri().path().to_owned();
+    match config.request_timeout {
+        Some(t) => match tokio::time::timeout(t, next.run(request)).await {
+            Ok(response) => response,
+            Err(_) => state.reject(Error::Timeout {
+                url: path,
+                seconds: t.as_secs_f64(),
+            }),
+        },
+        None => next.run(request).await,
+    }
+}
+
+/// Serves `router` on `listener` over HTTP/1.1 with the connection limit and the request-head
+/// timeout of `config` (see the module docs); runs until the process ends. Accept errors (a
+/// full file table, a reset during the handshake) are logged and retried.
+pub async fn serve(listener: TcpListener, router: Router, config: GuardConfig) -> Result<()> {
+    serve_with_shutdown(listener, router, config, std::future::pending()).await
+}
+
+/// [`serve`] until `shutdown` completes: then it stops accepting and returns; connections
+/// already accepted finish their requests on their own tasks.
+pub async fn serve_with_shutdown(
+    listener: TcpListener,
+    router: Router,
+    config: GuardConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    config.validate()?;
+    let connections = config
+        .max_connections
+        .map(|n| Arc::new(Semaphore::new(n.clamp(1, Semaphore::MAX_PERMITS))));
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let next = async {
+            let permit = match &connections {
+                Some(s) => s.clone().acquire_owned().await.ok(),
+                None => None,
+            };
+            (permit, listener.accept().await)
+        };
+        let (permit, accepted) = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            next = next => next,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                tracing::debug!(%error, "accept failed");
+                // EMFILE and friends: give the process a moment to close descriptors.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, "cannot set TCP_NODELAY");
+        }
+        let service = TowerToHyperService::new(router.clone());
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(config.header_read_timeout)
+            .keep_alive(true);
+        tokio::spawn(async move {
+            let _permit = permit;
+            if let Err(error) = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%error, "connection ended with an error");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_compare_in_full_and_never_print() {
+        let key = ApiKey::new("abc123").unwrap();
+        assert!(key.matches_authorization(b"Bearer abc123"));
+        assert!(key.matches_authorization(b"bearer abc123"));
+        assert!(key.matches_authorization(b"BEARER abc123"));
+        for wrong in [
+            &b""[..],
+            b"Bearer",
+            b"Bearer ",
+            b"Bearer abc12",
+            b"Bearer abc1234",
+            b"Bearer abd123",
+            b"Basic abc123",
+            b"abc123",
+            b"Bearer  abc123",
+        ] {
+            assert!(!key.matches_authorization(wrong), "{wrong:?}");
+        }
+        assert!(constant_time_eq(b"", b""));
+        assert!(!constant_time_eq(b"a", b""));
+        assert!(!constant_time_eq(b"", b"a"));
+        assert!(constant_time_eq(b"xyz", b"xyz"));
+        assert!(!constant_time_eq(b"xyz", b"xyw"));
+        assert_eq!(format!("{key:?}"), "ApiKey(<redacted>)");
+        let config = GuardConfig::default().with_api_key(Some(key.clone()));
+        assert!(!format!("{config:?}").contains("abc123"));
+        assert_eq!(key.bearer(), "Bearer abc123");
+        for bad in ["", "has space", "tab\t", "é"] {
+            assert!(matches!(ApiKey::new(bad), Err(Error::Config(_))), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn json_content_types() {
+        for ok in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            "application/vnd.api+json",
+        ] {
+            assert!(is_json(ok), "{ok}");
+        }
+        for bad in [
+            "text/plain",
+            "application/jsonx",
+            "",
+            "json",
+            "text/json+xml",
+        ] {
+            assert!(!is_json(bad), "{bad}");
+        }
+    }
+
+    #[tokio::test]
+    async fn serve_stops_at_shutdown() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().route("/health", axum::routing::get(|| async { "ok" }));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(serve_with_shutdown(
+            listener,
+            app,
+            GuardConfig::default(),
+            async {
+                let _ = rx.await;
+            },
+        ));
+        let http = crate::http::HttpClient::new(Duration::from_secs(5));
+        let r = http.get(&format!("http://{addr}/health")).await.unwrap();
+        assert_eq!(r.text(), "ok");
+        tx.send(()).unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(5), served).await;
+        assert!(matches!(result, Ok(Ok(Ok(())))), "{result:?}");
+        let zero = GuardConfig::default().with_max_body_bytes(0);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let app = Router::new();
+        assert!(matches!(
+            serve(listener, app, zero).await,
+            Err(Error::Config(_))
+        ));
+    }
+
+    #[test]
+    fn config_validation_rejects_zero_limits() {
+        assert!(GuardConfig::default().validate().is_ok());
+        let zero = GuardConfig::default().with_max_body_bytes(0);
+        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+        let zero = GuardConfig::default().with_max_connections(Some(0));
+        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+        let zero = GuardConfig::default().with_header_read_timeout(Some(Duration::ZERO));
+        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+    }
+}
