@@ -508,6 +508,87 @@ mod tests {
         std::fs::remove_dir_all(&outside).ok();
     }
 
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A file whose JSON header is `header` followed by `data`.
+        fn file_with_header(header: &serde_json::Value, data: &[u8]) -> Vec<u8> {
+            let text = header.to_string();
+            let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(text.as_bytes());
+            bytes.extend_from_slice(data);
+            bytes
+        }
+
+        fn offsets() -> impl Strategy<Value = serde_json::Value> {
+            prop_oneof![
+                (0u64..64, 0u64..64).prop_map(|(a, b)| serde_json::json!([a, b])),
+                (any::<u64>(), any::<u64>()).prop_map(|(a, b)| serde_json::json!([a, b])),
+                Just(serde_json::json!([])),
+                Just(serde_json::json!("0")),
+            ]
+        }
+
+        fn shape() -> impl Strategy<Value = serde_json::Value> {
+            prop_oneof![
+                prop::collection::vec(0u64..8, 0..3).prop_map(|s| serde_json::json!(s)),
+                prop::collection::vec(any::<u64>(), 1..4).prop_map(|s| serde_json::json!(s)),
+                Just(serde_json::json!(-1)),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(1500))]
+
+            /// Hostile headers (any dtype, shape, offsets, overlapping or huge) and any data
+            /// length: a typed error or tensors whose sizes match their shapes, never a panic.
+            #[test]
+            fn hostile_headers_are_errors_not_panics(
+                entries in prop::collection::vec(
+                    (
+                        "[a-z]{1,3}",
+                        prop::sample::select(vec!["F32", "BF16", "F16", "I64", "U8", "X"]),
+                        shape(),
+                        offsets(),
+                    ),
+                    0..4,
+                ),
+                data_len in 0usize..96,
+            ) {
+                let mut header = serde_json::Map::new();
+                for (name, dtype, shape, offsets) in entries {
+                    header.insert(
+                        name,
+                        serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": offsets}),
+                    );
+                }
+                let bytes = file_with_header(&serde_json::Value::Object(header), &vec![7u8; data_len]);
+                let dir = scratch(&format!("fuzz-{}", data_len));
+                std::fs::create_dir_all(&dir).unwrap();
+                let path = dir.join(SINGLE_FILE);
+                std::fs::write(&path, &bytes).unwrap();
+                if let Ok(tensors) = read_safetensors_file(&path) {
+                    for t in tensors.values() {
+                        prop_assert_eq!(t.bytes.len(), t.numel() * t.dtype.size());
+                    }
+                }
+                std::fs::remove_dir_all(&dir).ok();
+            }
+
+            /// Arbitrary bytes as a checkpoint file.
+            #[test]
+            fn random_files_are_errors_not_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+                let dir = scratch("fuzz-raw");
+                std::fs::create_dir_all(&dir).unwrap();
+                let path = dir.join(SINGLE_FILE);
+                std::fs::write(&path, &bytes).unwrap();
+                let _ = read_safetensors_file(&path);
+                std::fs::remove_dir_all(&dir).ok();
+            }
+        }
+    }
+
     #[test]
     fn sharded_write_read_round_trip() {
         let dir = std::env::temp_dir().join(format!("miles-bridge-shard-{}", std::process::id()));

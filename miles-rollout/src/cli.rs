@@ -12,6 +12,9 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
+
+use miles_session::guard::{ApiKey, GuardConfig};
 
 use crate::error::{Error, Result};
 use crate::server::{ServerInfo, load_chat_tokenizer, tito_family_for};
@@ -37,6 +40,12 @@ options:
   --max-request-bytes BYTES   largest request body (default 67108864; larger → 413)
   --weights-root DIR          the only directory update_weights_from_disk may read from
                               (without it that route is disabled: 403)
+  --api-key KEY               every route but /health needs `Authorization: Bearer KEY`
+                              (default: $MILES_API_KEY; unset = no authentication)
+  --max-connections N         connections served at once (default 1024)
+  --max-concurrent-requests N requests in progress at once, /health excluded (default 4096; 503)
+  --header-read-timeout-s S   time to send a request head (default 10)
+  --request-timeout-s S       time a request may run (default: none; 504 after it)
 ";
 
 /// Options of `miles-rollout serve`.
@@ -69,6 +78,39 @@ pub struct ServeArgs {
     pub max_request_bytes: Option<usize>,
     /// The directory `update_weights_from_disk` is confined to (`None`: route disabled).
     pub weights_root: Option<PathBuf>,
+    /// The bearer key every route but `/health` requires (`--api-key`, else
+    /// `$MILES_API_KEY`).
+    pub api_key: Option<ApiKey>,
+    /// Connections served at once.
+    pub max_connections: Option<usize>,
+    /// Requests in progress at once.
+    pub max_concurrent_requests: Option<usize>,
+    /// Time to receive a request head, in seconds.
+    pub header_read_timeout_s: Option<f64>,
+    /// Time a request may run, in seconds.
+    pub request_timeout_s: Option<f64>,
+}
+
+impl ServeArgs {
+    /// The guard of the server's HTTP front ([`miles_session::guard`]): key, JSON bodies,
+    /// body size, connection / request limits and timeouts.
+    pub fn guard_config(&self, info: &ServerInfo) -> GuardConfig {
+        let secs = |s: Option<f64>| s.map(Duration::from_secs_f64);
+        let mut guard = GuardConfig::default()
+            .with_api_key(self.api_key.clone())
+            .with_max_body_bytes(info.max_body_bytes)
+            .with_request_timeout(secs(self.request_timeout_s));
+        if let Some(n) = self.max_connections {
+            guard = guard.with_max_connections(Some(n));
+        }
+        if let Some(n) = self.max_concurrent_requests {
+            guard = guard.with_max_concurrent_requests(Some(n));
+        }
+        if let Some(s) = self.header_read_timeout_s {
+            guard = guard.with_header_read_timeout(Some(Duration::from_secs_f64(s)));
+        }
+        guard
+    }
 }
 
 /// A parsed command line.
@@ -88,6 +130,15 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T> {
     value
         .parse()
         .map_err(|_| usage_error(format!("{flag} expects a number, got {value:?}")))
+}
+
+fn seconds(flag: &str, value: &str) -> Result<f64> {
+    match number::<f64>(flag, value)? {
+        s if s.is_finite() && s > 0.0 && s < 1e9 => Ok(s),
+        _ => Err(usage_error(format!(
+            "{flag} must be a positive number of seconds"
+        ))),
+    }
 }
 
 fn positive(flag: &str, value: &str) -> Result<usize> {
@@ -120,6 +171,11 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         max_n: None,
         max_request_bytes: None,
         weights_root: None,
+        api_key: None,
+        max_connections: None,
+        max_concurrent_requests: None,
+        header_read_timeout_s: None,
+        request_timeout_s: None,
     };
     while let Some(flag) = args.next() {
         let (flag, inline) = match flag.split_once('=') {
@@ -150,10 +206,24 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
             "--max-n" => parsed.max_n = Some(positive(&flag, &value)?),
             "--max-request-bytes" => parsed.max_request_bytes = Some(positive(&flag, &value)?),
             "--weights-root" => parsed.weights_root = Some(PathBuf::from(value)),
+            "--api-key" => {
+                parsed.api_key = Some(ApiKey::new(value).map_err(|e| usage_error(e.to_string()))?)
+            }
+            "--max-connections" => parsed.max_connections = Some(positive(&flag, &value)?),
+            "--max-concurrent-requests" => {
+                parsed.max_concurrent_requests = Some(positive(&flag, &value)?)
+            }
+            "--header-read-timeout-s" => {
+                parsed.header_read_timeout_s = Some(seconds(&flag, &value)?)
+            }
+            "--request-timeout-s" => parsed.request_timeout_s = Some(seconds(&flag, &value)?),
             other => return Err(usage_error(format!("unknown option {other}"))),
         }
     }
     parsed.model = model.ok_or_else(|| usage_error("--model DIR is required"))?;
+    if parsed.api_key.is_none() {
+        parsed.api_key = ApiKey::from_env().map_err(|e| usage_error(e.to_string()))?;
+    }
     Ok(Command::Serve(parsed))
 }
 
@@ -197,8 +267,21 @@ pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
 }
 
 /// Binds `host:port`, prints `listening on http://ADDR` and serves `app` until the process
-/// ends.
+/// ends, with the default [`GuardConfig`] (no key; connection limit and request-head
+/// timeout).
 pub async fn run(app: axum::Router, host: &str, port: u16) -> Result<()> {
+    run_guarded(app, host, port, GuardConfig::default()).await
+}
+
+/// [`run`] behind `guard`: the router is hardened with it ([`miles_session::guard::harden`])
+/// and served with its connection limit and request-head timeout. Warns when it binds a
+/// non-loopback address without a key.
+pub async fn run_guarded(
+    app: axum::Router,
+    host: &str,
+    port: u16,
+    guard: GuardConfig,
+) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((host, port))
         .await
         .map_err(|source| Error::Io {
@@ -216,7 +299,14 @@ pub async fn run(app: axum::Router, host: &str, port: u16) -> Result<()> {
         let _ = writeln!(out, "listening on http://{addr}");
         let _ = out.flush();
     }
-    axum::serve(listener, app)
+    if guard.api_key.is_none() && !addr.ip().is_loopback() {
+        eprintln!(
+            "miles-rollout: warning: serving {addr} without --api-key: anyone who can reach it \
+             can generate and (with --weights-root) load weights"
+        );
+    }
+    let app = miles_session::guard::harden(app, &guard);
+    miles_session::guard::serve(listener, app, guard)
         .await
         .map_err(|e| Error::Task(format!("HTTP server stopped: {e}")))
 }

@@ -27,10 +27,12 @@ fn serve(args: ServeArgs) -> miles_rollout::Result<()> {
         .enable_all()
         .build()
         .map_err(|e| miles_rollout::Error::Task(format!("cannot start the runtime: {e}")))?;
-    runtime.block_on(cli::run(
+    let guard = args.guard_config(&info);
+    runtime.block_on(cli::run_guarded(
         sglang_router(Arc::new(engine), info),
         &args.host,
         args.port,
+        guard,
     ))
 }
 

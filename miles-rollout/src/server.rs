@@ -270,6 +270,7 @@ pub fn sglang_router(engine: Arc<dyn InferenceEngine>, info: ServerInfo) -> Http
         .route("/get_weight_version", get(get_weight_version))
         .route("/weight_version", get(get_weight_version))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
         .with_state(state)
 }
@@ -355,6 +356,18 @@ async fn not_found(request: Request) -> Response {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: format!("no route for {} {}", request.method(), request.uri().path()),
+    }
+    .into_response()
+}
+
+async fn method_not_allowed(request: Request) -> Response {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!(
+            "{} is not allowed on {}",
+            request.method(),
+            request.uri().path()
+        ),
     }
     .into_response()
 }

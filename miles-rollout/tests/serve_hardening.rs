@@ -23,6 +23,12 @@ fn fixture(path: &str) -> PathBuf {
 
 /// Starts `miles-rollout serve` (library form of the binary) with `flags` after `--model`.
 async fn serve(flags: &[String]) -> String {
+    serve_with(flags, false).await
+}
+
+/// [`serve`], optionally behind the binary's HTTP guard (`--api-key`, JSON bodies,
+/// connection limit and request-head timeout), as `main` serves it.
+async fn serve_with(flags: &[String], guarded: bool) -> String {
     let dir = fixture("serve/qwen3-tiny-chat");
     let mut args = vec![
         "serve".to_owned(),
@@ -42,8 +48,14 @@ async fn serve(flags: &[String]) -> String {
     .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let guard = args.guard_config(&info);
     let app = sglang_router(Arc::new(engine), info);
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    if guarded {
+        let app = miles_session::guard::harden(app, &guard);
+        tokio::spawn(async move { miles_session::guard::serve(listener, app, guard).await });
+    } else {
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    }
     format!("http://{addr}")
 }
 
@@ -305,4 +317,108 @@ async fn update_weights_from_disk_is_confined_and_failures_keep_the_last_version
     still_serves(&base).await;
     std::fs::remove_dir_all(&root).ok();
     std::fs::remove_dir_all(&outside).ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_json_bodies_and_slow_clients_on_the_rollout_server() {
+    let base = serve_with(
+        &[
+            "--api-key".into(),
+            "s3cret-key".into(),
+            "--header-read-timeout-s".into(),
+            "1".into(),
+            "--max-connections".into(),
+            "4".into(),
+        ],
+        true,
+    )
+    .await;
+    let client = http();
+    let body = serde_json::to_vec(&json!({"input_ids": [1, 2, 3],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 2}}))
+    .unwrap();
+    let call = |headers: Vec<(&'static str, &'static str)>, content_type: &'static str| {
+        let client = client.clone();
+        let body = body.clone();
+        let url = format!("{base}/generate");
+        async move {
+            let r = client
+                .send(Method::POST, &url, &headers, Some((content_type, body)))
+                .await
+                .unwrap();
+            (
+                r.status.as_u16(),
+                serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null),
+            )
+        }
+    };
+    // /health needs no key; everything else does.
+    let health = client.get(&format!("{base}/health")).await.unwrap();
+    assert_eq!(health.status.as_u16(), 200);
+    for headers in [
+        vec![],
+        vec![("authorization", "Bearer wrong")],
+        vec![("authorization", "s3cret-key")],
+        vec![("authorization", "Basic s3cret-key")],
+    ] {
+        let (status, answer) = call(headers.clone(), "application/json").await;
+        assert_eq!(status, 401, "{headers:?}: {answer}");
+        assert_eq!(answer["error"]["type"], "authentication_error", "{answer}");
+    }
+    let info = client.get(&format!("{base}/get_model_info")).await.unwrap();
+    assert_eq!(info.status.as_u16(), 401);
+    // The right key, but not a JSON body: 415 (a web page's simple cross-origin POST).
+    let key = vec![("authorization", "Bearer s3cret-key")];
+    let (status, answer) = call(key.clone(), "text/plain").await;
+    assert_eq!(status, 415, "{answer}");
+    let (status, answer) = call(key.clone(), "application/json").await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["output_ids"].as_array().unwrap().len(), 2);
+
+    // The workspace's SGLang client sends the key when configured.
+    let with_key = miles_session::sglang::SglangEngine::new(
+        miles_session::sglang::SglangConfig::new(base.clone()).with_api_key(Some(
+            miles_session::guard::ApiKey::new("s3cret-key").unwrap(),
+        )),
+    );
+    let without = miles_session::sglang::SglangEngine::new(
+        miles_session::sglang::SglangConfig::new(base.clone()),
+    );
+    use miles_core::InferenceEngine;
+    let request = miles_core::GenerateRequest::new(
+        vec![1, 2, 3],
+        miles_core::SamplingParams {
+            temperature: 0.0,
+            max_new_tokens: Some(2),
+            ..Default::default()
+        },
+    );
+    let output = with_key.generate(request.clone()).await.unwrap();
+    assert_eq!(
+        output.output_ids,
+        serde_json::from_value::<Vec<u32>>(answer["output_ids"].clone()).unwrap()
+    );
+    assert!(without.generate(request).await.is_err());
+
+    // Stalled clients (half a request head each, more than --max-connections) do not make
+    // /health hang: their connections are closed after the head timeout.
+    let addr = base.trim_start_matches("http://").to_owned();
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+        std::io::Write::write_all(&mut stream, b"GET /health HTTP/1.1\r\nHo").unwrap();
+        stalled.push(stream);
+    }
+    let started = std::time::Instant::now();
+    let health = HttpClient::new(Duration::from_secs(10))
+        .get(&format!("{base}/health"))
+        .await
+        .unwrap();
+    assert_eq!(health.status.as_u16(), 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(stalled);
 }

@@ -307,6 +307,65 @@ mod tests {
         s
     }
 
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn valid_bytes() -> Vec<u8> {
+            let payload = SamplesPayload {
+                samples: vec![sample(), sample()],
+                session_metadata: Map::new(),
+                empty_reason: None,
+            };
+            encode_samples(&payload).unwrap()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Arbitrary bytes: an error or a payload, never a panic or a huge allocation.
+            #[test]
+            fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+                let _ = decode_samples(&bytes, &Sample::default());
+            }
+
+            /// A valid payload with bytes overwritten, cut short or extended: every decode
+            /// either fails with a codec error or yields samples that pass validation.
+            #[test]
+            fn mutated_payloads_are_errors_or_valid_samples(
+                edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
+                cut in any::<prop::sample::Index>(),
+                mode in 0u8..3,
+            ) {
+                let mut bytes = valid_bytes();
+                for (at, value) in edits {
+                    let i = at.index(bytes.len());
+                    bytes[i] = value;
+                }
+                match mode {
+                    0 => bytes.truncate(cut.index(bytes.len())),
+                    1 => bytes.extend(std::iter::repeat_n(0xffu8, cut.index(64))),
+                    _ => {}
+                }
+                if let Ok(payload) = decode_samples(&bytes, &Sample::default()) {
+                    for sample in &payload.samples {
+                        prop_assert!(sample.validate().is_ok());
+                    }
+                }
+            }
+
+            /// A header length field rewritten to any value is an error, not an allocation.
+            #[test]
+            fn hostile_header_lengths_are_errors(length in any::<u64>()) {
+                let mut bytes = valid_bytes();
+                let real = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+                prop_assume!(length != real);
+                bytes[..8].copy_from_slice(&length.to_le_bytes());
+                prop_assert!(decode_samples(&bytes, &Sample::default()).is_err());
+            }
+        }
+    }
+
     #[test]
     fn round_trip_and_layout() {
         let mut meta = Map::new();

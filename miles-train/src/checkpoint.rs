@@ -56,6 +56,7 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
     dir.with_file_name(format!("{name}{suffix}"))
 }
 
+/// fsyncs every file and folder under `dir`, and `dir` itself.
 fn sync_dir(dir: &Path) -> Result<()> {
     for entry in fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
         let entry = entry.map_err(|e| Error::io(dir, e))?;
@@ -68,7 +69,9 @@ fn sync_dir(dir: &Path) -> Result<()> {
                 .map_err(|e| Error::io(&path, e))?;
         }
     }
-    Ok(())
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(dir, e))
 }
 
 /// Writes `actor`'s checkpoint to `dir` atomically.
@@ -112,10 +115,24 @@ pub(crate) fn save(actor: &Actor, dir: &Path) -> Result<()> {
         fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
     }
     fs::rename(&tmp, dir).map_err(|e| Error::io(&tmp, e))?;
+    // The rename is durable once the parent folder's entry is.
+    sync_parent(dir)?;
     if old.exists() {
         fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+        sync_parent(dir)?;
     }
     Ok(())
+}
+
+/// fsyncs the folder holding `path`, making a rename or removal in it durable.
+fn sync_parent(path: &Path) -> Result<()> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    fs::File::open(parent)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(parent, e))
 }
 
 /// Restores `actor` from `dir` (or from `dir.old` left by an interrupted save).
