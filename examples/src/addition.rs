@@ -414,8 +414,9 @@ mod tests {
         assert!(p(27, 15).has_carry());
         assert!(p(5, 5).has_carry());
         assert!(!p(0, 9).has_carry());
-        assert!(!p(91, 10).has_carry());
-        assert!(!p(95, 10).has_carry());
+        assert!(!p(81, 10).has_carry());
+        assert!(p(91, 10).has_carry()); // the tens carry: 101
+        assert!(!p(84, 15).has_carry());
         assert!(p(95, 15).has_carry());
         assert!(p(50, 60).has_carry());
         assert!(!p(4, 0).has_carry());
