@@ -7,14 +7,17 @@
 //! → versioned in-place weight update → next rollout; fully asynchronous by default (`--sync`
 //! for the synchronous loop), with staleness control, checkpoints and `--resume`.
 //!
-//! The default task is multi-digit addition (`12+35=` → `47`) on a model built from a config,
+//! The default task is two-digit addition (`12+35=` → `47`) on a model built from a config,
 //! with a byte-level BPE tokenizer and Qwen3's chat template written next to it (an ordinary HF
-//! model directory). A short supervised warm-start teaches the answer format first; it is
-//! reported as such. Held-out prompts are evaluated (sampled like the rollout, as Miles does)
-//! before anything, after the warm-start and during / after GRPO.
+//! model directory). A short supervised warm-start on 1,000 demonstrations teaches the answer
+//! format and most of the arithmetic; it is reported as such. GRPO then practises on the 2,800
+//! other training problems, whose answers it is never shown: only the reward checks them.
+//! Held-out prompts (disjoint from both) are evaluated (sampled like the rollout, as Miles
+//! does, and greedily) before anything, after the warm-start and during / after GRPO.
 //!
 //! ```text
-//! cargo run --release --example glm_moe_grpo                 # defaults, ~6 min on 2 cores
+//! cargo run --release --example glm_moe_grpo                 # defaults, ~4 min on 2 cores
+//! cargo run --release --example glm_moe_grpo -- --sft-steps 4200 --num-rollout 0   # the ablation: GRPO's time spent on the warm-start
 //! cargo run --release --example glm_moe_grpo -- --help       # every flag
 //! cargo run --release --example glm_moe_grpo -- --sync
 //! cargo run --release --example glm_moe_grpo -- --hf-checkpoint DIR          # a real GLM-4-MoE / Qwen3
@@ -68,7 +71,7 @@ fn cli() -> Cli {
         .multi("--engine-url", "URL", "roll out on this SGLang-compatible server instead of the embedded engine (repeatable; a router spreads the load; the servers must see --output-dir for weight updates)")
         .option("--resume", "DIR", None, "continue a killed run from its latest checkpoint in DIR (its output dir)")
         .flag("--sync", "synchronous loop (rollout → train → update) instead of fully asynchronous")
-        .option("--num-rollout", "N", Some("60"), "GRPO steps")
+        .option("--num-rollout", "N", Some("200"), "GRPO steps (0: none, the warm-start only)")
         .option("--rollout-batch-size", "N", Some("32"), "prompts per step")
         .option("--n-samples-per-prompt", "N", Some("8"), "samples per prompt (the GRPO group)")
         .option("--advantage-estimator", "NAME", Some("grpo"), "grpo | gspo | reinforce_plus_plus | reinforce_plus_plus_baseline")
@@ -80,24 +83,28 @@ fn cli() -> Cli {
         .option("--use-kl-loss", "BOOL", Some("false"), "KL loss to the reference (the warm-started model)")
         .option("--kl-loss-coef", "X", Some("0.0"), "KL loss weight")
         .option("--entropy-coef", "X", Some("0.0"), "entropy bonus weight")
-        .option("--lr", "LR", Some("1e-4"), "GRPO learning rate (AdamW; 3e-4 and up degrade the warm-started model's held-out reward)")
-        .option("--lr-warmup-iters", "N", Some("0"), "GRPO optimizer steps of linear learning-rate warm-up from 0")
+        .option("--lr", "LR", Some("1e-4"), "GRPO learning rate (AdamW, a fresh optimizer; 3e-4 and up degrade the warm-started model's held-out reward)")
+        .option("--lr-warmup-iters", "N", Some("10"), "GRPO optimizer steps of linear learning-rate warm-up from 0")
         .option("--num-steps-per-rollout", "N", Some("1"), "optimizer steps per rollout batch (the batch is split into this many mini-batches)")
         .option("--batch-layout", "NAME", Some("padded"), "how training micro-batches are laid out: padded | packed | per_sample (equal up to float rounding; padded is fastest for short samples on CPU)")
         .option("--max-weight-staleness", "N", Some("1"), "samples older than this many weight versions are regenerated")
         .option("--update-weights-interval", "N", Some("1"), "push weights to the engines every N steps")
         .option("--save-interval", "N", Some("10"), "checkpoint every N steps")
-        .option("--eval-interval", "N", Some("10"), "evaluate the held-out prompts every N steps")
+        .option("--eval-interval", "N", Some("20"), "evaluate the held-out prompts every N steps")
         .option("--rollout-temperature", "T", Some("1.0"), "sampling temperature")
         .option("--eval-temperature", "T", None, "held-out sampling temperature (default: the rollout temperature, as Miles; 0 = greedy)")
         .option("--n-samples-per-eval-prompt", "N", Some("4"), "samples per held-out prompt (the reward is their mean)")
         .option("--rollout-max-response-len", "N", Some("8"), "response token limit")
-        .option("--sft-steps", "N", Some("1200"), "supervised warm-start steps before GRPO (0 = none)")
+        .option("--sft-steps", "N", Some("600"), "supervised warm-start steps before GRPO (0 = none)")
         .option("--sft-batch-size", "N", Some("64"), "problems per warm-start step")
         .option("--sft-lr", "LR", Some("3e-3"), "warm-start peak learning rate (cosine-decayed to a tenth; the result is saved to OUTPUT/warm_start/)")
-        .option("--min-digits", "N", Some("1"), "fewest digits of an addend")
+        .option("--sft-problems", "KIND", Some("all"), "which training problems the warm-start demonstrates: all | no-carry (no column carries) | one-digit (both operands of one digit) | easy (no-carry or one-digit)")
+        .option("--num-sft-prompts", "N", Some("1000"), "warm-start demonstrations: the first N training problems of --sft-problems (0 = all of them)")
+        .option("--partial-credit", "BOOL", Some("false"), "GRPO reward: half credit for digits in the right place (held-out evaluation is exact match either way)")
+        .option("--grpo-prompts", "KIND", Some("undemonstrated"), "which training problems GRPO samples: all | undemonstrated (those the warm-start did not demonstrate)")
+        .option("--min-digits", "N", Some("2"), "fewest digits of an addend")
         .option("--max-digits", "N", Some("2"), "most digits of an addend")
-        .option("--num-train-prompts", "N", Some("3000"), "training problems")
+        .option("--num-train-prompts", "N", Some("3800"), "training problems")
         .option("--num-eval-prompts", "N", Some("200"), "held-out problems")
         .option("--hidden-size", "N", Some("96"), "width of the built GLM-4-MoE")
         .option("--num-layers", "N", Some("3"), "layers of the built GLM-4-MoE (the first dense)")
@@ -193,7 +200,38 @@ async fn run(args: Args) -> Result<(), BoxError> {
     )?;
     write_jsonl(&out.join("data/train.jsonl"), &split.train)?;
     write_jsonl(&out.join("data/held_out.jsonl"), &split.held_out)?;
+    let sft_steps: usize = args.parsed("--sft-steps")?;
+    let demos = if sft_steps > 0 {
+        warm_start_problems(&split.train, &args)?
+    } else {
+        Vec::new()
+    };
+    write_jsonl(&out.join("data/warm_start.jsonl"), &demos)?;
+    let grpo_problems: Vec<AdditionProblem> = match args.get("--grpo-prompts").unwrap_or("all") {
+        "all" => split.train.clone(),
+        "undemonstrated" => {
+            let shown: std::collections::HashSet<_> = demos.iter().collect();
+            let rest: Vec<_> = split
+                .train
+                .iter()
+                .filter(|p| !shown.contains(p))
+                .copied()
+                .collect();
+            if rest.is_empty() {
+                return Err("--grpo-prompts undemonstrated: every training problem is demonstrated (raise --num-train-prompts or lower --num-sft-prompts)".into());
+            }
+            rest
+        }
+        other => {
+            return Err(format!("--grpo-prompts {other:?}: expected all or undemonstrated").into());
+        }
+    };
     let reward = Arc::new(AdditionReward::default());
+    // The GRPO reward may give partial credit for digits in place; held-out evaluation is
+    // always exact match.
+    let train_reward = Arc::new(AdditionReward {
+        partial_credit: args.boolean("--partial-credit")?,
+    });
 
     // 3. Engines: the embedded one (scoring with the trainer's function), or SGLang servers.
     let urls = args.all("--engine-url");
@@ -240,7 +278,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         rollout_config.clone(),
         engine.clone(),
         encoder.clone(),
-        reward.clone(),
+        train_reward,
     )?);
     // Held-out evaluation samples like the rollout unless --eval-temperature says otherwise
     // (Miles' default), with a fixed seed so that successive evaluations differ only by the
@@ -274,16 +312,47 @@ async fn run(args: Args) -> Result<(), BoxError> {
         manager: eval_manager.clone(),
     };
     let eval_now = |label: &'static str| held_out_reward(eval_set(), label);
+    // Greedy decoding of each held-out prompt: the second row of the report.
+    let greedy_manager = Arc::new(RolloutManager::new(
+        RolloutConfig {
+            n_samples_per_prompt: 1,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..eval_manager.config().sampling.clone()
+            },
+            ..eval_manager.config().clone()
+        },
+        engine.clone(),
+        encoder.clone(),
+        Arc::new(AdditionReward::default()),
+    )?);
+    let eval_greedy = |label: &'static str| {
+        held_out_reward(
+            EvalSet {
+                manager: greedy_manager.clone(),
+                ..eval_set()
+            },
+            label,
+        )
+    };
 
     // 4. Warm start (supervised, reported as such), then the GRPO trainer.
     let mut summary = json!({});
     let mut model = model;
     if !resume {
         summary["reward_initial"] = json!(eval_now("before any training").await?);
-        let steps: usize = args.parsed("--sft-steps")?;
+        let steps = sft_steps;
         if steps > 0 {
             let t = Instant::now();
-            let sft = addition_warm_start(model, &split.train, encoder.as_ref(), &eos_ids, &args)?;
+            println!(
+                "supervised warm-start on {} demonstrations ({} of the {} training problems); GRPO samples {} problems",
+                demos.len(),
+                args.get("--sft-problems").unwrap_or("all"),
+                split.train.len(),
+                grpo_problems.len()
+            );
+            summary["warm_start_demonstrations"] = json!(demos.len());
+            let sft = addition_warm_start(model, &demos, encoder.as_ref(), &eos_ids, &args)?;
             let weights = sft.export(FloatDtype::F32)?;
             model = sft.model().clone();
             save_hf_checkpoint(&weights, &model_dir, &out.join("warm_start"))?;
@@ -293,6 +362,8 @@ async fn run(args: Args) -> Result<(), BoxError> {
             );
             engine.update_weights(&weights, WeightVersion(0)).await?;
             summary["reward_after_warm_start"] = json!(eval_now("after the warm-start").await?);
+            summary["reward_after_warm_start_greedy"] =
+                json!(eval_greedy("after the warm-start, greedy").await?);
             summary["warm_start_seconds"] = json!(t.elapsed().as_secs_f64());
         }
     }
@@ -344,8 +415,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         Box::new(SharedProgress(progress.clone())),
     ]));
     let data = DataSource::new(
-        split
-            .train
+        grpo_problems
             .iter()
             .map(AdditionProblem::prompt_record)
             .collect(),
@@ -389,6 +459,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     sink.flush()?;
     let grpo_seconds = t.elapsed().as_secs_f64();
     let final_reward = eval_now("after GRPO").await?;
+    summary["reward_final_greedy"] = json!(eval_greedy("after GRPO, greedy").await?);
 
     // 6. Outputs: final checkpoint, curves, summary.
     summary["weight_version"] = json!(write_final_outputs(
@@ -415,6 +486,34 @@ async fn run(args: Args) -> Result<(), BoxError> {
         out.display()
     );
     Ok(())
+}
+
+/// The training problems the warm-start demonstrates (`--sft-problems`, `--num-sft-prompts`).
+fn warm_start_problems(
+    train: &[AdditionProblem],
+    args: &Args,
+) -> Result<Vec<AdditionProblem>, BoxError> {
+    let keep: fn(&AdditionProblem) -> bool = match args.get("--sft-problems").unwrap_or("all") {
+        "all" => |_| true,
+        "no-carry" => |p| !p.has_carry(),
+        "one-digit" => |p| p.a < 10 && p.b < 10,
+        "easy" => |p| !p.has_carry() || (p.a < 10 && p.b < 10),
+        other => {
+            return Err(format!(
+                "--sft-problems {other:?}: expected all, no-carry, one-digit or easy"
+            )
+            .into());
+        }
+    };
+    let limit = match args.parsed::<usize>("--num-sft-prompts")? {
+        0 => usize::MAX,
+        n => n,
+    };
+    let demos: Vec<AdditionProblem> = train.iter().copied().filter(keep).take(limit).collect();
+    if demos.is_empty() {
+        return Err("the warm-start has no demonstrations (see --sft-problems)".into());
+    }
+    Ok(demos)
 }
 
 /// Supervised warm-start: the answer and the end-of-turn token after each training prompt.

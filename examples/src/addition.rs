@@ -76,6 +76,20 @@ pub struct AdditionProblem {
 }
 
 impl AdditionProblem {
+    /// Whether adding the operands column by column carries anywhere (`27+15`: yes, `12+35`:
+    /// no).
+    pub fn has_carry(&self) -> bool {
+        let (mut a, mut b) = (self.a, self.b);
+        while a > 0 || b > 0 {
+            if a % 10 + b % 10 >= 10 {
+                return true;
+            }
+            a /= 10;
+            b /= 10;
+        }
+        false
+    }
+
     /// The user's message: `"12+35="`.
     pub fn question(&self) -> String {
         format!("{}+{}=", self.a, self.b)
@@ -391,6 +405,21 @@ mod tests {
         assert_eq!(records[0], problems[0].prompt_record());
         assert_eq!(records[1].label.as_deref(), Some("100"));
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn carries_are_detected() {
+        let p = |a, b| AdditionProblem { a, b };
+        assert!(!p(12, 35).has_carry());
+        assert!(p(27, 15).has_carry());
+        assert!(p(5, 5).has_carry());
+        assert!(!p(0, 9).has_carry());
+        assert!(!p(81, 10).has_carry());
+        assert!(p(91, 10).has_carry()); // the tens carry: 101
+        assert!(!p(84, 15).has_carry());
+        assert!(p(95, 15).has_carry());
+        assert!(p(50, 60).has_carry());
+        assert!(!p(4, 0).has_carry());
     }
 
     #[test]

@@ -43,6 +43,8 @@ fn tiny_args(out: &Path, steps: u64) -> Vec<String> {
         "20",
         "--sft-batch-size",
         "16",
+        "--num-sft-prompts",
+        "100",
         "--num-train-prompts",
         "200",
         "--num-eval-prompts",
