@@ -90,6 +90,9 @@ fn cli() -> Cli {
         .option("--max-weight-staleness", "N", Some("1"), "samples older than this many weight versions are regenerated")
         .option("--update-weights-interval", "N", Some("1"), "push weights to the engines every N steps")
         .option("--save-interval", "N", Some("10"), "checkpoint every N steps")
+        .option("--keep-checkpoints", "N", None, "keep only the newest N checkpoints (default: all)")
+        .flag("--use-tensorboard", "also write TensorBoard event files (every metric of metrics.jsonl, step = rollout id); feed them to wandb with `wandb sync --sync-tensorboard DIR`")
+        .option("--tensorboard-dir", "DIR", None, "where the TensorBoard files go (default: $TENSORBOARD_DIR, else OUTPUT/tensorboard)")
         .option("--eval-interval", "N", Some("20"), "evaluate the held-out prompts every N steps")
         .option("--rollout-temperature", "T", Some("1.0"), "sampling temperature")
         .option("--eval-temperature", "T", None, "held-out sampling temperature (default: the rollout temperature, as Miles; 0 = greedy)")
@@ -241,11 +244,13 @@ async fn run(args: Args) -> Result<(), BoxError> {
         let moe_layers = (0..model.config.num_hidden_layers)
             .filter(|&l| model.config.is_moe_layer(l))
             .count();
+        // An engine started with --api-key needs the key: MILES_API_KEY.
+        let key = miles_session::guard::ApiKey::from_env()?;
         let engines = urls
             .iter()
             .enumerate()
             .map(|(i, url)| {
-                let mut c = SglangConfig::new(url.clone());
+                let mut c = SglangConfig::new(url.clone()).with_api_key(key.clone());
                 c.num_layers = Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0);
                 c.shared_weights_dir = Some(out.join("weights"));
                 (
@@ -410,10 +415,19 @@ async fn run(args: Args) -> Result<(), BoxError> {
         JsonlMetricsSink::create(&metrics_path)?
     };
     let progress = Arc::new(ProgressSink::new(num_rollout, "eval/addition/raw_reward"));
-    let sink: Arc<dyn MetricsSink> = Arc::new(FanOut(vec![
-        Box::new(jsonl),
-        Box::new(SharedProgress(progress.clone())),
-    ]));
+    let mut sinks: Vec<Box<dyn MetricsSink>> =
+        vec![Box::new(jsonl), Box::new(SharedProgress(progress.clone()))];
+    if args.flag("--use-tensorboard") {
+        let dir = args
+            .get("--tensorboard-dir")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("TENSORBOARD_DIR").map(PathBuf::from))
+            .unwrap_or_else(|| out.join("tensorboard"));
+        // A resumed run adds a new event file beside the old ones; TensorBoard reads both.
+        sinks.push(Box::new(miles_core::TensorBoardSink::create(&dir)?));
+        println!("TensorBoard: tensorboard --logdir {}", dir.display());
+    }
+    let sink: Arc<dyn MetricsSink> = Arc::new(FanOut(sinks));
     let data = DataSource::new(
         grpo_problems
             .iter()
@@ -429,12 +443,16 @@ async fn run(args: Args) -> Result<(), BoxError> {
         max_weight_staleness: Some(args.parsed("--max-weight-staleness")?),
         save_interval: Some(args.parsed("--save-interval")?),
         save: Some(out.join("checkpoints")),
+        keep_checkpoints: args.parsed_opt("--keep-checkpoints")?,
         ..LoopConfig::default()
     };
     let mut rl = RlLoop::new(loop_config, manager, trainer.clone(), sink.clone(), data)?
         .with_eval(vec![eval_set()], args.parsed("--eval-interval")?);
     if resume {
         let step = rl.resume().await?;
+        for note in rl.resume_notes() {
+            println!("resume: {note}");
+        }
         println!("resumed at step {step} from {}", out.display());
     }
     let t = Instant::now();

@@ -95,15 +95,36 @@ fn fresh_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// Four synchronous steps log finite metrics, push one weight version each and write every
+/// artefact; TensorBoard files carry the same values as `metrics.jsonl`. (That GRPO raises
+/// the reward is `grpo_learns.rs`' job: four tiny steps are too few to assert it.)
 #[test]
-fn a_few_grpo_steps_move_reward_loss_and_versions() {
+fn a_few_grpo_steps_log_metrics_versions_and_tensorboard_files() {
     let out = fresh_dir("e2e");
     let status = Command::new(binary("glm_moe_grpo"))
         .args(tiny_args(&out, 4))
-        .arg("--sync")
+        .args(["--sync", "--use-tensorboard"])
         .status()
         .expect("run the example");
     assert!(status.success());
+    // Every JSONL value is in the TensorBoard files at the same step (as f32).
+    let mut scalars = BTreeMap::new();
+    for entry in std::fs::read_dir(out.join("tensorboard")).unwrap() {
+        let path = entry.unwrap().path();
+        for event in miles_core::tensorboard::read_event_file(&path).unwrap() {
+            for (tag, value) in event.scalars {
+                scalars.insert((event.step, tag), value);
+            }
+        }
+    }
+    let logged = metrics(&out);
+    assert!(!logged.is_empty());
+    for (step, m) in &logged {
+        for (name, value) in m.iter().filter(|(name, _)| name.as_str() != "step") {
+            let key = (*step as i64, name.clone());
+            assert_eq!(scalars.get(&key), Some(&(*value as f32)), "{key:?}");
+        }
+    }
     let train = training_records(&out);
     assert_eq!(train.len(), 4, "one training record per step");
     for m in &train {

@@ -224,7 +224,7 @@ pub fn checkpoints(root: &Path) -> Vec<(u64, PathBuf)> {
             e.path().is_dir().then_some((step, e.path()))
         })
         .collect();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|entry| std::cmp::Reverse(entry.0));
     found
 }
 

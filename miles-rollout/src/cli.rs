@@ -114,6 +114,8 @@ impl ServeArgs {
 }
 
 /// A parsed command line.
+// Parsed once per process: boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
     /// `serve …`.
