@@ -46,6 +46,7 @@ options:
   --max-concurrent-requests N requests in progress at once, /health excluded (default 4096; 503)
   --header-read-timeout-s S   time to send a request head (default 10)
   --request-timeout-s S       time a request may run (default: none; 504 after it)
+  --enable-metrics            serve Prometheus metrics at GET /metrics (SGLang's names)
 ";
 
 /// Options of `miles-rollout serve`.
@@ -89,6 +90,8 @@ pub struct ServeArgs {
     pub header_read_timeout_s: Option<f64>,
     /// Time a request may run, in seconds.
     pub request_timeout_s: Option<f64>,
+    /// Serve `GET /metrics` (`--enable-metrics`, SGLang's flag).
+    pub enable_metrics: bool,
 }
 
 impl ServeArgs {
@@ -178,6 +181,7 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         max_concurrent_requests: None,
         header_read_timeout_s: None,
         request_timeout_s: None,
+        enable_metrics: false,
     };
     while let Some(flag) = args.next() {
         let (flag, inline) = match flag.split_once('=') {
@@ -189,6 +193,10 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         }
         if flag == "--no-recompute-logprobs" {
             parsed.recompute_logprobs = false;
+            continue;
+        }
+        if flag == "--enable-metrics" {
+            parsed.enable_metrics = true;
             continue;
         }
         let value = match inline.or_else(|| args.next()) {
@@ -266,6 +274,25 @@ pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
         )));
     }
     Ok(info)
+}
+
+/// With `--enable-metrics`: a registry holding SGLang's engine metrics, kept current by
+/// `engine` and served by the server of `info` at `GET /metrics`. Does nothing otherwise.
+pub fn attach_metrics(
+    args: &ServeArgs,
+    engine: &crate::EmbeddedEngine,
+    info: &mut ServerInfo,
+) -> Result<()> {
+    if !args.enable_metrics {
+        return Ok(());
+    }
+    let registry = std::sync::Arc::new(miles_core::prometheus::Registry::new());
+    let metrics =
+        miles_core::prometheus::SglangMetrics::register(&registry, &info.served_model_name)
+            .map_err(|e| Error::Config(format!("metrics: {e}")))?;
+    engine.attach_metrics(std::sync::Arc::new(metrics));
+    info.metrics = Some(registry);
+    Ok(())
 }
 
 /// Binds `host:port`, prints `listening on http://ADDR` and serves `app` until the process

@@ -27,8 +27,9 @@ use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use async_trait::async_trait;
 use burn::tensor::activation::log_softmax;
@@ -203,6 +204,8 @@ struct Shared {
     version: AtomicU64,
     alive: AtomicBool,
     stats: Mutex<EngineStats>,
+    /// SGLang-named Prometheus metrics the scheduler keeps current, once attached.
+    metrics: OnceLock<Arc<miles_core::prometheus::SglangMetrics>>,
 }
 
 /// The embedded burn inference engine (see the module docs).
@@ -268,6 +271,7 @@ impl EngineBuilder {
             version: AtomicU64::new(c.initial_version.0),
             alive: AtomicBool::new(true),
             stats: Mutex::new(EngineStats::default()),
+            metrics: OnceLock::new(),
         });
         let (tx, rx) = mpsc::channel();
         let scheduler = Scheduler::new(
@@ -352,6 +356,15 @@ impl EmbeddedEngine {
     /// Counters since start.
     pub fn stats(&self) -> EngineStats {
         *self.shared.stats.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `metrics` (SGLang's names: running / queued requests, KV-cache usage, prompt and
+    /// generated tokens, requests finished and aborted, time to first token, inter-token
+    /// latency, end-to-end latency, weight version) current from the scheduler. Only the
+    /// first call takes effect; returns whether this one did.
+    pub fn attach_metrics(&self, metrics: Arc<miles_core::prometheus::SglangMetrics>) -> bool {
+        metrics.weight_version.set(self.current_version().0 as f64);
+        self.shared.metrics.set(metrics).is_ok()
     }
 
     fn send(&self, cmd: Cmd) -> miles_core::Result<()> {
@@ -660,6 +673,10 @@ struct Seq {
     /// Already counted as waiting for KV budget.
     waited: bool,
     finish: Option<(FinishReason, Option<Value>)>,
+    /// When the engine received the request.
+    arrived: Instant,
+    /// When the last token was sampled.
+    last_token: Option<Instant>,
 }
 
 impl Seq {
@@ -813,6 +830,15 @@ impl Scheduler {
         if let Ok(mut s) = self.shared.stats.lock() {
             *s = self.stats;
         }
+        if let Some(metrics) = self.shared.metrics.get() {
+            metrics.num_running_reqs.set(self.running.len() as f64);
+            metrics.num_queue_reqs.set(self.waiting.len() as f64);
+            metrics.num_used_tokens.set(self.reserved as f64);
+            metrics
+                .token_usage
+                .set(self.reserved as f64 / self.config.kv_token_budget.max(1) as f64);
+            metrics.weight_version.set(self.version().0 as f64);
+        }
     }
 
     /// Handles one command; `false` to shut down.
@@ -921,7 +947,12 @@ impl Scheduler {
             retracted_at: None,
             waited: false,
             finish: None,
+            arrived: Instant::now(),
+            last_token: None,
         });
+        if let Some(metrics) = self.shared.metrics.get() {
+            metrics.prompt_tokens_total.inc_by(prompt_len as f64);
+        }
     }
 
     fn abort_everything(&mut self) {
@@ -1156,6 +1187,19 @@ impl Scheduler {
         seq.tokens.push(token);
         seq.log_probs.push(lp);
         self.stats.generated_tokens += 1;
+        let now = Instant::now();
+        if let Some(metrics) = self.shared.metrics.get() {
+            metrics.generation_tokens_total.inc();
+            match seq.last_token {
+                None => metrics
+                    .time_to_first_token_seconds
+                    .observe(now.duration_since(seq.arrived).as_secs_f64()),
+                Some(last) => metrics
+                    .inter_token_latency_seconds
+                    .observe(now.duration_since(last).as_secs_f64()),
+            }
+        }
+        seq.last_token = Some(now);
         let produced = seq.output_len();
         let may_stop = produced >= params.min_new_tokens;
         if may_stop
@@ -1346,6 +1390,15 @@ impl Scheduler {
     /// generated it (for the log-prob recompute) and `version` their version.
     fn answer(&mut self, seq: Seq, model: &CausalLm, version: WeightVersion) {
         let recompute = self.needs_recompute(&seq);
+        if let Some(metrics) = self.shared.metrics.get() {
+            metrics.num_requests_total.inc();
+            if matches!(seq.finish, None | Some((FinishReason::Abort, _))) {
+                metrics.num_aborted_requests_total.inc();
+            }
+            metrics
+                .e2e_request_latency_seconds
+                .observe(seq.arrived.elapsed().as_secs_f64());
+        }
         let Seq {
             pending,
             tokens,

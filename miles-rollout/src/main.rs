@@ -9,7 +9,7 @@ use miles_rollout::server::sglang_router;
 use miles_rollout::{EmbeddedEngine, EngineConfig};
 
 fn serve(args: ServeArgs) -> miles_rollout::Result<()> {
-    let info = cli::server_info(&args)?;
+    let mut info = cli::server_info(&args)?;
     let mut config = EngineConfig::default();
     if let Some(n) = args.max_running_requests {
         config.max_running_requests = n;
@@ -23,6 +23,7 @@ fn serve(args: ServeArgs) -> miles_rollout::Result<()> {
     config.recompute_logprobs_via_prefill = args.recompute_logprobs;
     let device = burn::tensor::Device::flex();
     let engine = EmbeddedEngine::from_pretrained(&args.model, &device, config)?;
+    cli::attach_metrics(&args, &engine, &mut info)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -69,6 +69,9 @@ pub struct ServerInfo {
     /// path outside it, through `..` or a symlink, is 403). `None` disables the route (403):
     /// a server reads the file system only where its operator said it may.
     pub weights_root: Option<PathBuf>,
+    /// Served at `GET /metrics` in Prometheus' text format when set (`--enable-metrics`;
+    /// [`crate::EmbeddedEngine::attach_metrics`] keeps SGLang's engine metrics in it).
+    pub metrics: Option<Arc<miles_core::prometheus::Registry>>,
 }
 
 /// Bounds on one request of the SGLang-protocol server (`--max-n`, …). Every check runs on
@@ -131,6 +134,7 @@ impl ServerInfo {
             max_body_bytes: 64 << 20,
             limits: RequestLimits::default(),
             weights_root: None,
+            metrics: None,
         }
     }
 
@@ -269,6 +273,7 @@ pub fn sglang_router(engine: Arc<dyn InferenceEngine>, info: ServerInfo) -> Http
         .route("/update_weights_from_disk", post(update_weights_from_disk))
         .route("/get_weight_version", get(get_weight_version))
         .route("/weight_version", get(get_weight_version))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
@@ -1466,6 +1471,23 @@ async fn update_weights_from_disk(State(state): AppStateRef, request: Request) -
             axum::Json(json!({"success": false, "message": error.to_string()})),
         )
             .into_response(),
+    }
+}
+
+/// Prometheus text exposition of the server's registry; 404 when metrics are off (as SGLang
+/// without `--enable-metrics`).
+async fn metrics(State(state): AppStateRef) -> Response {
+    match &state.info.metrics {
+        Some(registry) => (
+            [(header::CONTENT_TYPE, miles_core::prometheus::CONTENT_TYPE)],
+            registry.render(),
+        )
+            .into_response(),
+        None => ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: "metrics are off: start the server with --enable-metrics".into(),
+        }
+        .into_response(),
     }
 }
 
