@@ -473,7 +473,7 @@ async fn enable_metrics_serves_sglang_engine_metrics() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let generated: f64 = sample(&text, "sglang:generation_tokens_total");
-    assert!(generated >= 2.0 && generated <= 8.0, "{generated}");
+    assert!((2.0..=8.0).contains(&generated), "{generated}");
     assert_eq!(sample(&text, "sglang:prompt_tokens_total"), 8.0);
     assert_eq!(sample(&text, "sglang:num_requests_total"), 2.0);
     assert_eq!(sample(&text, "sglang:num_aborted_requests_total"), 0.0);
