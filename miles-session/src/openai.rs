@@ -157,10 +157,13 @@ impl ChatCompletionRequest {
         params.presence_penalty = self.presence_penalty.unwrap_or(0.0);
         params.n = self.n.unwrap_or(1);
         params.stop = self.stop.as_ref().map(StopSpec::to_vec).unwrap_or_default();
+        // Merged in linear time: the template's stop ids, then the request's new ones.
+        let mut seen: std::collections::HashSet<TokenId> =
+            default_stop_ids.iter().copied().collect();
         params.stop_token_ids = default_stop_ids;
-        for id in self.stop_token_ids.iter().flatten() {
-            if !params.stop_token_ids.contains(id) {
-                params.stop_token_ids.push(*id);
+        for &id in self.stop_token_ids.iter().flatten() {
+            if seen.insert(id) {
+                params.stop_token_ids.push(id);
             }
         }
         params.no_stop_trim = true;
