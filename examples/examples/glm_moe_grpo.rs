@@ -415,8 +415,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
         JsonlMetricsSink::create(&metrics_path)?
     };
     let progress = Arc::new(ProgressSink::new(num_rollout, "eval/addition/raw_reward"));
-    let mut sinks: Vec<Box<dyn MetricsSink>> =
-        vec![Box::new(jsonl), Box::new(SharedProgress(progress.clone()))];
+    let mut sinks: Vec<Box<dyn MetricsSink>> = vec![
+        Box::new(jsonl),
+        Box::new(miles_examples::wiring::CurvesOnEval::new(
+            &out,
+            "eval/addition/raw_reward",
+        )),
+        Box::new(SharedProgress(progress.clone())),
+    ];
     if args.flag("--use-tensorboard") {
         let dir = args
             .get("--tensorboard-dir")

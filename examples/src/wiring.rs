@@ -52,6 +52,41 @@ impl MetricsSink for FanOut {
     }
 }
 
+/// Redraws `curves.svg` from the run's `metrics.jsonl` after every step that evaluated
+/// (a metric under `eval/`), so the curves can be opened mid-run. Put it after the JSONL
+/// sink in a [`FanOut`]: that sink has written and flushed the step's line by then. A plot
+/// that fails is reported and the run goes on.
+pub struct CurvesOnEval {
+    jsonl: std::path::PathBuf,
+    svg: std::path::PathBuf,
+    spec: crate::plot::PlotSpec,
+}
+
+impl CurvesOnEval {
+    /// Curves of reward (with the held-out `eval_key`), KL and entropy from `out/metrics.jsonl`
+    /// to `out/curves.svg`.
+    pub fn new(out: &Path, eval_key: &str) -> Self {
+        let mut spec = crate::plot::PlotSpec::reward_kl_entropy();
+        spec.panels[0].metrics.push(eval_key.to_owned());
+        Self {
+            jsonl: out.join("metrics.jsonl"),
+            svg: out.join("curves.svg"),
+            spec,
+        }
+    }
+}
+
+impl MetricsSink for CurvesOnEval {
+    fn log(&self, _step: u64, metrics: &Metrics) -> miles_core::Result<()> {
+        if metrics.keys().any(|k| k.starts_with("eval/"))
+            && let Err(error) = crate::plot::plot_metrics_file(&self.jsonl, &self.svg, &self.spec)
+        {
+            eprintln!("curves.svg not updated: {error}");
+        }
+        Ok(())
+    }
+}
+
 /// A progress bar over training steps in an interactive terminal, plain lines otherwise. Each
 /// step shows the rollout reward, the held-out reward when evaluated, and the step times.
 pub struct ProgressSink {
@@ -227,4 +262,48 @@ pub fn write_final_outputs(
     plot.panels[0].metrics.push(eval_key.to_owned());
     crate::plot::plot_metrics_file(&out.join("metrics.jsonl"), &out.join("curves.svg"), &plot)?;
     Ok(version.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::JsonlMetricsSink;
+
+    #[test]
+    fn curves_are_redrawn_after_each_evaluating_step_only() {
+        let out = std::env::temp_dir().join(format!("miles-ex-curves-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let sink = FanOut(vec![
+            Box::new(JsonlMetricsSink::create(out.join("metrics.jsonl")).unwrap()),
+            Box::new(CurvesOnEval::new(&out, "eval/x/raw_reward")),
+        ]);
+        let svg = out.join("curves.svg");
+        let step = |i: u64, eval: bool| {
+            let mut m = Metrics::new();
+            m.insert("rollout/raw_reward".into(), 0.1 * i as f64);
+            if eval {
+                m.insert("eval/x/raw_reward".into(), 0.2 * i as f64);
+            }
+            sink.log(i, &m).unwrap();
+        };
+        step(0, false);
+        step(1, false);
+        assert!(!svg.exists(), "no evaluation yet");
+        step(2, true);
+        let first = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            first.starts_with("<svg"),
+            "{}",
+            &first[..first.len().min(80)]
+        );
+        step(3, false);
+        assert_eq!(std::fs::read_to_string(&svg).unwrap(), first, "not redrawn");
+        step(4, true);
+        assert_ne!(
+            std::fs::read_to_string(&svg).unwrap(),
+            first,
+            "redrawn with step 4"
+        );
+        std::fs::remove_dir_all(&out).ok();
+    }
 }
