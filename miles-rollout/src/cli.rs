@@ -245,8 +245,8 @@ pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
         info.served_model_name = name.clone();
     }
     if let Some(n) = args.max_n {
-        info.limits.max_n = n;
-        info.limits.max_sequences = info.limits.max_sequences.max(n);
+        info.limits = info.limits.clone().with_max_n(n);
+        info.max_sequences = info.max_sequences.max(n);
     }
     if let Some(bytes) = args.max_request_bytes {
         info.max_body_bytes = bytes;

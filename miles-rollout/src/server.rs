@@ -28,7 +28,7 @@ use miles_core::{
     RequestId, SamplingParams, TokenId, ToolArguments, WeightVersion,
 };
 use miles_session::chat::ChatTokenizer;
-use miles_session::openai::ChatCompletionRequest;
+use miles_session::openai::{ChatCompletionRequest, RequestLimits};
 use miles_session::server::ROUTING_KEY_HEADER;
 use serde_json::{Map, Value, json};
 use tokio::task::JoinSet;
@@ -63,8 +63,11 @@ pub struct ServerInfo {
     pub default_max_new_tokens: usize,
     /// Largest accepted request body, in bytes (larger → 413).
     pub max_body_bytes: usize,
-    /// Bounds on what one request may ask for, checked before anything is allocated.
+    /// Bounds on `n`, stop strings and stop ids (the session server's type:
+    /// `--max-n`, …), checked on the parsed request before anything is allocated.
     pub limits: RequestLimits,
+    /// Largest number of sequences one `/generate` request may expand to (prompts × `n`).
+    pub max_sequences: usize,
     /// The only directory tree `/update_weights_from_disk` may read from (canonicalised; a
     /// path outside it, through `..` or a symlink, is 403). `None` disables the route (403):
     /// a server reads the file system only where its operator said it may.
@@ -72,35 +75,6 @@ pub struct ServerInfo {
     /// Served at `GET /metrics` in Prometheus' text format when set (`--enable-metrics`;
     /// [`crate::EmbeddedEngine::attach_metrics`] keeps SGLang's engine metrics in it).
     pub metrics: Option<Arc<miles_core::prometheus::Registry>>,
-}
-
-/// Bounds on one request of the SGLang-protocol server (`--max-n`, …). Every check runs on
-/// the parsed request before any per-sample work is allocated; a request over a bound is a
-/// 400 with an OpenAI-shaped error body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RequestLimits {
-    /// Largest `n` (samples per prompt).
-    pub max_n: usize,
-    /// Largest number of sequences one request may expand to (prompts × `n`).
-    pub max_sequences: usize,
-    /// Largest number of stop strings.
-    pub max_stop_strings: usize,
-    /// Longest stop string, in bytes.
-    pub max_stop_bytes: usize,
-    /// Largest number of `stop_token_ids`.
-    pub max_stop_token_ids: usize,
-}
-
-impl Default for RequestLimits {
-    fn default() -> Self {
-        Self {
-            max_n: 64,
-            max_sequences: 1024,
-            max_stop_strings: 64,
-            max_stop_bytes: 1024,
-            max_stop_token_ids: 1024,
-        }
-    }
 }
 
 impl std::fmt::Debug for ServerInfo {
@@ -133,6 +107,7 @@ impl ServerInfo {
             default_max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
             max_body_bytes: 64 << 20,
             limits: RequestLimits::default(),
+            max_sequences: 1024,
             weights_root: None,
             metrics: None,
         }
@@ -250,13 +225,14 @@ pub fn sglang_router(engine: Arc<dyn InferenceEngine>, info: ServerInfo) -> Http
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
+    let metrics = info.metrics.clone();
     let state = Arc::new(AppState {
         engine,
         info,
         next_id: AtomicU64::new(0),
         started,
     });
-    HttpRouter::new()
+    let router = HttpRouter::new()
         .route("/generate", post(generate))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(list_models))
@@ -273,11 +249,16 @@ pub fn sglang_router(engine: Arc<dyn InferenceEngine>, info: ServerInfo) -> Http
         .route("/update_weights_from_disk", post(update_weights_from_disk))
         .route("/get_weight_version", get(get_weight_version))
         .route("/weight_version", get(get_weight_version))
-        .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::disable())
-        .with_state(state)
+        .with_state(state);
+    // `GET /metrics` only with `--enable-metrics`; otherwise the JSON 404 of the fallback,
+    // as SGLang answers without `--enable-metrics`.
+    match metrics {
+        Some(registry) => router.merge(miles_session::metrics_server::router(registry)),
+        None => router,
+    }
 }
 
 /// An HTTP error: status and message, answered as `{"error": {"message", "type", "code"}}`.
@@ -585,9 +566,10 @@ fn verify_sampling(params: &SamplingParams) -> ApiResult<()> {
     Ok(())
 }
 
-/// Checks a request's sampling parameters against the server's [`RequestLimits`];
-/// `prompts` is the number of prompts the request carries.
-fn check_limits(limits: &RequestLimits, params: &SamplingParams, prompts: usize) -> ApiResult<()> {
+/// Checks a request's sampling parameters against the server's [`RequestLimits`] and
+/// sequence bound; `prompts` is the number of prompts the request carries.
+fn check_limits(info: &ServerInfo, params: &SamplingParams, prompts: usize) -> ApiResult<()> {
+    let limits = &info.limits;
     let bad = |m: String| Err(ApiError::bad_request(m));
     if params.n > limits.max_n {
         return bad(format!(
@@ -596,11 +578,11 @@ fn check_limits(limits: &RequestLimits, params: &SamplingParams, prompts: usize)
         ));
     }
     match prompts.checked_mul(params.n.max(1)) {
-        Some(total) if total <= limits.max_sequences => {}
+        Some(total) if total <= info.max_sequences => {}
         _ => {
             return bad(format!(
                 "{prompts} prompts × n = {} is over this server's limit of {} sequences a request",
-                params.n, limits.max_sequences
+                params.n, info.max_sequences
             ));
         }
     }
@@ -611,11 +593,11 @@ fn check_limits(limits: &RequestLimits, params: &SamplingParams, prompts: usize)
             limits.max_stop_strings
         ));
     }
-    if let Some(long) = params.stop.iter().find(|s| s.len() > limits.max_stop_bytes) {
+    if let Some(long) = params.stop.iter().find(|s| s.len() > limits.max_stop_len) {
         return bad(format!(
             "a stop string of {} bytes is over the limit of {} bytes",
             long.len(),
-            limits.max_stop_bytes
+            limits.max_stop_len
         ));
     }
     if params.stop_token_ids.len() > limits.max_stop_token_ids {
@@ -848,7 +830,7 @@ async fn generate_inner(state: &AppState, headers: &HeaderMap, body: &Value) -> 
         }
         _ => 1,
     };
-    check_limits(&state.info.limits, &params, prompt_count)?;
+    check_limits(&state.info, &params, prompt_count)?;
     let (prompts, batched) = parse_prompts(state, body)?;
     let options = OutputOptions {
         return_logprob: bool_field(body, "return_logprob")?,
@@ -997,7 +979,7 @@ async fn chat_inner(
         default_max,
     )?);
     verify_sampling(&params)?;
-    check_limits(&state.info.limits, &params, 1)?;
+    check_limits(&state.info, &params, 1)?;
 
     let mut request = GenerateRequest::new(prompt.clone(), params);
     request.request_id = Some(RequestId::new(
@@ -1474,23 +1456,6 @@ async fn update_weights_from_disk(State(state): AppStateRef, request: Request) -
     }
 }
 
-/// Prometheus text exposition of the server's registry; 404 when metrics are off (as SGLang
-/// without `--enable-metrics`).
-async fn metrics(State(state): AppStateRef) -> Response {
-    match &state.info.metrics {
-        Some(registry) => (
-            [(header::CONTENT_TYPE, miles_core::prometheus::CONTENT_TYPE)],
-            registry.render(),
-        )
-            .into_response(),
-        None => ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: "metrics are off: start the server with --enable-metrics".into(),
-        }
-        .into_response(),
-    }
-}
-
 async fn get_weight_version(State(state): AppStateRef) -> Response {
     json_response(
         current_version(&state)
@@ -1505,12 +1470,13 @@ mod tests {
 
     #[test]
     fn request_limits_bound_n_sequences_and_stops() {
-        let limits = RequestLimits {
-            max_n: 4,
+        let info = ServerInfo {
+            limits: RequestLimits::default()
+                .with_max_n(4)
+                .with_stop_strings(2, 3)
+                .with_max_stop_token_ids(2),
             max_sequences: 10,
-            max_stop_strings: 2,
-            max_stop_bytes: 3,
-            max_stop_token_ids: 2,
+            ..ServerInfo::new("limits")
         };
         let params = |f: &dyn Fn(&mut SamplingParams)| {
             let mut p = SamplingParams::default();
@@ -1518,7 +1484,7 @@ mod tests {
             p
         };
         let message = |p: &SamplingParams, prompts: usize| {
-            check_limits(&limits, p, prompts).map_err(|e| (e.status, e.message))
+            check_limits(&info, p, prompts).map_err(|e| (e.status, e.message))
         };
         assert!(message(&params(&|p| p.n = 4), 2).is_ok());
         assert!(

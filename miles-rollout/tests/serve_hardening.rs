@@ -100,7 +100,7 @@ async fn request_limits_are_typed_errors_and_the_server_survives() {
         "--max-n".into(),
         "8".into(),
         "--max-request-bytes".into(),
-        "4096".into(),
+        "8192".into(),
     ])
     .await;
     let ids = json!([1, 2, 3]);
@@ -127,8 +127,8 @@ async fn request_limits_are_typed_errors_and_the_server_survives() {
             "65 stop strings",
         ),
         (
-            json!({"input_ids": ids, "sampling_params": {"stop": ["y".repeat(1025)]}}),
-            "1025 bytes",
+            json!({"input_ids": ids, "sampling_params": {"stop": ["y".repeat(4097)]}}),
+            "4097 bytes",
         ),
         (
             json!({"input_ids": ids, "sampling_params": {"stop_token_ids": vec![1; 1025]}}),
@@ -158,9 +158,9 @@ async fn request_limits_are_typed_errors_and_the_server_survives() {
         assert_error(status, &answer, 400, needle);
     }
     // A body over --max-request-bytes: 413.
-    let big = json!({"input_ids": vec![1; 3000]});
+    let big = json!({"input_ids": vec![1; 5000]});
     let (status, answer) = post(&base, "/generate", &big).await;
-    assert_error(status, &answer, 413, "over 4096 bytes");
+    assert_error(status, &answer, 413, "over 8192 bytes");
     // n within the limit works and is expanded into n answers.
     let (status, answer) = post(
         &base,
