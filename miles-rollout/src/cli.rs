@@ -278,6 +278,7 @@ pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
 
 /// With `--enable-metrics`: a registry holding SGLang's engine metrics, kept current by
 /// `engine` and served by the server of `info` at `GET /metrics`. Does nothing otherwise.
+#[cfg(feature = "embedded")]
 pub fn attach_metrics(
     args: &ServeArgs,
     engine: &crate::EmbeddedEngine,

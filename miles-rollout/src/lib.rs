@@ -7,11 +7,15 @@
 //! and any [`miles_core::PolicyTrainer`] through miles-core's traits and never imports
 //! miles-train.
 //!
+//! Everything but the embedded engine is burn-free: build with `default-features = false` to
+//! drive your own engines (SGLang servers, [`miles_core::InferenceEngine`] implementations)
+//! and your own trainer without compiling burn. The default `embedded` feature adds it.
+//!
 //! Available now:
-//! * [`engine`]: the [`EmbeddedEngine`] — continuous batching over any miles-bridge model,
-//!   per-sequence KV caches under a token budget, prefix reuse, seeded sampling, log-probs
-//!   (recomputed by a pluggable [`SequenceScorer`]), routed experts, pause / abort / flush and
-//!   versioned in-place weight updates;
+//! * `engine` (feature `embedded`, on by default): the `EmbeddedEngine` — continuous batching
+//!   over any miles-bridge model, per-sequence KV caches under a token budget, prefix reuse,
+//!   seeded sampling, log-probs (recomputed by a pluggable `SequenceScorer`), routed experts,
+//!   pause / abort / flush and versioned in-place weight updates;
 //! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
 //!   of returned groups;
 //! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
@@ -60,6 +64,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod data;
 pub mod encoder;
+#[cfg(feature = "embedded")]
 pub mod engine;
 pub mod error;
 pub mod loops;
@@ -71,6 +76,7 @@ pub mod server;
 
 pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
 pub use encoder::ChatPromptEncoder;
+#[cfg(feature = "embedded")]
 pub use engine::{
     Detokenizer, EmbeddedEngine, EngineBuilder, EngineConfig, EngineStats, PrefillScorer,
     SequenceScorer,

@@ -73,7 +73,7 @@ pub struct ServerInfo {
     /// a server reads the file system only where its operator said it may.
     pub weights_root: Option<PathBuf>,
     /// Served at `GET /metrics` in Prometheus' text format when set (`--enable-metrics`;
-    /// [`crate::EmbeddedEngine::attach_metrics`] keeps SGLang's engine metrics in it).
+    /// `EmbeddedEngine::attach_metrics` keeps SGLang's engine metrics in it).
     pub metrics: Option<Arc<miles_core::prometheus::Registry>>,
 }
 

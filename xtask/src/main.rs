@@ -3,7 +3,8 @@
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
 //! * `ci`    — the dependency rule (no burn / CubeCL under miles-core, miles-tito,
-//!   miles-session), `cargo fmt --check`, clippy with warnings denied, then `test`.
+//!   miles-session, nor under miles-rollout without its `embedded` feature),
+//!   `cargo fmt --check`, clippy with warnings denied, then `test`.
 //! * `bench` — runs every bench of the workspace (one `cargo bench -p P --bench B` per
 //!   suite; `--only NAME`, `--quick`, `--list`), collects the `xtask-result:` lines each bench
 //!   prints (format in [`results`]) and prints one table (ours, baseline, ratio, target,
@@ -107,14 +108,22 @@ fn test(extra: &[String]) -> Result<(), String> {
     run(command)
 }
 
-/// Crates that must never pull burn or CubeCL (DESIGN.md: `cargo add miles-tito` stays light).
-const LIGHT_CRATES: [&str; 3] = ["miles-core", "miles-tito", "miles-session"];
+/// Crates that must never pull burn or CubeCL (DESIGN.md: `cargo add miles-tito` stays light),
+/// with the extra `cargo tree` flags that select their light build: miles-rollout is light
+/// without its default `embedded` feature (router, server protocol, manager, loops).
+const LIGHT_CRATES: [(&str, &[&str]); 4] = [
+    ("miles-core", &[]),
+    ("miles-tito", &[]),
+    ("miles-session", &[]),
+    ("miles-rollout", &["--no-default-features"]),
+];
 
 /// Fails when a light crate's normal dependency tree contains burn or CubeCL.
 fn check_light_crates() -> Result<(), String> {
-    for krate in LIGHT_CRATES {
+    for (krate, flags) in LIGHT_CRATES {
         let mut tree = cargo();
-        tree.args(["tree", "-p", krate, "-e", "normal", "--prefix", "none"]);
+        tree.args(["tree", "-p", krate, "-e", "normal", "--prefix", "none"])
+            .args(flags);
         let output = tree
             .output()
             .map_err(|e| format!("cannot run cargo tree: {e}"))?;
