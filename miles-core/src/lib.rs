@@ -71,7 +71,7 @@ pub use message::{
 pub use metrics::{
     FanoutMetricsSink, JsonlMetricsSink, MemoryMetricsSink, Metrics, MetricsSink, metrics_line,
 };
-pub use prometheus::PrometheusMetricsSink;
+pub use prometheus::{PrometheusMetricsSink, TrainerMetricsSink};
 pub use reward::RewardFn;
 pub use routed::RoutedExperts;
 pub use sample::{

@@ -831,8 +831,82 @@ impl MetricsSink for PrometheusMetricsSink {
     }
 }
 
+/// Keeps [`TrainerMetrics`] current from the metrics a training loop logs each step:
+/// `perf/train_time` and `perf/actor_train_tok_per_s` (one step and its tokens),
+/// `weight_version`, the staleness of the batch (`rollout/fully_async/max_staleness`, 0 for a
+/// synchronous step) and the buffer fill (`rollout/fully_async/queue_size`). Pair it with a
+/// [`PrometheusMetricsSink`] on the same registry for the last value of every other metric.
+pub struct TrainerMetricsSink {
+    metrics: TrainerMetrics,
+}
+
+impl TrainerMetricsSink {
+    /// A sink updating `metrics`.
+    pub fn new(metrics: TrainerMetrics) -> Self {
+        Self { metrics }
+    }
+
+    /// The metrics it updates.
+    pub fn metrics(&self) -> &TrainerMetrics {
+        &self.metrics
+    }
+}
+
+impl MetricsSink for TrainerMetricsSink {
+    fn log(&self, _step: u64, metrics: &Metrics) -> Result<()> {
+        let get = |k: &str| metrics.get(k).copied().filter(|v| v.is_finite());
+        if let Some(seconds) = get("perf/train_time") {
+            let tokens = get("perf/actor_train_tok_per_s").map_or(0.0, |r| r * seconds);
+            self.metrics
+                .record_step(seconds, tokens.round().max(0.0) as u64);
+        }
+        if let Some(v) = get("weight_version") {
+            self.metrics.weight_version.set(v);
+        }
+        if get("perf/train_time").is_some() {
+            self.metrics
+                .staleness
+                .set(get("rollout/fully_async/max_staleness").unwrap_or(0.0));
+        }
+        if let Some(v) = get("rollout/fully_async/queue_size") {
+            self.metrics.buffer_groups.set(v);
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn trainer_metrics_follow_the_logged_step() {
+        let registry = Registry::new();
+        let sink = TrainerMetricsSink::new(TrainerMetrics::register(&registry).unwrap());
+        let mut m = Metrics::new();
+        m.insert("perf/train_time".into(), 2.0);
+        m.insert("perf/actor_train_tok_per_s".into(), 512.0);
+        m.insert("weight_version".into(), 3.0);
+        m.insert("rollout/fully_async/max_staleness".into(), 1.0);
+        m.insert("rollout/fully_async/queue_size".into(), 5.0);
+        sink.log(0, &m).unwrap();
+        let t = sink.metrics();
+        assert_eq!(t.steps_total.get(), 1.0);
+        assert_eq!(t.trained_tokens_total.get(), 1024.0);
+        assert_eq!(t.tokens_per_second.get(), 512.0);
+        assert_eq!(t.weight_version.get(), 3.0);
+        assert_eq!(t.staleness.get(), 1.0);
+        assert_eq!(t.buffer_groups.get(), 5.0);
+        // A step without training (an evaluation row) changes nothing but what it carries.
+        let mut eval = Metrics::new();
+        eval.insert("eval/x/raw_reward".into(), 0.5);
+        sink.log(1, &eval).unwrap();
+        assert_eq!(t.steps_total.get(), 1.0);
+        m.remove("rollout/fully_async/max_staleness");
+        sink.log(2, &m).unwrap();
+        assert_eq!(t.steps_total.get(), 2.0);
+        assert_eq!(t.staleness.get(), 0.0, "a synchronous step is never stale");
+        assert!(registry.render().contains("miles_trainer_steps_total 2"));
+    }
+
     use super::*;
 
     #[test]

@@ -21,6 +21,7 @@
 //!   `CubeBackend`, so the ops dispatch to them for tensors on a CubeCL device and to native
 //!   loops on flex; each has a plain-op `*_reference` twin they are tested against on
 //!   `Device::wgpu(DeviceKind::Cpu)` (`tests/kernels.rs`, lavapipe without a GPU).
+//! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`)
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
 //!
@@ -60,6 +61,7 @@ pub mod advantages;
 pub mod attention;
 pub mod clipped;
 pub mod corrections;
+pub mod device;
 mod error;
 mod flex_attention;
 mod flex_steps;

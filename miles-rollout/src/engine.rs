@@ -724,7 +724,13 @@ struct Scheduler {
     reserved: usize,
     route_width: usize,
     stats: EngineStats,
+    /// Start of the current `sglang:gen_throughput` window and the tokens generated before it.
+    throughput_mark: (Instant, u64),
 }
+
+/// The window over which `sglang:gen_throughput` is measured (SGLang logs it per decode log
+/// interval; here it is refreshed once a second).
+const THROUGHPUT_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Scheduler {
     fn new(
@@ -758,6 +764,7 @@ impl Scheduler {
             counter: 0,
             reserved: 0,
             route_width,
+            throughput_mark: (Instant::now(), 0),
             stats: EngineStats::default(),
         }
     }
@@ -826,11 +833,20 @@ impl Scheduler {
         self.shared.alive.store(false, Ordering::SeqCst);
     }
 
-    fn publish_stats(&self) {
+    fn publish_stats(&mut self) {
         if let Ok(mut s) = self.shared.stats.lock() {
             *s = self.stats;
         }
         if let Some(metrics) = self.shared.metrics.get() {
+            let (since, tokens_then) = self.throughput_mark;
+            let elapsed = since.elapsed();
+            if elapsed >= THROUGHPUT_WINDOW {
+                let tokens = self.stats.generated_tokens;
+                metrics
+                    .gen_throughput
+                    .set(tokens.saturating_sub(tokens_then) as f64 / elapsed.as_secs_f64());
+                self.throughput_mark = (Instant::now(), tokens);
+            }
             metrics.num_running_reqs.set(self.running.len() as f64);
             metrics.num_queue_reqs.set(self.waiting.len() as f64);
             metrics.num_used_tokens.set(self.reserved as f64);

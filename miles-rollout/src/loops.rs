@@ -302,8 +302,12 @@ impl RlLoop {
             let rollout_time = started.elapsed().as_secs_f64();
             let mut metrics = batch.metrics.clone();
             metrics.insert("perf/rollout_time".into(), rollout_time);
+            let samples = batch.samples();
+            sample_perf_metrics(&samples, rollout_time, &mut metrics);
+            // The trainer waits for the whole rollout.
+            metrics.insert("perf/train_wait_time".into(), rollout_time);
             let version = self
-                .train_and_update(rollout_id, batch.samples(), &mut metrics, None, None)
+                .train_and_update(rollout_id, samples, &mut metrics, None, None)
                 .await?;
             // Nothing generates while the synchronous loop trains.
             metrics.insert("perf/overlap_ratio".into(), 0.0);
@@ -364,6 +368,7 @@ impl RlLoop {
         background: Option<&mut Option<PendingPush>>,
     ) -> Result<WeightVersion> {
         let trainer = self.trainer.clone();
+        let train_tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
         let train_started = Instant::now();
         let busy_before = generation.map(BusyClock::busy);
         let train_metrics = self
@@ -375,6 +380,22 @@ impl RlLoop {
             .await?;
         let train_time = train_started.elapsed();
         metrics.insert("perf/train_time".into(), train_time.as_secs_f64());
+        // Miles' names for the trainer side (`train_metric_utils.py`): the actor's time, its
+        // tokens per second over every token of every sample, and the share of the step the
+        // trainer spent waiting for data.
+        metrics.insert("perf/actor_train_time".into(), train_time.as_secs_f64());
+        if !train_time.is_zero() {
+            metrics.insert(
+                "perf/actor_train_tok_per_s".into(),
+                train_tokens as f64 / train_time.as_secs_f64(),
+            );
+        }
+        if let Some(&wait) = metrics.get("perf/train_wait_time") {
+            let total = wait + train_time.as_secs_f64();
+            if total > 0.0 {
+                metrics.insert("perf/wait_time_ratio".into(), wait / total);
+            }
+        }
         if let (Some(clock), Some(before)) = (generation, busy_before)
             && !train_time.is_zero()
         {
@@ -531,6 +552,7 @@ impl RlLoop {
             let wait_time = started.elapsed().as_secs_f64();
             let mut metrics = rollout_metrics(&groups, self.manager.config().reward_key.as_deref());
             metrics.insert("perf/rollout_wait_time".into(), wait_time);
+            metrics.insert("perf/train_wait_time".into(), wait_time);
             metrics.insert(
                 "rollout/fully_async/stale_groups_filtered".into(),
                 stale as f64,
@@ -567,6 +589,9 @@ impl RlLoop {
                 receiver.len() as f64,
             );
             let samples: Vec<Sample> = groups.into_iter().flatten().collect();
+            // Generation overlaps training: the throughput over the time the trainer waited
+            // is not the engines' throughput, so only the sample-side figures are logged.
+            sample_perf_metrics(&samples, f64::NAN, &mut metrics);
             let version = self
                 .train_and_update(
                     rollout_id,
@@ -918,4 +943,43 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| Error::Task(format!("blocking task failed: {e}")))?
+}
+
+/// Miles' sample-side perf metrics (`_compute_perf_metrics_from_samples`):
+/// `perf/tokens_per_gpu_per_sec` (response tokens / `rollout_time`, one engine device) and
+/// `perf/longest_sample_tokens_per_sec` when `rollout_time` is a finite positive number, and
+/// the `perf/non_generation_time/{mean,max,min}` statistics when any sample spent time
+/// outside generation (tool calls).
+pub fn sample_perf_metrics(samples: &[Sample], rollout_time: f64, metrics: &mut Metrics) {
+    if samples.is_empty() {
+        return;
+    }
+    if rollout_time.is_finite() && rollout_time > 0.0 {
+        let total: usize = samples.iter().map(|s| s.response_length).sum();
+        let longest = samples.iter().map(|s| s.response_length).max().unwrap_or(0);
+        metrics.insert(
+            "perf/tokens_per_gpu_per_sec".into(),
+            total as f64 / rollout_time,
+        );
+        metrics.insert(
+            "perf/longest_sample_tokens_per_sec".into(),
+            longest as f64 / rollout_time,
+        );
+    }
+    let times: Vec<f64> = samples.iter().map(|s| s.non_generation_time).collect();
+    if times.iter().any(|&t| t > 0.0) {
+        let n = times.len() as f64;
+        metrics.insert(
+            "perf/non_generation_time/mean".into(),
+            times.iter().sum::<f64>() / n,
+        );
+        metrics.insert(
+            "perf/non_generation_time/max".into(),
+            times.iter().copied().fold(f64::MIN, f64::max),
+        );
+        metrics.insert(
+            "perf/non_generation_time/min".into(),
+            times.iter().copied().fold(f64::MAX, f64::min),
+        );
+    }
 }

@@ -495,6 +495,28 @@ async fn enable_metrics_serves_sglang_engine_metrics() {
     assert_eq!(sample(&text, "sglang:num_queue_reqs"), 0.0);
     assert_eq!(sample(&text, "sglang:token_usage"), 0.0);
     assert_eq!(sample(&text, "miles_rollout_weight_version"), 0.0);
+    // Generation throughput is measured over windows of at least a second, closed by the
+    // scheduler's next iteration: after a pause, a request closes the window that holds the
+    // tokens of the request before it. (The first round may close a window that only just
+    // started; the second cannot.)
+    let mut throughput = 0.0;
+    for _round in 0..3 {
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let (status, body) = post(
+            &base,
+            "/generate",
+            &json!({"input_ids": [1, 2, 3, 4], "sampling_params": {"temperature": 0,
+                    "max_new_tokens": 2}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let r = http().get(&format!("{base}/metrics")).await.unwrap();
+        throughput = sample(&r.text(), "sglang:gen_throughput");
+        if throughput > 0.0 {
+            break;
+        }
+    }
+    assert!(throughput > 0.0 && throughput.is_finite(), "{throughput}");
     parse_with_prometheus_client(&text);
 }
 

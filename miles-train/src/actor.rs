@@ -566,6 +566,31 @@ impl Actor {
         Ok(Some((tensors, config)))
     }
 
+    /// Uses `lm` (Miles' `--ref-load`) as the frozen reference model instead of a copy of the
+    /// initial policy. `lm` lives on the inner (non-autodiff) device of the actor's model and
+    /// has the same vocabulary. Without a config that needs a reference (KL loss, `kl_coef`)
+    /// the actor keeps none and `lm` is dropped.
+    pub fn with_reference(mut self, lm: CausalLm) -> Result<Self> {
+        if lm.config.vocab_size != self.model.config.vocab_size {
+            return Err(Error::Config {
+                field: "ref_load",
+                value: lm.config.vocab_size.to_string(),
+                reason: "the reference model's vocabulary differs from the policy's",
+            });
+        }
+        if lm.lm_head_weight().is_autodiff() {
+            return Err(Error::Config {
+                field: "ref_load",
+                value: format!("{:?}", lm.lm_head_weight().device()),
+                reason: "the reference model must live on a non-autodiff device",
+            });
+        }
+        if self.config.needs_ref() {
+            self.reference = Some(lm);
+        }
+        Ok(self)
+    }
+
     /// The reference model used for KL terms, if the config needs one (with LoRA: the base
     /// model without adapters, until `ref_update_interval` copies the policy into it).
     pub fn reference(&self) -> Option<&CausalLm> {

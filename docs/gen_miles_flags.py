@@ -1,0 +1,128 @@
+"""Writes docs/miles-flags.md: every flag of Miles' `miles/utils/arguments.py` (and the
+Megatron flags Miles' scripts pass), with what `miles` (examples/src/miles_cli.rs) does with it.
+
+    python3 docs/gen_miles_flags.py /path/to/radixark-miles/miles/utils/arguments.py
+
+Miles commit used for the checked-in table: 31f1ca961a94 (2026-08-21).
+"""
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+miles_args = Path(sys.argv[1]).read_text()
+ours_src = (ROOT / "examples/src/miles_cli.rs").read_text()
+body = ours_src[ours_src.index("pub fn flag_set()"):ours_src.index("pub async fn run(")]
+ours = set(re.findall(r'"(--[a-z0-9-]+)"', body))
+
+# Megatron / torch flags Miles' example scripts pass (not in arguments.py).
+MEGATRON = ["--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-style", "--lr-decay-iters",
+            "--clip-grad", "--weight-decay", "--adam-beta1", "--adam-beta2", "--seed", "--load",
+            "--save", "--save-interval", "--global-batch-size", "--micro-batch-size", "--bf16",
+            "--fp16", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+            "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel",
+            "--recompute-granularity", "--use-dynamic-batch-size", "--max-tokens-per-gpu"]
+
+# Flags that exist as a field of a library config type but not (yet) on the command line.
+LIBRARY = {
+    "--ref-update-interval": "TrainConfig::ref_update_interval",
+    "--use-dynamic-batch-size": "TrainConfig::use_dynamic_batch_size",
+    "--max-tokens-per-gpu": "TrainConfig::max_tokens_per_gpu",
+    "--adam-beta1": "AdamWConfig::beta1", "--adam-beta2": "AdamWConfig::beta2",
+    "--kl-coef": "AdvantageConfig::kl_coef", "--gamma": "AdvantageConfig::gamma",
+    "--lambd": "AdvantageConfig::lambd",
+    "--disable-grpo-std-normalization": "AdvantageConfig",
+    "--eps-clip-c": "PolicyLossConfig::eps_clip_c",
+    "--use-unbiased-kl": "PolicyLossConfig", "--loss-type": "TrainConfig::loss_type",
+    "--value-clip": "TrainConfig::value_clip", "--critic-lr": "TrainConfig::critic_lr",
+    "--lora-dropout": "TrainConfig::lora_dropout (0 only)",
+    "--exclude-modules": "TrainConfig::exclude_modules",
+    "--lora-adapter-path": "TrainConfig::lora_adapter_path",
+    "--pause-generation-mode": "LoopConfig::pause_generation_mode",
+    "--async-data-buffer-capacity-factor": "LoopConfig::async_data_buffer_capacity_factor",
+    "--unused-samples-handler": "LoopConfig::unused_samples_handler",
+    "--use-tis": None, "--tis-clip-low": "PolicyLossConfig",
+    "--use-mis": "PolicyLossConfig (MIS)", "--use-icepop": "PolicyLossConfig (ICEPOP)",
+    "--sglang-server-concurrency": "RolloutConfig::max_concurrency",
+    "--normalize-advantages": "AdvantageConfig",
+    "--session-server-ip": "miles-session binary --host",
+    "--session-server-port": "miles-session binary --port",
+    "--tito-model": "miles-session binary --tito",
+}
+RENAMED = {
+    "--tb-project-name": "--tensorboard-dir (alias accepted)",
+    "--prometheus-port": "--metrics-port (Miles' spelling accepted with --use-prometheus)",
+}
+GROUP_REASON = {
+    "add_cluster_arguments": "not applicable: Ray / GPU placement of actor, critic and engines; one process here (devices: --device / --rollout-device)",
+    "add_debug_arguments": "not applicable: Miles' debugging / dumping hooks",
+    "add_ci_arguments": "not applicable: Miles' own CI switches",
+    "add_wandb_arguments": "not built in: write --use-tensorboard files and `wandb sync --sync-tensorboard`",
+    "add_mlflow_arguments": "not built in: MLflow logging",
+    "add_on_policy_distillation_arguments": "not supported yet: on-policy distillation",
+    "add_rollout_buffer_arguments": "not applicable: Miles' external rollout-buffer service",
+    "add_fault_tolerance_arguments": "not applicable: Ray actor restarts; engines here are health-checked and re-created by the Router",
+    "add_custom_megatron_plugins_arguments": "not applicable: Megatron plugins",
+    "add_mtp_training_arguments": "not supported: MTP layers are skipped at load",
+    "add_prefill_decode_disaggregation_arguments": "not applicable: SGLang PD disaggregation",
+    "add_network_arguments": "not applicable: Ray networking",
+    "add_router_arguments": "not applicable: external sglang_router; the in-process Router is used (--engine-url repeatable)",
+    "add_user_provided_function_arguments": "not applicable: Python import paths; implement the Rust trait, or use --agent-cmd / --rm-url",
+    "megatron": "not applicable: Megatron parallelism / precision (see COMPATIBILITY.md)",
+}
+PYTHON_PATH = re.compile(r"-path$|-function-path$|-hook-path$")
+
+groups = [(m.start(), m.group(1)) for m in re.finditer(r"def (add_\w+_arguments)\(parser", miles_args)]
+rows = []
+seen = set()
+for m in re.finditer(r'add_argument\(\s*((?:"--[\w-]+"\s*,\s*)+)', miles_args):
+    names = re.findall(r'"(--[\w-]+)"', m.group(1))
+    group = None
+    for pos, g in groups:
+        if pos < m.start():
+            group = g
+    if names[0] in seen:
+        continue
+    seen.add(names[0])
+    rows.append((names[0], group))
+for f in MEGATRON:
+    if f not in seen:
+        rows.append((f, "megatron"))
+        seen.add(f)
+
+
+def status(flag, group):
+    if flag in ours:
+        return "supported", ""
+    if flag in RENAMED:
+        return "renamed", RENAMED[flag]
+    if flag in LIBRARY and LIBRARY[flag]:
+        return "library only", f"`{LIBRARY[flag]}`; not on the command line yet"
+    if flag == "--dynamic-sampling-filter-path":
+        return "supported", "built-in filter names"
+    if PYTHON_PATH.search(flag):
+        return "not applicable", "a Python import path: implement the Rust trait (`RewardFn`, `SampleGenerator`, `Agent`), or use --agent-cmd / --rm-url"
+    if group in GROUP_REASON:
+        return "not applicable", GROUP_REASON[group]
+    if flag in ("--bf16", "--fp16"):
+        return "not supported yet", "f32 only (bf16 is an open issue)"
+    return "not supported yet", f"Miles group `{group}`"
+
+
+out = ["# Miles' flags in `miles`", "",
+       "Generated by `docs/gen_miles_flags.py` from Miles' `miles/utils/arguments.py` (commit",
+       "31f1ca961a94) plus the Megatron flags Miles' scripts pass. *supported*: same name and",
+       "meaning; *renamed*: ours in the note (Miles' name accepted where said); *library only*: a",
+       "field of a config type, not a flag yet; *not applicable*: what it configures does not exist",
+       "here, with the reason.", "",
+       "| Miles flag | status | note |", "|---|---|---|"]
+counts = {}
+for flag, group in rows:
+    st, note = status(flag, group)
+    counts[st] = counts.get(st, 0) + 1
+    out.append(f"| `{flag}` | {st} | {note} |")
+out += ["", "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
+extra = sorted(ours - seen - {"--config"})
+out += ["Flags of `miles` that Miles does not have: " + ", ".join(f"`{f}`" for f in extra) + "."]
+(ROOT / "docs/miles-flags.md").write_text("\n".join(out) + "\n")
+print(counts, len(rows))

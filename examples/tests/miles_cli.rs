@@ -1,0 +1,462 @@
+//! The `miles` binary end to end at tiny size, as a user runs it: a small GLM-4-MoE HF
+//! directory, prompt files, a config file, each subcommand as a real subprocess, and the
+//! figures a user reads (reward, loss, KL, weight version, evaluation rows, `/metrics`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use miles_examples::addition::{AdditionTask, write_jsonl};
+use miles_examples::toy::{ToyModelSpec, write_model_dir};
+use serde_json::Value;
+
+fn miles() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_miles"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("miles-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A tiny GLM-4-MoE directory and addition prompts (train / held-out JSONL).
+fn setup(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let model = dir.join("model");
+    let spec = ToyModelSpec {
+        hidden_size: 32,
+        num_hidden_layers: 2,
+        intermediate_size: 64,
+        ..ToyModelSpec::default()
+    };
+    write_model_dir(&model, &spec, 7, &Device::flex()).unwrap();
+    let task = AdditionTask {
+        min_digits: 1,
+        max_digits: 1,
+        seed: 7,
+    };
+    let split = task.split(16, 4).unwrap();
+    let train = dir.join("train.jsonl");
+    let held_out = dir.join("held_out.jsonl");
+    write_jsonl(&train, &split.train).unwrap();
+    write_jsonl(&held_out, &split.held_out).unwrap();
+    (model, train, held_out)
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("miles runs");
+    assert!(
+        out.status.success(),
+        "miles failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn json_file(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn metric_rows(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The flags every training run here shares.
+fn train_flags(model: &Path, train: &Path, held_out: &Path, out: &Path) -> Vec<String> {
+    [
+        "--hf-checkpoint",
+        model.to_str().unwrap(),
+        "--prompt-data",
+        train.to_str().unwrap(),
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--apply-chat-template-kwargs",
+        r#"{"enable_thinking": false}"#,
+        "--rm-type",
+        "math",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "6",
+        "--global-batch-size",
+        "16",
+        "--micro-batch-size",
+        "16",
+        "--lr",
+        "1e-4",
+        "--use-tis",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--use-rollout-routing-replay",
+        "--eval-prompt-data",
+        "sums",
+        held_out.to_str().unwrap(),
+        "--eval-interval",
+        "2",
+        "--n-samples-per-eval-prompt",
+        "2",
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn finite(row: &Value, key: &str) -> f64 {
+    let v = row[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} missing in {row}"));
+    assert!(v.is_finite(), "{key} = {v}");
+    v
+}
+
+#[test]
+fn train_sync_reports_what_a_user_reads() {
+    let dir = scratch("train");
+    let (model, train, held_out) = setup(&dir);
+    let out = dir.join("run");
+    // Half of the flags from a config file, the command line overriding one of them.
+    let config = dir.join("run.toml");
+    std::fs::write(
+        &config,
+        "num-rollout = 3\nrollout_temperature = 1.0\nlr = 5e-5\n",
+    )
+    .unwrap();
+    let mut cmd = miles();
+    cmd.arg("train")
+        .args(train_flags(&model, &train, &held_out, &out))
+        .arg("--config")
+        .arg(&config);
+    run(&mut cmd);
+    let summary = json_file(&out.join("summary.json"));
+    assert_eq!(summary["command"], "train");
+    assert_eq!(summary["weight_version"], 3, "{summary}");
+    let before = summary["eval_before"]["eval/sums/raw_reward"]
+        .as_f64()
+        .unwrap();
+    let after = summary["eval_after"]["eval/sums/raw_reward"]
+        .as_f64()
+        .unwrap();
+    assert!((0.0..=1.0).contains(&before) && (0.0..=1.0).contains(&after));
+    // 4 prompts × 2 samples evaluated each time.
+    assert_eq!(summary["eval_after"]["eval/sums/samples"], 8.0, "{summary}");
+    let rows = metric_rows(&out.join("metrics.jsonl"));
+    let train_rows: Vec<&Value> = rows
+        .iter()
+        .filter(|r| r.get("train/pg_loss").is_some())
+        .collect();
+    assert_eq!(train_rows.len(), 3, "one row per rollout");
+    for row in &train_rows {
+        let reward = finite(row, "rollout/raw_reward");
+        assert!((0.0..=1.0).contains(&reward));
+        finite(row, "train/pg_loss");
+        finite(row, "train/kl_loss");
+        finite(row, "perf/train_time");
+        finite(row, "perf/tokens_per_gpu_per_sec");
+        finite(row, "perf/actor_train_tok_per_s");
+        let ratio = finite(row, "perf/wait_time_ratio");
+        assert!((0.0..=1.0).contains(&ratio));
+        // The lr of the command line, not the config file's 5e-5.
+        assert!(
+            (finite(row, "train/lr") - 1e-4).abs() < 1e-12 || row["step"] == 0,
+            "{row}"
+        );
+    }
+    // Evaluated before training (step 0), at step 1 (interval 2) and after the end.
+    let evals = rows
+        .iter()
+        .filter(|r| r.get("eval/sums/raw_reward").is_some())
+        .count();
+    assert!(evals >= 3, "{evals} evaluation rows");
+    assert!(out.join("final/model.safetensors").exists());
+    assert!(out.join("curves.svg").exists());
+    // The trained checkpoint evaluates with `miles eval`.
+    let eval_out = dir.join("eval");
+    run(miles().args([
+        "eval",
+        "--hf-checkpoint",
+        out.join("final").to_str().unwrap(),
+        "--apply-chat-template",
+        "--apply-chat-template-kwargs",
+        r#"{"enable_thinking": false}"#,
+        "--rm-type",
+        "math",
+        "--rollout-max-response-len",
+        "6",
+        "--eval-prompt-data",
+        "sums",
+        held_out.to_str().unwrap(),
+        "--n-samples-per-eval-prompt",
+        "3",
+        "--output-dir",
+        eval_out.to_str().unwrap(),
+    ]));
+    let eval = json_file(&eval_out.join("eval.json"));
+    assert_eq!(eval["eval"]["sums"]["eval/sums/samples"], 12.0, "{eval}");
+    let r = eval["eval"]["sums"]["eval/sums/raw_reward"]
+        .as_f64()
+        .unwrap();
+    assert!((0.0..=1.0).contains(&r));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn train_async_resumes_after_a_kill_and_serves_metrics() {
+    let dir = scratch("async");
+    let (model, train, held_out) = setup(&dir);
+    let out = dir.join("run");
+    let save = dir.join("ckpt");
+    let flags = train_flags(&model, &train, &held_out, &out);
+    let common = |num_rollout: &str| {
+        let mut cmd = miles();
+        cmd.arg("train-async")
+            .args(&flags)
+            .args(["--num-rollout", num_rollout, "--save-interval", "1"])
+            .arg("--save")
+            .arg(&save);
+        cmd
+    };
+    // A long run, killed once its first checkpoint is written.
+    let mut child = common("60")
+        .args(["--metrics-port", "0", "--use-tensorboard"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let mut scraped = None;
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "no checkpoint in 10 min"
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended early: {status}");
+        }
+        if scraped.is_none()
+            && let Ok(addr) = std::fs::read_to_string(out.join("metrics_addr"))
+            && let Some(body) = scrape(&addr)
+            && body.contains("miles_trainer_steps_total 1")
+        {
+            scraped = Some(body);
+        }
+        let checkpoints = std::fs::read_dir(&save)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|e| e.path().join("manifest.json").exists())
+                    .count()
+            })
+            .unwrap_or(0);
+        if checkpoints >= 2 && scraped.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let body = scraped.unwrap();
+    for needle in [
+        "# TYPE miles_trainer_steps_total counter",
+        "miles_trainer_weight_version ",
+        "miles_metric_train_pg_loss ",
+        "miles_metric_rollout_raw_reward ",
+    ] {
+        assert!(
+            body.contains(needle),
+            "{needle} missing from /metrics:\n{body}"
+        );
+    }
+    parse_with_prometheus_client(&body);
+    assert!(
+        out.join("tensorboard").read_dir().unwrap().next().is_some(),
+        "no event file"
+    );
+    // Resume from the same directory: it continues, and ends at the full count.
+    let resumed = run(common("60").arg("--load").arg(&save));
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    assert!(stdout.contains("resumed at step"), "{stdout}");
+    let summary = json_file(&out.join("summary.json"));
+    assert_eq!(summary["command"], "train-async");
+    let at = summary["resumed_at"].as_u64().unwrap();
+    assert!((1..60).contains(&at), "{summary}");
+    assert_eq!(summary["weight_version"], 60, "{summary}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Parses the scraped text with the real Prometheus parser (`prometheus_client`, from
+/// `MILES_TORCH_PYTHON` or `.venv-ref`, as `.ci/run` makes it) and checks the trainer's
+/// families. Without such a Python: a failure in CI, a loud NOT RUN line elsewhere.
+fn parse_with_prometheus_client(response: &str) {
+    let text = response
+        .split_once("\r\n\r\n")
+        .map_or(response, |(_, body)| body);
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-ref/bin/python");
+    let python = std::env::var_os("MILES_TORCH_PYTHON")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([venv])
+        .find(|p| {
+            Command::new(p)
+                .args(["-c", "import prometheus_client"])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        });
+    let Some(python) = python else {
+        let msg = "no Python with prometheus_client (MILES_TORCH_PYTHON or .venv-ref)";
+        assert!(std::env::var_os("CI").is_none(), "{msg}");
+        eprintln!("\n######## NOT RUN: /metrics through prometheus_client: {msg} ########\n");
+        return;
+    };
+    let script = "import json, sys\nfrom prometheus_client.parser import text_string_to_metric_families\n\
+                  fams = {f.name: [f.type, [[s.name, s.value] for s in f.samples]] for f in text_string_to_metric_families(sys.stdin.read())}\n\
+                  print(json.dumps(fams))";
+    let mut child = Command::new(python)
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let families: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // prometheus_client names a counter family without its `_total` suffix.
+    assert_eq!(families["miles_trainer_steps"][0], "counter", "{families}");
+    assert!(families["miles_trainer_steps"][1][0][1].as_f64().unwrap() >= 1.0);
+    assert_eq!(families["miles_trainer_step_seconds"][0], "histogram");
+    for gauge in [
+        "miles_trainer_weight_version",
+        "miles_trainer_tokens_per_second",
+        "miles_trainer_staleness",
+        "miles_metric_train_pg_loss",
+        "miles_metric_rollout_raw_reward",
+    ] {
+        assert_eq!(families[gauge][0], "gauge", "{gauge}: {families}");
+    }
+}
+
+/// `GET /metrics` over loopback with a bare HTTP/1.1 request.
+fn scrape(addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr.trim()).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    text.starts_with("HTTP/1.1 200").then_some(text)
+}
+
+#[test]
+fn sft_lowers_the_loss_of_its_conversations() {
+    let dir = scratch("sft");
+    let (model, _, _) = setup(&dir);
+    let data = dir.join("conversations.jsonl");
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("{i}+1=")},
+                {"role": "assistant", "content": format!("{}", i + 1)},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let out = dir.join("run");
+    run(miles().args([
+        "sft",
+        "--hf-checkpoint",
+        model.to_str().unwrap(),
+        "--prompt-data",
+        data.to_str().unwrap(),
+        "--tito",
+        "qwen3",
+        "--num-epoch",
+        "4",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]));
+    let summary = json_file(&out.join("summary.json"));
+    assert_eq!(summary["conversations"], 8);
+    assert_eq!(summary["steps"], 8);
+    let (before, after) = (
+        summary["nll_before"].as_f64().unwrap(),
+        summary["nll_after"].as_f64().unwrap(),
+    );
+    assert!(after < before * 0.8, "NLL {before} → {after}");
+    assert!(out.join("final/model.safetensors").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn mistakes_are_usage_errors_naming_the_fix() {
+    let out = miles()
+        .args(["train", "--rollout-batch-szie", "4"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did you mean --rollout-batch-size?"), "{err}");
+    let out = miles().args(["trian"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown subcommand"));
+    let out = miles().args(["train", "--help"]).output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for group in [
+        "Model and checkpoints:",
+        "Data:",
+        "Rollout:",
+        "Training:",
+        "Evaluation:",
+        "Reward:",
+    ] {
+        assert!(help.contains(group), "{group} missing:\n{help}");
+    }
+    let out = miles().args(["train", "--use-wandb"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("wandb sync --sync-tensorboard"));
+    let out = miles()
+        .args([
+            "train",
+            "--hf-checkpoint",
+            "/nonexistent",
+            "--device",
+            "tpu",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown device"));
+}
