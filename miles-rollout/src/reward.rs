@@ -1,12 +1,17 @@
-//! Built-in reward functions: exact match, numeric match and a math answer checker
+//! Built-in reward functions: exact match, numeric match and a lenient math answer checker
 //! (`\boxed{…}` or the last number), and a reward model over HTTP ([`RemoteReward`]), all
-//! implementing [`miles_core::RewardFn`].
+//! implementing [`miles_core::RewardFn`]. Miles' own rules with its exact semantics
+//! (`--rm-type math`, `dapo`, `deepscaler`, `f1`, `gpqa`, …) are in [`crate::rm_hub`].
 
 use miles_core::{Error as CoreError, Result as CoreResult, Reward, RewardFn, Sample, async_trait};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The built-in rewards, selectable by name (`exact_match`, `numeric_match`, `math`).
+///
+/// `math` here is miles-rs' lenient checker (it also accepts the last number when there is
+/// no `\boxed{}`); Miles' `--rm-type math` is [`crate::rm_hub::RmType`] /
+/// [`crate::rm_hub::RmHubReward`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BuiltinReward {
@@ -152,8 +157,9 @@ pub fn answers_equal(a: &str, b: &str) -> bool {
 }
 
 /// A reward model behind HTTP (Miles' `--rm-type remote_rm` with `--rm-url`): each sample is
-/// POSTed as `{"prompt", "response", "label", "metadata"}` and the answer is the reward — a
-/// JSON number, or an object of named components (select one with `--reward-key`). Transport
+/// POSTed as Miles does, `{"prompt", "response", "label"}` (plus `"metadata"` with
+/// [`RemoteReward::with_metadata`]), and the answer is the reward — a JSON number, or an
+/// object of named components (select one with `--reward-key`). Transport
 /// errors and 5xx answers are retried `retries` times with a short backoff; a 4xx, a body that
 /// is neither a number nor an object, or running out of retries is a reward error (the
 /// sample turns FAILED with the reason, the rollout goes on).
@@ -162,6 +168,7 @@ pub struct RemoteReward {
     url: String,
     http: miles_session::http::HttpClient,
     retries: usize,
+    send_metadata: bool,
 }
 
 impl RemoteReward {
@@ -171,7 +178,14 @@ impl RemoteReward {
             url: url.into(),
             http: miles_session::http::HttpClient::new(timeout),
             retries: 3,
+            send_metadata: false,
         }
+    }
+
+    /// Also sends the sample's `metadata` (Miles sends only prompt, response and label).
+    pub fn with_metadata(mut self, send: bool) -> Self {
+        self.send_metadata = send;
+        self
     }
 
     /// Retries after a transport error or a 5xx answer.
@@ -180,7 +194,7 @@ impl RemoteReward {
         self
     }
 
-    /// The request body for `sample`.
+    /// The request body for `sample`: Miles' `{"prompt", "response", "label"}`.
     pub fn payload(sample: &Sample) -> Value {
         let prompt = match &sample.prompt {
             miles_core::Prompt::Text(t) => Value::String(t.clone()),
@@ -190,7 +204,6 @@ impl RemoteReward {
             "prompt": prompt,
             "response": sample.response,
             "label": sample.label,
-            "metadata": sample.metadata,
         })
     }
 }
@@ -198,7 +211,12 @@ impl RemoteReward {
 #[async_trait]
 impl RewardFn for RemoteReward {
     async fn reward(&self, sample: &Sample) -> CoreResult<Reward> {
-        let body = Self::payload(sample);
+        let mut body = Self::payload(sample);
+        if self.send_metadata
+            && let Value::Object(map) = &mut body
+        {
+            map.insert("metadata".into(), Value::Object(sample.metadata.clone()));
+        }
         let mut last_error = String::new();
         for attempt in 0..=self.retries {
             if attempt > 0 {
