@@ -72,6 +72,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::pin::pin;
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use miles_core::async_trait;
@@ -355,14 +356,14 @@ fn clip(s: &str, n: usize) -> String {
 /// An [`Agent`] that runs a command per sample (see the [module](self) for the protocol).
 #[derive(Debug, Clone)]
 pub struct CommandAgent {
-    config: CommandAgentConfig,
+    config: Arc<CommandAgentConfig>,
 }
 
 impl CommandAgent {
     /// An agent running `config` (validated here).
     pub fn new(config: CommandAgentConfig) -> Result<Self> {
         Ok(Self {
-            config: config.validate()?,
+            config: Arc::new(config.validate()?),
         })
     }
 
@@ -416,17 +417,27 @@ impl CommandAgent {
         let mut child = command
             .spawn()
             .map_err(|e| failure(format!("could not start {:?}: {e}", c.program), Vec::new()))?;
-        // The child leads its own group (pgid = pid); the guard kills the group however this
-        // future ends (also when the driver's timeout drops it).
-        let mut group = ProcessGroup(child.id().and_then(|id| i32::try_from(id).ok()));
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take();
-        let stderr = child.stderr.take();
-        let outcome = supervise(&mut child, &group, c, input, stdin, stdout, stderr).await;
-        // The group is killed and the leader reaped: disarm (the id may be reused later).
-        group.0 = None;
-        let (end, stdout, stderr) = outcome;
-        let tail = stderr;
+        // The child leads its own group (pgid = pid). A task of its own supervises it, so that
+        // when this future is dropped (the driver's timeout) the guard below kills the group
+        // and the task still reaps the leader and closes the pipes.
+        let pgid = child.id().and_then(|id| i32::try_from(id).ok());
+        let config = Arc::clone(&self.config);
+        let supervisor = tokio::spawn(async move {
+            let stdin = child.stdin.take();
+            let stdout = child.stdout.take();
+            let stderr = child.stderr.take();
+            let mut group = ProcessGroup(pgid);
+            let outcome =
+                supervise(&mut child, &group, &config, input, stdin, stdout, stderr).await;
+            // The group is killed and the leader reaped: disarm (the id may be reused).
+            group.0 = None;
+            outcome
+        });
+        let mut on_drop = ProcessGroup(pgid);
+        let joined = supervisor.await;
+        on_drop.0 = None;
+        let (end, stdout, tail) =
+            joined.map_err(|e| failure(format!("supervision failed: {e}"), Vec::new()))?;
         match end {
             End::Exited(status) => match (status.code(), status.signal()) {
                 (Some(0), _) => {}
