@@ -2,10 +2,13 @@
 //! let a user agent talk to it through an OpenAI-style client, collect the samples, delete the
 //! session. Failures never propagate: they become an ABORTED copy of the input sample.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::Method;
-use miles_core::{Message, Prompt, Sample, SampleStatus, SamplingParams, async_trait};
+use miles_core::{
+    Message, Prompt, Reward, RewardFn, Sample, SampleStatus, SamplingParams, async_trait,
+};
 use serde_json::{Map, Value, json};
 
 use crate::codec::decode_samples;
@@ -41,8 +44,17 @@ impl AgentContext {
     }
 }
 
+/// The reserved key of an agent's returned metadata that carries its reward: [`generate`]
+/// removes it from the metadata and stores it as [`Sample::reward`] (a number becomes
+/// [`Reward::Scalar`], an object [`Reward::Map`]; anything else ABORTS the sample). Miles'
+/// agents return no reward; this is how an agent that scores its own episode (a test suite
+/// it ran, an environment's return) hands the score over. The rollout manager still calls
+/// its `RewardFn`: use [`AgentReward`] there to keep the agent's reward.
+pub const AGENT_REWARD_KEY: &str = "agent_reward";
+
 /// A user agent: drives a conversation against `ctx.base_url` and returns its own metadata
-/// (merged into the sample's; `agent_metrics.total_tool_time` becomes `non_generation_time`).
+/// (merged into the sample's; `agent_metrics.total_tool_time` becomes `non_generation_time`;
+/// [`AGENT_REWARD_KEY`] becomes the sample's reward).
 #[async_trait]
 pub trait Agent: Send + Sync {
     /// Runs the agent. An error is logged and turns the sample ABORTED.
@@ -195,7 +207,7 @@ pub async fn generate(
     {
         tracing::warn!(%e, session = session_id, "agentic generate: delete failed");
     }
-    let agent_metadata = match agent_result {
+    let mut agent_metadata = match agent_result {
         Ok(m) => m,
         Err(e) => {
             tracing::warn!(error = %e, session = session_id, "agent failed");
@@ -213,6 +225,18 @@ pub async fn generate(
             return aborted(sample, &format!("collect failed: {e}"));
         }
     };
+    if let Some(value) = agent_metadata.remove(AGENT_REWARD_KEY) {
+        match serde_json::from_value::<Reward>(value) {
+            Ok(reward) => out.reward = Some(reward),
+            Err(_) => {
+                tracing::warn!(session = session_id, "agent returned an invalid reward");
+                return aborted(
+                    sample,
+                    &format!("agent failed: {AGENT_REWARD_KEY} must be a number or an object"),
+                );
+            }
+        }
+    }
     if let Some(t) = agent_metadata
         .get("agent_metrics")
         .and_then(|m| m.get("total_tool_time"))
@@ -223,6 +247,48 @@ pub async fn generate(
     out.metadata.extend(agent_metadata);
     out.metadata.extend(session_metadata);
     out
+}
+
+/// A [`RewardFn`] that keeps the reward the agent gave ([`AGENT_REWARD_KEY`], e.g. a
+/// [`crate::command_agent::CommandAgent`]'s `"reward"`), and asks `fallback` (or fails, when
+/// there is none) for samples that came back without one.
+#[derive(Clone, Default)]
+pub struct AgentReward {
+    fallback: Option<Arc<dyn RewardFn>>,
+}
+
+impl AgentReward {
+    /// Keeps agents' rewards; a sample without one is a reward error.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Scores samples without an agent reward with `fallback`.
+    pub fn with_fallback(mut self, fallback: Arc<dyn RewardFn>) -> Self {
+        self.fallback = Some(fallback);
+        self
+    }
+}
+
+impl std::fmt::Debug for AgentReward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentReward")
+            .field("fallback", &self.fallback.is_some())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl RewardFn for AgentReward {
+    async fn reward(&self, sample: &Sample) -> miles_core::Result<Reward> {
+        match (&sample.reward, &self.fallback) {
+            (Some(reward), _) => Ok(reward.clone()),
+            (None, Some(fallback)) => fallback.reward(sample).await,
+            (None, None) => Err(miles_core::Error::Reward(
+                "the agent returned no reward".into(),
+            )),
+        }
+    }
 }
 
 async fn create_session(http: &HttpClient, server: &str) -> Result<String> {

@@ -150,6 +150,24 @@ pub enum Error {
         /// Which limit, and the value sent.
         reason: String,
     },
+    /// A subprocess agent ([`crate::command_agent`]) failed: it could not start, exited
+    /// non-zero, died of a signal, ran past its timeout, or printed output that breaks the
+    /// protocol.
+    #[error("agent command {failure}{}", stderr_suffix(stderr_tail))]
+    AgentCommand {
+        /// What went wrong (`exited with code 3`, `timed out after 5 s`, …).
+        failure: String,
+        /// The last bytes the agent wrote to stderr (lossy UTF-8; empty when none).
+        stderr_tail: String,
+    },
+}
+
+fn stderr_suffix(tail: &str) -> String {
+    if tail.trim().is_empty() {
+        String::new()
+    } else {
+        format!("; stderr tail: {}", tail.trim_end())
+    }
 }
 
 impl Error {
@@ -189,6 +207,7 @@ impl Error {
             Self::SessionLimit { .. } => "session_limit",
             Self::LimitExceeded { .. } => "limit_exceeded",
             Self::TemplateRejected { .. } => "template_rejected",
+            Self::AgentCommand { .. } => "agent_command",
         }
     }
 
@@ -212,7 +231,9 @@ impl Error {
             | Self::LimitExceeded { .. }
             | Self::TemplateRejected { .. } => 400,
             Self::Tokenization { .. } | Self::Core(_) | Self::Config(_) | Self::Io(_) => 500,
-            Self::UpstreamResponse { .. } | Self::Transport { .. } => 502,
+            Self::UpstreamResponse { .. } | Self::Transport { .. } | Self::AgentCommand { .. } => {
+                502
+            }
             Self::Timeout { .. } => 504,
             Self::Assembly { .. } | Self::Codec { .. } => 422,
             Self::Engine(e) => match e {

@@ -25,6 +25,9 @@
 //! * [`assembly`] and [`codec`]: records → training [`miles_core::Sample`]s (trailing-token
 //!   trim, truncation, merge) and Miles' safetensors samples wire format.
 //! * [`agent`]: the agent driver (`agentic_tool_call.generate`).
+//! * `command_agent` (Unix): agents in any language, a subprocess per sample talking to the
+//!   session over its OpenAI API (`CommandAgent`: stdin/stdout JSON protocol, timeouts that
+//!   kill the process group).
 //! * [`openai`]: the typed chat-completions body (with SGLang's extensions) and its mapping to
 //!   sampling parameters, shared with miles-rollout's SGLang-compatible server.
 //! * [`sglang`]: the SGLang-protocol HTTP client implementing `InferenceEngine`.
@@ -78,6 +81,8 @@ pub mod assembly;
 pub mod chat;
 pub mod cli;
 pub mod codec;
+#[cfg(unix)]
+pub mod command_agent;
 pub mod error;
 pub mod guard;
 pub mod http;

@@ -7,8 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{ByteChatml, ToyEngine, WeatherAgent, serve};
-use miles_core::{Message, Prompt, Sample, SampleStatus, SamplingParams, async_trait};
-use miles_session::agent::{Agent, AgentContext, AgentDriverConfig, generate, request_kwargs};
+use miles_core::{Message, Prompt, Reward, Sample, SampleStatus, SamplingParams, async_trait};
+use miles_session::agent::{
+    AGENT_REWARD_KEY, Agent, AgentContext, AgentDriverConfig, generate, request_kwargs,
+};
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
 use serde_json::{Map, Value, json};
@@ -30,6 +32,22 @@ impl Agent for IdleAgent {
     async fn run(&self, ctx: AgentContext) -> Result<Map<String, Value>, String> {
         assert!(ctx.base_url.contains("/sessions/"));
         Ok(Map::new())
+    }
+}
+
+/// Runs the weather agent and returns `reward` under the reserved key.
+struct RewardingAgent(Value);
+
+#[async_trait]
+impl Agent for RewardingAgent {
+    async fn run(&self, ctx: AgentContext) -> Result<Map<String, Value>, String> {
+        let mut m = WeatherAgent {
+            fail_after_first_turn: false,
+        }
+        .run(ctx)
+        .await?;
+        m.insert(AGENT_REWARD_KEY.into(), self.0.clone());
+        Ok(m)
     }
 }
 
@@ -147,6 +165,55 @@ async fn failures_become_aborted_samples_and_sessions_are_deleted() {
     let dead = AgentDriverConfig::new(format!("http://127.0.0.1:{port}"));
     let out = generate(&IdleAgent, &input, &params, &dead, &http).await;
     assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(server.sessions_open(), 0);
+}
+
+#[tokio::test]
+async fn an_agent_reward_becomes_the_sample_reward() {
+    let (url, server) = setup().await;
+    let http = HttpClient::new(Duration::from_secs(10));
+    let config = AgentDriverConfig::new(&url);
+    let params = SamplingParams::default();
+    let input = input_sample();
+
+    let out = generate(
+        &RewardingAgent(json!(0.75)),
+        &input,
+        &params,
+        &config,
+        &http,
+    )
+    .await;
+    assert_eq!(out.status, SampleStatus::Completed);
+    assert_eq!(out.reward, Some(Reward::Scalar(0.75)));
+    assert!(!out.metadata.contains_key(AGENT_REWARD_KEY));
+    assert_eq!(out.metadata["turns"], json!(2));
+
+    let named = json!({"accuracy": 1, "length_penalty": -0.5});
+    let out = generate(
+        &RewardingAgent(named.clone()),
+        &input,
+        &params,
+        &config,
+        &http,
+    )
+    .await;
+    assert_eq!(out.status, SampleStatus::Completed);
+    let Some(Reward::Map(map)) = &out.reward else {
+        panic!("{:?}", out.reward)
+    };
+    assert_eq!(Value::Object(map.clone()), named);
+    assert_eq!(out.scalar_reward(Some("length_penalty")), Some(-0.5));
+
+    for bad in [json!("high"), json!(null), json!([1.0])] {
+        let out = generate(&RewardingAgent(bad), &input, &params, &config, &http).await;
+        assert_eq!(out.status, SampleStatus::Aborted);
+        assert_eq!(
+            out.metadata["abort_reason"],
+            json!("agent failed: agent_reward must be a number or an object")
+        );
+        assert_eq!(out.reward, None);
+    }
     assert_eq!(server.sessions_open(), 0);
 }
 
