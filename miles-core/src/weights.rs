@@ -111,6 +111,26 @@ impl DType {
         }
     }
 
+    /// The position in the safetensors library's `Dtype` enum (BOOL, U8, I8, I16, U16, F16,
+    /// BF16, I32, U32, F32, F64, I64, U64 among ours), which orders serialised tensors.
+    fn safetensors_rank(self) -> u8 {
+        match self {
+            Self::BOOL => 0,
+            Self::U8 => 1,
+            Self::I8 => 2,
+            Self::I16 => 3,
+            Self::U16 => 4,
+            Self::F16 => 5,
+            Self::BF16 => 6,
+            Self::I32 => 7,
+            Self::U32 => 8,
+            Self::F32 => 9,
+            Self::F64 => 10,
+            Self::I64 => 11,
+            Self::U64 => 12,
+        }
+    }
+
     /// The safetensors name.
     pub fn name(self) -> &'static str {
         match self {
@@ -291,9 +311,13 @@ impl NamedTensors {
         self.metadata.insert(key.into(), value.into());
     }
 
-    /// Serialises in the safetensors format: an 8-byte little-endian header length, a JSON
-    /// header (`{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}`, padded with
-    /// spaces to a multiple of 8 bytes), then the tensors' bytes in name order.
+    /// Serialises in the safetensors format, byte for byte as the safetensors library writes it
+    /// (its Rust `serialize`, behind `safetensors.numpy.save` / `save_file`; measured with
+    /// 0.8.0): an 8-byte little-endian header length, a compact JSON header
+    /// (`{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}`, padded with spaces
+    /// to a multiple of 8 bytes), then the tensors' bytes. Tensors are ordered by dtype, widest
+    /// first in the library's `Dtype` order (… I64, F64, … I32, … U8, BOOL), then by name, so
+    /// every tensor starts aligned to its element size; the header lists them in that order.
     pub fn to_safetensors_bytes(&self) -> Vec<u8> {
         let mut header = Map::new();
         if !self.metadata.is_empty() {
@@ -304,11 +328,14 @@ impl NamedTensors {
                 .collect();
             header.insert("__metadata__".into(), Value::Object(meta));
         }
+        let mut order: Vec<(&String, &TensorBytes)> = self.tensors.iter().collect();
+        // Stable: names stay in order within a dtype.
+        order.sort_by_key(|(_, t)| std::cmp::Reverse(t.dtype.safetensors_rank()));
         let mut offset = 0usize;
-        for (name, tensor) in &self.tensors {
+        for (name, tensor) in &order {
             let end = offset + tensor.data.len();
             header.insert(
-                name.clone(),
+                (*name).clone(),
                 serde_json::json!({
                     "dtype": tensor.dtype.name(),
                     "shape": tensor.shape,
@@ -324,7 +351,7 @@ impl NamedTensors {
         let mut out = Vec::with_capacity(8 + header_bytes.len() + offset);
         out.extend_from_slice(&(header_bytes.len() as u64).to_le_bytes());
         out.extend_from_slice(&header_bytes);
-        for tensor in self.tensors.values() {
+        for (_, tensor) in order {
             out.extend_from_slice(&tensor.data);
         }
         out
@@ -429,6 +456,38 @@ mod tests {
         assert!(serde_json::from_str::<WeightVersion>("\"default\"").is_err());
         assert_eq!(WeightVersion(3).staleness(WeightVersion(5)), 2);
         assert_eq!(WeightVersion(6).staleness(WeightVersion(5)), 0);
+    }
+
+    #[test]
+    fn safetensors_tensors_are_ordered_as_the_library_orders_them() {
+        // Python (safetensors 0.8.0): safetensors.numpy.save({"a": u8 [1, 2, 3], "b": f32
+        // [1.5], "c": i64 [7], "d": i32 [2]}, metadata={"k": "v"}) — these exact bytes.
+        let mut t = NamedTensors::new();
+        t.insert(
+            "a",
+            TensorBytes::new(DType::U8, vec![3], vec![1, 2, 3]).unwrap(),
+        );
+        t.insert("b", TensorBytes::from_f32(vec![1], &[1.5]).unwrap());
+        t.insert(
+            "c",
+            TensorBytes::new(DType::I64, vec![1], 7i64.to_le_bytes().to_vec()).unwrap(),
+        );
+        t.insert(
+            "d",
+            TensorBytes::new(DType::I32, vec![1], 2i32.to_le_bytes().to_vec()).unwrap(),
+        );
+        t.set_metadata("k", "v");
+        let header = concat!(
+            r#"{"__metadata__":{"k":"v"},"c":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},"#,
+            r#""b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]},"#,
+            r#""d":{"dtype":"I32","shape":[1],"data_offsets":[12,16]},"#,
+            r#""a":{"dtype":"U8","shape":[3],"data_offsets":[16,19]}}      "#
+        );
+        let mut want = (header.len() as u64).to_le_bytes().to_vec();
+        want.extend_from_slice(header.as_bytes());
+        want.extend_from_slice(&[7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 192, 63, 2, 0, 0, 0, 1, 2, 3]);
+        assert_eq!(t.to_safetensors_bytes(), want);
+        assert_eq!(NamedTensors::from_safetensors_bytes(&want).unwrap(), t);
     }
 
     #[test]

@@ -41,13 +41,41 @@ pub struct SamplesPayload {
     pub empty_reason: Option<EmptyReason>,
 }
 
+/// The tensor fields of the wire, in Miles' `SAMPLES_VALUE_SPEC` order (the order of `nulls`).
+const TENSOR_FIELDS: [&str; 5] = [
+    "tokens",
+    "loss_mask",
+    "rollout_log_probs",
+    "rollout_routed_experts",
+    "rollout_indexer_topk",
+];
+
+/// Miles' `PrefixCacheInfo.to_dict()`; `from_dict` reads missing keys as 0.
+#[derive(Serialize, Deserialize, Default)]
+#[serde(default)]
+struct PrefixCacheWire {
+    cached_tokens: u64,
+    total_prompt_tokens: u64,
+}
+
+impl From<PrefixCacheInfo> for PrefixCacheWire {
+    fn from(p: PrefixCacheInfo) -> Self {
+        Self {
+            cached_tokens: p.cached_tokens,
+            total_prompt_tokens: p.total_prompt_tokens,
+        }
+    }
+}
+
+/// One sample's JSON entry, fields in Miles' order. Keys Miles' v1 decoder does not read
+/// (the v2 server's `reward`) are ignored, as there.
 #[derive(Serialize, Deserialize)]
 struct SampleMeta {
     response: String,
     response_length: usize,
     status: SampleStatus,
     weight_versions: Vec<String>,
-    prefix_cache_info: PrefixCacheInfo,
+    prefix_cache_info: PrefixCacheWire,
     metadata: Map<String, Value>,
     nulls: Vec<String>,
 }
@@ -79,7 +107,12 @@ fn table_tensor(table: &RoutedExperts, name: &str) -> Result<TensorBytes> {
     tensor(DType::I32, table.shape().to_vec(), data, name)
 }
 
-/// Encodes a payload as Miles does (MILES_SPEC §3.4).
+/// Encodes a payload as Miles does (MILES_SPEC §3.4), byte for byte: the safetensors layout
+/// of `safetensors.numpy.save` ([`NamedTensors::to_safetensors_bytes`]) and the
+/// `_samples_meta` JSON of Python's `json.dumps(meta, ensure_ascii=False,
+/// separators=(",", ":"))` (key order kept; floats as Python's `repr`).
+/// `fixtures/session/codec/` holds blobs written by Miles' own encoder that this function
+/// reproduces exactly.
 pub fn encode_samples(payload: &SamplesPayload) -> Result<Vec<u8>> {
     let mut tensors = NamedTensors::new();
     let mut metas = Vec::with_capacity(payload.samples.len());
@@ -133,7 +166,7 @@ pub fn encode_samples(payload: &SamplesPayload) -> Result<Vec<u8>> {
             response_length: s.response_length,
             status: s.status,
             weight_versions: s.weight_versions.clone(),
-            prefix_cache_info: s.prefix_cache_info,
+            prefix_cache_info: s.prefix_cache_info.into(),
             metadata: s.metadata.clone(),
             nulls,
         });
@@ -143,7 +176,7 @@ pub fn encode_samples(payload: &SamplesPayload) -> Result<Vec<u8>> {
         session_metadata: payload.session_metadata.clone(),
         empty_reason: payload.empty_reason,
     };
-    let json = serde_json::to_vec(&meta).map_err(|e| codec_err(META_KEY, e.to_string()))?;
+    let json = python_json::to_vec(&meta).map_err(|e| codec_err(META_KEY, e.to_string()))?;
     tensors.insert(
         META_KEY,
         tensor(DType::U8, vec![json.len()], json, META_KEY)?,
@@ -170,6 +203,18 @@ fn take(
     }
 }
 
+/// A tensor-list field (`tokens`, `loss_mask`, `rollout_log_probs`) must be rank 1.
+fn rank_one(t: &TensorBytes, name: &str) -> Result<()> {
+    if t.shape().len() == 1 {
+        Ok(())
+    } else {
+        Err(codec_err(
+            name,
+            format!("shape {:?}, expected rank 1", t.shape()),
+        ))
+    }
+}
+
 fn table_from(t: &TensorBytes, name: &str) -> Result<RoutedExperts> {
     let [rows, layers, top_k] = t.shape() else {
         return Err(codec_err(
@@ -185,81 +230,126 @@ fn table_from(t: &TensorBytes, name: &str) -> Result<RoutedExperts> {
     RoutedExperts::new(*rows, *layers, *top_k, data).map_err(|e| codec_err(name, e.to_string()))
 }
 
-/// Decodes a payload, overlaying each encoded sample onto a copy of `input` (whose
-/// generated fields must be at their defaults). Unreferenced tensors, wrong dtypes, values
-/// that do not fit (token ids beyond u32, loss-mask values other than 0/1) and samples that
-/// break [`Sample::validate`] are [`Error::Codec`].
-pub fn decode_samples(bytes: &[u8], input: &Sample) -> Result<SamplesPayload> {
+/// The key Miles forbids in the input sample's metadata (`merge_samples` gives it per-token
+/// semantics that only hold for per-turn values).
+const OPD_STUDENT_TOP_LOGPROBS_KEY: &str = "opd_student_top_logprobs";
+
+/// Miles' `assert_input_sample_defaults`.
+fn check_input_defaults(input: &Sample) -> Result<()> {
     if !input.weight_versions.is_empty()
         || input.prefix_cache_info != PrefixCacheInfo::default()
         || input.spec_info != Default::default()
         || input.teacher_log_probs.is_some()
+        || input.metadata.contains_key(OPD_STUDENT_TOP_LOGPROBS_KEY)
     {
         return Err(codec_err(
             "input",
-            "input sample must have default weight_versions, prefix_cache_info, spec_info and no teacher log-probs",
+            "input sample must have default weight_versions, prefix_cache_info, spec_info, \
+             no teacher log-probs and no metadata.opd_student_top_logprobs",
         ));
     }
+    Ok(())
+}
+
+/// Decodes a payload as Miles' `decode_samples_and_merge_input_sample` does, overlaying each
+/// encoded sample onto a copy of `input`: wire fields replace the input's, `metadata` is
+/// merged key by key (keys the input had keep their position), a null-marked `tokens` becomes
+/// empty. When there is at least one sample, `input` must have Miles' defaults (no
+/// weight_versions, prefix-cache or speculative counters, teacher log-probs or
+/// `metadata.opd_student_top_logprobs`).
+///
+/// Rejected with [`Error::Codec`], as by Miles: an invalid container; a missing
+/// `_samples_meta`, or one that is not rank-1 U8 JSON; a tensor of the wrong dtype; a missing
+/// promised tensor; null markers naming non-tensor fields; unreferenced tensors (a null-marked
+/// field's tensor included). Rejected here but accepted by Miles (COMPATIBILITY.md): values
+/// that do not fit [`Sample`] (token ids beyond u32, replay ids below −1), tensor-list fields
+/// of rank ≠ 1, non-finite or out-of-range numbers in the JSON, and samples that break
+/// [`Sample::validate`] (lengths, loss-mask values other than 0/1).
+pub fn decode_samples(bytes: &[u8], input: &Sample) -> Result<SamplesPayload> {
     let tensors = NamedTensors::from_safetensors_bytes(bytes)
         .map_err(|e| codec_err("blob", e.to_string()))?;
     let mut used = BTreeSet::new();
     let meta_tensor = take(&tensors, META_KEY, DType::U8, &mut used)?
         .ok_or_else(|| codec_err(META_KEY, "missing"))?;
+    rank_one(&meta_tensor, META_KEY)?;
     let meta: PayloadMeta = serde_json::from_slice(meta_tensor.data())
         .map_err(|e| codec_err(META_KEY, e.to_string()))?;
+    if !meta.samples.is_empty() {
+        check_input_defaults(input)?;
+    }
     let mut samples = Vec::with_capacity(meta.samples.len());
     for (k, m) in meta.samples.into_iter().enumerate() {
-        let mut s = input.clone();
+        if let Some(bad) = m
+            .nulls
+            .iter()
+            .find(|n| !TENSOR_FIELDS.contains(&n.as_str()))
+        {
+            return Err(codec_err(
+                format!("sample {k}"),
+                format!("null marker names non-tensor field {bad:?}"),
+            ));
+        }
         let is_null = |f: &str| m.nulls.iter().any(|n| n == f);
-        let name = format!("tokens.{k}");
-        s.tokens = match take(&tensors, &name, DType::I64, &mut used)? {
-            Some(t) => t
-                .data()
-                .chunks_exact(8)
-                .map(|b| {
-                    let v = i64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
-                    u32::try_from(v)
-                        .map_err(|_| codec_err(&name, format!("token id {v} out of range")))
-                })
-                .collect::<Result<_>>()?,
-            None if is_null("tokens") => Vec::new(),
-            None => return Err(codec_err(name, "missing")),
+        // A null-marked field is null whatever the blob holds (a tensor for it is then
+        // unreferenced, hence an error); otherwise its tensor must be there.
+        let fetch = |field: &str, dtype: DType, used: &mut BTreeSet<String>| {
+            if is_null(field) {
+                return Ok(None);
+            }
+            let name = format!("{field}.{k}");
+            take(&tensors, &name, dtype, used)?
+                .map(|t| (name.clone(), t))
+                .ok_or_else(|| codec_err(name, "missing"))
+                .map(Some)
         };
-        let name = format!("loss_mask.{k}");
-        s.loss_mask = match take(&tensors, &name, DType::U8, &mut used)? {
-            Some(t) => Some(t.data().to_vec()),
-            None if is_null("loss_mask") => None,
-            None => return Err(codec_err(name, "missing")),
-        };
-        let name = format!("rollout_log_probs.{k}");
-        s.rollout_log_probs = match take(&tensors, &name, DType::F64, &mut used)? {
-            Some(t) => Some(
+        let mut s = input.clone();
+        s.tokens = match fetch("tokens", DType::I64, &mut used)? {
+            Some((name, t)) => {
+                rank_one(&t, &name)?;
                 t.data()
                     .chunks_exact(8)
-                    .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-                    .collect(),
-            ),
-            None if is_null("rollout_log_probs") => None,
-            None => return Err(codec_err(name, "missing")),
-        };
-        for field in ["rollout_routed_experts", "rollout_indexer_topk"] {
-            let name = format!("{field}.{k}");
-            let value = match take(&tensors, &name, DType::I32, &mut used)? {
-                Some(t) => Some(table_from(&t, &name)?),
-                None if is_null(field) => None,
-                None => return Err(codec_err(name, "missing")),
-            };
-            if field == "rollout_routed_experts" {
-                s.rollout_routed_experts = value;
-            } else {
-                s.rollout_indexer_topk = value;
+                    .map(|b| {
+                        let v = i64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+                        u32::try_from(v)
+                            .map_err(|_| codec_err(&name, format!("token id {v} out of range")))
+                    })
+                    .collect::<Result<_>>()?
             }
-        }
+            None => Vec::new(),
+        };
+        s.loss_mask = match fetch("loss_mask", DType::U8, &mut used)? {
+            Some((name, t)) => {
+                rank_one(&t, &name)?;
+                Some(t.data().to_vec())
+            }
+            None => None,
+        };
+        s.rollout_log_probs = match fetch("rollout_log_probs", DType::F64, &mut used)? {
+            Some((name, t)) => {
+                rank_one(&t, &name)?;
+                Some(
+                    t.data()
+                        .chunks_exact(8)
+                        .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                        .collect(),
+                )
+            }
+            None => None,
+        };
+        s.rollout_routed_experts = fetch("rollout_routed_experts", DType::I32, &mut used)?
+            .map(|(name, t)| table_from(&t, &name))
+            .transpose()?;
+        s.rollout_indexer_topk = fetch("rollout_indexer_topk", DType::I32, &mut used)?
+            .map(|(name, t)| table_from(&t, &name))
+            .transpose()?;
         s.response = m.response;
         s.response_length = m.response_length;
         s.status = m.status;
         s.weight_versions = m.weight_versions;
-        s.prefix_cache_info = m.prefix_cache_info;
+        s.prefix_cache_info = PrefixCacheInfo {
+            cached_tokens: m.prefix_cache_info.cached_tokens,
+            total_prompt_tokens: m.prefix_cache_info.total_prompt_tokens,
+        };
         for (key, value) in m.metadata {
             s.metadata.insert(key, value);
         }
@@ -283,6 +373,87 @@ pub fn decode_samples(bytes: &[u8], input: &Sample) -> Result<SamplesPayload> {
         session_metadata: meta.session_metadata,
         empty_reason: meta.empty_reason,
     })
+}
+
+/// JSON as Python's `json.dumps(…, ensure_ascii=False, separators=(",", ":"))` writes it:
+/// serde_json's compact output (same string escapes: `\"`, `\\`, `\b \f \n \r \t`, other
+/// control characters as lowercase `\u00XX`, everything else raw UTF-8; key order as stored)
+/// with floats formatted as Python's `float.__repr__` instead of serde_json's.
+mod python_json {
+    use std::io;
+
+    use serde::Serialize;
+    use serde_json::ser::{Formatter, Serializer};
+
+    /// Python's `repr(float)` for a finite value: the shortest digits that round-trip
+    /// (as Rust's `{:e}`), in positional notation when the decimal exponent is in
+    /// `-4 ..= 15` (with `.0` when integral), else `d[.ddd]e±XX` with at least two exponent
+    /// digits.
+    pub(super) fn repr(value: f64) -> String {
+        if value == 0.0 {
+            return if value.is_sign_negative() {
+                "-0.0"
+            } else {
+                "0.0"
+            }
+            .to_owned();
+        }
+        let sci = format!("{:e}", value.abs());
+        let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+        let exp: i32 = exp.parse().unwrap_or(0);
+        let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+        let sign = if value.is_sign_negative() { "-" } else { "" };
+        if (-4..16).contains(&exp) {
+            // decimal point after `exp + 1` digits
+            let point = exp + 1;
+            let body = if point <= 0 {
+                format!("0.{}{digits}", "0".repeat(point.unsigned_abs() as usize))
+            } else if point as usize >= digits.len() {
+                format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
+            } else {
+                let (int, frac) = digits.split_at(point as usize);
+                format!("{int}.{frac}")
+            };
+            format!("{sign}{body}")
+        } else {
+            let (first, rest) = digits.split_at(1);
+            let mantissa = if rest.is_empty() {
+                first.to_owned()
+            } else {
+                format!("{first}.{rest}")
+            };
+            let exp_sign = if exp < 0 { '-' } else { '+' };
+            format!("{sign}{mantissa}e{exp_sign}{:02}", exp.unsigned_abs())
+        }
+    }
+
+    /// serde_json's compact formatter (its default methods) with Python's float format.
+    struct PythonFormatter;
+
+    impl Formatter for PythonFormatter {
+        fn write_f64<W: ?Sized + io::Write>(
+            &mut self,
+            writer: &mut W,
+            value: f64,
+        ) -> io::Result<()> {
+            writer.write_all(repr(value).as_bytes())
+        }
+
+        fn write_f32<W: ?Sized + io::Write>(
+            &mut self,
+            writer: &mut W,
+            value: f32,
+        ) -> io::Result<()> {
+            self.write_f64(writer, f64::from(value))
+        }
+    }
+
+    /// Serialises `value` as Python's compact `json.dumps` would.
+    pub(super) fn to_vec<T: Serialize>(value: &T) -> serde_json::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        value.serialize(&mut Serializer::with_formatter(&mut out, PythonFormatter))?;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]
@@ -404,6 +575,113 @@ mod tests {
     }
 
     #[test]
+    fn floats_are_formatted_as_python_repr() {
+        // Expected strings: Python 3.11 `repr(x)` of each value.
+        for (value, python) in [
+            (1e-05, "1e-05"),
+            (1e16, "1e+16"),
+            (9999999999999998.0, "9999999999999998.0"),
+            (0.0001, "0.0001"),
+            (5e-324, "5e-324"),
+            (f64::MAX, "1.7976931348623157e+308"),
+            (-0.0, "-0.0"),
+            (0.0, "0.0"),
+            (100.0, "100.0"),
+            (123456789.0, "123456789.0"),
+            (1.2345e-07, "1.2345e-07"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (-2.5e-10, "-2.5e-10"),
+            (1e22, "1e+22"),
+            (2f64.powi(63), "9.223372036854776e+18"),
+        ] {
+            assert_eq!(python_json::repr(value), python, "{value:e}");
+        }
+        let json = python_json::to_vec(&json!({"b": [1e-05, 1, -2, "é\u{1}"], "a": null})).unwrap();
+        assert_eq!(
+            String::from_utf8(json).unwrap(),
+            r#"{"b":[1e-05,1,-2,"é\u0001"],"a":null}"#
+        );
+    }
+
+    #[test]
+    fn json_floats_parse_correctly_rounded() {
+        // serde_json's default fast parser is off by one ulp on these (Python's values,
+        // bits from `struct.pack('<d', x)`); the workspace enables `float_roundtrip`.
+        for (text, bits) in [
+            ("-3.81871992853141e+108", 0xd67a0413f8ea3bd0_u64),
+            ("1.9164746950873022e+136", 0x5c3a5e04df081e4f),
+        ] {
+            let v: Value = serde_json::from_str(text).unwrap();
+            assert_eq!(v.as_f64().unwrap().to_bits(), bits, "{text}");
+        }
+    }
+
+    #[test]
+    fn decoder_follows_miles_null_markers_and_meta_rank() {
+        let mut s = sample();
+        s.loss_mask = None;
+        let payload = SamplesPayload {
+            samples: vec![s],
+            ..Default::default()
+        };
+        let bytes = encode_samples(&payload).unwrap();
+        let tensors = NamedTensors::from_safetensors_bytes(&bytes).unwrap();
+        let meta: Value = serde_json::from_slice(tensors.get(META_KEY).unwrap().data()).unwrap();
+        let repack = |meta: &Value, extra: Option<(&str, TensorBytes)>| {
+            let mut t = tensors.clone();
+            let json = serde_json::to_vec(meta).unwrap();
+            t.insert(
+                META_KEY,
+                TensorBytes::new(DType::U8, vec![json.len()], json).unwrap(),
+            );
+            if let Some((name, tensor)) = extra {
+                t.insert(name, tensor);
+            }
+            t.to_safetensors_bytes()
+        };
+        // A null marker naming a JSON field is malformed.
+        let mut bad = meta.clone();
+        bad["samples"][0]["nulls"] = json!(["loss_mask", "rollout_indexer_topk", "response"]);
+        let err = decode_samples(&repack(&bad, None), &Sample::default()).unwrap_err();
+        assert!(err.to_string().contains("non-tensor"), "{err}");
+        // A null-marked field whose tensor is present: the tensor is unreferenced.
+        let extra = TensorBytes::new(DType::U8, vec![2], vec![1, 0]).unwrap();
+        let err = decode_samples(
+            &repack(&meta, Some(("loss_mask.0", extra))),
+            &Sample::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unreferenced"), "{err}");
+        // Null tokens decode to an empty list (a 1-token sample without replay tables).
+        let mut null_tokens = meta.clone();
+        null_tokens["samples"][0]["nulls"] = json!([
+            "tokens",
+            "loss_mask",
+            "rollout_log_probs",
+            "rollout_routed_experts",
+            "rollout_indexer_topk"
+        ]);
+        null_tokens["samples"][0]["response_length"] = json!(0);
+        let mut t = NamedTensors::new();
+        let json = serde_json::to_vec(&null_tokens).unwrap();
+        t.insert(
+            META_KEY,
+            TensorBytes::new(DType::U8, vec![json.len()], json).unwrap(),
+        );
+        let decoded = decode_samples(&t.to_safetensors_bytes(), &Sample::default()).unwrap();
+        assert!(decoded.samples[0].tokens.is_empty());
+        // `_samples_meta` must be rank 1.
+        let mut t = tensors.clone();
+        let data = t.get(META_KEY).unwrap().data().to_vec();
+        t.insert(
+            META_KEY,
+            TensorBytes::new(DType::U8, vec![1, data.len()], data).unwrap(),
+        );
+        let err = decode_samples(&t.to_safetensors_bytes(), &Sample::default()).unwrap_err();
+        assert!(err.to_string().contains("rank 1"), "{err}");
+    }
+
+    #[test]
     fn decoder_rejects_extra_tensors_and_bad_input() {
         let payload = SamplesPayload {
             samples: vec![],
@@ -419,9 +697,16 @@ mod tests {
         );
         let err = decode_samples(&tensors.to_safetensors_bytes(), &Sample::default()).unwrap_err();
         assert!(err.to_string().contains("unreferenced"), "{err}");
+        // As in Miles, the input-defaults guard only applies when there are samples.
         let mut used = Sample::default();
         used.weight_versions.push("1".into());
-        assert!(decode_samples(&bytes, &used).is_err());
+        assert_eq!(decode_samples(&bytes, &used).unwrap(), payload);
+        let one = SamplesPayload {
+            samples: vec![sample()],
+            ..payload.clone()
+        };
+        let err = decode_samples(&encode_samples(&one).unwrap(), &used).unwrap_err();
+        assert!(err.to_string().contains("input sample"), "{err}");
         assert!(decode_samples(b"garbage", &Sample::default()).is_err());
     }
 }
