@@ -1,17 +1,49 @@
-//! Prompt data: JSONL datasets, epochs, seeded shuffling, a resumable cursor and a buffer of
-//! returned groups (MILES_SPEC §6.1).
+//! Prompt data: JSONL and Parquet datasets read as Miles' `--prompt-data`, epochs, seeded
+//! shuffling, a resumable cursor and a buffer of returned groups (MILES_SPEC §6.1).
+//!
+//! [`load_dataset`] picks the format from the extension (`.jsonl`, `.json` as JSON Lines,
+//! `.parquet`; anything else is an [`Error::DatasetFile`]) and maps each row to a
+//! [`PromptRecord`] the way Miles' `Dataset` does:
+//!
+//! * **prompt** (`--input-key`, default `input`): a string, or a list of chat messages
+//!   (Parquet: `list<struct<role, content, …>>`). Missing or null, another type, or a message
+//!   with an unknown role is a bad row. String prompts stay text; the [`crate::ChatPromptEncoder`]
+//!   wraps them in one user message when rendering, as `--apply-chat-template` does.
+//! * **label** (`--label-key`): a string is kept; any other value (number, struct…) becomes its
+//!   compact JSON text (`5`, `{"ground_truth":"5","style":"rule"}`); missing or null → `None`.
+//! * **metadata** (`--metadata-key`): an object (Parquet struct or map), or a string holding a
+//!   JSON object; missing, null or falsy (`""`, `0`, `[]`, `false`) → empty, as Miles'
+//!   `data.get(key) or {}`.
+//! * **tools** (`--tool-key`): a list, or a string holding a JSON list (Miles `json.loads` it);
+//!   stored as `metadata["tools"]`; null is treated as absent.
+//! * A key with dots (`reward_model.ground_truth`) is looked up as is first (Miles' plain
+//!   lookup), then, if absent, as a path through nested objects — an extension of ours.
+//!
+//! A bad row is an [`Error::DatasetRow`] naming file, row and key; with
+//! [`DatasetOptions::skip_bad_rows`] it is skipped and counted ([`SkippedRows`]). Rows are
+//! bounded by [`DatasetOptions::max_row_bytes`] (16 MiB by default): a longer JSONL line is
+//! refused without being read into memory.
 
 use std::collections::VecDeque;
 use std::path::Path;
 
-use miles_core::{Message, Prompt, Sample};
+use miles_core::{Prompt, Sample};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
-/// Which JSON keys of a dataset line hold what (Miles' `--input-key`, `--label-key`,
-/// `--metadata-key`, `--tool-key`).
+mod parquet_rows;
+mod read;
+
+pub use read::{
+    DEFAULT_MAX_ROW_BYTES, DatasetFormat, DatasetOptions, LoadedDataset, PromptDataPath,
+    REPORTED_BAD_ROWS, RowRange, SkippedRows, load_dataset,
+};
+
+/// Which keys of a dataset row hold what (Miles' `--input-key`, `--label-key`,
+/// `--metadata-key`, `--tool-key`). A dotted key also reaches into nested objects when no
+/// column has that exact name (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DatasetKeys {
@@ -58,72 +90,27 @@ impl PromptRecord {
     }
 }
 
-/// Parses a JSONL dataset. Blank lines are skipped; every other line must be a JSON object
-/// with the input key, else an [`Error::Dataset`] names the line.
+/// Parses JSONL text (strict: the first bad line is an [`Error::DatasetRow`] with file
+/// `<string>`). Blank lines are skipped.
 pub fn parse_jsonl(text: &str, keys: &DatasetKeys) -> Result<Vec<PromptRecord>> {
-    let mut out = Vec::new();
-    for (number, line) in text.lines().enumerate() {
-        let line_no = number + 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |reason: String| Error::Dataset {
-            line: line_no,
-            reason,
-        };
-        let Value::Object(mut object) =
-            serde_json::from_str::<Value>(line).map_err(|e| bad(e.to_string()))?
-        else {
-            return Err(bad("not a JSON object".into()));
-        };
-        let prompt = match object.remove(&keys.input_key) {
-            Some(Value::String(text)) => Prompt::Text(text),
-            Some(messages @ Value::Array(_)) => Prompt::Messages(
-                serde_json::from_value::<Vec<Message>>(messages)
-                    .map_err(|e| bad(format!("invalid messages: {e}")))?,
-            ),
-            Some(other) => {
-                return Err(bad(format!(
-                    "{:?} must be a string or a message list, found {other}",
-                    keys.input_key
-                )));
-            }
-            None => return Err(bad(format!("missing {:?}", keys.input_key))),
-        };
-        let label = match keys.label_key.as_ref().and_then(|k| object.remove(k)) {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(s),
-            Some(other) => Some(other.to_string()),
-        };
-        let mut metadata = match object.remove(&keys.metadata_key) {
-            None | Some(Value::Null) => Map::new(),
-            Some(Value::Object(map)) => map,
-            Some(other) => {
-                return Err(bad(format!(
-                    "{:?} must be an object, found {other}",
-                    keys.metadata_key
-                )));
-            }
-        };
-        if let Some(tools) = object.remove(&keys.tool_key) {
-            metadata.insert("tools".into(), tools);
-        }
-        out.push(PromptRecord {
-            prompt,
-            label,
-            metadata,
-        });
-    }
-    Ok(out)
+    let options = DatasetOptions::with_keys(keys.clone());
+    let file = Path::new("<string>");
+    let mut sink = read::RowSink::new(file, &options, None);
+    read::read_json_lines(text.as_bytes(), &mut sink).map_err(|e| match e {
+        read::ReadError::Io(source) => Error::Io {
+            path: file.to_path_buf(),
+            source,
+        },
+        read::ReadError::Other(e) => e,
+    })?;
+    Ok(sink.finish().records)
 }
 
-/// Reads and parses a JSONL dataset file.
+/// Reads a JSONL dataset file (strict). [`load_dataset`] reads Parquet too and can skip bad
+/// rows.
 pub fn load_jsonl(path: &Path, keys: &DatasetKeys) -> Result<Vec<PromptRecord>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-        path: path.to_path_buf(),
-        source: e,
-    })?;
-    parse_jsonl(&text, keys)
+    let options = DatasetOptions::with_keys(keys.clone());
+    Ok(load_dataset(&PromptDataPath::from(path), &options)?.records)
 }
 
 /// Where the data source is: saved in checkpoints so a resumed run continues with the next
@@ -353,11 +340,16 @@ mod tests {
     #[test]
     fn bad_lines_name_the_line() {
         let err = parse_jsonl("{\"input\": \"a\"}\n[1]\n", &DatasetKeys::default()).unwrap_err();
-        assert!(matches!(err, Error::Dataset { line: 2, .. }), "{err}");
+        assert!(matches!(&err, Error::DatasetRow(e) if e.row == 2), "{err}");
         let err = parse_jsonl("{\"question\": \"a\"}", &DatasetKeys::default()).unwrap_err();
-        assert!(matches!(err, Error::Dataset { line: 1, .. }));
+        assert!(
+            matches!(&err, Error::DatasetRow(e) if e.row == 1 && e.key.as_deref() == Some("input"))
+        );
         let err = parse_jsonl("{\"input\": 5}", &DatasetKeys::default()).unwrap_err();
-        assert!(err.to_string().contains("string or a message list"));
+        assert!(
+            err.to_string().contains("a string or a list of messages"),
+            "{err}"
+        );
         assert!(DataSource::new(Vec::new(), 2, false, 0).is_err());
     }
 

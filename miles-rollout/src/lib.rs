@@ -79,14 +79,17 @@ pub mod rm_hub;
 pub mod router;
 pub mod server;
 
-pub use data::{DataCursor, DataSource, DataSourceState, DatasetKeys, PromptRecord};
+pub use data::{
+    DataCursor, DataSource, DataSourceState, DatasetFormat, DatasetKeys, DatasetOptions,
+    LoadedDataset, PromptDataPath, PromptRecord, SkippedRows, load_dataset,
+};
 pub use encoder::ChatPromptEncoder;
 #[cfg(feature = "embedded")]
 pub use engine::{
     Detokenizer, EmbeddedEngine, EngineBuilder, EngineConfig, EngineStats, PrefillScorer,
     SequenceScorer,
 };
-pub use error::{Error, Result};
+pub use error::{Error, Result, RowError, RowErrorKind};
 pub use loops::{
     EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,
 };
