@@ -49,6 +49,12 @@ LIBRARY = {
     "--session-server-port": "miles-session binary --port",
     "--tito-model": "miles-session binary --tito",
 }
+# Miles' flags whose function `miles` covers under another name.
+RENAMED_EXTRA = {
+    "--tito-model": "--tito (the session server's TITO family)",
+    "--custom-agent-function-path": "--agent-cmd (a subprocess agent in any language)",
+    "--rollout-num-gpus": "--device / --rollout-device",
+}
 RENAMED = {
     "--tb-project-name": "--tensorboard-dir (alias accepted)",
     "--prometheus-port": "--metrics-port (Miles' spelling accepted with --use-prometheus)",
@@ -96,6 +102,8 @@ def status(flag, group):
         return "supported", ""
     if flag in RENAMED:
         return "renamed", RENAMED[flag]
+    if flag in RENAMED_EXTRA:
+        return "renamed", RENAMED_EXTRA[flag]
     if flag in LIBRARY and LIBRARY[flag]:
         return "library only", f"`{LIBRARY[flag]}`; not on the command line yet"
     if flag == "--dynamic-sampling-filter-path":

@@ -35,7 +35,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::Device;
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample, SamplingParams,
@@ -112,6 +111,7 @@ fn cli() -> Cli {
         .option("--hidden-size", "N", Some("96"), "width of the built GLM-4-MoE")
         .option("--num-layers", "N", Some("3"), "layers of the built GLM-4-MoE (the first dense)")
         .option("--seed", "N", Some("1234"), "seed of data, model and sampling")
+        .option("--device", "DEV", Some("flex"), "device of the model, trainer and embedded engine: flex | wgpu[:N] | wgpu-cpu | cuda[:N] (wgpu / cuda need the `wgpu` / `cuda` feature)")
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -163,7 +163,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let n: usize = args.parsed("--n-samples-per-prompt")?;
     let num_rollout: u64 = args.parsed("--num-rollout")?;
     let use_r3 = args.boolean("--use-rollout-routing-replay")?;
-    let device = Device::flex();
+    let device = miles_ops::device::parse_device(args.get("--device").unwrap_or("flex"))?;
 
     // 1. The model directory: built from a config (tokenizer + Qwen3 template + GLM-4-MoE),
     //    or a real HF checkpoint.
@@ -246,13 +246,18 @@ async fn run(args: Args) -> Result<(), BoxError> {
             .count();
         // An engine started with --api-key needs the key: MILES_API_KEY.
         let key = miles_session::guard::ApiKey::from_env()?;
+        // Each version is written once for all servers; the two newest stay on disk.
+        let publisher = Arc::new(
+            miles_session::sglang::WeightPublisher::new(out.join("weights")).with_keep(2),
+        );
         let engines = urls
             .iter()
             .enumerate()
             .map(|(i, url)| {
-                let mut c = SglangConfig::new(url.clone()).with_api_key(key.clone());
+                let mut c = SglangConfig::new(url.clone())
+                    .with_api_key(key.clone())
+                    .with_publisher(publisher.clone());
                 c.num_layers = Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0);
-                c.shared_weights_dir = Some(out.join("weights"));
                 (
                     format!("engine-{i}"),
                     Arc::new(SglangEngine::new(c)) as Arc<dyn InferenceEngine>,

@@ -23,9 +23,14 @@ use miles_core::{
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::device::DeviceSpec;
 use miles_rollout::{
-    BuiltinReward, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter, EvalSet, LoopConfig,
-    PromptRecord, RemoteReward, RlLoop, RolloutConfig, RolloutManager, Router, SharedTrainer,
+    AgentGenerator, BuiltinReward, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter,
+    EvalSet, LoopConfig, PromptRecord, RemoteReward, RlLoop, RmHubReward, RmType, RolloutConfig,
+    RolloutManager, Router, SharedTrainer,
 };
+use miles_rollout::data::{DatasetOptions, PromptDataPath, load_dataset};
+use miles_session::agent::{AgentDriverConfig, AgentReward};
+use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
+use miles_session::{SessionServer, SessionServerConfig, TitoChat};
 use miles_session::sglang::{SglangConfig, SglangEngine};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
@@ -78,7 +83,7 @@ pub fn flag_set() -> FlagSet {
         .value("--rollout-device", "DEV", None, "device of the embedded engine (default: --device)")
         .value("--seed", "N", Some("1234"), "seed of initialisation and shuffling")
         .group("Data")
-        .value("--prompt-data", "FILE", None, "training prompts: JSONL (.jsonl / .json)")
+        .value("--prompt-data", "FILE", None, "training prompts: JSONL (.jsonl / .json) or Parquet (.parquet); FILE@[a:b] takes rows a..b")
         .value("--input-key", "KEY", Some("input"), "the prompt: a string or a list of chat messages")
         .value("--label-key", "KEY", None, "the reference answer")
         .value("--tool-key", "KEY", Some("tools"), "the tool list of a prompt")
@@ -87,6 +92,8 @@ pub fn flag_set() -> FlagSet {
         .value("--apply-chat-template-kwargs", "JSON", Some("{}"), "extra chat-template kwargs, e.g. {\"enable_thinking\": false}")
         .switch("--rollout-shuffle", "shuffle the prompts each epoch")
         .value("--num-epoch", "N", None, "passes over the prompts (sets --num-rollout when that is not given)")
+        .switch("--skip-bad-rows", "skip (and count) prompt rows that cannot be used instead of failing on the first")
+        .value("--max-row-bytes", "N", Some("16777216"), "largest prompt row in bytes")
         .group("Rollout")
         .value("--num-rollout", "N", None, "training steps (rollouts)")
         .value("--rollout-batch-size", "N", None, "prompts per rollout (required)")
@@ -136,14 +143,24 @@ pub fn flag_set() -> FlagSet {
         .nargs("--eval-prompt-data", "NAME PATH", "evaluation sets as name / file pairs")
         .value("--eval-interval", "N", None, "evaluate every N rollouts (and before training)")
         .value("--n-samples-per-eval-prompt", "N", Some("1"), "samples per evaluation prompt")
+        .switch("--skip-eval-before-train", "do not evaluate before the first rollout")
         .value("--eval-temperature", "T", None, "evaluation temperature (default: the rollout's)")
+        .value("--eval-top-p", "P", None, "evaluation nucleus sampling (default: the rollout's)")
+        .value("--eval-top-k", "K", None, "evaluation top-k (default: the rollout's)")
+        .value("--eval-input-key", "KEY", None, "the evaluation sets' prompt key (default: --input-key)")
+        .value("--eval-label-key", "KEY", None, "the evaluation sets' label key (default: --label-key)")
+        .value("--eval-tool-key", "KEY", None, "the evaluation sets' tool key (default: --tool-key)")
         .value("--eval-max-response-len", "N", None, "evaluation response limit (default: the rollout's)")
         .group("Reward")
-        .value("--rm-type", "NAME", None, "built-in reward: math | exact_match | numeric_match | remote_rm")
+        .value("--rm-type", "NAME", None, "Miles' rm_hub rule: math | dapo | deepscaler | gemma_math | f1 | gpqa | random | deterministic_random | remote_rm, each also as boxed_NAME; or exact_match | numeric_match. A sample's metadata rm_type overrides it")
         .value("--rm-url", "URL", None, "reward-model server for remote_rm")
+        .group("Agents")
+        .value("--agent-cmd", "CMD", None, "an agent in any language, run with sh -c once per sample against an in-process session server (OPENAI_BASE_URL, OPENAI_API_KEY; the sample as JSON on stdin; optional {\"reward\": …, \"metadata\": …} as the last stdout line)")
+        .value("--agent-timeout-s", "S", Some("3600"), "an agent's wall-clock limit (0: none); past it the sample is ABORTED")
+        .switch("--use-session-server", "implied by --agent-cmd (the session server records exact tokens, log-probs and routed experts)")
         .value("--reward-key", "KEY", None, "which entry of a dict reward to train on")
-        .group("SFT")
-        .value("--tito", "FAMILY", Some("default"), "sft: the TITO family whose template tokenizes the conversations")
+        .group("Chat template")
+        .value("--tito", "FAMILY", Some("default"), "the TITO family of the session server (--agent-cmd) and of sft's tokenization: default | qwen3 | glm47 | …")
         .group("Logging and metrics")
         .switch("--use-tensorboard", "write TensorBoard event files (step = rollout id)")
         .value("--tensorboard-dir", "DIR", None, "TensorBoard directory (default: $TENSORBOARD_DIR, else OUTPUT/tensorboard)")
@@ -245,39 +262,91 @@ fn dataset_keys(a: &FlagValues) -> Result<DatasetKeys, BoxError> {
     })
 }
 
-/// Reads a prompt file (JSONL).
-fn load_prompts(path: &Path, keys: &DatasetKeys) -> Result<Vec<PromptRecord>, BoxError> {
-    let records = miles_rollout::data::load_jsonl(path, keys)?;
-    if records.is_empty() {
-        return Err(format!("{}: no prompts", path.display()).into());
+/// Reads a prompt file (JSONL or Parquet, with an optional `@[a:b]` row slice); with
+/// `--skip-bad-rows` prints how many rows were skipped and why the first were.
+fn load_prompts(a: &FlagValues, path: &str, keys: &DatasetKeys) -> Result<Vec<PromptRecord>, BoxError> {
+    let source: PromptDataPath = path.parse()?;
+    let options = DatasetOptions {
+        keys: keys.clone(),
+        skip_bad_rows: a.switch("--skip-bad-rows"),
+        max_row_bytes: a.parse_required("--max-row-bytes")?,
+    };
+    let loaded = load_dataset(&source, &options)?;
+    if loaded.skipped.count > 0 {
+        println!("{path}: {}", loaded.skipped);
     }
-    Ok(records)
+    if loaded.records.is_empty() {
+        return Err(format!("{path}: no prompts").into());
+    }
+    Ok(loaded.records)
 }
 
-/// The reward of `--rm-type` / `--rm-url`.
-fn reward(a: &FlagValues) -> Result<Arc<dyn RewardFn>, BoxError> {
+/// The reward of `--rm-type` / `--rm-url` (Miles' rm_hub, per-sample `metadata["rm_type"]`
+/// first), and with `--agent-cmd` the agent's own reward first.
+fn reward(a: &FlagValues, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
     let rm_type = a.get("--rm-type");
-    if let Some(url) = a.get("--rm-url")
-        && matches!(rm_type, None | Some("remote_rm"))
-    {
-        return Ok(Arc::new(RemoteReward::new(
-            url,
-            std::time::Duration::from_secs(60),
-        )));
-    }
-    Ok(match rm_type {
-        Some("math" | "boxed_math") => Arc::new(BuiltinReward::Math),
-        Some("exact_match") => Arc::new(BuiltinReward::ExactMatch),
-        Some("numeric_match") => Arc::new(BuiltinReward::NumericMatch { tolerance: 1e-6 }),
-        Some("remote_rm") => return Err("--rm-type remote_rm needs --rm-url".into()),
-        Some(other) => {
-            return Err(format!(
-                "--rm-type {other:?}: expected math, exact_match, numeric_match or remote_rm"
-            )
-            .into());
+    let remote = a
+        .get("--rm-url")
+        .map(|url| RemoteReward::new(url, std::time::Duration::from_secs(60)));
+    let rule: Option<Arc<dyn RewardFn>> = match rm_type {
+        Some("exact_match") => Some(Arc::new(BuiltinReward::ExactMatch)),
+        Some("numeric_match") => Some(Arc::new(BuiltinReward::NumericMatch { tolerance: 1e-6 })),
+        None if remote.is_none() => None,
+        _ => {
+            let global = rm_type
+                .map(RmType::from_rm_type)
+                .transpose()
+                .map_err(|e| format!("--rm-type: {e}"))?;
+            let mut hub = RmHubReward::new(global).with_seed(seed);
+            if let Some(remote) = remote {
+                hub = hub.with_remote(remote);
+            }
+            Some(Arc::new(hub))
         }
-        None => return Err("--rm-type (or --rm-url) is required".into()),
+    };
+    Ok(match (a.get("--agent-cmd"), rule) {
+        (Some(_), Some(rule)) => Arc::new(AgentReward::new().with_fallback(rule)),
+        (Some(_), None) => Arc::new(AgentReward::new()),
+        (None, Some(rule)) => rule,
+        (None, None) => return Err("--rm-type (or --rm-url, or an --agent-cmd that prints rewards) is required".into()),
     })
+}
+
+/// With `--agent-cmd`: a session server over `engine` on loopback (TITO family `--tito`) and
+/// the agent as the rollout's sample generator.
+async fn agent_generator(
+    a: &FlagValues,
+    c: &Common,
+    engine: &Arc<dyn InferenceEngine>,
+    use_r3: bool,
+) -> Result<Option<Arc<AgentGenerator>>, BoxError> {
+    let Some(cmd) = a.get("--agent-cmd") else {
+        return Ok(None);
+    };
+    let chat = TitoChat::load(&c.hf, a.required("--tito")?)?;
+    let server = SessionServer::new(
+        engine.clone(),
+        Arc::new(chat),
+        SessionServerConfig {
+            return_routed_experts: use_r3,
+            ..SessionServerConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let app = server.router();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    println!("session server on {url}; agent: {cmd}");
+    let mut config = CommandAgentConfig::shell(cmd);
+    config.timeout = match a.parse_required::<f64>("--agent-timeout-s")? {
+        t if t > 0.0 && t.is_finite() => Some(std::time::Duration::from_secs_f64(t)),
+        _ => None,
+    };
+    let agent = Arc::new(CommandAgent::new(config)?);
+    Ok(Some(Arc::new(AgentGenerator::new(
+        agent,
+        AgentDriverConfig::new(url),
+    ))))
 }
 
 fn sampling(a: &FlagValues, eos_ids: &[u32]) -> Result<SamplingParams, BoxError> {
@@ -316,13 +385,18 @@ fn engines(
         )?);
     }
     let key = miles_session::guard::ApiKey::from_env()?;
+    // Each version is written once for all servers; the two newest stay on disk.
+    let publisher = Arc::new(
+        miles_session::sglang::WeightPublisher::new(c.out.join("weights")).with_keep(2),
+    );
     let engines = urls
         .iter()
         .enumerate()
         .map(|(i, url)| {
-            let mut config = SglangConfig::new(url.clone()).with_api_key(key.clone());
+            let mut config = SglangConfig::new(url.clone())
+                .with_api_key(key.clone())
+                .with_publisher(publisher.clone());
             config.num_layers = num_layers;
-            config.shared_weights_dir = Some(c.out.join("weights"));
             (
                 format!("engine-{i}"),
                 Arc::new(SglangEngine::new(config)) as Arc<dyn InferenceEngine>,
@@ -369,17 +443,33 @@ fn eval_sets(
     base: &RolloutConfig,
     engine: &Arc<dyn InferenceEngine>,
     reward: &Arc<dyn RewardFn>,
+    generator: Option<&Arc<AgentGenerator>>,
 ) -> Result<Vec<EvalSet>, BoxError> {
     let pairs = a.all("--eval-prompt-data");
     if pairs.len() % 2 != 0 {
         return Err("--eval-prompt-data takes NAME PATH pairs".into());
     }
-    let keys = dataset_keys(a)?;
+    let mut keys = dataset_keys(a)?;
+    if let Some(k) = a.get("--eval-input-key") {
+        keys.input_key = k.to_owned();
+    }
+    if let Some(k) = a.get("--eval-label-key") {
+        keys.label_key = Some(k.to_owned());
+    }
+    if let Some(k) = a.get("--eval-tool-key") {
+        keys.tool_key = k.to_owned();
+    }
     let mut sampling = base.sampling.clone();
     if let Some(t) = a.parse("--eval-temperature")? {
         sampling.temperature = t;
     }
-    let manager = Arc::new(RolloutManager::new(
+    if let Some(p) = a.parse("--eval-top-p")? {
+        sampling.top_p = p;
+    }
+    if let Some(k) = a.parse("--eval-top-k")? {
+        sampling.top_k = k;
+    }
+    let mut manager = RolloutManager::new(
         RolloutConfig {
             n_samples_per_prompt: a.parse_required("--n-samples-per-eval-prompt")?,
             sampling,
@@ -395,13 +485,17 @@ fn eval_sets(
         engine.clone(),
         c.encoder.clone(),
         reward.clone(),
-    )?);
+    )?;
+    if let Some(generator) = generator {
+        manager = manager.with_generator(generator.clone());
+    }
+    let manager = Arc::new(manager);
     pairs
         .chunks(2)
         .map(|pair| {
             Ok(EvalSet {
                 name: pair[0].clone(),
-                prompts: load_prompts(Path::new(&pair[1]), &keys)?,
+                prompts: load_prompts(a, &pair[1], &keys)?,
                 manager: manager.clone(),
             })
         })
@@ -477,6 +571,7 @@ fn sinks(
     resume: bool,
     num_rollout: u64,
     eval_key: &str,
+    buffer_capacity_groups: Option<f64>,
 ) -> Result<
     (
         Arc<dyn MetricsSink>,
@@ -516,6 +611,9 @@ fn sinks(
         Some(port) => {
             let registry = Arc::new(miles_core::prometheus::Registry::new());
             let trainer = miles_core::prometheus::TrainerMetrics::register(&registry)?;
+            if let Some(capacity) = buffer_capacity_groups {
+                trainer.buffer_capacity_groups.set(capacity);
+            }
             list.push(Box::new(miles_core::TrainerMetricsSink::new(trainer)));
             list.push(Box::new(miles_core::PrometheusMetricsSink::new(
                 registry.clone(),
@@ -536,8 +634,7 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
     let started = Instant::now();
     let c = common(a)?;
     let keys = dataset_keys(a)?;
-    let prompt_path = PathBuf::from(a.required("--prompt-data")?);
-    let prompts = load_prompts(&prompt_path, &keys)?;
+    let prompts = load_prompts(a, a.required("--prompt-data")?, &keys)?;
     let use_r3 = a.switch("--use-rollout-routing-replay");
     let model = CausalLm::from_pretrained(&c.hf, &c.device.clone().autodiff())?;
     if use_r3 && !model.config.has_moe() {
@@ -546,12 +643,13 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
     let moe_layers = (0..model.config.num_hidden_layers)
         .filter(|&l| model.config.is_moe_layer(l))
         .count();
-    let reward = reward(a)?;
+    let reward = reward(a, c.seed)?;
     let engine = engines(
         a,
         &c,
         Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0),
     )?;
+    let generator = agent_generator(a, &c, &engine, use_r3).await?;
     let rollout = rollout_config(a, &c, use_r3)?;
     let n = rollout.n_samples_per_prompt;
     let num_rollout: u64 = match (
@@ -564,16 +662,20 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         }
         (None, None) => return Err("--num-rollout or --num-epoch is required".into()),
     };
-    let evals = eval_sets(a, &c, &rollout, &engine, &reward)?;
+    let evals = eval_sets(a, &c, &rollout, &engine, &reward, generator.as_ref())?;
     let eval_key = evals.first().map_or("eval/raw_reward".to_string(), |s| {
         format!("eval/{}/raw_reward", s.name)
     });
-    let manager = Arc::new(RolloutManager::new(
+    let mut manager = RolloutManager::new(
         rollout.clone(),
         engine.clone(),
         c.encoder.clone(),
         reward.clone(),
-    )?);
+    )?;
+    if let Some(generator) = &generator {
+        manager = manager.with_generator(generator.clone());
+    }
+    let manager = Arc::new(manager);
     let mut actor = Actor::new(model, train_config(a, n, use_r3, c.seed)?)?;
     if let Some(dir) = a.get("--ref-load") {
         actor = actor.with_reference(CausalLm::from_pretrained(dir, &c.device)?)?;
@@ -601,7 +703,13 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
             .into());
         }
     };
-    let (sink, progress, metrics_server) = sinks(a, &c.out, resume, num_rollout, &eval_key)?;
+    let defaults = LoopConfig::default();
+    // The fully async loop's buffer holds this many groups (Miles' formula).
+    let capacity = asynchronous.then(|| {
+        (defaults.async_data_buffer_capacity_factor * rollout.rollout_batch_size as f64).floor()
+    });
+    let (sink, progress, metrics_server) =
+        sinks(a, &c.out, resume, num_rollout, &eval_key, capacity)?;
     let loop_config = LoopConfig {
         num_rollout,
         update_weights_interval: a.parse_required("--update-weights-interval")?,
@@ -609,7 +717,7 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         save_interval: a.parse("--save-interval")?,
         save: Some(save.clone()),
         keep_checkpoints: a.parse("--keep-checkpoints")?,
-        ..LoopConfig::default()
+        ..defaults
     };
     let eval_interval: Option<u64> = a.parse("--eval-interval")?;
     let data = DataSource::new(prompts, n, a.switch("--rollout-shuffle"), c.seed)?;
@@ -625,7 +733,7 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         }
         println!("resumed at step {step} from {}", save.display());
         summary["resumed_at"] = json!(step);
-    } else if eval_interval.is_some() {
+    } else if eval_interval.is_some() && !a.switch("--skip-eval-before-train") {
         let before = rl.evaluate().await?;
         sink.log(0, &before)?;
         summary["eval_before"] = json!(before);
@@ -689,13 +797,14 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
 
 async fn eval(a: &FlagValues) -> Result<Value, BoxError> {
     let c = common(a)?;
-    let reward = reward(a)?;
+    let reward = reward(a, c.seed)?;
     let engine = engines(a, &c, None)?;
+    let generator = agent_generator(a, &c, &engine, false).await?;
     let base = RolloutConfig {
         rollout_batch_size: 1,
         ..rollout_config_for_eval(a, &c)?
     };
-    let sets = eval_sets(a, &c, &base, &engine, &reward)?;
+    let sets = eval_sets(a, &c, &base, &engine, &reward, generator.as_ref())?;
     if sets.is_empty() {
         return Err("eval needs --eval-prompt-data NAME PATH [NAME PATH ...]".into());
     }

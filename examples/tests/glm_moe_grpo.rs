@@ -1,7 +1,9 @@
 //! The RL examples end to end, as a user runs them: the reference binary for a few GRPO steps
 //! at tiny size (reward, loss and version bookkeeping), a run of it killed mid-way (SIGKILL)
-//! then resumed with `--resume` (it finishes every step exactly once), and the agentic
-//! example (GRPO through a session server, TITO mismatch rate 0).
+//! then resumed with `--resume` (it finishes every step exactly once), the same binary on an
+//! HF checkpoint directory (`--hf-checkpoint`) and rolling out on a `miles-rollout serve`
+//! process (`--engine-url`), and the agentic example (GRPO through a session server, TITO
+//! mismatch rate 0).
 //!
 //! `cargo test` builds the examples before the tests, so the binaries sit next to the test
 //! executable (`target/<profile>/examples/<name>`).
@@ -290,5 +292,112 @@ fn the_agentic_example_trains_through_sessions_without_tito_mismatches() {
     }
     assert!(out.join("final/model.safetensors").exists());
     assert!(out.join("warm_start/model.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The HF model directory of the serving fixture (a tiny Qwen3 with tokenizer and template).
+fn served_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/serve/qwen3-tiny-chat")
+}
+
+/// `--hf-checkpoint`: the reference binary trains a checkpoint directory it did not build
+/// (a dense Qwen3, so without R3) and writes it back with a version per step.
+#[test]
+fn the_reference_binary_trains_an_hf_checkpoint() {
+    let out = fresh_dir("hf");
+    let status = Command::new(binary("glm_moe_grpo"))
+        .args(tiny_args(&out, 2))
+        .arg("--hf-checkpoint")
+        .arg(served_fixture())
+        .args(["--sync", "--use-rollout-routing-replay", "false"])
+        .stdout(Stdio::null())
+        .status()
+        .expect("run the example");
+    assert!(status.success());
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["weight_version"], 2, "{summary}");
+    let train = training_records(&out);
+    assert_eq!(train.len(), 2);
+    for m in &train {
+        assert!(m["train/pg_loss"].is_finite() && m["train/grad_norm"].is_finite());
+    }
+    // The trained weights keep the checkpoint's tensor names and shapes.
+    let trained = std::fs::read(out.join("final/model.safetensors")).unwrap();
+    let original = std::fs::read(served_fixture().join("model.safetensors")).unwrap();
+    let names = |bytes: &[u8]| {
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let mut v: Vec<(String, Value)> = header
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| *k != "__metadata__")
+            .map(|(k, v)| (k.clone(), v["shape"].clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    assert_eq!(names(&trained), names(&original));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `--engine-url`: the reference binary rolls out on a `miles-rollout serve` process over
+/// loopback and pushes each new version to it through `update_weights_from_disk`.
+#[test]
+fn the_reference_binary_rolls_out_on_a_served_engine() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let out = fresh_dir("served");
+    std::fs::create_dir_all(&out).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let server_bin = exe.parent().and_then(Path::parent).unwrap().join("miles-rollout");
+    assert!(server_bin.exists(), "{} missing", server_bin.display());
+    let mut server = Command::new(server_bin)
+        .args(["serve", "--port", "0", "--model"])
+        .arg(served_fixture())
+        .arg("--weights-root")
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line.trim().strip_prefix("listening on ").unwrap().to_owned();
+    let status = Command::new(binary("glm_moe_grpo"))
+        .args(tiny_args(&out, 2))
+        .arg("--hf-checkpoint")
+        .arg(served_fixture())
+        .args(["--engine-url", &url])
+        .args(["--sync", "--use-rollout-routing-replay", "false"])
+        .stdout(Stdio::null())
+        .status()
+        .expect("run the example");
+    // The server's version, asked over plain HTTP.
+    let addr = url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "GET /get_weight_version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(status.success());
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["weight_version"], 2, "{summary}");
+    // The warm-start is version 0; the two GRPO steps pushed versions 1 and 2.
+    assert!(answer.contains(r#""weight_version":"2""#), "{answer}");
+    assert!(out.join("weights").exists(), "no weights written for the server");
+    let train = training_records(&out);
+    assert_eq!(train.len(), 2);
+    for m in &train {
+        assert!((0.0..=1.0).contains(&m["rollout/raw_reward"]));
+    }
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -63,10 +63,20 @@ fn json_file(path: &Path) -> Value {
 }
 
 fn metric_rows(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+    let text = std::fs::read_to_string(path).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    lines
+        .iter()
+        .enumerate()
+        // A killed run may leave its last line unfinished; every other line must parse.
+        .filter_map(|(i, l)| match serde_json::from_str(l) {
+            Ok(v) => Some(v),
+            Err(e) if i + 1 == lines.len() && !text.ends_with('\n') => {
+                eprintln!("unfinished last line skipped: {e}");
+                None
+            }
+            Err(e) => panic!("{}:{}: {e}: {l}", path.display(), i + 1),
+        })
         .collect()
 }
 
@@ -211,6 +221,42 @@ fn train_sync_reports_what_a_user_reads() {
         .as_f64()
         .unwrap();
     assert!((0.0..=1.0).contains(&r));
+    // A Parquet set in DAPO-Math's schema (message-list prompts, the label in a struct) and
+    // the same rows as JSONL, scored with Miles' `dapo` rule.
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/data");
+    let parquet_out = dir.join("eval_parquet");
+    run(miles().args([
+        "eval",
+        "--hf-checkpoint",
+        out.join("final").to_str().unwrap(),
+        "--apply-chat-template",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "reward_model.ground_truth",
+        "--rm-type",
+        "dapo",
+        // Miles' dapo rule returns {score, acc, pred}; training reads `score`.
+        "--reward-key",
+        "score",
+        "--rollout-max-response-len",
+        "4",
+        "--eval-prompt-data",
+        "dapo",
+        fixtures.join("dapo_math.snappy.parquet").to_str().unwrap(),
+        "jsonl",
+        fixtures.join("dapo_math.jsonl").to_str().unwrap(),
+        "--output-dir",
+        parquet_out.to_str().unwrap(),
+    ]));
+    let eval = json_file(&parquet_out.join("eval.json"));
+    // The five rows of each file, one sample each; four response tokens hold no
+    // `Answer: …` line, which Miles' dapo rule scores −1.
+    for set in ["dapo", "jsonl"] {
+        assert_eq!(eval["eval"][set][format!("eval/{set}/samples")], 5.0, "{eval}");
+        let r = eval["eval"][set][format!("eval/{set}/raw_reward")].as_f64();
+        assert_eq!(r, Some(-1.0), "{eval}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -285,6 +331,28 @@ fn train_async_resumes_after_a_kill_and_serves_metrics() {
         out.join("tensorboard").read_dir().unwrap().next().is_some(),
         "no event file"
     );
+    // TensorBoard's reader sees the steps of metrics.jsonl with the same values (the last
+    // step may be missing if the kill fell between the two sinks).
+    if let Some(scalars) = tensorboard_scalars(&out.join("tensorboard")) {
+        let rows = metric_rows(&out.join("metrics.jsonl"));
+        let points = scalars["rollout/raw_reward"]
+            .as_array()
+            .expect("rollout/raw_reward");
+        assert!(!points.is_empty());
+        for point in points {
+            let step = point[0].as_u64().unwrap();
+            let row = rows
+                .iter()
+                .find(|r| r["step"] == step && r.get("rollout/raw_reward").is_some())
+                .unwrap_or_else(|| panic!("step {step} not in metrics.jsonl"));
+            let want = row["rollout/raw_reward"].as_f64().unwrap();
+            assert!(
+                (point[1].as_f64().unwrap() - want).abs() < 1e-6,
+                "{point:?} vs {want}"
+            );
+        }
+        assert!(scalars.get("train/pg_loss").is_some(), "{scalars}");
+    }
     // Resume from the same directory: it continues, and ends at the full count.
     let resumed = run(common("60").arg("--load").arg(&save));
     let stdout = String::from_utf8_lossy(&resumed.stdout);
@@ -297,13 +365,51 @@ fn train_async_resumes_after_a_kill_and_serves_metrics() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Parses the scraped text with the real Prometheus parser (`prometheus_client`, from
-/// `MILES_TORCH_PYTHON` or `.venv-ref`, as `.ci/run` makes it) and checks the trainer's
-/// families. Without such a Python: a failure in CI, a loud NOT RUN line elsewhere.
-fn parse_with_prometheus_client(response: &str) {
-    let text = response
-        .split_once("\r\n\r\n")
-        .map_or(response, |(_, body)| body);
+#[test]
+fn train_async_with_an_agent_in_python() {
+    let dir = scratch("agent");
+    let (model, train, held_out) = setup(&dir);
+    let out = dir.join("run");
+    let agent = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/agents/sum_agent.py");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    // No --rm-type: the agent's own reward is trained on.
+    let flags: Vec<String> = train_flags(&model, &train, &held_out, &out)
+        .into_iter()
+        .filter(|f| f != "--rm-type" && f != "math")
+        .collect();
+    run(miles()
+        .arg("train-async")
+        .args(&flags)
+        .args(["--num-rollout", "3", "--tito", "qwen3", "--agent-timeout-s", "120"])
+        .arg("--agent-cmd")
+        .arg(format!("{python} {}", agent.display())));
+    let summary = json_file(&out.join("summary.json"));
+    assert_eq!(summary["weight_version"], 3, "{summary}");
+    let rows = metric_rows(&out.join("metrics.jsonl"));
+    let train_rows: Vec<&Value> = rows
+        .iter()
+        .filter(|r| r.get("train/pg_loss").is_some())
+        .collect();
+    assert_eq!(train_rows.len(), 3);
+    for row in train_rows {
+        let reward = finite(row, "rollout/raw_reward");
+        assert!((0.0..=1.0).contains(&reward), "{row}");
+        // Every session went through TITO without a mismatch.
+        assert_eq!(
+            finite(row, "rollout/tito_session_mismatch_rate/v1"),
+            0.0,
+            "{row}"
+        );
+    }
+    // The agent ran once per sample (its answer is in the samples' metadata) and the held-out
+    // evaluation went through it too.
+    assert!(summary["eval_after"]["eval/sums/raw_reward"].is_number(), "{summary}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The first Python (`MILES_TORCH_PYTHON`, then `.venv-ref`, as `.ci/run` makes it) that
+/// imports `module`. Without one: a failure in CI, a loud NOT RUN line elsewhere.
+fn python_with(module: &str) -> Option<PathBuf> {
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-ref/bin/python");
     let python = std::env::var_os("MILES_TORCH_PYTHON")
         .map(PathBuf::from)
@@ -311,14 +417,42 @@ fn parse_with_prometheus_client(response: &str) {
         .chain([venv])
         .find(|p| {
             Command::new(p)
-                .args(["-c", "import prometheus_client"])
+                .args(["-c", &format!("import {module}")])
                 .output()
                 .is_ok_and(|o| o.status.success())
         });
-    let Some(python) = python else {
-        let msg = "no Python with prometheus_client (MILES_TORCH_PYTHON or .venv-ref)";
+    if python.is_none() {
+        let msg = format!("no Python with {module} (MILES_TORCH_PYTHON or .venv-ref)");
         assert!(std::env::var_os("CI").is_none(), "{msg}");
-        eprintln!("\n######## NOT RUN: /metrics through prometheus_client: {msg} ########\n");
+        eprintln!("\n######## NOT RUN: a check through {module}: {msg} ########\n");
+    }
+    python
+}
+
+/// The TensorBoard files of a run, read by TensorBoard's own reader: `tag → [[step, value]]`.
+fn tensorboard_scalars(dir: &Path) -> Option<Value> {
+    let python = python_with("tensorboard")?;
+    let script = "import json, sys\nfrom tensorboard.backend.event_processing import event_accumulator\n\
+                  acc = event_accumulator.EventAccumulator(sys.argv[1], size_guidance={'scalars': 0})\n\
+                  acc.Reload()\n\
+                  print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))";
+    let out = Command::new(python)
+        .args(["-c", script])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    Some(serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// Parses the scraped text with the real Prometheus parser (`prometheus_client`, from
+/// `MILES_TORCH_PYTHON` or `.venv-ref`, as `.ci/run` makes it) and checks the trainer's
+/// families. Without such a Python: a failure in CI, a loud NOT RUN line elsewhere.
+fn parse_with_prometheus_client(response: &str) {
+    let text = response
+        .split_once("\r\n\r\n")
+        .map_or(response, |(_, body)| body);
+    let Some(python) = python_with("prometheus_client") else {
         return;
     };
     let script = "import json, sys\nfrom prometheus_client.parser import text_string_to_metric_families\n\

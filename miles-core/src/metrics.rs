@@ -54,6 +54,9 @@ impl JsonlMetricsSink {
             .truncate(!append)
             .open(path)
             .map_err(|e| Error::io(path, e))?;
+        if append {
+            drop_partial_last_line(path).map_err(|e| Error::io(path, e))?;
+        }
         Ok(Self {
             path: path.to_path_buf(),
             writer: Mutex::new(BufWriter::new(file)),
@@ -75,6 +78,35 @@ pub fn metrics_line(step: u64, metrics: &Metrics) -> String {
         object.insert(name.clone(), value);
     }
     Value::Object(object).to_string()
+}
+
+/// Cuts a line left unfinished by a killed writer (no final newline) off the end of `path`, so
+/// appended lines start on a line of their own and the file stays one JSON object per line.
+fn drop_partial_last_line(path: &Path) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = OpenOptions::new().read(true).write(true).open(path)?;
+    let len = file.metadata()?.len();
+    let mut end = len;
+    let mut chunk = vec![0u8; 64 * 1024];
+    while end > 0 {
+        let start = end.saturating_sub(chunk.len() as u64);
+        let n = (end - start) as usize;
+        file.seek(SeekFrom::Start(start))?;
+        file.read_exact(&mut chunk[..n])?;
+        if let Some(at) = chunk[..n].iter().rposition(|&b| b == b'\n') {
+            let keep = start + at as u64 + 1;
+            if keep < len {
+                file.set_len(keep)?;
+            }
+            return Ok(());
+        }
+        end = start;
+    }
+    // No newline at all: the whole file is one unfinished line.
+    if len > 0 {
+        file.set_len(0)?;
+    }
+    Ok(())
 }
 
 impl MetricsSink for JsonlMetricsSink {
@@ -186,6 +218,25 @@ impl MetricsSink for FanoutMetricsSink {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn appending_drops_a_line_cut_by_a_kill() {
+        let path = std::env::temp_dir().join(format!("miles-jsonl-cut-{}", std::process::id()));
+        std::fs::write(&path, "{\"step\":0,\"a\":1}\n{\"step\":1,\"a\"").unwrap();
+        let sink = JsonlMetricsSink::append(&path).unwrap();
+        let mut m = Metrics::new();
+        m.insert("a".into(), 2.0);
+        sink.log(1, &m).unwrap();
+        sink.flush().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "{\"step\":0,\"a\":1}\n{\"step\":1,\"a\":2.0}\n");
+        // A complete file is left as it is.
+        drop(sink);
+        let sink = JsonlMetricsSink::append(&path).unwrap();
+        drop(sink);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        std::fs::remove_file(&path).ok();
+    }
+
     use super::*;
 
     #[test]

@@ -4,6 +4,7 @@
 //! miles-rollout serve --model DIR [--host 127.0.0.1] [--port 30000] [--tokenizer DIR]
 //!                     [--tito FAMILY] [--served-model-name NAME] [--max-running-requests N]
 //!                     [--kv-token-budget TOKENS] [--seed N] [--no-recompute-logprobs]
+//!                     [--device flex|wgpu[:N]|wgpu-cpu|cuda[:N]] (and the limits of USAGE)
 //! ```
 //!
 //! `serve` loads an HF checkpoint directory into the embedded engine and answers SGLang's HTTP
@@ -47,6 +48,8 @@ options:
   --header-read-timeout-s S   time to send a request head (default 10)
   --request-timeout-s S       time a request may run (default: none; 504 after it)
   --enable-metrics            serve Prometheus metrics at GET /metrics (SGLang's names)
+  --device DEV                the engine's device: flex (default) | cpu | wgpu[:N] | wgpu-cpu |
+                              cuda[:N] (wgpu / cuda need the crate built with that feature)
 ";
 
 /// Options of `miles-rollout serve`.
@@ -92,6 +95,9 @@ pub struct ServeArgs {
     pub request_timeout_s: Option<f64>,
     /// Serve `GET /metrics` (`--enable-metrics`, SGLang's flag).
     pub enable_metrics: bool,
+    /// The engine's device (`--device`, default `flex`): `flex | cpu | wgpu[:N] | wgpu-cpu |
+    /// cuda[:N]`, parsed by `miles_ops::device`.
+    pub device: String,
 }
 
 impl ServeArgs {
@@ -182,6 +188,7 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         header_read_timeout_s: None,
         request_timeout_s: None,
         enable_metrics: false,
+        device: "flex".into(),
     };
     while let Some(flag) = args.next() {
         let (flag, inline) = match flag.split_once('=') {
@@ -227,6 +234,7 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
                 parsed.header_read_timeout_s = Some(seconds(&flag, &value)?)
             }
             "--request-timeout-s" => parsed.request_timeout_s = Some(seconds(&flag, &value)?),
+            "--device" => parsed.device = value,
             other => return Err(usage_error(format!("unknown option {other}"))),
         }
     }
@@ -358,6 +366,7 @@ mod tests {
         assert_eq!(parsed.host, "127.0.0.1");
         assert_eq!(parsed.port, 30000);
         assert!(parsed.recompute_logprobs);
+        assert_eq!(parsed.device, "flex");
         let Command::Serve(parsed) = args(&[
             "serve",
             "--model=/m",
@@ -369,6 +378,8 @@ mod tests {
             "qwen3",
             "--seed=5",
             "--no-recompute-logprobs",
+            "--device",
+            "wgpu-cpu",
         ])
         .unwrap() else {
             panic!("serve expected");
@@ -378,6 +389,7 @@ mod tests {
         assert_eq!(parsed.tito.as_deref(), Some("qwen3"));
         assert_eq!(parsed.seed, Some(5));
         assert!(!parsed.recompute_logprobs);
+        assert_eq!(parsed.device, "wgpu-cpu");
         assert_eq!(args(&["--help"]).unwrap(), Command::Help);
         assert_eq!(args(&[]).unwrap(), Command::Help);
     }

@@ -21,7 +21,8 @@ fn serve(args: ServeArgs) -> miles_rollout::Result<()> {
         config.seed = seed;
     }
     config.recompute_logprobs_via_prefill = args.recompute_logprobs;
-    let device = burn::tensor::Device::flex();
+    let device = miles_ops::device::parse_device(&args.device)
+        .map_err(|e| miles_rollout::Error::Config(format!("--device: {e}")))?;
     let engine = EmbeddedEngine::from_pretrained(&args.model, &device, config)?;
     cli::attach_metrics(&args, &engine, &mut info)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

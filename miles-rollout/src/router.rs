@@ -292,16 +292,30 @@ impl Router {
         Ok(())
     }
 
-    /// Runs `op` on every engine in rotation; an engine whose call fails is taken out of
-    /// rotation (it catches up when re-admitted). Fails only if no engine succeeded.
+    /// Runs `op` on every engine in rotation, **all at once** (a weight update to N engines
+    /// takes the time of the slowest, not the sum), then judges each answer in slot order: an
+    /// engine whose call fails is taken out of rotation (it catches up when re-admitted).
+    /// Fails only if no engine succeeded.
     async fn broadcast(&self, op: FleetOp<'_>) -> CoreResult<()> {
         let mut succeeded = 0;
         let mut last_error = None;
-        for (index, slot) in self.slots.iter().enumerate() {
-            if !slot.healthy.load(Ordering::SeqCst) {
-                continue;
-            }
-            match op.apply(slot.engine().as_ref()).await {
+        let targets: Vec<(usize, Arc<dyn InferenceEngine>)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, slot)| slot.healthy.load(Ordering::SeqCst))
+            .map(|(index, slot)| (index, slot.engine()))
+            .collect();
+        let results = join_all(
+            targets
+                .iter()
+                .map(|(_, engine)| op.apply(engine.as_ref()))
+                .collect(),
+        )
+        .await;
+        for ((index, _), result) in targets.iter().zip(results) {
+            let (index, slot) = (*index, &self.slots[*index]);
+            match result {
                 Ok(()) => succeeded += 1,
                 Err(error) if op.is_weight_update() && is_load_failure(&error) => {
                     // The engine answered that it cannot load these weights: it keeps serving
@@ -323,6 +337,32 @@ impl Router {
         }
         Ok(())
     }
+}
+
+/// Polls every future of `futures` in the calling task until all are ready; their outputs in
+/// order. (Engine calls borrow the operation's data, so they cannot be spawned.)
+async fn join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    use std::task::Poll;
+    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    Poll::Ready(value) => *output = Some(value),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
 }
 
 /// An operation sent to every engine of the fleet.

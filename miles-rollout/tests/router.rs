@@ -287,3 +287,95 @@ async fn an_engine_that_cannot_load_an_update_keeps_serving_and_gets_the_next_on
     let output = router.generate(request(None, 2)).await.unwrap();
     assert_eq!(output.weight_version, WeightVersion(6));
 }
+
+/// An engine whose weight update waits until every engine of the fleet has started its own:
+/// a router that pushes to one engine after the other never gets past the first.
+struct Rendezvous {
+    inner: Arc<TabularEngine>,
+    barrier: Arc<tokio::sync::Barrier>,
+}
+
+#[miles_core::async_trait]
+impl InferenceEngine for Rendezvous {
+    async fn generate(
+        &self,
+        request: GenerateRequest,
+    ) -> miles_core::Result<miles_core::GenerateOutput> {
+        self.inner.generate(request).await
+    }
+    async fn update_weights(
+        &self,
+        weights: &NamedTensors,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        self.barrier.wait().await;
+        self.inner.update_weights(weights, version).await
+    }
+    async fn update_weights_from_disk(
+        &self,
+        dir: &std::path::Path,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        self.barrier.wait().await;
+        self.inner.update_weights_from_disk(dir, version).await
+    }
+    async fn pause(&self, mode: miles_core::PauseMode) -> miles_core::Result<()> {
+        self.inner.pause(mode).await
+    }
+    async fn resume(&self) -> miles_core::Result<()> {
+        self.inner.resume().await
+    }
+    async fn flush_cache(&self) -> miles_core::Result<()> {
+        self.inner.flush_cache().await
+    }
+    async fn abort(&self, id: &miles_core::RequestId) -> miles_core::Result<()> {
+        self.inner.abort(id).await
+    }
+    async fn abort_all(&self) -> miles_core::Result<()> {
+        self.inner.abort_all().await
+    }
+    async fn health(&self) -> miles_core::Result<()> {
+        self.inner.health().await
+    }
+    async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
+        self.inner.weight_version().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weight_updates_reach_every_engine_at_once() {
+    let fleet = engines(4, Duration::from_millis(1));
+    let barrier = Arc::new(tokio::sync::Barrier::new(fleet.len()));
+    let router = Arc::new(Router::new(
+        fleet
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let engine: Arc<dyn InferenceEngine> = Arc::new(Rendezvous {
+                    inner: e.clone(),
+                    barrier: barrier.clone(),
+                });
+                (format!("engine-{i}"), engine, None)
+            })
+            .collect(),
+    ));
+    let mut logits = vec![0.0; VOCAB];
+    logits[1] = 9.0;
+    let mut weights = NamedTensors::new();
+    weights.insert(
+        "logits",
+        TensorBytes::from_f32(vec![VOCAB], &logits).unwrap(),
+    );
+    // Sequential pushes would wait at the barrier forever; concurrent ones all pass it.
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        router.update_weights(&weights, WeightVersion(1)),
+    )
+    .await
+    .expect("the update reached the engines one at a time")
+    .unwrap();
+    for engine in &fleet {
+        assert_eq!(engine.weight_version().await.unwrap(), WeightVersion(1));
+    }
+    assert_eq!(router.healthy_engines().len(), 4);
+}

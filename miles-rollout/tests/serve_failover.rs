@@ -34,10 +34,16 @@ impl Drop for Server {
 
 /// Starts `miles-rollout serve` on `port` (0: any) and waits for its `listening on` line.
 fn start(port: u16) -> Server {
+    start_with(port, &[]).unwrap_or_else(|line| panic!("unexpected first line {line:?}"))
+}
+
+/// [`start`] with extra flags; `Err(first line)` when the server did not come up.
+fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_miles-rollout"))
         .args(["serve", "--model"])
         .arg(model_dir())
         .args(["--port", &port.to_string()])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -47,12 +53,62 @@ fn start(port: u16) -> Server {
     BufReader::new(stdout)
         .read_line(&mut line)
         .expect("read the listening line");
-    let url = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
-    Server { child, url }
+    match line.trim().strip_prefix("listening on ") {
+        Some(url) => Ok(Server {
+            url: url.to_owned(),
+            child,
+        }),
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(line)
+        }
+    }
+}
+
+/// `miles-rollout serve --device wgpu-cpu` (burn's wgpu runtime on the CPU adapter) answers
+/// greedy requests with the tokens `--device flex` gives, and log-probs equal to float
+/// rounding. Needs a Vulkan adapter (lavapipe in CI, where `MILES_REQUIRE_KERNEL_TESTS=1`
+/// makes its absence a failure).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_on_wgpu_cpu_decodes_as_on_flex() {
+    let flex = tokio::task::spawn_blocking(|| start(0)).await.unwrap();
+    let wgpu = tokio::task::spawn_blocking(|| start_with(0, &["--device", "wgpu-cpu"]))
+        .await
+        .unwrap();
+    let wgpu = match wgpu {
+        Ok(server) => server,
+        Err(line) => {
+            let msg = format!("no wgpu CPU adapter (the server said {line:?})");
+            let required = std::env::var("MILES_REQUIRE_KERNEL_TESTS")
+                .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes"));
+            assert!(!required, "{msg}");
+            eprintln!("!!! KERNEL TEST serving_on_wgpu_cpu NOT RUN: {msg}");
+            return;
+        }
+    };
+    let engine = |url: &str| {
+        miles_session::sglang::SglangEngine::new(miles_session::sglang::SglangConfig::new(
+            url.to_owned(),
+        ))
+    };
+    let (on_flex, on_wgpu) = (engine(&flex.url), engine(&wgpu.url));
+    for seed in 0..3 {
+        let mut req = request(seed, 12);
+        req.sampling_params.temperature = 0.0;
+        let a = on_flex.generate(req.clone()).await.unwrap();
+        let b = on_wgpu.generate(req).await.unwrap();
+        assert_eq!(a.output_ids, b.output_ids, "greedy tokens differ");
+        assert_eq!(a.output_log_probs.len(), b.output_log_probs.len());
+        for (x, y) in a.output_log_probs.iter().zip(&b.output_log_probs) {
+            assert!((x - y).abs() < 1e-4, "log-probs {x} vs {y}");
+        }
+    }
+    // A device that is not built in is a clear error at start-up, not a fallback.
+    let bad = tokio::task::spawn_blocking(|| start_with(0, &["--device", "tpu"]))
+        .await
+        .unwrap();
+    assert!(bad.is_err());
 }
 
 fn request(seed: u64, tokens: usize) -> GenerateRequest {

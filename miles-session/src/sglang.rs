@@ -5,7 +5,10 @@
 //! Every malformed answer is an [`miles_core::Error::Engine`] of kind `Protocol`, transport
 //! failures and timeouts are `Unavailable`, an HTTP 400 is `InvalidRequest`.
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use hyper::Method;
@@ -19,6 +22,120 @@ use crate::error::Error;
 use crate::guard::ApiKey;
 use crate::http::{HttpClient, HttpResponse};
 use crate::server::ROUTING_KEY_HEADER;
+
+/// Writes weight versions where SGLang-compatible engines read them
+/// (`update_weights_from_disk`): `<root>/v<version>/model.safetensors`, **once** per version
+/// however many engines load it, published atomically (written to a temporary folder, then
+/// renamed into place), and with [`WeightPublisher::with_keep`] only the newest `K` versions
+/// kept on disk. Share one `Arc` between the [`SglangConfig`]s of a fleet.
+///
+/// A version is written again if this publisher has not written it itself: a folder left by
+/// an earlier (killed) run is never taken for the trainer's current weights.
+#[derive(Debug)]
+pub struct WeightPublisher {
+    root: PathBuf,
+    keep: Option<usize>,
+    written: tokio::sync::Mutex<VecDeque<WeightVersion>>,
+    writes: AtomicU64,
+}
+
+impl WeightPublisher {
+    /// A publisher under `root` (created on first use) that keeps every version.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self {
+            root: root.into(),
+            keep: None,
+            written: tokio::sync::Mutex::new(VecDeque::new()),
+            writes: AtomicU64::new(0),
+        }
+    }
+
+    /// Keeps only the newest `keep` versions it wrote (at least 1; engines load the newest,
+    /// so 2 leaves a slow engine time to finish loading the one before).
+    pub fn with_keep(mut self, keep: usize) -> Self {
+        self.keep = Some(keep.max(1));
+        self
+    }
+
+    /// The directory versions are written under.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The folder of `version`.
+    pub fn version_dir(&self, version: WeightVersion) -> PathBuf {
+        self.root.join(format!("v{}", version.0))
+    }
+
+    /// How many versions it has written (each at most once).
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::SeqCst)
+    }
+
+    /// Writes `weights` as `version` unless this publisher already did, and returns the
+    /// folder to hand to `update_weights_from_disk`. Callers for the same version wait for
+    /// the one write.
+    pub async fn publish(
+        &self,
+        weights: &NamedTensors,
+        version: WeightVersion,
+    ) -> miles_core::Result<PathBuf> {
+        let dir = self.version_dir(version);
+        let mut written = self.written.lock().await;
+        if written.contains(&version) {
+            return Ok(dir);
+        }
+        let bytes = weights.to_safetensors_bytes();
+        let (root, target) = (self.root.clone(), dir.clone());
+        tokio::task::spawn_blocking(move || write_version(&root, &target, &bytes))
+            .await
+            .map_err(|e| {
+                miles_core::Error::engine(
+                    EngineErrorKind::WeightUpdate,
+                    format!("weight writer stopped: {e}"),
+                )
+            })??;
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        written.retain(|v| *v != version);
+        written.push_back(version);
+        if let Some(keep) = self.keep {
+            while written.len() > keep {
+                let Some(old) = written.pop_front() else { break };
+                let old_dir = self.version_dir(old);
+                if let Err(e) = std::fs::remove_dir_all(&old_dir)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!(dir = %old_dir.display(), error = %e, "cannot remove an old weight version");
+                }
+            }
+        }
+        Ok(dir)
+    }
+}
+
+/// Writes `bytes` as `target/model.safetensors` through a temporary sibling folder, fsynced
+/// and renamed into place (an existing `target` is replaced).
+fn write_version(root: &Path, target: &Path, bytes: &[u8]) -> miles_core::Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(root).map_err(|e| miles_core::Error::io(root, e))?;
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = root.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| miles_core::Error::io(&tmp, e))?;
+    let file = tmp.join("model.safetensors");
+    let mut out = std::fs::File::create(&file).map_err(|e| miles_core::Error::io(&file, e))?;
+    out.write_all(bytes)
+        .and_then(|()| out.sync_all())
+        .map_err(|e| miles_core::Error::io(&file, e))?;
+    if target.exists() {
+        std::fs::remove_dir_all(target).map_err(|e| miles_core::Error::io(target, e))?;
+    }
+    std::fs::rename(&tmp, target).map_err(|e| miles_core::Error::io(target, e))?;
+    Ok(())
+}
 
 /// Settings of an [`SglangEngine`].
 #[derive(Debug, Clone)]
@@ -35,6 +152,10 @@ pub struct SglangConfig {
     /// written there as `v<version>/model.safetensors`, then loaded with
     /// `update_weights_from_disk`.
     pub shared_weights_dir: Option<PathBuf>,
+    /// Writes each weight version to disk once for every engine that shares it (give the
+    /// same `Arc` to all engines of a fleet). `None`: the engine writes under
+    /// `shared_weights_dir` itself.
+    pub publisher: Option<Arc<WeightPublisher>>,
     /// The engine's `--api-key`, sent as `Authorization: Bearer` with every call.
     pub api_key: Option<ApiKey>,
     /// Largest engine response body read (a larger one is a protocol error); 1 GiB.
@@ -50,9 +171,17 @@ impl SglangConfig {
             control_timeout: Duration::from_secs(60),
             num_layers: None,
             shared_weights_dir: None,
+            publisher: None,
             api_key: None,
             max_response_bytes: 1 << 30,
         }
+    }
+
+    /// Sets [`SglangConfig::publisher`] (and `shared_weights_dir` to its root).
+    pub fn with_publisher(mut self, publisher: Arc<WeightPublisher>) -> Self {
+        self.shared_weights_dir = Some(publisher.root().to_path_buf());
+        self.publisher = Some(publisher);
+        self
     }
 
     /// Sets [`SglangConfig::api_key`].
@@ -67,6 +196,8 @@ impl SglangConfig {
 pub struct SglangEngine {
     config: SglangConfig,
     http: HttpClient,
+    /// The publisher of an engine given only `shared_weights_dir`.
+    own_publisher: std::sync::OnceLock<Arc<WeightPublisher>>,
 }
 
 fn protocol(message: impl Into<String>) -> miles_core::Error {
@@ -324,7 +455,11 @@ impl SglangEngine {
         let http = HttpClient::new(config.control_timeout)
             .with_api_key(config.api_key.as_ref())
             .with_max_response_bytes(config.max_response_bytes);
-        Self { config, http }
+        Self {
+            config,
+            http,
+            own_publisher: std::sync::OnceLock::new(),
+        }
     }
 
     /// The settings.
@@ -412,17 +547,20 @@ impl InferenceEngine for SglangEngine {
         weights: &NamedTensors,
         version: WeightVersion,
     ) -> miles_core::Result<()> {
-        let Some(root) = &self.config.shared_weights_dir else {
-            return Err(miles_core::Error::engine(
-                EngineErrorKind::WeightUpdate,
-                "update_weights over HTTP needs shared_weights_dir (a directory the engine can read)",
-            ));
+        let publisher = match (&self.config.publisher, &self.config.shared_weights_dir) {
+            (Some(p), _) => p.clone(),
+            (None, Some(root)) => self
+                .own_publisher
+                .get_or_init(|| Arc::new(WeightPublisher::new(root.clone())))
+                .clone(),
+            (None, None) => {
+                return Err(miles_core::Error::engine(
+                    EngineErrorKind::WeightUpdate,
+                    "update_weights over HTTP needs shared_weights_dir (a directory the engine can read)",
+                ));
+            }
         };
-        let dir = root.join(format!("v{}", version.0));
-        std::fs::create_dir_all(&dir).map_err(|e| miles_core::Error::io(&dir, e))?;
-        let file = dir.join("model.safetensors");
-        std::fs::write(&file, weights.to_safetensors_bytes())
-            .map_err(|e| miles_core::Error::io(&file, e))?;
+        let dir = publisher.publish(weights, version).await?;
         self.update_weights_from_disk(&dir, version).await
     }
 

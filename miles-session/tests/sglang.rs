@@ -397,3 +397,60 @@ async fn session_server_over_sglang_client_end_to_end() {
         .unwrap();
     assert_eq!(s["records"].as_array().unwrap().len(), 1);
 }
+
+/// A fleet sharing one [`WeightPublisher`]: each version is written once whatever the number
+/// of engines, every engine is pointed at that one folder, old versions are removed past
+/// `keep`, and a folder left by an earlier run is rewritten, never trusted.
+#[tokio::test]
+async fn a_shared_publisher_writes_each_version_once_and_keeps_the_newest() {
+    use miles_session::sglang::WeightPublisher;
+    let root = std::env::temp_dir().join(format!("miles-publisher-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // A stale v3 from a killed run, with other contents.
+    std::fs::create_dir_all(root.join("v3")).unwrap();
+    std::fs::write(root.join("v3/model.safetensors"), b"stale").unwrap();
+    let publisher = Arc::new(WeightPublisher::new(&root).with_keep(2));
+    let (url_a, fake_a) = fake_sglang().await;
+    let (url_b, fake_b) = fake_sglang().await;
+    let a = SglangEngine::new(SglangConfig::new(url_a).with_publisher(publisher.clone()));
+    let b = SglangEngine::new(SglangConfig::new(url_b).with_publisher(publisher.clone()));
+    for version in 1..=3u64 {
+        let mut weights = NamedTensors::new();
+        weights.insert(
+            "w",
+            TensorBytes::from_f32(vec![2], &[version as f32, 0.5]).unwrap(),
+        );
+        let (ra, rb) = tokio::join!(
+            a.update_weights(&weights, WeightVersion(version)),
+            b.update_weights(&weights, WeightVersion(version))
+        );
+        ra.unwrap();
+        rb.unwrap();
+        assert_eq!(publisher.writes(), version, "one write per version");
+        let dir = root.join(format!("v{version}"));
+        for fake in [&fake_a, &fake_b] {
+            let seen = fake.seen.lock().unwrap();
+            let (_, body, _) = seen
+                .iter()
+                .rev()
+                .find(|(p, _, _)| p == "/update_weights_from_disk")
+                .unwrap();
+            assert_eq!(body["model_path"], json!(dir.to_string_lossy()));
+            assert_eq!(body["weight_version"], json!(version.to_string()));
+        }
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let read = NamedTensors::from_safetensors_bytes(&bytes).unwrap();
+        assert_eq!(read.get("w").unwrap(), weights.get("w").unwrap());
+    }
+    // keep = 2: v1 is gone, v2 and v3 remain; no temporary folder is left behind.
+    assert!(!root.join("v1").exists());
+    assert!(root.join("v2").exists() && root.join("v3").exists());
+    let leftovers: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    std::fs::remove_dir_all(&root).ok();
+}
