@@ -19,11 +19,20 @@ pub enum Architecture {
     Qwen3Moe,
     /// `llama`: Llama 2 / 3 (Llama-3 RoPE scaling).
     Llama,
+    /// `qwen2`: Qwen2 / Qwen2.5 dense (q/k/v bias, no qk-norm; sliding-window attention is
+    /// rejected).
+    Qwen2,
 }
 
 impl Architecture {
     /// Every architecture, in registry order.
-    pub const ALL: [Architecture; 4] = [Self::Glm4Moe, Self::Qwen3, Self::Qwen3Moe, Self::Llama];
+    pub const ALL: [Architecture; 5] = [
+        Self::Glm4Moe,
+        Self::Qwen3,
+        Self::Qwen3Moe,
+        Self::Llama,
+        Self::Qwen2,
+    ];
 
     /// The HF `model_type`.
     pub fn model_type(self) -> &'static str {
@@ -32,6 +41,7 @@ impl Architecture {
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
         }
     }
 
@@ -42,16 +52,24 @@ impl Architecture {
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Llama => "LlamaForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
         }
     }
 
-    /// Looks an architecture up by HF `model_type`.
+    /// The supported HF `model_type`s, comma-separated (for error messages).
+    pub fn supported_model_types() -> String {
+        Self::ALL.map(Self::model_type).join(", ")
+    }
+
+    /// Looks an architecture up by HF `model_type`; an unknown one is
+    /// [`BridgeError::UnsupportedArchitecture`] naming the supported types.
     pub fn from_model_type(model_type: &str) -> Result<Self, BridgeError> {
         Self::ALL
             .into_iter()
             .find(|a| a.model_type() == model_type)
             .ok_or_else(|| BridgeError::UnsupportedArchitecture {
                 model_type: model_type.to_string(),
+                supported: Self::supported_model_types(),
             })
     }
 }
@@ -160,8 +178,7 @@ struct RawConfig {
     num_attention_heads: usize,
     num_key_value_heads: Option<usize>,
     head_dim: Option<usize>,
-    #[serde(default = "default_eps")]
-    rms_norm_eps: f64,
+    rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
     partial_rotary_factor: Option<f64>,
     rope_parameters: Option<Value>,
@@ -196,11 +213,9 @@ struct RawConfig {
     max_position_embeddings: usize,
     #[serde(default = "default_init")]
     initializer_range: f64,
+    hidden_act: Option<String>,
 }
 
-fn default_eps() -> f64 {
-    1e-5
-}
 fn one() -> usize {
     1
 }
@@ -239,14 +254,110 @@ fn llama3_scaling(obj: &Value, field: &str) -> Result<Llama3RopeScaling, BridgeE
     })
 }
 
+/// Rejects sliding-window attention on any layer, reading the fields as transformers 5.24's
+/// `Qwen2Config` / `Qwen3Config` do: the window is `sliding_window` (default 4096) only when
+/// `use_sliding_window` is true; `layer_types`, when absent, marks layers
+/// `>= max_window_layers` (default 28) as `sliding_attention` when a window is set. A layer of
+/// type `sliding_attention` is an error naming the field that made it so (`layer_types` when
+/// given explicitly, else `use_sliding_window`).
+fn reject_sliding_window(json: &Value, layers: usize) -> Result<(), BridgeError> {
+    let use_window = match json.get("use_sliding_window") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(BridgeError::config(
+                "use_sliding_window",
+                "must be a boolean",
+            ));
+        }
+    };
+    // Absent: transformers' default 4096; explicit null: no window.
+    let window = use_window && !matches!(json.get("sliding_window"), Some(Value::Null));
+    match json.get("layer_types").filter(|v| !v.is_null()) {
+        Some(types) => {
+            let types = types.as_array().ok_or_else(|| {
+                BridgeError::config("layer_types", "must be a list of layer type names")
+            })?;
+            if types.len() != layers {
+                return Err(BridgeError::config(
+                    "layer_types",
+                    format!(
+                        "has {} entries for {layers} layers (num_hidden_layers)",
+                        types.len()
+                    ),
+                ));
+            }
+            for (layer, kind) in types.iter().enumerate() {
+                match kind.as_str() {
+                    // `attention` is the legacy name transformers remaps to `full_attention`.
+                    Some("full_attention" | "attention") => {}
+                    Some("sliding_attention") => {
+                        return Err(BridgeError::config(
+                            "layer_types",
+                            format!(
+                                "layer {layer} is `sliding_attention`; sliding-window \
+                                 attention is not supported"
+                            ),
+                        ));
+                    }
+                    _ => {
+                        return Err(BridgeError::config(
+                            "layer_types",
+                            format!("layer {layer} has unsupported type {kind}"),
+                        ));
+                    }
+                }
+            }
+        }
+        None if window => {
+            let first = match json.get("max_window_layers") {
+                None | Some(Value::Null) => 28,
+                Some(v) => v.as_u64().ok_or_else(|| {
+                    BridgeError::config("max_window_layers", "must be a non-negative integer")
+                })? as usize,
+            };
+            if first < layers {
+                return Err(BridgeError::config(
+                    "use_sliding_window",
+                    format!(
+                        "true with max_window_layers = {first} < num_hidden_layers = {layers} \
+                         makes layers {first}.. sliding-window attention, which is not \
+                         supported"
+                    ),
+                ));
+            }
+        }
+        None => {}
+    }
+    Ok(())
+}
+
 impl ModelConfig {
-    /// Parses an HF `config.json` text, choosing the architecture by `model_type`
-    /// (default `glm4_moe` when absent), and validates it.
+    /// Parses an HF `config.json` text, choosing the architecture by `model_type`, and
+    /// validates it. A missing `model_type` is [`BridgeError::MissingModelType`], an unknown one
+    /// [`BridgeError::UnsupportedArchitecture`]; both name the supported types.
     pub fn from_hf_json(text: &str) -> Result<Self, BridgeError> {
-        let raw: RawConfig = serde_json::from_str(text)
+        let json: Value = serde_json::from_str(text)
             .map_err(|e| BridgeError::config("config.json", e.to_string()))?;
-        let architecture =
-            Architecture::from_model_type(raw.model_type.as_deref().unwrap_or("glm4_moe"))?;
+        let raw: RawConfig = serde_json::from_value(json.clone())
+            .map_err(|e| BridgeError::config("config.json", e.to_string()))?;
+        let Some(model_type) = raw.model_type.as_deref() else {
+            return Err(BridgeError::MissingModelType {
+                supported: Architecture::supported_model_types(),
+            });
+        };
+        let architecture = Architecture::from_model_type(model_type)?;
+        if let Some(act) = raw.hidden_act.as_deref()
+            && act != "silu"
+        {
+            return Err(BridgeError::config(
+                "hidden_act",
+                format!("`{act}` is not supported (only `silu`)"),
+            ));
+        }
+        if matches!(architecture, Architecture::Qwen2 | Architecture::Qwen3) {
+            reject_sliding_window(&json, raw.num_hidden_layers)?;
+        }
         // transformers 5 keeps RoPE settings in `rope_parameters`; older checkpoints (and real
         // GLM-4.5 files) keep `rope_theta` / `partial_rotary_factor` at the top level and the
         // scaling in `rope_scaling`.
@@ -270,21 +381,28 @@ impl ModelConfig {
                 }
             }
         }
-        let default_theta = match architecture {
-            Architecture::Qwen3 | Architecture::Qwen3Moe => 1_000_000.0,
-            _ => 10_000.0,
-        };
+        // transformers 5.24's `default_theta` is 10000 for every architecture here.
         let rope_theta = rope_field(params, "rope_theta")
             .or(raw.rope_theta)
-            .unwrap_or(default_theta);
+            .unwrap_or(10_000.0);
+        // transformers 5.24's defaults: 1e-5 for GLM-4-MoE, 1e-6 for the others.
+        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(match architecture {
+            Architecture::Glm4Moe => 1e-5,
+            _ => 1e-6,
+        });
         let default_partial = if architecture == Architecture::Glm4Moe {
             0.5
         } else {
             1.0
         };
-        let partial_rotary_factor = rope_field(params, "partial_rotary_factor")
-            .or(raw.partial_rotary_factor)
-            .unwrap_or(default_partial);
+        // Qwen2's rotary embedding rotates the whole head whatever `partial_rotary_factor` says.
+        let partial_rotary_factor = if architecture == Architecture::Qwen2 {
+            1.0
+        } else {
+            rope_field(params, "partial_rotary_factor")
+                .or(raw.partial_rotary_factor)
+                .unwrap_or(default_partial)
+        };
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
@@ -302,7 +420,9 @@ impl ModelConfig {
                 true,
             ),
             Architecture::Qwen3Moe => (RouterKind::Softmax, raw.num_experts.unwrap_or(0), 0, false),
-            Architecture::Qwen3 | Architecture::Llama => (RouterKind::Softmax, 0, 0, false),
+            Architecture::Qwen3 | Architecture::Llama | Architecture::Qwen2 => {
+                (RouterKind::Softmax, 0, 0, false)
+            }
         };
         let config = Self {
             architecture,
@@ -318,10 +438,12 @@ impl ModelConfig {
             num_attention_heads: raw.num_attention_heads,
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
             head_dim,
-            rms_norm_eps: raw.rms_norm_eps,
+            rms_norm_eps,
             rope_theta,
             partial_rotary_factor,
-            attention_bias: raw.attention_bias.unwrap_or(false),
+            // Qwen2 always has q/k/v biases (transformers ignores `attention_bias` there).
+            attention_bias: architecture == Architecture::Qwen2
+                || raw.attention_bias.unwrap_or(false),
             use_qk_norm: raw.use_qk_norm
                 || architecture == Architecture::Qwen3
                 || architecture == Architecture::Qwen3Moe,
@@ -394,7 +516,7 @@ impl ModelConfig {
                     && !self.mlp_only_layers.contains(&layer)
                     && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
             }
-            Architecture::Qwen3 | Architecture::Llama => false,
+            Architecture::Qwen3 | Architecture::Llama | Architecture::Qwen2 => false,
         }
     }
 
@@ -535,6 +657,9 @@ impl ModelConfig {
             "initializer_range": self.initializer_range,
             "hidden_act": "silu",
         });
+        if matches!(self.architecture, Architecture::Qwen2 | Architecture::Qwen3) {
+            json["use_sliding_window"] = false.into();
+        }
         if self.architecture == Architecture::Qwen3Moe {
             json["num_experts"] = self.n_routed_experts.into();
             json["decoder_sparse_step"] = self.decoder_sparse_step.into();
@@ -592,13 +717,119 @@ mod tests {
             ModelConfig::from_hf_json(&yarn),
             Err(BridgeError::Config { field, .. }) if field == "rope_parameters"
         ));
-        let qwen = V5.replace("glm4_moe", "qwen2");
+        let mistral = V5.replace("glm4_moe", "mistral");
         assert!(matches!(
-            ModelConfig::from_hf_json(&qwen),
+            ModelConfig::from_hf_json(&mistral),
             Err(BridgeError::UnsupportedArchitecture { .. })
         ));
         let heads = V5.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3");
         assert!(ModelConfig::from_hf_json(&heads).is_err());
         assert!(ModelConfig::from_hf_json("{").is_err());
+    }
+
+    /// A real Qwen2.5-style `config.json` (sliding-window fields present, window off).
+    const QWEN25: &str = r#"{"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2",
+        "vocab_size":512,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":4,
+        "num_attention_heads":4,"num_key_value_heads":2,"hidden_act":"silu",
+        "rope_theta":1000000.0,"rope_scaling":null,"use_sliding_window":false,
+        "sliding_window":32768,"max_window_layers":2,"tie_word_embeddings":true,
+        "attention_dropout":0.0,"torch_dtype":"bfloat16"}"#;
+
+    fn field_of(json: &str) -> String {
+        match ModelConfig::from_hf_json(json) {
+            Err(BridgeError::Config { field, .. }) => field,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn qwen2_is_read_as_transformers_reads_it() {
+        let c = ModelConfig::from_hf_json(QWEN25).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen2);
+        assert!(c.attention_bias && !c.use_qk_norm && !c.has_moe());
+        assert!(c.tie_word_embeddings);
+        assert_eq!((c.head_dim, c.rotary_dim()), (16, 16));
+        assert_eq!((c.rope_theta, c.rms_norm_eps), (1e6, 1e-6));
+        // transformers' defaults when the fields are absent; `attention_bias: false` and
+        // `partial_rotary_factor` are ignored by Qwen2 in transformers too.
+        let bare = r#"{"model_type":"qwen2","vocab_size":8,"hidden_size":8,
+            "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,
+            "attention_bias":false,"partial_rotary_factor":0.5}"#;
+        let c = ModelConfig::from_hf_json(bare).unwrap();
+        assert_eq!((c.rope_theta, c.rms_norm_eps), (10_000.0, 1e-6));
+        assert_eq!(
+            (c.num_key_value_heads, c.head_dim, c.rotary_dim()),
+            (2, 4, 4)
+        );
+        assert!(c.attention_bias && !c.tie_word_embeddings);
+        // The export reads back as the same config.
+        let back = ModelConfig::from_hf_json(&c.to_hf_json().to_string()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn qwen2_sliding_window_is_rejected_naming_the_field() {
+        // use_sliding_window with layers past max_window_layers (2 of 4 here).
+        let on = QWEN25.replace(
+            r#""use_sliding_window":false"#,
+            r#""use_sliding_window":true"#,
+        );
+        assert_eq!(field_of(&on), "use_sliding_window");
+        // The default window (field absent) is a window too.
+        let default_window = on.replace(r#""sliding_window":32768,"#, "");
+        assert_eq!(field_of(&default_window), "use_sliding_window");
+        // ... but no layer slides when max_window_layers covers them all, or the window is null.
+        let all_full = on.replace(r#""max_window_layers":2"#, r#""max_window_layers":4"#);
+        assert!(ModelConfig::from_hf_json(&all_full).is_ok());
+        let null = on.replace(r#""sliding_window":32768"#, r#""sliding_window":null"#);
+        assert!(ModelConfig::from_hf_json(&null).is_ok());
+        // max_window_layers absent: transformers' default 28 covers these 4 layers.
+        let default_layers = on.replace(r#""max_window_layers":2,"#, "");
+        assert!(ModelConfig::from_hf_json(&default_layers).is_ok());
+        // Explicit layer_types win (transformers only derives them when absent).
+        let typed = QWEN25.replace(
+            r#""max_window_layers":2"#,
+            r#""layer_types":["full_attention","attention","full_attention","sliding_attention"]"#,
+        );
+        assert_eq!(field_of(&typed), "layer_types");
+        let full = typed.replace("sliding_attention", "full_attention");
+        assert!(ModelConfig::from_hf_json(&full).is_ok());
+        let short = QWEN25.replace(
+            r#""max_window_layers":2"#,
+            r#""layer_types":["full_attention"]"#,
+        );
+        assert_eq!(field_of(&short), "layer_types");
+        let odd = full.replace("\"attention\"", "\"linear_attention\"");
+        assert_eq!(field_of(&odd), "layer_types");
+        let gelu = QWEN25.replace("\"silu\"", "\"gelu\"");
+        assert_eq!(field_of(&gelu), "hidden_act");
+        let yarn = QWEN25.replace(
+            r#""rope_scaling":null"#,
+            r#""rope_scaling":{"type":"yarn","factor":4.0}"#,
+        );
+        assert_eq!(field_of(&yarn), "rope_scaling");
+    }
+
+    #[test]
+    fn missing_or_unknown_model_type_names_the_supported_types() {
+        let supported = "glm4_moe, qwen3, qwen3_moe, llama, qwen2";
+        let missing = V5.replace(r#""model_type":"glm4_moe","#, "");
+        match ModelConfig::from_hf_json(&missing) {
+            Err(e @ BridgeError::MissingModelType { .. }) => {
+                assert!(e.to_string().contains(supported), "{e}")
+            }
+            other => panic!("a config without model_type loaded: {other:?}"),
+        }
+        let unknown = V5.replace("glm4_moe", "deepseek_v3");
+        match ModelConfig::from_hf_json(&unknown) {
+            Err(e @ BridgeError::UnsupportedArchitecture { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("`deepseek_v3`") && text.contains(supported),
+                    "{text}"
+                );
+            }
+            other => panic!("an unknown model_type loaded: {other:?}"),
+        }
     }
 }

@@ -41,10 +41,19 @@ pub enum BridgeError {
         message: String,
     },
     /// The checkpoint's `model_type` has no architecture here.
-    #[error("unsupported model_type `{model_type}`")]
+    #[error("unsupported model_type `{model_type}` (supported: {supported})")]
     UnsupportedArchitecture {
         /// HF `model_type`.
         model_type: String,
+        /// The supported `model_type`s, comma-separated.
+        supported: String,
+    },
+    /// The checkpoint's `config.json` has no `model_type` (or it is not a string), so its
+    /// architecture is unknown.
+    #[error("config.json has no `model_type` (supported: {supported})")]
+    MissingModelType {
+        /// The supported `model_type`s, comma-separated.
+        supported: String,
     },
     /// A tensor the model needs is not in the checkpoint.
     #[error("missing tensor `{name}`")]

@@ -6,7 +6,8 @@
 //! - [`CausalLm`], one burn model for every [`Architecture`], keyed by HF `model_type`:
 //!   `glm4_moe` (GLM-4.5 / 4.6 / 4.7 MoE: sigmoid routing with `e_score_correction_bias`,
 //!   group-limited top-k, shared experts, dense first layers, partial RoPE), `qwen3` (qk-norm),
-//!   `qwen3_moe` (softmax routing) and `llama` (Llama-3 RoPE scaling), configured by
+//!   `qwen3_moe` (softmax routing), `llama` (Llama-3 RoPE scaling) and `qwen2` (Qwen2 /
+//!   Qwen2.5: q/k/v bias; sliding-window layers rejected), configured by
 //!   [`ModelConfig`] read from HF `config.json` (transformers-5 `rope_parameters` layout and the
 //!   older top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` layout);
 //! - one forward for training (padded or packed batches, per-token positions, routed expert

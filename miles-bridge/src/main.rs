@@ -69,21 +69,24 @@ fn err(e: BridgeError) -> String {
     e.to_string()
 }
 
-fn model_type(dir: &Path) -> Result<String, String> {
+fn load_config(dir: &Path) -> Result<ModelConfig, String> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(v.get("model_type")
-        .and_then(|m| m.as_str())
-        .unwrap_or("")
-        .to_string())
-}
-
-fn load_config(dir: &Path) -> Result<ModelConfig, String> {
-    let kind = model_type(dir)?;
-    miles_bridge::Architecture::from_model_type(&kind).map_err(err)?;
-    ModelConfig::from_file(dir.join("config.json")).map_err(err)
+    // The architecture first, so an unsupported checkpoint says so rather than naming
+    // whichever field its config lacks.
+    match v.get("model_type").and_then(|m| m.as_str()) {
+        Some(kind) => {
+            miles_bridge::Architecture::from_model_type(kind).map_err(err)?;
+        }
+        None => {
+            return Err(err(BridgeError::MissingModelType {
+                supported: miles_bridge::Architecture::supported_model_types(),
+            }));
+        }
+    }
+    ModelConfig::from_hf_json(&text).map_err(|e| format!("{}: {}", path.display(), err(e)))
 }
 
 fn run(args: &[String]) -> Result<(), String> {

@@ -1,5 +1,6 @@
 //! [`CausalLm`]: the decoder-only model shared by every [`Architecture`] — GLM-4.5 / 4.6 / 4.7
-//! MoE (`glm4_moe`), Qwen3 (`qwen3`), Qwen3-MoE (`qwen3_moe`) and Llama (`llama`). The
+//! MoE (`glm4_moe`), Qwen3 (`qwen3`), Qwen3-MoE (`qwen3_moe`), Llama (`llama`) and Qwen2
+//! (`qwen2`). The
 //! architectures differ only in configuration: attention bias, qk-norm, partial rotary and
 //! Llama-3 RoPE scaling, which layers are MoE, the router kind and shared experts.
 //!

@@ -134,3 +134,147 @@ fn bad_input_is_one_line_and_exit_2() {
         assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     }
 }
+
+fn qwen2(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/models")
+        .join(name)
+}
+
+/// `logprobs`, `inspect` and `convert` on the Qwen2 fixtures (tied + GQA, untied + MHA):
+/// log-probs within 1e-4 of transformers', the q/k/v biases shown and split with their
+/// projections under `--tp`.
+#[test]
+fn qwen2_logprobs_inspect_and_convert() {
+    for (name, kv_heads) in [("qwen2-tiny", 2usize), ("qwen2-untied", 5)] {
+        let dir = qwen2(name);
+        let out_file = temp(&format!("{name}-lp.json"));
+        let out = bin()
+            .args(["logprobs", "--model"])
+            .arg(&dir)
+            .arg("--input")
+            .arg(dir.join("reference_inputs.json"))
+            .arg("--out")
+            .arg(&out_file)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
+        let got: Vec<Vec<f32>> = serde_json::from_value(got["token_logprobs"].clone()).unwrap();
+        let bytes = std::fs::read(dir.join("reference_outputs.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let want: Vec<f32> = st
+            .tensor("token_logprobs")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let got: Vec<f32> = got.into_iter().flatten().collect();
+        assert_eq!(got.len(), want.len());
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff <= 1e-4, "{name}: CLI log-probs differ by {diff}");
+        std::fs::remove_file(out_file).ok();
+
+        let out = bin().arg("inspect").arg(&dir).output().unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            text.contains("architecture: qwen2 (Qwen2ForCausalLM)"),
+            "{text}"
+        );
+        assert!(text.contains("self_attn.q_proj.bias f32"), "{text}");
+        assert_eq!(text.contains("lm_head.weight"), name == "qwen2-untied");
+
+        // qwen2-tiny: 2 KV heads and intermediate 160 split over TP 2; qwen2-untied (5 heads,
+        // intermediate 112) is converted whole to bf16.
+        let target = temp(&format!("{name}-convert"));
+        let tp = if name == "qwen2-tiny" { 2 } else { 1 };
+        let out = bin()
+            .args(["convert", "--model"])
+            .arg(&dir)
+            .arg("--out")
+            .arg(&target)
+            .args(["--tp", &tp.to_string(), "--dtype", "bf16"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let file = if tp == 1 {
+            target.join("model.safetensors")
+        } else {
+            target.join("tp01_ep00/model.safetensors")
+        };
+        let shard = std::fs::read(file).unwrap();
+        let shard = SafeTensors::deserialize(&shard).unwrap();
+        let k_bias = shard
+            .tensor("model.layers.0.self_attn.k_proj.bias")
+            .unwrap();
+        assert_eq!(k_bias.shape(), [kv_heads / tp * 16]);
+        assert_eq!(k_bias.dtype(), safetensors::Dtype::BF16);
+        // The bf16 values are the f32 bias of this rank's heads, rounded.
+        let full = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let full = SafeTensors::deserialize(&full).unwrap();
+        let full_bias: Vec<f32> = full
+            .tensor("model.layers.0.self_attn.k_proj.bias")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let per = kv_heads / tp * 16;
+        let rank = tp - 1;
+        for (i, c) in k_bias.data().chunks_exact(2).enumerate() {
+            let v = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+            let want = full_bias[rank * per + i];
+            assert!((v - want).abs() <= want.abs() / 128.0, "{name}: bias {i}");
+        }
+        assert_eq!(
+            shard.tensor("lm_head.weight").is_ok(),
+            name == "qwen2-untied"
+        );
+        std::fs::remove_dir_all(target).ok();
+    }
+}
+
+/// A `config.json` without `model_type` (or with an unknown one) is refused, naming the
+/// supported types, instead of loading as some default architecture.
+#[test]
+fn missing_or_unknown_model_type_is_refused() {
+    let src = qwen2("qwen2-tiny");
+    let text = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (case, model_type) in [("none", None), ("unknown", Some("mistral"))] {
+        let dir = temp(&format!("model-type-{case}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        match model_type {
+            None => config.as_object_mut().unwrap().remove("model_type"),
+            Some(t) => config
+                .as_object_mut()
+                .unwrap()
+                .insert("model_type".into(), t.into()),
+        };
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+        let out = bin().arg("inspect").arg(&dir).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{case}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(
+            err.contains("glm4_moe, qwen3, qwen3_moe, llama, qwen2"),
+            "{case}: {err}"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+}

@@ -81,7 +81,7 @@ fn perturbed_adapters(model: &CausalLm) -> TensorMap {
 
 #[test]
 fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
-    for name in ["qwen3-tiny", "glm4moe-tiny"] {
+    for name in ["qwen3-tiny", "glm4moe-tiny", "qwen2-tiny"] {
         let device = Device::flex().autodiff();
         let rows = inputs(name);
         let want = reference(name);
