@@ -66,7 +66,7 @@ weight updates, fully async by default. Flags use Miles' names where Miles has t
 fn cli() -> Cli {
     Cli::new("glm_moe_grpo", ABOUT)
         .option("--output-dir", "DIR", Some("runs/glm_moe_grpo"), "where the run writes everything")
-        .option("--hf-checkpoint", "DIR", None, "start from this HF GLM-4-MoE / Qwen3 / Llama checkpoint (its tokenizer and chat template) instead of building the small GLM-4-MoE")
+        .option("--hf-checkpoint", "DIR", None, "start from this HF GLM-4-MoE / Qwen3 / Qwen3-MoE / Qwen2 / Llama checkpoint (its tokenizer and chat template) instead of building the small GLM-4-MoE")
         .multi("--engine-url", "URL", "roll out on this SGLang-compatible server instead of the embedded engine (repeatable; a router spreads the load; the servers must see --output-dir for weight updates)")
         .option("--resume", "DIR", None, "continue a killed run from its latest checkpoint in DIR (its output dir)")
         .flag("--sync", "synchronous loop (rollout → train → update) instead of fully asynchronous")
@@ -185,7 +185,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let mut kwargs = serde_json::Map::new();
     kwargs.insert("enable_thinking".into(), json!(false));
     let encoder = Arc::new(ChatPromptEncoder::load(&model_dir)?.with_kwargs(kwargs));
-    let eos_ids = miles_rollout::engine::read_eos_ids(&model_dir);
+    let mut eos_ids = miles_rollout::engine::read_eos_ids(&model_dir);
+    if eos_ids.is_empty() {
+        // A config without `eos_token_id`: the tokenizer config's end-of-turn token.
+        eos_ids.extend(miles_rollout::engine::eos_from_tokenizer_config(&model_dir));
+    }
     let model = CausalLm::from_pretrained(&model_dir, &device.clone().autodiff())?;
     if use_r3 && !model.config.has_moe() {
         return Err("--use-rollout-routing-replay needs an MoE model".into());
@@ -247,9 +251,8 @@ async fn run(args: Args) -> Result<(), BoxError> {
         // An engine started with --api-key needs the key: MILES_API_KEY.
         let key = miles_session::guard::ApiKey::from_env()?;
         // Each version is written once for all servers; the two newest stay on disk.
-        let publisher = Arc::new(
-            miles_session::sglang::WeightPublisher::new(out.join("weights")).with_keep(2),
-        );
+        let publisher =
+            Arc::new(miles_session::sglang::WeightPublisher::new(out.join("weights")).with_keep(2));
         let engines = urls
             .iter()
             .enumerate()

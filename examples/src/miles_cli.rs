@@ -22,16 +22,16 @@ use miles_core::{
 };
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::device::DeviceSpec;
+use miles_rollout::data::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_rollout::{
     AgentGenerator, BuiltinReward, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter,
     EvalSet, LoopConfig, PromptRecord, RemoteReward, RlLoop, RmHubReward, RmType, RolloutConfig,
     RolloutManager, Router, SharedTrainer,
 };
-use miles_rollout::data::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_session::agent::{AgentDriverConfig, AgentReward};
 use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
-use miles_session::{SessionServer, SessionServerConfig, TitoChat};
 use miles_session::sglang::{SglangConfig, SglangEngine};
+use miles_session::{SessionServer, SessionServerConfig, TitoChat};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
 
@@ -242,8 +242,13 @@ fn common(a: &FlagValues) -> Result<Common, BoxError> {
             .with_kwargs(kwargs)
             .with_raw_text(!a.switch("--apply-chat-template")),
     );
+    let mut eos_ids = miles_rollout::engine::read_eos_ids(&hf);
+    if eos_ids.is_empty() {
+        // A config without `eos_token_id`: the tokenizer config's end-of-turn token.
+        eos_ids.extend(miles_rollout::engine::eos_from_tokenizer_config(&hf));
+    }
     Ok(Common {
-        eos_ids: miles_rollout::engine::read_eos_ids(&hf),
+        eos_ids,
         hf,
         out,
         device,
@@ -264,7 +269,11 @@ fn dataset_keys(a: &FlagValues) -> Result<DatasetKeys, BoxError> {
 
 /// Reads a prompt file (JSONL or Parquet, with an optional `@[a:b]` row slice); with
 /// `--skip-bad-rows` prints how many rows were skipped and why the first were.
-fn load_prompts(a: &FlagValues, path: &str, keys: &DatasetKeys) -> Result<Vec<PromptRecord>, BoxError> {
+fn load_prompts(
+    a: &FlagValues,
+    path: &str,
+    keys: &DatasetKeys,
+) -> Result<Vec<PromptRecord>, BoxError> {
     let source: PromptDataPath = path.parse()?;
     let options = DatasetOptions {
         keys: keys.clone(),
@@ -308,7 +317,11 @@ fn reward(a: &FlagValues, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
         (Some(_), Some(rule)) => Arc::new(AgentReward::new().with_fallback(rule)),
         (Some(_), None) => Arc::new(AgentReward::new()),
         (None, Some(rule)) => rule,
-        (None, None) => return Err("--rm-type (or --rm-url, or an --agent-cmd that prints rewards) is required".into()),
+        (None, None) => {
+            return Err(
+                "--rm-type (or --rm-url, or an --agent-cmd that prints rewards) is required".into(),
+            );
+        }
     })
 }
 
@@ -386,9 +399,8 @@ fn engines(
     }
     let key = miles_session::guard::ApiKey::from_env()?;
     // Each version is written once for all servers; the two newest stay on disk.
-    let publisher = Arc::new(
-        miles_session::sglang::WeightPublisher::new(c.out.join("weights")).with_keep(2),
-    );
+    let publisher =
+        Arc::new(miles_session::sglang::WeightPublisher::new(c.out.join("weights")).with_keep(2));
     let engines = urls
         .iter()
         .enumerate()
@@ -828,6 +840,7 @@ async fn eval(a: &FlagValues) -> Result<Value, BoxError> {
 /// The rollout settings evaluation inherits (no `--rollout-batch-size` needed).
 fn rollout_config_for_eval(a: &FlagValues, c: &Common) -> Result<RolloutConfig, BoxError> {
     Ok(RolloutConfig {
+        reward_key: a.get("--reward-key").map(str::to_owned),
         sampling: sampling(a, &c.eos_ids)?,
         rollout_max_response_len: a.parse_required("--rollout-max-response-len")?,
         rollout_max_context_len: a.parse("--rollout-max-context-len")?,

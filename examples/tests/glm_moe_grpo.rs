@@ -350,7 +350,11 @@ fn the_reference_binary_rolls_out_on_a_served_engine() {
     let out = fresh_dir("served");
     std::fs::create_dir_all(&out).unwrap();
     let exe = std::env::current_exe().unwrap();
-    let server_bin = exe.parent().and_then(Path::parent).unwrap().join("miles-rollout");
+    let server_bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("miles-rollout");
     assert!(server_bin.exists(), "{} missing", server_bin.display());
     let mut server = Command::new(server_bin)
         .args(["serve", "--port", "0", "--model"])
@@ -365,7 +369,11 @@ fn the_reference_binary_rolls_out_on_a_served_engine() {
     BufReader::new(server.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let url = line.trim().strip_prefix("listening on ").unwrap().to_owned();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
     let status = Command::new(binary("glm_moe_grpo"))
         .args(tiny_args(&out, 2))
         .arg("--hf-checkpoint")
@@ -393,7 +401,10 @@ fn the_reference_binary_rolls_out_on_a_served_engine() {
     assert_eq!(summary["weight_version"], 2, "{summary}");
     // The warm-start is version 0; the two GRPO steps pushed versions 1 and 2.
     assert!(answer.contains(r#""weight_version":"2""#), "{answer}");
-    assert!(out.join("weights").exists(), "no weights written for the server");
+    assert!(
+        out.join("weights").exists(),
+        "no weights written for the server"
+    );
     let train = training_records(&out);
     assert_eq!(train.len(), 2);
     for m in &train {

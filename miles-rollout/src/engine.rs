@@ -538,6 +538,22 @@ pub fn read_eos_ids(dir: &Path) -> Vec<u32> {
     Vec::new()
 }
 
+/// The id of `tokenizer_config.json`'s `eos_token` (a string or `{"content": …}`) in the
+/// directory's `tokenizer.json`: the end of a turn for checkpoints whose configs leave
+/// `eos_token_id` null (what [`read_eos_ids`] reads). Training and rollout code that needs
+/// an end-of-turn id falls back to it; the engine's own stop rule stays the config's.
+pub fn eos_from_tokenizer_config(dir: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?;
+    let json: Value = serde_json::from_str(&text).ok()?;
+    let token = match json.get("eos_token")? {
+        Value::String(s) => s.clone(),
+        Value::Object(o) => o.get("content")?.as_str()?.to_owned(),
+        _ => return None,
+    };
+    let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).ok()?;
+    tokenizer.token_to_id(&token)
+}
+
 fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
     Tensor::from_data(
         TensorData::new(

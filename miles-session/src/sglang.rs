@@ -50,6 +50,30 @@ impl WeightPublisher {
         }
     }
 
+    /// The publisher of `root` shared by every engine of this process that writes there
+    /// (made on first use, dropped with its last engine): engines configured with the same
+    /// [`SglangConfig::shared_weights_dir`] and no publisher of their own write each version
+    /// once, never over each other.
+    pub fn shared(root: impl Into<PathBuf>) -> Arc<Self> {
+        static REGISTRY: std::sync::Mutex<Vec<(PathBuf, std::sync::Weak<WeightPublisher>)>> =
+            std::sync::Mutex::new(Vec::new());
+        let root = root.into();
+        let mut registry = REGISTRY
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        registry.retain(|(_, p)| p.strong_count() > 0);
+        if let Some(publisher) = registry
+            .iter()
+            .find(|(r, _)| *r == root)
+            .and_then(|(_, p)| p.upgrade())
+        {
+            return publisher;
+        }
+        let publisher = Arc::new(Self::new(root.clone()));
+        registry.push((root, Arc::downgrade(&publisher)));
+        publisher
+    }
+
     /// Keeps only the newest `keep` versions it wrote (at least 1; engines load the newest,
     /// so 2 leaves a slow engine time to finish loading the one before).
     pub fn with_keep(mut self, keep: usize) -> Self {
@@ -100,7 +124,9 @@ impl WeightPublisher {
         written.push_back(version);
         if let Some(keep) = self.keep {
             while written.len() > keep {
-                let Some(old) = written.pop_front() else { break };
+                let Some(old) = written.pop_front() else {
+                    break;
+                };
                 let old_dir = self.version_dir(old);
                 if let Err(e) = std::fs::remove_dir_all(&old_dir)
                     && e.kind() != std::io::ErrorKind::NotFound
@@ -122,7 +148,12 @@ fn write_version(root: &Path, target: &Path, bytes: &[u8]) -> miles_core::Result
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = root.join(format!(".{name}.tmp-{}", std::process::id()));
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let tmp = root.join(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        WRITES.fetch_add(1, Ordering::Relaxed)
+    ));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| miles_core::Error::io(&tmp, e))?;
     let file = tmp.join("model.safetensors");
@@ -153,8 +184,8 @@ pub struct SglangConfig {
     /// `update_weights_from_disk`.
     pub shared_weights_dir: Option<PathBuf>,
     /// Writes each weight version to disk once for every engine that shares it (give the
-    /// same `Arc` to all engines of a fleet). `None`: the engine writes under
-    /// `shared_weights_dir` itself.
+    /// same `Arc` to all engines of a fleet). `None`: [`WeightPublisher::shared`] for
+    /// `shared_weights_dir` (one per directory in the process).
     pub publisher: Option<Arc<WeightPublisher>>,
     /// The engine's `--api-key`, sent as `Authorization: Bearer` with every call.
     pub api_key: Option<ApiKey>,
@@ -551,7 +582,7 @@ impl InferenceEngine for SglangEngine {
             (Some(p), _) => p.clone(),
             (None, Some(root)) => self
                 .own_publisher
-                .get_or_init(|| Arc::new(WeightPublisher::new(root.clone())))
+                .get_or_init(|| WeightPublisher::shared(root.clone()))
                 .clone(),
             (None, None) => {
                 return Err(miles_core::Error::engine(

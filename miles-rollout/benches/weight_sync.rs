@@ -1,0 +1,156 @@
+//! Weight sync to a fleet: export an 88 M GLM-4-MoE's weights and push them to 4
+//! `miles-rollout serve`-equivalent servers on loopback (SGLang's `update_weights_from_disk`),
+//! as the RL loops do after each step.
+//!
+//! * baseline (before): each engine writes its own copy of the version and the engines are
+//!   updated one after the other (what `SglangEngine`s with only `shared_weights_dir` and a
+//!   sequential loop over them do);
+//! * ours (after): one `WeightPublisher` shared by the fleet writes the version once, and the
+//!   `Router` sends `update_weights_from_disk` to every engine at once.
+//!
+//! Both include the export (model → HF-named f32 tensors). Median of 3 rounds each, spread in
+//! the note. `cargo xtask bench --only weight_sync`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::Device;
+use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
+use miles_core::{DType, InferenceEngine, NamedTensors, TensorBytes, WeightVersion};
+use miles_rollout::server::{ServerInfo, sglang_router};
+use miles_rollout::{EmbeddedEngine, EngineConfig, Router};
+use miles_session::sglang::{SglangConfig, SglangEngine, WeightPublisher};
+
+const SERVERS: usize = 4;
+const ROUNDS: usize = 3;
+
+fn glm_moe_88m() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "glm4_moe", "vocab_size": 32000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 8,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+        "routed_scaling_factor": 1.0, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+        "attention_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02, "max_position_embeddings": 4096}"#,
+    )
+    .expect("GLM config")
+}
+
+/// The trainer's export: HF names, f32.
+fn export(model: &CausalLm) -> NamedTensors {
+    let mut out = NamedTensors::new();
+    for (name, t) in model.to_hf_tensors(FloatDtype::F32).expect("export") {
+        out.insert(
+            name,
+            TensorBytes::new(DType::F32, t.shape, t.bytes).expect("tensor"),
+        );
+    }
+    out
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let root = std::env::temp_dir().join(format!("miles-weight-sync-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).expect("bench dir");
+    let model = CausalLm::init(&glm_moe_88m(), &Device::flex()).expect("model");
+    let mut urls = Vec::new();
+    for _ in 0..SERVERS {
+        let engine = EmbeddedEngine::builder(model.clone())
+            .config(EngineConfig::default())
+            .build()
+            .expect("engine");
+        let mut info = ServerInfo::new("glm-moe-88m");
+        info.weights_root = Some(root.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        urls.push(format!("http://{}", listener.local_addr().expect("addr")));
+        let app = sglang_router(Arc::new(engine), info);
+        tokio::spawn(async move { axum::serve(listener, app).await });
+    }
+    let mut version = 0u64;
+    let bytes = export(&model).to_safetensors_bytes().len();
+
+    // Before: a copy per engine, one engine after the other.
+    let mut before = Vec::new();
+    for _ in 0..ROUNDS {
+        let engines: Vec<SglangEngine> = urls
+            .iter()
+            .enumerate()
+            .map(|(i, url)| {
+                let mut c = SglangConfig::new(url.clone());
+                c.shared_weights_dir = Some(root.join(format!("own-{i}")));
+                SglangEngine::new(c)
+            })
+            .collect();
+        version += 1;
+        let started = Instant::now();
+        let weights = export(&model);
+        for engine in &engines {
+            engine
+                .update_weights(&weights, WeightVersion(version))
+                .await
+                .expect("update");
+        }
+        before.push(started.elapsed().as_secs_f64());
+        for i in 0..SERVERS {
+            let _ = std::fs::remove_dir_all(root.join(format!("own-{i}")));
+        }
+    }
+
+    // After: one write for the fleet, every engine at once.
+    let publisher = Arc::new(WeightPublisher::new(root.join("shared")).with_keep(2));
+    let router = Router::new(
+        urls.iter()
+            .enumerate()
+            .map(|(i, url)| {
+                let engine: Arc<dyn InferenceEngine> = Arc::new(SglangEngine::new(
+                    SglangConfig::new(url.clone()).with_publisher(publisher.clone()),
+                ));
+                (format!("engine-{i}"), engine, None)
+            })
+            .collect(),
+    );
+    let mut after = Vec::new();
+    for _ in 0..ROUNDS {
+        version += 1;
+        let started = Instant::now();
+        let weights = export(&model);
+        router
+            .update_weights(&weights, WeightVersion(version))
+            .await
+            .expect("update");
+        after.push(started.elapsed().as_secs_f64());
+    }
+    let writes = publisher.writes();
+    let _ = std::fs::remove_dir_all(&root);
+    let spread = |v: &[f64]| {
+        let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = v.iter().copied().fold(0.0, f64::max);
+        format!("{min:.2}-{max:.2} s")
+    };
+    println!(
+        "xtask-result: weight_sync_4_servers ours={:.3}s baseline={:.3}s target=<=0.5 note=export + push of an 88 M GLM-4-MoE ({} MB f32) to {SERVERS} loopback servers; ours: one WeightPublisher write ({writes} writes for {ROUNDS} versions) and concurrent update_weights_from_disk through the Router (spread {}); baseline: a copy per engine, engines one after the other (spread {}); median of {ROUNDS} rounds",
+        median(after.clone()),
+        median(before.clone()),
+        bytes >> 20,
+        spread(&after),
+        spread(&before),
+    );
+}
