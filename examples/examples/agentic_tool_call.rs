@@ -27,7 +27,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::Device;
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{JsonlMetricsSink, MetricsSink, PolicyTrainer, SamplingParams, WeightVersion};
 use miles_examples::args::{Args, Cli, exit_code, parse_env};
@@ -173,6 +172,13 @@ fn cli() -> Cli {
             Some("1234"),
             "seed of data, model and sampling",
         )
+        .option(
+            "--device",
+            "DEV",
+            Some("flex"),
+            "device of the model, trainer and embedded engine: flex | wgpu[:N] | wgpu-cpu | \
+             cuda[:N] (wgpu / cuda need the `wgpu` / `cuda` feature)",
+        )
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -192,7 +198,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let num_rollout: u64 = args.parsed("--num-rollout")?;
     let use_r3 = args.boolean("--use-rollout-routing-replay")?;
     let layout: BatchLayout = args.parsed("--batch-layout")?;
-    let device = Device::flex();
+    let device = miles_ops::device::parse_device(args.required("--device")?)?;
 
     // 1. The model directory: byte-level tokenizer (with merges for the tool-call JSON),
     //    Qwen3's chat template, a small GLM-4-MoE.

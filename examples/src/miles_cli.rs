@@ -458,7 +458,7 @@ fn eval_sets(
     generator: Option<&Arc<AgentGenerator>>,
 ) -> Result<Vec<EvalSet>, BoxError> {
     let pairs = a.all("--eval-prompt-data");
-    if pairs.len() % 2 != 0 {
+    if !pairs.len().is_multiple_of(2) {
         return Err("--eval-prompt-data takes NAME PATH pairs".into());
     }
     let mut keys = dataset_keys(a)?;
@@ -574,6 +574,13 @@ fn train_config(
     Ok(config)
 }
 
+/// What [`sinks`] returns: the fan-out sink, the progress bar, the metrics server.
+type Sinks = (
+    Arc<dyn MetricsSink>,
+    Arc<ProgressSink>,
+    Option<miles_session::metrics_server::MetricsServer>,
+);
+
 /// The metrics sinks of a training run: JSONL, curves after each evaluation, progress,
 /// TensorBoard and Prometheus when asked. Returns the sink, the progress bar and the metrics
 /// server (kept alive by the caller).
@@ -584,14 +591,7 @@ fn sinks(
     num_rollout: u64,
     eval_key: &str,
     buffer_capacity_groups: Option<f64>,
-) -> Result<
-    (
-        Arc<dyn MetricsSink>,
-        Arc<ProgressSink>,
-        Option<miles_session::metrics_server::MetricsServer>,
-    ),
-    BoxError,
-> {
+) -> Result<Sinks, BoxError> {
     let path = out.join("metrics.jsonl");
     let jsonl = if resume {
         JsonlMetricsSink::append(&path)?

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! miles-bridge inspect DIR
-//! miles-bridge logprobs --model DIR --input FILE [--out FILE]
+//! miles-bridge logprobs --model DIR --input FILE [--out FILE] [--device DEV]
 //! miles-bridge convert --model DIR --out DIR [--dtype f32|bf16|f16] [--tp N] [--ep N]
 //! ```
 //! Errors print one line to stderr and exit with status 2.
@@ -19,7 +19,7 @@ use miles_bridge::{
 };
 use miles_r3::Fallthrough;
 
-const USAGE: &str = "usage: miles-bridge inspect DIR | logprobs --model DIR --input FILE [--out FILE] | convert --model DIR --out DIR [--dtype f32|bf16|f16] [--tp N] [--ep N]";
+const USAGE: &str = "usage: miles-bridge inspect DIR | logprobs --model DIR --input FILE [--out FILE] [--device flex|wgpu[:N]|wgpu-cpu|cuda[:N]] | convert --model DIR --out DIR [--dtype f32|bf16|f16] [--tp N] [--ep N]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -102,10 +102,14 @@ fn run(args: &[String]) -> Result<(), String> {
         }
         "logprobs" => {
             let f = flags(rest)?;
+            let device =
+                miles_ops::device::parse_device(f.get("device").map_or("flex", String::as_str))
+                    .map_err(|e| format!("--device: {e}"))?;
             logprobs(
                 Path::new(required(&f, "model")?),
                 Path::new(required(&f, "input")?),
                 f.get("out").map(PathBuf::from),
+                &device,
             )
         }
         "convert" => {
@@ -165,7 +169,7 @@ fn inspect(dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn logprobs(dir: &Path, input: &Path, out: Option<PathBuf>) -> Result<(), String> {
+fn logprobs(dir: &Path, input: &Path, out: Option<PathBuf>, device: &Device) -> Result<(), String> {
     let text = std::fs::read_to_string(input).map_err(|e| format!("{}: {e}", input.display()))?;
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", input.display()))?;
@@ -190,7 +194,7 @@ fn logprobs(dir: &Path, input: &Path, out: Option<PathBuf>) -> Result<(), String
             config.vocab_size
         ));
     }
-    let device = Device::flex();
+    let device = device.clone();
     let tensors = read_checkpoint_dir(dir).map_err(err)?;
     let model = CausalLm::from_hf_tensors(&config, tensors, &device).map_err(err)?;
     let seq = rows.iter().map(Vec::len).max().unwrap_or(0);

@@ -278,3 +278,52 @@ fn missing_or_unknown_model_type_is_refused() {
         std::fs::remove_dir_all(dir).ok();
     }
 }
+
+/// `logprobs --device wgpu-cpu` (burn's wgpu runtime on the CPU adapter) matches the same
+/// transformers reference; an unknown device is a one-line error with exit 2. Needs a Vulkan
+/// adapter (lavapipe in CI, where `MILES_REQUIRE_KERNEL_TESTS=1` makes its absence a failure).
+#[test]
+fn logprobs_on_wgpu_cpu_match_reference() {
+    let out_file = temp("lp-wgpu.json");
+    let out = bin()
+        .args(["logprobs", "--device", "wgpu-cpu", "--model"])
+        .arg(fixture())
+        .arg("--input")
+        .arg(fixture().join("reference_inputs.json"))
+        .arg("--out")
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && stderr.contains("not available") {
+        let required = std::env::var("MILES_REQUIRE_KERNEL_TESTS")
+            .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes"));
+        assert!(!required, "no wgpu adapter: {stderr}");
+        eprintln!("!!! KERNEL TEST logprobs_on_wgpu_cpu NOT RUN: {stderr}");
+        return;
+    }
+    assert!(out.status.success(), "{stderr}");
+    let got: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
+    let want: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture().join("reference_summary.json")).unwrap(),
+    )
+    .unwrap();
+    let got_lp: Vec<Vec<f64>> = serde_json::from_value(got["token_logprobs"].clone()).unwrap();
+    let want_lp: Vec<Vec<f64>> = serde_json::from_value(want["token_logprobs"].clone()).unwrap();
+    assert_eq!(got_lp.len(), want_lp.len());
+    for (g, w) in got_lp.iter().zip(&want_lp) {
+        for (a, b) in g.iter().zip(w) {
+            assert!((a - b).abs() <= 1e-4, "{a} vs {b}");
+        }
+    }
+    let bad = bin()
+        .args(["logprobs", "--device", "tpu", "--model"])
+        .arg(fixture())
+        .arg("--input")
+        .arg(fixture().join("reference_inputs.json"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown device"));
+}

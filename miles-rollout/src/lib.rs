@@ -107,7 +107,7 @@ use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 
 /// A rayon pool of `threads` threads named `name-N`, for work that must stay on its own
-/// cores (the engine's [`EngineConfig::compute_threads`], the loop's
+/// cores (the engine's `EngineConfig::compute_threads` (feature `embedded`), the loop's
 /// [`LoopConfig::train_threads`]). burn's CPU backend parallelises through the rayon pool it
 /// is called from, so running inside [`rayon::ThreadPool::install`] bounds its cores.
 pub fn compute_pool(threads: usize, name: &str) -> Result<rayon::ThreadPool> {

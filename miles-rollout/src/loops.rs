@@ -52,7 +52,7 @@ pub struct LoopConfig {
     pub save: Option<PathBuf>,
     /// Threads the trainer computes with: train steps, checkpoints and weight exports run in
     /// a rayon pool of this size of its own (`None`: the process-wide pool). With
-    /// [`crate::EngineConfig::compute_threads`] this splits the cores between generation and
+    /// `EngineConfig::compute_threads` this splits the cores between generation and
     /// training, so the fully async loop overlaps them instead of time-slicing them.
     pub train_threads: Option<usize>,
     /// Fully async loop only: push new weights to the engines in the background while the
