@@ -2,9 +2,10 @@
 //!
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
-//! * `ci`    — the dependency rule (no burn / CubeCL under miles-core, miles-tito,
-//!   miles-session, nor under miles-rollout without its `embedded` feature),
-//!   `cargo fmt --check`, clippy with warnings denied, then `test`.
+//! * `lint`  — the dependency rule (no burn / CubeCL under miles-core, miles-tito,
+//!   miles-session, nor under miles-rollout without its `embedded` feature) and
+//!   `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
+//! * `ci`    — `lint`, clippy with warnings denied, then `test`.
 //! * `bench` — runs every bench of the workspace (one `cargo bench -p P --bench B` per
 //!   suite; `--only NAME`, `--quick`, `--list`), collects the `xtask-result:` lines each bench
 //!   prints (format in [`results`]) and prints one table (ours, baseline, ratio, target,
@@ -29,6 +30,7 @@ fn main() -> ExitCode {
     let result = match task {
         "test" => test(rest),
         "ci" => ci(rest),
+        "lint" => lint(),
         "bench" => bench::bench(rest),
         "help" | "--help" | "-h" => {
             println!("{}", usage());
@@ -50,6 +52,7 @@ fn usage() -> &'static str {
      tasks:\n  \
        test   cargo test --workspace --release --features miles-ops/wgpu (kernel tests on lavapipe)\n  \
        ci     cargo fmt --check, cargo clippy -D warnings, then test\n  \
+       lint   the dependency rule and cargo fmt --check (seconds; .ci/run runs it)\n  \
        bench  [--only NAME]... [--quick] [--list]: run the benches, print one table, write BENCHMARKS.md"
 }
 
@@ -162,11 +165,16 @@ fn heavy_dependencies(tree: &str) -> Vec<String> {
     found
 }
 
-fn ci(extra: &[String]) -> Result<(), String> {
+/// The checks that need no build: the dependency rule and formatting.
+fn lint() -> Result<(), String> {
     check_light_crates()?;
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--", "--check"]);
-    run(fmt)?;
+    run(fmt)
+}
+
+fn ci(extra: &[String]) -> Result<(), String> {
+    lint()?;
     let mut clippy = cargo();
     clippy
         .args([
