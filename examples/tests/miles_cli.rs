@@ -405,6 +405,9 @@ fn train_async_with_an_agent_in_python() {
     for row in train_rows {
         let reward = finite(row, "rollout/raw_reward");
         assert!((0.0..=1.0).contains(&reward), "{row}");
+        // The async loop's throughput: the batch's response tokens over the step.
+        assert!(finite(row, "perf/tokens_per_gpu_per_sec") > 0.0, "{row}");
+        finite(row, "perf/wait_time_ratio");
         // Every session went through the session server's TITO comparison. (With six response
         // tokens nearly every session ends on the token limit, mid-message; a fresh render
         // closes that message, so Miles' rate counts it: the example's summary keeps those

@@ -590,8 +590,11 @@ impl RlLoop {
             );
             let samples: Vec<Sample> = groups.into_iter().flatten().collect();
             // Generation overlaps training: the throughput over the time the trainer waited
-            // is not the engines' throughput, so only the sample-side figures are logged.
+            // is not the engines' throughput. The sample-side figures are logged here, the
+            // throughput below over the whole step (in steady state the engines produce one
+            // batch per step).
             sample_perf_metrics(&samples, f64::NAN, &mut metrics);
+            let response_tokens: usize = samples.iter().map(|s| s.response_length).sum();
             let version = self
                 .train_and_update(
                     rollout_id,
@@ -602,7 +605,14 @@ impl RlLoop {
                 )
                 .await?;
             metrics.insert("weight_version".into(), version.0 as f64);
-            metrics.insert("perf/step_time".into(), started.elapsed().as_secs_f64());
+            let step_time = started.elapsed().as_secs_f64();
+            metrics.insert("perf/step_time".into(), step_time);
+            if step_time > 0.0 {
+                metrics.insert(
+                    "perf/tokens_per_gpu_per_sec".into(),
+                    response_tokens as f64 / step_time,
+                );
+            }
             if self.eval_due(Some(rollout_id)) {
                 // Evaluate the new weights, not the ones a push in flight replaces.
                 settle(pending).await?;
