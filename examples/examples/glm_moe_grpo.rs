@@ -51,9 +51,8 @@ use miles_examples::wiring::{
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{
     ChatPromptEncoder, DataSource, EvalSet, LoopConfig, PromptEncoder, RlLoop, RolloutConfig,
-    RolloutManager, Router, SharedTrainer,
+    RolloutManager, SharedTrainer,
 };
-use miles_session::sglang::{SglangConfig, SglangEngine};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::json;
 
@@ -249,26 +248,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
             .filter(|&l| model.config.is_moe_layer(l))
             .count();
         // An engine started with --api-key needs the key: MILES_API_KEY.
-        let key = miles_session::guard::ApiKey::from_env()?;
-        // Each version is written once for all servers; the two newest stay on disk.
-        let publisher =
-            Arc::new(miles_session::sglang::WeightPublisher::new(out.join("weights")).with_keep(2));
-        let engines = urls
-            .iter()
-            .enumerate()
-            .map(|(i, url)| {
-                let mut c = SglangConfig::new(url.clone())
-                    .with_api_key(key.clone())
-                    .with_publisher(publisher.clone());
-                c.num_layers = Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0);
-                (
-                    format!("engine-{i}"),
-                    Arc::new(SglangEngine::new(c)) as Arc<dyn InferenceEngine>,
-                    None,
-                )
-            })
-            .collect();
-        Arc::new(Router::new(engines))
+        miles_examples::wiring::sglang_fleet(
+            urls,
+            &out.join("weights"),
+            Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0),
+        )?
     };
 
     let sampling = SamplingParams {
@@ -432,14 +416,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
         Box::new(SharedProgress(progress.clone())),
     ];
     if args.flag("--use-tensorboard") {
-        let dir = args
-            .get("--tensorboard-dir")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("TENSORBOARD_DIR").map(PathBuf::from))
-            .unwrap_or_else(|| out.join("tensorboard"));
-        // A resumed run adds a new event file beside the old ones; TensorBoard reads both.
-        sinks.push(Box::new(miles_core::TensorBoardSink::create(&dir)?));
-        println!("TensorBoard: tensorboard --logdir {}", dir.display());
+        sinks.push(Box::new(miles_examples::wiring::tensorboard_sink(
+            args.get("--tensorboard-dir"),
+            &out,
+        )?));
     }
     let sink: Arc<dyn MetricsSink> = Arc::new(FanOut(sinks));
     let data = DataSource::new(

@@ -26,11 +26,10 @@ use miles_rollout::data::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_rollout::{
     AgentGenerator, BuiltinReward, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter,
     EvalSet, LoopConfig, PromptRecord, RemoteReward, RlLoop, RmHubReward, RmType, RolloutConfig,
-    RolloutManager, Router, SharedTrainer,
+    RolloutManager, SharedTrainer,
 };
 use miles_session::agent::{AgentDriverConfig, AgentReward};
 use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
-use miles_session::sglang::{SglangConfig, SglangEngine};
 use miles_session::{SessionServer, SessionServerConfig, TitoChat};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
@@ -397,26 +396,11 @@ fn engines(
             c.seed,
         )?);
     }
-    let key = miles_session::guard::ApiKey::from_env()?;
-    // Each version is written once for all servers; the two newest stay on disk.
-    let publisher =
-        Arc::new(miles_session::sglang::WeightPublisher::new(c.out.join("weights")).with_keep(2));
-    let engines = urls
-        .iter()
-        .enumerate()
-        .map(|(i, url)| {
-            let mut config = SglangConfig::new(url.clone())
-                .with_api_key(key.clone())
-                .with_publisher(publisher.clone());
-            config.num_layers = num_layers;
-            (
-                format!("engine-{i}"),
-                Arc::new(SglangEngine::new(config)) as Arc<dyn InferenceEngine>,
-                None,
-            )
-        })
-        .collect();
-    Ok(Arc::new(Router::new(engines)))
+    Ok(crate::wiring::sglang_fleet(
+        urls,
+        &c.out.join("weights"),
+        num_layers,
+    )?)
 }
 
 fn rollout_config(a: &FlagValues, c: &Common, use_r3: bool) -> Result<RolloutConfig, BoxError> {
@@ -605,13 +589,10 @@ fn sinks(
         Box::new(SharedProgress(progress.clone())),
     ];
     if a.switch("--use-tensorboard") {
-        let dir = a
-            .get("--tensorboard-dir")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("TENSORBOARD_DIR").map(PathBuf::from))
-            .unwrap_or_else(|| out.join("tensorboard"));
-        list.push(Box::new(miles_core::TensorBoardSink::create(&dir)?));
-        println!("TensorBoard: tensorboard --logdir {}", dir.display());
+        list.push(Box::new(crate::wiring::tensorboard_sink(
+            a.get("--tensorboard-dir"),
+            out,
+        )?));
     }
     let port: Option<u16> = match a.parse("--metrics-port")? {
         Some(p) => Some(p),

@@ -171,6 +171,52 @@ impl MetricsSink for SharedProgress {
     }
 }
 
+/// A TensorBoard sink in `dir` (`--tensorboard-dir`), else `$TENSORBOARD_DIR` (Miles' default),
+/// else `out/tensorboard`; prints the `tensorboard --logdir` line. A resumed run adds a new
+/// event file beside the old ones; TensorBoard reads both.
+pub fn tensorboard_sink(
+    dir: Option<&str>,
+    out: &Path,
+) -> Result<miles_core::TensorBoardSink, miles_core::Error> {
+    let dir = dir
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("TENSORBOARD_DIR").map(std::path::PathBuf::from))
+        .unwrap_or_else(|| out.join("tensorboard"));
+    let sink = miles_core::TensorBoardSink::create(&dir)?;
+    println!("TensorBoard: tensorboard --logdir {}", dir.display());
+    Ok(sink)
+}
+
+/// A [`miles_rollout::Router`] over SGLang-compatible servers at `urls`: the key of
+/// `MILES_API_KEY` sent to each, `num_layers` MoE layers for routed experts, and one
+/// [`miles_session::sglang::WeightPublisher`] under `weights_dir` (each version written once
+/// for the fleet, the two newest kept; the servers must be able to read it).
+pub fn sglang_fleet(
+    urls: &[String],
+    weights_dir: &Path,
+    num_layers: Option<usize>,
+) -> Result<Arc<miles_rollout::Router>, miles_session::Error> {
+    use miles_session::sglang::{SglangConfig, SglangEngine, WeightPublisher};
+    let key = miles_session::guard::ApiKey::from_env()?;
+    let publisher = Arc::new(WeightPublisher::new(weights_dir).with_keep(2));
+    let engines = urls
+        .iter()
+        .enumerate()
+        .map(|(i, url)| {
+            let mut config = SglangConfig::new(url.clone())
+                .with_api_key(key.clone())
+                .with_publisher(publisher.clone());
+            config.num_layers = num_layers;
+            (
+                format!("engine-{i}"),
+                Arc::new(SglangEngine::new(config)) as Arc<dyn miles_core::InferenceEngine>,
+                None,
+            )
+        })
+        .collect();
+    Ok(Arc::new(miles_rollout::Router::new(engines)))
+}
+
 /// Writes HF-named `weights` as `dir/model.safetensors` with the config, generation config,
 /// tokenizer and chat-template files of `model_dir`: a directory HF transformers (and
 /// `--hf-checkpoint`) loads.
