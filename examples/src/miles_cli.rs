@@ -681,7 +681,13 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         .unwrap_or_else(|| c.out.join("checkpoints"));
     let resume = match a.get("--load") {
         None => false,
-        Some(load) if Path::new(load) == save => true,
+        Some(load)
+            if Path::new(load) == save
+                || std::fs::canonicalize(load)
+                    .is_ok_and(|l| std::fs::canonicalize(&save).is_ok_and(|s| s == l)) =>
+        {
+            true
+        }
         Some(load) if a.get("--save").is_none() => {
             return Err(format!(
                 "--load {load}: give --save {load} too (checkpoints continue where they are read)"
