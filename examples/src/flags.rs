@@ -5,8 +5,9 @@
 //!   repeatable flags collect every occurrence; `nargs` flags (`--eval-prompt-data NAME PATH
 //!   [NAME PATH …]`) take every value up to the next `--flag`.
 //! * `--config FILE` (TOML): `lr = 1e-5`, `use-kl-loss = true`, `engine-url = ["a", "b"]`;
-//!   keys may use `-` or `_`; a table value is passed on as JSON (for the JSON-valued flags). Flags given on the command line override the file (a list on the
-//!   command line replaces the file's list).
+//!   keys may use `-` or `_`; a table value is passed on as JSON (for the JSON-valued flags).
+//!   Flags given on the command line override the file (a list on the command line replaces
+//!   the file's list).
 //! * An unknown flag (or config key) is an error naming the closest valid one.
 //!
 //! ```
