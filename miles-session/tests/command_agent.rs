@@ -13,15 +13,13 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
+use common::hf_replay::{HfReplayEngine, hf_reference, logprob};
 use common::{ByteChatml, ToyEngine, serve};
 use miles_core::{
-    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message,
-    NamedTensors, PauseMode, Prompt, RequestId, Reward, RewardFn, Sample, SampleStatus,
-    SamplingParams, TokenId, WeightVersion,
+    Message, Prompt, Reward, RewardFn, Sample, SampleStatus, SamplingParams, WeightVersion,
 };
 use miles_session::agent::{AgentDriverConfig, AgentReward, generate};
 use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
@@ -29,9 +27,6 @@ use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
 use miles_session::tito_adapter::TitoChat;
 use serde_json::{Value, json};
-
-const QWEN3_IM_END: TokenId = 151645;
-const CONVERSATION: &str = "single_tool_string_args@miles";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -48,114 +43,13 @@ fn python3() -> PathBuf {
         )
 }
 
-/// (conversation JSON, HF ids of the full conversation without a generation prompt).
-fn hf_reference() -> (Value, Vec<TokenId>) {
-    let text = std::fs::read_to_string(repo().join("fixtures/tokenizers/hf_renders.json")).unwrap();
-    let all: Value = serde_json::from_str(&text).unwrap();
-    let conversation = all["conversations"][CONVERSATION].clone();
-    let template = all["templates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == "qwen3_fixed")
-        .unwrap();
-    let case = template["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["conversation"] == CONVERSATION && c["add_generation_prompt"] == false)
-        .unwrap();
-    (
-        conversation,
-        serde_json::from_value(case["ids"].clone()).unwrap(),
-    )
-}
-
-fn logprob(position: usize) -> f64 {
-    -0.25 * (position as f64 + 1.0)
-}
-
-/// A "model" that writes HF's rendering of the reference conversation: the prompt must be a
-/// prefix of HF's ids, the answer is HF's ids up to the next `<|im_end|>`.
-struct HfReplayEngine {
-    hf_ids: Vec<TokenId>,
-    seen: Mutex<Vec<(Vec<TokenId>, Vec<TokenId>)>>,
-}
-
-#[async_trait]
-impl InferenceEngine for HfReplayEngine {
-    async fn generate(&self, request: GenerateRequest) -> miles_core::Result<GenerateOutput> {
-        let prompt = &request.input_ids;
-        if !self.hf_ids.starts_with(prompt) {
-            return Err(miles_core::Error::engine(
-                EngineErrorKind::InvalidRequest,
-                "prompt is not a prefix of HF's rendering",
-            ));
-        }
-        let rest = &self.hf_ids[prompt.len()..];
-        let end = rest
-            .iter()
-            .position(|&id| id == QWEN3_IM_END)
-            .ok_or_else(|| {
-                miles_core::Error::engine(EngineErrorKind::InvalidRequest, "nothing left to say")
-            })?;
-        let output = rest[..=end].to_vec();
-        self.seen
-            .lock()
-            .unwrap()
-            .push((prompt.clone(), output.clone()));
-        Ok(GenerateOutput {
-            request_id: request.request_id.clone(),
-            output_log_probs: (0..output.len()).map(logprob).collect(),
-            output_ids: output,
-            routed_experts: None,
-            finish_reason: FinishReason::Stop,
-            matched_stop: Some(json!(QWEN3_IM_END)),
-            weight_version: WeightVersion(4),
-            prompt_tokens: prompt.len(),
-            cached_tokens: 0,
-        })
-    }
-
-    async fn update_weights(&self, _: &NamedTensors, _: WeightVersion) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn update_weights_from_disk(&self, _: &Path, _: WeightVersion) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn pause(&self, _: PauseMode) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn resume(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn flush_cache(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn abort(&self, _: &RequestId) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn abort_all(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn health(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
-        Ok(WeightVersion(4))
-    }
-}
-
 #[tokio::test]
 async fn python_agent_with_a_tool_call_becomes_one_rewarded_sample() {
     let (conversation, hf_ids) = hf_reference();
     let messages: Vec<Message> = serde_json::from_value(conversation["messages"].clone()).unwrap();
     let chat =
         Arc::new(TitoChat::load(&repo().join("fixtures/tokenizers/qwen3"), "qwen3").unwrap());
-    let engine = Arc::new(HfReplayEngine {
-        hf_ids: hf_ids.clone(),
-        seen: Mutex::new(Vec::new()),
-    });
+    let engine = Arc::new(HfReplayEngine::new(hf_ids.clone(), WeightVersion(4)));
     let server = SessionServer::new(engine.clone(), chat, SessionServerConfig::default());
     let url = serve(server.router()).await;
 

@@ -9,132 +9,26 @@
 //! the prompt it gets is a prefix of HF's ids and answers with HF's ids up to the next
 //! `<|im_end|>`. The session must then have stored HF's ids exactly.
 
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use miles_core::{
-    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message,
-    NamedTensors, PauseMode, RequestId, Sample, SampleStatus, TokenId, WeightVersion,
-};
+use common::hf_replay::{HfReplayEngine, IM_END, hf_reference, logprob, tokenizer_fixtures};
+use common::serve;
+use miles_core::{Message, Sample, SampleStatus, TokenId, WeightVersion};
 use miles_session::chat::ChatTokenizer;
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
 use miles_session::tito_adapter::TitoChat;
 use serde_json::{Value, json};
 
-/// Qwen3 vocabulary ids (tokenizer.json): `<|im_end|>` and `"\n"`.
-const IM_END: TokenId = 151645;
+/// Qwen3's `"\n"` (tokenizer.json).
 const NEWLINE: TokenId = 198;
-const CONVERSATION: &str = "single_tool_string_args@miles";
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers")
-}
-
-/// (conversation JSON, HF ids of the full conversation without a generation prompt).
-fn hf_reference() -> (Value, Vec<TokenId>) {
-    let text = std::fs::read_to_string(fixtures().join("hf_renders.json")).unwrap();
-    let all: Value = serde_json::from_str(&text).unwrap();
-    let conversation = all["conversations"][CONVERSATION].clone();
-    let template = all["templates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == "qwen3_fixed")
-        .unwrap();
-    let case = template["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["conversation"] == CONVERSATION && c["add_generation_prompt"] == false)
-        .unwrap();
-    (
-        conversation,
-        serde_json::from_value(case["ids"].clone()).unwrap(),
-    )
-}
-
-/// Serves `router` on 127.0.0.1 (ephemeral port); returns the base URL.
-async fn serve(router: axum::Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(listener, router).await.unwrap();
-    });
-    format!("http://{addr}")
-}
-
-fn logprob(position: usize) -> f64 {
-    -0.125 * (position as f64 + 1.0)
-}
-
-/// An engine whose "model" writes HF's rendering of the reference conversation.
-struct HfReplayEngine {
-    hf_ids: Vec<TokenId>,
-    seen: Mutex<Vec<(Vec<TokenId>, Vec<TokenId>)>>,
-}
-
-#[async_trait]
-impl InferenceEngine for HfReplayEngine {
-    async fn generate(&self, request: GenerateRequest) -> miles_core::Result<GenerateOutput> {
-        let prompt = &request.input_ids;
-        if !self.hf_ids.starts_with(prompt) {
-            return Err(miles_core::Error::engine(
-                EngineErrorKind::InvalidRequest,
-                "prompt is not a prefix of HF's rendering",
-            ));
-        }
-        let rest = &self.hf_ids[prompt.len()..];
-        let end = rest.iter().position(|&id| id == IM_END).ok_or_else(|| {
-            miles_core::Error::engine(EngineErrorKind::InvalidRequest, "nothing left to say")
-        })?;
-        let output = rest[..=end].to_vec();
-        self.seen
-            .lock()
-            .unwrap()
-            .push((prompt.clone(), output.clone()));
-        Ok(GenerateOutput {
-            request_id: request.request_id.clone(),
-            output_log_probs: (0..output.len()).map(logprob).collect(),
-            output_ids: output,
-            routed_experts: None,
-            finish_reason: FinishReason::Stop,
-            matched_stop: Some(json!(IM_END)),
-            weight_version: WeightVersion(3),
-            prompt_tokens: prompt.len(),
-            cached_tokens: 0,
-        })
-    }
-
-    async fn update_weights(&self, _: &NamedTensors, _: WeightVersion) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn update_weights_from_disk(&self, _: &Path, _: WeightVersion) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn pause(&self, _: PauseMode) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn resume(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn flush_cache(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn abort(&self, _: &RequestId) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn abort_all(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn health(&self) -> miles_core::Result<()> {
-        Ok(())
-    }
-    async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
-        Ok(WeightVersion(3))
-    }
+    tokenizer_fixtures()
 }
 
 #[tokio::test]
@@ -145,10 +39,7 @@ async fn qwen3_tool_conversation_stores_hf_exact_ids() {
     assert_eq!(hf_ids.last(), Some(&NEWLINE), "HF ends the render with \\n");
 
     let chat = Arc::new(TitoChat::load(&fixtures().join("qwen3"), "qwen3").unwrap());
-    let engine = Arc::new(HfReplayEngine {
-        hf_ids: hf_ids.clone(),
-        seen: Mutex::new(Vec::new()),
-    });
+    let engine = Arc::new(HfReplayEngine::new(hf_ids.clone(), WeightVersion(3)));
     let server = SessionServer::new(engine.clone(), chat.clone(), SessionServerConfig::default());
     let base = serve(server.router()).await;
     let http = HttpClient::new(Duration::from_secs(30));

@@ -1,7 +1,10 @@
 //! Test helpers: the testkit seams plus a loopback server helper.
 #![allow(dead_code)]
 
+#[allow(unused_imports)]
 pub use miles_session::testkit::*;
+
+pub mod hf_replay;
 
 /// Serves `router` on 127.0.0.1 (ephemeral port); returns the base URL.
 pub async fn serve(router: axum::Router) -> String {
