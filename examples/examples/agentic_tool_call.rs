@@ -45,7 +45,6 @@ use miles_rollout::{
     RolloutManager, SharedTrainer,
 };
 use miles_session::agent::AgentDriverConfig;
-use miles_session::{SessionServer, SessionServerConfig, TitoChat};
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
 use miles_train::{Actor, BatchLayout, TrainConfig};
 use serde_json::json;
@@ -232,19 +231,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .filter_map(|t| tokenizer.token_to_id(t))
         .collect();
     let engine = embedded_engine(model.valid(), &model_dir, eos_ids.clone(), 128, seed)?;
-    let chat = TitoChat::load(&model_dir, "qwen3")?;
-    let server = SessionServer::new(
-        engine.clone(),
-        Arc::new(chat),
-        SessionServerConfig {
-            return_routed_experts: use_r3,
-            ..SessionServerConfig::default()
-        },
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let server_url = format!("http://{}", listener.local_addr()?);
-    let app = server.router();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let server_url =
+        miles_examples::wiring::spawn_session_server(engine.clone(), &model_dir, "qwen3", use_r3)
+            .await?;
     println!("session server on {server_url}");
 
     // 3. Data, reward, the agent as the rollout's sample generator.

@@ -30,7 +30,6 @@ use miles_rollout::{
 };
 use miles_session::agent::{AgentDriverConfig, AgentReward};
 use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
-use miles_session::{SessionServer, SessionServerConfig, TitoChat};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
 
@@ -335,19 +334,9 @@ async fn agent_generator(
     let Some(cmd) = a.get("--agent-cmd") else {
         return Ok(None);
     };
-    let chat = TitoChat::load(&c.hf, a.required("--tito")?)?;
-    let server = SessionServer::new(
-        engine.clone(),
-        Arc::new(chat),
-        SessionServerConfig {
-            return_routed_experts: use_r3,
-            ..SessionServerConfig::default()
-        },
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let app = server.router();
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let url =
+        crate::wiring::spawn_session_server(engine.clone(), &c.hf, a.required("--tito")?, use_r3)
+            .await?;
     println!("session server on {url}; agent: {cmd}");
     let mut config = CommandAgentConfig::shell(cmd);
     config.timeout = match a.parse_required::<f64>("--agent-timeout-s")? {

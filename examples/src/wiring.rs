@@ -171,6 +171,31 @@ impl MetricsSink for SharedProgress {
     }
 }
 
+/// Serves a session server over `engine` on 127.0.0.1 (an ephemeral port) with the TITO
+/// `family` of `model_dir`, recording routed experts when `return_routed_experts`; returns its
+/// base URL. The server runs until the process ends.
+pub async fn spawn_session_server(
+    engine: Arc<dyn miles_core::InferenceEngine>,
+    model_dir: &Path,
+    family: &str,
+    return_routed_experts: bool,
+) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
+    let chat = miles_session::TitoChat::load(model_dir, family)?;
+    let server = miles_session::SessionServer::new(
+        engine,
+        Arc::new(chat),
+        miles_session::SessionServerConfig {
+            return_routed_experts,
+            ..miles_session::SessionServerConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let app = server.router();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(url)
+}
+
 /// A TensorBoard sink in `dir` (`--tensorboard-dir`), else `$TENSORBOARD_DIR` (Miles' default),
 /// else `out/tensorboard`; prints the `tensorboard --logdir` line. A resumed run adds a new
 /// event file beside the old ones; TensorBoard reads both.

@@ -173,8 +173,9 @@ pub fn bench(args: &[String]) -> Result<(), String> {
             runs.push(RunNote {
                 suite: suite.id(),
                 text: format!(
-                    "recorded {} UTC from a log of `cargo bench` run by hand",
-                    utc_now()
+                    "recorded {} UTC from a log of `cargo bench` run by hand; commit {} when recorded",
+                    utc_now(),
+                    git_head()
                 ),
             });
             recorded.push(suite);
@@ -194,8 +195,9 @@ pub fn bench(args: &[String]) -> Result<(), String> {
         runs.push(RunNote {
             suite: suite.id(),
             text: format!(
-                "{} UTC, {}, 1-min load average {} at start, {} cores",
+                "{} UTC, commit {}, {}, 1-min load average {} at start, {} cores",
                 utc_now(),
+                git_head(),
                 if options.quick { "quick" } else { "full" },
                 load.map_or_else(|| "?".into(), |l| format!("{l:.2}")),
                 std::thread::available_parallelism().map_or(0, |n| n.get())
@@ -374,6 +376,28 @@ pub fn format_utc(unix_secs: u64) -> String {
         rem / 3_600,
         (rem % 3_600) / 60
     )
+}
+
+/// The commit the benches run on (`git rev-parse --short HEAD`, `+dirty` with uncommitted
+/// changes), or `?` outside a git checkout.
+fn git_head() -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(crate::workspace_root())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "--short", "HEAD"]) {
+        Some(head) => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty { format!("{head}+dirty") } else { head }
+        }
+        None => "?".into(),
+    }
 }
 
 #[cfg(test)]
