@@ -11,11 +11,15 @@
 //! Both include the export (model → HF-named f32 tensors). Median of 3 rounds each, spread in
 //! the note. `cargo xtask bench --only weight_sync`.
 
+mod common;
+
 use std::sync::Arc;
+
+use common::glm_moe_88m;
 use std::time::Instant;
 
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
+use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{DType, InferenceEngine, NamedTensors, TensorBytes, WeightVersion};
 use miles_rollout::server::{ServerInfo, sglang_router};
 use miles_rollout::{EmbeddedEngine, EngineConfig, Router};
@@ -23,20 +27,6 @@ use miles_session::sglang::{SglangConfig, SglangEngine, WeightPublisher};
 
 const SERVERS: usize = 4;
 const ROUNDS: usize = 3;
-
-fn glm_moe_88m() -> ModelConfig {
-    ModelConfig::from_hf_json(
-        r#"{"model_type": "glm4_moe", "vocab_size": 32000, "hidden_size": 512,
-        "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 8,
-        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
-        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
-        "routed_scaling_factor": 1.0, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
-        "attention_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-5,
-        "initializer_range": 0.02, "max_position_embeddings": 4096}"#,
-    )
-    .expect("GLM config")
-}
 
 /// The trainer's export: HF names, f32.
 fn export(model: &CausalLm) -> NamedTensors {
