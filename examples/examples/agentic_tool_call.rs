@@ -11,8 +11,11 @@
 //!
 //! The task: `23*47=` with two-digit operands. A tiny GLM-4-MoE cannot multiply; it must
 //! call `calculator` with `{"expression": "23*47"}` and repeat the tool's answer. A short
-//! supervised warm-start on demonstrations (reported as such) teaches the tool-call format;
-//! GRPO then trains through the agent. The run prints the held-out reward before anything,
+//! supervised warm-start on demonstrations (reported as such) teaches the tool-call format.
+//! The demonstrator is careless (`--demo-slip-rate 0.3`): 30 % of its demonstrations answer
+//! at once from a mental estimate instead of calling the calculator, and the warm-start
+//! imitates that too. GRPO then trains through the agent, with a reward that checks the
+//! product. The run prints the held-out reward before anything,
 //! after the warm-start and after GRPO, and the TITO mismatch rate: the share of sessions
 //! whose accumulated token ids differ from a fresh render of their messages (must be 0).
 //!
@@ -29,6 +32,7 @@ use std::time::Instant;
 use burn::module::Module;
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{JsonlMetricsSink, MetricsSink, PolicyTrainer, SamplingParams, WeightVersion};
+use miles_examples::addition::SplitMix64;
 use miles_examples::args::{Args, Cli, exit_code, parse_env};
 use miles_examples::calculator::{
     CalculatorAgent, CalculatorReward, MulProblem, MulTask, TOOL_CALL_WORDS,
@@ -67,7 +71,7 @@ fn cli() -> Cli {
             "--sync",
             "synchronous loop (rollout → train → update) instead of fully asynchronous",
         )
-        .option("--num-rollout", "N", Some("30"), "GRPO steps")
+        .option("--num-rollout", "N", Some("60"), "GRPO steps")
         .option("--rollout-batch-size", "N", Some("16"), "prompts per step")
         .option(
             "--n-samples-per-prompt",
@@ -125,8 +129,16 @@ fn cli() -> Cli {
         .option(
             "--sft-steps",
             "N",
-            Some("300"),
+            Some("600"),
             "supervised warm-start steps on demonstrations (0 = none)",
+        )
+        .option(
+            "--demo-slip-rate",
+            "P",
+            Some("0.3"),
+            "the demonstrator is careless: each demonstration is, with probability P, an answer \
+             given at once from a mental estimate (23*47 → 1000, operands rounded to tens) \
+             instead of a calculator call; fixed per problem, seeded",
         )
         .option(
             "--sft-batch-size",
@@ -314,11 +326,35 @@ async fn run(args: Args) -> Result<(), BoxError> {
             TitoFamily::Qwen3,
             Default::default(),
         )?;
+        let slip_rate: f64 = args.parsed("--demo-slip-rate")?;
+        if !(0.0..=1.0).contains(&slip_rate) {
+            return Err(
+                format!("--demo-slip-rate {slip_rate}: expected a probability in [0, 1]").into(),
+            );
+        }
+        let mut rng = SplitMix64::new(seed ^ 0xD3E0_5119);
+        let mut slips = 0usize;
         let samples = split
             .train
             .iter()
-            .map(|p| Ok(sft_sample(&tito, &p.demonstration(declare_tools)?)?))
+            .map(|p| {
+                let unit = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                let demo = if unit < slip_rate {
+                    slips += 1;
+                    p.careless_demonstration(declare_tools)?
+                } else {
+                    p.demonstration(declare_tools)?
+                };
+                Ok(sft_sample(&tito, &demo)?)
+            })
             .collect::<Result<Vec<_>, BoxError>>()?;
+        summary["warm_start_careless_demonstrations"] = json!(slips);
+        if slips > 0 {
+            println!(
+                "the demonstrator answered {slips} of the {} demonstrations from a mental estimate, without the calculator (--demo-slip-rate)",
+                samples.len()
+            );
+        }
         let options = WarmStart {
             steps,
             batch_size: args.parsed("--sft-batch-size")?,

@@ -10,13 +10,16 @@
 //! The default task is two-digit addition (`12+35=` → `47`) on a model built from a config,
 //! with a byte-level BPE tokenizer and Qwen3's chat template written next to it (an ordinary HF
 //! model directory). A short supervised warm-start on 1,000 demonstrations teaches the answer
-//! format and most of the arithmetic; it is reported as such. GRPO then practises on the 2,800
-//! other training problems, whose answers it is never shown: only the reward checks them.
+//! format and most of the arithmetic; it is reported as such. The demonstrator is careless
+//! (`--demo-slip-rate 0.3`: 30 % of the problems that carry are demonstrated with every carry
+//! forgotten), and the warm-start imitates its slips too. GRPO then practises on the 2,800
+//! other training problems, whose answers it is never shown: only the reward, which checks the
+//! true sum, sees them.
 //! Held-out prompts (disjoint from both) are evaluated (sampled like the rollout, as Miles
 //! does, and greedily) before anything, after the warm-start and during / after GRPO.
 //!
 //! ```text
-//! cargo run --release --example glm_moe_grpo                 # defaults, ~4 min on 2 cores
+//! cargo run --release --example glm_moe_grpo                 # defaults, ~3-4 min on 2 idle cores
 //! cargo run --release --example glm_moe_grpo -- --sft-steps 4200 --num-rollout 0   # the ablation: GRPO's time spent on the warm-start
 //! cargo run --release --example glm_moe_grpo -- --help       # every flag
 //! cargo run --release --example glm_moe_grpo -- --sync
@@ -40,7 +43,9 @@ use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample, SamplingParams,
     WeightVersion,
 };
-use miles_examples::addition::{AdditionProblem, AdditionReward, AdditionTask, write_jsonl};
+use miles_examples::addition::{
+    AdditionProblem, AdditionReward, AdditionTask, SplitMix64, write_jsonl,
+};
 use miles_examples::args::{Args, Cli, exit_code, parse_env};
 use miles_examples::sft::{WarmStart, warm_start};
 use miles_examples::toy::{ToyModelSpec, write_model_dir};
@@ -101,6 +106,7 @@ fn cli() -> Cli {
         .option("--sft-lr", "LR", Some("3e-3"), "warm-start peak learning rate (cosine-decayed to a tenth; the result is saved to OUTPUT/warm_start/)")
         .option("--sft-problems", "KIND", Some("all"), "which training problems the warm-start demonstrates: all | no-carry (no column carries) | one-digit (both operands of one digit) | easy (no-carry or one-digit)")
         .option("--num-sft-prompts", "N", Some("1000"), "warm-start demonstrations: the first N training problems of --sft-problems (0 = all of them)")
+        .option("--demo-slip-rate", "P", Some("0.3"), "the demonstrator is careless: each demonstrated problem that carries is, with probability P, answered with every carry dropped (27+15 → 32); fixed per problem, seeded. GRPO's reward and the held-out evaluation check the true sum")
         .option("--partial-credit", "BOOL", Some("false"), "GRPO reward: half credit for digits in the right place (held-out evaluation is exact match either way)")
         .option("--grpo-prompts", "KIND", Some("undemonstrated"), "which training problems GRPO samples: all | undemonstrated (those the warm-start did not demonstrate)")
         .option("--min-digits", "N", Some("2"), "fewest digits of an addend")
@@ -212,7 +218,8 @@ async fn run(args: Args) -> Result<(), BoxError> {
     } else {
         Vec::new()
     };
-    write_jsonl(&out.join("data/warm_start.jsonl"), &demos)?;
+    let demo_answers = demonstrated_answers(&demos, args.parsed("--demo-slip-rate")?, seed)?;
+    write_demonstrations(&out.join("data/warm_start.jsonl"), &demos, &demo_answers)?;
     let grpo_problems: Vec<AdditionProblem> = match args.get("--grpo-prompts").unwrap_or("all") {
         "all" => split.train.clone(),
         "undemonstrated" => {
@@ -349,7 +356,26 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 grpo_problems.len()
             );
             summary["warm_start_demonstrations"] = json!(demos.len());
-            let sft = addition_warm_start(model, &demos, encoder.as_ref(), &eos_ids, &args)?;
+            let slips = demos
+                .iter()
+                .zip(&demo_answers)
+                .filter(|(p, a)| p.answer() != **a)
+                .count();
+            summary["warm_start_wrong_demonstrations"] = json!(slips);
+            if slips > 0 {
+                println!(
+                    "the demonstrator forgot the carries of {slips} of the {} demonstrations (--demo-slip-rate)",
+                    demos.len()
+                );
+            }
+            let sft = addition_warm_start(
+                model,
+                &demos,
+                &demo_answers,
+                encoder.as_ref(),
+                &eos_ids,
+                &args,
+            )?;
             let weights = sft.export(FloatDtype::F32)?;
             model = sft.model().clone();
             save_hf_checkpoint(&weights, &model_dir, &out.join("warm_start"))?;
@@ -528,11 +554,61 @@ fn warm_start_problems(
     Ok(demos)
 }
 
-/// Supervised warm-start: the answer and the end-of-turn token after each training prompt.
-/// Returns the trained SFT actor.
+/// The answers the warm-start demonstrates, one per problem: the true sum, except that a
+/// problem with a carry is, with probability `slip_rate` (drawn once per problem from the run's
+/// seed), answered by a careless labeller who drops every carry.
+fn demonstrated_answers(
+    problems: &[AdditionProblem],
+    slip_rate: f64,
+    seed: u64,
+) -> Result<Vec<String>, BoxError> {
+    if !(0.0..=1.0).contains(&slip_rate) {
+        return Err(
+            format!("--demo-slip-rate {slip_rate}: expected a probability in [0, 1]").into(),
+        );
+    }
+    let mut rng = SplitMix64::new(seed ^ 0xD3E0_5119);
+    Ok(problems
+        .iter()
+        .map(|p| {
+            // One draw per problem whether or not it carries, so the slips of a seed do not
+            // depend on which problems carry.
+            let unit = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let slip = unit < slip_rate;
+            if slip && p.has_carry() {
+                p.answer_without_carries()
+            } else {
+                p.answer()
+            }
+        })
+        .collect())
+}
+
+/// `data/warm_start.jsonl`: the demonstrations as the warm-start saw them (`label` is the
+/// demonstrated answer, `metadata.true_sum` the correct one).
+fn write_demonstrations(
+    path: &std::path::Path,
+    problems: &[AdditionProblem],
+    answers: &[String],
+) -> Result<(), BoxError> {
+    let mut text = String::new();
+    for (p, answer) in problems.iter().zip(answers) {
+        let mut line = p.jsonl_value();
+        line["label"] = json!(answer);
+        line["metadata"]["true_sum"] = json!(p.answer());
+        text.push_str(&serde_json::to_string(&line)?);
+        text.push('\n');
+    }
+    std::fs::write(path, text)?;
+    Ok(())
+}
+
+/// Supervised warm-start: the demonstrated answer and the end-of-turn token after each
+/// training prompt. Returns the trained SFT actor.
 fn addition_warm_start(
     model: CausalLm,
     problems: &[AdditionProblem],
+    answers: &[String],
     encoder: &ChatPromptEncoder,
     eos_ids: &[u32],
     args: &Args,
@@ -541,14 +617,15 @@ fn addition_warm_start(
     let eos = *eos_ids.first().ok_or("the model has no EOS token")?;
     let samples: Vec<Sample> = problems
         .iter()
-        .map(|p| -> Result<Sample, BoxError> {
+        .zip(answers)
+        .map(|(p, answer)| -> Result<Sample, BoxError> {
             let record = p.prompt_record();
             let probe = Sample {
                 prompt: record.prompt,
                 ..Sample::default()
             };
             let prompt = encoder.encode(&probe)?;
-            let mut response = encoder.chat().encode(&p.answer())?;
+            let mut response = encoder.chat().encode(answer)?;
             response.push(eos);
             Ok(Sample {
                 tokens: prompt.iter().chain(&response).copied().collect(),

@@ -100,6 +100,20 @@ impl AdditionProblem {
         (self.a + self.b).to_string()
     }
 
+    /// The sum written by a careless labeller who forgets every carry: each column's digits
+    /// added modulo 10 (`27+15` → `32`, `95+17` → `2`, leading zeros dropped). Equal to
+    /// [`AdditionProblem::answer`] exactly when the problem has no carry.
+    pub fn answer_without_carries(&self) -> String {
+        let (mut a, mut b, mut place, mut sum) = (self.a, self.b, 1u64, 0u64);
+        while a > 0 || b > 0 {
+            sum += (a % 10 + b % 10) % 10 * place;
+            a /= 10;
+            b /= 10;
+            place *= 10;
+        }
+        sum.to_string()
+    }
+
     /// The prompt as chat messages (one user message).
     pub fn messages(&self) -> Vec<Message> {
         vec![Message::new(Role::User, self.question())]
@@ -405,6 +419,26 @@ mod tests {
         assert_eq!(records[0], problems[0].prompt_record());
         assert_eq!(records[1].label.as_deref(), Some("100"));
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn careless_answers_drop_every_carry() {
+        let p = |a, b| AdditionProblem { a, b };
+        assert_eq!(p(27, 15).answer_without_carries(), "32");
+        assert_eq!(p(95, 17).answer_without_carries(), "2");
+        assert_eq!(p(50, 50).answer_without_carries(), "0");
+        assert_eq!(p(99, 1).answer_without_carries(), "90");
+        assert_eq!(p(12, 35).answer_without_carries(), "47");
+        for a in 0..100 {
+            for b in 0..100 {
+                let q = p(a, b);
+                assert_eq!(
+                    q.answer_without_carries() == q.answer(),
+                    !q.has_carry(),
+                    "{a}+{b}"
+                );
+            }
+        }
     }
 
     #[test]

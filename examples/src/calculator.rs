@@ -228,16 +228,40 @@ impl MulProblem {
             {"role": "tool", "tool_call_id": "call_0", "name": TOOL_NAME, "content": self.answer()},
             {"role": "assistant", "content": self.answer()},
         ]);
-        let messages: Vec<Message> =
-            serde_json::from_value(messages).map_err(|e| Error::Invalid {
-                what: "demonstration",
-                reason: e.to_string(),
-            })?;
-        Ok(Conversation {
-            messages,
-            tools: declare_tools.then(|| vec![calculator_tool()]),
-        })
+        demonstration_conversation(messages, declare_tools)
     }
+
+    /// A careless demonstrator's answer given without the calculator: a mental estimate, each
+    /// operand rounded to the nearest ten (`23*47` → `1000`). The product itself for only
+    /// 89 of the 8,100 two-digit pairs (both operands multiples of ten, or `12*25`-like pairs
+    /// whose roundings cancel).
+    pub fn estimate(&self) -> String {
+        let round = |x: u64| (x + 5) / 10 * 10;
+        (round(self.a) * round(self.b)).to_string()
+    }
+
+    /// The careless demonstration: the assistant answers at once with
+    /// [`MulProblem::estimate`] instead of calling the calculator.
+    pub fn careless_demonstration(&self, declare_tools: bool) -> Result<Conversation, Error> {
+        let messages = json!([
+            {"role": "user", "content": self.question()},
+            {"role": "assistant", "content": self.estimate()},
+        ]);
+        demonstration_conversation(messages, declare_tools)
+    }
+}
+
+/// A demonstration's messages (JSON) as a conversation, with the calculator declared when
+/// `declare_tools`.
+fn demonstration_conversation(messages: Value, declare_tools: bool) -> Result<Conversation, Error> {
+    let messages: Vec<Message> = serde_json::from_value(messages).map_err(|e| Error::Invalid {
+        what: "demonstration",
+        reason: e.to_string(),
+    })?;
+    Ok(Conversation {
+        messages,
+        tools: declare_tools.then(|| vec![calculator_tool()]),
+    })
 }
 
 /// The task: two-digit operands (`10..=99`), seeded.
@@ -579,6 +603,30 @@ mod tests {
         assert!(!run_tool_call(&call(json!("not json"))).1);
         let other = json!({"function": {"name": "search", "arguments": "{}"}});
         assert!(run_tool_call(&other).0.starts_with("error: unknown tool"));
+    }
+
+    #[test]
+    fn estimates_round_to_tens_and_miss_the_product() {
+        let p = |a, b| MulProblem { a, b };
+        assert_eq!(p(23, 47).estimate(), "1000");
+        assert_eq!(p(95, 15).estimate(), "2000");
+        assert_eq!(p(30, 40).estimate(), "1200");
+        let demo = p(23, 47).careless_demonstration(false).unwrap();
+        assert_eq!(demo.messages.len(), 2);
+        assert!(demo.messages[1].tool_calls.is_none());
+        // Right only when both operands are multiples of ten (81 pairs) or the two roundings
+        // cancel (8 pairs: 12*25, 24*25, 32*75, 64*75 and their reverses): 89 of the 8,100.
+        let mut right = 0;
+        for a in 10..100 {
+            for b in 10..100 {
+                let q = p(a, b);
+                if q.estimate() == q.answer() {
+                    right += 1;
+                    assert!(a % 10 == 0 && b % 10 == 0 || a * b % 100 == 0, "{a}*{b}");
+                }
+            }
+        }
+        assert_eq!(right, 89);
     }
 
     #[test]

@@ -63,6 +63,10 @@ fn grpo_raises_the_reward_of_a_checkable_task() {
             "2",
             // A short warm-start on every training problem: the answer format and some sums
             // (rollout reward ≈ 0.25); GRPO then samples the same problems.
+            // Correct demonstrations (the default run's careless demonstrator is off), as
+            // when the margin was measured.
+            "--demo-slip-rate",
+            "0",
             "--num-sft-prompts",
             "0",
             "--grpo-prompts",

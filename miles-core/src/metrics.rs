@@ -6,7 +6,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use serde_json::{Map, Number, Value};
+use serde_json::{Number, Value};
 
 use crate::error::{Error, Result};
 
@@ -71,13 +71,18 @@ impl JsonlMetricsSink {
 
 /// The JSON line [`JsonlMetricsSink`] writes for one step.
 pub fn metrics_line(step: u64, metrics: &Metrics) -> String {
-    let mut object = Map::new();
-    object.insert("step".into(), Value::from(step));
+    // Written key by key: `step` first whatever `serde_json::Map`'s order is (it sorts keys
+    // unless some crate of the build enables serde_json's `preserve_order`).
+    let mut line = format!("{{\"step\":{step}");
     for (name, value) in metrics {
         let value = Number::from_f64(*value).map_or(Value::Null, Value::Number);
-        object.insert(name.clone(), value);
+        line.push(',');
+        line.push_str(&Value::String(name.clone()).to_string());
+        line.push(':');
+        line.push_str(&value.to_string());
     }
-    Value::Object(object).to_string()
+    line.push('}');
+    line
 }
 
 /// Cuts a line left unfinished by a killed writer (no final newline) off the end of `path`, so

@@ -319,14 +319,17 @@ impl NamedTensors {
     /// first in the library's `Dtype` order (… I64, F64, … I32, … U8, BOOL), then by name, so
     /// every tensor starts aligned to its element size; the header lists them in that order.
     pub fn to_safetensors_bytes(&self) -> Vec<u8> {
-        let mut header = Map::new();
+        // The header is written entry by entry, in the library's order, rather than through a
+        // `serde_json::Map` (whose order depends on serde_json's `preserve_order` feature).
+        let json_string = |s: &str| Value::String(s.to_owned()).to_string();
+        let mut entries = Vec::with_capacity(self.tensors.len() + 1);
         if !self.metadata.is_empty() {
-            let meta = self
+            let meta: Vec<String> = self
                 .metadata
                 .iter()
-                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                .map(|(k, v)| format!("{}:{}", json_string(k), json_string(v)))
                 .collect();
-            header.insert("__metadata__".into(), Value::Object(meta));
+            entries.push(format!("\"__metadata__\":{{{}}}", meta.join(",")));
         }
         let mut order: Vec<(&String, &TensorBytes)> = self.tensors.iter().collect();
         // Stable: names stay in order within a dtype.
@@ -334,17 +337,16 @@ impl NamedTensors {
         let mut offset = 0usize;
         for (name, tensor) in &order {
             let end = offset + tensor.data.len();
-            header.insert(
-                (*name).clone(),
-                serde_json::json!({
-                    "dtype": tensor.dtype.name(),
-                    "shape": tensor.shape,
-                    "data_offsets": [offset, end],
-                }),
-            );
+            let shape: Vec<String> = tensor.shape.iter().map(ToString::to_string).collect();
+            entries.push(format!(
+                "{}:{{\"dtype\":{},\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
+                json_string(name),
+                json_string(tensor.dtype.name()),
+                shape.join(","),
+            ));
             offset = end;
         }
-        let mut header_bytes = Value::Object(header).to_string().into_bytes();
+        let mut header_bytes = format!("{{{}}}", entries.join(",")).into_bytes();
         while !header_bytes.len().is_multiple_of(8) {
             header_bytes.push(b' ');
         }

@@ -5,11 +5,29 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use miles_tito::{HfChat, RenderArgs};
+use miles_tito::{Error, HfChat, RenderArgs};
 use serde_json::{Map, Value};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers")
+}
+
+/// Where HF raised (`"Kind: message"` in the fixture), our error must be of the matching kind:
+/// the template's own `raise_exception` (HF `TemplateError`) is [`Error::TemplateRaised`] with
+/// the same message; Jinja's run-time errors (`UndefinedError`, `TypeError`, `SecurityError`
+/// for the sandbox's immutable lists, `TemplateRuntimeError`) are [`Error::Render`]. `None`
+/// when they match, else what differs.
+fn same_exception_kind(ours: &Error, hf: &str) -> Option<String> {
+    let (kind, message) = hf.split_once(": ").unwrap_or((hf, ""));
+    let matches = match (kind, ours) {
+        ("TemplateError", Error::TemplateRaised { message: m }) => m == message,
+        (
+            "UndefinedError" | "TypeError" | "SecurityError" | "TemplateRuntimeError",
+            Error::Render { .. },
+        ) => true,
+        _ => false,
+    };
+    (!matches).then(|| format!("HF raised {hf:?}, we returned a different kind: {ours:?}"))
 }
 
 #[test]
@@ -67,7 +85,7 @@ fn renders_and_ids_equal_hf_transformers() {
                 Value::Object(kwargs.clone())
             );
             let problem = match (&got, case.get("error")) {
-                (Err(_), Some(_)) => None,
+                (Err(e), Some(err)) => same_exception_kind(e, err.as_str().unwrap_or_default()),
                 (Ok(out), Some(err)) => {
                     Some(format!("HF raised {err} but we rendered {:?}", out.text))
                 }
