@@ -3,8 +3,9 @@
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
 //! * `lint`  — the dependency rule (no burn / CubeCL under miles-core, miles-tito,
-//!   miles-session, nor under miles-rollout without its `embedded` feature) and
-//!   `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
+//!   miles-session, nor under miles-rollout without its `embedded` feature), the library
+//!   crates' packages (`cargo package --list` holds both licences and every file `src/`
+//!   includes) and `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
 //! * `ci`    — `lint`, clippy with warnings denied, then `test`.
 //! * `bench` — runs every bench of the workspace (one `cargo bench -p P --bench B` per
 //!   suite; `--only NAME`, `--quick`, `--list`), collects the `xtask-result:` lines each bench
@@ -52,7 +53,7 @@ fn usage() -> &'static str {
      tasks:\n  \
        test   cargo test --workspace --release --features miles-ops/wgpu (kernel tests on lavapipe)\n  \
        ci     cargo fmt --check, cargo clippy -D warnings, then test\n  \
-       lint   the dependency rule and cargo fmt --check (seconds; .ci/run runs it)\n  \
+       lint   the dependency rule, the library packages' files and cargo fmt --check (seconds; .ci/run runs it)\n  \
        bench  [--only NAME]... [--quick] [--list]: run the benches, print one table, write BENCHMARKS.md"
 }
 
@@ -165,9 +166,134 @@ fn heavy_dependencies(tree: &str) -> Vec<String> {
     found
 }
 
-/// The checks that need no build: the dependency rule and formatting.
+/// The library crates a user would `cargo add`: each must build from its packaged files.
+const LIBRARY_CRATES: [&str; 8] = [
+    "miles-core",
+    "miles-tito",
+    "miles-session",
+    "miles-ops",
+    "miles-bridge",
+    "miles-r3",
+    "miles-rollout",
+    "miles-train",
+];
+
+/// Fails when a library crate's package (`cargo package --list`) lacks a file its sources
+/// compile in (`include_str!` / `include_bytes!` in `src/`, which may not reach outside the
+/// crate) or either licence file. The cheap part of `cargo package`'s verification, which
+/// would rebuild burn once per crate.
+fn check_packages() -> Result<(), String> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or("xtask has no parent folder")?
+        .to_path_buf();
+    for krate in LIBRARY_CRATES {
+        let dir = root.join(krate);
+        let mut list = cargo();
+        list.args(["package", "--list", "--allow-dirty", "-p", krate])
+            .current_dir(&root);
+        let output = list
+            .output()
+            .map_err(|e| format!("cannot run cargo package: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "cargo package --list -p {krate} failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        let packaged: std::collections::BTreeSet<String> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let mut needed = vec!["LICENSE-MIT".to_owned(), "LICENSE-APACHE".to_owned()];
+        needed.extend(included_files(&dir)?);
+        let missing: Vec<&String> = needed.iter().filter(|f| !packaged.contains(*f)).collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "{krate}: its package lacks {missing:?} (a file outside the crate, or excluded)"
+            ));
+        }
+        eprintln!(
+            "xtask: {krate}: package has its licences and the {} file(s) its sources include",
+            needed.len() - 2
+        );
+    }
+    Ok(())
+}
+
+/// Files that `include_str!` / `include_bytes!` in `crate_dir/src` compile in, relative to
+/// the crate (`..` resolved; a path that leaves the crate is kept with its `..`, so it can
+/// never be in the package list).
+fn included_files(crate_dir: &std::path::Path) -> Result<Vec<String>, String> {
+    let mut files = Vec::new();
+    let mut stack = vec![crate_dir.join("src")];
+    while let Some(dir) = stack.pop() {
+        let entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        for entry in entries {
+            let path = entry.map_err(|e| e.to_string())?.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                for target in include_targets(&text) {
+                    let from = path.parent().unwrap_or(crate_dir).strip_prefix(crate_dir);
+                    let from = from.map_err(|e| e.to_string())?;
+                    files.push(normalize(&from.join(target)));
+                }
+            }
+        }
+    }
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// The string literals of `include_str!("…")` / `include_bytes!("…")` outside line comments.
+fn include_targets(source: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for line in source.lines() {
+        let code = line.split("//").next().unwrap_or_default();
+        for mac in ["include_str!(", "include_bytes!("] {
+            let mut rest = code;
+            while let Some(at) = rest.find(mac) {
+                rest = &rest[at + mac.len()..];
+                let Some(open) = rest.find('"') else { break };
+                let Some(len) = rest[open + 1..].find('"') else {
+                    break;
+                };
+                out.push(rest[open + 1..open + 1 + len].to_owned());
+                rest = &rest[open + 1 + len..];
+            }
+        }
+    }
+    out
+}
+
+/// `a/b/../c` → `a/c`; leading `..` are kept; `/` separators.
+fn normalize(path: &std::path::Path) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for part in path.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                if parts.last().is_some_and(|p| p != "..") {
+                    parts.pop();
+                } else {
+                    parts.push("..".into());
+                }
+            }
+            std::path::Component::CurDir => {}
+            other => parts.push(other.as_os_str().to_string_lossy().into_owned()),
+        }
+    }
+    parts.join("/")
+}
+
+/// The checks that need no build: the dependency rule, the library crates' packages and
+/// formatting.
 fn lint() -> Result<(), String> {
     check_light_crates()?;
+    check_packages()?;
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--", "--check"]);
     run(fmt)
@@ -196,6 +322,26 @@ fn ci(extra: &[String]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn include_targets_are_found_outside_comments_and_resolved() {
+        let src = "const A: &str = include_str!(\"../templates/a.jinja\");\n\
+                   // include_str!(\"../commented.txt\")\n\
+                   static B: &[u8] = include_bytes!( \"data/b.bin\" ); let c = include_str!(\"c\");";
+        // Per line, `include_str!` targets first, then `include_bytes!`.
+        assert_eq!(
+            include_targets(src),
+            ["../templates/a.jinja", "c", "data/b.bin"]
+        );
+        assert_eq!(
+            normalize(std::path::Path::new("src/../templates/a.jinja")),
+            "templates/a.jinja"
+        );
+        assert_eq!(
+            normalize(std::path::Path::new("src/../../fixtures/x.json")),
+            "../fixtures/x.json"
+        );
+    }
 
     #[test]
     fn heavy_dependencies_are_detected() {
