@@ -2,6 +2,7 @@
 //! `guard::serve`, the binary's accept loop): every bad request gets a typed OpenAI-shaped
 //! JSON error, and the server still serves a normal turn afterwards.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;

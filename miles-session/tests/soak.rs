@@ -14,6 +14,7 @@
 //! while the cancelled request still holds the turn gets 409 (`session_busy`) and is sent
 //! again.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;

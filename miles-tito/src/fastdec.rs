@@ -9,7 +9,7 @@
 //! bytes and converts them to text lossily. Per token, that byte string never changes, so
 //! [`FastDecoder`] computes it once for every id and a decode is a concatenation plus one
 //! UTF-8 validation. Any other decoder (sequences, `Replace`, `ByteFallback`, `Metaspace`, …)
-//! is not accelerated. `tests/fast_decode.rs` checks the text against HF tokenizers on
+//! is not accelerated. `tests/it/fast_decode.rs` checks the text against HF tokenizers on
 //! random id sequences (added tokens and split multi-byte characters included) for every
 //! fixture tokenizer with a `ByteLevel` decoder.
 

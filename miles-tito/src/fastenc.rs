@@ -20,7 +20,7 @@
 //! tokens that is not pure ASCII goes through the HF tokenizer unchanged (each such piece is
 //! encoded exactly as HF encodes it inside the full text, because HF processes the pieces
 //! between added tokens independently). A tokenizer of any other shape is not accelerated.
-//! `tests/fast_encode.rs` checks ids against HF tokenizers on every fixture render and on
+//! `tests/it/fast_encode.rs` checks ids against HF tokenizers on every fixture render and on
 //! randomised ASCII text for the Qwen3, Llama 3.1 and GLM-4.5 tokenizers.
 
 use std::collections::HashMap;

@@ -34,7 +34,7 @@
 //!   `chat_template` string or named list, `chat_template.jinja`) and rendering with
 //!   minijinja configured like HF's immutable Jinja2 sandbox. Text and ids equal
 //!   transformers 5.24 exactly on 3762 renders over 33 real templates
-//!   (`tests/hf_exact.rs`). Where HF raises (`raise_exception`, `list.append`, undefined
+//!   (`tests/it/hf_exact.rs`). Where HF raises (`raise_exception`, `list.append`, undefined
 //!   values), rendering returns a typed [`Error`]. A template byte-identical to one the crate
 //!   ships in compiled form (so far `qwen3_fixed.jinja` and its Qwen3-Next variant) renders through that Rust form when
 //!   the input has the shapes it handles, with the template's exact text

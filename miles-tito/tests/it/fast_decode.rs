@@ -16,8 +16,7 @@ const TOKENIZERS: [&str; 7] = [
     "kimi-k2",
 ];
 
-mod common;
-use common::{Rng, load};
+use crate::common::{Rng, load};
 
 #[test]
 fn fast_decode_equals_hf_decode_on_every_fixture_tokenizer() {

@@ -4,13 +4,11 @@
 //! is an OpenAI-shaped JSON body, nothing panics (a panic would drop the connection), and the
 //! server serves a normal turn afterwards. Prints how many requests were tried.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::{ByteChatml, ToyEngine};
+use crate::common::{ByteChatml, ToyEngine};
 use hyper::Method;
 use miles_session::guard::{self, GuardConfig};
 use miles_session::http::HttpClient;

@@ -1,8 +1,6 @@
 //! The token-sequence comparator (MILES_SPEC §1.10) over the byte-level ChatML tokenizer.
 
-mod common;
-
-use common::ByteChatml;
+use crate::common::ByteChatml;
 use miles_session::chat::{ChatTokenizer, MismatchType};
 
 fn kinds(tok: &ByteChatml, expected: &str, actual: &str) -> Vec<(MismatchType, i64)> {

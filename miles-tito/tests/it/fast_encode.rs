@@ -3,10 +3,9 @@
 //! on randomised text built to hit every branch of the split regex, with added tokens and
 //! non-ASCII runs mixed in. It is enabled for the Qwen3, Llama 3.1 and GLM-4.5 tokenizers and
 //! disabled for the DeepSeek-V3 and Kimi-K2 ones, whose pre-tokenizers it does not reproduce.
-//! (`tests/hf_exact.rs` also runs every fixture render through it against transformers' ids.)
+//! (`tests/it/hf_exact.rs` also runs every fixture render through it against transformers' ids.)
 
-mod common;
-use common::{Rng, load};
+use crate::common::{Rng, load};
 
 /// Fragments chosen for the regex's edge cases: contractions in any case, letter runs with
 /// a leading space / punctuation / tab, digit runs, punctuation runs with trailing newlines,

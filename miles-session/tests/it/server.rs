@@ -1,13 +1,11 @@
 //! The session server on loopback, driven over real HTTP, with the byte-level ChatML tokenizer
 //! and the deterministic token-id engine of `common`.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{ByteChatml, IM_END, ToyEngine, serve, toy_expert, toy_logprob, weather_tool};
+use crate::common::{ByteChatml, IM_END, ToyEngine, serve, toy_expert, toy_logprob, weather_tool};
 use hyper::Method;
 use miles_core::{Role, Sample, SampleStatus, TokenId};
 use miles_session::chat::ChatTokenizer;

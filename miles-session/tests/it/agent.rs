@@ -1,12 +1,10 @@
 //! The agent driver against a real session server on loopback; agents talk to it with a real
 //! HTTP client in the OpenAI chat-completions shape.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ByteChatml, ToyEngine, WeatherAgent, serve};
+use crate::common::{ByteChatml, ToyEngine, WeatherAgent, serve};
 use miles_core::{Message, Prompt, Reward, Sample, SampleStatus, SamplingParams, async_trait};
 use miles_session::agent::{
     AGENT_REWARD_KEY, Agent, AgentContext, AgentDriverConfig, generate, request_kwargs,

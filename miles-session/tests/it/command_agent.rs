@@ -5,19 +5,17 @@
 //! only: urllib + json) with `python3` from PATH, on the real Qwen3 tokenizer and template
 //! (`fixtures/tokenizers/qwen3`, family `qwen3`). The engine plays a model that writes HF
 //! transformers' rendering of the conversation `single_tool_string_args@miles`
-//! (`fixtures/tokenizers/hf_renders.json`, as in `tests/tito_qwen3.rs`): the assembled sample
+//! (`fixtures/tokenizers/hf_renders.json`, as in `tests/it/tito_qwen3.rs`): the assembled sample
 //! must hold HF's ids exactly. The failure cases use small `sh` agents on the byte-level
 //! tokenizer.
 #![cfg(unix)]
-
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::hf_replay::{HfReplayEngine, hf_reference, logprob};
-use common::{ByteChatml, ToyEngine, serve};
+use crate::common::hf_replay::{HfReplayEngine, hf_reference, logprob};
+use crate::common::{ByteChatml, ToyEngine, serve};
 use miles_core::{
     Message, Prompt, Reward, RewardFn, Sample, SampleStatus, SamplingParams, WeightVersion,
 };
@@ -39,7 +37,7 @@ fn python3() -> PathBuf {
         .map(|dir| dir.join("python3"))
         .find(|p| p.is_file())
         .expect(
-            "python3 not found on PATH: tests/command_agent.rs runs a Python agent and needs it",
+            "python3 not found on PATH: tests/it/command_agent.rs runs a Python agent and needs it",
         )
 }
 
@@ -200,8 +198,10 @@ fn read_pid(path: &Path) -> i32 {
         .unwrap()
 }
 
-/// Gone, or a zombie of a parent that is not us (the agent's orphans belong to init).
-fn assert_gone(pid: i32, what: &str) {
+/// Gone, or a zombie of a parent that is not us (the agent's orphans belong to init). Waits
+/// asynchronously: the reaping of an agent whose future was dropped happens in a task of this
+/// (single-threaded) test runtime, which a blocking sleep would starve.
+async fn assert_gone(pid: i32, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         match process_state(pid) {
@@ -210,7 +210,7 @@ fn assert_gone(pid: i32, what: &str) {
             Some(state) if Instant::now() > deadline => {
                 panic!("{what} (pid {pid}) still exists in state {state}")
             }
-            Some(_) => std::thread::sleep(Duration::from_millis(20)),
+            Some(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
 }
@@ -349,8 +349,8 @@ async fn timeouts_kill_the_whole_process_group() {
     );
     assert!(took >= Duration::from_millis(500), "{took:?}");
     assert!(took < Duration::from_secs(5), "{took:?}");
-    assert_gone(read_pid(&dir.join("polite.leader")), "agent");
-    assert_gone(read_pid(&dir.join("polite.child")), "the agent's child");
+    assert_gone(read_pid(&dir.join("polite.leader")), "agent").await;
+    assert_gone(read_pid(&dir.join("polite.child")), "the agent's child").await;
 
     // One that ignores SIGTERM (its child inherits that): SIGKILL after the grace period.
     let agent = CommandAgent::new(config(
@@ -365,8 +365,8 @@ async fn timeouts_kill_the_whole_process_group() {
         "killed before the grace: {took:?}"
     );
     assert!(took < Duration::from_secs(6), "{took:?}");
-    assert_gone(read_pid(&dir.join("stubborn.leader")), "agent");
-    assert_gone(read_pid(&dir.join("stubborn.child")), "the agent's child");
+    assert_gone(read_pid(&dir.join("stubborn.leader")), "agent").await;
+    assert_gone(read_pid(&dir.join("stubborn.child")), "the agent's child").await;
 
     // The driver's own timeout drops the agent's future: the group is killed all the same.
     let agent = CommandAgent::new(
@@ -382,9 +382,9 @@ async fn timeouts_kill_the_whole_process_group() {
     let http = HttpClient::new(Duration::from_secs(10));
     let out = generate(&agent, &input, &SamplingParams::default(), &driver, &http).await;
     assert_eq!(out.status, SampleStatus::Aborted);
-    assert_gone(read_pid(&dir.join("dropped.child")), "the agent's child");
+    assert_gone(read_pid(&dir.join("dropped.child")), "the agent's child").await;
     // Killed and reaped (no zombie) although its future was dropped.
-    assert_gone(read_pid(&dir.join("dropped.leader")), "agent");
+    assert_gone(read_pid(&dir.join("dropped.leader")), "agent").await;
 
     assert_eq!(server.sessions_open(), 0);
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,17 +1,15 @@
 //! The SGLang-protocol client against a real loopback HTTP server that speaks SGLang's JSON
 //! (`/generate` and the control endpoints), backed by the deterministic token-id engine.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::{ByteChatml, ToyEngine, serve, toy_expert};
 use axum::Router;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use common::{ByteChatml, ToyEngine, serve, toy_expert};
 use miles_core::{
     EngineErrorKind, FinishReason, GenerateRequest, InferenceEngine, NamedTensors, PauseMode,
     RequestId, SamplingParams, TensorBytes, WeightVersion,

@@ -9,14 +9,12 @@
 //! the prompt it gets is a prefix of HF's ids and answers with HF's ids up to the next
 //! `<|im_end|>`. The session must then have stored HF's ids exactly.
 
-mod common;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::hf_replay::{HfReplayEngine, IM_END, hf_reference, logprob, tokenizer_fixtures};
-use common::serve;
+use crate::common::hf_replay::{HfReplayEngine, IM_END, hf_reference, logprob, tokenizer_fixtures};
+use crate::common::serve;
 use miles_core::{Message, Sample, SampleStatus, TokenId, WeightVersion};
 use miles_session::chat::ChatTokenizer;
 use miles_session::http::HttpClient;

@@ -1,0 +1,17 @@
+//! The integration tests of miles-session, one module per former test file, built as one test
+//! binary (one link instead of one per file). Tests that measure the whole process (resident
+//! memory) or need the binary's allocator stay binaries of their own: hardening, load_memory, soak.
+
+mod agent;
+mod codec_interop;
+mod command_agent;
+mod common;
+mod comparator;
+mod fuzz_routes;
+mod parsers_roundtrip;
+mod prometheus_scrape;
+mod server;
+mod sglang;
+mod tito_qwen3;
+mod trailing_trim;
+mod trajectory_props;
