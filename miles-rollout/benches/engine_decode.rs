@@ -80,7 +80,14 @@ fn torch_python() -> Option<PathBuf> {
         return Some(PathBuf::from(p));
     }
     let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-ref/bin/python");
-    venv.exists().then_some(venv)
+    if !venv.exists() {
+        eprintln!(
+            "# HF transformers not measured: no MILES_TORCH_PYTHON and no {}",
+            venv.display()
+        );
+        return None;
+    }
+    Some(venv)
 }
 
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {

@@ -115,6 +115,12 @@ impl Scheduler {
     pub(super) fn push_token(&mut self, seq: &mut Seq, logits: &[f32]) {
         let params = &seq.pending.request.sampling_params;
         let (token, lp) = sample_token(logits, params, &mut seq.rng);
+        self.accept_token(seq, token, lp);
+    }
+
+    /// Appends a sampled `token` (log-prob `lp`) to `seq` and checks the stop conditions.
+    pub(super) fn accept_token(&mut self, seq: &mut Seq, token: u32, lp: f64) {
+        let params = &seq.pending.request.sampling_params;
         seq.tokens.push(token);
         seq.log_probs.push(lp);
         self.stats.generated_tokens += 1;

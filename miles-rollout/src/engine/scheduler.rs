@@ -18,6 +18,7 @@ use tokio::sync::oneshot;
 use super::config::valid_sampling;
 use super::kv_cache::PrefixEntry;
 use super::sampling::Rng;
+use super::step::step_model;
 use super::{Cmd, Detokenizer, EngineConfig, EngineStats, Pending, SequenceScorer, Shared};
 
 /// One request inside the scheduler.
@@ -63,6 +64,9 @@ impl Seq {
 pub(super) struct Scheduler {
     /// The current weights (shared with finished sequences still waiting for their answer).
     pub(super) model: Arc<CausalLm>,
+    /// The model the forward steps run: the current weights prepared for the device
+    /// ([`super::step::step_model`]), rebuilt with every weight update.
+    pub(super) step: Arc<CausalLm>,
     pub(super) config: EngineConfig,
     pub(super) scorer: Arc<dyn SequenceScorer>,
     pub(super) detokenizer: Option<Arc<dyn Detokenizer>>,
@@ -106,6 +110,7 @@ impl Scheduler {
             .count();
         let route_width = moe_layers * c.num_experts_per_tok;
         Self {
+            step: Arc::new(step_model(&model, config.specialised_path)),
             model: Arc::new(model),
             config,
             scorer,
@@ -382,6 +387,7 @@ impl Scheduler {
         }
         while let Some((model, version, reply)) = self.updates.pop_front() {
             self.model = Arc::new(*model);
+            self.step = Arc::new(step_model(&self.model, self.config.specialised_path));
             self.shared.version.store(version.0, Ordering::SeqCst);
             let _ = reply.send(());
         }

@@ -2,9 +2,12 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use miles_bridge::{CausalLm, KvCache, ModelInput};
+use miles_bridge::{CausalLm, KvCache, ModelInput, MoeDispatch};
 use miles_r3::Fallthrough;
 
+use rayon::prelude::*;
+
+use super::sampling::sample_token;
 use super::scheduler::{Scheduler, Seq};
 
 /// Computes the log-probs of the last `response_length` tokens of `tokens` in one pass over
@@ -107,6 +110,17 @@ pub(super) fn append_routing(out: &mut Vec<i32>, per_layer: &[Vec<i32>], tokens:
     }
 }
 
+/// The model the engine's forward steps run for `model`'s weights (sharing them): on flex
+/// with the specialised path, MoE layers dispatch sparsely at every batch size. Built anew
+/// from every weight version, so no step ever runs on a previous version's weights.
+pub(super) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
+    let mut step = model.clone();
+    if specialised && miles_ops::attention::runs_fused(&model.lm_head_weight().device()) {
+        step.set_moe_dispatch(MoeDispatch::Sparse);
+    }
+    step
+}
+
 impl Scheduler {
     /// Runs the prompt (or, for a retracted sequence, everything but its last token) through
     /// the model on a fresh one-row cache, reusing the longest cached prefix.
@@ -124,10 +138,11 @@ impl Scheduler {
             // Only a resumed sequence can get here (a fresh one always keeps one token).
             return Ok(cache);
         }
-        let device = self.model.lm_head_weight().device();
+        let device = self.step.lm_head_weight().device();
+        // Hidden states only: the logits of the last position are the only ones used.
         let out = self
-            .model
-            .forward_cached(
+            .step
+            .forward_cached_hidden(
                 &ModelInput::new(ids_row(rest, &device)),
                 &mut cache,
                 &Fallthrough,
@@ -139,11 +154,10 @@ impl Scheduler {
             append_routing(&mut seq.routing, &per_layer, rest.len());
         }
         if !resumed {
-            let [_, m, vocab] = out.logits.dims();
-            let last = out
-                .logits
-                .narrow(1, m - 1, 1)
-                .reshape([vocab])
+            let [_, m, hidden] = out.hidden.dims();
+            let last = self
+                .step
+                .logits(out.hidden.narrow(1, m - 1, 1).reshape([1, hidden]))
                 .into_data()
                 .convert::<f32>()
                 .try_to_vec::<f32>()
@@ -159,7 +173,7 @@ impl Scheduler {
     }
 
     pub(super) fn decode_step(&mut self) {
-        let device = self.model.lm_head_weight().device();
+        let device = self.step.lm_head_weight().device();
         let rows = self.running.len();
         let ids: Vec<i32> = self
             .running
@@ -169,7 +183,7 @@ impl Scheduler {
         let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
         let out =
             match self
-                .model
+                .step
                 .forward_cached(&ModelInput::new(input), &mut self.batch, &Fallthrough)
             {
                 Ok(out) => out,
@@ -209,9 +223,16 @@ impl Scheduler {
                 }
             }
         }
+        // Sampling is independent per row (each sequence has its own generator): rows in
+        // parallel, then the stop checks in order.
         let mut running = std::mem::take(&mut self.running);
-        for (r, seq) in running.iter_mut().enumerate() {
-            self.push_token(seq, &logits[r * vocab..(r + 1) * vocab]);
+        let picks: Vec<(u32, f64)> = running
+            .par_iter_mut()
+            .zip(logits.par_chunks(vocab))
+            .map(|(seq, row)| sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng))
+            .collect();
+        for (seq, (token, lp)) in running.iter_mut().zip(picks) {
+            self.accept_token(seq, token, lp);
         }
         self.running = running;
         self.retire_finished();
