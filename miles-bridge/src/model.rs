@@ -1100,6 +1100,33 @@ impl CausalLm {
         self.run(input, Some(cache), hook)
     }
 
+    /// [`CausalLm::forward_cached`] stopped before `lm_head`: the final-norm hidden states
+    /// `[batch, seq, hidden]` and the routing, for callers that need the logits of a few
+    /// positions only (an inference engine's prefill needs the last one; see
+    /// [`CausalLm::logits`]).
+    pub fn forward_cached_hidden(
+        &self,
+        input: &ModelInput,
+        cache: &mut KvCache,
+        hook: &dyn RouterHook,
+    ) -> Result<HiddenOutput, BridgeError> {
+        if input.segment_ids.is_some() {
+            return Err(BridgeError::input(
+                "segment_ids cannot be used with a KV cache",
+            ));
+        }
+        self.run_hidden(input, Some(cache), hook)
+    }
+
+    /// `lm_head` applied to final-norm hidden states `[rows, hidden]`: logits `[rows, vocab]`
+    /// (what [`CausalLm::forward`] computes for every position).
+    pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => hidden.matmul(self.model.embed_tokens.val().transpose()),
+        }
+    }
+
     /// Training / scoring forward that stops before `lm_head`: the final-norm hidden states
     /// `[batch, seq, hidden]` and the routing, for callers that compute log-probs from hidden
     /// states and [`CausalLm::lm_head_weight`] without materialising the logits (miles-ops'
@@ -1129,11 +1156,7 @@ impl CausalLm {
     ) -> Result<ModelOutput, BridgeError> {
         let HiddenOutput { hidden, routing } = self.run_hidden(input, cache, hook)?;
         let [batch, seq, h] = hidden.dims();
-        let normed = hidden.reshape([batch * seq, h]);
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(normed),
-            None => normed.matmul(self.model.embed_tokens.val().transpose()),
-        };
+        let logits = self.logits(hidden.reshape([batch * seq, h]));
         Ok(ModelOutput {
             logits: logits.reshape([batch, seq, self.config.vocab_size]),
             routing,

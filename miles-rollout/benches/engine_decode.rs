@@ -1,25 +1,39 @@
-//! Embedded-engine throughput (issue: 2 cores, f32, flex): decode tokens/s at 1, 8 and 32
-//! concurrent sequences of 256 new tokens from 16-token prompts, and prefill tokens/s, on the
-//! 88 M GLM-4-MoE and the 25 M Qwen3-style dense model of the training-step bench.
+//! Embedded-engine throughput (issue 22: 2 cores, f32, flex): greedy decode tokens/s at 1, 8
+//! and 32 concurrent sequences of 256 new tokens from 16-token prompts, prefill tokens/s of a
+//! batch of 32 × 512-token prompts, and peak RSS, on the 88 M GLM-4-MoE and the 25 M
+//! Qwen3-style dense model of the training-step bench.
 //!
-//! Baseline: HF transformers `generate` (greedy, KV cache, PyTorch 2.15 CPU, 2 threads) at 32
-//! sequences × 256 new tokens, measured on this machine: GLM-4-MoE 341 tokens/s, Qwen3-style
-//! 883 tokens/s (the reference figures of the issue; no torch in the bench itself). Target:
-//! ≥ 2× transformers, i.e. our time ≤ 0.5 × theirs for the same tokens.
+//! Baseline: HF transformers `generate` (greedy, KV cache, float32, 2 threads) on the **same
+//! random weights** (the bench exports its model to an HF directory first), measured in the
+//! same run just before ours by `benches/hf_generate.py` when a Python with torch is available
+//! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root; see
+//! `../shared/reference/PYTHON_REFERENCE.md`). Prefill is compared with one HF forward over the
+//! same batch with `logits_to_keep=1`. Without such a Python the 32-sequence rows fall back to
+//! the issue's constants (GLM-4-MoE 333 tokens/s, Qwen3-style 973 tokens/s) and the notes say
+//! so. Targets (ratio = our tokens/s ÷ HF's): GLM-4-MoE ≥ 2× and Qwen3-style ≥ 1.3× at 32
+//! sequences, ≥ 1× at 1 sequence and for prefill.
 //!
-//! `cargo bench -p miles-rollout --bench engine_decode` (`MILES_BENCH_QUICK=1`: 64 new tokens).
+//! `cargo bench -p miles-rollout --features miles-ops/wgpu --bench engine_decode`
+//! (or `cargo xtask bench --only engine_decode`). `MILES_BENCH_QUICK=1`: 32 new tokens and
+//! 8 prefill prompts, for quick A/B runs. `MILES_BENCH_ONLY=glm_moe_88m` (or `qwen3_25m`)
+//! runs one model; `MILES_BENCH_NO_HF=1` skips the HF measurement (ours only).
 
 mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
-
-use common::glm_moe_88m;
 use std::time::Instant;
 
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, ModelConfig};
+use common::glm_moe_88m;
+use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
 use miles_core::{GenerateRequest, InferenceEngine, SamplingParams};
 use miles_rollout::{EmbeddedEngine, EngineConfig};
+
+const PROMPT_LEN: usize = 16;
+const PREFILL_LEN: usize = 512;
+const ROWS: [usize; 3] = [1, 8, 32];
 
 fn qwen3_25m() -> ModelConfig {
     ModelConfig::from_hf_json(
@@ -32,19 +46,149 @@ fn qwen3_25m() -> ModelConfig {
     .expect("Qwen3 config")
 }
 
+/// Token `t` of prompt `i` (the same formula as `hf_generate.py`).
 fn prompt(i: usize, len: usize, vocab: usize) -> Vec<u32> {
     (0..len)
         .map(|t| ((t * 131 + i * 977 + 7) % vocab) as u32)
         .collect()
 }
 
-async fn decode(engine: &Arc<EmbeddedEngine>, seqs: usize, new_tokens: usize, vocab: usize) -> f64 {
+/// Sizes of one run.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    new_tokens: usize,
+    prefill_seqs: usize,
+}
+
+/// What HF transformers measured on one model.
+#[derive(Debug, Default)]
+struct HfFigures {
+    decode: Vec<(usize, f64)>,
+    prefill: Option<f64>,
+    peak_rss_mib: Option<f64>,
+    /// Row 0 of the largest decode batch.
+    tokens: Option<(usize, Vec<u32>)>,
+}
+
+/// The Python to measure transformers with: `MILES_TORCH_PYTHON`, else the workspace's
+/// `.venv-ref/bin/python` when present.
+fn torch_python() -> Option<PathBuf> {
+    if std::env::var_os("MILES_BENCH_NO_HF").is_some() {
+        return None;
+    }
+    if let Ok(p) = std::env::var("MILES_TORCH_PYTHON") {
+        return Some(PathBuf::from(p));
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-ref/bin/python");
+    if !venv.exists() {
+        eprintln!(
+            "# HF transformers not measured: no MILES_TORCH_PYTHON and no {}",
+            venv.display()
+        );
+        return None;
+    }
+    Some(venv)
+}
+
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|f| f.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// Runs `hf_generate.py` on the exported model directory; `None` without a Python with torch.
+fn measure_hf(name: &str, dir: &Path, sizes: Sizes) -> Option<HfFigures> {
+    let python = torch_python()?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hf_generate.py");
+    let seqs = ROWS.map(|r| r.to_string()).join(",");
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg("--model-dir")
+        .arg(dir)
+        .args(["--name", name, "--seqs", &seqs])
+        .args(["--new-tokens", &sizes.new_tokens.to_string()])
+        .args(["--prompt-len", &PROMPT_LEN.to_string()])
+        .args(["--prefill-seqs", &sizes.prefill_seqs.to_string()])
+        .args(["--prefill-len", &PREFILL_LEN.to_string()])
+        .output();
+    let out = match out {
+        Ok(out) if out.status.success() => out,
+        Ok(out) => {
+            eprintln!(
+                "# HF transformers not measured ({}): {}",
+                python.display(),
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            );
+            return None;
+        }
+        Err(e) => {
+            eprintln!("# HF transformers not measured ({}): {e}", python.display());
+            return None;
+        }
+    };
+    let mut figures = HfFigures::default();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if let Some(rest) = line.strip_prefix(&format!("hf-result: {name} ")) {
+            println!("# {name}: HF transformers measured in this run: {rest}");
+            let tps = field(rest, "tokens_per_s").and_then(|v| v.parse::<f64>().ok());
+            if rest.starts_with("decode ") {
+                let seqs = field(rest, "seqs").and_then(|v| v.parse::<usize>().ok());
+                if let (Some(seqs), Some(tps)) = (seqs, tps) {
+                    figures.decode.push((seqs, tps));
+                }
+            } else if rest.starts_with("prefill ") {
+                figures.prefill = tps;
+            } else if let Some(m) = field(rest, "peak_rss_mib") {
+                figures.peak_rss_mib = m.parse().ok();
+            }
+        } else if let Some(rest) = line.strip_prefix(&format!("hf-tokens: {name} ")) {
+            let seqs = field(rest, "seqs").and_then(|v| v.parse::<usize>().ok());
+            let ids = field(rest, "ids").map(|v| {
+                v.split(',')
+                    .filter_map(|t| t.parse::<u32>().ok())
+                    .collect::<Vec<_>>()
+            });
+            if let (Some(seqs), Some(ids)) = (seqs, ids) {
+                figures.tokens = Some((seqs, ids));
+            }
+        }
+    }
+    Some(figures)
+}
+
+/// Resets the process's peak-RSS mark (Linux `clear_refs` 5), so each model's peak is its own.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Peak resident set size of this process since the last reset, in MiB (0 where unknown).
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// Decodes `seqs` greedy requests of `new_tokens` concurrently; seconds and row 0's tokens.
+async fn decode(
+    engine: &Arc<EmbeddedEngine>,
+    seqs: usize,
+    new_tokens: usize,
+    vocab: usize,
+) -> (f64, Vec<u32>) {
     let started = Instant::now();
     let handles: Vec<_> = (0..seqs)
         .map(|i| {
             let e = engine.clone();
             let mut req = GenerateRequest::new(
-                prompt(i, 16, vocab),
+                prompt(i, PROMPT_LEN, vocab),
                 SamplingParams {
                     temperature: 0.0,
                     max_new_tokens: Some(new_tokens),
@@ -56,53 +200,26 @@ async fn decode(engine: &Arc<EmbeddedEngine>, seqs: usize, new_tokens: usize, vo
         })
         .collect();
     let mut generated = 0;
-    for h in handles {
-        generated += h.await.expect("task").expect("generate").output_ids.len();
-    }
-    assert_eq!(generated, seqs * new_tokens);
-    started.elapsed().as_secs_f64()
-}
-
-async fn run(name: &str, config: ModelConfig, hf_tokens_per_s: f64, new_tokens: usize) {
-    let vocab = config.vocab_size;
-    let model = CausalLm::init(&config, &Device::flex()).expect("model");
-    let params = model.num_params();
-    let engine = Arc::new(
-        EmbeddedEngine::new(
-            model,
-            EngineConfig {
-                recompute_logprobs_via_prefill: false,
-                prefix_cache_tokens: 0,
-                ..EngineConfig::default()
-            },
-        )
-        .expect("engine"),
-    );
-    // Warm-up.
-    decode(&engine, 2, 4, vocab).await;
-    for seqs in [1usize, 8, 32] {
-        let secs = decode(&engine, seqs, new_tokens, vocab).await;
-        let tps = (seqs * new_tokens) as f64 / secs;
-        println!(
-            "# engine {name}: {seqs} sequences x {new_tokens} new tokens: {secs:.2} s, {tps:.0} tokens/s"
-        );
-        if seqs == 32 {
-            let baseline = (seqs * new_tokens) as f64 / hf_tokens_per_s;
-            println!(
-                "xtask-result: engine_decode_{name}_32seq ours={secs:.3}s baseline={baseline:.3}s \
-                 target=<=0.5 note=32x{new_tokens} greedy decode, {params} params, f32 flex; \
-                 baseline: HF transformers generate at {hf_tokens_per_s} tokens/s (issue reference \
-                 constant, not measured here)"
-            );
+    let mut first = Vec::new();
+    for (i, h) in handles.into_iter().enumerate() {
+        let out = h.await.expect("task").expect("generate");
+        generated += out.output_ids.len();
+        if i == 0 {
+            first = out.output_ids;
         }
     }
-    // Prefill: 4 prompts of 512 tokens, one new token each.
+    assert_eq!(generated, seqs * new_tokens);
+    (started.elapsed().as_secs_f64(), first)
+}
+
+/// Prefills `seqs` prompts of [`PREFILL_LEN`] tokens (one new token each); seconds.
+async fn prefill(engine: &Arc<EmbeddedEngine>, seqs: usize, vocab: usize) -> f64 {
     let started = Instant::now();
-    let handles: Vec<_> = (0..4)
+    let handles: Vec<_> = (0..seqs)
         .map(|i| {
             let e = engine.clone();
             let req = GenerateRequest::new(
-                prompt(100 + i, 512, vocab),
+                prompt(100 + i, PREFILL_LEN, vocab),
                 SamplingParams {
                     temperature: 0.0,
                     max_new_tokens: Some(1),
@@ -115,23 +232,158 @@ async fn run(name: &str, config: ModelConfig, hf_tokens_per_s: f64, new_tokens: 
     for h in handles {
         h.await.expect("task").expect("generate");
     }
-    let secs = started.elapsed().as_secs_f64();
-    println!(
-        "# engine {name}: prefill {:.0} tokens/s (4 x 512 tokens in {secs:.2} s)",
-        2048.0 / secs
+    started.elapsed().as_secs_f64()
+}
+
+fn result_line(row: &str, ours: f64, baseline: Option<f64>, target: Option<f64>, note: &str) {
+    let baseline = baseline.map_or("-".to_string(), |b| format!("{b:.1}tok/s"));
+    let target = target.map_or(String::new(), |t| format!(" target=>={t}"));
+    println!("xtask-result: {row} ours={ours:.1}tok/s baseline={baseline}{target} note={note}");
+}
+
+async fn run(name: &str, config: ModelConfig, issue_hf_32: f64, target_32: f64, sizes: Sizes) {
+    let vocab = config.vocab_size;
+    let new_tokens = sizes.new_tokens;
+    let model = CausalLm::init(&config, &Device::flex()).expect("model");
+    let params = model.num_params();
+    // The same random weights for both engines: export ours as an HF directory.
+    let dir =
+        std::env::temp_dir().join(format!("miles-engine-decode-{name}-{}", std::process::id()));
+    model
+        .save_pretrained(&dir, FloatDtype::F32, None)
+        .expect("export the bench model");
+    let hf = measure_hf(name, &dir, sizes);
+    let _ = std::fs::remove_dir_all(&dir);
+    let measured = hf.is_some();
+    let hf = hf.unwrap_or_default();
+    let source = if measured {
+        "HF transformers generate measured in this run on the same weights (float32, 2 threads)"
+            .to_string()
+    } else {
+        format!(
+            "HF transformers generate at {issue_hf_32} tokens/s (issue constant, not measured \
+             here: no Python with torch)"
+        )
+    };
+
+    reset_peak_rss();
+    let engine = Arc::new(
+        EmbeddedEngine::new(
+            model,
+            EngineConfig {
+                recompute_logprobs_via_prefill: false,
+                prefix_cache_tokens: 0,
+                ..EngineConfig::default()
+            },
+        )
+        .expect("engine"),
     );
+    decode(&engine, 2, 4, vocab).await; // warm-up
+    for seqs in ROWS {
+        let (secs, first) = decode(&engine, seqs, new_tokens, vocab).await;
+        let tps = (seqs * new_tokens) as f64 / secs;
+        let baseline = hf
+            .decode
+            .iter()
+            .find(|(s, _)| *s == seqs)
+            .map(|(_, t)| *t)
+            .or((!measured && seqs == 32).then_some(issue_hf_32));
+        let ratio = baseline.map_or(String::new(), |b| format!(", {:.2}x HF", tps / b));
+        println!(
+            "# engine {name}: {seqs} sequences x {new_tokens} new tokens: {secs:.2} s, \
+             {tps:.0} tokens/s{ratio}, peak RSS so far {:.0} MiB",
+            peak_rss_mib()
+        );
+        if let Some((hf_seqs, hf_ids)) = &hf.tokens
+            && *hf_seqs == seqs
+        {
+            let agree = first.iter().zip(hf_ids).take_while(|(a, b)| a == b).count();
+            println!(
+                "# engine {name}: row 0 greedy tokens agree with HF for {agree} of {} tokens",
+                first.len()
+            );
+        }
+        let target = match seqs {
+            32 => Some(target_32),
+            1 => Some(1.0),
+            _ => None,
+        };
+        let baseline_note = if measured || seqs == 32 {
+            source.as_str()
+        } else {
+            "no baseline (HF not measured in this run)"
+        };
+        result_line(
+            &format!("engine_decode_{name}_{seqs}seq"),
+            tps,
+            baseline,
+            target,
+            &format!(
+                "{seqs}x{new_tokens} greedy decode from {PROMPT_LEN}-token prompts, {params} \
+                 params, f32 flex, 2 threads; baseline: {baseline_note}"
+            ),
+        );
+    }
+    let decode_peak = peak_rss_mib();
+    let secs = prefill(&engine, sizes.prefill_seqs, vocab).await;
+    let tokens = (sizes.prefill_seqs * PREFILL_LEN) as f64;
+    let tps = tokens / secs;
+    println!(
+        "# engine {name}: prefill {tps:.0} tokens/s ({} x {PREFILL_LEN} tokens in {secs:.2} s)",
+        sizes.prefill_seqs
+    );
+    result_line(
+        &format!("engine_prefill_{name}"),
+        tps,
+        hf.prefill,
+        Some(1.0),
+        &format!(
+            "{} x {PREFILL_LEN}-token prompts, one new token each; baseline: {}",
+            sizes.prefill_seqs,
+            if measured {
+                "one HF forward over the same batch (logits_to_keep=1), measured in this run"
+            } else {
+                "none (HF not measured in this run)"
+            }
+        ),
+    );
+    let hf_rss = hf
+        .peak_rss_mib
+        .map_or("-".to_string(), |m| format!("{m:.0}MiB"));
+    println!(
+        "xtask-result: engine_peak_rss_{name} ours={decode_peak:.0}MiB baseline={hf_rss} \
+         note=peak RSS through the decode rows (up to 32x{new_tokens}), whole process; \
+         baseline: the HF process's peak (decode and prefill)"
+    );
+    drop(engine);
 }
 
 fn main() {
     let quick = std::env::var_os("MILES_BENCH_QUICK").is_some();
-    let new_tokens = if quick { 64 } else { 256 };
+    let sizes = if quick {
+        Sizes {
+            new_tokens: 32,
+            prefill_seqs: 8,
+        }
+    } else {
+        Sizes {
+            new_tokens: 256,
+            prefill_seqs: 32,
+        }
+    };
+    let only = std::env::var("MILES_BENCH_ONLY").ok();
+    let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
     rt.block_on(async {
-        run("glm_moe_88m", glm_moe_88m(), 341.0, new_tokens).await;
-        run("qwen3_25m", qwen3_25m(), 883.0, new_tokens).await;
+        if wanted("glm_moe_88m") {
+            run("glm_moe_88m", glm_moe_88m(), 333.0, 2.0, sizes).await;
+        }
+        if wanted("qwen3_25m") {
+            run("qwen3_25m", qwen3_25m(), 973.0, 1.3, sizes).await;
+        }
     });
 }

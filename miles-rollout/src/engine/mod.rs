@@ -1,0 +1,413 @@
+//! The embedded inference engine: any miles-bridge [`CausalLm`] served through
+//! [`InferenceEngine`] on a non-autodiff device (flex by default).
+//!
+//! One scheduler thread owns the model. Between decode steps it takes commands (new requests,
+//! aborts, pause / resume, cache flushes, weight updates), admits waiting requests while the KV
+//! token budget allows (prefill one sequence at a time, reusing the longest cached prefix), then
+//! runs one batched decode step over every running sequence: continuous batching. Each sequence
+//! samples from its own seeded generator, so a request's tokens do not depend on what it was
+//! batched with.
+//!
+//! Versions: a weight update waits until no sequence is mid-generation (admission stops, the
+//! running ones finish), then swaps the weights and flushes the prefix cache; every output
+//! carries the single version all its tokens were generated with. Sequences held by an in-place
+//! or retract pause when an update arrives end with finish reason `abort` at the old version
+//! (their partial output is returned, as Miles' partial rollout expects) rather than continuing
+//! on new weights.
+//!
+//! Log-probs: per-token log-probs of the sampled tokens under the untempered distribution. With
+//! `recompute_logprobs_via_prefill` (default on) they are recomputed after the sequence ends by
+//! a [`SequenceScorer`] over the whole sequence; plug in the trainer's scoring function (as
+//! `miles-examples` does with miles-train's) and rollout log-probs equal the trainer's bit for
+//! bit. Aborted requests keep their decode-time log-probs: a weight update ends every
+//! interrupted request at once, and a prefill per request then would stall the update (the
+//! difference is float rounding under the same weights, which TIS absorbs).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+
+use async_trait::async_trait;
+use burn::tensor::Device;
+use miles_bridge::{
+    CausalLm, FloatDtype, HostTensor, ModelConfig, TensorMap, checkpoint::read_checkpoint_dir,
+};
+use miles_core::{
+    DType, EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
+    NamedTensors, PauseMode, RequestId, WeightVersion,
+};
+use tokio::sync::oneshot;
+
+mod config;
+mod kv_cache;
+mod sampling;
+mod scheduler;
+mod step;
+
+pub use config::{DEFAULT_MAX_NEW_TOKENS, EngineConfig, eos_from_tokenizer_config, read_eos_ids};
+pub use step::{PrefillScorer, SequenceScorer};
+
+use scheduler::Scheduler;
+
+/// Turns output ids into text, for stop strings.
+pub trait Detokenizer: Send + Sync {
+    /// The text of `ids`.
+    fn decode(&self, ids: &[u32]) -> String;
+}
+
+impl Detokenizer for tokenizers::Tokenizer {
+    fn decode(&self, ids: &[u32]) -> String {
+        std::ops::Deref::deref(self)
+            .decode(ids, false)
+            .unwrap_or_default()
+    }
+}
+
+/// Counters of an engine's life, for tests and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Decode steps run.
+    pub decode_steps: u64,
+    /// Largest number of sequences decoded in one step.
+    pub max_batch: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_prompt_tokens: u64,
+    /// Tokens prefilled.
+    pub prefill_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Requests that had to wait for KV budget.
+    pub budget_waits: u64,
+}
+
+enum Cmd {
+    Generate(Box<Pending>),
+    Abort(RequestId),
+    AbortAll,
+    Pause(PauseMode, oneshot::Sender<()>),
+    Resume,
+    Flush(oneshot::Sender<()>),
+    Update(Box<CausalLm>, WeightVersion, oneshot::Sender<()>),
+    Shutdown,
+}
+
+struct Pending {
+    request: GenerateRequest,
+    reply: oneshot::Sender<miles_core::Result<GenerateOutput>>,
+}
+
+struct Shared {
+    version: AtomicU64,
+    alive: AtomicBool,
+    stats: Mutex<EngineStats>,
+    /// SGLang-named Prometheus metrics the scheduler keeps current, once attached.
+    metrics: OnceLock<Arc<miles_core::prometheus::SglangMetrics>>,
+}
+
+/// The embedded burn inference engine (see the module docs).
+pub struct EmbeddedEngine {
+    commands: mpsc::Sender<Cmd>,
+    shared: Arc<Shared>,
+    model_config: ModelConfig,
+    device: Device,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for EmbeddedEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedEngine")
+            .field("architecture", &self.model_config.architecture)
+            .field("version", &self.shared.version.load(Ordering::SeqCst))
+            .finish()
+    }
+}
+
+/// Builds an [`EmbeddedEngine`] with an optional scorer and detokenizer.
+pub struct EngineBuilder {
+    model: CausalLm,
+    config: EngineConfig,
+    scorer: Arc<dyn SequenceScorer>,
+    detokenizer: Option<Arc<dyn Detokenizer>>,
+}
+
+impl EngineBuilder {
+    /// Replaces the engine configuration.
+    pub fn config(mut self, config: EngineConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The scorer used by `recompute_logprobs_via_prefill` (default [`PrefillScorer`]).
+    pub fn scorer(mut self, scorer: Arc<dyn SequenceScorer>) -> Self {
+        self.scorer = scorer;
+        self
+    }
+
+    /// The detokenizer used for stop strings (without one, stop strings are rejected).
+    pub fn detokenizer(mut self, detokenizer: Arc<dyn Detokenizer>) -> Self {
+        self.detokenizer = Some(detokenizer);
+        self
+    }
+
+    /// Starts the scheduler thread.
+    pub fn build(self) -> crate::Result<EmbeddedEngine> {
+        let c = &self.config;
+        if c.max_running_requests == 0 || c.kv_token_budget == 0 {
+            return Err(crate::Error::Config(
+                "max_running_requests and kv_token_budget must be positive".into(),
+            ));
+        }
+        let pool = c
+            .compute_threads
+            .map(|threads| crate::compute_pool(threads, "miles-engine"))
+            .transpose()?;
+        let model_config = self.model.config.clone();
+        let device = self.model.lm_head_weight().device();
+        let shared = Arc::new(Shared {
+            version: AtomicU64::new(c.initial_version.0),
+            alive: AtomicBool::new(true),
+            stats: Mutex::new(EngineStats::default()),
+            metrics: OnceLock::new(),
+        });
+        let (tx, rx) = mpsc::channel();
+        let scheduler = Scheduler::new(
+            self.model,
+            self.config,
+            self.scorer,
+            self.detokenizer,
+            shared.clone(),
+            rx,
+        );
+        let thread = std::thread::Builder::new()
+            .name("miles-engine".into())
+            .spawn(move || match pool {
+                Some(pool) => pool.install(move || scheduler.run()),
+                None => scheduler.run(),
+            })
+            .map_err(|e| crate::Error::Task(format!("cannot start the engine thread: {e}")))?;
+        Ok(EmbeddedEngine {
+            commands: tx,
+            shared,
+            model_config,
+            device,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+}
+
+impl EmbeddedEngine {
+    /// An engine over `model` with the default scorer and no detokenizer.
+    pub fn new(model: CausalLm, config: EngineConfig) -> crate::Result<Self> {
+        Self::builder(model).config(config).build()
+    }
+
+    /// A builder for an engine over `model`.
+    pub fn builder(model: CausalLm) -> EngineBuilder {
+        EngineBuilder {
+            model,
+            config: EngineConfig::default(),
+            scorer: Arc::new(PrefillScorer),
+            detokenizer: None,
+        }
+    }
+
+    /// Loads an HF model directory: weights and `config.json`, the EOS ids of
+    /// `generation_config.json` / `config.json` (when `config.eos_token_ids` is empty) and
+    /// `tokenizer.json` as the detokenizer when present.
+    pub fn from_pretrained(
+        dir: &Path,
+        device: &Device,
+        config: EngineConfig,
+    ) -> crate::Result<Self> {
+        let model = CausalLm::from_pretrained(dir, device).map_err(bridge_err)?;
+        let mut config = config;
+        if config.eos_token_ids.is_empty() {
+            config.eos_token_ids = read_eos_ids(dir);
+        }
+        let mut builder = Self::builder(model).config(config);
+        let tok = dir.join("tokenizer.json");
+        if tok.exists() {
+            let tokenizer = tokenizers::Tokenizer::from_file(&tok)
+                .map_err(|e| crate::Error::Config(format!("cannot load {}: {e}", tok.display())))?;
+            builder = builder.detokenizer(Arc::new(tokenizer));
+        }
+        builder.build()
+    }
+
+    /// The served model's configuration.
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.model_config
+    }
+
+    /// The device the model lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The version of the loaded weights.
+    pub fn current_version(&self) -> WeightVersion {
+        WeightVersion(self.shared.version.load(Ordering::SeqCst))
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> EngineStats {
+        *self.shared.stats.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps `metrics` (SGLang's names: running / queued requests, KV-cache usage, prompt and
+    /// generated tokens, requests finished and aborted, time to first token, inter-token
+    /// latency, end-to-end latency, weight version) current from the scheduler. Only the
+    /// first call takes effect; returns whether this one did.
+    pub fn attach_metrics(&self, metrics: Arc<miles_core::prometheus::SglangMetrics>) -> bool {
+        metrics.weight_version.set(self.current_version().0 as f64);
+        self.shared.metrics.set(metrics).is_ok()
+    }
+
+    fn send(&self, cmd: Cmd) -> miles_core::Result<()> {
+        self.commands
+            .send(cmd)
+            .map_err(|_| CoreError::engine(EngineErrorKind::Unavailable, "the engine has stopped"))
+    }
+
+    async fn swap_model(&self, model: CausalLm, version: WeightVersion) -> miles_core::Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Update(Box::new(model), version, tx))?;
+        rx.await
+            .map_err(|_| CoreError::engine(EngineErrorKind::Unavailable, "the engine has stopped"))
+    }
+
+    fn build_model(&self, tensors: TensorMap) -> miles_core::Result<CausalLm> {
+        CausalLm::from_hf_tensors(&self.model_config, tensors, &self.device)
+            .map_err(|e| CoreError::engine(EngineErrorKind::WeightUpdate, e.to_string()))
+    }
+}
+
+impl EmbeddedEngine {
+    /// Stops the engine now, as if its process died: requests in flight end ABORTED with what
+    /// they had generated, later calls fail with an `Unavailable` engine error and
+    /// [`InferenceEngine::health`] reports it down (a [`crate::Router`] then re-creates it
+    /// through its factory). Blocks until the scheduler thread has exited; idempotent.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Cmd::Shutdown);
+        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+        self.shared.alive.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for EmbeddedEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[async_trait]
+impl InferenceEngine for EmbeddedEngine {
+    async fn generate(&self, request: GenerateRequest) -> miles_core::Result<GenerateOutput> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Generate(Box::new(Pending { request, reply: tx })))?;
+        rx.await.map_err(|_| {
+            CoreError::engine(
+                EngineErrorKind::Unavailable,
+                "the engine stopped mid-request",
+            )
+        })?
+    }
+
+    async fn update_weights(
+        &self,
+        weights: &NamedTensors,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        let mut map = TensorMap::new();
+        for (name, t) in weights.iter() {
+            let dtype = match t.dtype() {
+                DType::F32 => FloatDtype::F32,
+                DType::BF16 => FloatDtype::Bf16,
+                DType::F16 => FloatDtype::F16,
+                other => {
+                    return Err(CoreError::engine(
+                        EngineErrorKind::WeightUpdate,
+                        format!(
+                            "tensor {name}: dtype {} is not a float weight",
+                            other.name()
+                        ),
+                    ));
+                }
+            };
+            map.insert(
+                name.to_string(),
+                HostTensor {
+                    dtype,
+                    shape: t.shape().to_vec(),
+                    bytes: t.data().to_vec(),
+                },
+            );
+        }
+        let model = self.build_model(map)?;
+        self.swap_model(model, version).await
+    }
+
+    async fn update_weights_from_disk(
+        &self,
+        dir: &Path,
+        version: WeightVersion,
+    ) -> miles_core::Result<()> {
+        let dir: PathBuf = dir.to_path_buf();
+        let tensors = tokio::task::spawn_blocking(move || read_checkpoint_dir(&dir))
+            .await
+            .map_err(|e| CoreError::engine(EngineErrorKind::Internal, e.to_string()))?
+            .map_err(|e| CoreError::engine(EngineErrorKind::WeightUpdate, e.to_string()))?;
+        let model = self.build_model(tensors)?;
+        self.swap_model(model, version).await
+    }
+
+    async fn pause(&self, mode: PauseMode) -> miles_core::Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Pause(mode, tx))?;
+        rx.await
+            .map_err(|_| CoreError::engine(EngineErrorKind::Unavailable, "the engine has stopped"))
+    }
+
+    async fn resume(&self) -> miles_core::Result<()> {
+        self.send(Cmd::Resume)
+    }
+
+    async fn flush_cache(&self) -> miles_core::Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Flush(tx))?;
+        rx.await
+            .map_err(|_| CoreError::engine(EngineErrorKind::Unavailable, "the engine has stopped"))
+    }
+
+    async fn abort(&self, request_id: &RequestId) -> miles_core::Result<()> {
+        self.send(Cmd::Abort(request_id.clone()))
+    }
+
+    async fn abort_all(&self) -> miles_core::Result<()> {
+        self.send(Cmd::AbortAll)
+    }
+
+    async fn health(&self) -> miles_core::Result<()> {
+        if self.shared.alive.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err(CoreError::engine(
+                EngineErrorKind::Unavailable,
+                "the engine thread has stopped",
+            ))
+        }
+    }
+
+    async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
+        Ok(self.current_version())
+    }
+}
+
+fn bridge_err(e: miles_bridge::BridgeError) -> crate::Error {
+    crate::Error::Config(e.to_string())
+}

@@ -1,0 +1,249 @@
+//! Token sampling (per-sequence seeded generators, temperature / top-k / top-p / min-p) and
+//! the stop conditions checked after each sampled token.
+
+use std::time::Instant;
+
+use miles_core::FinishReason;
+use serde_json::Value;
+
+use super::scheduler::{Scheduler, Seq};
+
+/// A small, fast, seedable generator (SplitMix64), one per sequence.
+#[derive(Debug, Clone)]
+pub(super) struct Rng(pub(super) u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Samples one token from `logits` with the request's parameters; returns the token and its
+/// log-prob under the untempered distribution.
+pub(super) fn sample_token(
+    logits: &[f32],
+    params: &miles_core::SamplingParams,
+    rng: &mut Rng,
+) -> (u32, f64) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = (logits
+        .iter()
+        .map(|&x| ((x - max) as f64).exp())
+        .sum::<f64>())
+    .ln()
+        + max as f64;
+    let greedy = params.temperature <= 0.0 || params.top_k == 1;
+    let token = if greedy {
+        let mut best = 0;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        best
+    } else {
+        let t = params.temperature as f64;
+        let u = rng.uniform();
+        let plain = params.top_k < 1 && params.top_p >= 1.0 && params.min_p <= 0.0;
+        if plain {
+            let weights: Vec<f64> = logits
+                .iter()
+                .map(|&x| ((x as f64 - max as f64) / t).exp())
+                .collect();
+            pick(&weights, u, |i| i)
+        } else {
+            let mut order: Vec<usize> = (0..logits.len()).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            if params.top_k > 0 {
+                order.truncate(params.top_k as usize);
+            }
+            let mut probs: Vec<f64> = order
+                .iter()
+                .map(|&i| ((logits[i] as f64 - max as f64) / t).exp())
+                .collect();
+            let total: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= total);
+            if params.min_p > 0.0 {
+                let floor = params.min_p as f64 * probs[0];
+                let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+                probs.truncate(keep);
+            }
+            if params.top_p < 1.0 {
+                let total: f64 = probs.iter().sum();
+                let mut cum = 0.0;
+                let mut keep = probs.len();
+                for (i, p) in probs.iter().enumerate() {
+                    cum += p / total;
+                    if cum >= params.top_p as f64 {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+                probs.truncate(keep.max(1));
+            }
+            pick(&probs, u, |i| order[i])
+        }
+    };
+    (token as u32, logits[token] as f64 - lse)
+}
+
+/// Index drawn with probability proportional to `weights`, mapped through `map`.
+pub(super) fn pick(weights: &[f64], u: f64, map: impl Fn(usize) -> usize) -> usize {
+    let total: f64 = weights.iter().sum();
+    let target = u * total;
+    let mut cum = 0.0;
+    for (i, w) in weights.iter().enumerate() {
+        cum += w;
+        if target < cum {
+            return map(i);
+        }
+    }
+    map(weights.len() - 1)
+}
+
+impl Scheduler {
+    /// Samples the next token of `seq` from `logits` and checks the stop conditions.
+    pub(super) fn push_token(&mut self, seq: &mut Seq, logits: &[f32]) {
+        let params = &seq.pending.request.sampling_params;
+        let (token, lp) = sample_token(logits, params, &mut seq.rng);
+        self.accept_token(seq, token, lp);
+    }
+
+    /// Appends a sampled `token` (log-prob `lp`) to `seq` and checks the stop conditions.
+    pub(super) fn accept_token(&mut self, seq: &mut Seq, token: u32, lp: f64) {
+        let params = &seq.pending.request.sampling_params;
+        seq.tokens.push(token);
+        seq.log_probs.push(lp);
+        self.stats.generated_tokens += 1;
+        let now = Instant::now();
+        if let Some(metrics) = self.shared.metrics.get() {
+            metrics.generation_tokens_total.inc();
+            match seq.last_token {
+                None => metrics
+                    .time_to_first_token_seconds
+                    .observe(now.duration_since(seq.arrived).as_secs_f64()),
+                Some(last) => metrics
+                    .inter_token_latency_seconds
+                    .observe(now.duration_since(last).as_secs_f64()),
+            }
+        }
+        seq.last_token = Some(now);
+        let produced = seq.output_len();
+        let may_stop = produced >= params.min_new_tokens;
+        if may_stop
+            && (params.stop_token_ids.contains(&token)
+                || self.config.eos_token_ids.contains(&token))
+        {
+            seq.finish = Some((FinishReason::Stop, Some(Value::from(token))));
+            return;
+        }
+        if may_stop
+            && !params.stop.is_empty()
+            && let Some(detok) = &self.detokenizer
+        {
+            let text = detok.decode(&seq.tokens[seq.prompt_len..]);
+            if let Some(s) = params
+                .stop
+                .iter()
+                .find(|s| !s.is_empty() && text.contains(s.as_str()))
+            {
+                seq.finish = Some((FinishReason::Stop, Some(Value::from(s.clone()))));
+                return;
+            }
+        }
+        if produced >= seq.max_new {
+            seq.finish = Some((FinishReason::Length, None));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::SamplingParams;
+
+    #[test]
+    fn greedy_picks_the_argmax_and_reports_its_log_prob() {
+        let logits = [0.0f32, 2.0, 1.0];
+        let params = SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let (tok, lp) = sample_token(&logits, &params, &mut Rng(1));
+        assert_eq!(tok, 1);
+        let lse = (1.0f64 + 2f64.exp() + 1f64.exp()).ln();
+        assert!((lp - (2.0 - lse)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let logits = [0.5f32, -1.0, 3.0, 2.9];
+        for params in [
+            SamplingParams {
+                top_k: 1,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                top_p: 1e-6,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                min_p: 0.999,
+                ..SamplingParams::default()
+            },
+        ] {
+            for seed in 0..20 {
+                assert_eq!(sample_token(&logits, &params, &mut Rng(seed)).0, 2);
+            }
+        }
+    }
+
+    #[test]
+    fn top_k_restricts_the_support_and_sampling_follows_the_distribution() {
+        let logits = [1.0f32, 0.0, 2.0, -5.0];
+        let params = SamplingParams {
+            top_k: 2,
+            ..SamplingParams::default()
+        };
+        let mut rng = Rng(42);
+        let mut counts = [0usize; 4];
+        for _ in 0..20_000 {
+            counts[sample_token(&logits, &params, &mut rng).0 as usize] += 1;
+        }
+        assert_eq!(counts[1] + counts[3], 0);
+        // p(2) = e^2 / (e^2 + e^1) = 0.731.
+        let p2 = counts[2] as f64 / 20_000.0;
+        assert!((p2 - 0.7311).abs() < 0.015, "p2 = {p2}");
+        // Plain sampling at temperature 0.5: p ∝ exp(2x).
+        let params = SamplingParams {
+            temperature: 0.5,
+            ..SamplingParams::default()
+        };
+        let mut counts = [0usize; 4];
+        for _ in 0..20_000 {
+            counts[sample_token(&logits, &params, &mut rng).0 as usize] += 1;
+        }
+        let z: f64 = logits.iter().map(|&x| (2.0 * x as f64).exp()).sum();
+        let p0 = (2.0f64).exp() / z;
+        assert!((counts[0] as f64 / 20_000.0 - p0).abs() < 0.015);
+    }
+
+    #[test]
+    fn seeded_generators_repeat() {
+        let mut a = Rng(7);
+        let mut b = Rng(7);
+        assert_eq!(
+            (0..5).map(|_| a.next_u64()).collect::<Vec<_>>(),
+            (0..5).map(|_| b.next_u64()).collect::<Vec<_>>()
+        );
+    }
+}

@@ -1,0 +1,240 @@
+//! The model step: prefill and batched decode forwards, the log-prob scorer, routing rows.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use miles_bridge::{CausalLm, KvCache, ModelInput, MoeDispatch};
+use miles_r3::Fallthrough;
+
+use rayon::prelude::*;
+
+use super::sampling::sample_token;
+use super::scheduler::{Scheduler, Seq};
+
+/// Computes the log-probs of the last `response_length` tokens of `tokens` in one pass over
+/// the whole sequence. The engine calls it on its scheduler thread with the weights that
+/// generated the sequence.
+pub trait SequenceScorer: Send + Sync {
+    /// `log p(tokens[n − R + i] | tokens[..n − R + i])` for `i < R`.
+    fn score(
+        &self,
+        model: &CausalLm,
+        tokens: &[u32],
+        response_length: usize,
+    ) -> Result<Vec<f32>, String>;
+}
+
+/// The engine's own scorer: one full forward at the sequence's length, log-softmax, gather.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillScorer;
+
+impl SequenceScorer for PrefillScorer {
+    fn score(
+        &self,
+        model: &CausalLm,
+        tokens: &[u32],
+        response_length: usize,
+    ) -> Result<Vec<f32>, String> {
+        let n = tokens.len();
+        if response_length == 0 || response_length >= n {
+            return Err(format!(
+                "response of {response_length} tokens in a sequence of {n}"
+            ));
+        }
+        let device = model.lm_head_weight().device();
+        let ids = ids_row(tokens, &device);
+        let out = model
+            .forward(&ModelInput::new(ids), &Fallthrough)
+            .map_err(|e| e.to_string())?;
+        let [_, _, vocab] = out.logits.dims();
+        let rows =
+            out.logits
+                .reshape([n, vocab])
+                .narrow(0, n - 1 - response_length, response_length);
+        let targets = Tensor::<1, Int>::from_data(
+            TensorData::new(
+                tokens[n - response_length..]
+                    .iter()
+                    .map(|&t| t as i32)
+                    .collect(),
+                [response_length],
+            ),
+            &device,
+        )
+        .reshape([response_length, 1]);
+        log_softmax(rows, 1)
+            .gather(1, targets)
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))
+    }
+}
+
+pub(super) fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
+    Tensor::from_data(
+        TensorData::new(
+            tokens.iter().map(|&t| t as i32).collect(),
+            [1, tokens.len()],
+        ),
+        device,
+    )
+}
+
+/// Each MoE layer's chosen experts as host `i32`, `[tokens × top_k]` per layer.
+pub(super) fn routing_to_host(
+    routing: &[miles_bridge::MoeRouting],
+) -> Result<Vec<Vec<i32>>, String> {
+    routing
+        .iter()
+        .map(|r| {
+            r.experts
+                .clone()
+                .into_data()
+                .convert::<i32>()
+                .try_to_vec::<i32>()
+                .map_err(|e| format!("{e:?}"))
+        })
+        .collect()
+}
+
+/// Appends `tokens` rows (`[layers, top_k]` each) from per-layer `[tokens × top_k]` tables.
+pub(super) fn append_routing(out: &mut Vec<i32>, per_layer: &[Vec<i32>], tokens: usize) {
+    let Some(first) = per_layer.first() else {
+        return;
+    };
+    let k = first.len() / tokens.max(1);
+    for t in 0..tokens {
+        for layer in per_layer {
+            out.extend_from_slice(&layer[t * k..(t + 1) * k]);
+        }
+    }
+}
+
+/// The model the engine's forward steps run for `model`'s weights (sharing them): on flex
+/// with the specialised path, MoE layers dispatch sparsely at every batch size. Built anew
+/// from every weight version, so no step ever runs on a previous version's weights.
+pub(super) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
+    let mut step = model.clone();
+    if specialised && miles_ops::attention::runs_fused(&model.lm_head_weight().device()) {
+        step.set_moe_dispatch(MoeDispatch::Sparse);
+    }
+    step
+}
+
+impl Scheduler {
+    /// Runs the prompt (or, for a retracted sequence, everything but its last token) through
+    /// the model on a fresh one-row cache, reusing the longest cached prefix.
+    pub(super) fn prefill(&mut self, seq: &mut Seq) -> Result<KvCache, String> {
+        let resumed = seq.output_len() > 0;
+        let target = seq.cached_len();
+        let (mut cache, hit, hit_routing) = self.lookup_prefix(&seq.tokens[..target], !resumed);
+        if !resumed {
+            seq.cached_tokens = hit;
+            self.stats.cached_prompt_tokens += hit as u64;
+        }
+        seq.routing = hit_routing;
+        let rest = &seq.tokens[hit..target];
+        if rest.is_empty() {
+            // Only a resumed sequence can get here (a fresh one always keeps one token).
+            return Ok(cache);
+        }
+        let device = self.step.lm_head_weight().device();
+        // Hidden states only: the logits of the last position are the only ones used.
+        let out = self
+            .step
+            .forward_cached_hidden(
+                &ModelInput::new(ids_row(rest, &device)),
+                &mut cache,
+                &Fallthrough,
+            )
+            .map_err(|e| e.to_string())?;
+        self.stats.prefill_tokens += rest.len() as u64;
+        if self.route_width > 0 {
+            let per_layer = routing_to_host(&out.routing)?;
+            append_routing(&mut seq.routing, &per_layer, rest.len());
+        }
+        if !resumed {
+            let [_, m, hidden] = out.hidden.dims();
+            let last = self
+                .step
+                .logits(out.hidden.narrow(1, m - 1, 1).reshape([1, hidden]))
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .map_err(|e| format!("{e:?}"))?;
+            self.insert_prefix(
+                seq.tokens[..target].to_vec(),
+                cache.clone(),
+                seq.routing.clone(),
+            );
+            self.push_token(seq, &last);
+        }
+        Ok(cache)
+    }
+
+    pub(super) fn decode_step(&mut self) {
+        let device = self.step.lm_head_weight().device();
+        let rows = self.running.len();
+        let ids: Vec<i32> = self
+            .running
+            .iter()
+            .map(|s| *s.tokens.last().unwrap_or(&0) as i32)
+            .collect();
+        let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
+        let out =
+            match self
+                .step
+                .forward_cached(&ModelInput::new(input), &mut self.batch, &Fallthrough)
+            {
+                Ok(out) => out,
+                Err(e) => {
+                    self.fail_running(&e.to_string());
+                    return;
+                }
+            };
+        self.stats.decode_steps += 1;
+        let vocab = self.model.config.vocab_size;
+        let logits = match out
+            .logits
+            .reshape([rows, vocab])
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+        {
+            Ok(v) => v,
+            Err(e) => {
+                self.fail_running(&format!("{e:?}"));
+                return;
+            }
+        };
+        if self.route_width > 0 {
+            match routing_to_host(&out.routing) {
+                Ok(per_layer) => {
+                    let k = self.model.config.num_experts_per_tok;
+                    for (r, seq) in self.running.iter_mut().enumerate() {
+                        for layer in &per_layer {
+                            seq.routing.extend_from_slice(&layer[r * k..(r + 1) * k]);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.fail_running(&e);
+                    return;
+                }
+            }
+        }
+        // Sampling is independent per row (each sequence has its own generator): rows in
+        // parallel, then the stop checks in order.
+        let mut running = std::mem::take(&mut self.running);
+        let picks: Vec<(u32, f64)> = running
+            .par_iter_mut()
+            .zip(logits.par_chunks(vocab))
+            .map(|(seq, row)| sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng))
+            .collect();
+        for (seq, (token, lp)) in running.iter_mut().zip(picks) {
+            self.accept_token(seq, token, lp);
+        }
+        self.running = running;
+        self.retire_finished();
+    }
+}
