@@ -702,10 +702,11 @@ impl KvCache {
             layers: per_layer
                 .into_iter()
                 .map(|(k, v)| {
-                    let values = match v.into_iter().collect::<Option<Vec<_>>>() {
-                        Some(v) => Some(Tensor::cat(v, 0)),
-                        None => None,
-                    };
+                    // Latent-attention layers store no values.
+                    let values = v
+                        .into_iter()
+                        .collect::<Option<Vec<_>>>()
+                        .map(|v| Tensor::cat(v, 0));
                     Some(LayerCache {
                         keys: Tensor::cat(k, 0),
                         values,
