@@ -22,16 +22,20 @@ pub enum Architecture {
     /// `qwen2`: Qwen2 / Qwen2.5 dense (q/k/v bias, no qk-norm; sliding-window attention is
     /// rejected).
     Qwen2,
+    /// `deepseek_v3`: DeepSeek-V3 / Moonlight (multi-head latent attention, sigmoid
+    /// group-limited routing, shared experts, dense first layers, YaRN RoPE).
+    DeepseekV3,
 }
 
 impl Architecture {
     /// Every architecture, in registry order.
-    pub const ALL: [Architecture; 5] = [
+    pub const ALL: [Architecture; 6] = [
         Self::Glm4Moe,
         Self::Qwen3,
         Self::Qwen3Moe,
         Self::Llama,
         Self::Qwen2,
+        Self::DeepseekV3,
     ];
 
     /// The HF `model_type`.
@@ -42,6 +46,7 @@ impl Architecture {
             Self::Qwen3Moe => "qwen3_moe",
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
+            Self::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -53,6 +58,7 @@ impl Architecture {
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Llama => "LlamaForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 
@@ -97,6 +103,129 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: f64,
 }
 
+/// YaRN RoPE scaling (`rope_type = "yarn"`), as DeepSeek-V3, Kimi-K2 and Moonlight use it.
+///
+/// transformers 5.24 (`_compute_yarn_parameters`): the inverse frequencies blend
+/// interpolation (`1 / (factor · base^(2i/d))`) and extrapolation (`1 / base^(2i/d)`) with a
+/// linear ramp between the correction dims of `beta_fast` / `beta_slow` rotations over
+/// `original_max_position_embeddings` (floored / ceiled when `truncate`); cos / sin are
+/// multiplied by [`YarnRopeScaling::attention_factor`]; DeepSeek-V3's attention additionally
+/// multiplies its softmax scale by `mscale(factor, mscale_all_dim)²` when `mscale_all_dim` is
+/// set ([`ModelConfig::softmax_scale`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct YarnRopeScaling {
+    /// `factor` (context extension ratio).
+    pub factor: f64,
+    /// `original_max_position_embeddings` (pre-extension context).
+    pub original_max_position_embeddings: f64,
+    /// `beta_fast` (default 32).
+    pub beta_fast: f64,
+    /// `beta_slow` (default 1).
+    pub beta_slow: f64,
+    /// `mscale`, if given.
+    pub mscale: Option<f64>,
+    /// `mscale_all_dim`, if given.
+    pub mscale_all_dim: Option<f64>,
+    /// An explicit `attention_factor`, if given (else derived from `factor` and the mscales).
+    pub attention_factor: Option<f64>,
+    /// `truncate` (default true): round the correction range outward to whole dims.
+    pub truncate: bool,
+}
+
+/// `0.1 · mscale · ln(scale) + 1` for `scale > 1`, else 1 (YaRN's magnitude correction).
+fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+impl YarnRopeScaling {
+    /// The factor cos / sin are multiplied by: `attention_factor` when given, else
+    /// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are set (and
+    /// non-zero), else `mscale(factor, 1)`.
+    pub fn attention_factor(&self) -> f64 {
+        if let Some(a) = self.attention_factor {
+            return a;
+        }
+        match (self.mscale, self.mscale_all_dim) {
+            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                yarn_mscale(self.factor, m) / yarn_mscale(self.factor, all)
+            }
+            _ => yarn_mscale(self.factor, 1.0),
+        }
+    }
+
+    /// The inverse frequencies of a `dim`-channel rotary embedding with base `theta`, in f32
+    /// as transformers computes them.
+    pub fn inv_freq(&self, dim: usize, theta: f64) -> Vec<f32> {
+        let correction_dim = |rotations: f64| {
+            dim as f64
+                * (self.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI))
+                    .ln()
+                / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (
+            correction_dim(self.beta_fast),
+            correction_dim(self.beta_slow),
+        );
+        if self.truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let low = low.max(0.0);
+        let mut high = high.min(dim as f64 - 1.0);
+        if low == high {
+            high += 0.001;
+        }
+        // transformers: `(arange(d / 2) - low) / (high - low)` in f32, the bounds as Python
+        // floats (the difference taken in f64).
+        let (low_f32, span) = (low as f32, (high - low) as f32);
+        let factor = self.factor as f32;
+        (0..dim / 2)
+            .map(|i| {
+                let pos_freq = (theta as f32).powf((2 * i) as f32 / dim as f32);
+                let extrapolation = 1.0 / pos_freq;
+                let interpolation = 1.0 / (factor * pos_freq);
+                let ramp = ((i as f32 - low_f32) / span).clamp(0.0, 1.0);
+                let extrapolation_factor = 1.0 - ramp;
+                interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor
+            })
+            .collect()
+    }
+}
+
+/// Multi-head latent attention shapes (DeepSeek-V3): queries through `q_proj`, or the
+/// low-rank `q_a_proj` → `q_a_layernorm` → `q_b_proj` when `q_lora_rank` is set; keys and
+/// values from one compressed latent (`kv_a_proj_with_mqa` → `kv_lora_rank` latent channels,
+/// RMS-normalised by `kv_a_layernorm`, plus `qk_rope_head_dim` shared rotary key channels),
+/// expanded per head by `kv_b_proj` into `qk_nope_head_dim` key and `v_head_dim` value
+/// channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaConfig {
+    /// Rank of the query compression (`None`: a full `q_proj`).
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the key / value latent.
+    pub kv_lora_rank: usize,
+    /// Per-head query / key channels without position encoding.
+    pub qk_nope_head_dim: usize,
+    /// Per-head query / key channels with RoPE (the rotary key is shared by all heads).
+    pub qk_rope_head_dim: usize,
+    /// Per-head value channels.
+    pub v_head_dim: usize,
+    /// Whether the rotary channels are stored as interleaved pairs (DeepSeek's layout;
+    /// `rope_interleave`, default true).
+    pub rope_interleave: bool,
+}
+
+impl MlaConfig {
+    /// Query / key channels per head (`qk_nope_head_dim + qk_rope_head_dim`).
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+}
+
 /// Hyper-parameters of a decoder-only model of any supported [`Architecture`].
 ///
 /// Field names are the HF ones (`n_routed_experts` also holds Qwen3-MoE's `num_experts`).
@@ -112,6 +241,13 @@ pub struct ModelConfig {
     pub router: RouterKind,
     /// Llama-3 RoPE scaling, if any.
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// YaRN RoPE scaling, if any (DeepSeek-V3).
+    pub yarn: Option<YarnRopeScaling>,
+    /// Multi-head latent attention (DeepSeek-V3); `None` for the other architectures.
+    pub mla: Option<MlaConfig>,
+    /// DeepSeek-V3 multi-token-prediction layers in the checkpoint (`num_nextn_predict_layers`,
+    /// stored as layers `num_hidden_layers..`): skipped on import, never trained or exported.
+    pub num_nextn_predict_layers: usize,
     /// Qwen3-MoE: every `decoder_sparse_step`-th layer is MoE.
     pub decoder_sparse_step: usize,
     /// Qwen3-MoE: layers that stay dense.
@@ -214,6 +350,15 @@ struct RawConfig {
     #[serde(default = "default_init")]
     initializer_range: f64,
     hidden_act: Option<String>,
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    rope_interleave: Option<bool>,
+    #[serde(alias = "num_mtp_layers")]
+    num_nextn_predict_layers: Option<usize>,
+    original_max_position_embeddings: Option<f64>,
 }
 
 fn one() -> usize {
@@ -252,6 +397,69 @@ fn llama3_scaling(obj: &Value, field: &str) -> Result<Llama3RopeScaling, BridgeE
         high_freq_factor: get("high_freq_factor")?,
         original_max_position_embeddings: get("original_max_position_embeddings")?,
     })
+}
+
+/// Reads a `rope_type = "yarn"` object as transformers 5.24 does: `factor` is required,
+/// `beta_fast` / `beta_slow` default to 32 / 1 (also when 0 or null), `truncate` to true, and
+/// `original_max_position_embeddings` is the top-level field when the config has one, else
+/// the object's, else `max_position_embeddings`.
+fn yarn_scaling(
+    obj: &Value,
+    field: &str,
+    top_level_original: Option<f64>,
+    max_position_embeddings: usize,
+) -> Result<YarnRopeScaling, BridgeError> {
+    let number = |key: &str| -> Result<Option<f64>, BridgeError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                BridgeError::config(field, format!("yarn `{key}` must be a number"))
+            }),
+        }
+    };
+    let factor = number("factor")?
+        .ok_or_else(|| BridgeError::config(field, "yarn scaling needs `factor`"))?;
+    let nonzero_or = |v: Option<f64>, default: f64| v.filter(|&x| x != 0.0).unwrap_or(default);
+    let truncate = match obj.get("truncate") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(BridgeError::config(
+                field,
+                "yarn `truncate` must be a boolean",
+            ));
+        }
+    };
+    Ok(YarnRopeScaling {
+        factor,
+        original_max_position_embeddings: top_level_original
+            .or(number("original_max_position_embeddings")?)
+            .unwrap_or(max_position_embeddings as f64),
+        beta_fast: nonzero_or(number("beta_fast")?, 32.0),
+        beta_slow: nonzero_or(number("beta_slow")?, 1.0),
+        mscale: number("mscale")?,
+        mscale_all_dim: number("mscale_all_dim")?,
+        attention_factor: number("attention_factor")?,
+        truncate,
+    })
+}
+
+/// Fields of DeepSeek's original `config.json` that transformers 5.24 ignores but that would
+/// change the model if they differed from DeepSeek-V3's values: `scoring_func` (sigmoid),
+/// `topk_method` (`noaux_tc`) and `moe_layer_freq` (1). Other values are rejected naming the
+/// field rather than silently computing a different model.
+fn check_deepseek_v3_fields(json: &Value) -> Result<(), BridgeError> {
+    let expect = |key: &str, ok: &dyn Fn(&Value) -> bool, what: &str| match json.get(key) {
+        None | Some(Value::Null) => Ok(()),
+        Some(v) if ok(v) => Ok(()),
+        Some(v) => Err(BridgeError::config(
+            key,
+            format!("{v} is not supported (only {what}, as in DeepSeek-V3)"),
+        )),
+    };
+    expect("scoring_func", &|v| v == "sigmoid", "`sigmoid`")?;
+    expect("topk_method", &|v| v == "noaux_tc", "`noaux_tc`")?;
+    expect("moe_layer_freq", &|v| v.as_u64() == Some(1), "1")
 }
 
 /// Rejects sliding-window attention on any layer, reading the fields as transformers 5.24's
@@ -358,17 +566,44 @@ impl ModelConfig {
         if matches!(architecture, Architecture::Qwen2 | Architecture::Qwen3) {
             reject_sliding_window(&json, raw.num_hidden_layers)?;
         }
+        if json
+            .get("quantization_config")
+            .is_some_and(|q| !q.is_null())
+        {
+            return Err(BridgeError::config(
+                "quantization_config",
+                "quantised checkpoints (e.g. DeepSeek-V3's fp8 block-quantised weights) are not \
+                 supported; dequantise them to bf16 / f32 first",
+            ));
+        }
+        let is_dsv3 = architecture == Architecture::DeepseekV3;
+        if is_dsv3 {
+            check_deepseek_v3_fields(&json)?;
+        }
         // transformers 5 keeps RoPE settings in `rope_parameters`; older checkpoints (and real
         // GLM-4.5 files) keep `rope_theta` / `partial_rotary_factor` at the top level and the
         // scaling in `rope_scaling`.
         let params = raw.rope_parameters.as_ref().filter(|v| !v.is_null());
         let scaling = raw.rope_scaling.as_ref().filter(|v| !v.is_null());
         let mut rope_scaling = None;
+        let mut yarn = None;
         for (field, obj) in [("rope_parameters", params), ("rope_scaling", scaling)] {
             match (rope_type(obj), architecture) {
                 ("default", _) => {}
                 ("llama3", Architecture::Llama) => {
                     rope_scaling = obj.map(|o| llama3_scaling(o, field)).transpose()?;
+                }
+                ("yarn", Architecture::DeepseekV3) => {
+                    yarn = obj
+                        .map(|o| {
+                            yarn_scaling(
+                                o,
+                                field,
+                                raw.original_max_position_embeddings,
+                                raw.max_position_embeddings,
+                            )
+                        })
+                        .transpose()?;
                 }
                 (kind, _) => {
                     return Err(BridgeError::config(
@@ -396,16 +631,41 @@ impl ModelConfig {
             1.0
         };
         // Qwen2's rotary embedding rotates the whole head whatever `partial_rotary_factor` says.
-        let partial_rotary_factor = if architecture == Architecture::Qwen2 {
-            1.0
-        } else {
-            rope_field(params, "partial_rotary_factor")
-                .or(raw.partial_rotary_factor)
-                .unwrap_or(default_partial)
+        let partial_rotary_factor =
+            if matches!(architecture, Architecture::Qwen2 | Architecture::DeepseekV3) {
+                1.0
+            } else {
+                rope_field(params, "partial_rotary_factor")
+                    .or(raw.partial_rotary_factor)
+                    .unwrap_or(default_partial)
+            };
+        // DeepSeek-V3: transformers' defaults for absent fields (`q_lora_rank: null` is a full
+        // `q_proj`); the rotary "head" is the shared rope key.
+        let mla = is_dsv3.then(|| MlaConfig {
+            q_lora_rank: match json.get("q_lora_rank") {
+                None => Some(1536),
+                Some(_) => raw.q_lora_rank,
+            },
+            kv_lora_rank: raw.kv_lora_rank.unwrap_or(512),
+            qk_nope_head_dim: raw.qk_nope_head_dim.unwrap_or(128),
+            qk_rope_head_dim: raw.qk_rope_head_dim.unwrap_or(64),
+            v_head_dim: raw.v_head_dim.unwrap_or(128),
+            rope_interleave: raw.rope_interleave.unwrap_or(true),
+        });
+        let head_dim = match mla {
+            Some(m) => m.qk_rope_head_dim,
+            None => raw
+                .head_dim
+                .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1)),
         };
-        let head_dim = raw
-            .head_dim
-            .unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1));
+        let absent = |key: &str| json.get(key).is_none();
+        let dsv3_default = |key: &str, value: usize, default: usize| {
+            if is_dsv3 && absent(key) {
+                default
+            } else {
+                value
+            }
+        };
         if raw.mlp_bias {
             return Err(BridgeError::config(
                 "mlp_bias",
@@ -419,6 +679,12 @@ impl ModelConfig {
                 raw.n_shared_experts.unwrap_or(1),
                 true,
             ),
+            Architecture::DeepseekV3 => (
+                RouterKind::SigmoidGrouped,
+                raw.n_routed_experts.or(raw.num_experts).unwrap_or(256),
+                raw.n_shared_experts.unwrap_or(1),
+                true,
+            ),
             Architecture::Qwen3Moe => (RouterKind::Softmax, raw.num_experts.unwrap_or(0), 0, false),
             Architecture::Qwen3 | Architecture::Llama | Architecture::Qwen2 => {
                 (RouterKind::Softmax, 0, 0, false)
@@ -428,6 +694,13 @@ impl ModelConfig {
             architecture,
             router,
             rope_scaling,
+            yarn,
+            mla,
+            num_nextn_predict_layers: if is_dsv3 {
+                raw.num_nextn_predict_layers.unwrap_or(1)
+            } else {
+                0
+            },
             decoder_sparse_step: raw.decoder_sparse_step,
             mlp_only_layers: raw.mlp_only_layers,
             vocab_size: raw.vocab_size,
@@ -436,7 +709,12 @@ impl ModelConfig {
             moe_intermediate_size: raw.moe_intermediate_size,
             num_hidden_layers: raw.num_hidden_layers,
             num_attention_heads: raw.num_attention_heads,
-            num_key_value_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
+            // MLA has no key / value heads of its own (every head reads the shared latent).
+            num_key_value_heads: if is_dsv3 {
+                raw.num_attention_heads
+            } else {
+                raw.num_key_value_heads.unwrap_or(raw.num_attention_heads)
+            },
             head_dim,
             rms_norm_eps,
             rope_theta,
@@ -449,12 +727,20 @@ impl ModelConfig {
                 || architecture == Architecture::Qwen3Moe,
             n_routed_experts,
             n_shared_experts,
-            num_experts_per_tok: raw.num_experts_per_tok,
-            n_group: raw.n_group,
-            topk_group: raw.topk_group,
+            num_experts_per_tok: dsv3_default("num_experts_per_tok", raw.num_experts_per_tok, 8),
+            n_group: dsv3_default("n_group", raw.n_group, 8),
+            topk_group: dsv3_default("topk_group", raw.topk_group, 4),
             norm_topk_prob: raw.norm_topk_prob.unwrap_or(norm_default),
-            routed_scaling_factor: raw.routed_scaling_factor,
-            first_k_dense_replace: raw.first_k_dense_replace,
+            routed_scaling_factor: if is_dsv3 && absent("routed_scaling_factor") {
+                2.5
+            } else {
+                raw.routed_scaling_factor
+            },
+            first_k_dense_replace: dsv3_default(
+                "first_k_dense_replace",
+                raw.first_k_dense_replace,
+                3,
+            ),
             tie_word_embeddings: raw.tie_word_embeddings,
             max_position_embeddings: raw.max_position_embeddings,
             initializer_range: raw.initializer_range,
@@ -464,9 +750,12 @@ impl ModelConfig {
     }
 
     /// RoPE inverse frequencies (`rotary_dim / 2` of them), in f32 as transformers computes
-    /// them, with Llama-3 scaling applied when configured.
+    /// them, with Llama-3 or YaRN scaling applied when configured.
     pub fn inv_freq(&self) -> Vec<f32> {
         let dim = self.rotary_dim();
+        if let Some(yarn) = self.yarn {
+            return yarn.inv_freq(dim, self.rope_theta);
+        }
         let base: Vec<f32> = (0..dim / 2)
             .map(|i| 1.0 / (self.rope_theta as f32).powf((2 * i) as f32 / dim as f32))
             .collect();
@@ -495,6 +784,33 @@ impl ModelConfig {
             .collect()
     }
 
+    /// The factor RoPE's cos / sin tables are multiplied by (YaRN's attention factor; 1
+    /// otherwise).
+    pub fn rope_attention_factor(&self) -> f64 {
+        self.yarn.map_or(1.0, |y| y.attention_factor())
+    }
+
+    /// The softmax scale of attention: `1 / sqrt(head_dim)`, for MLA `1 / sqrt(qk_nope +
+    /// qk_rope)` times `mscale(factor, mscale_all_dim)²` under YaRN with `mscale_all_dim`
+    /// set (transformers' `yarn_apply_mscale`).
+    pub fn softmax_scale(&self) -> f64 {
+        let Some(mla) = self.mla else {
+            return 1.0 / (self.head_dim as f64).sqrt();
+        };
+        let base = (mla.qk_head_dim() as f64).powf(-0.5);
+        match self.yarn {
+            Some(YarnRopeScaling {
+                factor,
+                mscale_all_dim: Some(all),
+                ..
+            }) if all != 0.0 => {
+                let m = yarn_mscale(factor, all);
+                base * m * m
+            }
+            _ => base,
+        }
+    }
+
     /// Reads and parses `path` (a `config.json`).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, BridgeError> {
         let path = path.as_ref();
@@ -510,7 +826,7 @@ impl ModelConfig {
     /// Whether layer `layer` is an MoE layer (else a dense MLP).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         match self.architecture {
-            Architecture::Glm4Moe => layer >= self.first_k_dense_replace,
+            Architecture::Glm4Moe | Architecture::DeepseekV3 => layer >= self.first_k_dense_replace,
             Architecture::Qwen3Moe => {
                 self.n_routed_experts > 0
                     && !self.mlp_only_layers.contains(&layer)
@@ -587,6 +903,42 @@ impl ModelConfig {
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(BridgeError::config("rms_norm_eps", "must be positive"));
         }
+        if let Some(mla) = self.mla {
+            for (field, value) in [
+                ("kv_lora_rank", mla.kv_lora_rank),
+                ("qk_nope_head_dim", mla.qk_nope_head_dim),
+                ("qk_rope_head_dim", mla.qk_rope_head_dim),
+                ("v_head_dim", mla.v_head_dim),
+                ("q_lora_rank", mla.q_lora_rank.unwrap_or(1)),
+            ] {
+                if value == 0 {
+                    return Err(BridgeError::config(field, "must be positive"));
+                }
+            }
+            if self.head_dim != mla.qk_rope_head_dim {
+                return Err(BridgeError::config(
+                    "qk_rope_head_dim",
+                    "the rotary head must be the rope key (head_dim = qk_rope_head_dim)",
+                ));
+            }
+        }
+        if let Some(y) = self.yarn {
+            let finite = [
+                y.factor,
+                y.original_max_position_embeddings,
+                y.beta_fast,
+                y.beta_slow,
+            ]
+            .iter()
+            .all(|v| v.is_finite() && *v > 0.0);
+            if !finite {
+                return Err(BridgeError::config(
+                    "rope_parameters",
+                    "yarn factor, original_max_position_embeddings, beta_fast and beta_slow \
+                     must be positive",
+                ));
+            }
+        }
         if !has_moe {
             return Ok(());
         }
@@ -659,6 +1011,33 @@ impl ModelConfig {
         });
         if matches!(self.architecture, Architecture::Qwen2 | Architecture::Qwen3) {
             json["use_sliding_window"] = false.into();
+        }
+        if let Some(y) = self.yarn {
+            let rope = &mut json["rope_parameters"];
+            rope["rope_type"] = "yarn".into();
+            rope["factor"] = y.factor.into();
+            rope["original_max_position_embeddings"] = y.original_max_position_embeddings.into();
+            rope["beta_fast"] = y.beta_fast.into();
+            rope["beta_slow"] = y.beta_slow.into();
+            rope["truncate"] = y.truncate.into();
+            for (key, value) in [
+                ("mscale", y.mscale),
+                ("mscale_all_dim", y.mscale_all_dim),
+                ("attention_factor", y.attention_factor),
+            ] {
+                if let Some(v) = value {
+                    rope[key] = v.into();
+                }
+            }
+        }
+        if let Some(m) = self.mla {
+            json["q_lora_rank"] = serde_json::json!(m.q_lora_rank);
+            json["kv_lora_rank"] = m.kv_lora_rank.into();
+            json["qk_nope_head_dim"] = m.qk_nope_head_dim.into();
+            json["qk_rope_head_dim"] = m.qk_rope_head_dim.into();
+            json["v_head_dim"] = m.v_head_dim.into();
+            json["rope_interleave"] = m.rope_interleave.into();
+            json["num_nextn_predict_layers"] = self.num_nextn_predict_layers.into();
         }
         if self.architecture == Architecture::Qwen3Moe {
             json["num_experts"] = self.n_routed_experts.into();
@@ -812,7 +1191,7 @@ mod tests {
 
     #[test]
     fn missing_or_unknown_model_type_names_the_supported_types() {
-        let supported = "glm4_moe, qwen3, qwen3_moe, llama, qwen2";
+        let supported = "glm4_moe, qwen3, qwen3_moe, llama, qwen2, deepseek_v3";
         let missing = V5.replace(r#""model_type":"glm4_moe","#, "");
         match ModelConfig::from_hf_json(&missing) {
             Err(e @ BridgeError::MissingModelType { .. }) => {
@@ -820,12 +1199,12 @@ mod tests {
             }
             other => panic!("a config without model_type loaded: {other:?}"),
         }
-        let unknown = V5.replace("glm4_moe", "deepseek_v3");
+        let unknown = V5.replace("glm4_moe", "deepseek_v2");
         match ModelConfig::from_hf_json(&unknown) {
             Err(e @ BridgeError::UnsupportedArchitecture { .. }) => {
                 let text = e.to_string();
                 assert!(
-                    text.contains("`deepseek_v3`") && text.contains(supported),
+                    text.contains("`deepseek_v2`") && text.contains(supported),
                     "{text}"
                 );
             }

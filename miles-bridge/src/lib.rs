@@ -50,16 +50,20 @@ pub mod checkpoint;
 mod config;
 mod error;
 pub mod lora;
+pub mod mla;
 mod model;
 pub mod names;
 pub mod nn;
 pub mod parallel;
 
 pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
-pub use config::{Architecture, Llama3RopeScaling, ModelConfig, RouterKind};
+pub use config::{
+    Architecture, Llama3RopeScaling, MlaConfig, ModelConfig, RouterKind, YarnRopeScaling,
+};
 pub use error::BridgeError;
 pub use lora::{ExpertLora, LoraAdapter, LoraConfig, LoraForward};
 pub use model::{
     CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, HiddenOutput, KvCache, ModelInput,
-    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, TopkRouter, ids_tensor, token_logprobs,
+    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, SelfAttention, TopkRouter, ids_tensor,
+    mtp_tensor_names, token_logprobs,
 };

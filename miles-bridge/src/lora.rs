@@ -114,6 +114,12 @@ const MEGATRON_NAMES: &[(&str, &[&str])] = &[
     ("linear_proj", &["o_proj"]),
     ("linear_fc1", &["gate_proj", "up_proj"]),
     ("linear_fc2", &["down_proj"]),
+    // Megatron's multi-head latent attention (DeepSeek-V3).
+    ("linear_q_proj", &["q_proj"]),
+    ("linear_q_down_proj", &["q_a_proj"]),
+    ("linear_q_up_proj", &["q_b_proj"]),
+    ("linear_kv_down_proj", &["kv_a_proj_with_mqa"]),
+    ("linear_kv_up_proj", &["kv_b_proj"]),
 ];
 
 fn expand_names(names: &[String]) -> Vec<String> {
@@ -536,13 +542,7 @@ impl CausalLm {
         let mut out = Vec::new();
         for (l, layer) in self.model.layers.iter().enumerate() {
             let p = format!("model.layers.{l}");
-            let a = &layer.self_attn;
-            for (n, lin) in [
-                ("q_proj", &a.q_proj),
-                ("k_proj", &a.k_proj),
-                ("v_proj", &a.v_proj),
-                ("o_proj", &a.o_proj),
-            ] {
+            for (n, lin) in layer.self_attn.linears() {
                 out.push((format!("{p}.self_attn.{n}"), lin));
             }
             let mlp = match &layer.mlp {
@@ -573,11 +573,9 @@ impl CausalLm {
         let mut out = Vec::new();
         for (l, layer) in self.model.layers.iter_mut().enumerate() {
             let p = format!("model.layers.{l}");
-            let a = &mut layer.self_attn;
-            out.push((format!("{p}.self_attn.q_proj"), &mut a.q_proj));
-            out.push((format!("{p}.self_attn.k_proj"), &mut a.k_proj));
-            out.push((format!("{p}.self_attn.v_proj"), &mut a.v_proj));
-            out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
+            for (n, lin) in layer.self_attn.linears_mut() {
+                out.push((format!("{p}.self_attn.{n}"), lin));
+            }
             let mlp = match &mut layer.mlp {
                 FeedForward::Dense(m) => Some((format!("{p}.mlp"), m)),
                 FeedForward::Moe(moe) => moe

@@ -160,6 +160,30 @@ fn inspect(dir: &Path) -> Result<(), String> {
         config.n_shared_experts,
         config.vocab_size
     );
+    if let Some(mla) = config.mla {
+        println!(
+            "latent attention: q_lora_rank {}, kv_lora_rank {}, qk nope/rope {}/{}, v {}{}",
+            mla.q_lora_rank
+                .map_or_else(|| "none".to_string(), |r| r.to_string()),
+            mla.kv_lora_rank,
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.v_head_dim,
+            if config.yarn.is_some() {
+                ", yarn rope"
+            } else {
+                ""
+            }
+        );
+    }
+    let mtp = miles_bridge::mtp_tensor_names(&config, &tensors);
+    if !mtp.is_empty() {
+        println!(
+            "note: {} multi-token-prediction tensors (layers {}..) are skipped (not trained)",
+            mtp.len(),
+            config.num_hidden_layers
+        );
+    }
     println!("parameters: {params}");
     println!("dtype: {}", dtypes.join(", "));
     println!("tensors: {}", tensors.len());

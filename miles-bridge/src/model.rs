@@ -35,6 +35,7 @@ use miles_r3::{MoeLayerInfo, RouterHook};
 use crate::checkpoint::{FloatDtype, HostTensor, TensorMap, read_checkpoint_dir};
 use crate::config::{Architecture, RouterKind};
 use crate::lora::{ExpertLora, LoraConfig};
+use crate::mla::LatentAttention;
 use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
 use crate::nn::{
     Attention, AttentionShape, Builder, Init, LayerCache, Linear, Mlp, ParamRef, ParamVisitor,
@@ -409,13 +410,73 @@ pub enum FeedForward {
     Moe(MoeBlock),
 }
 
+/// The attention of a decoder layer.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum SelfAttention {
+    /// Grouped-query attention (every architecture but DeepSeek-V3).
+    Grouped(Attention),
+    /// Multi-head latent attention (DeepSeek-V3).
+    Latent(LatentAttention),
+}
+
+impl SelfAttention {
+    /// Attends `x` (`[batch, seq, hidden]`); see [`Attention::forward`] and
+    /// [`LatentAttention::forward`].
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: Tensor<4, Bool>,
+        cache: Option<&mut Option<LayerCache>>,
+    ) -> Tensor<3> {
+        match self {
+            Self::Grouped(a) => a.forward(x, rope, mask, cache),
+            Self::Latent(a) => a.forward(x, rope, mask, cache),
+        }
+    }
+
+    /// Every linear layer with its name relative to `self_attn`, in a fixed order.
+    pub(crate) fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        match self {
+            Self::Grouped(a) => vec![
+                ("q_proj", &a.q_proj),
+                ("k_proj", &a.k_proj),
+                ("v_proj", &a.v_proj),
+                ("o_proj", &a.o_proj),
+            ],
+            Self::Latent(a) => a.linears(),
+        }
+    }
+
+    /// Mutable twin of [`Self::linears`] (same order).
+    pub(crate) fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        match self {
+            Self::Grouped(a) => vec![
+                ("q_proj", &mut a.q_proj),
+                ("k_proj", &mut a.k_proj),
+                ("v_proj", &mut a.v_proj),
+                ("o_proj", &mut a.o_proj),
+            ],
+            Self::Latent(a) => a.linears_mut(),
+        }
+    }
+
+    fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        match self {
+            Self::Grouped(a) => a.visit(name, f),
+            Self::Latent(a) => a.visit(name, f),
+        }
+    }
+}
+
 /// One decoder layer: pre-norm attention and pre-norm MLP with residuals.
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
     /// `input_layernorm`.
     pub input_layernorm: RmsNorm,
     /// `self_attn`.
-    pub self_attn: Attention,
+    pub self_attn: SelfAttention,
     /// `post_attention_layernorm`.
     pub post_attention_layernorm: RmsNorm,
     /// `mlp`.
@@ -519,6 +580,13 @@ impl KvCache {
         self.len() == 0
     }
 
+    /// The cache of decoder layer `layer`, if it has been filled (see [`LayerCache`]: keys
+    /// and values per key / value head, or for DeepSeek-V3's latent attention the compressed
+    /// latent plus rope key and no values).
+    pub fn layer(&self, layer: usize) -> Option<&LayerCache> {
+        self.layers.get(layer).and_then(Option::as_ref)
+    }
+
     /// Number of rows (sequences) the cache holds; 0 when empty.
     pub fn rows(&self) -> usize {
         self.key_valid.as_ref().map_or(0, |v| v.dims()[0])
@@ -565,7 +633,7 @@ impl KvCache {
                 .map(|l| {
                     l.as_ref().map(|l| LayerCache {
                         keys: l.keys.clone().select(0, index.clone()),
-                        values: l.values.clone().select(0, index.clone()),
+                        values: l.values.clone().map(|v| v.select(0, index.clone())),
                     })
                 })
                 .collect(),
@@ -592,7 +660,7 @@ impl KvCache {
         let total = parts.iter().map(KvCache::len).max().unwrap_or(0);
         let mut valid = Vec::with_capacity(parts.len());
         let mut next = Vec::with_capacity(parts.len());
-        let mut per_layer: Vec<(Vec<Tensor<4>>, Vec<Tensor<4>>)> =
+        let mut per_layer: Vec<(Vec<Tensor<4>>, Vec<Option<Tensor<4>>>)> =
             (0..layers).map(|_| (Vec::new(), Vec::new())).collect();
         for part in parts {
             let pad = total - part.len();
@@ -627,16 +695,21 @@ impl KvCache {
                     Tensor::cat(vec![t, zeros], 2)
                 };
                 per_layer[l].0.push(padded(slot.keys));
-                per_layer[l].1.push(padded(slot.values));
+                per_layer[l].1.push(slot.values.map(padded));
             }
         }
         Ok(KvCache {
             layers: per_layer
                 .into_iter()
                 .map(|(k, v)| {
+                    // Latent-attention layers store no values.
+                    let values = v
+                        .into_iter()
+                        .collect::<Option<Vec<_>>>()
+                        .map(|v| Tensor::cat(v, 0));
                     Some(LayerCache {
                         keys: Tensor::cat(k, 0),
-                        values: Tensor::cat(v, 0),
+                        values,
                     })
                 })
                 .collect(),
@@ -687,7 +760,7 @@ impl KvCache {
                 .map(|l| {
                     l.as_ref().map(|l| LayerCache {
                         keys: gather(&l.keys),
-                        values: gather(&l.values),
+                        values: l.values.as_ref().map(gather),
                     })
                 })
                 .collect(),
@@ -727,7 +800,7 @@ impl KvCache {
                 .map(|l| {
                     l.as_ref().map(|l| LayerCache {
                         keys: l.keys.clone().narrow(2, 0, len),
-                        values: l.values.clone().narrow(2, 0, len),
+                        values: l.values.clone().map(|v| v.narrow(2, 0, len)),
                     })
                 })
                 .collect(),
@@ -803,7 +876,23 @@ impl CausalLm {
                 c.hidden_size,
                 c.rms_norm_eps,
             )?;
-            let self_attn = Attention::build(&mut b, &format!("{p}.self_attn"), shape)?;
+            let self_attn = match c.mla {
+                Some(mla) => SelfAttention::Latent(LatentAttention::build(
+                    &mut b,
+                    &format!("{p}.self_attn"),
+                    c.hidden_size,
+                    c.num_attention_heads,
+                    mla,
+                    c.attention_bias,
+                    c.softmax_scale(),
+                    c.rope_attention_factor(),
+                )?),
+                None => SelfAttention::Grouped(Attention::build(
+                    &mut b,
+                    &format!("{p}.self_attn"),
+                    shape,
+                )?),
+            };
             let post_attention_layernorm = RmsNorm::build(
                 &mut b,
                 &format!("{p}.post_attention_layernorm"),
@@ -926,6 +1015,10 @@ impl CausalLm {
         tensors: TensorMap,
         device: &Device,
     ) -> Result<Self, BridgeError> {
+        let mut tensors = tensors;
+        for name in mtp_tensor_names(config, &tensors) {
+            tensors.remove(&name);
+        }
         let mut internal = hf_to_internal(tensors, config.n_routed_experts)?;
         if config.tie_word_embeddings {
             internal.remove("lm_head.weight");
@@ -938,6 +1031,7 @@ impl CausalLm {
     }
 
     /// Loads `dir/config.json` and its safetensors weights (single file or sharded).
+    /// DeepSeek-V3 multi-token-prediction layers ([`mtp_tensor_names`]) are skipped.
     pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device) -> Result<Self, BridgeError> {
         let dir = dir.as_ref();
         let config = ModelConfig::from_file(dir.join("config.json"))?;
@@ -1248,6 +1342,26 @@ impl CausalLm {
             routing,
         })
     }
+}
+
+/// The checkpoint tensors of DeepSeek-V3's multi-token-prediction layers
+/// (`model.layers.{l}.*` for `num_hidden_layers <= l < num_hidden_layers +
+/// num_nextn_predict_layers`), which [`CausalLm::from_hf_tensors`] skips: they are not part of
+/// the causal LM (transformers does not load them either), are not trained and are not
+/// exported. Empty for the other architectures.
+pub fn mtp_tensor_names(config: &ModelConfig, tensors: &TensorMap) -> Vec<String> {
+    let first = config.num_hidden_layers;
+    let end = first + config.num_nextn_predict_layers;
+    tensors
+        .keys()
+        .filter(|name| {
+            name.strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|l| l.parse::<usize>().ok())
+                .is_some_and(|l| (first..end).contains(&l))
+        })
+        .cloned()
+        .collect()
 }
 
 /// `log p(token t+1 | tokens <= t)` for each row: `[batch, seq - 1]` from `[batch, seq, vocab]`

@@ -342,10 +342,13 @@ pub fn attention_mask(
 /// Keys and values of one attention layer kept across decoding steps.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
-    /// `[batch, kv_heads, cached, head_dim]`.
+    /// `[batch, kv_heads, cached, head_dim]`; for a multi-head latent attention layer
+    /// ([`crate::mla::LatentAttention`]) the compressed latent after `kv_a_layernorm` and the
+    /// rotated rope key, `[batch, 1, cached, kv_lora_rank + qk_rope_head_dim]`.
     pub keys: Tensor<4>,
-    /// `[batch, kv_heads, cached, head_dim]`.
-    pub values: Tensor<4>,
+    /// `[batch, kv_heads, cached, head_dim]`; `None` for a multi-head latent attention layer
+    /// (its values are expanded from the latent in `keys`).
+    pub values: Option<Tensor<4>>,
 }
 
 /// Grouped-query self-attention with optional q/k bias, optional per-head qk RMSNorm and
@@ -461,11 +464,14 @@ impl Attention {
         if let Some(slot) = cache {
             if let Some(old) = slot.take() {
                 k = Tensor::cat(vec![old.keys, k], 2);
-                v = Tensor::cat(vec![old.values, v], 2);
+                // A grouped-query layer always stores its values.
+                if let Some(values) = old.values {
+                    v = Tensor::cat(vec![values, v], 2);
+                }
             }
             *slot = Some(LayerCache {
                 keys: k.clone(),
-                values: v.clone(),
+                values: Some(v.clone()),
             });
         }
         let total = k.dims()[2];

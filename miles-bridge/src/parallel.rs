@@ -1,7 +1,8 @@
 //! Tensor- and expert-parallel sharding of HF-named checkpoints, Megatron style.
 //!
 //! One declarative table ([`TP_RULES`]) says how each HF tensor is cut across tensor-parallel
-//! ranks: column-parallel projections (`q/k/v_proj`, `gate_proj`, `up_proj`, per expert too)
+//! ranks: column-parallel projections (`q/k/v_proj`, MLA's `q_b_proj` / `kv_b_proj`,
+//! `gate_proj`, `up_proj`, per expert too)
 //! split their output dim 0 (biases with them), row-parallel ones (`o_proj`, `down_proj`)
 //! split their input dim 1, the vocabulary matrices (`embed_tokens`, `lm_head`) split dim 0,
 //! and everything else (norms, router, `e_score_correction_bias`) is replicated. Expert
@@ -33,6 +34,10 @@ pub const TP_RULES: &[(&str, TpLayout)] = &[
     ("self_attn.v_proj.weight", TpLayout::Split { dim: 0 }),
     ("self_attn.v_proj.bias", TpLayout::Split { dim: 0 }),
     ("self_attn.o_proj.weight", TpLayout::Split { dim: 1 }),
+    // Multi-head latent attention: the per-head up-projections are column-parallel; the
+    // down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and their norms are replicated.
+    ("self_attn.q_b_proj.weight", TpLayout::Split { dim: 0 }),
+    ("self_attn.kv_b_proj.weight", TpLayout::Split { dim: 0 }),
     ("gate_proj.weight", TpLayout::Split { dim: 0 }),
     ("up_proj.weight", TpLayout::Split { dim: 0 }),
     ("down_proj.weight", TpLayout::Split { dim: 1 }),

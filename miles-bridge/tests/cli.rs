@@ -327,3 +327,117 @@ fn logprobs_on_wgpu_cpu_match_reference() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown device"));
 }
+
+/// `logprobs`, `inspect` and `convert` on the DeepSeek-V3 fixtures (MLA with and without
+/// `q_lora_rank`): log-probs within 1e-4 of transformers' and routed experts equal to its
+/// choices, the latent-attention shapes shown, and `kv_b_proj` split by heads under `--tp`
+/// while `kv_a_proj_with_mqa` is replicated.
+#[test]
+fn deepseek_v3_logprobs_inspect_and_convert() {
+    for (name, heads, nope_v) in [("dsv3-tiny", 4usize, 16 + 12), ("dsv3-noq", 3, 12 + 24)] {
+        let dir = qwen2(name);
+        let out_file = temp(&format!("{name}-lp.json"));
+        let out = bin()
+            .args(["logprobs", "--model"])
+            .arg(&dir)
+            .arg("--input")
+            .arg(dir.join("reference_inputs.json"))
+            .arg("--out")
+            .arg(&out_file)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
+        let lp: Vec<Vec<f32>> = serde_json::from_value(got["token_logprobs"].clone()).unwrap();
+        let bytes = std::fs::read(dir.join("reference_outputs.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let want: Vec<f32> = st
+            .tensor("token_logprobs")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let lp: Vec<f32> = lp.into_iter().flatten().collect();
+        assert_eq!(lp.len(), want.len());
+        let diff = lp
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff <= 1e-4, "{name}: CLI log-probs differ by {diff}");
+        let routed: Vec<Vec<i64>> =
+            serde_json::from_value(got["routed_experts"]["layer1"].clone()).unwrap();
+        let want_routed: Vec<i64> = st
+            .tensor("layer1.topk_indices_sorted")
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(routed.concat(), want_routed, "{name}");
+        std::fs::remove_file(out_file).ok();
+
+        let out = bin().arg("inspect").arg(&dir).output().unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            text.contains("architecture: deepseek_v3 (DeepseekV3ForCausalLM)"),
+            "{text}"
+        );
+        assert!(text.contains("latent attention: q_lora_rank"), "{text}");
+        assert_eq!(
+            text.contains("q_a_layernorm"),
+            name == "dsv3-tiny",
+            "{text}"
+        );
+
+        let target = temp(&format!("{name}-convert"));
+        let out = bin()
+            .args(["convert", "--model"])
+            .arg(&dir)
+            .arg("--out")
+            .arg(&target)
+            .args(["--tp", "1", "--ep", "2"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::remove_dir_all(&target).ok();
+        if heads % 2 != 0 {
+            continue;
+        }
+        let out = bin()
+            .args(["convert", "--model"])
+            .arg(&dir)
+            .arg("--out")
+            .arg(&target)
+            .args(["--tp", "2"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let shard = std::fs::read(target.join("tp01_ep00/model.safetensors")).unwrap();
+        let shard = SafeTensors::deserialize(&shard).unwrap();
+        let kv_b = shard
+            .tensor("model.layers.0.self_attn.kv_b_proj.weight")
+            .unwrap();
+        assert_eq!(kv_b.shape()[0], heads / 2 * nope_v);
+        let kv_a = shard
+            .tensor("model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
+            .unwrap();
+        assert_eq!(kv_a.shape(), [32 + 8, 64]);
+        std::fs::remove_dir_all(target).ok();
+    }
+}

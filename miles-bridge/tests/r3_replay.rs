@@ -1,5 +1,5 @@
-//! Rollout routing replay (miles-r3) on real MoE models: the `glm4moe-tiny` (sigmoid router,
-//! bias, scaling) and `qwen3moe-tiny` (softmax router) fixtures.
+//! Rollout routing replay (miles-r3) on real MoE models: the `glm4moe-tiny` and `dsv3-tiny`
+//! (sigmoid router, bias, groups, scaling) and `qwen3moe-tiny` (softmax router) fixtures.
 //!
 //! The "rollout engine" is the fixture model run on each sample alone; its routing travels the
 //! way SGLang's does (`RoutedExperts` `[tokens − 1, all layers, top_k]`, base64 int32 on the
@@ -388,6 +388,13 @@ fn prove(fixture_name: &str, selection_only: bool) {
 #[test]
 fn glm4_moe_replay_removes_routing_flips() {
     prove("glm4moe-tiny", true);
+}
+
+/// DeepSeek-V3 (`dsv3-tiny`: MLA, sigmoid routing with `e_score_correction_bias`, groups of
+/// two experts, top-2 of 2 groups, shared expert): the same router hook records and replays.
+#[test]
+fn deepseek_v3_replay_removes_routing_flips() {
+    prove("dsv3-tiny", true);
 }
 
 #[test]

@@ -114,7 +114,14 @@ async fn run_all(engine: &Arc<EmbeddedEngine>, reqs: Vec<GenerateRequest>) -> Ve
 
 #[tokio::test]
 async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
-    for name in ["glm4moe-tiny", "qwen3-tiny", "qwen2-tiny", "qwen2-untied"] {
+    for name in [
+        "glm4moe-tiny",
+        "qwen3-tiny",
+        "qwen2-tiny",
+        "qwen2-untied",
+        "dsv3-tiny",
+        "dsv3-noq",
+    ] {
         let model = load(name);
         let vocab = model.config.vocab_size as u32;
         let moe = model.config.has_moe();
@@ -720,9 +727,12 @@ async fn bad_requests_are_typed_errors() {
 /// Greedy decoding by the embedded engine (KV cache, continuous batching of both prompts)
 /// gives exactly the tokens of transformers' `generate(do_sample=False)` on the Qwen2
 /// fixtures (`fixtures/models/gen_qwen2.py`: tied + GQA and untied + MHA).
+///
+/// The same on the DeepSeek-V3 fixtures (`gen_deepseek_v3.py`: MLA with and without
+/// `q_lora_rank`, YaRN RoPE), whose cache holds the compressed latent and rope key.
 #[tokio::test]
-async fn qwen2_greedy_decode_equals_hf_generate() {
-    for name in ["qwen2-tiny", "qwen2-untied"] {
+async fn qwen2_and_deepseek_v3_greedy_decode_equals_hf_generate() {
+    for name in ["qwen2-tiny", "qwen2-untied", "dsv3-tiny", "dsv3-noq"] {
         let dir = fixture(name);
         let text = std::fs::read_to_string(dir.join("reference_generate.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
