@@ -70,7 +70,7 @@ weight updates, fully async by default. Flags use Miles' names where Miles has t
 fn cli() -> Cli {
     Cli::new("glm_moe_grpo", ABOUT)
         .option("--output-dir", "DIR", Some("runs/glm_moe_grpo"), "where the run writes everything")
-        .option("--hf-checkpoint", "DIR", None, "start from this HF GLM-4-MoE / Qwen3 / Qwen3-MoE / Qwen2 / Llama checkpoint (its tokenizer and chat template) instead of building the small GLM-4-MoE")
+        .option("--hf-checkpoint", "DIR", None, "start from this HF GLM-4-MoE / Qwen3 / Qwen3-MoE / Qwen2 / Llama / DeepSeek-V3 checkpoint (its tokenizer and chat template) instead of building the small GLM-4-MoE")
         .multi("--engine-url", "URL", "roll out on this SGLang-compatible server instead of the embedded engine (repeatable; a router spreads the load; the servers must see --output-dir for weight updates)")
         .option("--resume", "DIR", None, "continue a killed run from its latest checkpoint in DIR (its output dir)")
         .flag("--sync", "synchronous loop (rollout → train → update) instead of fully asynchronous")

@@ -1,7 +1,7 @@
 //! The RL examples end to end, as a user runs them: the reference binary for a few GRPO steps
 //! at tiny size (reward, loss and version bookkeeping), a run of it killed mid-way (SIGKILL)
 //! then resumed with `--resume` (it finishes every step exactly once), the same binary on an
-//! HF checkpoint directory (`--hf-checkpoint`) and rolling out on a `miles-rollout serve`
+//! HF checkpoint directory (`--hf-checkpoint`: a Qwen3 and a DeepSeek-V3) and rolling out on a `miles-rollout serve`
 //! process (`--engine-url`), and the agentic example (GRPO through a session server, TITO
 //! mismatch rate 0).
 //!
@@ -323,23 +323,91 @@ fn the_reference_binary_trains_an_hf_checkpoint() {
         assert!(m["train/pg_loss"].is_finite() && m["train/grad_norm"].is_finite());
     }
     // The trained weights keep the checkpoint's tensor names and shapes.
-    let trained = std::fs::read(out.join("final/model.safetensors")).unwrap();
-    let original = std::fs::read(served_fixture().join("model.safetensors")).unwrap();
-    let names = |bytes: &[u8]| {
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-        let mut v: Vec<(String, Value)> = header
-            .as_object()
-            .unwrap()
-            .iter()
-            .filter(|(k, _)| *k != "__metadata__")
-            .map(|(k, v)| (k.clone(), v["shape"].clone()))
-            .collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v
-    };
-    assert_eq!(names(&trained), names(&original));
+    assert_eq!(
+        tensor_shapes(&out.join("final/model.safetensors")),
+        tensor_shapes(&served_fixture().join("model.safetensors"))
+    );
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Tensor names and shapes of a safetensors file, sorted by name.
+fn tensor_shapes(path: &Path) -> Vec<(String, Value)> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut v: Vec<(String, Value)> = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| (k.clone(), v["shape"].clone()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// `--hf-checkpoint` on a DeepSeek-V3 (MLA, latent KV cache in the engine, group-limited
+/// sigmoid routing): the shapes of `fixtures/models/dsv3-tiny` with the vocabulary of the
+/// served Qwen3 fixture's tokenizer, random weights written by miles-bridge. Trained with
+/// rollout routing replay on: routed experts recorded by the engine and replayed.
+#[test]
+fn the_reference_binary_trains_a_deepseek_v3_checkpoint() {
+    use burn::tensor::Device;
+    use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
+
+    let out = fresh_dir("dsv3");
+    let model_dir = fresh_dir("dsv3-model");
+    std::fs::create_dir_all(&model_dir).unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let mut config: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("models/dsv3-tiny/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["model_type"], "deepseek_v3");
+    config["vocab_size"] = 512.into();
+    std::fs::write(model_dir.join("config.json"), config.to_string()).unwrap();
+    let config = ModelConfig::from_file(model_dir.join("config.json")).unwrap();
+    CausalLm::init(&config, &Device::flex())
+        .unwrap()
+        .save_pretrained(&model_dir, FloatDtype::F32, None)
+        .unwrap();
+    for file in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ] {
+        std::fs::copy(served_fixture().join(file), model_dir.join(file)).unwrap();
+    }
+    let status = Command::new(binary("glm_moe_grpo"))
+        .args(tiny_args(&out, 2))
+        .arg("--hf-checkpoint")
+        .arg(&model_dir)
+        .arg("--sync")
+        .stdout(Stdio::null())
+        .status()
+        .expect("run the example");
+    assert!(status.success());
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["weight_version"], 2, "{summary}");
+    let train = training_records(&out);
+    assert_eq!(train.len(), 2);
+    for m in &train {
+        assert!(m["train/pg_loss"].is_finite() && m["train/grad_norm"].is_finite());
+        // Routing replay compared the trainer's routing with the recorded one on every
+        // response token of the MoE layers.
+        assert!(
+            m.get("r3/compared_tokens").is_some_and(|&n| n > 0.0),
+            "{m:?}"
+        );
+    }
+    assert_eq!(
+        tensor_shapes(&out.join("final/model.safetensors")),
+        tensor_shapes(&model_dir.join("model.safetensors"))
+    );
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&model_dir);
 }
 
 /// `--engine-url`: the reference binary rolls out on a `miles-rollout serve` process over
