@@ -314,20 +314,27 @@ fn the_reference_binary_trains_an_hf_checkpoint() {
         .status()
         .expect("run the example");
     assert!(status.success());
+    assert_trained_checkpoint(&out, &served_fixture());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// A two-step `--hf-checkpoint` run: two versions pushed, finite losses and gradient norms,
+/// and the trained weights keep the checkpoint's tensor names and shapes. Returns the two
+/// training records.
+fn assert_trained_checkpoint(out: &Path, checkpoint: &Path) -> Vec<BTreeMap<String, f64>> {
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["weight_version"], 2, "{summary}");
-    let train = training_records(&out);
+    let train = training_records(out);
     assert_eq!(train.len(), 2);
     for m in &train {
         assert!(m["train/pg_loss"].is_finite() && m["train/grad_norm"].is_finite());
     }
-    // The trained weights keep the checkpoint's tensor names and shapes.
     assert_eq!(
         tensor_shapes(&out.join("final/model.safetensors")),
-        tensor_shapes(&served_fixture().join("model.safetensors"))
+        tensor_shapes(&checkpoint.join("model.safetensors"))
     );
-    let _ = std::fs::remove_dir_all(&out);
+    train
 }
 
 /// Tensor names and shapes of a safetensors file, sorted by name.
@@ -388,24 +395,14 @@ fn the_reference_binary_trains_a_deepseek_v3_checkpoint() {
         .status()
         .expect("run the example");
     assert!(status.success());
-    let summary: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    assert_eq!(summary["weight_version"], 2, "{summary}");
-    let train = training_records(&out);
-    assert_eq!(train.len(), 2);
-    for m in &train {
-        assert!(m["train/pg_loss"].is_finite() && m["train/grad_norm"].is_finite());
-        // Routing replay compared the trainer's routing with the recorded one on every
-        // response token of the MoE layers.
+    for m in assert_trained_checkpoint(&out, &model_dir) {
+        // Routing replay compared the trainer's routing with the recorded one on the
+        // response tokens of the MoE layers.
         assert!(
             m.get("r3/compared_tokens").is_some_and(|&n| n > 0.0),
             "{m:?}"
         );
     }
-    assert_eq!(
-        tensor_shapes(&out.join("final/model.safetensors")),
-        tensor_shapes(&model_dir.join("model.safetensors"))
-    );
     let _ = std::fs::remove_dir_all(&out);
     let _ = std::fs::remove_dir_all(&model_dir);
 }

@@ -5,6 +5,8 @@
 //! op), KV-cache decoding equal to the full forward, greedy KV-cache decoding equal to HF
 //! `generate` (Qwen2) and bit-identical export (Qwen2).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -278,41 +280,7 @@ fn qwen2_fused_log_prob_path_matches_transformers() {
 #[test]
 fn qwen2_greedy_kv_cache_decode_equals_hf_generate() {
     for name in ["qwen2-tiny", "qwen2-untied"] {
-        let dir = fixture(name);
-        let text = std::fs::read_to_string(dir.join("reference_generate.json")).unwrap();
-        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let prompts: Vec<Vec<u32>> = serde_json::from_value(v["prompts"].clone()).unwrap();
-        let want: Vec<Vec<u32>> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-        let new_tokens = v["max_new_tokens"].as_u64().unwrap() as usize;
-        let device = Device::flex();
-        let model = CausalLm::from_pretrained(&dir, &device).unwrap();
-        let mut cache = KvCache::new();
-        let mut step = prompts.clone();
-        let mut got = vec![Vec::new(); prompts.len()];
-        for _ in 0..new_tokens {
-            let out = model
-                .forward_cached(
-                    &ModelInput::new(ids_tensor(&step, &device).unwrap()),
-                    &mut cache,
-                    &Fallthrough,
-                )
-                .unwrap();
-            let [b, s, vocab] = out.logits.dims();
-            let last = out
-                .logits
-                .narrow(1, s - 1, 1)
-                .reshape([b, vocab])
-                .argmax(1)
-                .into_data()
-                .convert::<i64>()
-                .try_to_vec::<i64>()
-                .unwrap();
-            for (row, &t) in last.iter().enumerate() {
-                got[row].push(t as u32);
-            }
-            step = last.iter().map(|&t| vec![t as u32]).collect();
-        }
-        assert_eq!(got, want, "{name}: greedy decode differs from HF generate");
+        common::assert_greedy_kv_cache_decode_equals_hf_generate(&fixture(name));
     }
 }
 
