@@ -19,8 +19,8 @@
 //! does, and greedily) before anything, after the warm-start and during / after GRPO.
 //!
 //! ```text
-//! cargo run --release --example glm_moe_grpo                 # defaults, ~3-4 min on 2 idle cores
-//! cargo run --release --example glm_moe_grpo -- --sft-steps 4200 --num-rollout 0   # the ablation: GRPO's time spent on the warm-start
+//! cargo run --release --example glm_moe_grpo                 # defaults, ~5 min on 2 idle cores
+//! cargo run --release --example glm_moe_grpo -- --sft-steps 5100 --num-rollout 0   # the ablation: GRPO's time spent on the warm-start
 //! cargo run --release --example glm_moe_grpo -- --help       # every flag
 //! cargo run --release --example glm_moe_grpo -- --sync
 //! cargo run --release --example glm_moe_grpo -- --hf-checkpoint DIR          # a real GLM-4-MoE / Qwen3
@@ -101,7 +101,7 @@ fn cli() -> Cli {
         .option("--eval-temperature", "T", None, "held-out sampling temperature (default: the rollout temperature, as Miles; 0 = greedy)")
         .option("--n-samples-per-eval-prompt", "N", Some("4"), "samples per held-out prompt (the reward is their mean)")
         .option("--rollout-max-response-len", "N", Some("8"), "response token limit")
-        .option("--sft-steps", "N", Some("600"), "supervised warm-start steps before GRPO (0 = none)")
+        .option("--sft-steps", "N", Some("1500"), "supervised warm-start steps before GRPO (0 = none)")
         .option("--sft-batch-size", "N", Some("64"), "problems per warm-start step")
         .option("--sft-lr", "LR", Some("3e-3"), "warm-start peak learning rate (cosine-decayed to a tenth; the result is saved to OUTPUT/warm_start/)")
         .option("--sft-problems", "KIND", Some("all"), "which training problems the warm-start demonstrates: all | no-carry (no column carries) | one-digit (both operands of one digit) | easy (no-carry or one-digit)")
