@@ -6,9 +6,7 @@
 //! `generate` (Qwen2) and bit-identical export (Qwen2).
 
 mod common;
-
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use common::{fixture, reference, rows_of};
 
 use burn::tensor::Device;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -19,35 +17,6 @@ use miles_bridge::{
 };
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
-use safetensors::SafeTensors;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures/models")
-        .join(name)
-}
-
-fn reference(dir: &Path, file: &str) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
-    let bytes = std::fs::read(dir.join(file)).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut out = BTreeMap::new();
-    for (name, view) in st.iter() {
-        let data = view.data();
-        let values: Vec<f64> = match view.dtype() {
-            safetensors::Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                .collect(),
-            safetensors::Dtype::I64 => data
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
-                .collect(),
-            other => panic!("unexpected dtype {other:?}"),
-        };
-        out.insert(name.to_string(), (view.shape().to_vec(), values));
-    }
-    out
-}
 
 fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
@@ -204,12 +173,6 @@ fn qwen2_tied_gqa_matches_transformers() {
 #[test]
 fn qwen2_untied_matches_transformers() {
     check("qwen2-untied", Architecture::Qwen2, &[]);
-}
-
-fn rows_of(dir: &Path) -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(dir.join("reference_inputs.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    serde_json::from_value(v["input_ids"].clone()).unwrap()
 }
 
 /// The training path that never materialises the logits: `forward_hidden` + miles-ops' fused

@@ -1,10 +1,12 @@
 //! Checks shared by the architecture tests.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 use miles_bridge::{CausalLm, KvCache, ModelInput, ids_tensor};
 use miles_r3::Fallthrough;
+use safetensors::SafeTensors;
 
 /// Greedy decoding with the KV cache (prefill, then one token per step, every prompt in one
 /// batch) gives exactly the tokens transformers' `generate(do_sample=False)` gave, as stored
@@ -49,4 +51,41 @@ pub fn assert_greedy_kv_cache_decode_equals_hf_generate(dir: &Path) {
         "{}: greedy decode differs from HF generate",
         dir.display()
     );
+}
+
+/// A fixture directory under `fixtures/models`.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/models")
+        .join(name)
+}
+
+/// A reference safetensors file of a fixture: name → (shape, values as f64).
+pub fn reference(dir: &Path, file: &str) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
+    let bytes = std::fs::read(dir.join(file)).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out = BTreeMap::new();
+    for (name, view) in st.iter() {
+        let data = view.data();
+        let values: Vec<f64> = match view.dtype() {
+            safetensors::Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
+            safetensors::Dtype::I64 => data
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+                .collect(),
+            other => panic!("unexpected dtype {other:?}"),
+        };
+        out.insert(name.to_string(), (view.shape().to_vec(), values));
+    }
+    out
+}
+
+/// The token rows of a fixture's `reference_inputs.json`.
+pub fn rows_of(dir: &Path) -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(dir.join("reference_inputs.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    serde_json::from_value(v["input_ids"].clone()).unwrap()
 }
