@@ -1,5 +1,5 @@
 //! CubeCL kernels for the fused ops (feature `wgpu` or `cuda`; tested on wgpu over lavapipe by
-//! `tests/kernels.rs`): the per-chunk steps of the
+//! `tests/it/kernels.rs`): the per-chunk steps of the
 //! fused log-prob + entropy op ([`crate::fused::FusedLogProbOps`]) and the clipped
 //! policy-gradient loss ([`crate::clipped::ClippedPgLossOps`]), registered for burn's
 //! `CubeBackend` (every CubeCL runtime).

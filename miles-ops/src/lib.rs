@@ -20,7 +20,7 @@
 //!   [`fused`] and the [`clipped`] loss, registered as burn backend extensions for
 //!   `CubeBackend`, so the ops dispatch to them for tensors on a CubeCL device and to native
 //!   loops on flex; each has a plain-op `*_reference` twin they are tested against on
-//!   `Device::wgpu(DeviceKind::Cpu)` (`tests/kernels.rs`, lavapipe without a GPU).
+//!   `Device::wgpu(DeviceKind::Cpu)` (`tests/it/kernels.rs`, lavapipe without a GPU).
 //! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`)
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).

@@ -15,7 +15,7 @@
 //! | `boxed_<rule>` | `<rule>` on the content of the response's last `\boxed{}` (`""` without one) | `__init__.async_rm` |
 //!
 //! Miles' `sympy.simplify` step of `math` / `deepscaler` is replaced by exact rational and
-//! numeric evaluation (see `COMPATIBILITY.md`; `tests/rm_hub.rs` measures the agreement on
+//! numeric evaluation (see `COMPATIBILITY.md`; `tests/it/rm_hub.rs` measures the agreement on
 //! a table of cases scored by Miles' own Python).
 //!
 //! ```

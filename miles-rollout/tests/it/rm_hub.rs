@@ -10,7 +10,7 @@ use miles_rollout::rm_hub::{RmHubReward, RmRule, RmType};
 use proptest::prelude::*;
 use serde_json::{Map, Value};
 
-const CASES: &str = include_str!("../../fixtures/rewards/rm_hub_cases.jsonl");
+const CASES: &str = include_str!("../../../fixtures/rewards/rm_hub_cases.jsonl");
 
 /// Cases where miles-rs knowingly differs from Miles: id → reason.
 const KNOWN_DIFFERENCES: &[(u64, &str)] = &[(

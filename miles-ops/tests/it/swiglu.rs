@@ -5,8 +5,8 @@ use burn::tensor::{Device, Tensor};
 use miles_ops::OpsError;
 use miles_ops::swiglu::{swiglu, swiglu_reference};
 
-mod common;
-use common::{assert_rel_close, lcg, to_vec};
+
+use crate::common::{assert_rel_close, lcg, to_vec};
 
 fn run(fused: bool, transposed: bool) -> [Vec<f32>; 3] {
     let device = Device::flex().autodiff();

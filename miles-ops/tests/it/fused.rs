@@ -6,8 +6,8 @@ use miles_ops::OpsError;
 use miles_ops::fused::FusedLogProbConfig;
 use miles_ops::logprobs::log_probs_and_entropy_plain;
 
-mod common;
-use common::{assert_rel_close, lcg, to_vec};
+
+use crate::common::{assert_rel_close, lcg, to_vec};
 
 struct Case {
     tokens: usize,

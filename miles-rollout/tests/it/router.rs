@@ -1,13 +1,13 @@
 //! The router: sticky routing, least outstanding requests, failover, re-admission with weight
 //! catch-up, and an RL loop that survives an engine dying mid-run.
 
-mod common;
+
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use miles_core::{
     EngineErrorKind, Error as CoreError, GenerateRequest, InferenceEngine, MemoryMetricsSink,
     NamedTensors, SamplingParams, TensorBytes, WeightVersion,

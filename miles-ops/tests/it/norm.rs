@@ -6,8 +6,8 @@ use burn::tensor::{Device, Int, Tensor};
 use miles_ops::OpsError;
 use miles_ops::norm::{rms_norm, rms_norm_reference, rope, rope_reference};
 
-mod common;
-use common::{assert_rel_close, lcg, to_vec};
+
+use crate::common::{assert_rel_close, lcg, to_vec};
 
 /// `[b, h, s, d]` input built as `[b, s, h, d]` and swapped when `strided` (as attention
 /// heads are).

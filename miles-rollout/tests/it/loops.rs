@@ -1,12 +1,12 @@
 //! The rollout manager and the RL loops against the tabular policy of `common` (a real
 //! sampling engine and a real REINFORCE trainer over 8 tokens).
 
-mod common;
+
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use miles_core::{
     Error as CoreError, InferenceEngine, MemoryMetricsSink, PauseMode, Result as CoreResult,
     Reward, RewardFn, Sample, SampleStatus, WeightVersion, async_trait,

@@ -4,14 +4,14 @@
 //! a failing server leaves the rotation and comes back (caught up) through the periodic
 //! health checker.
 
-mod common;
+
 
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use miles_core::{
     EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
     NamedTensors, PauseMode, RequestId, Result as CoreResult, SamplingParams, TensorBytes,

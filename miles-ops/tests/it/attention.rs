@@ -8,8 +8,8 @@ use burn::tensor::{Bool, Device, Tensor, TensorData};
 use miles_ops::OpsError;
 use miles_ops::attention::{attention, attention_reference};
 
-mod common;
-use common::{assert_rel_close, lcg, to_vec};
+
+use crate::common::{assert_rel_close, lcg, to_vec};
 
 #[derive(Clone, Copy)]
 enum MaskKind {
