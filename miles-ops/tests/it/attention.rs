@@ -8,7 +8,6 @@ use burn::tensor::{Bool, Device, Tensor, TensorData};
 use miles_ops::OpsError;
 use miles_ops::attention::{attention, attention_reference};
 
-
 use crate::common::{assert_rel_close, lcg, to_vec};
 
 #[derive(Clone, Copy)]

@@ -6,7 +6,6 @@ use miles_ops::OpsError;
 use miles_ops::fused::FusedLogProbConfig;
 use miles_ops::logprobs::log_probs_and_entropy_plain;
 
-
 use crate::common::{assert_rel_close, lcg, to_vec};
 
 struct Case {

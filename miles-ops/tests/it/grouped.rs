@@ -6,7 +6,6 @@ use burn::tensor::{Device, Tensor};
 use miles_ops::OpsError;
 use miles_ops::grouped::{grouped_matmul, grouped_matmul_reference};
 
-
 use crate::common::{assert_rel_close, lcg, to_vec};
 
 fn run(fused: bool, sizes: &[usize], experts: usize, m: usize, k: usize) -> [Vec<f32>; 3] {

@@ -18,7 +18,6 @@ use miles_ops::fused::{
 use miles_ops::kernel_device::kernel_test_device;
 use miles_ops::logprobs::log_probs_and_entropy_plain;
 
-
 use crate::common::lcg;
 
 fn t2(v: &[f32], shape: [usize; 2], d: &Device) -> Tensor<2> {

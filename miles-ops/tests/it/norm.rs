@@ -6,7 +6,6 @@ use burn::tensor::{Device, Int, Tensor};
 use miles_ops::OpsError;
 use miles_ops::norm::{rms_norm, rms_norm_reference, rope, rope_reference};
 
-
 use crate::common::{assert_rel_close, lcg, to_vec};
 
 /// `[b, h, s, d]` input built as `[b, s, h, d]` and swapped when `strided` (as attention

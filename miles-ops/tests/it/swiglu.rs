@@ -5,7 +5,6 @@ use burn::tensor::{Device, Tensor};
 use miles_ops::OpsError;
 use miles_ops::swiglu::{swiglu, swiglu_reference};
 
-
 use crate::common::{assert_rel_close, lcg, to_vec};
 
 fn run(fused: bool, transposed: bool) -> [Vec<f32>; 3] {

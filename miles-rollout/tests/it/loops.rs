@@ -1,8 +1,6 @@
 //! The rollout manager and the RL loops against the tabular policy of `common` (a real
 //! sampling engine and a real REINFORCE trainer over 8 tokens).
 
-
-
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -1,8 +1,6 @@
 //! The router: sticky routing, least outstanding requests, failover, re-admission with weight
 //! catch-up, and an RL loop that survives an engine dying mid-run.
 
-
-
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -4,8 +4,6 @@
 //! a failing server leaves the rotation and comes back (caught up) through the periodic
 //! health checker.
 
-
-
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
