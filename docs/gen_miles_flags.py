@@ -131,6 +131,9 @@ for flag, group in rows:
     out.append(f"| `{flag}` | {st} | {note} |")
 out += ["", "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
 extra = sorted(ours - seen - {"--config"})
-out += ["Flags of `miles` that Miles does not have: " + ", ".join(f"`{f}`" for f in extra) + "."]
+# Flags Miles had before the commit above and removed.
+HISTORICAL = {"--generate-multi-samples": "Miles' flag until b05a4f2a0 (2026-07-29)"}
+out += ["Flags of `miles` that Miles does not have: "
+        + ", ".join(f"`{f}`" + (f" ({HISTORICAL[f]})" if f in HISTORICAL else "") for f in extra) + "."]
 (ROOT / "docs/miles-flags.md").write_text("\n".join(out) + "\n")
 print(counts, len(rows))

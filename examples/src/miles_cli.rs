@@ -106,6 +106,8 @@ pub fn flag_set() -> FlagSet {
         .value("--rollout-seed", "N", Some("42"), "sampling seed (sample i uses seed + i)")
         .value("--over-sampling-batch-size", "N", None, "prompts fetched at a time when dynamic sampling drops groups")
         .switch("--partial-rollout", "keep aborted partial generations and resume them")
+        .value("--save-debug-rollout-data", "PATH", None, "write each rollout's training samples as a JSON array to PATH ({rollout_id} is replaced by the rollout id)")
+        .switch("--generate-multi-samples", "with --agent-cmd: one training sample per turn instead of one merged sample per session; the rollout's reward goes to every turn, advantages are normalised per rollout, each rollout's loss is one token-weighted mean and --global-batch-size counts rollouts")
         .value("--dynamic-sampling-filter-path", "NAME", None, "check_reward_nonzero_std | check_no_aborted (Miles' filter_hub names; a dotted path's last part)")
         .value("--max-weight-staleness", "N", None, "regenerate samples older than N weight versions")
         .value("--update-weights-interval", "N", Some("1"), "push weights to the engines every N steps")
@@ -332,6 +334,9 @@ async fn agent_generator(
     use_r3: bool,
 ) -> Result<Option<Arc<AgentGenerator>>, BoxError> {
     let Some(cmd) = a.get("--agent-cmd") else {
+        if a.switch("--generate-multi-samples") {
+            return Err("--generate-multi-samples needs --agent-cmd (per-turn samples come from the session server)".into());
+        }
         return Ok(None);
     };
     let url =
@@ -346,7 +351,8 @@ async fn agent_generator(
     let agent = Arc::new(CommandAgent::new(config)?);
     Ok(Some(Arc::new(AgentGenerator::new(
         agent,
-        AgentDriverConfig::new(url),
+        AgentDriverConfig::new(url)
+            .with_generate_multi_samples(a.switch("--generate-multi-samples")),
     ))))
 }
 
@@ -472,7 +478,8 @@ fn eval_sets(
         reward.clone(),
     )?;
     if let Some(generator) = generator {
-        manager = manager.with_generator(generator.clone());
+        // Evaluation scores whole conversations: one merged sample per session.
+        manager = manager.with_generator(Arc::new(generator.with_generate_multi_samples(false)));
     }
     let manager = Arc::new(manager);
     pairs
@@ -662,7 +669,14 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
     if let Some(dir) = a.get("--ref-load") {
         actor = actor.with_reference(CausalLm::from_pretrained(dir, &c.device)?)?;
     }
-    let trainer: SharedTrainer = Arc::new(Mutex::new(Box::new(actor) as Box<dyn PolicyTrainer>));
+    let mut boxed: Box<dyn PolicyTrainer> = Box::new(actor);
+    if let Some(template) = a.get("--save-debug-rollout-data") {
+        boxed = Box::new(DebugRolloutDump {
+            inner: boxed,
+            template: template.to_owned(),
+        });
+    }
+    let trainer: SharedTrainer = Arc::new(Mutex::new(boxed));
 
     let save = a
         .get("--save")
@@ -873,4 +887,47 @@ fn sft(a: &FlagValues) -> Result<Value, BoxError> {
         serde_json::to_string_pretty(&summary)?,
     )?;
     Ok(summary)
+}
+
+/// `--save-debug-rollout-data`: writes the samples of every rollout the trainer gets (as
+/// JSON) before training on them.
+struct DebugRolloutDump {
+    inner: Box<dyn PolicyTrainer>,
+    template: String,
+}
+
+impl PolicyTrainer for DebugRolloutDump {
+    fn train(
+        &mut self,
+        rollout_id: u64,
+        samples: &[miles_core::Sample],
+    ) -> miles_core::Result<miles_core::Metrics> {
+        let path = self
+            .template
+            .replace("{rollout_id}", &rollout_id.to_string());
+        let write = || -> std::io::Result<()> {
+            if let Some(dir) = Path::new(&path).parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(&path, serde_json::to_vec(samples)?)
+        };
+        write().map_err(|e| miles_core::Error::io(&path, e))?;
+        self.inner.train(rollout_id, samples)
+    }
+
+    fn export_weights(&self) -> miles_core::Result<miles_core::NamedTensors> {
+        self.inner.export_weights()
+    }
+
+    fn weight_version(&self) -> miles_core::WeightVersion {
+        self.inner.weight_version()
+    }
+
+    fn save_checkpoint(&self, dir: &Path) -> miles_core::Result<()> {
+        self.inner.save_checkpoint(dir)
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path) -> miles_core::Result<()> {
+        self.inner.load_checkpoint(dir)
+    }
 }

@@ -432,6 +432,141 @@ fn train_async_with_an_agent_in_python() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn train_with_generate_multi_samples_trains_one_sample_per_turn() {
+    let dir = scratch("multi");
+    let (model, train, held_out) = setup(&dir);
+    let out = dir.join("run");
+    let agent = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/agents/sum_agent.py");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    // No --rm-type (the agent's reward), no evaluation; 16 rollouts of two turns per step.
+    let mut flags: Vec<String> = train_flags(&model, &train, &held_out, &out);
+    for drop in [
+        "--rm-type",
+        "--eval-prompt-data",
+        "--eval-interval",
+        "--n-samples-per-eval-prompt",
+    ] {
+        let at = flags.iter().position(|f| f == drop).unwrap();
+        let n = if drop == "--eval-prompt-data" { 3 } else { 2 };
+        flags.drain(at..at + n);
+    }
+    let debug = out.join("debug");
+    run(miles()
+        .arg("train")
+        .args(&flags)
+        .args([
+            "--num-rollout",
+            "2",
+            "--tito",
+            "qwen3",
+            "--agent-timeout-s",
+            "120",
+            "--generate-multi-samples",
+            "--save-debug-rollout-data",
+        ])
+        .arg(debug.join("{rollout_id}.json"))
+        .arg("--agent-cmd")
+        .arg(format!("{python} {} 2", agent.display())));
+    let summary = json_file(&out.join("summary.json"));
+    assert_eq!(summary["weight_version"], 2, "{summary}");
+
+    // The samples trained at rollout 0: one per turn, siblings sharing a rollout id and reward.
+    let samples = json_file(&debug.join("0.json"));
+    let samples = samples.as_array().unwrap();
+    let mut rollouts: std::collections::BTreeMap<u64, Vec<&Value>> = Default::default();
+    for s in samples {
+        let id = s["rollout_id"].as_u64().or(s["index"].as_u64()).unwrap();
+        rollouts.entry(id).or_default().push(s);
+    }
+    assert_eq!(rollouts.len(), 16, "4 prompts × 4 rollouts");
+    assert!(samples.len() > rollouts.len(), "{} samples", samples.len());
+    let mut two_turn = 0;
+    for (id, siblings) in &rollouts {
+        let reward = &siblings[0]["reward"];
+        assert!(reward.is_number(), "rollout {id}: {reward}");
+        let mut previous: Option<Vec<u64>> = None;
+        for s in siblings {
+            assert_eq!(&s["reward"], reward, "one reward per rollout");
+            let tokens: Vec<u64> = serde_json::from_value(s["tokens"].clone()).unwrap();
+            let len = s["response_length"].as_u64().unwrap() as usize;
+            let mask: Vec<u8> = serde_json::from_value(s["loss_mask"].clone()).unwrap();
+            // This turn's response, and only it, is trained on.
+            assert_eq!(mask, vec![1u8; len], "rollout {id}");
+            let log_probs = s["rollout_log_probs"].as_array().unwrap();
+            assert_eq!(log_probs.len(), len);
+            if let Some(prev) = &previous {
+                // The next turn's prompt holds the previous turn and the user's follow-up.
+                assert!(tokens.len() - len > prev.len(), "rollout {id}");
+                assert_eq!(&tokens[..prev.len()], &prev[..], "rollout {id}");
+            }
+            previous = Some(tokens);
+        }
+        if siblings.len() == 2 {
+            two_turn += 1;
+        }
+    }
+    assert!(
+        two_turn >= 8,
+        "{two_turn} of 16 rollouts came back with both turns"
+    );
+
+    let rows = metric_rows(&out.join("metrics.jsonl"));
+    let train_rows: Vec<&Value> = rows
+        .iter()
+        .filter(|r| r.get("train/pg_loss").is_some())
+        .collect();
+    assert_eq!(train_rows.len(), 2);
+    for row in &train_rows {
+        assert!(finite(row, "rollout/samples") > 16.0, "{row}");
+        let reward = finite(row, "rollout/raw_reward");
+        assert!((0.0..=1.0).contains(&reward), "{row}");
+        finite(row, "train/pg_loss");
+        assert!(finite(row, "train/grad_norm") > 0.0, "{row}");
+        // --global-batch-size 16 counts rollouts: one optimizer step per rollout.
+        assert_eq!(finite(row, "train/steps"), 1.0, "{row}");
+    }
+    // The policy moved: the KL to the reference (the initial policy; k1, signed) is no longer
+    // zero after the first update.
+    let kl = |row: &Value| finite(row, "train/kl_loss").abs();
+    assert!(
+        kl(train_rows[1]) > kl(train_rows[0]).max(1e-9),
+        "{} then {}",
+        train_rows[0],
+        train_rows[1]
+    );
+
+    // The fully async loop takes the variable-size groups too.
+    let out = dir.join("run-async");
+    let mut flags: Vec<String> = flags;
+    let at = flags.iter().position(|f| f == "--output-dir").unwrap();
+    flags[at + 1] = out.to_str().unwrap().to_owned();
+    run(miles()
+        .arg("train-async")
+        .args(&flags)
+        .args([
+            "--num-rollout",
+            "2",
+            "--tito",
+            "qwen3",
+            "--agent-timeout-s",
+            "120",
+            "--generate-multi-samples",
+        ])
+        .arg("--agent-cmd")
+        .arg(format!("{python} {} 2", agent.display())));
+    assert_eq!(json_file(&out.join("summary.json"))["weight_version"], 2);
+    let rows = metric_rows(&out.join("metrics.jsonl"));
+    let samples: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.get("train/pg_loss").is_some())
+        .map(|r| finite(r, "rollout/samples"))
+        .collect();
+    assert_eq!(samples.len(), 2);
+    assert!(samples.iter().all(|&n| n > 16.0), "{samples:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The first Python (`MILES_TORCH_PYTHON`, then `.venv-ref`, as `.ci/run` makes it) that
 /// imports `module`. Without one: a failure in CI, a loud NOT RUN line elsewhere.
 fn python_with(module: &str) -> Option<PathBuf> {

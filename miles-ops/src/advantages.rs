@@ -627,6 +627,63 @@ mod tests {
         close(&r, &[0.999_999, g9, -0.999_999, g9, 0.0, -g9], 1e-6);
     }
 
+    /// Miles' `_normalize_rewards_by_rollout` run on per-turn siblings by
+    /// `fixtures/train/gen_rollout_cases.py` (two prompt groups with rows interleaved,
+    /// rollouts of 1-3 samples, the `rollout_id → index` fallback, a single-rollout group).
+    #[test]
+    fn per_rollout_normalisation_matches_miles() {
+        let cases: serde_json::Value =
+            serde_json::from_str(include_str!("../../fixtures/train/rollout_cases.json")).unwrap();
+        let cases = cases["normalize"].as_array().unwrap();
+        assert_eq!(cases.len(), 7);
+        let mut errors = 0;
+        for case in cases {
+            let estimator: AdvantageEstimator =
+                serde_json::from_value(case["estimator"].clone()).unwrap();
+            let std = case["grpo_std_normalization"].as_bool().unwrap();
+            let calc = AdvantageConfig::default()
+                .with_advantage_estimator(estimator)
+                .with_disable_grpo_std_normalization(!std)
+                .with_n_samples_per_prompt(2)
+                .init()
+                .unwrap();
+            let rows = case["rows"].as_array().unwrap();
+            let rewards: Vec<f32> = rows
+                .iter()
+                .map(|r| r["reward"].as_f64().unwrap() as f32)
+                .collect();
+            let groups: Vec<u64> = rows
+                .iter()
+                .map(|r| r["group_index"].as_u64().unwrap())
+                .collect();
+            // `rollout_id`, else `index` (Sample::rollout_id).
+            let ids: Vec<u64> = rows
+                .iter()
+                .map(|r| r["rollout_id"].as_u64().or(r["index"].as_u64()).unwrap())
+                .collect();
+            let got = calc.normalize_rewards(&rewards, Grouping::GroupIndex(&groups), Some(&ids));
+            if case.get("error").is_some() {
+                assert!(
+                    matches!(
+                        got,
+                        Err(OpsError::InconsistentRolloutReward { rollout_id: 10, .. })
+                    ),
+                    "{got:?}"
+                );
+                errors += 1;
+                continue;
+            }
+            let expected: Vec<f64> = case["expected"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            close(&got.unwrap(), &expected, 1e-6);
+        }
+        assert_eq!(errors, 1);
+    }
+
     #[test]
     fn rollout_siblings_must_agree() {
         let calc = AdvantageConfig::default().init().unwrap();

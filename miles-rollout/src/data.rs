@@ -243,9 +243,15 @@ impl DataSource {
         out
     }
 
-    /// Returns groups to the buffer (recycled stale groups, partially generated groups). Each
-    /// must have `n_samples_per_prompt` samples; a wrong size is an error and nothing is added.
+    /// Returns groups to the buffer (recycled stale groups, partially generated groups). Per-turn
+    /// siblings collapse to one sample per rollout first (see
+    /// [`crate::manager::collapse_siblings`]). Each must then have `n_samples_per_prompt`
+    /// samples; a wrong size is an error and nothing is added.
     pub fn add_groups(&mut self, groups: Vec<Vec<Sample>>) -> Result<()> {
+        let groups: Vec<Vec<Sample>> = groups
+            .into_iter()
+            .map(crate::manager::collapse_siblings)
+            .collect();
         if let Some(bad) = groups.iter().find(|g| g.len() != self.n_samples_per_prompt) {
             return Err(Error::Config(format!(
                 "a returned group has {} samples, expected {}",

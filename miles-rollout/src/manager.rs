@@ -43,6 +43,14 @@ pub trait PromptEncoder: Send + Sync {
 pub trait SampleGenerator: Send + Sync {
     /// Generates `sample`.
     async fn generate(&self, sample: Sample, sampling: SamplingParams) -> Sample;
+
+    /// Generates `sample` as one or more training samples (Miles: a generate function may
+    /// return `list[Sample]`, e.g. one per turn under `--generate-multi-samples`). Siblings
+    /// of one rollout carry the same explicit `rollout_id`; the manager scores the rollout
+    /// once and gives every sibling that reward. The default is [`SampleGenerator::generate`].
+    async fn generate_samples(&self, sample: Sample, sampling: SamplingParams) -> Vec<Sample> {
+        vec![self.generate(sample, sampling).await]
+    }
 }
 
 /// Multi-turn agentic generation through a session server (Miles'
@@ -67,12 +75,33 @@ impl AgentGenerator {
             http,
         }
     }
+
+    /// The same generator with [`AgentDriverConfig::generate_multi_samples`] set to `on`
+    /// (e.g. off for evaluation, which scores whole conversations).
+    pub fn with_generate_multi_samples(&self, on: bool) -> Self {
+        Self {
+            agent: self.agent.clone(),
+            config: self.config.clone().with_generate_multi_samples(on),
+            http: self.http.clone(),
+        }
+    }
 }
 
 #[async_trait]
 impl SampleGenerator for AgentGenerator {
     async fn generate(&self, sample: Sample, sampling: SamplingParams) -> Sample {
         miles_session::agent::generate(
+            self.agent.as_ref(),
+            &sample,
+            &sampling,
+            &self.config,
+            &self.http,
+        )
+        .await
+    }
+
+    async fn generate_samples(&self, sample: Sample, sampling: SamplingParams) -> Vec<Sample> {
+        miles_session::agent::generate_samples(
             self.agent.as_ref(),
             &sample,
             &sampling,
@@ -351,13 +380,23 @@ impl GroupWorker {
             let worker = self.clone();
             tasks.spawn(async move { (slot, worker.run_sample(sample).await) });
         }
-        let mut out: Vec<Option<Sample>> = vec![None; size];
+        let mut out: Vec<Option<Vec<Sample>>> = vec![None; size];
         while let Some(joined) = tasks.join_next().await {
-            if let Ok((slot, sample)) = joined {
-                out[slot] = Some(sample);
+            if let Ok((slot, mut samples)) = joined
+                && !samples.is_empty()
+            {
+                // Siblings all carry the rollout's id (Miles: `rollout_id or index`).
+                if samples.len() > 1 {
+                    let id = samples.iter().find_map(Sample::rollout_id);
+                    for s in &mut samples {
+                        s.rollout_id = s.rollout_id.or(id);
+                    }
+                }
+                out[slot] = Some(samples);
             }
         }
-        let mut samples: Vec<Sample> = out
+        // One entry per rollout: its samples (one, or its per-turn siblings).
+        let mut rollouts: Vec<Vec<Sample>> = out
             .into_iter()
             .map(|s| {
                 s.unwrap_or_else(|| {
@@ -369,46 +408,53 @@ impl GroupWorker {
                     failed
                         .metadata
                         .insert("failure".into(), Value::from("generation task panicked"));
-                    failed
+                    vec![failed]
                 })
             })
             .collect();
-        // Rewards for the samples that finished generating (group-level reward functions see
-        // the whole group).
-        let scored: Vec<usize> = (0..samples.len())
-            .filter(|&i| finished_generating(&samples[i]))
+        // Rewards for the rollouts that finished generating (group-level reward functions see
+        // the whole group): one reward per rollout, computed on its last sample and given to
+        // every sibling. A rollout with an unfinished (aborted, failed) sibling gets none, as
+        // in Miles.
+        let scored: Vec<usize> = (0..rollouts.len())
+            .filter(|&i| rollouts[i].iter().all(finished_generating))
             .collect();
         if !scored.is_empty() {
-            let subset: Vec<Sample> = scored.iter().map(|&i| samples[i].clone()).collect();
+            let subset: Vec<Sample> = scored
+                .iter()
+                .filter_map(|&i| rollouts[i].last().cloned())
+                .collect();
             let rewards = self.reward.reward_group(&subset).await;
             for (&i, reward) in scored.iter().zip(rewards) {
-                match reward {
-                    Ok(reward) => samples[i].reward = Some(reward),
-                    Err(error) => {
-                        samples[i].status = SampleStatus::Failed;
-                        samples[i]
-                            .metadata
-                            .insert("failure".into(), Value::from(format!("reward: {error}")));
+                for sample in &mut rollouts[i] {
+                    match &reward {
+                        Ok(reward) => sample.reward = Some(reward.clone()),
+                        Err(error) => {
+                            sample.status = SampleStatus::Failed;
+                            sample
+                                .metadata
+                                .insert("failure".into(), Value::from(format!("reward: {error}")));
+                        }
                     }
                 }
             }
         }
-        samples
+        rollouts.into_iter().flatten().collect()
     }
 
-    async fn run_sample(&self, mut sample: Sample) -> Sample {
+    async fn run_sample(&self, mut sample: Sample) -> Vec<Sample> {
         // A recycled partial group holds samples that had finished before the abort: they
         // keep their response (generating again would run past their stop).
         if finished_generating(&sample) {
-            return sample;
+            return vec![sample];
         }
         let Ok(_permit) = self.permits.acquire().await else {
             sample.status = SampleStatus::Aborted;
-            return sample;
+            return vec![sample];
         };
         if let Some(generator) = &self.generator {
             let sampling = self.sampling_for(&sample, self.config.rollout_max_response_len);
-            return generator.generate(sample, sampling).await;
+            return generator.generate_samples(sample, sampling).await;
         }
         if let Err(reason) = self.generate_into(&mut sample).await {
             sample.status = SampleStatus::Failed;
@@ -416,7 +462,7 @@ impl GroupWorker {
                 .metadata
                 .insert("failure".into(), Value::from(reason.to_string()));
         }
-        sample
+        vec![sample]
     }
 
     /// The rollout sampling parameters for `sample` with `max_new_tokens` = `budget` and
@@ -519,6 +565,30 @@ pub(crate) fn keep_partial(group: &mut [Sample], partial_rollout: bool) -> bool 
         }
     }
     true
+}
+
+/// A group as the data source serves it again: one sample per rollout. Per-turn siblings
+/// (samples sharing a rollout id, `rollout_id` else `index`, see
+/// [`SampleGenerator::generate_samples`]) collapse to their first sample; a group that had siblings is reset to be generated again
+/// (its turns cannot be resumed). Groups without siblings come back unchanged.
+pub fn collapse_siblings(group: Vec<Sample>) -> Vec<Sample> {
+    let mut seen: Vec<u64> = Vec::new();
+    let mut had_siblings = false;
+    let mut out: Vec<Sample> = Vec::with_capacity(group.len());
+    for sample in group {
+        if let Some(id) = sample.rollout_id() {
+            if seen.contains(&id) {
+                had_siblings = true;
+                continue;
+            }
+            seen.push(id);
+        }
+        out.push(sample);
+    }
+    if had_siblings {
+        out.iter_mut().for_each(Sample::reset_for_retry);
+    }
+    out
 }
 
 /// Whether a sample has finished generating (stop or length).

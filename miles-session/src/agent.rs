@@ -77,6 +77,10 @@ pub struct AgentDriverConfig {
     pub abort_on_agent_error: bool,
     /// The session server's API key (sent by the driver, handed to the agent).
     pub api_key: Option<ApiKey>,
+    /// Miles' `--generate-multi-samples` (off): [`generate_samples`] returns one sample per
+    /// turn instead of one merged sample per session, every one tagged with the rollout id
+    /// of the input sample (`rollout_id`, else `index`).
+    pub generate_multi_samples: bool,
 }
 
 impl AgentDriverConfig {
@@ -89,7 +93,14 @@ impl AgentDriverConfig {
             http_timeout: Duration::from_secs(120),
             abort_on_agent_error: true,
             api_key: None,
+            generate_multi_samples: false,
         }
+    }
+
+    /// Sets [`AgentDriverConfig::generate_multi_samples`].
+    pub fn with_generate_multi_samples(mut self, on: bool) -> Self {
+        self.generate_multi_samples = on;
+        self
     }
 
     /// Sets [`AgentDriverConfig::api_key`].
@@ -138,10 +149,11 @@ fn aborted(sample: &Sample, reason: &str) -> Sample {
     out
 }
 
-/// Runs `agent` on `sample` through the session server and returns the assembled sample;
-/// any failure (server unreachable, agent error or timeout, empty session, undecodable
-/// samples) gives an ABORTED copy of `sample` with `metadata.abort_reason`. The session is
-/// always deleted.
+/// Runs `agent` on `sample` through the session server and returns the assembled (merged)
+/// sample; any failure (server unreachable, agent error or timeout, empty session,
+/// undecodable samples) gives an ABORTED copy of `sample` with `metadata.abort_reason`. The
+/// session is always deleted. [`AgentDriverConfig::generate_multi_samples`] does not apply
+/// here (see [`generate_samples`]).
 pub async fn generate(
     agent: &dyn Agent,
     sample: &Sample,
@@ -149,6 +161,46 @@ pub async fn generate(
     config: &AgentDriverConfig,
     http: &HttpClient,
 ) -> Sample {
+    let mut samples = drive(agent, sample, sampling, config, http, false).await;
+    match samples.pop() {
+        Some(out) if samples.is_empty() => out,
+        _ => aborted(sample, "collect failed: expected one sample"),
+    }
+}
+
+/// [`generate`], or with [`AgentDriverConfig::generate_multi_samples`] the per-turn samples
+/// of the session (Miles' `--generate-multi-samples`): each turn's own tokens (the whole
+/// context before it as prompt), response, loss mask, log-probs and routed experts, all with
+/// `rollout_id` = the input's `rollout_id`, else its `index`. The agent's reward and metadata
+/// go on every sibling, the session metadata on the last one (as Miles did). A failure is one
+/// ABORTED copy of `sample`.
+pub async fn generate_samples(
+    agent: &dyn Agent,
+    sample: &Sample,
+    sampling: &SamplingParams,
+    config: &AgentDriverConfig,
+    http: &HttpClient,
+) -> Vec<Sample> {
+    drive(
+        agent,
+        sample,
+        sampling,
+        config,
+        http,
+        config.generate_multi_samples,
+    )
+    .await
+}
+
+async fn drive(
+    agent: &dyn Agent,
+    sample: &Sample,
+    sampling: &SamplingParams,
+    config: &AgentDriverConfig,
+    http: &HttpClient,
+    per_turn: bool,
+) -> Vec<Sample> {
+    let one = |s: Sample| vec![s];
     let authed;
     let http = match &config.api_key {
         Some(key) => {
@@ -162,7 +214,7 @@ pub async fn generate(
         Ok(id) => id,
         Err(e) => {
             tracing::warn!(%e, "agentic generate: cannot create a session");
-            return aborted(sample, &format!("session create failed: {e}"));
+            return one(aborted(sample, &format!("session create failed: {e}")));
         }
     };
     let base_url = format!("{server}/sessions/{session_id}");
@@ -193,7 +245,7 @@ pub async fn generate(
         },
         None => run.await,
     };
-    let collected = collect(http, &base_url, config.max_seq_len, sample).await;
+    let collected = collect(http, &base_url, config.max_seq_len, per_turn, sample).await;
     if let Err(e) = http
         .send(Method::DELETE, &base_url, &[], None)
         .await
@@ -212,41 +264,54 @@ pub async fn generate(
         Err(e) => {
             tracing::warn!(error = %e, session = session_id, "agent failed");
             if config.abort_on_agent_error {
-                return aborted(sample, &format!("agent failed: {e}"));
+                return one(aborted(sample, &format!("agent failed: {e}")));
             }
             Map::new()
         }
     };
-    let (mut out, session_metadata) = match collected {
+    let (mut outs, session_metadata) = match collected {
         Ok(Some(v)) => v,
-        Ok(None) => return aborted(sample, "empty session"),
+        Ok(None) => return one(aborted(sample, "empty session")),
         Err(e) => {
             tracing::warn!(%e, session = session_id, "agentic generate: collecting samples failed");
-            return aborted(sample, &format!("collect failed: {e}"));
+            return one(aborted(sample, &format!("collect failed: {e}")));
         }
     };
-    if let Some(value) = agent_metadata.remove(AGENT_REWARD_KEY) {
-        match serde_json::from_value::<Reward>(value) {
-            Ok(reward) => out.reward = Some(reward),
+    let reward = match agent_metadata.remove(AGENT_REWARD_KEY) {
+        None => None,
+        Some(value) => match serde_json::from_value::<Reward>(value) {
+            Ok(reward) => Some(reward),
             Err(_) => {
                 tracing::warn!(session = session_id, "agent returned an invalid reward");
-                return aborted(
+                return one(aborted(
                     sample,
                     &format!("agent failed: {AGENT_REWARD_KEY} must be a number or an object"),
-                );
+                ));
             }
-        }
-    }
-    if let Some(t) = agent_metadata
+        },
+    };
+    let tool_time = agent_metadata
         .get("agent_metrics")
         .and_then(|m| m.get("total_tool_time"))
-        .and_then(Value::as_f64)
-    {
-        out.non_generation_time = t;
+        .and_then(Value::as_f64);
+    let rollout_id = sample.rollout_id();
+    let siblings = outs.len();
+    for out in &mut outs {
+        if let Some(reward) = &reward {
+            out.reward = Some(reward.clone());
+        }
+        if let Some(t) = tool_time {
+            out.non_generation_time = t;
+        }
+        out.metadata.extend(agent_metadata.clone());
+        if per_turn && siblings > 1 {
+            out.rollout_id = rollout_id;
+        }
     }
-    out.metadata.extend(agent_metadata);
-    out.metadata.extend(session_metadata);
-    out
+    if let Some(last) = outs.last_mut() {
+        last.metadata.extend(session_metadata);
+    }
+    outs
 }
 
 /// A [`RewardFn`] that keeps the reward the agent gave ([`AGENT_REWARD_KEY`], e.g. a
@@ -308,17 +373,24 @@ async fn create_session(http: &HttpClient, server: &str) -> Result<String> {
         .ok_or_else(|| Error::upstream("POST /sessions answered without session_id"))
 }
 
-/// Collects the session's sample: `Ok(None)` when the session is empty.
+/// Collects the session's samples (one merged sample, or with `per_turn` one per turn):
+/// `Ok(None)` when the session is empty.
 async fn collect(
     http: &HttpClient,
     base_url: &str,
     max_seq_len: Option<usize>,
+    per_turn: bool,
     sample: &Sample,
-) -> Result<Option<(Sample, Map<String, Value>)>> {
+) -> Result<Option<(Vec<Sample>, Map<String, Value>)>> {
+    let body = if per_turn {
+        json!({"max_seq_len": max_seq_len, "generate_multi_samples": true})
+    } else {
+        json!({"max_seq_len": max_seq_len})
+    };
     let r = http
         .post_json(
             &format!("{base_url}/samples"),
-            &json!({"max_seq_len": max_seq_len}),
+            &body,
             &[("accept", "application/octet-stream")],
         )
         .await?;
@@ -338,13 +410,12 @@ async fn collect(
     if payload.empty_reason.is_some() {
         return Ok(None);
     }
-    let mut samples = payload.samples;
-    if samples.len() != 1 {
+    let samples = payload.samples;
+    if samples.is_empty() || (!per_turn && samples.len() != 1) {
         return Err(Error::assembly(format!(
             "expected one sample, got {}",
             samples.len()
         )));
     }
-    let out = samples.pop().ok_or_else(|| Error::assembly("no sample"))?;
-    Ok(Some((out, payload.session_metadata)))
+    Ok(Some((samples, payload.session_metadata)))
 }

@@ -1055,13 +1055,19 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
 struct SamplesRequest {
     #[serde(default)]
     max_seq_len: Option<usize>,
+    /// `true`: one sample per turn (Miles' `--generate-multi-samples`), not merged.
+    #[serde(default)]
+    generate_multi_samples: bool,
 }
 
-/// Assembles the session's samples (compute → truncate → merge).
+/// Assembles the session's samples (compute → truncate → merge). With `per_turn` the
+/// per-turn samples are returned unmerged (each trimmed of its trailing stop tokens as
+/// `compute_samples_from_records` does), the conversation's messages on the last one.
 fn assemble(
     state: &AppState,
     trajectory: &LinearTrajectory,
     max_seq_len: Option<usize>,
+    per_turn: bool,
 ) -> Result<SamplesPayload> {
     let tok = state.tokenizer.as_ref();
     let decode = |ids: &[u32]| tok.decode(ids);
@@ -1090,12 +1096,20 @@ fn assemble(
             });
         }
     }
-    let mut merged = merge_samples(samples, &decode)?;
-    merged
-        .metadata
-        .insert("messages".into(), json!(trajectory.messages()));
+    let messages = json!(trajectory.messages());
+    let samples = if per_turn {
+        let mut samples = samples;
+        if let Some(last) = samples.last_mut() {
+            last.metadata.insert("messages".into(), messages);
+        }
+        samples
+    } else {
+        let mut merged = merge_samples(samples, &decode)?;
+        merged.metadata.insert("messages".into(), messages);
+        vec![merged]
+    };
     Ok(SamplesPayload {
-        samples: vec![merged],
+        samples,
         session_metadata,
         empty_reason: None,
     })
@@ -1114,7 +1128,12 @@ async fn samples(State(state): AppStateRef, Path(id): Path<String>, request: Req
         };
         let payload = {
             let trajectory = session.trajectory.lock().await;
-            assemble(&state, &trajectory, params.max_seq_len)?
+            assemble(
+                &state,
+                &trajectory,
+                params.max_seq_len,
+                params.generate_multi_samples,
+            )?
         };
         let wants_json = headers
             .get(header::ACCEPT)

@@ -20,7 +20,8 @@ use miles_r3::{
 };
 
 use crate::batch::{
-    BatchLayout, TrainItem, micro_batches_of, pad_rows, plan_steps, step_normalizer,
+    BatchLayout, TrainItem, has_siblings, micro_batches_of, pad_rows, plan_rollout_steps,
+    plan_steps, rollout_mask_sums, rollouts_of, step_normalizer,
 };
 use crate::checkpoint;
 use crate::config::{LossType, TrainConfig};
@@ -238,8 +239,28 @@ impl Actor {
 
     /// Trains on already converted items (see [`TrainItem::from_sample`]). Returns the mean of
     /// every step's metrics plus `perf/…` figures.
+    ///
+    /// Items sharing a rollout id (per-turn siblings, Miles' `--generate-multi-samples`) are
+    /// trained as one rollout each: siblings are moved next to each other, a step takes whole
+    /// rollouts (`global_batch_size` counts rollouts), every sibling's loss is divided by its
+    /// rollout's loss-mask total (Miles' `rollout_mask_sums`) and a step's loss by its number
+    /// of rollouts, so each rollout contributes one token-weighted mean.
     pub fn train_items(&mut self, items: &[TrainItem]) -> Result<Metrics> {
         let started = Instant::now();
+        let siblings = has_siblings(items);
+        let regrouped: Vec<TrainItem>;
+        let items = if siblings {
+            regrouped = rollouts_of(items)
+                .into_iter()
+                .flatten()
+                .map(|i| items[i].clone())
+                .collect();
+            &regrouped[..]
+        } else {
+            items
+        };
+        let mask_sums = (siblings && self.config.loss_type == LossType::PolicyLoss)
+            .then(|| rollout_mask_sums(items));
         let n = items.len();
         let mut out = Metrics::new();
         if n == 0 {
@@ -314,11 +335,19 @@ impl Actor {
 
         let scoring_secs = started.elapsed().as_secs_f64();
         let device = self.device();
-        let steps = plan_steps(
-            n,
-            self.config.global_batch_size,
-            self.config.num_steps_per_rollout,
-        );
+        let steps = if siblings {
+            plan_rollout_steps(
+                items,
+                self.config.global_batch_size,
+                self.config.num_steps_per_rollout,
+            )?
+        } else {
+            plan_steps(
+                n,
+                self.config.global_batch_size,
+                self.config.num_steps_per_rollout,
+            )
+        };
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut tokens_trained = 0usize;
         for step in &steps {
@@ -338,8 +367,15 @@ impl Actor {
                 }
                 _ => BTreeMap::new(),
             };
-            let mut report =
-                self.train_step(items, step.clone(), &old, &refs, &advantages, &device)?;
+            let mut report = self.train_step(
+                items,
+                step.clone(),
+                &old,
+                &refs,
+                &advantages,
+                mask_sums.as_deref(),
+                &device,
+            )?;
             report.metrics.extend(critic_metrics);
             tokens_trained += items[step.clone()]
                 .iter()
@@ -444,6 +480,7 @@ impl Actor {
             .unzip())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn train_step(
         &mut self,
         items: &[TrainItem],
@@ -451,11 +488,16 @@ impl Actor {
         old: &[Vec<f32>],
         refs: &[Vec<f32>],
         advantages: &[Vec<f32>],
+        mask_sums: Option<&[f32]>,
         device: &Device,
     ) -> Result<StepReport> {
         let step_items = &items[range.clone()];
         let per_token = self.config.policy_loss.calculate_per_token_loss;
-        let normalizer = step_normalizer(step_items, per_token);
+        let normalizer = match mask_sums {
+            // Per-rollout means: the step's loss is divided by its number of rollouts.
+            Some(_) if !per_token => rollouts_of(step_items).len() as f32,
+            _ => step_normalizer(step_items, per_token),
+        };
         let micro = micro_batches_of(&self.config, step_items);
         let mut acc = GradAccumulator::new();
         let mut metric_sums: BTreeMap<String, f64> = BTreeMap::new();
@@ -500,6 +542,13 @@ impl Actor {
                         .collect();
                     if let Some(rollout) = rollout {
                         input = input.with_rollout_log_probs(pad2(rollout));
+                    }
+                    if let Some(sums) = mask_sums {
+                        let rows: Vec<f32> = idx.iter().map(|&i| sums[i]).collect();
+                        input = input.with_rollout_mask_sums(Tensor::from_data(
+                            burn::tensor::TensorData::new(rows, [idx.len()]),
+                            device,
+                        ));
                     }
                     if !refs.is_empty() {
                         input = input.with_ref_log_probs(pad2(

@@ -182,6 +182,83 @@ pub fn plan_steps(
         .collect()
 }
 
+/// Whether two items share a rollout id (per-turn siblings of one rollout, Miles'
+/// `--generate-multi-samples`). Items without a rollout id are rollouts of their own.
+pub fn has_siblings(items: &[TrainItem]) -> bool {
+    let mut ids: Vec<u64> = items.iter().filter_map(|i| i.rollout_id).collect();
+    let n = ids.len();
+    ids.sort_unstable();
+    ids.dedup();
+    ids.len() != n
+}
+
+/// The items' rollouts in order of first appearance, each as the positions of its items
+/// (items without a rollout id are rollouts of their own).
+pub fn rollouts_of(items: &[TrainItem]) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut slot_of: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    for (i, item) in items.iter().enumerate() {
+        match item.rollout_id {
+            Some(id) => match slot_of.get(&id) {
+                Some(&slot) => out[slot].push(i),
+                None => {
+                    slot_of.insert(id, out.len());
+                    out.push(vec![i]);
+                }
+            },
+            None => out.push(vec![i]),
+        }
+    }
+    out
+}
+
+/// Miles' `_compute_rollout_mask_sums`: for every item, the loss-mask total of its whole
+/// rollout (the sum over all its siblings), so that the per-sample reduction divided by it
+/// gives one token-weighted mean per rollout even when siblings land in different
+/// micro-batches.
+pub fn rollout_mask_sums(items: &[TrainItem]) -> Vec<f32> {
+    let mut out = vec![0f32; items.len()];
+    for rollout in rollouts_of(items) {
+        let total: f32 = rollout
+            .iter()
+            .map(|&i| items[i].loss_mask.iter().sum::<f32>())
+            .sum();
+        for i in rollout {
+            out[i] = total;
+        }
+    }
+    out
+}
+
+/// Splits items whose siblings are contiguous (see [`rollouts_of`]) into optimizer steps of
+/// whole rollouts: `global_batch_size` counts rollouts, not samples (Miles' per-rollout
+/// schedule), or the rollouts are split into `num_steps` steps, rounded up. The last step may
+/// be smaller. An error if the siblings of a rollout are not contiguous.
+pub fn plan_rollout_steps(
+    items: &[TrainItem],
+    global_batch_size: Option<usize>,
+    num_steps: Option<usize>,
+) -> Result<Vec<Range<usize>>> {
+    let rollouts = rollouts_of(items);
+    let mut bounds = Vec::with_capacity(rollouts.len());
+    let mut next = 0;
+    for rollout in &rollouts {
+        let contiguous = rollout.iter().enumerate().all(|(k, &i)| i == next + k);
+        if !contiguous {
+            return Err(Error::Sample {
+                index: rollout[0],
+                reason: "the samples of a rollout must be contiguous to plan steps".into(),
+            });
+        }
+        bounds.push(next..next + rollout.len());
+        next += rollout.len();
+    }
+    Ok(plan_steps(rollouts.len(), global_batch_size, num_steps)
+        .into_iter()
+        .map(|r| bounds[r.start].start..bounds[r.end - 1].end)
+        .collect())
+}
+
 /// Splits consecutive samples of `lengths` (token counts) into micro-batches: `micro_batch_size`
 /// samples each, or — with `max_tokens` — as many consecutive samples as fit in the token
 /// budget (a sample longer than the budget gets a micro-batch of its own).
@@ -284,6 +361,81 @@ mod tests {
         // An oversized sample gets its own micro-batch.
         assert_eq!(plan_micro_batches(&[100, 1], 1, Some(50)), vec![0..1, 1..2]);
         assert!(plan_micro_batches(&[], 1, None).is_empty());
+    }
+
+    fn item(rollout_id: Option<u64>, mask: &[u8]) -> TrainItem {
+        let mut item = TrainItem::new(vec![0; mask.len() + 1], mask.len(), 0.0);
+        item.loss_mask = mask.iter().map(|&m| f32::from(m)).collect();
+        item.rollout_id = rollout_id;
+        item
+    }
+
+    /// Miles' `_compute_rollout_mask_sums` on the cases of `fixtures/train/rollout_cases.json`
+    /// (run by `fixtures/train/gen_rollout_cases.py`). Miles' loss masks may be empty; ours
+    /// have at least one response token, so an empty mask is skipped with its expected sum
+    /// checked to be that of the rest.
+    #[test]
+    fn rollout_mask_sums_match_miles() {
+        let cases: serde_json::Value =
+            serde_json::from_str(include_str!("../../fixtures/train/rollout_cases.json")).unwrap();
+        let cases = cases["mask_sums"].as_array().unwrap();
+        assert_eq!(cases.len(), 3);
+        for case in cases {
+            let ids = case["rollout_ids"].as_array().unwrap();
+            let masks = case["loss_masks"].as_array().unwrap();
+            let expected = case["expected"].as_array().unwrap();
+            let mut items = Vec::new();
+            let mut want = Vec::new();
+            for ((id, mask), e) in ids.iter().zip(masks).zip(expected) {
+                let mask: Vec<u8> = serde_json::from_value(mask.clone()).unwrap();
+                if mask.is_empty() {
+                    continue;
+                }
+                items.push(item(id.as_u64(), &mask));
+                want.push(e.as_f64().unwrap() as f32);
+            }
+            assert_eq!(rollout_mask_sums(&items), want, "{case}");
+        }
+    }
+
+    #[test]
+    fn siblings_stay_together_and_steps_count_rollouts() {
+        let items = vec![
+            item(Some(10), &[1, 1]),
+            item(Some(10), &[1]),
+            item(Some(11), &[1]),
+            item(None, &[1]),
+            item(Some(12), &[1]),
+            item(Some(12), &[1]),
+            item(Some(12), &[1]),
+        ];
+        assert!(has_siblings(&items));
+        assert!(!has_siblings(&items[2..4]));
+        assert_eq!(
+            rollouts_of(&items),
+            vec![vec![0, 1], vec![2], vec![3], vec![4, 5, 6]]
+        );
+        // Two rollouts per step: [10, 11] and [None, 12].
+        assert_eq!(
+            plan_rollout_steps(&items, Some(2), None).unwrap(),
+            vec![0..3, 3..7]
+        );
+        assert_eq!(
+            plan_rollout_steps(&items, Some(3), None).unwrap(),
+            vec![0..4, 4..7]
+        );
+        assert_eq!(
+            plan_rollout_steps(&items, None, Some(2)).unwrap(),
+            vec![0..3, 3..7]
+        );
+        assert_eq!(plan_rollout_steps(&items, None, None).unwrap(), vec![0..7]);
+        // Siblings apart cannot be planned.
+        let apart = vec![
+            item(Some(1), &[1]),
+            item(Some(2), &[1]),
+            item(Some(1), &[1]),
+        ];
+        assert!(plan_rollout_steps(&apart, Some(1), None).is_err());
     }
 
     #[test]

@@ -71,7 +71,10 @@ mod schedule;
 mod scoring;
 
 pub use actor::{Actor, StepReport};
-pub use batch::{BatchLayout, TrainItem, plan_micro_batches, plan_steps};
+pub use batch::{
+    BatchLayout, TrainItem, has_siblings, plan_micro_batches, plan_rollout_steps, plan_steps,
+    rollout_mask_sums, rollouts_of,
+};
 pub use config::{AdamWConfig, LossType, TrainConfig};
 pub use critic::{Critic, ValueModel};
 pub use malloc::retain_freed_memory;

@@ -646,3 +646,64 @@ fn routing_replay_flows_from_samples_into_the_training_forward() {
     assert!(mf["r3/flip_rate"] > 0.0, "{mf:?}");
     assert_ne!(mf["train/grad_norm"], mp["train/grad_norm"]);
 }
+
+#[test]
+fn per_turn_siblings_reduce_to_one_token_weighted_mean_per_rollout() {
+    // One prompt group, three rollouts interleaved: rollout 7 has two per-turn samples
+    // (reward 1; the second turn's prompt holds the first turn), rollouts 8 and 9 one each
+    // (reward 0). Miles normalises over rollouts: rewards [1, 0, 0], mean 1/3, unbiased std
+    // sqrt(1/3), a₁ = (2/3) / (sqrt(1/3) + 1e-6), a₀ = (−1/3) / (sqrt(1/3) + 1e-6). At the
+    // first step the ratio is 1, so each rollout's token-weighted mean of −a·ratio is −a_r
+    // and pg_loss = −(a₁ + 2a₀) / 3 = 0. Dividing by sample count instead would give
+    // −(2a₁ + 2a₀) / 4 = −0.2887, each sibling by its own mask sum −(2a₁ + 2a₀) / 3 = −0.3849.
+    let mk = |tokens: Vec<u32>, response_length: usize, reward: f64, rollout: u64| Sample {
+        tokens,
+        response_length,
+        reward: Some(Reward::Scalar(reward)),
+        group_index: Some(0),
+        index: Some(rollout),
+        rollout_id: Some(rollout),
+        ..Sample::default()
+    };
+    let turn0 = vec![5, 17, 42, 9, 100, 101, 102];
+    let mut turn1 = turn0.clone();
+    turn1.extend([60, 61, 110, 111, 112, 113, 114]);
+    let batch = vec![
+        mk(turn0, 3, 1.0, 7),
+        mk(vec![5, 17, 42, 9, 200, 201], 2, 0.0, 8),
+        mk(turn1, 5, 1.0, 7),
+        mk(vec![5, 17, 42, 9, 300, 301, 302, 303], 4, 0.0, 9),
+    ];
+    let run = |cfg: TrainConfig| {
+        let mut a = Actor::new(model(), cfg).unwrap();
+        let m = a.train(0, &batch).unwrap();
+        (a, m)
+    };
+    for micro_batch_size in [1, 4] {
+        let (a, m) = run(TrainConfig {
+            micro_batch_size,
+            ..config()
+        });
+        assert!(m["train/pg_loss"].abs() < 1e-4, "{m:?}");
+        assert_eq!(a.step_count(), 1);
+    }
+    // global_batch_size counts rollouts: 3 rollouts in one step, 2 in two steps ([7, 7, 8],
+    // [9]); siblings are never split.
+    let (a, m) = run(TrainConfig {
+        global_batch_size: Some(3),
+        ..config()
+    });
+    assert_eq!((a.step_count(), m["train/steps"]), (1, 1.0));
+    let (a, m) = run(TrainConfig {
+        global_batch_size: Some(2),
+        ..config()
+    });
+    assert_eq!((a.step_count(), m["train/steps"]), (2, 2.0));
+    // Siblings with different rewards are an error (Miles: ValueError), nothing trained.
+    let mut bad = batch.clone();
+    bad[2].reward = Some(Reward::Scalar(0.5));
+    let mut a = Actor::new(model(), config()).unwrap();
+    let err = a.train(0, &bad).unwrap_err().to_string();
+    assert!(err.contains("rollout 7"), "{err}");
+    assert_eq!(a.step_count(), 0);
+}

@@ -745,6 +745,121 @@ async fn agentic_generation_goes_through_a_session_server() {
     );
 }
 
+/// [`MentionsLabel`], counting the samples it scores.
+struct CountingMentionsLabel(Arc<std::sync::atomic::AtomicUsize>);
+
+#[async_trait]
+impl RewardFn for CountingMentionsLabel {
+    async fn reward(&self, sample: &Sample) -> CoreResult<Reward> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        MentionsLabel.reward(sample).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_multi_samples_gives_per_turn_siblings_scored_once_per_rollout() {
+    use miles_rollout::AgentGenerator;
+    use miles_session::agent::AgentDriverConfig;
+    use miles_session::testkit::{ByteChatml, ToyEngine, WeatherAgent};
+    use miles_session::{SessionServer, SessionServerConfig};
+
+    let engine = ToyEngine::new();
+    let server = SessionServer::new(
+        engine.clone(),
+        Arc::new(ByteChatml::default()),
+        SessionServerConfig {
+            return_routed_experts: true,
+            ..SessionServerConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = server.router();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let prompts = vec![
+        PromptRecord::text("What is the weather in Paris?", "sunny"),
+        PromptRecord::text("What is the weather in Oslo?", "rainy"),
+    ];
+    let scored = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let generator = Arc::new(AgentGenerator::new(
+        Arc::new(WeatherAgent {
+            fail_after_first_turn: false,
+        }),
+        AgentDriverConfig::new(url.clone()).with_generate_multi_samples(true),
+    ));
+    let manager = RolloutManager::new(
+        RolloutConfig {
+            n_samples_per_prompt: 2,
+            rollout_batch_size: 2,
+            rollout_max_response_len: 512,
+            rollout_seed: Some(5),
+            ..RolloutConfig::default()
+        },
+        engine.clone(),
+        Arc::new(DigitEncoder),
+        Arc::new(CountingMentionsLabel(scored.clone())),
+    )
+    .unwrap()
+    .with_generator(generator);
+    let mut data = DataSource::new(prompts, 2, false, 0).unwrap();
+    let batch = manager.generate_rollout(0, &mut data).await.unwrap();
+    // Two prompts × two rollouts × two turns: groups of four samples, four rewards computed.
+    assert_eq!(batch.groups.len(), 2);
+    assert!(batch.groups.iter().all(|g| g.len() == 4));
+    assert_eq!(scored.load(std::sync::atomic::Ordering::SeqCst), 4);
+    assert_eq!(batch.metrics["rollout/samples"], 8.0);
+    let samples = batch.samples();
+    let ids: Vec<Option<u64>> = samples.iter().map(|s| s.rollout_id).collect();
+    assert_eq!(
+        ids,
+        [
+            Some(0),
+            Some(0),
+            Some(1),
+            Some(1),
+            Some(2),
+            Some(2),
+            Some(3),
+            Some(3)
+        ]
+    );
+    let rewards: Vec<f64> = samples
+        .iter()
+        .map(|s| s.scalar_reward(None).unwrap())
+        .collect();
+    assert_eq!(rewards, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    for pair in samples.chunks(2) {
+        // Turn 1's context is turn 0 plus the tool output; each trains only on its output.
+        assert!(pair[1].tokens.starts_with(&pair[0].tokens));
+        for s in pair {
+            s.validate().unwrap();
+            assert_eq!(s.status, SampleStatus::Completed);
+            assert_eq!(
+                s.loss_mask.as_deref(),
+                Some(&vec![1u8; s.response_length][..])
+            );
+            assert_eq!(
+                s.rollout_routed_experts.as_ref().unwrap().rows(),
+                s.tokens.len() - 1
+            );
+            assert_eq!(s.weight_versions, ["7"]);
+        }
+    }
+    // Back in the data source, a group is its prompts again (one sample per rollout, reset).
+    data.add_groups(vec![batch.groups[0].clone()]).unwrap();
+    let again = data.get_groups(1).remove(0);
+    assert_eq!(again.len(), 2);
+    assert!(
+        again
+            .iter()
+            .all(|s| s.response_length == 0 && s.reward.is_none())
+    );
+    assert_eq!(
+        again.iter().map(|s| s.index).collect::<Vec<_>>(),
+        [Some(0), Some(1)]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_reward_model_over_http_with_retries_and_typed_failures() {
     use axum::Json;

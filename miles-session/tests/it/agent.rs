@@ -7,7 +7,8 @@ use std::time::Duration;
 use crate::common::{ByteChatml, ToyEngine, WeatherAgent, serve};
 use miles_core::{Message, Prompt, Reward, Sample, SampleStatus, SamplingParams, async_trait};
 use miles_session::agent::{
-    AGENT_REWARD_KEY, Agent, AgentContext, AgentDriverConfig, generate, request_kwargs,
+    AGENT_REWARD_KEY, Agent, AgentContext, AgentDriverConfig, generate, generate_samples,
+    request_kwargs,
 };
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
@@ -231,4 +232,73 @@ fn sampling_params_are_renamed_for_chat_requests() {
     assert_eq!(kw["stop"], json!(["END"]));
     assert_eq!(kw["temperature"], json!(1.0));
     assert!(!kw.contains_key("max_new_tokens") && !kw.contains_key("frequency_penalty"));
+}
+
+#[tokio::test]
+async fn generate_multi_samples_gives_one_sample_per_turn_with_one_rollout_id() {
+    let (url, server) = setup().await;
+    let http = HttpClient::new(Duration::from_secs(10));
+    let params = SamplingParams {
+        max_new_tokens: Some(200),
+        sampling_seed: Some(5),
+        ..SamplingParams::default()
+    };
+    let agent = RewardingAgent(json!(0.75));
+    // The merged sample of the same conversation (the toy engine is deterministic).
+    let merged_config = AgentDriverConfig::new(&url);
+    let merged = generate(&agent, &input_sample(), &params, &merged_config, &http).await;
+    assert_eq!(merged.status, SampleStatus::Completed);
+    let config = AgentDriverConfig::new(&url).with_generate_multi_samples(true);
+    let turns = generate_samples(&agent, &input_sample(), &params, &config, &http).await;
+    assert_eq!(turns.len(), 2, "two turns, two samples");
+    let (first, last) = (&turns[0], &turns[1]);
+    for s in &turns {
+        s.validate().unwrap();
+        assert_eq!(s.status, SampleStatus::Completed);
+        assert_eq!((s.group_index, s.index), (Some(3), Some(12)));
+        assert_eq!(
+            s.rollout_id,
+            Some(12),
+            "siblings carry the input's index as rollout id"
+        );
+        assert_eq!(
+            s.reward,
+            Some(Reward::Scalar(0.75)),
+            "one reward, on every sibling"
+        );
+        assert_eq!(s.metadata["task"], json!("weather"));
+        // Each turn trains exactly on its own response.
+        assert_eq!(
+            s.loss_mask.as_deref(),
+            Some(&vec![1u8; s.response_length][..])
+        );
+        assert_eq!(s.weight_versions, vec!["7"]);
+    }
+    // Session metadata (the accumulated ids, the messages) only on the last sibling.
+    assert!(!first.metadata.contains_key("accumulated_token_ids"));
+    assert!(last.metadata.contains_key("accumulated_token_ids"));
+    assert!(last.metadata.contains_key("messages"));
+    // The turns tile the merged sample: turn 0, the tool observation (masked), turn 1.
+    assert_eq!(last.tokens, merged.tokens);
+    assert!(last.tokens.starts_with(&first.tokens));
+    let obs = last.tokens.len() - first.tokens.len() - last.response_length;
+    assert!(obs > 0);
+    let mut mask = vec![1u8; first.response_length];
+    mask.extend(vec![0u8; obs]);
+    mask.extend(vec![1u8; last.response_length]);
+    assert_eq!(merged.loss_mask.as_ref(), Some(&mask));
+    let mut log_probs = first.rollout_log_probs.clone().unwrap();
+    log_probs.extend(vec![0.0; obs]);
+    log_probs.extend(last.rollout_log_probs.clone().unwrap());
+    assert_eq!(merged.rollout_log_probs, Some(log_probs));
+    assert_eq!(
+        merged.response_length,
+        first.response_length + obs + last.response_length
+    );
+    // Off, generate_samples is the merged sample.
+    let one = generate_samples(&agent, &input_sample(), &params, &merged_config, &http).await;
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].tokens, merged.tokens);
+    assert_eq!(one[0].rollout_id, None);
+    assert_eq!(server.sessions_open(), 0, "sessions deleted");
 }

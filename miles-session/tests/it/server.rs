@@ -330,6 +330,49 @@ async fn tool_calling_conversation_records_exact_tokens() {
     assert_eq!(payload["empty_reason"], json!("all_truncated"));
     assert_eq!(payload["samples"], json!([]));
 
+    // Per turn (`generate_multi_samples`): one sample per request, unmerged, each training
+    // on exactly its own output; the conversation's messages on the last one.
+    let payload: Value = h
+        .samples_json(&id, &json!({"generate_multi_samples": true}))
+        .await
+        .json()
+        .unwrap();
+    let turns: Vec<Sample> = serde_json::from_value(payload["samples"].clone()).unwrap();
+    assert_eq!(turns.len(), 2);
+    for (turn, (seen, out)) in turns.iter().zip([(&seen, &out1), (&seen2, &out2)]) {
+        let mut tokens = seen.input_ids.clone();
+        tokens.extend(out.iter());
+        assert_eq!(turn.tokens, tokens);
+        assert_eq!(turn.response_length, out.len());
+        assert_eq!(turn.loss_mask, Some(vec![1u8; out.len()]));
+        let lps: Vec<f64> = out
+            .iter()
+            .enumerate()
+            .map(|(p, id)| toy_logprob(*id, p))
+            .collect();
+        assert_eq!(turn.rollout_log_probs, Some(lps));
+        assert_eq!(turn.weight_versions, vec!["7"]);
+        assert_eq!(turn.status, SampleStatus::Completed);
+    }
+    assert_eq!(turns[1].tokens, acc);
+    assert!(!turns[0].metadata.contains_key("messages"));
+    assert!(turns[1].metadata.contains_key("messages"));
+    // Through Miles' codec too.
+    let r = h
+        .http
+        .post_json(
+            &format!("{}/sessions/{id}/samples", h.base),
+            &json!({"generate_multi_samples": true}),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        decode_samples(&r.body, &Sample::default()).unwrap().samples,
+        turns
+    );
+
     assert_eq!(h.delete(&id).await.status, 204);
     assert_eq!(h.delete(&id).await.status, 404);
     assert_eq!(h.server.sessions_open(), 0);
