@@ -1,4 +1,4 @@
-//! Project automation: `cargo xtask test | ci | bench`.
+//! Project automation: `cargo xtask test | lint | package | ci | bench`.
 //!
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
@@ -6,7 +6,9 @@
 //!   miles-session, nor under miles-rollout without its `embedded` feature), the library
 //!   crates' packages (`cargo package --list` holds both licences and every file `src/`
 //!   includes) and `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
-//! * `ci`    — `lint`, clippy with warnings denied, then `test`.
+//! * `package` — every library crate built from its packaged files alone ([`package`]).
+//! * `ci`    — what `.ci/run` runs: `lint`; `test` built with clippy as the workspace's
+//!   compiler wrapper (warnings denied); the benches compiled; `package`.
 //! * `bench` — runs every bench of the workspace (one `cargo bench -p P --bench B` per
 //!   suite; `--only NAME`, `--quick`, `--list`), collects the `xtask-result:` lines each bench
 //!   prints (format in [`results`]) and prints one table (ours, baseline, ratio, target,
@@ -17,6 +19,7 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 
 mod bench;
+mod package;
 mod results;
 
 /// Cargo features that turn the CubeCL kernel code and its tests on.
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
         "test" => test(rest),
         "ci" => ci(rest),
         "lint" => lint(),
+        "package" => package::verify(&LIBRARY_CRATES),
         "bench" => bench::bench(rest),
         "help" | "--help" | "-h" => {
             println!("{}", usage());
@@ -52,8 +56,9 @@ fn usage() -> &'static str {
     "usage: cargo xtask <task> [extra cargo args]\n\
      tasks:\n  \
        test   cargo test --workspace --release --features miles-ops/wgpu (kernel tests on lavapipe)\n  \
-       ci     cargo fmt --check, cargo clippy -D warnings, then test\n  \
+       ci     what .ci/run runs: lint, the tests built with clippy -D warnings, the benches compiled, package\n  \
        lint   the dependency rule, the library packages' files and cargo fmt --check (seconds; .ci/run runs it)\n  \
+       package  every library crate built from its packaged files alone (after a test build: minutes)\n  \
        bench  [--only NAME]... [--quick] [--list]: run the benches, print one table, write BENCHMARKS.md"
 }
 
@@ -98,6 +103,11 @@ fn run(mut command: Command) -> Result<(), String> {
 }
 
 fn test(extra: &[String]) -> Result<(), String> {
+    run(test_command(extra)?)
+}
+
+/// README's test command.
+fn test_command(extra: &[String]) -> Result<Command, String> {
     let mut command = cargo();
     command
         .args([
@@ -109,7 +119,7 @@ fn test(extra: &[String]) -> Result<(), String> {
         ])
         .args(extra)
         .env("XDG_RUNTIME_DIR", xdg_runtime_dir()?);
-    run(command)
+    Ok(command)
 }
 
 /// Crates that must never pull burn or CubeCL (DESIGN.md: `cargo add miles-tito` stays light),
@@ -299,24 +309,92 @@ fn lint() -> Result<(), String> {
     run(fmt)
 }
 
+/// What `.ci/run` runs, in one pass over one build:
+///
+/// 1. [`lint`]: the dependency rule, the packages' file lists, `cargo fmt --check`.
+/// 2. The tests (README's test command, [`test`]) built with clippy as the workspace's compiler
+///    wrapper and warnings denied: `cargo clippy --all-targets -D warnings` and the test build
+///    are one compile of each workspace crate (lib, unit tests, bins, examples, integration
+///    tests), instead of a second, check-mode build of every dependency. Doctests run as usual.
+/// 3. The benches compiled (`cargo bench --no-run`, same wrapper, the test build's
+///    dependencies reused).
+/// 4. Every library crate built from its packaged files alone ([`package::verify`]).
 fn ci(extra: &[String]) -> Result<(), String> {
     lint()?;
-    let mut clippy = cargo();
-    clippy
-        .args([
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--release",
-            "--features",
-            KERNEL_FEATURES,
-            "--",
-            "-D",
-            "warnings",
-        ])
-        .env("RUSTDOCFLAGS", "-D warnings");
-    run(clippy)?;
-    test(extra)
+    let clippy = clippy_wrapper()?;
+    let started = std::time::Instant::now();
+    let mut tests = test_command(extra)?;
+    clippy.apply(&mut tests);
+    run(tests)?;
+    eprintln!(
+        "xtask: clippy (-D warnings) and the tests: {} s",
+        started.elapsed().as_secs()
+    );
+    let started = std::time::Instant::now();
+    let mut benches = cargo();
+    benches.args([
+        "bench",
+        "--workspace",
+        "--features",
+        KERNEL_FEATURES,
+        "--no-run",
+    ]);
+    clippy.apply(&mut benches);
+    run(benches)?;
+    eprintln!(
+        "xtask: benches compiled (clippy -D warnings): {} s",
+        started.elapsed().as_secs()
+    );
+    let started = std::time::Instant::now();
+    package::verify(&LIBRARY_CRATES)?;
+    eprintln!(
+        "xtask: library crates built from their packages: {} s",
+        started.elapsed().as_secs()
+    );
+    Ok(())
+}
+
+/// Clippy as `RUSTC_WORKSPACE_WRAPPER` (what `cargo clippy` does over `cargo check`), here over
+/// a real build: the workspace's crates are linted with warnings denied while they compile, and
+/// dependencies are built once, by plain rustc, for both.
+struct ClippyWrapper {
+    driver: PathBuf,
+}
+
+impl ClippyWrapper {
+    fn apply(&self, command: &mut Command) {
+        command
+            .env("RUSTC_WORKSPACE_WRAPPER", &self.driver)
+            // clippy-driver's own argument list (as `cargo clippy -- -D warnings` sets it).
+            .env(
+                "CLIPPY_ARGS",
+                "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
+            );
+    }
+}
+
+/// Finds the toolchain's `clippy-driver` (rust-toolchain.toml installs the clippy component).
+fn clippy_wrapper() -> Result<ClippyWrapper, String> {
+    let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let output = Command::new(&rustc)
+        .args(["--print", "sysroot"])
+        .current_dir(workspace_root())
+        .output()
+        .map_err(|e| format!("cannot run {rustc} --print sysroot: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("{rustc} --print sysroot failed"));
+    }
+    let sysroot = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+    let driver = sysroot
+        .join("bin")
+        .join(format!("clippy-driver{}", env::consts::EXE_SUFFIX));
+    if !driver.is_file() {
+        return Err(format!(
+            "{} not found: install the clippy component (rustup component add clippy)",
+            driver.display()
+        ));
+    }
+    Ok(ClippyWrapper { driver })
 }
 
 #[cfg(test)]
