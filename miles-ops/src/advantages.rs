@@ -632,8 +632,14 @@ mod tests {
     /// rollouts of 1-3 samples, the `rollout_id → index` fallback, a single-rollout group).
     #[test]
     fn per_rollout_normalisation_matches_miles() {
-        let cases: serde_json::Value =
-            serde_json::from_str(include_str!("../../fixtures/train/rollout_cases.json")).unwrap();
+        let cases: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../fixtures/train/rollout_cases.json"
+            ))
+            .expect("fixtures/train/rollout_cases.json"),
+        )
+        .unwrap();
         let cases = cases["normalize"].as_array().unwrap();
         assert_eq!(cases.len(), 7);
         let mut errors = 0;

@@ -376,8 +376,14 @@ mod tests {
     /// checked to be that of the rest.
     #[test]
     fn rollout_mask_sums_match_miles() {
-        let cases: serde_json::Value =
-            serde_json::from_str(include_str!("../../fixtures/train/rollout_cases.json")).unwrap();
+        let cases: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../fixtures/train/rollout_cases.json"
+            ))
+            .expect("fixtures/train/rollout_cases.json"),
+        )
+        .unwrap();
         let cases = cases["mask_sums"].as_array().unwrap();
         assert_eq!(cases.len(), 3);
         for case in cases {
