@@ -22,7 +22,7 @@ pub enum Architecture {
     /// `qwen2`: Qwen2 / Qwen2.5 dense (q/k/v bias, no qk-norm; sliding-window attention is
     /// rejected).
     Qwen2,
-    /// `deepseek_v3`: DeepSeek-V3 / Moonlight (multi-head latent attention, sigmoid
+    /// `deepseek_v3`: DeepSeek-V3 / Moonlight / Kimi-K2 (multi-head latent attention, sigmoid
     /// group-limited routing, shared experts, dense first layers, YaRN RoPE); Kimi-K2's
     /// `kimi_k2` is the same architecture ([`Architecture::ALIASES`]).
     DeepseekV3,
