@@ -22,8 +22,9 @@ pub enum Architecture {
     /// `qwen2`: Qwen2 / Qwen2.5 dense (q/k/v bias, no qk-norm; sliding-window attention is
     /// rejected).
     Qwen2,
-    /// `deepseek_v3`: DeepSeek-V3 / Moonlight (multi-head latent attention, sigmoid
-    /// group-limited routing, shared experts, dense first layers, YaRN RoPE).
+    /// `deepseek_v3`: DeepSeek-V3 / Moonlight / Kimi-K2 (multi-head latent attention, sigmoid
+    /// group-limited routing, shared experts, dense first layers, YaRN RoPE); Kimi-K2's
+    /// `kimi_k2` is the same architecture ([`Architecture::ALIASES`]).
     DeepseekV3,
 }
 
@@ -37,6 +38,12 @@ impl Architecture {
         Self::Qwen2,
         Self::DeepseekV3,
     ];
+
+    /// Other `model_type`s that name one of these architectures: Kimi-K2's `config.json` says
+    /// `kimi_k2` for a `DeepseekV3ForCausalLM` (its hub repo ships DeepSeek-V3's remote code;
+    /// transformers 5.24 has no `kimi_k2` type). Exports write the architecture's own
+    /// [`Architecture::model_type`].
+    pub const ALIASES: [(&'static str, Architecture); 1] = [("kimi_k2", Self::DeepseekV3)];
 
     /// The HF `model_type`.
     pub fn model_type(self) -> &'static str {
@@ -64,15 +71,25 @@ impl Architecture {
 
     /// The supported HF `model_type`s, comma-separated (for error messages).
     pub fn supported_model_types() -> String {
-        Self::ALL.map(Self::model_type).join(", ")
+        Self::ALL
+            .map(Self::model_type)
+            .into_iter()
+            .chain(Self::ALIASES.map(|(alias, _)| alias))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
-    /// Looks an architecture up by HF `model_type`; an unknown one is
-    /// [`BridgeError::UnsupportedArchitecture`] naming the supported types.
+    /// Looks an architecture up by HF `model_type` (or one of [`Architecture::ALIASES`]); an
+    /// unknown one is [`BridgeError::UnsupportedArchitecture`] naming the supported types.
     pub fn from_model_type(model_type: &str) -> Result<Self, BridgeError> {
         Self::ALL
             .into_iter()
             .find(|a| a.model_type() == model_type)
+            .or_else(|| {
+                Self::ALIASES
+                    .into_iter()
+                    .find_map(|(alias, a)| (alias == model_type).then_some(a))
+            })
             .ok_or_else(|| BridgeError::UnsupportedArchitecture {
                 model_type: model_type.to_string(),
                 supported: Self::supported_model_types(),

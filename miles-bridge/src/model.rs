@@ -1009,7 +1009,9 @@ impl CausalLm {
     }
 
     /// Builds the model from HF-named host tensors (per-expert keys, any float dtype).
-    /// Missing, unexpected and wrongly shaped tensors are errors naming the tensor.
+    /// Missing, unexpected and wrongly shaped tensors are errors naming the tensor; DeepSeek-V3
+    /// multi-token-prediction layers ([`mtp_tensor_names`]) and, with `n_shared_experts = 0`,
+    /// the empty `mlp.shared_experts.*` tensors transformers saves are skipped.
     pub fn from_hf_tensors(
         config: &ModelConfig,
         tensors: TensorMap,
@@ -1018,6 +1020,11 @@ impl CausalLm {
         let mut tensors = tensors;
         for name in mtp_tensor_names(config, &tensors) {
             tensors.remove(&name);
+        }
+        if config.n_shared_experts == 0 {
+            // transformers builds (and saves) a zero-width shared-expert MLP when
+            // `n_shared_experts` is 0; its empty tensors hold nothing to load.
+            tensors.retain(|name, t| !(t.numel() == 0 && name.contains(".mlp.shared_experts.")));
         }
         let mut internal = hf_to_internal(tensors, config.n_routed_experts)?;
         if config.tie_word_embeddings {

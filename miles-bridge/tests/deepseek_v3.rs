@@ -505,3 +505,37 @@ fn deepseek_v3_lora_on_latent_attention_projections() {
         "merged export = adapted forward"
     );
 }
+
+/// Checkpoints in settings the two main fixtures do not use (`fixtures/models/variants`, made by
+/// `gen_variants.py`; the reference is transformers 5.24 reloading the files as written):
+///
+/// - `dsv3-moonlight`: `q_lora_rank: null`, one expert group, `v_head_dim` = nope, rope dim 6,
+///   tied embeddings, two dense layers, 2 shared experts, no renormalisation, legacy layout
+///   (top-level `rope_theta`, `rope_scaling: null`, DeepSeek's extra fields);
+/// - `dsv3-k0-noshared`: every layer MoE (`first_k_dense_replace` 0), `n_shared_experts` 0
+///   (zero-sized shared-expert tensors), YaRN with `mscale` but no `mscale_all_dim`, rope dim
+///   16 wider than nope, not interleaved, attention biases, `routed_scaling_factor` 0.75;
+/// - `dsv3-legacy-yarn`: legacy `rope_scaling` with `type: yarn`, `mscale_all_dim` 0 (no
+///   softmax-scale correction), custom `beta_fast` / `beta_slow`, `v_head_dim` narrower than
+///   nope, 2 groups picking 1;
+/// - `kimi-k2`: Kimi-K2's layout (`model_type: "kimi_k2"`, `auto_map`, no `rope_interleave`,
+///   YaRN with `beta_fast` = `beta_slow` = 1, `routed_scaling_factor` 2.827, no MTP layers).
+///
+/// Logits / log-probs within 1e-4, routing, cached decoding, export, and greedy decoding equal
+/// to HF `generate`.
+#[test]
+fn deepseek_v3_variants_match_transformers() {
+    let cases: [(&str, &[usize]); 4] = [
+        ("variants/dsv3-moonlight", &[2, 3]),
+        ("variants/dsv3-k0-noshared", &[0, 1]),
+        ("variants/dsv3-legacy-yarn", &[1, 2]),
+        ("variants/kimi-k2", &[1, 2]),
+    ];
+    for (name, moe_layers) in cases {
+        let dir = fixture(name);
+        let config = ModelConfig::from_file(dir.join("config.json")).unwrap();
+        assert_eq!(config.architecture, Architecture::DeepseekV3, "{name}");
+        common::assert_matches_reference(&dir, moe_layers, 1e-4);
+        common::assert_greedy_kv_cache_decode_equals_hf_generate(&dir);
+    }
+}

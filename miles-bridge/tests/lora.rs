@@ -79,9 +79,17 @@ fn perturbed_adapters(model: &CausalLm) -> TensorMap {
     tensors
 }
 
+/// PEFT's adapters on Qwen3 / Qwen2 (all seven projections), GLM-4-MoE (attention) and
+/// DeepSeek-V3 (the latent-attention projections, with and without `q_lora_rank`).
 #[test]
 fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
-    for name in ["qwen3-tiny", "glm4moe-tiny", "qwen2-tiny"] {
+    for name in [
+        "qwen3-tiny",
+        "glm4moe-tiny",
+        "qwen2-tiny",
+        "dsv3-tiny",
+        "dsv3-noq",
+    ] {
         let device = Device::flex().autodiff();
         let rows = inputs(name);
         let want = reference(name);

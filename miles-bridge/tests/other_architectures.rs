@@ -277,3 +277,26 @@ fn qwen2_export_round_trip_is_bit_identical() {
         std::fs::remove_dir_all(&out).ok();
     }
 }
+
+/// Qwen2 with `use_sliding_window: true` whose window reaches no layer (`max_window_layers` =
+/// `num_hidden_layers`: transformers computes full attention everywhere), one KV head for five
+/// query heads, untied (`fixtures/models/variants/qwen2-window-off`, made by
+/// `gen_variants.py`): logits / log-probs within 1e-4, cached decoding, export and greedy
+/// decoding equal to HF `generate`. Lowering `max_window_layers` makes a layer sliding-window,
+/// which is refused naming the field.
+#[test]
+fn qwen2_window_on_but_unused_matches_transformers() {
+    let dir = fixture("variants/qwen2-window-off");
+    common::assert_matches_reference(&dir, &[], 1e-4);
+    common::assert_greedy_kv_cache_decode_equals_hf_generate(&dir);
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json.as_object_mut().unwrap().remove("layer_types");
+    json["max_window_layers"] = 1.into();
+    match ModelConfig::from_hf_json(&json.to_string()) {
+        Err(miles_bridge::BridgeError::Config { field, .. }) => {
+            assert_eq!(field, "use_sliding_window")
+        }
+        other => panic!("a sliding-window layer loaded: {other:?}"),
+    }
+}

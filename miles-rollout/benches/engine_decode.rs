@@ -1,7 +1,8 @@
 //! Embedded-engine throughput (issue 22: 2 cores, f32, flex): greedy decode tokens/s at 1, 8
 //! and 32 concurrent sequences of 256 new tokens from 16-token prompts, prefill tokens/s of a
-//! batch of 32 × 512-token prompts, and peak RSS, on the 88 M GLM-4-MoE and the 25 M
-//! Qwen3-style dense model of the training-step bench.
+//! batch of 32 × 512-token prompts, and peak RSS, on the 88 M GLM-4-MoE, the 25 M
+//! Qwen3-style dense model and the 82 M DeepSeek-V3-style model (latent attention decoding
+//! over the compressed-latent cache) of the training-step bench.
 //!
 //! Baseline: HF transformers `generate` (greedy, KV cache, float32, 2 threads) on the **same
 //! random weights** (the bench exports its model to an HF directory first), measured in the
@@ -10,12 +11,14 @@
 //! `../shared/reference/PYTHON_REFERENCE.md`). Prefill is compared with one HF forward over the
 //! same batch with `logits_to_keep=1`. Without such a Python the 32-sequence rows fall back to
 //! the issue's constants (GLM-4-MoE 333 tokens/s, Qwen3-style 973 tokens/s) and the notes say
-//! so. Targets (ratio = our tokens/s ÷ HF's): GLM-4-MoE ≥ 2× and Qwen3-style ≥ 1.3× at 32
-//! sequences, ≥ 1× at 1 sequence and for prefill.
+//! so (the DeepSeek-V3-style model has no constant: its 32-sequence row then has no baseline).
+//! Targets (ratio = our tokens/s ÷ HF's): GLM-4-MoE ≥ 2×, Qwen3-style ≥ 1.3× and
+//! DeepSeek-V3-style ≥ 1× at 32 sequences, ≥ 1× at 1 sequence and for prefill.
 //!
 //! `cargo bench -p miles-rollout --features miles-ops/wgpu --bench engine_decode`
 //! (or `cargo xtask bench --only engine_decode`). `MILES_BENCH_QUICK=1`: 32 new tokens and
-//! 8 prefill prompts, for quick A/B runs. `MILES_BENCH_ONLY=glm_moe_88m` (or `qwen3_25m`)
+//! 8 prefill prompts, for quick A/B runs. `MILES_BENCH_ONLY=glm_moe_88m` (or `qwen3_25m`,
+//! `deepseek_v3_82m`)
 //! runs one model; `MILES_BENCH_NO_HF=1` skips the HF measurement (ours only).
 
 mod common;
@@ -44,6 +47,24 @@ fn qwen3_25m() -> ModelConfig {
         "max_position_embeddings": 4096}"#,
     )
     .expect("Qwen3 config")
+}
+
+/// The DeepSeek-V3-style model of the training-step bench (82 M parameters).
+fn deepseek_v3_82m() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "deepseek_v3", "vocab_size": 32000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 224, "num_hidden_layers": 8,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "norm_topk_prob": true,
+        "routed_scaling_factor": 2.5, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32, "v_head_dim": 64, "rope_interleave": true,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        "tie_word_embeddings": false, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
+    )
+    .expect("DeepSeek-V3 config")
 }
 
 /// Token `t` of prompt `i` (the same formula as `hf_generate.py`).
@@ -241,7 +262,15 @@ fn result_line(row: &str, ours: f64, baseline: Option<f64>, target: Option<f64>,
     println!("xtask-result: {row} ours={ours:.1}tok/s baseline={baseline}{target} note={note}");
 }
 
-async fn run(name: &str, config: ModelConfig, issue_hf_32: f64, target_32: f64, sizes: Sizes) {
+/// One model's rows; `issue_hf_32` is the issue's HF tokens/s at 32 sequences, the baseline
+/// when HF cannot be measured here (none: no baseline then).
+async fn run(
+    name: &str,
+    config: ModelConfig,
+    issue_hf_32: Option<f64>,
+    target_32: f64,
+    sizes: Sizes,
+) {
     let vocab = config.vocab_size;
     let new_tokens = sizes.new_tokens;
     let model = CausalLm::init(&config, &Device::flex()).expect("model");
@@ -259,11 +288,13 @@ async fn run(name: &str, config: ModelConfig, issue_hf_32: f64, target_32: f64, 
     let source = if measured {
         "HF transformers generate measured in this run on the same weights (float32, 2 threads)"
             .to_string()
-    } else {
+    } else if let Some(constant) = issue_hf_32 {
         format!(
-            "HF transformers generate at {issue_hf_32} tokens/s (issue constant, not measured \
+            "HF transformers generate at {constant} tokens/s (issue constant, not measured \
              here: no Python with torch)"
         )
+    } else {
+        "none (HF not measured in this run, no issue constant)".to_string()
     };
 
     reset_peak_rss();
@@ -287,7 +318,7 @@ async fn run(name: &str, config: ModelConfig, issue_hf_32: f64, target_32: f64, 
             .iter()
             .find(|(s, _)| *s == seqs)
             .map(|(_, t)| *t)
-            .or((!measured && seqs == 32).then_some(issue_hf_32));
+            .or(issue_hf_32.filter(|_| !measured && seqs == 32));
         let ratio = baseline.map_or(String::new(), |b| format!(", {:.2}x HF", tps / b));
         println!(
             "# engine {name}: {seqs} sequences x {new_tokens} new tokens: {secs:.2} s, \
@@ -380,10 +411,13 @@ fn main() {
         .expect("runtime");
     rt.block_on(async {
         if wanted("glm_moe_88m") {
-            run("glm_moe_88m", glm_moe_88m(), 333.0, 2.0, sizes).await;
+            run("glm_moe_88m", glm_moe_88m(), Some(333.0), 2.0, sizes).await;
         }
         if wanted("qwen3_25m") {
-            run("qwen3_25m", qwen3_25m(), 973.0, 1.3, sizes).await;
+            run("qwen3_25m", qwen3_25m(), Some(973.0), 1.3, sizes).await;
+        }
+        if wanted("deepseek_v3_82m") {
+            run("deepseek_v3_82m", deepseek_v3_82m(), None, 1.0, sizes).await;
         }
     });
 }

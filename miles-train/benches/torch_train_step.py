@@ -1,4 +1,4 @@
-"""PyTorch reference for `benches/train_step.rs`: the same two models and batch, trained with
+"""PyTorch reference for `benches/train_step.rs`: the same three models and batch, trained with
 HF transformers on the CPU with 2 threads (forward + causal-LM loss + backward + AdamW).
 
 Usage: python torch_train_step.py [--iters N]   (needs torch, transformers)
@@ -27,10 +27,22 @@ QWEN3 = dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidd
              num_attention_heads=6, num_key_value_heads=2, head_dim=64,
              rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
              tie_word_embeddings=True, rms_norm_eps=1e-6, initializer_range=0.02)
+DSV3 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, moe_intermediate_size=224,
+            num_hidden_layers=8, first_k_dense_replace=1, n_routed_experts=16,
+            num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2,
+            norm_topk_prob=True, routed_scaling_factor=2.5, num_attention_heads=8,
+            num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64,
+            qk_rope_head_dim=32, v_head_dim=64, rope_interleave=True,
+            max_position_embeddings=4096,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                 original_max_position_embeddings=1024, mscale=1.0,
+                                 mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+            tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02)
 
 MODELS = {
     "glm_moe_88m": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, GLM),
     "qwen3_25m": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
+    "deepseek_v3_82m": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DSV3),
 }
 
 

@@ -1,6 +1,9 @@
 //! Training-step throughput on flex (2 cores, f32): forward + backward + AdamW at batch
-//! 8 × 512 tokens, for the two models of the miles-bridge / miles-train issues:
-//! (a) GLM-4-MoE, 88 M parameters; (b) Qwen3-style dense, 25 M, tied embeddings.
+//! 8 × 512 tokens, for the models of the miles-bridge / miles-train issues:
+//! (a) GLM-4-MoE, 88 M parameters; (b) Qwen3-style dense, 25 M, tied embeddings;
+//! (c) DeepSeek-V3-style, 82 M (multi-head latent attention with `q_lora_rank`, sigmoid
+//! group-limited routing over 16 experts in 4 groups, a shared expert, a dense first layer,
+//! YaRN RoPE).
 //! For the MoE model, also the same step with routing replay (R3) on, against replay off
 //! measured in the same run (target ≤ 5 % overhead). Also the cost of a weight export (HF-named host tensors, f32 and bf16).
 //!
@@ -9,13 +12,16 @@
 //! Python with torch is available (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the
 //! workspace root; see `../shared/reference/PYTHON_REFERENCE.md`); otherwise the issue's
 //! constants measured on our machine with PyTorch 2.15, 420 tokens/s for (a) and 755 tokens/s
-//! for (b). Either way printed as the equivalent step time, and the note says which.
+//! for (b) ((c) has no constant: without PyTorch its row is skipped). Either way printed as the
+//! equivalent step time, and the note says which.
 //! Target: ours ≥ 0.8× PyTorch throughput, i.e. step time ≤ 1.25× the baseline.
 //!
 //! The process keeps freed memory for reuse (`miles_train::retain_freed_memory`), as the
 //! reference binary `examples/glm_moe_grpo.rs` does.
 //!
 //! Run: `cargo bench -p miles-train --bench train_step` (or `cargo xtask bench`).
+//! `MILES_BENCH_ITERS` (default 2) sets the measured steps; `MILES_BENCH_ONLY=glm_moe_88m`
+//! (or `qwen3_25m`, `deepseek_v3_82m`) runs one model.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -55,6 +61,23 @@ fn qwen3_25m() -> ModelConfig {
         "tie_word_embeddings": true, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
     )
     .expect("Qwen3 config")
+}
+
+fn deepseek_v3_82m() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "deepseek_v3", "vocab_size": 32000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 224, "num_hidden_layers": 8,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "norm_topk_prob": true,
+        "routed_scaling_factor": 2.5, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32, "v_head_dim": 64, "rope_interleave": true,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        "tie_word_embeddings": false, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
+    )
+    .expect("DeepSeek-V3 config")
 }
 
 fn batch(vocab: u32) -> Vec<Sample> {
@@ -202,21 +225,29 @@ fn measure_torch(name: &str, iters: usize) -> Option<f64> {
     Some(tokens_per_s)
 }
 
-fn run(name: &str, config: ModelConfig, reference_tokens_per_s: f64, iters: usize) {
+/// One model's rows; `reference_tokens_per_s` is the issue's PyTorch constant, used when
+/// PyTorch cannot be measured here (a model without one is then skipped).
+fn run(name: &str, config: ModelConfig, reference_tokens_per_s: Option<f64>, iters: usize) {
     // PyTorch in the same run when it is available (just before ours), else the constant.
-    let (torch_tokens_per_s, baseline_note) = match measure_torch(name, iters) {
-        Some(measured) => (
+    let constant = reference_tokens_per_s.map_or("none".to_string(), |c| c.to_string());
+    let (torch_tokens_per_s, baseline_note) = match (
+        measure_torch(name, iters),
+        reference_tokens_per_s,
+    ) {
+        (Some(measured), _) => (
             measured,
             format!(
-                "PyTorch CPU (transformers, 2 threads) measured in this run at {measured:.0} tokens/s (issue constant {reference_tokens_per_s})"
+                "PyTorch CPU (transformers, 2 threads) measured in this run at {measured:.0} tokens/s (issue constant {constant})"
             ),
         ),
-        None => (
-            reference_tokens_per_s,
-            format!(
-                "PyTorch CPU at {reference_tokens_per_s} tokens/s (issue constant, not measured here)"
-            ),
+        (None, Some(reference)) => (
+            reference,
+            format!("PyTorch CPU at {reference} tokens/s (issue constant, not measured here)"),
         ),
+        (None, None) => {
+            eprintln!("# {name}: skipped (PyTorch not measured and no issue constant)");
+            return;
+        }
     };
     let device = Device::flex().autodiff();
     let model = CausalLm::init(&config, &device).expect("init");
@@ -303,6 +334,15 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    run("glm_moe_88m", glm_moe_88m(), 420.0, iters);
-    run("qwen3_25m", qwen3_25m(), 755.0, iters);
+    let only = std::env::var("MILES_BENCH_ONLY").ok();
+    let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    if wanted("glm_moe_88m") {
+        run("glm_moe_88m", glm_moe_88m(), Some(420.0), iters);
+    }
+    if wanted("qwen3_25m") {
+        run("qwen3_25m", qwen3_25m(), Some(755.0), iters);
+    }
+    if wanted("deepseek_v3_82m") {
+        run("deepseek_v3_82m", deepseek_v3_82m(), None, iters);
+    }
 }

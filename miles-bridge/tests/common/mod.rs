@@ -89,3 +89,108 @@ pub fn rows_of(dir: &Path) -> Vec<Vec<u32>> {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     serde_json::from_value(v["input_ids"].clone()).unwrap()
 }
+
+/// The model of a fixture directory against its `reference_outputs.safetensors`: logits and
+/// token log-probs within `tol`, the routed expert sets of every MoE layer (`moe_layers`)
+/// identical, decoding through the KV cache (5-token prefill, then one token per step) within
+/// `1e-5` of the full forward's log-probs, and the f32 export equal to the checkpoint file.
+/// Returns the worst log-prob difference.
+pub fn assert_matches_reference(dir: &Path, moe_layers: &[usize], tol: f64) -> f64 {
+    use burn::tensor::Tensor;
+    use miles_bridge::{FloatDtype, checkpoint::read_checkpoint_dir, token_logprobs};
+    let name = dir.display();
+    let rows = rows_of(dir);
+    let device = Device::flex();
+    let model = CausalLm::from_pretrained(dir, &device).unwrap();
+    let ids = ids_tensor(&rows, &device).unwrap();
+    let out = model
+        .forward(&ModelInput::new(ids.clone()), &Fallthrough)
+        .unwrap();
+    let refs = reference(dir, "reference_outputs.safetensors");
+    let diff = |got: Vec<f32>, want: &[f64]| {
+        assert_eq!(got.len(), want.len(), "{name}");
+        got.iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - w).abs())
+            .fold(0.0, f64::max)
+    };
+    let logits = out.logits.clone().into_data().try_to_vec::<f32>().unwrap();
+    let d_logits = diff(logits, &refs["logits"].1);
+    let lp = token_logprobs(out.logits, ids.clone())
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
+    let d_lp = diff(lp.clone(), &refs["token_logprobs"].1);
+    println!("{name}: max |logits - ref| = {d_logits:.3e}, max |logprobs - ref| = {d_lp:.3e}");
+    assert!(
+        d_logits <= tol && d_lp <= tol,
+        "{name}: logits {d_logits:.3e}, log-probs {d_lp:.3e} > {tol:.0e}"
+    );
+    let layers: Vec<usize> = out.routing.iter().map(|r| r.layer_index).collect();
+    assert_eq!(layers, moe_layers, "{name}: MoE layers");
+    for routing in &out.routing {
+        let k = routing.experts.dims()[1];
+        let ids = routing
+            .experts
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap();
+        let got: Vec<i64> = ids
+            .chunks(k)
+            .flat_map(|row| {
+                let mut row = row.to_vec();
+                row.sort_unstable();
+                row
+            })
+            .collect();
+        let want: Vec<i64> = refs[&format!("layer{}.topk_indices_sorted", routing.layer_index)]
+            .1
+            .iter()
+            .map(|v| *v as i64)
+            .collect();
+        assert_eq!(
+            got, want,
+            "{name}: routed experts of layer {}",
+            routing.layer_index
+        );
+    }
+    let mut cache = KvCache::new();
+    let prefill: Vec<Vec<u32>> = rows.iter().map(|r| r[..5].to_vec()).collect();
+    let mut parts = Vec::new();
+    let mut step = prefill;
+    for t in 5..=rows[0].len() {
+        let out = model
+            .forward_cached(
+                &ModelInput::new(ids_tensor(&step, &device).unwrap()),
+                &mut cache,
+                &Fallthrough,
+            )
+            .unwrap();
+        parts.push(out.logits);
+        if t < rows[0].len() {
+            step = rows.iter().map(|r| vec![r[t]]).collect();
+        }
+    }
+    let cached = token_logprobs(Tensor::cat(parts, 1), ids)
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
+    let d_cache = cached
+        .iter()
+        .zip(&lp)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        d_cache <= 1e-5,
+        "{name}: cached decoding differs by {d_cache}"
+    );
+    // The export equals the checkpoint, but for the empty shared-expert tensors transformers
+    // saves with `n_shared_experts = 0` (skipped on import, not written).
+    let exported = model.to_hf_tensors(FloatDtype::F32).unwrap();
+    let mut checkpoint = read_checkpoint_dir(dir).unwrap();
+    checkpoint.retain(|_, t| t.numel() > 0);
+    assert_eq!(exported, checkpoint, "{name}: export = checkpoint");
+    d_lp
+}
