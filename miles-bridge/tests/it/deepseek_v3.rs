@@ -9,8 +9,7 @@
 //! equal to HF `generate`, bit-identical export, MTP layers skipped, LoRA on the MLA
 //! projections.
 
-mod common;
-use common::{fixture, reference, rows_of};
+use crate::common::{fixture, reference, rows_of};
 
 use std::path::Path;
 

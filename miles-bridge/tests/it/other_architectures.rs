@@ -5,8 +5,7 @@
 //! op), KV-cache decoding equal to the full forward, greedy KV-cache decoding equal to HF
 //! `generate` (Qwen2) and bit-identical export (Qwen2).
 
-mod common;
-use common::{fixture, reference, rows_of};
+use crate::common::{fixture, reference, rows_of};
 
 use burn::tensor::Device;
 use burn::tensor::{Int, Tensor, TensorData};

@@ -1,0 +1,10 @@
+//! The integration tests of the examples package (the example binaries, the `miles` CLI,
+//! cross-crate checks), one module per former test file, built as one test binary: one compile
+//! of the dependencies' generic code and one link instead of one per file. The example binaries
+//! they run sit next to this one (`cargo test` builds the examples first).
+
+mod engine_vs_trainer;
+mod glm_moe_grpo;
+mod grpo_learns;
+mod miles_cli;
+mod toolkit;

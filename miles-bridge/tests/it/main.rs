@@ -1,0 +1,11 @@
+//! The integration tests of miles-bridge, one module per former test file, built as one test
+//! binary: one compile of the dependencies' generic code and one link instead of one per file.
+
+mod common;
+
+mod cli;
+mod deepseek_v3;
+mod glm4moe_tiny;
+mod lora;
+mod other_architectures;
+mod r3_replay;
