@@ -411,7 +411,7 @@ fn deepseek_v3_legacy_rope_scaling_layout_matches_transformers() {
     let m = 0.1 * 40f64.ln() + 1.0;
     assert!((c.softmax_scale() - 72f64.powf(-0.5) * m * m).abs() < 1e-12);
     let got = c.inv_freq();
-    let want = include!("../../fixtures/models/dsv3_yarn_inv_freq.txt");
+    let want = include!("../../../fixtures/models/dsv3_yarn_inv_freq.txt");
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
