@@ -270,7 +270,7 @@ fn deepseek_v3_fused_log_prob_path_matches_transformers() {
 #[test]
 fn deepseek_v3_greedy_kv_cache_decode_equals_hf_generate() {
     for name in FIXTURES {
-        common::assert_greedy_kv_cache_decode_equals_hf_generate(&fixture(name));
+        crate::common::assert_greedy_kv_cache_decode_equals_hf_generate(&fixture(name));
     }
 }
 
@@ -534,7 +534,7 @@ fn deepseek_v3_variants_match_transformers() {
         let dir = fixture(name);
         let config = ModelConfig::from_file(dir.join("config.json")).unwrap();
         assert_eq!(config.architecture, Architecture::DeepseekV3, "{name}");
-        common::assert_matches_reference(&dir, moe_layers, 1e-4);
-        common::assert_greedy_kv_cache_decode_equals_hf_generate(&dir);
+        crate::common::assert_matches_reference(&dir, moe_layers, 1e-4);
+        crate::common::assert_greedy_kv_cache_decode_equals_hf_generate(&dir);
     }
 }

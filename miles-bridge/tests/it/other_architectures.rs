@@ -242,7 +242,7 @@ fn qwen2_fused_log_prob_path_matches_transformers() {
 #[test]
 fn qwen2_greedy_kv_cache_decode_equals_hf_generate() {
     for name in ["qwen2-tiny", "qwen2-untied"] {
-        common::assert_greedy_kv_cache_decode_equals_hf_generate(&fixture(name));
+        crate::common::assert_greedy_kv_cache_decode_equals_hf_generate(&fixture(name));
     }
 }
 
@@ -286,8 +286,8 @@ fn qwen2_export_round_trip_is_bit_identical() {
 #[test]
 fn qwen2_window_on_but_unused_matches_transformers() {
     let dir = fixture("variants/qwen2-window-off");
-    common::assert_matches_reference(&dir, &[], 1e-4);
-    common::assert_greedy_kv_cache_decode_equals_hf_generate(&dir);
+    crate::common::assert_matches_reference(&dir, &[], 1e-4);
+    crate::common::assert_greedy_kv_cache_decode_equals_hf_generate(&dir);
     let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
     json.as_object_mut().unwrap().remove("layer_types");
