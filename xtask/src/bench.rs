@@ -37,6 +37,9 @@ pub struct BenchOptions {
     /// `(suite, log file)`: record the output of a bench run by hand instead of running it
     /// (for suites that take too long to rerun as a whole).
     pub record: Vec<(String, String)>,
+    /// `(suite, log file)`: like `record`, for a run of part of a suite (one model): the
+    /// log's rows replace the suite's rows of the same name, its other rows and run notes stay.
+    pub add: Vec<(String, String)>,
 }
 
 /// Usage of the `bench` task.
@@ -44,7 +47,8 @@ pub const USAGE: &str = "usage: cargo xtask bench [--only NAME]... [--quick] [--
      --only NAME   run only this suite (bench name like loop_overlap, or package/bench); repeatable\n  \
      --quick       small sizes, short measurement (MILES_BENCH_QUICK=1, criterion --quick): a smoke run\n  \
      --list        list the suites and exit\n  \
-     --record SUITE=LOG  take SUITE's rows from LOG (the output of `cargo bench` run by hand)\n\
+     --record SUITE=LOG  take SUITE's rows from LOG (the output of `cargo bench` run by hand)\n  \
+     --add SUITE=LOG     as --record for a run of part of SUITE (MILES_BENCH_ONLY): LOG's rows replace\n                         the rows of the same name, SUITE's other rows and run notes are kept\n\
      Each suite runs as `cargo bench -p PACKAGE --bench NAME`; its xtask-result lines become rows of\n\
      one table, printed and merged into BENCHMARKS.md (rows of suites not run this time are kept).";
 
@@ -61,14 +65,19 @@ pub fn parse_options(args: &[String]) -> Result<BenchOptions, String> {
             ),
             "--quick" => options.quick = true,
             "--list" => options.list = true,
-            "--record" => {
+            flag @ ("--record" | "--add") => {
                 let spec = iter
                     .next()
-                    .ok_or_else(|| format!("--record needs SUITE=LOG\n{USAGE}"))?;
+                    .ok_or_else(|| format!("{flag} needs SUITE=LOG\n{USAGE}"))?;
                 let (suite, log) = spec
                     .split_once('=')
-                    .ok_or_else(|| format!("--record {spec:?}: expected SUITE=LOG\n{USAGE}"))?;
-                options.record.push((suite.to_string(), log.to_string()));
+                    .ok_or_else(|| format!("{flag} {spec:?}: expected SUITE=LOG\n{USAGE}"))?;
+                let list = if flag == "--add" {
+                    &mut options.add
+                } else {
+                    &mut options.record
+                };
+                list.push((suite.to_string(), log.to_string()));
             }
             "--" => {
                 options.cargo_args.extend(iter.by_ref().cloned());
@@ -161,26 +170,42 @@ pub fn bench(args: &[String]) -> Result<(), String> {
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     let mut runs = Vec::new();
-    if !options.record.is_empty() {
+    if !options.record.is_empty() || !options.add.is_empty() {
         let mut recorded = Vec::new();
-        for (name, log) in &options.record {
+        let mut partial = Vec::new();
+        let logs = options
+            .record
+            .iter()
+            .map(|spec| (spec, false))
+            .chain(options.add.iter().map(|spec| (spec, true)));
+        for ((name, log), adding) in logs {
             let suite = select(&suites, std::slice::from_ref(name))?
                 .pop()
                 .ok_or_else(|| format!("--record: no suite {name:?}"))?;
             let output = std::fs::read_to_string(log)
                 .map_err(|e| format!("--record: cannot read {log}: {e}"))?;
-            rows.extend(rows_for(&suite.id(), &output));
+            let new_rows = rows_for(&suite.id(), &output);
+            let names: Vec<&str> = new_rows.iter().map(|r| r.name.as_str()).collect();
             runs.push(RunNote {
                 suite: suite.id(),
                 text: format!(
-                    "recorded {} UTC from a log of `cargo bench` run by hand; commit {} when recorded",
+                    "{}recorded {} UTC from a log of `cargo bench` run by hand; commit {} when recorded",
+                    if adding {
+                        format!("rows {} ", names.join(", "))
+                    } else {
+                        String::new()
+                    },
                     utc_now(),
                     git_head()
                 ),
             });
+            if adding {
+                partial.push(suite.id());
+            }
+            rows.extend(new_rows);
             recorded.push(suite);
         }
-        return write_document(rows, runs, &suites, &recorded, &[]);
+        return write_document(rows, runs, &suites, &recorded, &[], &partial);
     }
     let chosen = select(&suites, &options.only)?;
     for suite in &chosen {
@@ -204,7 +229,7 @@ pub fn bench(args: &[String]) -> Result<(), String> {
             ),
         });
     }
-    write_document(rows, runs, &suites, &chosen, &failures)
+    write_document(rows, runs, &suites, &chosen, &failures, &[])
 }
 
 /// Merges this run's rows into `BENCHMARKS.md`, prints the table, and reports failures and
@@ -215,10 +240,11 @@ fn write_document(
     suites: &[Suite],
     chosen: &[Suite],
     failures: &[String],
+    partial: &[String],
 ) -> Result<(), String> {
     let path = workspace_root().join("BENCHMARKS.md");
     let previous = std::fs::read_to_string(&path).unwrap_or_default();
-    let (all_rows, all_runs) = merge(&previous, rows, runs, suites);
+    let (all_rows, all_runs) = merge_partial(&previous, rows, runs, suites, partial);
     let table = render_table(&all_rows);
     println!("\n{table}");
     std::fs::write(&path, document(&table, &all_runs))
@@ -256,13 +282,35 @@ pub fn merge(
     runs: Vec<RunNote>,
     suites: &[Suite],
 ) -> (Vec<Row>, Vec<RunNote>) {
-    let fresh: Vec<String> = runs.iter().map(|r| r.suite.clone()).collect();
+    merge_partial(previous, rows, runs, suites, &[])
+}
+
+/// [`merge`], where the suites in `partial` ran in part: their previous rows not rerun (by
+/// name) and their previous run notes are kept too.
+pub fn merge_partial(
+    previous: &str,
+    rows: Vec<Row>,
+    runs: Vec<RunNote>,
+    suites: &[Suite],
+    partial: &[String],
+) -> (Vec<Row>, Vec<RunNote>) {
+    let fresh: Vec<String> = runs
+        .iter()
+        .map(|r| r.suite.clone())
+        .filter(|suite| !partial.contains(suite))
+        .collect();
     let known: Vec<String> = suites.iter().map(Suite::id).collect();
     let keep = |suite: &str| !fresh.iter().any(|f| f == suite) && known.iter().any(|k| k == suite);
+    let rerun = |row: &Row| {
+        partial.contains(&row.suite)
+            && rows
+                .iter()
+                .any(|r| r.suite == row.suite && r.name == row.name)
+    };
     let mut all_rows: Vec<Row> = previous
         .lines()
         .filter_map(Row::parse_markdown)
-        .filter(|r| keep(&r.suite))
+        .filter(|r| keep(&r.suite) && !rerun(r))
         .collect();
     all_rows.extend(rows);
     let mut all_runs: Vec<RunNote> = previous
@@ -442,6 +490,13 @@ mod tests {
         );
         assert!(parse_options(&["--record".into(), "no-equals".into()]).is_err());
         assert!(parse_options(&["--record".into()]).is_err());
+        let o = parse_options(&["--add".into(), "train_step=/tmp/t.log".into()]).unwrap();
+        assert_eq!(
+            o.add,
+            [("train_step".to_string(), "/tmp/t.log".to_string())]
+        );
+        assert!(o.record.is_empty());
+        assert!(parse_options(&["--add".into(), "no-equals".into()]).is_err());
     }
 
     #[test]
@@ -512,6 +567,37 @@ mod tests {
             runs.iter().map(|r| r.text.as_str()).collect::<Vec<_>>(),
             ["yesterday", "today"]
         );
+    }
+
+    #[test]
+    fn a_partial_record_keeps_the_suite_s_other_rows_and_notes() {
+        let s = suites();
+        let suite = "miles-rollout/loop_overlap";
+        let old = rows_for(
+            suite,
+            "xtask-result: glm ours=1ms baseline=2ms\nxtask-result: dsv3 ours=5ms baseline=6ms\n",
+        );
+        let runs = vec![RunNote {
+            suite: suite.into(),
+            text: "yesterday".into(),
+        }];
+        let previous = document(&render_table(&old), &runs);
+        let fresh = rows_for(suite, "xtask-result: dsv3 ours=3ms baseline=6ms\n");
+        let today = vec![RunNote {
+            suite: suite.into(),
+            text: "today".into(),
+        }];
+        let (rows, notes) =
+            merge_partial(&previous, fresh.clone(), today.clone(), &s, &[suite.into()]);
+        assert_eq!(rows, [old[0].clone(), fresh[0].clone()]);
+        assert_eq!(
+            notes.iter().map(|r| r.text.as_str()).collect::<Vec<_>>(),
+            ["yesterday", "today"]
+        );
+        // A whole-suite record replaces both.
+        let (rows, notes) = merge(&previous, fresh.clone(), today, &s);
+        assert_eq!(rows, fresh);
+        assert_eq!(notes.len(), 1);
     }
 
     #[test]
