@@ -6,8 +6,11 @@
 //! Each group's `baseline` is the plain `lm_head → log_softmax → gather` path; targets (printed
 //! as `xtask-result:` lines for `cargo xtask bench`): fused time ≤ 1.0× the baseline, and peak
 //! memory fused / plain ≤ 0.25 (plain / fused ≥ 4; also printed as `peak-memory:` lines).
-//! The plain path at the Qwen vocabulary needs ~12 GiB; it runs only when `MemAvailable`
-//! leaves room for it (otherwise the line says so).
+//! The plain path runs only when `MemAvailable` leaves room for its estimated need: the bytes
+//! per logit measured on the smaller vocabulary's plain run (24 before any measurement) ×
+//! the logits × 1.25. At the Qwen vocabulary that is ~23.7 GiB (32 bytes per logit measured on
+//! flex), more than these 24 GiB machines have free, so the row records the fused side only
+//! and says what the plain side would need.
 //!
 //! With the `wgpu` feature, the same comparison also runs on the kernel device (CubeCL kernels
 //! on wgpu; lavapipe without a GPU) at 1,024 × 128 × 32,000 (the 8:1 tokens : hidden) (`MILES_BENCH_WGPU_TOKENS` /
