@@ -2,7 +2,7 @@
 //! `logprobs` output against the transformers reference, `inspect`, `convert` (dtype, TP/EP)
 //! and one-line errors with exit 2.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use safetensors::SafeTensors;
@@ -136,10 +136,54 @@ fn bad_input_is_one_line_and_exit_2() {
     }
 }
 
-fn qwen2(name: &str) -> PathBuf {
+/// A checkpoint folder of `fixtures/models`.
+fn model(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../fixtures/models")
         .join(name)
+}
+
+/// Runs `miles-bridge logprobs` on `dir`'s `reference_inputs.json`; the JSON it wrote.
+fn run_logprobs(dir: &Path, tag: &str) -> serde_json::Value {
+    let out_file = temp(&format!("{tag}-lp.json"));
+    let out = bin()
+        .args(["logprobs", "--model"])
+        .arg(dir)
+        .arg("--input")
+        .arg(dir.join("reference_inputs.json"))
+        .arg("--out")
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{tag}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got = serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
+    std::fs::remove_file(out_file).ok();
+    got
+}
+
+/// The largest difference between the CLI's token log-probs and transformers' in `dir`'s
+/// `reference_outputs.safetensors` (same count asserted).
+fn max_logprob_diff(dir: &Path, got: &serde_json::Value, tag: &str) -> f32 {
+    let got: Vec<Vec<f32>> = serde_json::from_value(got["token_logprobs"].clone()).unwrap();
+    let got: Vec<f32> = got.into_iter().flatten().collect();
+    let bytes = std::fs::read(dir.join("reference_outputs.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want: Vec<f32> = st
+        .tensor("token_logprobs")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(got.len(), want.len(), "{tag}");
+    got.iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max)
 }
 
 /// `logprobs`, `inspect` and `convert` on the Qwen2 fixtures (tied + GQA, untied + MHA):
@@ -148,43 +192,9 @@ fn qwen2(name: &str) -> PathBuf {
 #[test]
 fn qwen2_logprobs_inspect_and_convert() {
     for (name, kv_heads) in [("qwen2-tiny", 2usize), ("qwen2-untied", 5)] {
-        let dir = qwen2(name);
-        let out_file = temp(&format!("{name}-lp.json"));
-        let out = bin()
-            .args(["logprobs", "--model"])
-            .arg(&dir)
-            .arg("--input")
-            .arg(dir.join("reference_inputs.json"))
-            .arg("--out")
-            .arg(&out_file)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let got: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
-        let got: Vec<Vec<f32>> = serde_json::from_value(got["token_logprobs"].clone()).unwrap();
-        let bytes = std::fs::read(dir.join("reference_outputs.safetensors")).unwrap();
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let want: Vec<f32> = st
-            .tensor("token_logprobs")
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let got: Vec<f32> = got.into_iter().flatten().collect();
-        assert_eq!(got.len(), want.len());
-        let diff = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let dir = model(name);
+        let diff = max_logprob_diff(&dir, &run_logprobs(&dir, name), name);
         assert!(diff <= 1e-4, "{name}: CLI log-probs differ by {diff}");
-        std::fs::remove_file(out_file).ok();
 
         let out = bin().arg("inspect").arg(&dir).output().unwrap();
         assert!(out.status.success());
@@ -254,7 +264,7 @@ fn qwen2_logprobs_inspect_and_convert() {
 /// supported types, instead of loading as some default architecture.
 #[test]
 fn missing_or_unknown_model_type_is_refused() {
-    let src = qwen2("qwen2-tiny");
+    let src = model("qwen2-tiny");
     let text = std::fs::read_to_string(src.join("config.json")).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
     for (case, model_type) in [("none", None), ("unknown", Some("mistral"))] {
@@ -336,41 +346,11 @@ fn logprobs_on_wgpu_cpu_match_reference() {
 #[test]
 fn deepseek_v3_logprobs_inspect_and_convert() {
     for (name, heads, nope_v) in [("dsv3-tiny", 4usize, 16 + 12), ("dsv3-noq", 3, 12 + 24)] {
-        let dir = qwen2(name);
-        let out_file = temp(&format!("{name}-lp.json"));
-        let out = bin()
-            .args(["logprobs", "--model"])
-            .arg(&dir)
-            .arg("--input")
-            .arg(dir.join("reference_inputs.json"))
-            .arg("--out")
-            .arg(&out_file)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let got: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
-        let lp: Vec<Vec<f32>> = serde_json::from_value(got["token_logprobs"].clone()).unwrap();
+        let dir = model(name);
+        let got = run_logprobs(&dir, name);
+        let diff = max_logprob_diff(&dir, &got, name);
         let bytes = std::fs::read(dir.join("reference_outputs.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
-        let want: Vec<f32> = st
-            .tensor("token_logprobs")
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let lp: Vec<f32> = lp.into_iter().flatten().collect();
-        assert_eq!(lp.len(), want.len());
-        let diff = lp
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
         assert!(diff <= 1e-4, "{name}: CLI log-probs differ by {diff}");
         let routed: Vec<Vec<i64>> =
             serde_json::from_value(got["routed_experts"]["layer1"].clone()).unwrap();
@@ -382,7 +362,6 @@ fn deepseek_v3_logprobs_inspect_and_convert() {
             .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
             .collect();
         assert_eq!(routed.concat(), want_routed, "{name}");
-        std::fs::remove_file(out_file).ok();
 
         let out = bin().arg("inspect").arg(&dir).output().unwrap();
         assert!(out.status.success());
@@ -455,42 +434,8 @@ fn logprobs_on_unseen_shapes_match_reference() {
         "kimi-k2",
         "qwen2-window-off",
     ] {
-        let dir = qwen2(&format!("variants/{name}"));
-        let out_file = temp(&format!("variant-{name}-lp.json"));
-        let out = bin()
-            .args(["logprobs", "--model"])
-            .arg(&dir)
-            .arg("--input")
-            .arg(dir.join("reference_inputs.json"))
-            .arg("--out")
-            .arg(&out_file)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let got: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&out_file).unwrap()).unwrap();
-        let lp: Vec<Vec<f32>> = serde_json::from_value(got["token_logprobs"].clone()).unwrap();
-        let bytes = std::fs::read(dir.join("reference_outputs.safetensors")).unwrap();
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let want: Vec<f32> = st
-            .tensor("token_logprobs")
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let lp: Vec<f32> = lp.into_iter().flatten().collect();
-        assert_eq!(lp.len(), want.len(), "{name}");
-        let diff = lp
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let dir = model(&format!("variants/{name}"));
+        let diff = max_logprob_diff(&dir, &run_logprobs(&dir, name), name);
         assert!(diff <= 1e-4, "{name}: CLI log-probs differ by {diff}");
-        std::fs::remove_file(out_file).ok();
     }
 }
