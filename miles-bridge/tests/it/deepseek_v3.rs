@@ -13,14 +13,13 @@ use crate::common::{fixture, reference, rows_of};
 
 use std::path::Path;
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file};
 use miles_bridge::{
     Architecture, BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, LoraConfig, LoraForward,
     ModelConfig, ModelInput, TensorMap, ids_tensor, mtp_tensor_names, names::internal_to_hf,
     token_logprobs,
 };
-use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 
 const FIXTURES: [&str; 2] = ["dsv3-tiny", "dsv3-noq"];
@@ -229,32 +228,7 @@ fn deepseek_v3_fused_log_prob_path_matches_transformers() {
     let rows = rows_of(&dir);
     let device = Device::flex().autodiff();
     let model = CausalLm::from_pretrained(&dir, &device).unwrap();
-    let ids = ids_tensor(&rows, &device).unwrap();
-    let hidden = model
-        .forward_hidden(&ModelInput::new(ids), &Fallthrough)
-        .unwrap()
-        .hidden;
-    let [_, seq, h] = hidden.dims();
-    let mut lps = Vec::new();
-    for (b, row) in rows.iter().enumerate() {
-        let x = hidden
-            .clone()
-            .narrow(0, b, 1)
-            .reshape([seq, h])
-            .narrow(0, 0, seq - 1);
-        let targets = Tensor::<1, Int>::from_data(
-            TensorData::new(row[1..].iter().map(|&t| t as i32).collect(), [seq - 1]),
-            &device,
-        );
-        let fused = FusedLogProbConfig {
-            token_chunk: 4,
-            vocab_chunk: 96,
-            ..FusedLogProbConfig::default()
-        };
-        let (lp, _entropy) = fused.forward(x, model.lm_head_weight(), targets).unwrap();
-        lps.push(lp);
-    }
-    let lp = Tensor::cat(lps, 0);
+    let lp = crate::common::fused_token_logprobs(&model, &rows, &device);
     let refs = reference(&dir, "reference_outputs.safetensors");
     let d_lp = max_abs_diff(
         &lp.clone().into_data().try_to_vec::<f32>().unwrap(),

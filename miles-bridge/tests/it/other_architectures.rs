@@ -8,13 +8,11 @@
 use crate::common::{fixture, reference, rows_of};
 
 use burn::tensor::Device;
-use burn::tensor::{Int, Tensor, TensorData};
 use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file};
 use miles_bridge::{
     Architecture, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput, TensorMap,
     ids_tensor, names::internal_to_hf, token_logprobs,
 };
-use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 
 fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
@@ -184,33 +182,8 @@ fn qwen2_fused_log_prob_path_matches_transformers() {
         let rows = rows_of(&dir);
         let device = Device::flex().autodiff();
         let model = CausalLm::from_pretrained(&dir, &device).unwrap();
-        let ids = ids_tensor(&rows, &device).unwrap();
-        let hidden = model
-            .forward_hidden(&ModelInput::new(ids), &Fallthrough)
-            .unwrap()
-            .hidden;
-        let [batch, seq, h] = hidden.dims();
-        let mut lps = Vec::new();
-        for (b, row) in rows.iter().enumerate() {
-            let x = hidden
-                .clone()
-                .narrow(0, b, 1)
-                .reshape([seq, h])
-                .narrow(0, 0, seq - 1);
-            let targets = Tensor::<1, Int>::from_data(
-                TensorData::new(row[1..].iter().map(|&t| t as i32).collect(), [seq - 1]),
-                &device,
-            );
-            // Small chunks so the op really chunks tokens and vocabulary.
-            let fused = FusedLogProbConfig {
-                token_chunk: 4,
-                vocab_chunk: 96,
-                ..FusedLogProbConfig::default()
-            };
-            let (lp, _entropy) = fused.forward(x, model.lm_head_weight(), targets).unwrap();
-            lps.push(lp);
-        }
-        let lp = Tensor::cat(lps, 0);
+        let lp = crate::common::fused_token_logprobs(&model, &rows, &device);
+        let (batch, seq) = (rows.len(), rows[0].len());
         let refs = reference(&dir, "reference_outputs.safetensors");
         let host = lp.clone().into_data().try_to_vec::<f32>().unwrap();
         assert_eq!(host.len(), batch * (seq - 1));

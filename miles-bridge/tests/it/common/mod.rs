@@ -3,8 +3,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::tensor::Device;
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use miles_bridge::{CausalLm, KvCache, ModelInput, ids_tensor};
+use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 use safetensors::SafeTensors;
 
@@ -193,4 +194,39 @@ pub fn assert_matches_reference(dir: &Path, moe_layers: &[usize], tol: f64) -> f
     checkpoint.retain(|_, t| t.numel() > 0);
     assert_eq!(exported, checkpoint, "{name}: export = checkpoint");
     d_lp
+}
+
+/// Token log-probs of `rows` (next-token, `[rows × (seq - 1)]` flattened) through the training
+/// path that never materialises the logits: `forward_hidden` and miles-ops' fused chunked
+/// log-prob op against `lm_head_weight()`, in small chunks so the op really chunks tokens and
+/// vocabulary. Differentiable when `device` is an autodiff device.
+pub fn fused_token_logprobs(model: &CausalLm, rows: &[Vec<u32>], device: &Device) -> Tensor<1> {
+    let ids = ids_tensor(rows, device).unwrap();
+    let hidden = model
+        .forward_hidden(&ModelInput::new(ids), &Fallthrough)
+        .unwrap()
+        .hidden;
+    let [_, seq, h] = hidden.dims();
+    let fused = FusedLogProbConfig {
+        token_chunk: 4,
+        vocab_chunk: 96,
+        ..FusedLogProbConfig::default()
+    };
+    let lps = rows
+        .iter()
+        .enumerate()
+        .map(|(b, row)| {
+            let x = hidden
+                .clone()
+                .narrow(0, b, 1)
+                .reshape([seq, h])
+                .narrow(0, 0, seq - 1);
+            let targets = Tensor::<1, Int>::from_data(
+                TensorData::new(row[1..].iter().map(|&t| t as i32).collect(), [seq - 1]),
+                device,
+            );
+            fused.forward(x, model.lm_head_weight(), targets).unwrap().0
+        })
+        .collect();
+    Tensor::cat(lps, 0)
 }
