@@ -33,6 +33,15 @@ impl FloatDtype {
         }
     }
 
+    /// The same dtype in miles-core's vocabulary.
+    fn core(self) -> miles_core::DType {
+        match self {
+            Self::F32 => miles_core::DType::F32,
+            Self::Bf16 => miles_core::DType::BF16,
+            Self::F16 => miles_core::DType::F16,
+        }
+    }
+
     fn safetensors(self) -> Dtype {
         match self {
             Self::F32 => Dtype::F32,
@@ -346,66 +355,32 @@ pub fn serialize_safetensors(
 
 /// Writes `tensors` into `dir` as `model.safetensors` (when `max_shard_bytes` is `None` or
 /// everything fits) or as `model-0000i-of-0000n.safetensors` shards plus
-/// `model.safetensors.index.json`. Returns the files written.
+/// `model.safetensors.index.json`, split and indexed as `save_pretrained` does
+/// ([`miles_core::NamedTensors::write_hf_shards`]), each file synced to disk. Returns the files
+/// written.
 pub fn write_checkpoint_dir(
     dir: &Path,
     tensors: &TensorMap,
     dtype: Option<FloatDtype>,
     max_shard_bytes: Option<usize>,
 ) -> Result<Vec<PathBuf>, BridgeError> {
-    std::fs::create_dir_all(dir).map_err(|e| BridgeError::io(dir, e))?;
-    let size_of =
-        |t: &HostTensor| t.numel() * dtype.map_or_else(|| t.dtype.size(), FloatDtype::size);
-    let mut shards: Vec<TensorMap> = vec![TensorMap::new()];
-    let mut current = 0usize;
+    let mut named = miles_core::NamedTensors::new();
     for (name, tensor) in tensors {
-        let size = size_of(tensor);
-        if let Some(limit) = max_shard_bytes
-            && current > 0
-            && current + size > limit
-        {
-            shards.push(TensorMap::new());
-            current = 0;
-        }
-        current += size;
-        if let Some(last) = shards.last_mut() {
-            last.insert(name.clone(), tensor.clone());
-        }
+        let bytes = miles_core::TensorBytes::new(
+            tensor.dtype.core(),
+            tensor.shape.clone(),
+            tensor.bytes.clone(),
+        )
+        .map_err(|e| safetensors_error(Path::new(name), e))?;
+        named.insert(name.clone(), bytes);
     }
-    let mut written = Vec::new();
-    if shards.len() == 1 {
-        let path = dir.join(SINGLE_FILE);
-        let bytes = serialize_safetensors(&shards[0], dtype)?;
-        std::fs::write(&path, bytes).map_err(|e| BridgeError::io(&path, e))?;
-        written.push(path);
-        return Ok(written);
-    }
-    let n = shards.len();
-    let mut weight_map = serde_json::Map::new();
-    let mut total = 0usize;
-    for (i, shard) in shards.iter().enumerate() {
-        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-        for (name, tensor) in shard {
-            weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
-            total += size_of(tensor);
-        }
-        let path = dir.join(&file);
-        let bytes = serialize_safetensors(shard, dtype)?;
-        std::fs::write(&path, bytes).map_err(|e| BridgeError::io(&path, e))?;
-        written.push(path);
-    }
-    let index = serde_json::json!({
-        "metadata": {"total_size": total},
-        "weight_map": weight_map,
-    });
-    let path = dir.join(INDEX_FILE);
-    let text = serde_json::to_string_pretty(&index).map_err(|e| BridgeError::Json {
-        path: path.clone(),
-        source: e,
-    })?;
-    std::fs::write(&path, text).map_err(|e| BridgeError::io(&path, e))?;
-    written.push(path);
-    Ok(written)
+    let limit = max_shard_bytes.map_or(u64::MAX, |b| b as u64);
+    named
+        .write_hf_shards(dir, dtype.map(FloatDtype::core), limit)
+        .map_err(|e| match e {
+            miles_core::Error::Io { path, source } => BridgeError::io(&path, source),
+            other => safetensors_error(dir, other),
+        })
 }
 
 #[cfg(test)]

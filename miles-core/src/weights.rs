@@ -3,6 +3,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::fs;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
@@ -131,6 +134,12 @@ impl DType {
         }
     }
 
+    /// Whether this is a floating-point type (the types [`TensorBytes::cast`] converts
+    /// between).
+    pub fn is_float(self) -> bool {
+        matches!(self, Self::F64 | Self::F32 | Self::F16 | Self::BF16)
+    }
+
     /// The safetensors name.
     pub fn name(self) -> &'static str {
         match self {
@@ -249,6 +258,91 @@ impl TensorBytes {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// This tensor converted to the float type `to`, rounding to nearest, ties to even, as
+    /// torch's `Tensor.to(dtype)` does (NaN stays NaN, overflow becomes ±inf). Non-float
+    /// tensors (ids, masks) and tensors already of type `to` are returned unchanged; `to`
+    /// must be a float type.
+    pub fn cast(&self, to: DType) -> Result<Self> {
+        let target = self.cast_target(to)?;
+        if target == self.dtype {
+            return Ok(self.clone());
+        }
+        let mut data = Vec::with_capacity(self.numel() * target.size());
+        self.write_as(target, &mut data)
+            .map_err(|e| Error::Tensor {
+                name: String::new(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            dtype: target,
+            shape: self.shape.clone(),
+            data,
+        })
+    }
+
+    /// The dtype this tensor takes when cast to `to`: `to` for float tensors, its own dtype
+    /// for the others.
+    fn cast_target(&self, to: DType) -> Result<DType> {
+        if !to.is_float() {
+            return Err(Error::Tensor {
+                name: String::new(),
+                reason: format!("cannot cast to {to:?}: only float targets"),
+            });
+        }
+        Ok(if self.dtype.is_float() {
+            to
+        } else {
+            self.dtype
+        })
+    }
+
+    /// Writes this tensor's bytes converted to `to` (a float type, or the tensor's own dtype),
+    /// element by element in bounded chunks, without a second copy of the tensor.
+    fn write_as(&self, to: DType, out: &mut impl Write) -> std::io::Result<()> {
+        if to == self.dtype {
+            return out.write_all(&self.data);
+        }
+        const CHUNK: usize = 16 * 1024;
+        let from = self.dtype;
+        let mut buf = Vec::with_capacity(CHUNK * to.size());
+        for chunk in self.data.chunks(CHUNK * from.size()) {
+            buf.clear();
+            for elem in chunk.chunks_exact(from.size()) {
+                // f16, bf16 and f32 values widen to f32 exactly, so each element is rounded
+                // once, from its own precision, as torch rounds.
+                let wide = match from {
+                    DType::F64 => {
+                        let x = f64::from_le_bytes(elem.try_into().unwrap_or_default());
+                        match to {
+                            DType::F32 => buf.extend_from_slice(&(x as f32).to_le_bytes()),
+                            DType::F16 => {
+                                buf.extend_from_slice(&half::f16::from_f64(x).to_le_bytes())
+                            }
+                            DType::BF16 => {
+                                buf.extend_from_slice(&half::bf16::from_f64(x).to_le_bytes())
+                            }
+                            _ => unreachable!("cast targets are float types"),
+                        }
+                        continue;
+                    }
+                    DType::F32 => f32::from_le_bytes(elem.try_into().unwrap_or_default()),
+                    DType::F16 => half::f16::from_le_bytes([elem[0], elem[1]]).to_f32(),
+                    DType::BF16 => half::bf16::from_le_bytes([elem[0], elem[1]]).to_f32(),
+                    _ => unreachable!("write_as is only called with float tensors"),
+                };
+                match to {
+                    DType::F64 => buf.extend_from_slice(&f64::from(wide).to_le_bytes()),
+                    DType::F32 => buf.extend_from_slice(&wide.to_le_bytes()),
+                    DType::F16 => buf.extend_from_slice(&half::f16::from_f32(wide).to_le_bytes()),
+                    DType::BF16 => buf.extend_from_slice(&half::bf16::from_f32(wide).to_le_bytes()),
+                    _ => unreachable!("cast targets are float types"),
+                }
+            }
+            out.write_all(&buf)?;
+        }
+        Ok(())
+    }
 }
 
 /// HF-named tensors (`model.layers.0.self_attn.q_proj.weight` → tensor), in name order, plus
@@ -319,44 +413,119 @@ impl NamedTensors {
     /// first in the library's `Dtype` order (… I64, F64, … I32, … U8, BOOL), then by name, so
     /// every tensor starts aligned to its element size; the header lists them in that order.
     pub fn to_safetensors_bytes(&self) -> Vec<u8> {
-        // The header is written entry by entry, in the library's order, rather than through a
-        // `serde_json::Map` (whose order depends on serde_json's `preserve_order` feature).
-        let json_string = |s: &str| Value::String(s.to_owned()).to_string();
-        let mut entries = Vec::with_capacity(self.tensors.len() + 1);
-        if !self.metadata.is_empty() {
-            let meta: Vec<String> = self
-                .metadata
-                .iter()
-                .map(|(k, v)| format!("{}:{}", json_string(k), json_string(v)))
-                .collect();
-            entries.push(format!("\"__metadata__\":{{{}}}", meta.join(",")));
-        }
-        let mut order: Vec<(&String, &TensorBytes)> = self.tensors.iter().collect();
-        // Stable: names stay in order within a dtype.
-        order.sort_by_key(|(_, t)| std::cmp::Reverse(t.dtype.safetensors_rank()));
-        let mut offset = 0usize;
-        for (name, tensor) in &order {
-            let end = offset + tensor.data.len();
-            let shape: Vec<String> = tensor.shape.iter().map(ToString::to_string).collect();
-            entries.push(format!(
-                "{}:{{\"dtype\":{},\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
-                json_string(name),
-                json_string(tensor.dtype.name()),
-                shape.join(","),
-            ));
-            offset = end;
-        }
-        let mut header_bytes = format!("{{{}}}", entries.join(",")).into_bytes();
-        while !header_bytes.len().is_multiple_of(8) {
-            header_bytes.push(b' ');
-        }
-        let mut out = Vec::with_capacity(8 + header_bytes.len() + offset);
-        out.extend_from_slice(&(header_bytes.len() as u64).to_le_bytes());
-        out.extend_from_slice(&header_bytes);
-        for (_, tensor) in order {
-            out.extend_from_slice(&tensor.data);
-        }
+        let entries: Vec<(&str, &TensorBytes)> = self.iter().collect();
+        let mut out = Vec::with_capacity(self.total_bytes() + 64 * (entries.len() + 1));
+        // Writing into a Vec cannot fail, and these dtypes need no cast.
+        let _ = write_safetensors(&entries, None, &self.metadata, &mut out);
         out
+    }
+
+    /// Writes the set as a Hugging Face checkpoint's weight files into `dir` (created if
+    /// missing), each float tensor cast to `cast` when given (ids and masks keep their
+    /// dtype), the way `save_pretrained` / `huggingface_hub.split_torch_state_dict_into_shards`
+    /// lay them out:
+    ///
+    /// - tensors are taken in name order and packed into shards of at most
+    ///   `max_shard_bytes` bytes of tensor data: a tensor that would tip the current shard
+    ///   over the limit starts a new one, and a tensor larger than the limit gets a shard of
+    ///   its own;
+    /// - one shard is `model.safetensors`; several are
+    ///   `model-00001-of-0000N.safetensors` … plus `model.safetensors.index.json`
+    ///   (`{"metadata": {"total_parameters", "total_size"}, "weight_map": {name: file}}`,
+    ///   keys sorted, two-space indent, as transformers writes it);
+    /// - each shard's header carries the set's metadata and `"format": "pt"`.
+    ///
+    /// The data is streamed (at most one chunk of a tensor is held converted) and every file
+    /// is synced to disk before this returns. Returns the files written, shards first.
+    pub fn write_hf_shards(
+        &self,
+        dir: &Path,
+        cast: Option<DType>,
+        max_shard_bytes: u64,
+    ) -> Result<Vec<PathBuf>> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| Error::Io { path, source }
+        };
+        // The size of every tensor as written, checking the cast up front.
+        let mut sized = Vec::with_capacity(self.tensors.len());
+        let mut total_size = 0u64;
+        let mut total_parameters = 0u64;
+        for (name, tensor) in self.iter() {
+            let dtype = match cast {
+                Some(to) => tensor.cast_target(to)?,
+                None => tensor.dtype,
+            };
+            let bytes = (tensor.numel() * dtype.size()) as u64;
+            total_size += bytes;
+            total_parameters += tensor.numel() as u64;
+            sized.push((name, tensor, bytes));
+        }
+        let mut shards: Vec<Vec<(&str, &TensorBytes)>> = Vec::new();
+        let mut current: Vec<(&str, &TensorBytes)> = Vec::new();
+        let mut current_bytes = 0u64;
+        for (name, tensor, bytes) in sized {
+            if bytes > max_shard_bytes {
+                shards.push(vec![(name, tensor)]);
+                continue;
+            }
+            if current_bytes + bytes > max_shard_bytes {
+                shards.push(std::mem::take(&mut current));
+                current_bytes = 0;
+            }
+            current.push((name, tensor));
+            current_bytes += bytes;
+        }
+        if !current.is_empty() || shards.is_empty() {
+            shards.push(current);
+        }
+        fs::create_dir_all(dir).map_err(io(dir))?;
+        let mut metadata = self.metadata.clone();
+        metadata
+            .entry("format".to_owned())
+            .or_insert_with(|| "pt".to_owned());
+        let count = shards.len();
+        let file_name = |i: usize| {
+            if count == 1 {
+                "model.safetensors".to_owned()
+            } else {
+                format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+            }
+        };
+        let mut written = Vec::with_capacity(count + 1);
+        let mut weight_map = BTreeMap::new();
+        for (i, shard) in shards.iter().enumerate() {
+            let name = file_name(i);
+            let path = dir.join(&name);
+            let file = fs::File::create(&path).map_err(io(&path))?;
+            let mut out = BufWriter::with_capacity(1 << 20, file);
+            write_safetensors(shard, cast, &metadata, &mut out).map_err(io(&path))?;
+            let file = out.into_inner().map_err(|e| io(&path)(e.into_error()))?;
+            file.sync_all().map_err(io(&path))?;
+            for (tensor, _) in shard {
+                weight_map.insert(tensor.to_string(), Value::String(name.clone()));
+            }
+            written.push(path);
+        }
+        if count > 1 {
+            let mut meta = Map::new();
+            meta.insert("total_parameters".into(), total_parameters.into());
+            meta.insert("total_size".into(), total_size.into());
+            let mut index = BTreeMap::new();
+            index.insert("metadata", Value::Object(meta));
+            index.insert(
+                "weight_map",
+                Value::Object(weight_map.into_iter().collect()),
+            );
+            let mut text = serde_json::to_string_pretty(&index)?;
+            text.push('\n');
+            let path = dir.join("model.safetensors.index.json");
+            let mut file = fs::File::create(&path).map_err(io(&path))?;
+            file.write_all(text.as_bytes()).map_err(io(&path))?;
+            file.sync_all().map_err(io(&path))?;
+            written.push(path);
+        }
+        Ok(written)
     }
 
     /// Parses a safetensors buffer. Truncated buffers, bad headers, unknown dtypes, offsets
@@ -442,6 +611,63 @@ impl FromIterator<(String, TensorBytes)> for NamedTensors {
             metadata: BTreeMap::new(),
         }
     }
+}
+
+/// Writes `entries` (each float tensor cast to `cast` when given) in the safetensors format,
+/// byte for byte as the safetensors library serialises (see
+/// [`NamedTensors::to_safetensors_bytes`]): tensors ordered by their written dtype, widest
+/// first in the library's order, then by name. Returns the bytes written.
+fn write_safetensors(
+    entries: &[(&str, &TensorBytes)],
+    cast: Option<DType>,
+    metadata: &BTreeMap<String, String>,
+    out: &mut impl Write,
+) -> std::io::Result<u64> {
+    // The header is written entry by entry, in the library's order, rather than through a
+    // `serde_json::Map` (whose order depends on serde_json's `preserve_order` feature).
+    let json_string = |s: &str| Value::String(s.to_owned()).to_string();
+    let mut order = Vec::with_capacity(entries.len());
+    for (name, tensor) in entries {
+        let dtype = match cast {
+            Some(to) => tensor
+                .cast_target(to)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+            None => tensor.dtype,
+        };
+        order.push((*name, *tensor, dtype));
+    }
+    // Stable: names stay in the given order within a dtype.
+    order.sort_by_key(|(_, _, dtype)| std::cmp::Reverse(dtype.safetensors_rank()));
+    let mut header = Vec::with_capacity(order.len() + 1);
+    if !metadata.is_empty() {
+        let meta: Vec<String> = metadata
+            .iter()
+            .map(|(k, v)| format!("{}:{}", json_string(k), json_string(v)))
+            .collect();
+        header.push(format!("\"__metadata__\":{{{}}}", meta.join(",")));
+    }
+    let mut offset = 0usize;
+    for (name, tensor, dtype) in &order {
+        let end = offset + tensor.numel() * dtype.size();
+        let shape: Vec<String> = tensor.shape.iter().map(ToString::to_string).collect();
+        header.push(format!(
+            "{}:{{\"dtype\":{},\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
+            json_string(name),
+            json_string(dtype.name()),
+            shape.join(","),
+        ));
+        offset = end;
+    }
+    let mut header_bytes = format!("{{{}}}", header.join(",")).into_bytes();
+    while !header_bytes.len().is_multiple_of(8) {
+        header_bytes.push(b' ');
+    }
+    out.write_all(&(header_bytes.len() as u64).to_le_bytes())?;
+    out.write_all(&header_bytes)?;
+    for (_, tensor, dtype) in order {
+        tensor.write_as(dtype, out)?;
+    }
+    Ok((8 + header_bytes.len() + offset) as u64)
 }
 
 #[cfg(test)]
@@ -543,5 +769,244 @@ mod tests {
         }
         assert!(TensorBytes::new(DType::F16, vec![2], vec![0; 3]).is_err());
         assert!("Q8".parse::<DType>().is_err());
+    }
+
+    fn u16s(t: &TensorBytes) -> Vec<u16> {
+        t.data()
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect()
+    }
+
+    #[test]
+    fn casts_round_as_torch_does() {
+        // torch 2.15: torch.tensor(VALUES, dtype=torch.float32).to(dtype).view(torch.int16)
+        // (as unsigned). Ties go to even (1 + 2^-8 → 1.0 in bf16), overflow to inf (70000 in
+        // f16), underflow to zero (1e-8 in f16). torch writes a float32 NaN as 0xFFFF in bf16
+        // on its vector path and 0x7E00 in f16; only NaN-ness is compared.
+        let values = [
+            1.0f32,
+            1.003_906_3,
+            1.011_718_8,
+            -2.5,
+            65504.0,
+            70000.0,
+            1e-8,
+            f32::NAN,
+            3.0e38,
+            -0.0,
+            0.1,
+        ];
+        let t = TensorBytes::from_f32(vec![values.len()], &values).unwrap();
+        let bf16 = t.cast(DType::BF16).unwrap();
+        assert_eq!(bf16.dtype(), DType::BF16);
+        assert_eq!(bf16.shape(), &[11]);
+        let want_bf16 = [
+            16256u16, 16256, 16258, 49184, 18304, 18313, 12844, 0, 32610, 32768, 15821,
+        ];
+        let f16 = t.cast(DType::F16).unwrap();
+        let want_f16 = [
+            15360u16, 15364, 15372, 49408, 31743, 31744, 0, 0, 31744, 32768, 11878,
+        ];
+        for (got, want, nan) in [
+            (u16s(&bf16), want_bf16, (0x7f80u16, 0x7fu16)),
+            (u16s(&f16), want_f16, (0x7c00, 0x3ff)),
+        ] {
+            let (exponent, mantissa) = nan;
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                if i == 7 {
+                    let is_nan = g & exponent == exponent && g & mantissa != 0;
+                    assert!(is_nan, "NaN stays NaN: {g:#x}");
+                } else {
+                    assert_eq!(*g, w, "element {i}");
+                }
+            }
+        }
+        // Back to f32: exact widening.
+        let back = bf16.cast(DType::F32).unwrap().to_f32().unwrap();
+        assert_eq!(back[2], 1.015_625);
+        // f64 sources round once: torch.tensor([0.1, 1.0000000001, 1e300], dtype=float64).
+        let f64s: Vec<u8> = [0.1f64, 1.000_000_000_1, 1e300]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let t64 = TensorBytes::new(DType::F64, vec![3], f64s).unwrap();
+        assert_eq!(u16s(&t64.cast(DType::BF16).unwrap()), [15821, 16256, 32640]);
+        assert_eq!(u16s(&t64.cast(DType::F16).unwrap()), [11878, 15360, 31744]);
+        let f32s: Vec<u32> = t64
+            .cast(DType::F32)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(f32s, [1_036_831_949, 1_065_353_216, 2_139_095_040]);
+        // f16 → bf16: torch.tensor([1.0009765625, 0.0001, 65504.0], dtype=float16).
+        let h = TensorBytes::new(
+            DType::F16,
+            vec![3],
+            [15361u16, 1678, 31743]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+        )
+        .unwrap();
+        assert_eq!(u16s(&h.cast(DType::BF16).unwrap()), [16256, 14546, 18304]);
+        // Ids keep their dtype; integer targets are refused.
+        let ids = TensorBytes::new(DType::I64, vec![1], 5i64.to_le_bytes().to_vec()).unwrap();
+        assert_eq!(ids.cast(DType::BF16).unwrap(), ids);
+        assert!(t.cast(DType::I32).is_err());
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "miles-core-{name}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    /// The shard plan of `huggingface_hub` 2.4.0 (`split_state_dict_into_shards_factory`,
+    /// behind `split_torch_state_dict_into_shards` and `save_pretrained`) for tensors of
+    /// a 40, b 30, c 100, d 10, e 50, f 0, g 60 bytes:
+    /// max 60 → [a] [c] [b d] [e f] [g]; max 99 → [c] [a b d] [e f] [g]; max 1000 → one
+    /// `model.safetensors`, no index.
+    #[test]
+    fn shards_split_as_huggingface_hub_splits_them() {
+        let sizes = [
+            ("a.weight", 40),
+            ("b.weight", 30),
+            ("c.weight", 100),
+            ("d.weight", 10),
+            ("e.weight", 50),
+            ("f.weight", 0),
+            ("g.weight", 60),
+        ];
+        let mut set = NamedTensors::new();
+        for (i, (name, bytes)) in sizes.iter().enumerate() {
+            set.insert(
+                *name,
+                TensorBytes::new(DType::U8, vec![*bytes], vec![i as u8; *bytes]).unwrap(),
+            );
+        }
+        let plans: [(u64, &[&[&str]]); 3] = [
+            (
+                60,
+                &[
+                    &["a.weight"],
+                    &["c.weight"],
+                    &["b.weight", "d.weight"],
+                    &["e.weight", "f.weight"],
+                    &["g.weight"],
+                ],
+            ),
+            (
+                99,
+                &[
+                    &["c.weight"],
+                    &["a.weight", "b.weight", "d.weight"],
+                    &["e.weight", "f.weight"],
+                    &["g.weight"],
+                ],
+            ),
+            (
+                1000,
+                &[&[
+                    "a.weight", "b.weight", "c.weight", "d.weight", "e.weight", "f.weight",
+                    "g.weight",
+                ]],
+            ),
+        ];
+        for (max, plan) in plans {
+            let dir = scratch(&format!("shards-{max}"));
+            let files = set.write_hf_shards(&dir, None, max).unwrap();
+            let n = plan.len();
+            let mut merged = NamedTensors::new();
+            for (i, names) in plan.iter().enumerate() {
+                let file = if n == 1 {
+                    "model.safetensors".to_owned()
+                } else {
+                    format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+                };
+                assert_eq!(files[i], dir.join(&file));
+                let shard =
+                    NamedTensors::from_safetensors_bytes(&fs::read(dir.join(&file)).unwrap())
+                        .unwrap();
+                assert_eq!(shard.metadata()["format"], "pt");
+                let got: Vec<&str> = shard.iter().map(|(k, _)| k).collect();
+                assert_eq!(got, *names, "shard {i} of max {max}");
+                for (k, v) in shard.iter() {
+                    merged.insert(k, v.clone());
+                }
+            }
+            assert_eq!(merged.tensors, set.tensors);
+            let index = dir.join("model.safetensors.index.json");
+            if n == 1 {
+                assert_eq!(files.len(), 1);
+                assert!(!index.exists());
+            } else {
+                assert_eq!(files.last(), Some(&index));
+                let text = fs::read_to_string(&index).unwrap();
+                // json.dumps(index, indent=2, sort_keys=True) + "\n", as transformers writes.
+                assert!(text.starts_with(
+                    "{\n  \"metadata\": {\n    \"total_parameters\": 290,\n    \"total_size\": 290\n  },\n  \"weight_map\": {\n    \"a.weight\": \"model-"
+                ), "{text}");
+                assert!(text.ends_with("}\n}\n"));
+                let index: Value = serde_json::from_str(&text).unwrap();
+                for (i, names) in plan.iter().enumerate() {
+                    for name in *names {
+                        assert_eq!(
+                            index["weight_map"][*name],
+                            format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+                        );
+                    }
+                }
+            }
+            fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn shards_are_written_in_the_cast_dtype() {
+        let mut set = NamedTensors::new();
+        set.insert(
+            "w",
+            TensorBytes::from_f32(vec![2, 2], &[1.0, 1.003_906_3, -2.5, 0.1]).unwrap(),
+        );
+        set.insert(
+            "ids",
+            TensorBytes::new(DType::I64, vec![1], 9i64.to_le_bytes().to_vec()).unwrap(),
+        );
+        set.set_metadata("weight_version", "4");
+        let dir = scratch("cast");
+        // Sizes as written: w 8 bytes in bf16, ids 8: two shards at max 8.
+        set.write_hf_shards(&dir, Some(DType::BF16), 8).unwrap();
+        let first = NamedTensors::from_safetensors_bytes(
+            &fs::read(dir.join("model-00001-of-00002.safetensors")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(first.get("ids"), set.get("ids"));
+        assert_eq!(first.metadata()["weight_version"], "4");
+        let second = NamedTensors::from_safetensors_bytes(
+            &fs::read(dir.join("model-00002-of-00002.safetensors")).unwrap(),
+        )
+        .unwrap();
+        let w = second.get("w").unwrap();
+        assert_eq!(w.dtype(), DType::BF16);
+        assert_eq!(u16s(w), [16256, 16256, 49184, 15821]);
+        let index: Value = serde_json::from_str(
+            &fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(index["metadata"]["total_size"], 16);
+        assert_eq!(index["metadata"]["total_parameters"], 5);
+        fs::remove_dir_all(&dir).unwrap();
+        // A bad target writes nothing.
+        let dir = scratch("bad-cast");
+        assert!(set.write_hf_shards(&dir, Some(DType::U8), 100).is_err());
+        assert!(!dir.join("model.safetensors").exists());
+        let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -6,7 +6,11 @@
 //!   updated one after the other (what `SglangEngine`s with only `shared_weights_dir` and a
 //!   sequential loop over them do);
 //! * ours (after): one `WeightPublisher` shared by the fleet writes the version once, and the
-//!   `Router` sends `update_weights_from_disk` to every engine at once.
+//!   `Router` sends `update_weights_from_disk` to every engine at once. The servers say they
+//!   serve `float32` (`/get_server_info`), so the version is written in f32;
+//! * ours, bf16 (`weight_sync_4_servers_bf16`): the same fleet with the weights written in
+//!   bf16, the dtype SGLang serves LLM checkpoints in (`WeightDtype::Cast(BF16)`; the embedded
+//!   servers widen it back to f32 on load), so half the bytes go through the disk.
 //!
 //! Both include the export (model → HF-named f32 tensors). Median of 3 rounds each, spread in
 //! the note. `cargo xtask bench --only weight_sync`.
@@ -23,7 +27,7 @@ use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{DType, InferenceEngine, NamedTensors, TensorBytes, WeightVersion};
 use miles_rollout::server::{ServerInfo, sglang_router};
 use miles_rollout::{EmbeddedEngine, EngineConfig, Router};
-use miles_session::sglang::{SglangConfig, SglangEngine, WeightPublisher};
+use miles_session::sglang::{SglangConfig, SglangEngine, WeightDtype, WeightPublisher};
 
 const SERVERS: usize = 4;
 const ROUNDS: usize = 3;
@@ -104,31 +108,41 @@ async fn run() {
         }
     }
 
-    // After: one write for the fleet, every engine at once.
-    let publisher = Arc::new(WeightPublisher::new(root.join("shared")).with_keep(2));
-    let router = Router::new(
-        urls.iter()
-            .enumerate()
-            .map(|(i, url)| {
-                let engine: Arc<dyn InferenceEngine> = Arc::new(SglangEngine::new(
-                    SglangConfig::new(url.clone()).with_publisher(publisher.clone()),
-                ));
-                (format!("engine-{i}"), engine, None)
-            })
-            .collect(),
-    );
+    // After: one write for the fleet, every engine at once; in the dtype the servers serve
+    // (f32), then in bf16.
     let mut after = Vec::new();
-    for _ in 0..ROUNDS {
-        version += 1;
-        let started = Instant::now();
-        let weights = export(&model);
-        router
-            .update_weights(&weights, WeightVersion(version))
-            .await
-            .expect("update");
-        after.push(started.elapsed().as_secs_f64());
+    let mut writes = Vec::new();
+    for (name, dtype) in [
+        ("shared", WeightDtype::Served),
+        ("shared-bf16", WeightDtype::Cast(DType::BF16)),
+    ] {
+        let publisher = Arc::new(WeightPublisher::new(root.join(name)).with_keep(2));
+        let router = Router::new(
+            urls.iter()
+                .enumerate()
+                .map(|(i, url)| {
+                    let config = SglangConfig::new(url.clone())
+                        .with_publisher(publisher.clone())
+                        .with_weight_dtype(dtype);
+                    let engine: Arc<dyn InferenceEngine> = Arc::new(SglangEngine::new(config));
+                    (format!("engine-{i}"), engine, None)
+                })
+                .collect(),
+        );
+        let mut times = Vec::new();
+        for _ in 0..ROUNDS {
+            version += 1;
+            let started = Instant::now();
+            let weights = export(&model);
+            router
+                .update_weights(&weights, WeightVersion(version))
+                .await
+                .expect("update");
+            times.push(started.elapsed().as_secs_f64());
+        }
+        after.push(times);
+        writes.push(publisher.writes());
     }
-    let writes = publisher.writes();
     let _ = std::fs::remove_dir_all(&root);
     let spread = |v: &[f64]| {
         let min = v.iter().copied().fold(f64::INFINITY, f64::min);
@@ -136,11 +150,21 @@ async fn run() {
         format!("{min:.2}-{max:.2} s")
     };
     println!(
-        "xtask-result: weight_sync_4_servers ours={:.3}s baseline={:.3}s target=<=0.5 note=export + push of an 88 M GLM-4-MoE ({} MB f32) to {SERVERS} loopback servers; ours: one WeightPublisher write ({writes} writes for {ROUNDS} versions) and concurrent update_weights_from_disk through the Router (spread {}); baseline: a copy per engine, engines one after the other (spread {}); median of {ROUNDS} rounds",
-        median(after.clone()),
+        "xtask-result: weight_sync_4_servers ours={:.3}s baseline={:.3}s target=<=0.5 note=export + push of an 88 M GLM-4-MoE ({} MB f32) to {SERVERS} loopback servers; ours: one WeightPublisher write in the dtype the servers serve (f32; {} writes for {ROUNDS} versions) and concurrent update_weights_from_disk through the Router (spread {}); baseline: a copy per engine, engines one after the other (spread {}); median of {ROUNDS} rounds",
+        median(after[0].clone()),
         median(before.clone()),
         bytes >> 20,
-        spread(&after),
+        writes[0],
+        spread(&after[0]),
+        spread(&before),
+    );
+    println!(
+        "xtask-result: weight_sync_4_servers_bf16 ours={:.3}s baseline={:.3}s target=<=0.5 note=as weight_sync_4_servers with the version written once in bf16 ({} MB; {} writes for {ROUNDS} versions), the servers widening it to f32 on load (spread {}); baseline: the same f32 copy-per-engine run as weight_sync_4_servers; median of {ROUNDS} rounds",
+        median(after[1].clone()),
+        median(before.clone()),
+        bytes >> 21,
+        writes[1],
+        spread(&after[1]),
         spread(&before),
     );
 }

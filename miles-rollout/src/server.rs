@@ -1222,6 +1222,9 @@ async fn server_info(State(state): AppStateRef) -> Response {
             "served_model_name": info.served_model_name,
             "context_length": info.context_length,
             "vocab_size": info.vocab_size,
+            // SGLang's `--dtype`: the embedded engine holds and computes its weights in f32,
+            // so SGLang clients write weight updates in f32 for it.
+            "dtype": "float32",
             "skip_tokenizer_init": info.tokenizer.is_none(),
             "chat_family": info.tokenizer.as_ref().map(|t| t.family().to_owned()),
             "version": concat!("miles-rollout ", env!("CARGO_PKG_VERSION")),

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use hyper::Method;
 use miles_core::{
-    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors,
-    PauseMode, RequestId, RoutedExperts, TokenId, WeightVersion, async_trait,
+    DType, EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine,
+    NamedTensors, PauseMode, RequestId, RoutedExperts, TokenId, WeightVersion, async_trait,
 };
 use serde_json::{Value, json};
 
@@ -23,11 +23,56 @@ use crate::guard::ApiKey;
 use crate::http::{HttpClient, HttpResponse};
 use crate::server::ROUTING_KEY_HEADER;
 
+/// The dtype weight versions are written in for an SGLang-compatible engine.
+///
+/// SGLang loads `update_weights_from_disk` checkpoints into the dtype it serves (its
+/// `--dtype`, `bfloat16` for most LLM checkpoints), so writing f32 only doubles the bytes
+/// written and read. The default, [`WeightDtype::Served`], asks the engine once
+/// (`/get_server_info`'s `dtype`) and writes in that dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum WeightDtype {
+    /// The dtype the engine serves ([`WeightDtype::from_served`] of `/get_server_info`'s
+    /// `dtype`; bf16 when the engine does not say).
+    #[default]
+    Served,
+    /// The trainer's tensors as exported, no cast.
+    Exported,
+    /// Every float tensor cast to this float dtype.
+    Cast(DType),
+}
+
+impl WeightDtype {
+    /// The dtype to write for an engine that reports serving `dtype` (SGLang's `--dtype`
+    /// values): `float32` / `float` → F32, `float16` / `half` → F16, anything else
+    /// (`bfloat16`, `auto`, unknown) → BF16, the dtype of the checkpoints SGLang serves by
+    /// default.
+    pub fn from_served(dtype: &str) -> DType {
+        match dtype.trim().to_ascii_lowercase().as_str() {
+            "float32" | "float" | "fp32" => DType::F32,
+            "float16" | "half" | "fp16" => DType::F16,
+            _ => DType::BF16,
+        }
+    }
+}
+
+/// The part of a version folder's name that says its dtype: `bf16`, `f16`, `f32`, `f64`.
+fn dtype_suffix(dtype: DType) -> String {
+    dtype.name().to_ascii_lowercase()
+}
+
+/// The largest shard [`WeightPublisher`] writes by default: 5 GB, as `save_pretrained`.
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
 /// Writes weight versions where SGLang-compatible engines read them
-/// (`update_weights_from_disk`): `<root>/v<version>/model.safetensors`, **once** per version
-/// however many engines load it, published atomically (written to a temporary folder, then
-/// renamed into place), and with [`WeightPublisher::with_keep`] only the newest `K` versions
-/// kept on disk. Share one `Arc` between the [`SglangConfig`]s of a fleet.
+/// (`update_weights_from_disk`) as a Hugging Face checkpoint's weight files
+/// ([`NamedTensors::write_hf_shards`]: `model.safetensors`, or shards of at most
+/// [`WeightPublisher::with_max_shard_bytes`] plus `model.safetensors.index.json`), in the
+/// dtype each engine serves: `<root>/v<version>-<dtype>/` (`v7-bf16`), or `<root>/v<version>/`
+/// for the tensors as exported. Each (version, dtype) is written **once** however many
+/// engines load it, published atomically (written to a temporary folder, then renamed into
+/// place), and with [`WeightPublisher::with_keep`] only the newest `K` versions are kept on
+/// disk. Share one `Arc` between the [`SglangConfig`]s of a fleet.
 ///
 /// A version is written again if this publisher has not written it itself: a folder left by
 /// an earlier (killed) run is never taken for the trainer's current weights.
@@ -35,7 +80,9 @@ use crate::server::ROUTING_KEY_HEADER;
 pub struct WeightPublisher {
     root: PathBuf,
     keep: Option<usize>,
-    written: tokio::sync::Mutex<VecDeque<WeightVersion>>,
+    max_shard_bytes: u64,
+    /// (version, cast) pairs written, oldest first.
+    written: tokio::sync::Mutex<VecDeque<(WeightVersion, Option<DType>)>>,
     writes: AtomicU64,
 }
 
@@ -45,6 +92,7 @@ impl WeightPublisher {
         Self {
             root: root.into(),
             keep: None,
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             written: tokio::sync::Mutex::new(VecDeque::new()),
             writes: AtomicU64::new(0),
         }
@@ -75,9 +123,17 @@ impl WeightPublisher {
     }
 
     /// Keeps only the newest `keep` versions it wrote (at least 1; engines load the newest,
-    /// so 2 leaves a slow engine time to finish loading the one before).
+    /// so 2 leaves a slow engine time to finish loading the one before). A version written in
+    /// several dtypes counts once.
     pub fn with_keep(mut self, keep: usize) -> Self {
         self.keep = Some(keep.max(1));
+        self
+    }
+
+    /// Largest shard, in bytes of tensor data (default [`DEFAULT_MAX_SHARD_BYTES`]; at least
+    /// 1).
+    pub fn with_max_shard_bytes(mut self, bytes: u64) -> Self {
+        self.max_shard_bytes = bytes.max(1);
         self
     }
 
@@ -86,52 +142,74 @@ impl WeightPublisher {
         &self.root
     }
 
-    /// The folder of `version`.
-    pub fn version_dir(&self, version: WeightVersion) -> PathBuf {
-        self.root.join(format!("v{}", version.0))
+    /// The folder of `version` written with float tensors cast to `cast` (`None`: as
+    /// exported).
+    pub fn version_dir(&self, version: WeightVersion, cast: Option<DType>) -> PathBuf {
+        match cast {
+            Some(dtype) => self
+                .root
+                .join(format!("v{}-{}", version.0, dtype_suffix(dtype))),
+            None => self.root.join(format!("v{}", version.0)),
+        }
     }
 
-    /// How many versions it has written (each at most once).
+    /// How many (version, dtype) folders it has written (each at most once).
     pub fn writes(&self) -> u64 {
         self.writes.load(Ordering::SeqCst)
     }
 
-    /// Writes `weights` as `version` unless this publisher already did, and returns the
-    /// folder to hand to `update_weights_from_disk`. Callers for the same version wait for
-    /// the one write.
+    /// Writes `weights` as `version`, float tensors cast to `cast` (`None`: as exported),
+    /// unless this publisher already wrote that (version, dtype), and returns the folder to
+    /// hand to `update_weights_from_disk`. Callers for the same version wait for the one
+    /// write.
     pub async fn publish(
         &self,
         weights: &NamedTensors,
         version: WeightVersion,
+        cast: Option<DType>,
     ) -> miles_core::Result<PathBuf> {
-        let dir = self.version_dir(version);
+        if let Some(dtype) = cast
+            && !dtype.is_float()
+        {
+            return Err(miles_core::Error::engine(
+                EngineErrorKind::WeightUpdate,
+                format!("weights cannot be written as {dtype:?}: not a float dtype"),
+            ));
+        }
+        let dir = self.version_dir(version, cast);
         let mut written = self.written.lock().await;
-        if written.contains(&version) {
+        if written.contains(&(version, cast)) {
             return Ok(dir);
         }
-        let bytes = weights.to_safetensors_bytes();
-        let (root, target) = (self.root.clone(), dir.clone());
-        tokio::task::spawn_blocking(move || write_version(&root, &target, &bytes))
-            .await
-            .map_err(|e| {
-                miles_core::Error::engine(
-                    EngineErrorKind::WeightUpdate,
-                    format!("weight writer stopped: {e}"),
-                )
-            })??;
+        // A blocking write of borrowed tensors (no copy of the weights): on a multi-threaded
+        // runtime the worker hands its other tasks to the rest of the pool meanwhile.
+        let write = || write_version(&self.root, &dir, weights, cast, self.max_shard_bytes);
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(write),
+            _ => write(),
+        }?;
         self.writes.fetch_add(1, Ordering::SeqCst);
-        written.retain(|v| *v != version);
-        written.push_back(version);
+        written.retain(|w| *w != (version, cast));
+        written.push_back((version, cast));
         if let Some(keep) = self.keep {
-            while written.len() > keep {
-                let Some(old) = written.pop_front() else {
+            loop {
+                let mut versions: Vec<WeightVersion> = written.iter().map(|w| w.0).collect();
+                versions.sort_unstable();
+                versions.dedup();
+                if versions.len() <= keep {
                     break;
-                };
-                let old_dir = self.version_dir(old);
-                if let Err(e) = std::fs::remove_dir_all(&old_dir)
-                    && e.kind() != std::io::ErrorKind::NotFound
-                {
-                    tracing::warn!(dir = %old_dir.display(), error = %e, "cannot remove an old weight version");
+                }
+                let oldest = versions[0];
+                let (gone, kept): (VecDeque<_>, VecDeque<_>) =
+                    written.drain(..).partition(|w| w.0 == oldest);
+                *written = kept;
+                for (old, old_cast) in gone {
+                    let old_dir = self.version_dir(old, old_cast);
+                    if let Err(e) = std::fs::remove_dir_all(&old_dir)
+                        && e.kind() != std::io::ErrorKind::NotFound
+                    {
+                        tracing::warn!(dir = %old_dir.display(), error = %e, "cannot remove an old weight version");
+                    }
                 }
             }
         }
@@ -139,10 +217,15 @@ impl WeightPublisher {
     }
 }
 
-/// Writes `bytes` as `target/model.safetensors` through a temporary sibling folder, fsynced
-/// and renamed into place (an existing `target` is replaced).
-fn write_version(root: &Path, target: &Path, bytes: &[u8]) -> miles_core::Result<()> {
-    use std::io::Write;
+/// Writes `weights` as a HF checkpoint's weight files in `target` through a temporary
+/// sibling folder, fsynced and renamed into place (an existing `target` is replaced).
+fn write_version(
+    root: &Path,
+    target: &Path,
+    weights: &NamedTensors,
+    cast: Option<DType>,
+    max_shard_bytes: u64,
+) -> miles_core::Result<()> {
     std::fs::create_dir_all(root).map_err(|e| miles_core::Error::io(root, e))?;
     let name = target
         .file_name()
@@ -155,12 +238,11 @@ fn write_version(root: &Path, target: &Path, bytes: &[u8]) -> miles_core::Result
         WRITES.fetch_add(1, Ordering::Relaxed)
     ));
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| miles_core::Error::io(&tmp, e))?;
-    let file = tmp.join("model.safetensors");
-    let mut out = std::fs::File::create(&file).map_err(|e| miles_core::Error::io(&file, e))?;
-    out.write_all(bytes)
-        .and_then(|()| out.sync_all())
-        .map_err(|e| miles_core::Error::io(&file, e))?;
+    let result = weights.write_hf_shards(&tmp, cast, max_shard_bytes);
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
     if target.exists() {
         std::fs::remove_dir_all(target).map_err(|e| miles_core::Error::io(target, e))?;
     }
@@ -180,13 +262,16 @@ pub struct SglangConfig {
     /// MoE layers of the model: needed to shape `meta_info.routed_experts`.
     pub num_layers: Option<usize>,
     /// A directory the engine can read, for [`InferenceEngine::update_weights`]: tensors are
-    /// written there as `v<version>/model.safetensors`, then loaded with
+    /// written there by a [`WeightPublisher`] (`v<version>-<dtype>/`), then loaded with
     /// `update_weights_from_disk`.
     pub shared_weights_dir: Option<PathBuf>,
     /// Writes each weight version to disk once for every engine that shares it (give the
     /// same `Arc` to all engines of a fleet). `None`: [`WeightPublisher::shared`] for
     /// `shared_weights_dir` (one per directory in the process).
     pub publisher: Option<Arc<WeightPublisher>>,
+    /// The dtype weight versions are written in for this engine (default: the dtype it
+    /// serves).
+    pub weight_dtype: WeightDtype,
     /// The engine's `--api-key`, sent as `Authorization: Bearer` with every call.
     pub api_key: Option<ApiKey>,
     /// Largest engine response body read (a larger one is a protocol error); 1 GiB.
@@ -203,6 +288,7 @@ impl SglangConfig {
             num_layers: None,
             shared_weights_dir: None,
             publisher: None,
+            weight_dtype: WeightDtype::Served,
             api_key: None,
             max_response_bytes: 1 << 30,
         }
@@ -212,6 +298,12 @@ impl SglangConfig {
     pub fn with_publisher(mut self, publisher: Arc<WeightPublisher>) -> Self {
         self.shared_weights_dir = Some(publisher.root().to_path_buf());
         self.publisher = Some(publisher);
+        self
+    }
+
+    /// Sets [`SglangConfig::weight_dtype`].
+    pub fn with_weight_dtype(mut self, dtype: WeightDtype) -> Self {
+        self.weight_dtype = dtype;
         self
     }
 
@@ -229,6 +321,8 @@ pub struct SglangEngine {
     http: HttpClient,
     /// The publisher of an engine given only `shared_weights_dir`.
     own_publisher: std::sync::OnceLock<Arc<WeightPublisher>>,
+    /// The dtype weights are written in, resolved on the first update.
+    resolved_dtype: Arc<tokio::sync::OnceCell<Option<DType>>>,
 }
 
 fn protocol(message: impl Into<String>) -> miles_core::Error {
@@ -490,6 +584,49 @@ impl SglangEngine {
             config,
             http,
             own_publisher: std::sync::OnceLock::new(),
+            resolved_dtype: Arc::new(tokio::sync::OnceCell::new()),
+        }
+    }
+
+    /// The dtype this engine's weight versions are written in (`None`: as exported):
+    /// [`SglangConfig::weight_dtype`], with [`WeightDtype::Served`] resolved by asking the
+    /// engine once (`GET /get_server_info`, its `dtype`; bf16 when the route answers an
+    /// error status or no `dtype`). A transport failure is returned and asked again next
+    /// time.
+    pub async fn weight_dtype(&self) -> miles_core::Result<Option<DType>> {
+        match self.config.weight_dtype {
+            WeightDtype::Exported => Ok(None),
+            WeightDtype::Cast(dtype) => Ok(Some(dtype)),
+            WeightDtype::Served => self
+                .resolved_dtype
+                .get_or_try_init(|| async {
+                    let url = self.url("/get_server_info");
+                    let response = self
+                        .http
+                        .send_with_timeout(
+                            Method::GET,
+                            &url,
+                            &[],
+                            None,
+                            self.config.control_timeout,
+                        )
+                        .await
+                        .map_err(to_engine_error)?;
+                    let served = if response.status.is_success() {
+                        serde_json::from_slice::<Value>(&response.body)
+                            .ok()
+                            .and_then(|v| v.get("dtype").and_then(Value::as_str).map(str::to_owned))
+                    } else {
+                        None
+                    };
+                    Ok(Some(
+                        served
+                            .as_deref()
+                            .map_or(DType::BF16, WeightDtype::from_served),
+                    ))
+                })
+                .await
+                .copied(),
         }
     }
 
@@ -591,7 +728,8 @@ impl InferenceEngine for SglangEngine {
                 ));
             }
         };
-        let dir = publisher.publish(weights, version).await?;
+        let cast = self.weight_dtype().await?;
+        let dir = publisher.publish(weights, version, cast).await?;
         self.update_weights_from_disk(&dir, version).await
     }
 

@@ -295,6 +295,8 @@ async fn control_routes_answer_as_sglang_documents() {
         .json()
         .unwrap();
     assert_eq!(server["model_path"], "toy-model");
+    // SGLang clients write weight updates in the dtype the server names.
+    assert_eq!(server["dtype"], "float32");
     let r = client.get(&format!("{base}/flush_cache")).await.unwrap();
     assert_eq!(r.status, 200);
     let r = post(&base, "/pause_generation", &json!({"mode": "in_place"})).await;

@@ -11,8 +11,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use miles_core::{
-    EngineErrorKind, FinishReason, GenerateRequest, InferenceEngine, NamedTensors, PauseMode,
-    RequestId, SamplingParams, TensorBytes, WeightVersion,
+    DType, EngineErrorKind, FinishReason, GenerateRequest, InferenceEngine, NamedTensors,
+    PauseMode, RequestId, SamplingParams, TensorBytes, WeightVersion,
 };
 use miles_session::chat::ChatTokenizer;
 use miles_session::http::HttpClient;
@@ -37,6 +37,38 @@ struct Fake {
     mode: Mutex<Mode>,
     seen: Mutex<Vec<(String, Value, Option<String>)>>,
     version: Mutex<String>,
+    /// `/get_server_info`'s `dtype` (`None`: the route answers 404, as older servers do).
+    served: Mutex<Option<String>>,
+    /// The checkpoint read by the last `/update_weights_from_disk`.
+    loaded: Mutex<Option<NamedTensors>>,
+}
+
+/// Reads a HF checkpoint folder as SGLang does: `model.safetensors.index.json`'s shards when
+/// there is an index, else `model.safetensors`.
+fn read_checkpoint(dir: &std::path::Path) -> Option<NamedTensors> {
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<String> = if index.exists() {
+        let index: Value = serde_json::from_slice(&std::fs::read(index).ok()?).ok()?;
+        let mut files: Vec<String> = index["weight_map"]
+            .as_object()?
+            .values()
+            .filter_map(|v| v.as_str().map(str::to_owned))
+            .collect();
+        files.sort();
+        files.dedup();
+        files
+    } else {
+        vec!["model.safetensors".to_owned()]
+    };
+    let mut all = NamedTensors::new();
+    for file in files {
+        let shard =
+            NamedTensors::from_safetensors_bytes(&std::fs::read(dir.join(file)).ok()?).ok()?;
+        for (name, tensor) in shard.iter() {
+            all.insert(name, tensor.clone());
+        }
+    }
+    Some(all)
 }
 
 type S = State<Arc<Fake>>;
@@ -115,23 +147,26 @@ async fn control(
     match uri.path() {
         "/update_weights_from_disk" => {
             let path = std::path::PathBuf::from(value["model_path"].as_str().unwrap());
-            let file = path.join("model.safetensors");
             if path.to_string_lossy().contains("missing") {
                 return axum::Json(json!({"success": false, "message": "no such checkpoint"}))
                     .into_response();
             }
-            if file.exists() {
-                let bytes = std::fs::read(&file).unwrap();
-                assert!(
-                    NamedTensors::from_safetensors_bytes(&bytes)
-                        .unwrap()
-                        .get("w")
-                        .is_some()
-                );
+            if path.exists() {
+                let Some(read) = read_checkpoint(&path) else {
+                    return axum::Json(
+                        json!({"success": false, "message": "unreadable checkpoint"}),
+                    )
+                    .into_response();
+                };
+                *fake.loaded.lock().unwrap() = Some(read);
             }
             *fake.version.lock().unwrap() = value["weight_version"].as_str().unwrap().to_owned();
             axum::Json(json!({"success": true, "message": "ok"})).into_response()
         }
+        "/get_server_info" => match fake.served.lock().unwrap().clone() {
+            Some(dtype) => axum::Json(json!({"dtype": dtype, "tp_size": 1})).into_response(),
+            None => StatusCode::NOT_FOUND.into_response(),
+        },
         "/get_weight_version" => {
             axum::Json(json!({"weight_version": fake.version.lock().unwrap().clone()}))
                 .into_response()
@@ -146,12 +181,15 @@ async fn fake_sglang() -> (String, Arc<Fake>) {
         mode: Mutex::new(Mode::Normal),
         seen: Mutex::new(Vec::new()),
         version: Mutex::new("default".into()),
+        served: Mutex::new(Some("auto".into())),
+        loaded: Mutex::new(None),
     });
     let router = Router::new()
         .route("/generate", post(generate))
         .route("/health", get(control))
         .route("/flush_cache", get(control))
         .route("/get_weight_version", get(control))
+        .route("/get_server_info", get(control))
         .route("/pause_generation", post(control))
         .route("/continue_generation", post(control))
         .route("/abort_request", post(control))
@@ -240,7 +278,13 @@ async fn control_endpoints_use_sglang_paths_and_bodies() {
         .update_weights(&weights, WeightVersion(9))
         .await
         .unwrap();
-    assert!(dir.join("v9/model.safetensors").exists());
+    // SGLang's default `--dtype auto` serves the checkpoint's dtype: bf16 is written.
+    assert!(dir.join("v9-bf16/model.safetensors").exists());
+    let loaded = fake.loaded.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        loaded.get("w"),
+        weights.get("w").unwrap().cast(DType::BF16).ok().as_ref()
+    );
     assert_eq!(client.weight_version().await.unwrap(), WeightVersion(9));
     let err = client
         .update_weights_from_disk(std::path::Path::new("/missing"), WeightVersion(10))
@@ -405,8 +449,8 @@ async fn a_shared_publisher_writes_each_version_once_and_keeps_the_newest() {
     let root = std::env::temp_dir().join(format!("miles-publisher-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     // A stale v3 from a killed run, with other contents.
-    std::fs::create_dir_all(root.join("v3")).unwrap();
-    std::fs::write(root.join("v3/model.safetensors"), b"stale").unwrap();
+    std::fs::create_dir_all(root.join("v3-bf16")).unwrap();
+    std::fs::write(root.join("v3-bf16/model.safetensors"), b"stale").unwrap();
     let publisher = Arc::new(WeightPublisher::new(&root).with_keep(2));
     let (url_a, fake_a) = fake_sglang().await;
     let (url_b, fake_b) = fake_sglang().await;
@@ -425,7 +469,7 @@ async fn a_shared_publisher_writes_each_version_once_and_keeps_the_newest() {
         ra.unwrap();
         rb.unwrap();
         assert_eq!(publisher.writes(), version, "one write per version");
-        let dir = root.join(format!("v{version}"));
+        let dir = root.join(format!("v{version}-bf16"));
         for fake in [&fake_a, &fake_b] {
             let seen = fake.seen.lock().unwrap();
             let (_, body, _) = seen
@@ -436,13 +480,19 @@ async fn a_shared_publisher_writes_each_version_once_and_keeps_the_newest() {
             assert_eq!(body["model_path"], json!(dir.to_string_lossy()));
             assert_eq!(body["weight_version"], json!(version.to_string()));
         }
-        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-        let read = NamedTensors::from_safetensors_bytes(&bytes).unwrap();
-        assert_eq!(read.get("w").unwrap(), weights.get("w").unwrap());
+        let read = read_checkpoint(&dir).unwrap();
+        let want = weights.get("w").unwrap().cast(DType::BF16).unwrap();
+        assert_eq!(read.get("w").unwrap(), &want);
+        for fake in [&fake_a, &fake_b] {
+            assert_eq!(
+                fake.loaded.lock().unwrap().as_ref().unwrap().get("w"),
+                Some(&want)
+            );
+        }
     }
     // keep = 2: v1 is gone, v2 and v3 remain; no temporary folder is left behind.
-    assert!(!root.join("v1").exists());
-    assert!(root.join("v2").exists() && root.join("v3").exists());
+    assert!(!root.join("v1-bf16").exists());
+    assert!(root.join("v2-bf16").exists() && root.join("v3-bf16").exists());
     let leftovers: Vec<_> = std::fs::read_dir(&root)
         .unwrap()
         .filter_map(Result::ok)
@@ -450,5 +500,135 @@ async fn a_shared_publisher_writes_each_version_once_and_keeps_the_newest() {
         .filter(|n| n.starts_with('.'))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// Each engine gets the version in the dtype it serves (`/get_server_info`'s `dtype`): one
+/// write per (version, dtype) however many engines share it, bf16 for a server that does
+/// not say, f32 / f16 for servers that serve them, an explicit cast or the exported tensors
+/// when configured; shards with an index past the shard size; `keep` counts versions, not
+/// dtypes.
+#[tokio::test]
+async fn weights_are_written_in_the_dtype_each_engine_serves() {
+    use miles_session::sglang::{WeightDtype, WeightPublisher};
+    let root = std::env::temp_dir().join(format!("miles-dtypes-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // a 4, w 8, z.ids 4 bytes in bf16 / f16: three shards of at most 8 bytes.
+    let publisher = Arc::new(
+        WeightPublisher::new(&root)
+            .with_keep(1)
+            .with_max_shard_bytes(8),
+    );
+    let mut fakes = Vec::new();
+    let mut engines = Vec::new();
+    let setups: [(Option<&str>, WeightDtype); 6] = [
+        (Some("float32"), WeightDtype::Served),
+        (Some("float16"), WeightDtype::Served),
+        (Some("half"), WeightDtype::Served),
+        (None, WeightDtype::Served),
+        (Some("float32"), WeightDtype::Cast(DType::BF16)),
+        (Some("bfloat16"), WeightDtype::Exported),
+    ];
+    for (served, dtype) in setups {
+        let (url, fake) = fake_sglang().await;
+        *fake.served.lock().unwrap() = served.map(str::to_owned);
+        let config = SglangConfig::new(url)
+            .with_publisher(publisher.clone())
+            .with_weight_dtype(dtype);
+        engines.push(SglangEngine::new(config));
+        fakes.push(fake);
+    }
+    let want = [
+        Some(DType::F32),
+        Some(DType::F16),
+        Some(DType::F16),
+        Some(DType::BF16),
+        Some(DType::BF16),
+        None,
+    ];
+    for (engine, want) in engines.iter().zip(want) {
+        assert_eq!(engine.weight_dtype().await.unwrap(), want);
+    }
+    // torch: tensor([1 + 2^-8, 70000.0, -2.5, 0.1, 3.0, 65504.0]).to(dtype).view(int16)
+    let values = [1.003_906_3f32, 70000.0, -2.5, 0.1, 3.0, 65504.0];
+    let mut weights = NamedTensors::new();
+    weights.insert("a", TensorBytes::from_f32(vec![2], &values[..2]).unwrap());
+    weights.insert("w", TensorBytes::from_f32(vec![4], &values[2..]).unwrap());
+    weights.insert(
+        "z.ids",
+        TensorBytes::new(DType::I32, vec![1], 7i32.to_le_bytes().to_vec()).unwrap(),
+    );
+    for version in [1u64, 2] {
+        for engine in &engines {
+            engine
+                .update_weights(&weights, WeightVersion(version))
+                .await
+                .unwrap();
+        }
+        // f32, f16, bf16 and the exported copy: four writes per version.
+        assert_eq!(publisher.writes(), 4 * version);
+    }
+    let bits = |t: &TensorBytes| -> Vec<u16> {
+        t.data()
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect()
+    };
+    let f16_bits = [15364u16, 31744, 49408, 11878, 16896, 31743];
+    let bf16_bits = [16256u16, 18313, 49184, 15821, 16448, 18304];
+    for (i, fake) in fakes.iter().enumerate() {
+        let loaded = fake.loaded.lock().unwrap().clone().unwrap();
+        assert_eq!(
+            loaded.get("z.ids"),
+            weights.get("z.ids"),
+            "ids keep their dtype"
+        );
+        let (a, w) = (loaded.get("a").unwrap(), loaded.get("w").unwrap());
+        match want[i] {
+            Some(DType::F16) | Some(DType::BF16) => {
+                let want_bits = if want[i] == Some(DType::F16) {
+                    f16_bits
+                } else {
+                    bf16_bits
+                };
+                assert_eq!(a.dtype(), want[i].unwrap());
+                assert_eq!([bits(a), bits(w)].concat(), want_bits, "engine {i}");
+            }
+            _ => {
+                assert_eq!(a, weights.get("a").unwrap());
+                assert_eq!(w, weights.get("w").unwrap());
+            }
+        }
+        let seen = fake.seen.lock().unwrap();
+        let paths: Vec<&str> = seen
+            .iter()
+            .filter(|(p, _, _)| p == "/update_weights_from_disk")
+            .map(|(_, b, _)| b["model_path"].as_str().unwrap())
+            .collect();
+        let suffix = want[i].map_or(String::new(), |d| format!("-{}", d.name().to_lowercase()));
+        assert_eq!(paths.len(), 2);
+        assert!(paths[1].ends_with(&format!("v2{suffix}")), "{paths:?}");
+        // The dtype is asked once per engine.
+        let asked = seen
+            .iter()
+            .filter(|(p, _, _)| p == "/get_server_info")
+            .count();
+        let expected_asks = usize::from(matches!(setups[i].1, WeightDtype::Served));
+        assert_eq!(asked, expected_asks, "engine {i}");
+    }
+    // The versions are sharded (in bf16, 16 bytes of tensor data over 8-byte shards: [a] [w]
+    // [z.ids]), with an index; keep = 1 removed every dtype of version 1.
+    assert!(root.join("v2-bf16/model.safetensors.index.json").exists());
+    assert!(
+        root.join("v2-f16/model-00003-of-00003.safetensors")
+            .exists()
+    );
+    let mut dirs: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    dirs.sort();
+    assert_eq!(dirs, ["v2", "v2-bf16", "v2-f16", "v2-f32"]);
     std::fs::remove_dir_all(&root).ok();
 }
