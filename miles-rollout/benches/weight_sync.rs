@@ -159,7 +159,7 @@ async fn run() {
         spread(&before),
     );
     println!(
-        "xtask-result: weight_sync_4_servers_bf16 ours={:.3}s baseline={:.3}s target=<=0.5 note=as weight_sync_4_servers with the version written once in bf16 ({} MB; {} writes for {ROUNDS} versions), the servers widening it to f32 on load (spread {}); baseline: the same f32 copy-per-engine run as weight_sync_4_servers; median of {ROUNDS} rounds",
+        "xtask-result: weight_sync_4_servers_bf16 ours={:.3}s baseline={:.3}s target=<=0.5 note=as weight_sync_4_servers with the version written once in bf16 ({} MB; {} writes for {ROUNDS} versions), the servers widening it to f32 on load (spread {}); baseline: the same f32 copy-per-engine run as weight_sync_4_servers (spread {}); median of {ROUNDS} rounds",
         median(after[1].clone()),
         median(before.clone()),
         bytes >> 21,
