@@ -6,7 +6,8 @@
 //! Cases, chosen to share shader shapes (head dims 64 and 128): a causal mask over a cache
 //! (rows < keys) with several key tiles and grouped heads (ratio 2) on strided inputs; left
 //! padding (fully masked rows) with packed sequences and grouped heads (ratio 4) at head dim
-//! 128; the decode step over a KV cache (one query row, left-padded keys); and a packed
+//! 128; the decode step over a KV cache (one query row, left-padded keys); a tiny causal case
+//! (3 rows, one partial tile); and a packed
 //! (block-diagonal causal) mask over several tiles. Tolerance 2e-5 of the largest magnitude
 //! for outputs and 5e-5 for gradients (f32 sums in another order; flex's `exp` is a
 //! polynomial within 2 ulp).
@@ -160,6 +161,20 @@ fn attention_kernels_match_flex() {
             keys: 133,
             head_dim: 64,
             mask: MaskKind::LeftPadded(5),
+            strided: false,
+        },
+        &dev,
+    );
+    compare(
+        "tiny: 3 rows, causal",
+        &Case {
+            batch: 1,
+            heads: 2,
+            kv_heads: 1,
+            rows: 3,
+            keys: 3,
+            head_dim: 64,
+            mask: MaskKind::Causal,
             strided: false,
         },
         &dev,
