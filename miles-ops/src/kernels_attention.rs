@@ -21,9 +21,10 @@
 //!   query rows of every query head of the group that see the key (a causal mask: rows at
 //!   or after it), `∂v += P·∂O`, `∂k += scale·∂S·q` — no atomics, each cube owns its key.
 //!
-//! Shared memory per cube: `2·head_dim + 2·block` floats (+ `2·block` `u32` in the `∂k / ∂v`
-//! pass), at most 3 KiB for head dim 128 and a block of 128, well within WebGPU's 16 KiB.
-//! No plane (warp) operations.
+//! Shared memory per cube: `2·head_dim + 2·block` floats forward, `3·head_dim + 2·block`
+//! for `∂q`, `4·head_dim + 2·block` floats and `2·block` `u32` for `∂k / ∂v`: at most 4 KiB
+//! for head dim 128 and a block of 128 (the block is capped at 128 units), well within
+//! WebGPU's 16 KiB. No plane (warp) operations.
 
 #![allow(
     clippy::assign_op_pattern,
