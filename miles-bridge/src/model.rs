@@ -151,8 +151,7 @@ impl MoeDispatch {
     pub fn resolve(self, device: &Device, tokens: usize) -> Self {
         match self {
             Self::Auto
-                if tokens >= Self::AUTO_SPARSE_MIN_TOKENS
-                    && miles_ops::attention::runs_fused(device) =>
+                if tokens >= Self::AUTO_SPARSE_MIN_TOKENS && miles_ops::device::is_flex(device) =>
             {
                 Self::Sparse
             }

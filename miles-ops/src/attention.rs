@@ -11,6 +11,9 @@
 //! mask), the scale, masking and softmax fused over each block, and a custom backward that
 //! recomputes the probabilities from the forward's log-sum-exp, so neither the
 //! `[batch, heads, rows, keys]` scores nor their gradients are materialised between ops.
+//! On CubeCL devices (feature `wgpu` / `cuda`, `f32`) the same op runs flash-style CubeCL
+//! kernels (`src/kernels_attention.rs`: online softmax over key tiles, the log-sum-exp saved
+//! for the backward; also the engine's decode step, one query row over the KV cache).
 //! Elsewhere (other devices or dtypes) it is the same computation written with tensor ops
 //! ([`attention_reference`]), which is also what the flex op is tested against.
 
@@ -62,13 +65,10 @@ fn check(q: &[usize; 4], k: &[usize; 4], v: &[usize; 4], mask: &[usize; 3]) -> R
     Ok(())
 }
 
-/// Whether [`attention`] runs the fused op for tensors on `device` (flex, with or without
-/// autodiff; `f32` tensors).
+/// Whether [`attention`] runs the fused op for tensors on `device` (flex and, with the
+/// `wgpu` / `cuda` feature, CubeCL devices; with or without autodiff; `f32` tensors).
 pub fn runs_fused(device: &burn::tensor::Device) -> bool {
-    matches!(
-        device.clone().without_autodiff().as_dispatch(),
-        burn::backend::DispatchDevice::Flex(_)
-    )
+    crate::fused::runs_fused(device)
 }
 
 /// Masked softmax attention (see the module docs). Errors on inconsistent shapes (heads not
@@ -121,7 +121,11 @@ pub fn attention_reference(
 }
 
 /// Backend op of [`attention`]: native kernels on flex, the custom backward on `Autodiff`.
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff
+)]
 pub trait FusedAttentionOps: Backend {
     /// `softmax(mask_fill(q·kᵀ·scale, mask))·v`, `[batch, heads, rows, head_dim]`.
     fn fused_attention(

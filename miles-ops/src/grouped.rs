@@ -8,7 +8,8 @@
 //!
 //! On flex (`f32`) it is one backend op ([`GroupedMatmulOps`]): one `gemm` per group, groups
 //! in parallel (rayon), and a backward that writes each expert's weight gradient and each
-//! group's input gradient in place. Written with tensor ops instead
+//! group's input gradient in place; on CubeCL devices (feature `wgpu` / `cuda`, `f32`) CubeCL
+//! kernels do the same (one unit per output element). Written with tensor ops instead
 //! ([`grouped_matmul_reference`]: a slice of `x` and a narrow of `w` per group), autodiff turns
 //! every slice and narrow into a zero tensor of the full input's size plus an add, which for
 //! an MoE layer is gigabytes of memory traffic per training step.
@@ -80,7 +81,11 @@ pub fn grouped_matmul_reference(x: Tensor<2>, w: Tensor<3>, group_sizes: &[usize
 }
 
 /// Backend op of [`grouped_matmul`].
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff
+)]
 pub trait GroupedMatmulOps: Backend {
     /// `x_e · w_eᵀ` per group; `sizes` has one entry per expert.
     fn grouped_matmul(

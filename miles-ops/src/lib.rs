@@ -16,11 +16,25 @@
 //!   chunked version from hidden states and `lm_head` with a custom backward that never
 //!   materialises `[tokens, vocab]`.
 //! - [`clipped`]: the clipped policy-gradient loss as one fused op (forward and backward).
-//! - CubeCL kernels (feature `wgpu`, or `cuda`): the per-chunk forward and backward steps of
-//!   [`fused`] and the [`clipped`] loss, registered as burn backend extensions for
-//!   `CubeBackend`, so the ops dispatch to them for tensors on a CubeCL device and to native
-//!   loops on flex; each has a plain-op `*_reference` twin they are tested against on
-//!   `Device::wgpu(DeviceKind::Cpu)` (`tests/it/kernels.rs`, lavapipe without a GPU).
+//! - [`attention`], [`norm`], [`swiglu`], [`grouped`]: the fused model ops (masked attention
+//!   with grouped key/value heads, RMSNorm, RoPE, SwiGLU, the grouped expert matmul), each
+//!   one backend op with a custom backward and a plain-op `*_reference` twin.
+//! - CubeCL kernels (feature `wgpu`, or `cuda`), registered as burn backend extensions for
+//!   `CubeBackend`, so the ops dispatch to them for `f32` tensors on a CubeCL device (with or
+//!   without autodiff) and to native loops on flex:
+//!   - the per-chunk forward and backward steps of [`fused`] and the [`clipped`] loss
+//!     (`tests/it/kernels.rs`, against their plain-op twins);
+//!   - RMSNorm (row reductions in shared memory; the weight gradient in two passes), RoPE and
+//!     SwiGLU (element-wise), forward and backward, and the grouped expert matmul (forward,
+//!     input and weight gradients) (`tests/it/kernels_model.rs`, against the flex ops);
+//!   - attention: a flash-style online-softmax forward (one cube per query row, key tiles
+//!     skipped outside the row's first / last unmasked key, log-sum-exp saved), which is
+//!     also the decode step over the KV cache, and a backward recomputing the
+//!     probabilities from it (`∂q` per query row, `∂k / ∂v` per key, no atomics)
+//!     (`tests/it/kernels_attention.rs`, against the flex op).
+//!
+//!   No plane (warp) operations and a few KiB of shared memory per cube, so they run on
+//!   every WebGPU adapter; tested on `Device::wgpu(DeviceKind::Cpu)` (lavapipe without a GPU).
 //! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`)
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
@@ -71,6 +85,10 @@ pub mod grouped;
 pub mod kernel_device;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod kernels_attention;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod kernels_model;
 pub mod kl;
 pub mod logprobs;
 pub mod norm;

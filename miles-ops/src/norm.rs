@@ -10,8 +10,10 @@
 //!   `rotate_halfᵀ(y) = [y₂, −y₁]`.
 //!
 //! On flex (`f32`) each is one backend op ([`NormRopeOps`]) with row-parallel (rayon) passes,
-//! where burn's generic forms run five to eight single-threaded element-wise ops each way;
-//! elsewhere the same math with tensor ops ([`rms_norm_reference`], [`rope_reference`]).
+//! where burn's generic forms run five to eight single-threaded element-wise ops each way; on
+//! CubeCL devices (feature `wgpu` / `cuda`, `f32`) the same op runs CubeCL kernels
+//! (`src/kernels_model.rs`); elsewhere the same math with tensor ops ([`rms_norm_reference`],
+//! [`rope_reference`]).
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -103,7 +105,11 @@ pub fn rope_reference(x: Tensor<4>, cos: Tensor<3>, sin: Tensor<3>) -> Tensor<4>
 }
 
 /// Backend ops of [`rms_norm`] and [`rope`].
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff
+)]
 pub trait NormRopeOps: Backend {
     /// RMSNorm of the last dimension.
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32) -> FloatTensor<Self>;

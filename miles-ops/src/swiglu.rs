@@ -4,8 +4,9 @@
 //! [`swiglu`] is one backend op ([`SwiGluOps`]): a parallel (rayon) vectorisable pass forward,
 //! and a custom backward that produces both gradients in one pass,
 //! `∂gate = g ⊙ up ⊙ σ(gate)·(1 + gate·(1 − σ(gate)))`, `∂up = g ⊙ silu(gate)`, where
-//! burn's generic form runs several single-threaded element-wise ops each way. Elsewhere it
-//! is `silu(gate) * up` with tensor ops ([`swiglu_reference`]).
+//! burn's generic form runs several single-threaded element-wise ops each way. On CubeCL
+//! devices (feature `wgpu` / `cuda`, `f32`) the op runs one element-wise CubeCL kernel each
+//! way. Elsewhere it is `silu(gate) * up` with tensor ops ([`swiglu_reference`]).
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -50,7 +51,11 @@ pub fn swiglu_reference<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tenso
 }
 
 /// Backend op of [`swiglu`].
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff
+)]
 pub trait SwiGluOps: Backend {
     /// `silu(gate) ⊙ up`.
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;

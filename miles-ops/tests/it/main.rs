@@ -10,6 +10,8 @@ mod gradients;
 mod grouped;
 mod kernel_device;
 mod kernels;
+mod kernels_attention;
+mod kernels_model;
 mod norm;
 mod properties;
 mod swiglu;

@@ -115,7 +115,7 @@ pub(super) fn append_routing(out: &mut Vec<i32>, per_layer: &[Vec<i32>], tokens:
 /// from every weight version, so no step ever runs on a previous version's weights.
 pub(super) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
     let mut step = model.clone();
-    if specialised && miles_ops::attention::runs_fused(&model.lm_head_weight().device()) {
+    if specialised && miles_ops::device::is_flex(&model.lm_head_weight().device()) {
         step.set_moe_dispatch(MoeDispatch::Sparse);
     }
     step
