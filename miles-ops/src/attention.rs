@@ -63,12 +63,13 @@ fn check(q: &[usize; 4], k: &[usize; 4], v: &[usize; 4], mask: &[usize; 3]) -> R
 }
 
 /// Whether [`attention`] runs the fused op for tensors on `device` (flex, with or without
-/// autodiff; `f32` tensors).
+/// autodiff; `f32` tensors) while [`crate::fused_ops_enabled`].
 pub fn runs_fused(device: &burn::tensor::Device) -> bool {
-    matches!(
-        device.clone().without_autodiff().as_dispatch(),
-        burn::backend::DispatchDevice::Flex(_)
-    )
+    crate::fused_ops_enabled()
+        && matches!(
+            device.clone().without_autodiff().as_dispatch(),
+            burn::backend::DispatchDevice::Flex(_)
+        )
 }
 
 /// Masked softmax attention (see the module docs). Errors on inconsistent shapes (heads not

@@ -101,11 +101,36 @@ impl LossMetrics {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
-    /// Reads every metric back to the host (one device sync per metric).
+    /// Reads every metric back to the host, all in one read (their first elements, as `f32`
+    /// widened to `f64`). A metric that cannot be read is NaN.
     pub fn to_f64(&self) -> Vec<(&'static str, f64)> {
+        if self.entries.is_empty() {
+            return Vec::new();
+        }
+        let mut starts = Vec::with_capacity(self.entries.len());
+        let mut flat = Vec::with_capacity(self.entries.len());
+        let mut at = 0;
+        for (_, v) in &self.entries {
+            let n = v.dims()[0];
+            starts.push((at, n));
+            flat.push(v.clone().cast(burn::tensor::FloatDType::F32));
+            at += n;
+        }
+        let values = Tensor::cat(flat, 0)
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap_or_default();
         self.entries
             .iter()
-            .map(|(n, v)| (*n, f64::from(v.clone().into_scalar::<f32>())))
+            .zip(starts)
+            .map(|((name, _), (start, n))| {
+                let value = (n > 0)
+                    .then(|| values.get(start))
+                    .flatten()
+                    .map_or(f64::NAN, |&v| f64::from(v));
+                (*name, value)
+            })
             .collect()
     }
 }
