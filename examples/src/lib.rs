@@ -20,6 +20,9 @@
 //!   assistant's tokens, built with miles-tito's session replay.
 //! * [`template_check`] — is a model directory TITO-safe? Tokenizer checks plus miles-tito's
 //!   verifier in raw and TITO mode (the `verify_template` example).
+//! * [`grpo_step`] — one synchronous GRPO step on one device (engine rollout with routed
+//!   experts, trainer step with R3 and TIS, in-place weight update), shared by the flex-vs-wgpu
+//!   test and the `wgpu_step` bench.
 //! * [`args`] — the small command-line parser of the examples (`--help` lists every flag).
 //! * [`fixture_path`] — fixture lookup: fixtures committed in the repository's `fixtures/`
 //!   win; otherwise the shared reference fixtures beside the checkout (`../shared/fixtures`)
@@ -49,6 +52,7 @@ pub mod args;
 pub mod calculator;
 pub mod flags;
 pub mod fleet;
+pub mod grpo_step;
 pub mod miles_cli;
 pub mod plot;
 pub mod sft;

@@ -66,7 +66,8 @@ fn check(q: &[usize; 4], k: &[usize; 4], v: &[usize; 4], mask: &[usize; 3]) -> R
 }
 
 /// Whether [`attention`] runs the fused op for tensors on `device` (flex and, with the
-/// `wgpu` / `cuda` feature, CubeCL devices; with or without autodiff; `f32` tensors).
+/// `wgpu` / `cuda` feature, CubeCL devices; with or without autodiff; `f32` tensors) while
+/// [`crate::fused_ops_enabled`].
 pub fn runs_fused(device: &burn::tensor::Device) -> bool {
     crate::fused::runs_fused(device)
 }

@@ -129,6 +129,16 @@ impl DeviceSpec {
     }
 }
 
+/// Whether tensors on `device` (with or without autodiff) live in host memory (flex), so
+/// reading one back is a copy with no device synchronisation. Callers that read several
+/// tensors per step batch them into one read where this is false.
+pub fn reads_are_free(device: &Device) -> bool {
+    matches!(
+        device.clone().without_autodiff().as_dispatch(),
+        burn::backend::DispatchDevice::Flex(_)
+    )
+}
+
 /// Parses and creates a device in one call (`--device` values).
 pub fn parse_device(spec: &str) -> Result<Device, DeviceError> {
     spec.parse::<DeviceSpec>()?.init()

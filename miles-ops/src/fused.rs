@@ -94,13 +94,60 @@ impl FusedLogProbConfig {
     ///
     /// Differentiable with respect to `hidden` and `lm_head` on autodiff devices. Checks
     /// shapes and that every target id is inside the vocabulary (one host read of
-    /// `targets`).
+    /// `targets`; [`FusedLogProbConfig::forward_ids`] takes host ids and reads nothing).
     pub fn forward(
         &self,
         hidden: Tensor<2>,
         lm_head: Tensor<2>,
         targets: Tensor<1, Int>,
     ) -> Result<(Tensor<1>, Tensor<1>)> {
+        let (tokens, vocab) = self.check_shapes(&hidden, &lm_head)?;
+        if targets.dims() != [tokens] {
+            return Err(OpsError::ShapeMismatch {
+                what: "targets",
+                expected: vec![tokens],
+                got: targets.dims().to_vec(),
+            });
+        }
+        let ids: Vec<i64> = targets
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap_or_default();
+        check_ids(ids.iter().copied(), vocab)?;
+        Ok(self.run(hidden, lm_head, targets))
+    }
+
+    /// [`FusedLogProbConfig::forward`] with the target ids on the host: they are checked
+    /// there and uploaded once, so the call reads nothing back from the device (the trainer's
+    /// scoring builds its targets from host tokens). Same values as `forward`.
+    pub fn forward_ids(
+        &self,
+        hidden: Tensor<2>,
+        lm_head: Tensor<2>,
+        targets: &[u32],
+    ) -> Result<(Tensor<1>, Tensor<1>)> {
+        let (tokens, vocab) = self.check_shapes(&hidden, &lm_head)?;
+        if targets.len() != tokens {
+            return Err(OpsError::ShapeMismatch {
+                what: "targets",
+                expected: vec![tokens],
+                got: vec![targets.len()],
+            });
+        }
+        check_ids(targets.iter().map(|&t| i64::from(t)), vocab)?;
+        let ids: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
+        let targets = Tensor::<1, Int>::from_data(
+            burn::tensor::TensorData::new(ids, [tokens]),
+            &hidden.device(),
+        );
+        Ok(self.run(hidden, lm_head, targets))
+    }
+
+    /// Checks the chunk sizes and that `hidden` and `lm_head` agree; returns
+    /// `(tokens, vocab)`.
+    fn check_shapes(&self, hidden: &Tensor<2>, lm_head: &Tensor<2>) -> Result<(usize, usize)> {
         if self.token_chunk == 0 || self.vocab_chunk == 0 {
             return Err(OpsError::InvalidConfig {
                 flag: "fused-log-probs-chunk",
@@ -116,40 +163,27 @@ impl FusedLogProbConfig {
                 got: vec![vocab, h2],
             });
         }
-        if targets.dims() != [tokens] {
-            return Err(OpsError::ShapeMismatch {
-                what: "targets",
-                expected: vec![tokens],
-                got: targets.dims().to_vec(),
-            });
-        }
-        let ids: Vec<i64> = targets
-            .clone()
-            .into_data()
-            .convert::<i64>()
-            .try_to_vec::<i64>()
-            .unwrap_or_default();
-        if let Some((position, &token)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, t)| **t < 0 || **t as usize >= vocab)
-        {
-            return Err(OpsError::TokenOutOfRange {
-                position,
-                token,
-                vocab,
-            });
-        }
+        Ok((tokens, vocab))
+    }
+
+    /// The computation on checked inputs: the fused op where it runs, else the plain path.
+    fn run(
+        &self,
+        hidden: Tensor<2>,
+        lm_head: Tensor<2>,
+        targets: Tensor<1, Int>,
+    ) -> (Tensor<1>, Tensor<1>) {
+        let [tokens, _] = hidden.dims();
+        let [vocab, _] = lm_head.dims();
         if !runs_fused(&hidden.device()) {
-            // No fused implementation registered for this backend yet: same results through
-            // the plain path (which materialises the logits).
-            return Ok(crate::logprobs::log_probs_and_entropy_plain(
-                hidden, lm_head, targets,
-            ));
+            // No fused implementation registered for this backend yet (or the fused ops are
+            // switched off): same results through the plain path (which materialises the
+            // logits).
+            return crate::logprobs::log_probs_and_entropy_plain(hidden, lm_head, targets);
         }
         if tokens == 0 {
             let device = hidden.device();
-            return Ok((Tensor::zeros([0], &device), Tensor::zeros([0], &device)));
+            return (Tensor::zeros([0], &device), Tensor::zeros([0], &device));
         }
         let keep_logits = tokens
             .checked_mul(vocab)
@@ -166,14 +200,31 @@ impl FusedLogProbConfig {
             ));
         let log_probs = out.clone().slice([0..tokens, 0..1]).reshape([tokens]);
         let entropy = out.slice([0..tokens, 1..2]).reshape([tokens]);
-        Ok((log_probs, entropy))
+        (log_probs, entropy)
     }
+}
+
+/// The first target id outside `0..vocab`, as [`OpsError::TokenOutOfRange`].
+fn check_ids(ids: impl Iterator<Item = i64>, vocab: usize) -> Result<()> {
+    for (position, token) in ids.enumerate() {
+        if token < 0 || token as usize >= vocab {
+            return Err(OpsError::TokenOutOfRange {
+                position,
+                token,
+                vocab,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Whether [`FusedLogProbConfig::forward`] runs the fused op on `device` (flex, and the
 /// CubeCL devices when the `wgpu` / `cuda` feature is on; with or without autodiff) rather
-/// than falling back to the plain path.
+/// than falling back to the plain path; never while [`crate::fused_ops_enabled`] is off.
 pub fn runs_fused(device: &burn::tensor::Device) -> bool {
+    if !crate::fused_ops_enabled() {
+        return false;
+    }
     let inner = device.clone().without_autodiff();
     match inner.as_dispatch() {
         burn::backend::DispatchDevice::Flex(_) => true,

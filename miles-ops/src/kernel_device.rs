@@ -59,3 +59,20 @@ pub fn kernel_test_device(test: &str) -> Option<burn::tensor::Device> {
         }
     }
 }
+
+/// Without the `wgpu` feature there is no kernel device: `None` after a loud line on stderr
+/// naming the feature, or a panic when [`kernel_tests_required`]. (Crates whose tests reach
+/// miles-ops' wgpu runtime through a workspace feature, `--features miles-ops/wgpu`, call
+/// this without a `cfg` of their own.)
+#[cfg(not(feature = "wgpu"))]
+pub fn kernel_test_device(test: &str) -> Option<burn::tensor::Device> {
+    let line = format!(
+        "!!! KERNEL TEST {test} NOT RUN: miles-ops was built without its `wgpu` feature \
+         (`--features miles-ops/wgpu`)."
+    );
+    if kernel_tests_required() {
+        panic!("{line} ({REQUIRE_KERNEL_TESTS_ENV}=1 makes this a failure)");
+    }
+    eprintln!("{line}");
+    None
+}

@@ -38,6 +38,9 @@
 //! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`)
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
+//! - [`fused_ops_enabled`] / [`set_fused_ops`]: one process-wide switch (also
+//!   `MILES_FUSED_OPS=off`) that sends every fused op to its plain-op twin, to measure the two
+//!   paths in one run.
 //!
 //! Built-in choices are serde enums whose values are Miles' CLI values; configs carry
 //! Miles' defaults and are validated once (`init`). Tensor code uses burn's
@@ -95,5 +98,7 @@ pub mod norm;
 pub mod policy;
 pub mod reduce;
 pub mod swiglu;
+mod switch;
 
 pub use error::{OpsError, Result};
+pub use switch::{FUSED_OPS_ENV, env_value_turns_off, fused_ops_enabled, set_fused_ops};

@@ -101,11 +101,48 @@ impl LossMetrics {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
-    /// Reads every metric back to the host (one device sync per metric).
+    /// Reads every metric back to the host, all in one read (see [`read_scalars`]).
     pub fn to_f64(&self) -> Vec<(&'static str, f64)> {
-        self.entries
-            .iter()
-            .map(|(n, v)| (*n, f64::from(v.clone().into_scalar::<f32>())))
-            .collect()
+        let values: Vec<Tensor<1>> = self.entries.iter().map(|(_, v)| v.clone()).collect();
+        self.names().zip(read_scalars(&values)).collect()
     }
+
+    /// The metrics as `(name, tensor)` pairs in insertion order (still on the device).
+    pub fn entries(&self) -> impl Iterator<Item = (&'static str, &Tensor<1>)> + '_ {
+        self.entries.iter().map(|(n, v)| (*n, v))
+    }
+}
+
+/// The first element of each tensor as `f64` (read as `f32`), all read back from the device
+/// in one read: the tensors are concatenated there first. An empty tensor, or a read that
+/// fails, gives NaN.
+pub fn read_scalars(values: &[Tensor<1>]) -> Vec<f64> {
+    if values.is_empty() {
+        return Vec::new();
+    }
+    let mut starts = Vec::with_capacity(values.len());
+    let mut at = 0;
+    for v in values {
+        let n = v.dims()[0];
+        starts.push((at, n));
+        at += n;
+    }
+    let flat: Vec<Tensor<1>> = values
+        .iter()
+        .map(|v| v.clone().cast(burn::tensor::FloatDType::F32))
+        .collect();
+    let read = Tensor::cat(flat, 0)
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap_or_default();
+    starts
+        .into_iter()
+        .map(|(start, n)| {
+            (n > 0)
+                .then(|| read.get(start))
+                .flatten()
+                .map_or(f64::NAN, |&v| f64::from(v))
+        })
+        .collect()
 }

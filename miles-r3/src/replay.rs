@@ -79,6 +79,16 @@ struct LayerReplay {
     backward: usize,
 }
 
+/// The trainer's own top-k of one replayed layer, still on the device, and the routing it
+/// replayed instead: compared when the flip statistics are taken.
+#[derive(Debug)]
+struct PendingCompare {
+    layer_index: usize,
+    top_k: usize,
+    entry: Entry,
+    own: Tensor<2, Int>,
+}
+
 #[derive(Debug, Default)]
 struct State {
     stage: ReplayStage,
@@ -86,6 +96,7 @@ struct State {
     compare: bool,
     check_threshold: Option<f64>,
     flips: FlipStats,
+    pending: Vec<PendingCompare>,
 }
 
 /// Record / replay of MoE routing for one model: a [`RouterHook`] with a stage
@@ -152,7 +163,10 @@ impl RoutingReplay {
     }
 
     /// When on, replay stages also compute the trainer's own top-k and accumulate
-    /// [`FlipStats`] of it against the replayed routing (one device read-back per layer).
+    /// [`FlipStats`] of it against the replayed routing. The top-k stay on the device until
+    /// [`Self::take_flip_stats`], which reads every layer's back at once (one device read
+    /// per take instead of one per layer); with [`Self::set_check`] each layer is read at
+    /// once, since the check must fail the forward.
     pub fn set_compare(&self, on: bool) -> Result<(), R3Error> {
         self.lock()?.compare = on;
         Ok(())
@@ -242,9 +256,38 @@ impl RoutingReplay {
         Ok(())
     }
 
-    /// Flip statistics gathered by replay stages since the last call, and resets them.
+    /// Flip statistics gathered by replay stages since the last call, and resets them (the
+    /// comparisons still pending are read back from the device here, in one read).
     pub fn take_flip_stats(&self) -> Result<FlipStats, R3Error> {
-        Ok(std::mem::take(&mut self.lock()?.flips))
+        let (mut flips, pending) = {
+            let mut state = self.lock()?;
+            (
+                std::mem::take(&mut state.flips),
+                std::mem::take(&mut state.pending),
+            )
+        };
+        let Some(first) = pending.first() else {
+            return Ok(flips);
+        };
+        let first_layer = first.layer_index;
+        let lens: Vec<usize> = pending
+            .iter()
+            .map(|p| p.own.shape().num_elements())
+            .collect();
+        // Every layer's `[tokens, top_k]` (one top-k for the whole model), stacked by rows.
+        let stacked = Tensor::cat(pending.iter().map(|p| p.own.clone()).collect(), 0);
+        let own = read_ids(stacked, first_layer)?;
+        let mut at = 0;
+        for (p, n) in pending.iter().zip(lens) {
+            flips.observe(
+                p.layer_index,
+                p.top_k,
+                &p.entry.table.layer_ids(p.entry.moe_layer),
+                &own[at..at + n],
+            );
+            at += n;
+        }
+        Ok(flips)
     }
 
     fn moe_slot(&self, info: &MoeLayerInfo) -> Result<usize, R3Error> {
@@ -319,7 +362,16 @@ impl RoutingReplay {
                     });
                 }
                 let device = scores.device();
-                if compare || threshold.is_some() {
+                if compare && threshold.is_none() {
+                    // Compared at `take_flip_stats`, in one read with the other layers'.
+                    let own = scores.topk_with_indices(k, 1).1;
+                    self.lock()?.pending.push(PendingCompare {
+                        layer_index: info.layer_index,
+                        top_k: k,
+                        entry: entry.clone(),
+                        own,
+                    });
+                } else if threshold.is_some() {
                     let own = read_ids(scores.topk_with_indices(k, 1).1, info.layer_index)?;
                     let mut stats = FlipStats::new();
                     stats.observe(

@@ -501,6 +501,7 @@ impl Actor {
         let micro = micro_batches_of(&self.config, step_items);
         let mut acc = GradAccumulator::new();
         let mut metric_sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut pending: Vec<(&'static str, Tensor<1>)> = Vec::new();
         let step_no = self.optimizer.step_count() + 1;
         for mb in micro {
             let idx: Vec<usize> = mb.clone().map(|i| range.start + i).collect();
@@ -524,8 +525,8 @@ impl Actor {
                     } else {
                         per_sample.sum().neg() / normalizer
                     };
-                    let value = f64::from(loss.clone().into_scalar::<f32>());
-                    (loss, vec![("loss", value), ("sft_loss", value)])
+                    let value = loss.clone().detach();
+                    (loss, vec![("loss", value.clone()), ("sft_loss", value)])
                 }
                 LossType::PolicyLoss => {
                     let mut input = PolicyLossInput::new(
@@ -556,17 +557,32 @@ impl Actor {
                         ));
                     }
                     let out = self.loss.forward(input)?;
-                    let metrics: Vec<(&'static str, f64)> = out.metrics.to_f64();
+                    let metrics: Vec<(&'static str, Tensor<1>)> = out
+                        .metrics
+                        .entries()
+                        .map(|(name, v)| (name, v.clone()))
+                        .collect();
                     (out.loss.sum(), metrics)
                 }
             };
-            for (name, v) in metrics {
-                *metric_sums.entry(format!("train/{name}")).or_default() += v;
-            }
+            // Kept on the device: the step reads every micro-batch's metrics and the
+            // gradient norm back in one read.
+            pending.extend(metrics);
             let grads = loss.backward();
             acc.accumulate(&self.model, &grads);
         }
         acc.retain_trainable(|name| self.config.is_frozen(name));
+        let norm_sq = acc.global_norm_sq();
+        let mut values: Vec<Tensor<1>> = pending.iter().map(|(_, v)| v.clone()).collect();
+        values.extend(norm_sq.clone());
+        let read = miles_ops::reduce::read_scalars(&values);
+        for ((name, _), v) in pending.iter().zip(&read) {
+            *metric_sums.entry(format!("train/{name}")).or_default() += v;
+        }
+        let grad_norm = match norm_sq {
+            Some(_) => read.last().copied().unwrap_or(f64::NAN).sqrt(),
+            None => 0.0,
+        };
         let mut metrics: Metrics = metric_sums;
         let loss = metrics.get("train/loss").copied().unwrap_or(0.0);
         if !loss.is_finite() {
@@ -575,7 +591,7 @@ impl Actor {
                 step: step_no,
             });
         }
-        let grad_norm = acc.clip_global_norm(self.config.clip_grad);
+        acc.clip_to_norm(grad_norm, self.config.clip_grad);
         if !grad_norm.is_finite() {
             return Err(Error::NonFinite {
                 what: "grad_norm",

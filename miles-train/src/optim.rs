@@ -88,15 +88,19 @@ impl GradAccumulator {
 
     /// Global L2 norm over every accumulated gradient (one host read).
     pub fn global_norm(&self) -> f64 {
-        let Some(first) = self.grads.values().next() else {
-            return 0.0;
-        };
-        let device = first.device();
+        self.global_norm_sq()
+            .map_or(0.0, |total| f64::from(total.into_scalar::<f32>()).sqrt())
+    }
+
+    /// The squared global L2 norm as a `[1]` tensor on the gradients' device, not read back
+    /// (`None` without gradients): for a caller that reads it with other values at once.
+    pub fn global_norm_sq(&self) -> Option<Tensor<1>> {
+        let device = self.grads.values().next()?.device();
         let mut total = Tensor::<1>::zeros([1], &device);
         for g in self.grads.values() {
             total = total + g.clone().powi_scalar(2).sum();
         }
-        f64::from(total.into_scalar::<f32>()).sqrt()
+        Some(total)
     }
 
     /// Multiplies every gradient by `factor`.
@@ -110,13 +114,19 @@ impl GradAccumulator {
     /// Returns the norm before clipping.
     pub fn clip_global_norm(&mut self, clip: f64) -> f64 {
         let norm = self.global_norm();
+        self.clip_to_norm(norm, clip);
+        norm
+    }
+
+    /// [`GradAccumulator::clip_global_norm`] with the norm already read (the square root of
+    /// [`GradAccumulator::global_norm_sq`]).
+    pub fn clip_to_norm(&mut self, norm: f64, clip: f64) {
         if clip > 0.0 && norm.is_finite() {
             let coef = clip / (norm + 1e-6);
             if coef < 1.0 {
                 self.scale(coef);
             }
         }
-        norm
     }
 }
 

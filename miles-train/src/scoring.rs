@@ -75,14 +75,9 @@ pub fn score_response(
         .hidden
         .reshape([n, h])
         .narrow(0, n - 1 - response_length, response_length);
-    let targets = int_vec(
-        tokens[n - response_length..]
-            .iter()
-            .map(|&t| t as i32)
-            .collect(),
-        &device,
-    );
-    let (lp, ent) = fused.forward(rows, model.lm_head_weight(), targets)?;
+    // Host targets: the fused op checks them there and reads nothing back.
+    let (lp, ent) =
+        fused.forward_ids(rows, model.lm_head_weight(), &tokens[n - response_length..])?;
     Ok((lp, ent, out.routing))
 }
 
@@ -153,12 +148,11 @@ pub fn score_batch(
                     _ => i * row_len,
                 };
                 rows.extend((base + n - 1 - r..base + n - 1).map(|x| x as i32));
-                targets.extend(item.tokens[n - r..].iter().map(|&t| t as i32));
+                targets.extend_from_slice(&item.tokens[n - r..]);
                 offset += n;
             }
             let selected = flat.select(0, int_vec(rows, &device));
-            let (lp, ent) =
-                fused.forward(selected, model.lm_head_weight(), int_vec(targets, &device))?;
+            let (lp, ent) = fused.forward_ids(selected, model.lm_head_weight(), &targets)?;
             let mut at = 0;
             for item in items {
                 let r = item.response_length;

@@ -8,3 +8,4 @@ mod glm_moe_grpo;
 mod grpo_learns;
 mod miles_cli;
 mod toolkit;
+mod wgpu_step;

@@ -196,6 +196,40 @@ fn fused_rejects_bad_input() {
     ));
 }
 
+/// `forward_ids` (host targets, nothing read back) gives `forward`'s values bit for bit and
+/// rejects the same bad input.
+#[test]
+fn host_targets_give_the_same_values_and_errors() {
+    let d = Device::flex();
+    let c = case(37, 16, 50, 11);
+    let h = Tensor::<1>::from_floats(c.h.as_slice(), &d).reshape([c.tokens, c.hidden]);
+    let w = Tensor::<1>::from_floats(c.w.as_slice(), &d).reshape([c.vocab, c.hidden]);
+    let ids: Vec<u32> = c.targets.iter().map(|&t| t as u32).collect();
+    let cfg = FusedLogProbConfig::new(8, 16);
+    let targets = Tensor::<1, Int>::from_ints(c.targets.as_slice(), &d);
+    let (lp, ent) = cfg.forward(h.clone(), w.clone(), targets).unwrap();
+    let (lp2, ent2) = cfg.forward_ids(h.clone(), w.clone(), &ids).unwrap();
+    assert_eq!(to_vec(lp2), to_vec(lp));
+    assert_eq!(to_vec(ent2), to_vec(ent));
+    let mut bad = ids.clone();
+    bad[3] = 50;
+    assert!(matches!(
+        cfg.forward_ids(h.clone(), w.clone(), &bad).unwrap_err(),
+        OpsError::TokenOutOfRange {
+            position: 3,
+            token: 50,
+            vocab: 50
+        }
+    ));
+    assert!(matches!(
+        cfg.forward_ids(h, w, &ids[1..]).unwrap_err(),
+        OpsError::ShapeMismatch {
+            what: "targets",
+            ..
+        }
+    ));
+}
+
 #[test]
 fn flex_devices_take_the_fused_path() {
     assert!(miles_ops::fused::runs_fused(&Device::flex()));

@@ -1,7 +1,7 @@
 //! The model step: prefill and batched decode forwards, the log-prob scorer, routing rows.
 
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use miles_bridge::{CausalLm, KvCache, ModelInput, MoeDispatch};
 use miles_r3::Fallthrough;
 
@@ -80,34 +80,62 @@ pub(super) fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
     )
 }
 
-/// Each MoE layer's chosen experts as host `i32`, `[tokens × top_k]` per layer.
-pub(super) fn routing_to_host(
+/// One host read of a forward step's outputs: the `logits` (row-major, as `f32`) and, when
+/// `routing` is not empty, every MoE layer's chosen experts as rows of `[layers × top_k]`
+/// ids, one row per token of the step in row-major `[batch, seq]` order (the order the
+/// engine stores routing in). On flex these are plain copies; on other devices the expert
+/// ids travel as `f32` (exact: ids are far below 2^24) in the same buffer as `f32` logits,
+/// so a step costs one device synchronisation instead of one per MoE layer plus one.
+pub(super) fn read_step(
+    logits: Option<Tensor<2>>,
     routing: &[miles_bridge::MoeRouting],
-) -> Result<Vec<Vec<i32>>, String> {
-    routing
-        .iter()
-        .map(|r| {
-            r.experts
-                .clone()
-                .into_data()
-                .convert::<i32>()
-                .try_to_vec::<i32>()
-                .map_err(|e| format!("{e:?}"))
-        })
-        .collect()
-}
-
-/// Appends `tokens` rows (`[layers, top_k]` each) from per-layer `[tokens × top_k]` tables.
-pub(super) fn append_routing(out: &mut Vec<i32>, per_layer: &[Vec<i32>], tokens: usize) {
-    let Some(first) = per_layer.first() else {
-        return;
+) -> Result<(Vec<f32>, Vec<i32>), String> {
+    let read_f32 = |t: Tensor<1>| {
+        t.into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))
     };
-    let k = first.len() / tokens.max(1);
-    for t in 0..tokens {
-        for layer in per_layer {
-            out.extend_from_slice(&layer[t * k..(t + 1) * k]);
-        }
+    let flat = |t: Tensor<2>| {
+        let n = t.shape().num_elements();
+        t.reshape([n])
+    };
+    let routes = (!routing.is_empty()).then(|| {
+        let rows = Tensor::cat(routing.iter().map(|r| r.experts.clone()).collect(), 1);
+        let n = rows.shape().num_elements();
+        rows.reshape([n])
+    });
+    let (logits, routes) = match (logits, routes) {
+        (None, None) => return Ok((Vec::new(), Vec::new())),
+        (Some(logits), None) => return Ok((read_f32(flat(logits))?, Vec::new())),
+        (logits, Some(routes)) => (logits, routes),
+    };
+    let device = routes.device();
+    let one_read = !miles_ops::device::reads_are_free(&device)
+        && logits.as_ref().is_none_or(|l| l.dtype() == DType::F32);
+    if one_read {
+        let logits = logits.map(flat);
+        let n = logits.as_ref().map_or(0, |l| l.dims()[0]);
+        let ids = routes.cast(FloatDType::F32);
+        let both = match logits {
+            Some(logits) => Tensor::cat(vec![logits, ids], 0),
+            None => ids,
+        };
+        let mut values = read_f32(both)?;
+        let routes = values[n..].iter().map(|&v| v as i32).collect();
+        values.truncate(n);
+        return Ok((values, routes));
     }
+    let logits = match logits {
+        Some(logits) => read_f32(flat(logits))?,
+        None => Vec::new(),
+    };
+    let routes = routes
+        .into_data()
+        .convert::<i32>()
+        .try_into_vec::<i32>()
+        .map_err(|e| format!("{e:?}"))?;
+    Ok((logits, routes))
 }
 
 /// The model the engine's forward steps run for `model`'s weights (sharing them): on flex
@@ -149,19 +177,21 @@ impl Scheduler {
             )
             .map_err(|e| e.to_string())?;
         self.stats.prefill_tokens += rest.len() as u64;
-        if self.route_width > 0 {
-            let per_layer = routing_to_host(&out.routing)?;
-            append_routing(&mut seq.routing, &per_layer, rest.len());
-        }
-        if !resumed {
+        let routing: &[_] = if self.route_width > 0 {
+            &out.routing
+        } else {
+            &[]
+        };
+        // The last position's logits (a fresh sequence samples its first token from them)
+        // and the routing of every token, in one read.
+        let last = (!resumed).then(|| {
             let [_, m, hidden] = out.hidden.dims();
-            let last = self
-                .step
-                .logits(out.hidden.narrow(1, m - 1, 1).reshape([1, hidden]))
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec::<f32>()
-                .map_err(|e| format!("{e:?}"))?;
+            self.step
+                .logits(out.hidden.clone().narrow(1, m - 1, 1).reshape([1, hidden]))
+        });
+        let (last, routes) = read_step(last, routing)?;
+        seq.routing.extend_from_slice(&routes);
+        if !resumed {
             self.insert_prefix(
                 seq.tokens[..target].to_vec(),
                 cache.clone(),
@@ -194,33 +224,23 @@ impl Scheduler {
             };
         self.stats.decode_steps += 1;
         let vocab = self.model.config.vocab_size;
-        let logits = match out
-            .logits
-            .reshape([rows, vocab])
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-        {
-            Ok(v) => v,
+        let routing: &[_] = if self.route_width > 0 {
+            &out.routing
+        } else {
+            &[]
+        };
+        // Logits and routing of the step in one read.
+        let (logits, routes) = match read_step(Some(out.logits.reshape([rows, vocab])), routing) {
+            Ok(read) => read,
             Err(e) => {
-                self.fail_running(&format!("{e:?}"));
+                self.fail_running(&e);
                 return;
             }
         };
         if self.route_width > 0 {
-            match routing_to_host(&out.routing) {
-                Ok(per_layer) => {
-                    let k = self.model.config.num_experts_per_tok;
-                    for (r, seq) in self.running.iter_mut().enumerate() {
-                        for layer in &per_layer {
-                            seq.routing.extend_from_slice(&layer[r * k..(r + 1) * k]);
-                        }
-                    }
-                }
-                Err(e) => {
-                    self.fail_running(&e);
-                    return;
-                }
+            let width = self.route_width;
+            for (seq, row) in self.running.iter_mut().zip(routes.chunks_exact(width)) {
+                seq.routing.extend_from_slice(row);
             }
         }
         // Sampling is independent per row (each sequence has its own generator): rows in
