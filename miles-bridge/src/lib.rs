@@ -55,6 +55,7 @@ mod model;
 pub mod names;
 pub mod nn;
 pub mod parallel;
+pub mod profile;
 
 pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
 pub use config::{

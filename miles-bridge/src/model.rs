@@ -41,6 +41,7 @@ use crate::nn::{
     Attention, AttentionShape, Builder, Init, LayerCache, Linear, Mlp, ParamRef, ParamVisitor,
     RmsNorm, Rope, WeightSource, attention_mask, swiglu,
 };
+use crate::profile::{self, OpClass};
 use crate::{BridgeError, ModelConfig};
 
 /// The router of one MoE layer (`mlp.gate`).
@@ -193,63 +194,68 @@ impl MoeBlock {
         let [tokens, _] = x.dims();
         let info = self.info();
         let experts = info.num_experts;
-        let logits = x.clone().matmul(self.gate.weight.val().transpose());
-        let scores = match self.router {
-            RouterKind::SigmoidGrouped => sigmoid(logits),
-            RouterKind::Softmax => softmax(logits, 1),
-        };
-        let mut choice = scores.clone().detach();
-        if let Some(bias) = &self.gate.e_score_correction_bias {
-            choice = choice + bias.val().unsqueeze_dim(0);
-        }
-        if self.router == RouterKind::SigmoidGrouped && self.n_group > 1 {
-            let per_group = experts / self.n_group;
-            let grouped = choice.clone().reshape([tokens, self.n_group, per_group]);
-            let group_scores = grouped
-                .topk(2, 2)
-                .sum_dim(2)
-                .reshape([tokens, self.n_group]);
-            let (_, keep) = group_scores.topk_with_indices(self.topk_group, 1);
-            let kept = Tensor::<2>::zeros([tokens, self.n_group], &x.device()).scatter(
-                1,
-                keep,
-                Tensor::ones([tokens, self.topk_group], &x.device()),
-                IndexingUpdateOp::Add,
-            );
-            let dropped = kept
-                .reshape([tokens, self.n_group, 1])
-                .expand([tokens, self.n_group, per_group])
-                .reshape([tokens, experts])
-                .equal_elem(0.0);
-            choice = choice.mask_fill(dropped, f32::NEG_INFINITY);
-        }
-        let chosen = hook.select_experts(&info, choice)?;
-        if chosen.dims() != [tokens, self.top_k] {
-            return Err(BridgeError::input(format!(
-                "router hook returned shape {:?} for layer {}, expected [{tokens}, {}]",
-                chosen.dims(),
-                self.layer_index,
-                self.top_k
-            )));
-        }
-        let mut weights = scores.gather(1, chosen.clone());
-        if self.norm_topk_prob {
-            weights = match self.router {
-                RouterKind::SigmoidGrouped => weights.clone() / (weights.sum_dim(1) + 1e-20),
-                RouterKind::Softmax => weights.clone() / weights.sum_dim(1),
+        let (chosen, weights) = profile::time(OpClass::Router, || -> Result<_, BridgeError> {
+            let logits = x.clone().matmul(self.gate.weight.val().transpose());
+            let scores = match self.router {
+                RouterKind::SigmoidGrouped => sigmoid(logits),
+                RouterKind::Softmax => softmax(logits, 1),
             };
-        }
-        if self.routed_scaling_factor != 1.0 {
-            weights = weights * self.routed_scaling_factor;
-        }
-        let mut out = match self.dispatch.resolve(&x.device(), x.dims()[0]) {
-            MoeDispatch::Sparse => self.experts_sparse(x.clone(), &chosen, weights.clone())?,
-            MoeDispatch::Dense | MoeDispatch::Auto => {
-                self.experts_dense(x.clone(), &chosen, weights.clone())
+            let mut choice = scores.clone().detach();
+            if let Some(bias) = &self.gate.e_score_correction_bias {
+                choice = choice + bias.val().unsqueeze_dim(0);
             }
-        };
+            if self.router == RouterKind::SigmoidGrouped && self.n_group > 1 {
+                let per_group = experts / self.n_group;
+                let grouped = choice.clone().reshape([tokens, self.n_group, per_group]);
+                let group_scores = grouped
+                    .topk(2, 2)
+                    .sum_dim(2)
+                    .reshape([tokens, self.n_group]);
+                let (_, keep) = group_scores.topk_with_indices(self.topk_group, 1);
+                let kept = Tensor::<2>::zeros([tokens, self.n_group], &x.device()).scatter(
+                    1,
+                    keep,
+                    Tensor::ones([tokens, self.topk_group], &x.device()),
+                    IndexingUpdateOp::Add,
+                );
+                let dropped = kept
+                    .reshape([tokens, self.n_group, 1])
+                    .expand([tokens, self.n_group, per_group])
+                    .reshape([tokens, experts])
+                    .equal_elem(0.0);
+                choice = choice.mask_fill(dropped, f32::NEG_INFINITY);
+            }
+            let chosen = hook.select_experts(&info, choice)?;
+            if chosen.dims() != [tokens, self.top_k] {
+                return Err(BridgeError::input(format!(
+                    "router hook returned shape {:?} for layer {}, expected [{tokens}, {}]",
+                    chosen.dims(),
+                    self.layer_index,
+                    self.top_k
+                )));
+            }
+            let mut weights = scores.gather(1, chosen.clone());
+            if self.norm_topk_prob {
+                weights = match self.router {
+                    RouterKind::SigmoidGrouped => weights.clone() / (weights.sum_dim(1) + 1e-20),
+                    RouterKind::Softmax => weights.clone() / weights.sum_dim(1),
+                };
+            }
+            if self.routed_scaling_factor != 1.0 {
+                weights = weights * self.routed_scaling_factor;
+            }
+            Ok((chosen, weights))
+        })?;
+        let mut out = profile::time(OpClass::MoeExperts, || {
+            match self.dispatch.resolve(&x.device(), x.dims()[0]) {
+                MoeDispatch::Sparse => self.experts_sparse(x.clone(), &chosen, weights.clone()),
+                MoeDispatch::Dense | MoeDispatch::Auto => {
+                    Ok(self.experts_dense(x.clone(), &chosen, weights.clone()))
+                }
+            }
+        })?;
         if let Some(shared) = &self.shared_experts {
-            out = out + shared.forward(x);
+            out = out + profile::time(OpClass::SharedExperts, || shared.forward(x));
         }
         Ok((
             out,
@@ -1222,10 +1228,10 @@ impl CausalLm {
     /// `lm_head` applied to final-norm hidden states `[rows, hidden]`: logits `[rows, vocab]`
     /// (what [`CausalLm::forward`] computes for every position).
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
-        match &self.lm_head {
+        profile::time(OpClass::LmHead, || match &self.lm_head {
             Some(head) => head.forward(hidden),
             None => hidden.matmul(self.model.embed_tokens.val().transpose()),
-        }
+        })
     }
 
     /// Training / scoring forward that stops before `lm_head`: the final-norm hidden states
@@ -1301,16 +1307,22 @@ impl CausalLm {
             None => valid.clone(),
         };
         let needs_key_mask = input.attention_mask.is_some() || past > 0;
-        let mask = attention_mask(
-            batch,
-            seq,
-            past,
-            needs_key_mask.then(|| key_valid.clone()),
-            input.segment_ids.clone(),
-            &device,
-        );
-        let rope = Rope::new(positions, c.inv_freq());
-        let mut hidden = embedding(self.model.embed_tokens.val(), input.input_ids.clone());
+        let (mask, rope) = profile::time(OpClass::Rope, || {
+            (
+                attention_mask(
+                    batch,
+                    seq,
+                    past,
+                    needs_key_mask.then(|| key_valid.clone()),
+                    input.segment_ids.clone(),
+                    &device,
+                ),
+                Rope::new(positions, c.inv_freq()),
+            )
+        });
+        let mut hidden = profile::time(OpClass::Embed, || {
+            embedding(self.model.embed_tokens.val(), input.input_ids.clone())
+        });
         let mut routing = Vec::new();
         if let Some(cache) = cache.as_deref_mut()
             && cache.layers.len() != self.model.layers.len()
@@ -1319,19 +1331,19 @@ impl CausalLm {
         }
         for (l, layer) in self.model.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
-            let attn = layer.self_attn.forward(
-                layer.input_layernorm.forward(hidden.clone()),
-                &rope,
-                mask.clone(),
-                slot,
-            );
+            let normed = profile::time(OpClass::Norm, || {
+                layer.input_layernorm.forward(hidden.clone())
+            });
+            let attn = layer.self_attn.forward(normed, &rope, mask.clone(), slot);
             hidden = hidden + attn;
-            let normed = layer
-                .post_attention_layernorm
-                .forward(hidden.clone())
-                .reshape([batch * seq, c.hidden_size]);
+            let normed = profile::time(OpClass::Norm, || {
+                layer
+                    .post_attention_layernorm
+                    .forward(hidden.clone())
+                    .reshape([batch * seq, c.hidden_size])
+            });
             let mlp_out = match &layer.mlp {
-                FeedForward::Dense(mlp) => mlp.forward(normed),
+                FeedForward::Dense(mlp) => profile::time(OpClass::DenseMlp, || mlp.forward(normed)),
                 FeedForward::Moe(moe) => {
                     let (out, r) = moe.forward(normed, hook)?;
                     routing.push(r);
@@ -1345,7 +1357,7 @@ impl CausalLm {
             cache.key_valid = Some(key_valid);
         }
         Ok(HiddenOutput {
-            hidden: self.model.norm.forward(hidden),
+            hidden: profile::time(OpClass::Norm, || self.model.norm.forward(hidden)),
             routing,
         })
     }

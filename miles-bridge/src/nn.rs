@@ -9,6 +9,7 @@ use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 use crate::BridgeError;
 use crate::checkpoint::TensorMap;
 use crate::lora::{LoraAdapter, LoraForward};
+use crate::profile::{self, OpClass};
 
 /// How a freshly initialised parameter is filled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -442,36 +443,40 @@ impl Attention {
     ) -> Tensor<3> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
-        let mut q = self.heads(
-            self.q_proj.forward(rows.clone()),
-            batch,
-            seq,
-            self.num_heads,
-        );
-        let mut k = self.heads(
-            self.k_proj.forward(rows.clone()),
-            batch,
-            seq,
-            self.num_kv_heads,
-        );
-        let mut v = self.heads(self.v_proj.forward(rows), batch, seq, self.num_kv_heads);
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = qn.forward(q);
-            k = kn.forward(k);
-        }
-        q = rope.apply(q);
-        k = rope.apply(k);
-        if let Some(slot) = cache {
-            if let Some(old) = slot.take() {
-                k = Tensor::cat(vec![old.keys, k], 2);
-                // A grouped-query layer always stores its values.
-                if let Some(values) = old.values {
-                    v = Tensor::cat(vec![values, v], 2);
-                }
+        let (q, k, v) = profile::time(OpClass::QkvProj, || {
+            let (q, k, v) = (
+                self.q_proj.forward(rows.clone()),
+                self.k_proj.forward(rows.clone()),
+                self.v_proj.forward(rows),
+            );
+            (
+                self.heads(q, batch, seq, self.num_heads),
+                self.heads(k, batch, seq, self.num_kv_heads),
+                self.heads(v, batch, seq, self.num_kv_heads),
+            )
+        });
+        let (q, mut k) = profile::time(OpClass::Rope, || {
+            let (mut q, mut k) = (q, k);
+            if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+                q = qn.forward(q);
+                k = kn.forward(k);
             }
-            *slot = Some(LayerCache {
-                keys: k.clone(),
-                values: Some(v.clone()),
+            (rope.apply(q), rope.apply(k))
+        });
+        let mut v = v;
+        if let Some(slot) = cache {
+            profile::time(OpClass::KvAppend, || {
+                if let Some(old) = slot.take() {
+                    k = Tensor::cat(vec![old.keys, k.clone()], 2);
+                    // A grouped-query layer always stores its values.
+                    if let Some(values) = old.values {
+                        v = Tensor::cat(vec![values, v.clone()], 2);
+                    }
+                }
+                *slot = Some(LayerCache {
+                    keys: k.clone(),
+                    values: Some(v.clone()),
+                });
             });
         }
         let total = k.dims()[2];
@@ -480,15 +485,16 @@ impl Attention {
         // One fused op on flex (scores never materialised between ops); the same
         // computation with tensor ops elsewhere. Shapes are ours, so the fallback on an
         // error only re-raises burn's own shape panic.
-        let out =
+        let out = profile::time(OpClass::Attention, || {
             miles_ops::attention::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
-                .unwrap_or_else(|_| {
-                    miles_ops::attention::attention_reference(q, k, v, mask, scale)
-                });
-        let out = out
-            .swap_dims(1, 2)
-            .reshape([batch * seq, self.num_heads * self.head_dim]);
-        self.o_proj.forward(out).reshape([batch, seq, hidden])
+                .unwrap_or_else(|_| miles_ops::attention::attention_reference(q, k, v, mask, scale))
+        });
+        profile::time(OpClass::OProj, || {
+            let out = out
+                .swap_dims(1, 2)
+                .reshape([batch * seq, self.num_heads * self.head_dim]);
+            self.o_proj.forward(out).reshape([batch, seq, hidden])
+        })
     }
 
     pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {

@@ -2,6 +2,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use miles_bridge::profile::{self, OpClass};
 use miles_bridge::{CausalLm, KvCache, ModelInput, MoeDispatch};
 use miles_r3::Fallthrough;
 
@@ -194,13 +195,13 @@ impl Scheduler {
             };
         self.stats.decode_steps += 1;
         let vocab = self.model.config.vocab_size;
-        let logits = match out
-            .logits
-            .reshape([rows, vocab])
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-        {
+        let logits = match profile::time(OpClass::Readback, || {
+            out.logits
+                .reshape([rows, vocab])
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+        }) {
             Ok(v) => v,
             Err(e) => {
                 self.fail_running(&format!("{e:?}"));
@@ -208,7 +209,7 @@ impl Scheduler {
             }
         };
         if self.route_width > 0 {
-            match routing_to_host(&out.routing) {
+            match profile::time(OpClass::Readback, || routing_to_host(&out.routing)) {
                 Ok(per_layer) => {
                     let k = self.model.config.num_experts_per_tok;
                     for (r, seq) in self.running.iter_mut().enumerate() {
@@ -226,14 +227,18 @@ impl Scheduler {
         // Sampling is independent per row (each sequence has its own generator): rows in
         // parallel, then the stop checks in order.
         let mut running = std::mem::take(&mut self.running);
-        let picks: Vec<(u32, f64)> = running
-            .par_iter_mut()
-            .zip(logits.par_chunks(vocab))
-            .map(|(seq, row)| sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng))
-            .collect();
-        for (seq, (token, lp)) in running.iter_mut().zip(picks) {
-            self.accept_token(seq, token, lp);
-        }
+        profile::time(OpClass::Sampling, || {
+            let picks: Vec<(u32, f64)> = running
+                .par_iter_mut()
+                .zip(logits.par_chunks(vocab))
+                .map(|(seq, row)| {
+                    sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng)
+                })
+                .collect();
+            for (seq, (token, lp)) in running.iter_mut().zip(picks) {
+                self.accept_token(seq, token, lp);
+            }
+        });
         self.running = running;
         self.retire_finished();
     }
