@@ -65,6 +65,6 @@ pub use error::BridgeError;
 pub use lora::{ExpertLora, LoraAdapter, LoraConfig, LoraForward};
 pub use model::{
     CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, HiddenOutput, KvCache, ModelInput,
-    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, SelfAttention, TopkRouter, ids_tensor,
-    mtp_tensor_names, token_logprobs,
+    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, PackedMoe, SelfAttention, TopkRouter,
+    ids_tensor, mtp_tensor_names, token_logprobs,
 };

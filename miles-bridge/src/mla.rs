@@ -288,13 +288,8 @@ impl LatentAttention {
         let evaluation = match cache {
             None => Evaluation::Expanded,
             Some(slot) => profile::time(OpClass::KvAppend, || {
-                if let Some(old) = slot.take() {
-                    kv = Tensor::cat(vec![old.keys, kv.clone()], 2);
-                }
-                *slot = Some(LayerCache {
-                    keys: kv.clone(),
-                    values: None,
-                });
+                let past = mask.dims()[3] - seq;
+                kv = LayerCache::append(slot, past, kv.clone(), None).keys;
                 self.cheaper(seq, kv.dims()[2])
             }),
         };

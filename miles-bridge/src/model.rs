@@ -123,6 +123,22 @@ pub struct MoeBlock {
     /// How routed tokens reach their experts.
     #[module(skip)]
     pub dispatch: MoeDispatch,
+    /// Inference only: the routed experts' gate / up stacks fused and all stacks packed for
+    /// the sparse dispatch ([`miles_ops::grouped::PackedExperts`]), set by
+    /// [`CausalLm::fuse_projections`].
+    #[module(skip)]
+    pub packed: Option<PackedMoe>,
+}
+
+/// A MoE layer's routed experts packed once per weight version for inference: gate and up
+/// stacked as one `[experts, hidden, 2 · moe_intermediate]` grouped matmul, down as
+/// `[experts, moe_intermediate, hidden]` (adapters merged).
+#[derive(Debug, Clone)]
+pub struct PackedMoe {
+    /// Gate then up, `2 · moe_intermediate` outputs per expert.
+    pub gate_up: miles_ops::grouped::PackedExperts,
+    /// Down, `hidden` outputs per expert.
+    pub down: miles_ops::grouped::PackedExperts,
 }
 
 /// How an MoE layer applies its routed experts.
@@ -365,11 +381,42 @@ impl MoeBlock {
             miles_ops::grouped::grouped_matmul(x.clone(), w.clone(), &counts)
                 .unwrap_or_else(|_| miles_ops::grouped::grouped_matmul_reference(x, w, &counts))
         };
-        let act = swiglu(
-            grouped(rows.clone(), self.experts.effective_gate_proj()),
-            grouped(rows, self.experts.effective_up_proj()),
-        );
-        let outputs = grouped(act, self.experts.effective_down_proj());
+        let outputs = match &self.packed {
+            Some(packed) => {
+                // Shapes are ours: the reference fallback only re-raises a shape panic.
+                let gate_up = miles_ops::grouped::grouped_matmul_packed(
+                    rows.clone(),
+                    &packed.gate_up,
+                    &counts,
+                )
+                .unwrap_or_else(|_| {
+                    grouped(
+                        rows,
+                        Tensor::cat(
+                            vec![
+                                self.experts.effective_gate_proj(),
+                                self.experts.effective_up_proj(),
+                            ],
+                            1,
+                        ),
+                    )
+                });
+                let inter = packed.gate_up.out / 2;
+                let act = swiglu(
+                    gate_up.clone().narrow(1, 0, inter),
+                    gate_up.narrow(1, inter, inter),
+                );
+                miles_ops::grouped::grouped_matmul_packed(act.clone(), &packed.down, &counts)
+                    .unwrap_or_else(|_| grouped(act, self.experts.effective_down_proj()))
+            }
+            None => {
+                let act = swiglu(
+                    grouped(rows.clone(), self.experts.effective_gate_proj()),
+                    grouped(rows, self.experts.effective_up_proj()),
+                );
+                grouped(act, self.experts.effective_down_proj())
+            }
+        };
         let weighted = outputs * slot_weights.unsqueeze_dim(1);
         Ok(Tensor::<2>::zeros([tokens, hidden], &device).select_assign(
             0,
@@ -515,6 +562,10 @@ pub struct CausalLm {
     /// The LoRA configuration when adapters are attached ([`CausalLm::with_lora`]).
     #[module(skip)]
     pub lora: Option<LoraConfig>,
+    /// Inference only: the output projection through [`crate::nn::FusedLinear`] (split over
+    /// both cores on flex), set by [`CausalLm::fuse_projections`].
+    #[module(skip)]
+    pub packed_lm_head: Option<crate::nn::FusedLinear>,
 }
 
 /// Input of one forward pass over a padded or packed batch.
@@ -589,8 +640,11 @@ impl KvCache {
     /// The cache of decoder layer `layer`, if it has been filled (see [`LayerCache`]: keys
     /// and values per key / value head, or for DeepSeek-V3's latent attention the compressed
     /// latent plus rope key and no values).
-    pub fn layer(&self, layer: usize) -> Option<&LayerCache> {
-        self.layers.get(layer).and_then(Option::as_ref)
+    pub fn layer(&self, layer: usize) -> Option<LayerCache> {
+        self.layers
+            .get(layer)
+            .and_then(Option::as_ref)
+            .map(|l| l.narrowed(self.len()))
     }
 
     /// Number of rows (sequences) the cache holds; 0 when empty.
@@ -669,7 +723,8 @@ impl KvCache {
         let mut per_layer: Vec<(Vec<Tensor<4>>, Vec<Option<Tensor<4>>>)> =
             (0..layers).map(|_| (Vec::new(), Vec::new())).collect();
         for part in parts {
-            let pad = total - part.len();
+            let used = part.len();
+            let pad = total - used;
             let kv = part
                 .key_valid
                 .ok_or_else(|| BridgeError::input("cache without key validity"))?;
@@ -691,7 +746,9 @@ impl KvCache {
                 )
             });
             for (l, slot) in part.layers.into_iter().enumerate() {
-                let slot = slot.ok_or_else(|| BridgeError::input("cache with a missing layer"))?;
+                let slot = slot
+                    .ok_or_else(|| BridgeError::input("cache with a missing layer"))?
+                    .narrowed(used);
                 let padded = |t: Tensor<4>| -> Tensor<4> {
                     if pad == 0 {
                         return t;
@@ -838,6 +895,46 @@ impl CausalLm {
         self.config.architecture
     }
 
+    /// Prepares the model for inference on its current weights: each attention's q / k / v
+    /// projections and each SwiGLU MLP's (dense and shared experts) gate / up projections
+    /// become one matmul over weights stacked once here ([`crate::nn::FusedLinear`], adapters
+    /// merged), and those, the output / down projections and `lm_head` run through
+    /// [`miles_ops::linear::linear`] (small matmuls split over both cores on flex). The
+    /// stacked copies do not follow later changes to the parameters: call this on a model
+    /// whose weights no longer change (the embedded engine builds its step model anew from
+    /// every weight version), never on one being trained. MoE layers get their routed
+    /// experts packed for the sparse dispatch ([`PackedMoe`]). Grouped-query attention
+    /// layers only; latent-attention layers keep their projections.
+    pub fn fuse_projections(&mut self) {
+        self.packed_lm_head = Some(crate::nn::FusedLinear::from_weight(self.lm_head_weight()));
+        for layer in &mut self.model.layers {
+            if let SelfAttention::Grouped(a) = &mut layer.self_attn {
+                a.fuse();
+            }
+            match &mut layer.mlp {
+                FeedForward::Dense(mlp) => mlp.fuse(),
+                FeedForward::Moe(moe) => {
+                    if let Some(shared) = &mut moe.shared_experts {
+                        shared.fuse();
+                    }
+                    let gate_up = Tensor::cat(
+                        vec![
+                            moe.experts.effective_gate_proj(),
+                            moe.experts.effective_up_proj(),
+                        ],
+                        1,
+                    );
+                    moe.packed = Some(PackedMoe {
+                        gate_up: miles_ops::grouped::PackedExperts::new(gate_up),
+                        down: miles_ops::grouped::PackedExperts::new(
+                            moe.experts.effective_down_proj(),
+                        ),
+                    });
+                }
+            }
+        }
+    }
+
     /// Sets how every MoE layer applies its routed experts (default [`MoeDispatch::Auto`]).
     pub fn set_moe_dispatch(&mut self, dispatch: MoeDispatch) {
         for layer in &mut self.model.layers {
@@ -960,6 +1057,7 @@ impl CausalLm {
                     norm_topk_prob: c.norm_topk_prob,
                     routed_scaling_factor: c.routed_scaling_factor,
                     dispatch: MoeDispatch::default(),
+                    packed: None,
                 };
                 moe_index += 1;
                 FeedForward::Moe(block)
@@ -999,6 +1097,7 @@ impl CausalLm {
             lm_head,
             config: c.clone(),
             lora: None,
+            packed_lm_head: None,
         })
     }
 
@@ -1228,9 +1327,14 @@ impl CausalLm {
     /// `lm_head` applied to final-norm hidden states `[rows, hidden]`: logits `[rows, vocab]`
     /// (what [`CausalLm::forward`] computes for every position).
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
-        profile::time(OpClass::LmHead, || match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            None => hidden.matmul(self.model.embed_tokens.val().transpose()),
+        profile::time(OpClass::LmHead, || {
+            if let Some(packed) = &self.packed_lm_head {
+                return packed.forward_all(hidden);
+            }
+            match &self.lm_head {
+                Some(head) => head.forward(hidden),
+                None => hidden.matmul(self.model.embed_tokens.val().transpose()),
+            }
         })
     }
 

@@ -21,6 +21,9 @@
 //!   `CubeBackend`, so the ops dispatch to them for tensors on a CubeCL device and to native
 //!   loops on flex; each has a plain-op `*_reference` twin they are tested against on
 //!   `Device::wgpu(DeviceKind::Cpu)` (`tests/it/kernels.rs`, lavapipe without a GPU).
+//! - [`linear`] and [`grouped::grouped_matmul_packed`]: forward-only inference matmuls for a
+//!   decode step on flex (small projections split over both cores; MoE experts over weights
+//!   packed once per weight version).
 //! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`)
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
@@ -72,6 +75,7 @@ pub mod kernel_device;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels;
 pub mod kl;
+pub mod linear;
 pub mod logprobs;
 pub mod norm;
 pub mod policy;

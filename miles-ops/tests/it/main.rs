@@ -10,6 +10,7 @@ mod gradients;
 mod grouped;
 mod kernel_device;
 mod kernels;
+mod linear;
 mod norm;
 mod properties;
 mod swiglu;

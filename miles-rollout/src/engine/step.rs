@@ -111,13 +111,18 @@ pub(super) fn append_routing(out: &mut Vec<i32>, per_layer: &[Vec<i32>], tokens:
     }
 }
 
-/// The model the engine's forward steps run for `model`'s weights (sharing them): on flex
-/// with the specialised path, MoE layers dispatch sparsely at every batch size. Built anew
-/// from every weight version, so no step ever runs on a previous version's weights.
+/// The model the engine's forward steps run for `model`'s weights (sharing them). With the
+/// specialised path: q / k / v and gate / up projections fused into one matmul each over
+/// weights stacked here ([`CausalLm::fuse_projections`]), and on flex MoE layers dispatch
+/// sparsely at every batch size. Built anew from every weight version, so no step ever runs
+/// on a previous version's weights (or their stacked copies).
 pub(super) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
     let mut step = model.clone();
-    if specialised && miles_ops::attention::runs_fused(&model.lm_head_weight().device()) {
-        step.set_moe_dispatch(MoeDispatch::Sparse);
+    if specialised {
+        step.fuse_projections();
+        if miles_ops::attention::runs_fused(&model.lm_head_weight().device()) {
+            step.set_moe_dispatch(MoeDispatch::Sparse);
+        }
     }
     step
 }
