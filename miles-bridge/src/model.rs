@@ -637,9 +637,10 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// The cache of decoder layer `layer`, if it has been filled (see [`LayerCache`]: keys
-    /// and values per key / value head, or for DeepSeek-V3's latent attention the compressed
-    /// latent plus rope key and no values).
+    /// The cache of decoder layer `layer`, if it has been filled, narrowed to the
+    /// [`KvCache::len`] key columns in use (see [`LayerCache`]: keys and values per key /
+    /// value head, or for DeepSeek-V3's latent attention the compressed latent plus rope key
+    /// and no values).
     pub fn layer(&self, layer: usize) -> Option<LayerCache> {
         self.layers
             .get(layer)
