@@ -55,6 +55,7 @@ mod model;
 pub mod names;
 pub mod nn;
 pub mod parallel;
+pub mod profile;
 
 pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
 pub use config::{
@@ -64,6 +65,6 @@ pub use error::BridgeError;
 pub use lora::{ExpertLora, LoraAdapter, LoraConfig, LoraForward};
 pub use model::{
     CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, HiddenOutput, KvCache, ModelInput,
-    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, SelfAttention, TopkRouter, ids_tensor,
-    mtp_tensor_names, token_logprobs,
+    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, PackedMoe, SelfAttention, TopkRouter,
+    ids_tensor, mtp_tensor_names, token_logprobs,
 };

@@ -39,6 +39,7 @@ use burn::tensor::{Bool, Tensor};
 use crate::BridgeError;
 use crate::config::MlaConfig;
 use crate::nn::{Builder, LayerCache, Linear, ParamVisitor, RmsNorm, Rope};
+use crate::profile::{self, OpClass};
 
 /// transformers builds `q_a_layernorm` / `kv_a_layernorm` with the RMSNorm default eps.
 const LATENT_NORM_EPS: f64 = 1e-6;
@@ -263,46 +264,48 @@ impl LatentAttention {
         let heads = self.num_heads;
         let qk = nope + rot;
         let rows = x.reshape([batch * seq, hidden]);
-        let q = self
-            .queries(rows.clone())
-            .reshape([batch, seq, heads, qk])
-            .swap_dims(1, 2);
-        let q_nope = q.clone().narrow(3, 0, nope);
-        let q_rot = self.rotate(q.narrow(3, nope, rot), rope);
-        let compressed = self.kv_a_proj_with_mqa.forward(rows);
-        let latent = self
-            .kv_a_layernorm
-            .forward(compressed.clone().narrow(1, 0, r))
-            .reshape([batch, 1, seq, r]);
-        let k_rot = self.rotate(
-            compressed.narrow(1, r, rot).reshape([batch, 1, seq, rot]),
-            rope,
-        );
-        let mut kv = Tensor::cat(vec![latent, k_rot], 3);
+        let (q, compressed) = profile::time(OpClass::QkvProj, || {
+            (
+                self.queries(rows.clone())
+                    .reshape([batch, seq, heads, qk])
+                    .swap_dims(1, 2),
+                self.kv_a_proj_with_mqa.forward(rows),
+            )
+        });
+        let (q_nope, q_rot, mut kv) = profile::time(OpClass::Rope, || {
+            let q_nope = q.clone().narrow(3, 0, nope);
+            let q_rot = self.rotate(q.narrow(3, nope, rot), rope);
+            let latent = self
+                .kv_a_layernorm
+                .forward(compressed.clone().narrow(1, 0, r))
+                .reshape([batch, 1, seq, r]);
+            let k_rot = self.rotate(
+                compressed.narrow(1, r, rot).reshape([batch, 1, seq, rot]),
+                rope,
+            );
+            (q_nope, q_rot, Tensor::cat(vec![latent, k_rot], 3))
+        });
         let evaluation = match cache {
             None => Evaluation::Expanded,
-            Some(slot) => {
-                if let Some(old) = slot.take() {
-                    kv = Tensor::cat(vec![old.keys, kv], 2);
-                }
-                *slot = Some(LayerCache {
-                    keys: kv.clone(),
-                    values: None,
-                });
+            Some(slot) => profile::time(OpClass::KvAppend, || {
+                let past = mask.dims()[3] - seq;
+                kv = LayerCache::append(slot, past, kv.clone(), None).keys;
                 self.cheaper(seq, kv.dims()[2])
-            }
+            }),
         };
         let total = kv.dims()[2];
         let mask = mask.reshape([batch, seq, total]);
         let scale = self.scale as f32;
-        let out = match evaluation {
+        let out = profile::time(OpClass::Attention, || match evaluation {
             Evaluation::Expanded => {
                 self.expanded(Tensor::cat(vec![q_nope, q_rot], 3), kv, mask, scale)
             }
             Evaluation::Absorbed => self.absorbed(q_nope, q_rot, kv, mask, scale),
-        };
-        let out = out.swap_dims(1, 2).reshape([batch * seq, heads * vd]);
-        self.o_proj.forward(out).reshape([batch, seq, hidden])
+        });
+        profile::time(OpClass::OProj, || {
+            let out = out.swap_dims(1, 2).reshape([batch * seq, heads * vd]);
+            self.o_proj.forward(out).reshape([batch, seq, hidden])
+        })
     }
 
     /// The evaluation with fewer multiply-adds for `seq` queries over `total` keys.

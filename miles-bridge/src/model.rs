@@ -41,6 +41,7 @@ use crate::nn::{
     Attention, AttentionShape, Builder, Init, LayerCache, Linear, Mlp, ParamRef, ParamVisitor,
     RmsNorm, Rope, WeightSource, attention_mask, swiglu,
 };
+use crate::profile::{self, OpClass};
 use crate::{BridgeError, ModelConfig};
 
 /// The router of one MoE layer (`mlp.gate`).
@@ -122,6 +123,22 @@ pub struct MoeBlock {
     /// How routed tokens reach their experts.
     #[module(skip)]
     pub dispatch: MoeDispatch,
+    /// Inference only: the routed experts' gate / up stacks fused and all stacks packed for
+    /// the sparse dispatch ([`miles_ops::grouped::PackedExperts`]), set by
+    /// [`CausalLm::fuse_projections`].
+    #[module(skip)]
+    pub packed: Option<PackedMoe>,
+}
+
+/// A MoE layer's routed experts packed once per weight version for inference: gate and up
+/// stacked as one `[experts, hidden, 2 · moe_intermediate]` grouped matmul, down as
+/// `[experts, moe_intermediate, hidden]` (adapters merged).
+#[derive(Debug, Clone)]
+pub struct PackedMoe {
+    /// Gate then up, `2 · moe_intermediate` outputs per expert.
+    pub gate_up: miles_ops::grouped::PackedExperts,
+    /// Down, `hidden` outputs per expert.
+    pub down: miles_ops::grouped::PackedExperts,
 }
 
 /// How an MoE layer applies its routed experts.
@@ -192,63 +209,68 @@ impl MoeBlock {
         let [tokens, _] = x.dims();
         let info = self.info();
         let experts = info.num_experts;
-        let logits = x.clone().matmul(self.gate.weight.val().transpose());
-        let scores = match self.router {
-            RouterKind::SigmoidGrouped => sigmoid(logits),
-            RouterKind::Softmax => softmax(logits, 1),
-        };
-        let mut choice = scores.clone().detach();
-        if let Some(bias) = &self.gate.e_score_correction_bias {
-            choice = choice + bias.val().unsqueeze_dim(0);
-        }
-        if self.router == RouterKind::SigmoidGrouped && self.n_group > 1 {
-            let per_group = experts / self.n_group;
-            let grouped = choice.clone().reshape([tokens, self.n_group, per_group]);
-            let group_scores = grouped
-                .topk(2, 2)
-                .sum_dim(2)
-                .reshape([tokens, self.n_group]);
-            let (_, keep) = group_scores.topk_with_indices(self.topk_group, 1);
-            let kept = Tensor::<2>::zeros([tokens, self.n_group], &x.device()).scatter(
-                1,
-                keep,
-                Tensor::ones([tokens, self.topk_group], &x.device()),
-                IndexingUpdateOp::Add,
-            );
-            let dropped = kept
-                .reshape([tokens, self.n_group, 1])
-                .expand([tokens, self.n_group, per_group])
-                .reshape([tokens, experts])
-                .equal_elem(0.0);
-            choice = choice.mask_fill(dropped, f32::NEG_INFINITY);
-        }
-        let chosen = hook.select_experts(&info, choice)?;
-        if chosen.dims() != [tokens, self.top_k] {
-            return Err(BridgeError::input(format!(
-                "router hook returned shape {:?} for layer {}, expected [{tokens}, {}]",
-                chosen.dims(),
-                self.layer_index,
-                self.top_k
-            )));
-        }
-        let mut weights = scores.gather(1, chosen.clone());
-        if self.norm_topk_prob {
-            weights = match self.router {
-                RouterKind::SigmoidGrouped => weights.clone() / (weights.sum_dim(1) + 1e-20),
-                RouterKind::Softmax => weights.clone() / weights.sum_dim(1),
+        let (chosen, weights) = profile::time(OpClass::Router, || -> Result<_, BridgeError> {
+            let logits = x.clone().matmul(self.gate.weight.val().transpose());
+            let scores = match self.router {
+                RouterKind::SigmoidGrouped => sigmoid(logits),
+                RouterKind::Softmax => softmax(logits, 1),
             };
-        }
-        if self.routed_scaling_factor != 1.0 {
-            weights = weights * self.routed_scaling_factor;
-        }
-        let mut out = match self.dispatch.resolve(&x.device(), x.dims()[0]) {
-            MoeDispatch::Sparse => self.experts_sparse(x.clone(), &chosen, weights.clone())?,
-            MoeDispatch::Dense | MoeDispatch::Auto => {
-                self.experts_dense(x.clone(), &chosen, weights.clone())
+            let mut choice = scores.clone().detach();
+            if let Some(bias) = &self.gate.e_score_correction_bias {
+                choice = choice + bias.val().unsqueeze_dim(0);
             }
-        };
+            if self.router == RouterKind::SigmoidGrouped && self.n_group > 1 {
+                let per_group = experts / self.n_group;
+                let grouped = choice.clone().reshape([tokens, self.n_group, per_group]);
+                let group_scores = grouped
+                    .topk(2, 2)
+                    .sum_dim(2)
+                    .reshape([tokens, self.n_group]);
+                let (_, keep) = group_scores.topk_with_indices(self.topk_group, 1);
+                let kept = Tensor::<2>::zeros([tokens, self.n_group], &x.device()).scatter(
+                    1,
+                    keep,
+                    Tensor::ones([tokens, self.topk_group], &x.device()),
+                    IndexingUpdateOp::Add,
+                );
+                let dropped = kept
+                    .reshape([tokens, self.n_group, 1])
+                    .expand([tokens, self.n_group, per_group])
+                    .reshape([tokens, experts])
+                    .equal_elem(0.0);
+                choice = choice.mask_fill(dropped, f32::NEG_INFINITY);
+            }
+            let chosen = hook.select_experts(&info, choice)?;
+            if chosen.dims() != [tokens, self.top_k] {
+                return Err(BridgeError::input(format!(
+                    "router hook returned shape {:?} for layer {}, expected [{tokens}, {}]",
+                    chosen.dims(),
+                    self.layer_index,
+                    self.top_k
+                )));
+            }
+            let mut weights = scores.gather(1, chosen.clone());
+            if self.norm_topk_prob {
+                weights = match self.router {
+                    RouterKind::SigmoidGrouped => weights.clone() / (weights.sum_dim(1) + 1e-20),
+                    RouterKind::Softmax => weights.clone() / weights.sum_dim(1),
+                };
+            }
+            if self.routed_scaling_factor != 1.0 {
+                weights = weights * self.routed_scaling_factor;
+            }
+            Ok((chosen, weights))
+        })?;
+        let mut out = profile::time(OpClass::MoeExperts, || {
+            match self.dispatch.resolve(&x.device(), x.dims()[0]) {
+                MoeDispatch::Sparse => self.experts_sparse(x.clone(), &chosen, weights.clone()),
+                MoeDispatch::Dense | MoeDispatch::Auto => {
+                    Ok(self.experts_dense(x.clone(), &chosen, weights.clone()))
+                }
+            }
+        })?;
         if let Some(shared) = &self.shared_experts {
-            out = out + shared.forward(x);
+            out = out + profile::time(OpClass::SharedExperts, || shared.forward(x));
         }
         Ok((
             out,
@@ -358,11 +380,42 @@ impl MoeBlock {
             miles_ops::grouped::grouped_matmul(x.clone(), w.clone(), &counts)
                 .unwrap_or_else(|_| miles_ops::grouped::grouped_matmul_reference(x, w, &counts))
         };
-        let act = swiglu(
-            grouped(rows.clone(), self.experts.effective_gate_proj()),
-            grouped(rows, self.experts.effective_up_proj()),
-        );
-        let outputs = grouped(act, self.experts.effective_down_proj());
+        let outputs = match &self.packed {
+            Some(packed) => {
+                // Shapes are ours: the reference fallback only re-raises a shape panic.
+                let gate_up = miles_ops::grouped::grouped_matmul_packed(
+                    rows.clone(),
+                    &packed.gate_up,
+                    &counts,
+                )
+                .unwrap_or_else(|_| {
+                    grouped(
+                        rows,
+                        Tensor::cat(
+                            vec![
+                                self.experts.effective_gate_proj(),
+                                self.experts.effective_up_proj(),
+                            ],
+                            1,
+                        ),
+                    )
+                });
+                let inter = packed.gate_up.out / 2;
+                let act = swiglu(
+                    gate_up.clone().narrow(1, 0, inter),
+                    gate_up.narrow(1, inter, inter),
+                );
+                miles_ops::grouped::grouped_matmul_packed(act.clone(), &packed.down, &counts)
+                    .unwrap_or_else(|_| grouped(act, self.experts.effective_down_proj()))
+            }
+            None => {
+                let act = swiglu(
+                    grouped(rows.clone(), self.experts.effective_gate_proj()),
+                    grouped(rows, self.experts.effective_up_proj()),
+                );
+                grouped(act, self.experts.effective_down_proj())
+            }
+        };
         let weighted = outputs * slot_weights.unsqueeze_dim(1);
         Ok(Tensor::<2>::zeros([tokens, hidden], &device).select_assign(
             0,
@@ -508,6 +561,10 @@ pub struct CausalLm {
     /// The LoRA configuration when adapters are attached ([`CausalLm::with_lora`]).
     #[module(skip)]
     pub lora: Option<LoraConfig>,
+    /// Inference only: the output projection through [`crate::nn::FusedLinear`] (split over
+    /// both cores on flex), set by [`CausalLm::fuse_projections`].
+    #[module(skip)]
+    pub packed_lm_head: Option<crate::nn::FusedLinear>,
 }
 
 /// Input of one forward pass over a padded or packed batch.
@@ -579,11 +636,15 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// The cache of decoder layer `layer`, if it has been filled (see [`LayerCache`]: keys
-    /// and values per key / value head, or for DeepSeek-V3's latent attention the compressed
-    /// latent plus rope key and no values).
-    pub fn layer(&self, layer: usize) -> Option<&LayerCache> {
-        self.layers.get(layer).and_then(Option::as_ref)
+    /// The cache of decoder layer `layer`, if it has been filled, narrowed to the
+    /// [`KvCache::len`] key columns in use (see [`LayerCache`]: keys and values per key /
+    /// value head, or for DeepSeek-V3's latent attention the compressed latent plus rope key
+    /// and no values).
+    pub fn layer(&self, layer: usize) -> Option<LayerCache> {
+        self.layers
+            .get(layer)
+            .and_then(Option::as_ref)
+            .map(|l| l.narrowed(self.len()))
     }
 
     /// Number of rows (sequences) the cache holds; 0 when empty.
@@ -662,7 +723,8 @@ impl KvCache {
         let mut per_layer: Vec<(Vec<Tensor<4>>, Vec<Option<Tensor<4>>>)> =
             (0..layers).map(|_| (Vec::new(), Vec::new())).collect();
         for part in parts {
-            let pad = total - part.len();
+            let used = part.len();
+            let pad = total - used;
             let kv = part
                 .key_valid
                 .ok_or_else(|| BridgeError::input("cache without key validity"))?;
@@ -684,7 +746,9 @@ impl KvCache {
                 )
             });
             for (l, slot) in part.layers.into_iter().enumerate() {
-                let slot = slot.ok_or_else(|| BridgeError::input("cache with a missing layer"))?;
+                let slot = slot
+                    .ok_or_else(|| BridgeError::input("cache with a missing layer"))?
+                    .narrowed(used);
                 let padded = |t: Tensor<4>| -> Tensor<4> {
                     if pad == 0 {
                         return t;
@@ -831,6 +895,46 @@ impl CausalLm {
         self.config.architecture
     }
 
+    /// Prepares the model for inference on its current weights: each attention's q / k / v
+    /// projections and each SwiGLU MLP's (dense and shared experts) gate / up projections
+    /// become one matmul over weights stacked once here ([`crate::nn::FusedLinear`], adapters
+    /// merged), and those, the output / down projections and `lm_head` run through
+    /// [`miles_ops::linear::linear`] (small matmuls split over both cores on flex). The
+    /// stacked copies do not follow later changes to the parameters: call this on a model
+    /// whose weights no longer change (the embedded engine builds its step model anew from
+    /// every weight version), never on one being trained. MoE layers get their routed
+    /// experts packed for the sparse dispatch ([`PackedMoe`]). Grouped-query attention
+    /// layers only; latent-attention layers keep their projections.
+    pub fn fuse_projections(&mut self) {
+        self.packed_lm_head = Some(crate::nn::FusedLinear::from_weight(self.lm_head_weight()));
+        for layer in &mut self.model.layers {
+            if let SelfAttention::Grouped(a) = &mut layer.self_attn {
+                a.fuse();
+            }
+            match &mut layer.mlp {
+                FeedForward::Dense(mlp) => mlp.fuse(),
+                FeedForward::Moe(moe) => {
+                    if let Some(shared) = &mut moe.shared_experts {
+                        shared.fuse();
+                    }
+                    let gate_up = Tensor::cat(
+                        vec![
+                            moe.experts.effective_gate_proj(),
+                            moe.experts.effective_up_proj(),
+                        ],
+                        1,
+                    );
+                    moe.packed = Some(PackedMoe {
+                        gate_up: miles_ops::grouped::PackedExperts::new(gate_up),
+                        down: miles_ops::grouped::PackedExperts::new(
+                            moe.experts.effective_down_proj(),
+                        ),
+                    });
+                }
+            }
+        }
+    }
+
     /// Sets how every MoE layer applies its routed experts (default [`MoeDispatch::Auto`]).
     pub fn set_moe_dispatch(&mut self, dispatch: MoeDispatch) {
         for layer in &mut self.model.layers {
@@ -953,6 +1057,7 @@ impl CausalLm {
                     norm_topk_prob: c.norm_topk_prob,
                     routed_scaling_factor: c.routed_scaling_factor,
                     dispatch: MoeDispatch::default(),
+                    packed: None,
                 };
                 moe_index += 1;
                 FeedForward::Moe(block)
@@ -992,6 +1097,7 @@ impl CausalLm {
             lm_head,
             config: c.clone(),
             lora: None,
+            packed_lm_head: None,
         })
     }
 
@@ -1221,10 +1327,15 @@ impl CausalLm {
     /// `lm_head` applied to final-norm hidden states `[rows, hidden]`: logits `[rows, vocab]`
     /// (what [`CausalLm::forward`] computes for every position).
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
-        match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            None => hidden.matmul(self.model.embed_tokens.val().transpose()),
-        }
+        profile::time(OpClass::LmHead, || {
+            if let Some(packed) = &self.packed_lm_head {
+                return packed.forward_all(hidden);
+            }
+            match &self.lm_head {
+                Some(head) => head.forward(hidden),
+                None => hidden.matmul(self.model.embed_tokens.val().transpose()),
+            }
+        })
     }
 
     /// Training / scoring forward that stops before `lm_head`: the final-norm hidden states
@@ -1300,16 +1411,22 @@ impl CausalLm {
             None => valid.clone(),
         };
         let needs_key_mask = input.attention_mask.is_some() || past > 0;
-        let mask = attention_mask(
-            batch,
-            seq,
-            past,
-            needs_key_mask.then(|| key_valid.clone()),
-            input.segment_ids.clone(),
-            &device,
-        );
-        let rope = Rope::new(positions, c.inv_freq());
-        let mut hidden = embedding(self.model.embed_tokens.val(), input.input_ids.clone());
+        let (mask, rope) = profile::time(OpClass::Rope, || {
+            (
+                attention_mask(
+                    batch,
+                    seq,
+                    past,
+                    needs_key_mask.then(|| key_valid.clone()),
+                    input.segment_ids.clone(),
+                    &device,
+                ),
+                Rope::new(positions, c.inv_freq()),
+            )
+        });
+        let mut hidden = profile::time(OpClass::Embed, || {
+            embedding(self.model.embed_tokens.val(), input.input_ids.clone())
+        });
         let mut routing = Vec::new();
         if let Some(cache) = cache.as_deref_mut()
             && cache.layers.len() != self.model.layers.len()
@@ -1318,19 +1435,19 @@ impl CausalLm {
         }
         for (l, layer) in self.model.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
-            let attn = layer.self_attn.forward(
-                layer.input_layernorm.forward(hidden.clone()),
-                &rope,
-                mask.clone(),
-                slot,
-            );
+            let normed = profile::time(OpClass::Norm, || {
+                layer.input_layernorm.forward(hidden.clone())
+            });
+            let attn = layer.self_attn.forward(normed, &rope, mask.clone(), slot);
             hidden = hidden + attn;
-            let normed = layer
-                .post_attention_layernorm
-                .forward(hidden.clone())
-                .reshape([batch * seq, c.hidden_size]);
+            let normed = profile::time(OpClass::Norm, || {
+                layer
+                    .post_attention_layernorm
+                    .forward(hidden.clone())
+                    .reshape([batch * seq, c.hidden_size])
+            });
             let mlp_out = match &layer.mlp {
-                FeedForward::Dense(mlp) => mlp.forward(normed),
+                FeedForward::Dense(mlp) => profile::time(OpClass::DenseMlp, || mlp.forward(normed)),
                 FeedForward::Moe(moe) => {
                     let (out, r) = moe.forward(normed, hook)?;
                     routing.push(r);
@@ -1344,7 +1461,7 @@ impl CausalLm {
             cache.key_valid = Some(key_valid);
         }
         Ok(HiddenOutput {
-            hidden: self.model.norm.forward(hidden),
+            hidden: profile::time(OpClass::Norm, || self.model.norm.forward(hidden)),
             routing,
         })
     }

@@ -9,6 +9,7 @@ use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
 use crate::BridgeError;
 use crate::checkpoint::TensorMap;
 use crate::lora::{LoraAdapter, LoraForward};
+use crate::profile::{self, OpClass};
 
 /// How a freshly initialised parameter is filled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -181,6 +182,81 @@ impl Linear {
     }
 }
 
+/// Several linear layers reading the same input as one: their weights (adapters merged)
+/// stacked on the output axis, `[Σ out, in]`, and their biases (zeros for a layer without
+/// one). Built once per weight version for inference ([`crate::CausalLm::fuse_projections`]);
+/// one matmul then replaces one per layer, and no training code ever sees it.
+#[derive(Debug, Clone)]
+pub struct FusedLinear {
+    /// `[Σ out, in]`, contiguous.
+    pub weight: Tensor<2>,
+    /// `[Σ out]`, when any of the layers has a bias.
+    pub bias: Option<Tensor<1>>,
+    /// Output width of each fused layer, in order.
+    pub widths: Vec<usize>,
+}
+
+impl FusedLinear {
+    /// Stacks `layers` (all with the same input width).
+    pub fn new(layers: &[&Linear]) -> Self {
+        let weights: Vec<Tensor<2>> = layers.iter().map(|l| l.effective_weight()).collect();
+        let widths: Vec<usize> = weights.iter().map(|w| w.dims()[0]).collect();
+        let bias = layers.iter().any(|l| l.bias.is_some()).then(|| {
+            let parts = layers
+                .iter()
+                .zip(&widths)
+                .map(|(l, &n)| match &l.bias {
+                    Some(b) => b.val(),
+                    None => Tensor::<1>::zeros([n], &l.weight.val().device()),
+                })
+                .collect();
+            Tensor::cat(parts, 0)
+        });
+        Self {
+            weight: Tensor::cat(weights, 0),
+            bias,
+            widths,
+        }
+    }
+
+    /// One layer without bias over `weight` `[out, in]` (e.g. tied embeddings as `lm_head`).
+    pub fn from_weight(weight: Tensor<2>) -> Self {
+        let widths = vec![weight.dims()[0]];
+        Self {
+            weight,
+            bias: None,
+            widths,
+        }
+    }
+
+    /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul,
+    /// split over both cores on flex when small ([`miles_ops::linear::linear`]).
+    pub fn forward_all(&self, x: Tensor<2>) -> Tensor<2> {
+        let y = miles_ops::linear::linear(x, self.weight.clone());
+        match &self.bias {
+            Some(bias) => y + bias.clone().unsqueeze_dim(0),
+            None => y,
+        }
+    }
+
+    /// The fused layers' outputs for `[tokens, in]` rows, one `[tokens, out_i]` each.
+    pub fn forward(&self, x: Tensor<2>) -> Vec<Tensor<2>> {
+        let y = self.forward_all(x);
+        if self.widths.len() == 1 {
+            return vec![y];
+        }
+        let mut start = 0;
+        self.widths
+            .iter()
+            .map(|&n| {
+                let part = y.clone().narrow(1, start, n);
+                start += n;
+                part
+            })
+            .collect()
+    }
+}
+
 /// RMSNorm over the last dimension: `w * x / sqrt(mean(x²) + eps)`.
 #[derive(Module, Debug)]
 pub struct RmsNorm {
@@ -232,6 +308,13 @@ pub struct Mlp {
     pub up_proj: Linear,
     /// `down_proj`.
     pub down_proj: Linear,
+    /// Inference only: `gate_proj` and `up_proj` fused ([`FusedLinear`]); `None` runs them
+    /// separately.
+    #[module(skip)]
+    pub fused_gate_up: Option<FusedLinear>,
+    /// Inference only: `down_proj` through [`FusedLinear`] (split over both cores on flex).
+    #[module(skip)]
+    pub packed_down: Option<FusedLinear>,
 }
 
 impl Mlp {
@@ -245,13 +328,34 @@ impl Mlp {
             gate_proj: Linear::build(b, &format!("{name}.gate_proj"), hidden, intermediate, false)?,
             up_proj: Linear::build(b, &format!("{name}.up_proj"), hidden, intermediate, false)?,
             down_proj: Linear::build(b, &format!("{name}.down_proj"), intermediate, hidden, false)?,
+            fused_gate_up: None,
+            packed_down: None,
         })
     }
 
     /// Applies the MLP to `[tokens, hidden]` rows.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let h = swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
-        self.down_proj.forward(h)
+        let h = match &self.fused_gate_up {
+            Some(fused) => {
+                let mut parts = fused.forward(x).into_iter();
+                match (parts.next(), parts.next()) {
+                    (Some(gate), Some(up)) => swiglu(gate, up),
+                    // Built from exactly two layers (`fuse`), so this never runs.
+                    _ => unreachable!("fused gate / up of two layers"),
+                }
+            }
+            None => swiglu(self.gate_proj.forward(x.clone()), self.up_proj.forward(x)),
+        };
+        match &self.packed_down {
+            Some(down) => down.forward_all(h),
+            None => self.down_proj.forward(h),
+        }
+    }
+
+    /// Fuses `gate_proj` and `up_proj` for inference (see [`FusedLinear`]).
+    pub fn fuse(&mut self) {
+        self.fused_gate_up = Some(FusedLinear::new(&[&self.gate_proj, &self.up_proj]));
+        self.packed_down = Some(FusedLinear::new(&[&self.down_proj]));
     }
 
     pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
@@ -340,15 +444,98 @@ pub fn attention_mask(
 }
 
 /// Keys and values of one attention layer kept across decoding steps.
+///
+/// The tensors may hold more key columns than are in use (their capacity, see
+/// [`LayerCache::capacity`]): a step writes its keys in place after the used ones and the
+/// capacity grows geometrically, so decoding does not copy the whole cache every step. The
+/// used length is the owning [`crate::KvCache`]'s [`crate::KvCache::len`];
+/// [`crate::KvCache::layer`] returns the used part.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
-    /// `[batch, kv_heads, cached, head_dim]`; for a multi-head latent attention layer
+    /// `[batch, kv_heads, capacity, head_dim]`; for a multi-head latent attention layer
     /// ([`crate::mla::LatentAttention`]) the compressed latent after `kv_a_layernorm` and the
-    /// rotated rope key, `[batch, 1, cached, kv_lora_rank + qk_rope_head_dim]`.
+    /// rotated rope key, `[batch, 1, capacity, kv_lora_rank + qk_rope_head_dim]`.
     pub keys: Tensor<4>,
-    /// `[batch, kv_heads, cached, head_dim]`; `None` for a multi-head latent attention layer
-    /// (its values are expanded from the latent in `keys`).
+    /// `[batch, kv_heads, capacity, head_dim]`; `None` for a multi-head latent attention
+    /// layer (its values are expanded from the latent in `keys`).
     pub values: Option<Tensor<4>>,
+}
+
+/// Key columns a layer cache's capacity is a multiple of.
+pub(crate) const KV_BLOCK: usize = 64;
+
+impl LayerCache {
+    /// Key columns the tensors hold (used or not).
+    pub fn capacity(&self) -> usize {
+        self.keys.dims()[2]
+    }
+
+    /// The first `len` key columns (views; `len` at most the capacity).
+    pub(crate) fn narrowed(&self, len: usize) -> LayerCache {
+        if len == self.capacity() {
+            return self.clone();
+        }
+        LayerCache {
+            keys: self.keys.clone().narrow(2, 0, len),
+            values: self.values.clone().map(|v| v.narrow(2, 0, len)),
+        }
+    }
+
+    /// Writes `keys` / `values` (`[batch, heads, seq, dim]`) at key columns `past..past + seq`
+    /// of the cache in `slot` (creating it when empty), in place when the capacity allows and
+    /// the tensors are not shared (a shared one is copied first, so a cache cloned into a
+    /// prefix cache never changes), growing the capacity to at least twice the old one
+    /// otherwise. Returns the used part, `past + seq` columns, for the attention.
+    pub(crate) fn append(
+        slot: &mut Option<LayerCache>,
+        past: usize,
+        keys: Tensor<4>,
+        values: Option<Tensor<4>>,
+    ) -> LayerCache {
+        let [batch, _, seq, _] = keys.dims();
+        let need = past + seq;
+        let write = |cache: Tensor<4>, new: Tensor<4>| -> Tensor<4> {
+            let [_, h, _, d] = new.dims();
+            cache.slice_assign([0..batch, 0..h, past..need, 0..d], new)
+        };
+        let cache = match slot.take() {
+            // Nothing cached yet: the step's tensors are the cache (exact size).
+            None if past == 0 => LayerCache { keys, values },
+            Some(old) if old.capacity() >= need && old.keys.dims()[0] == batch => LayerCache {
+                keys: write(old.keys, keys),
+                values: match (old.values, values) {
+                    (Some(old), Some(new)) => Some(write(old, new)),
+                    _ => None,
+                },
+            },
+            old => {
+                let old_cap = old.as_ref().map_or(0, LayerCache::capacity);
+                let cap = need.max(2 * old_cap).div_ceil(KV_BLOCK) * KV_BLOCK;
+                let device = keys.device();
+                let grown = |old: Option<Tensor<4>>, new: Tensor<4>| -> Tensor<4> {
+                    let [_, h, _, d] = new.dims();
+                    let mut t = Tensor::<4>::zeros([batch, h, cap, d], &device);
+                    if let Some(old) = old
+                        && past > 0
+                    {
+                        t = t.slice_assign([0..batch, 0..h, 0..past, 0..d], old.narrow(2, 0, past));
+                    }
+                    write(t, new)
+                };
+                let (old_keys, old_values) = match old {
+                    Some(o) => (Some(o.keys), o.values),
+                    None => (None, None),
+                };
+                LayerCache {
+                    values: values.map(|v| grown(old_values, v)),
+                    keys: grown(old_keys, keys),
+                }
+            }
+        };
+        let used = cache.narrowed(need);
+        *slot = Some(cache);
+        used
+    }
 }
 
 /// Grouped-query self-attention with optional q/k bias, optional per-head qk RMSNorm and
@@ -373,6 +560,13 @@ pub struct Attention {
     pub num_kv_heads: usize,
     /// Channels per head.
     pub head_dim: usize,
+    /// Inference only: `q_proj`, `k_proj` and `v_proj` fused ([`FusedLinear`]); `None` runs
+    /// them separately.
+    #[module(skip)]
+    pub fused_qkv: Option<FusedLinear>,
+    /// Inference only: `o_proj` through [`FusedLinear`] (split over both cores on flex).
+    #[module(skip)]
+    pub packed_o: Option<FusedLinear>,
 }
 
 /// Shape parameters of an [`Attention`] layer.
@@ -423,7 +617,19 @@ impl Attention {
             num_heads: s.num_heads,
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
+            fused_qkv: None,
+            packed_o: None,
         })
+    }
+
+    /// Fuses `q_proj`, `k_proj` and `v_proj` for inference (see [`FusedLinear`]).
+    pub fn fuse(&mut self) {
+        self.fused_qkv = Some(FusedLinear::new(&[
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+        ]));
+        self.packed_o = Some(FusedLinear::new(&[&self.o_proj]));
     }
 
     fn heads(&self, x: Tensor<2>, batch: usize, seq: usize, heads: usize) -> Tensor<4> {
@@ -442,36 +648,46 @@ impl Attention {
     ) -> Tensor<3> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
-        let mut q = self.heads(
-            self.q_proj.forward(rows.clone()),
-            batch,
-            seq,
-            self.num_heads,
-        );
-        let mut k = self.heads(
-            self.k_proj.forward(rows.clone()),
-            batch,
-            seq,
-            self.num_kv_heads,
-        );
-        let mut v = self.heads(self.v_proj.forward(rows), batch, seq, self.num_kv_heads);
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = qn.forward(q);
-            k = kn.forward(k);
-        }
-        q = rope.apply(q);
-        k = rope.apply(k);
-        if let Some(slot) = cache {
-            if let Some(old) = slot.take() {
-                k = Tensor::cat(vec![old.keys, k], 2);
-                // A grouped-query layer always stores its values.
-                if let Some(values) = old.values {
-                    v = Tensor::cat(vec![values, v], 2);
+        let (q, k, v) = profile::time(OpClass::QkvProj, || {
+            let (q, k, v) = match &self.fused_qkv {
+                Some(fused) => {
+                    let mut parts = fused.forward(rows).into_iter();
+                    match (parts.next(), parts.next(), parts.next()) {
+                        (Some(q), Some(k), Some(v)) => (q, k, v),
+                        // Built from exactly three layers (`fuse`), so this never runs.
+                        _ => unreachable!("fused q / k / v of three layers"),
+                    }
                 }
+                None => (
+                    self.q_proj.forward(rows.clone()),
+                    self.k_proj.forward(rows.clone()),
+                    self.v_proj.forward(rows),
+                ),
+            };
+            (
+                self.heads(q, batch, seq, self.num_heads),
+                self.heads(k, batch, seq, self.num_kv_heads),
+                self.heads(v, batch, seq, self.num_kv_heads),
+            )
+        });
+        let (q, mut k) = profile::time(OpClass::Rope, || {
+            let (mut q, mut k) = (q, k);
+            if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+                q = qn.forward(q);
+                k = kn.forward(k);
             }
-            *slot = Some(LayerCache {
-                keys: k.clone(),
-                values: Some(v.clone()),
+            (rope.apply(q), rope.apply(k))
+        });
+        let mut v = v;
+        if let Some(slot) = cache {
+            profile::time(OpClass::KvAppend, || {
+                let past = mask.dims()[3] - seq;
+                // A grouped-query layer always stores its values.
+                let used = LayerCache::append(slot, past, k.clone(), Some(v.clone()));
+                k = used.keys;
+                if let Some(values) = used.values {
+                    v = values;
+                }
             });
         }
         let total = k.dims()[2];
@@ -480,15 +696,20 @@ impl Attention {
         // One fused op on flex (scores never materialised between ops); the same
         // computation with tensor ops elsewhere. Shapes are ours, so the fallback on an
         // error only re-raises burn's own shape panic.
-        let out =
+        let out = profile::time(OpClass::Attention, || {
             miles_ops::attention::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
-                .unwrap_or_else(|_| {
-                    miles_ops::attention::attention_reference(q, k, v, mask, scale)
-                });
-        let out = out
-            .swap_dims(1, 2)
-            .reshape([batch * seq, self.num_heads * self.head_dim]);
-        self.o_proj.forward(out).reshape([batch, seq, hidden])
+                .unwrap_or_else(|_| miles_ops::attention::attention_reference(q, k, v, mask, scale))
+        });
+        profile::time(OpClass::OProj, || {
+            let out = out
+                .swap_dims(1, 2)
+                .reshape([batch * seq, self.num_heads * self.head_dim]);
+            match &self.packed_o {
+                Some(o) => o.forward_all(out),
+                None => self.o_proj.forward(out),
+            }
+            .reshape([batch, seq, hidden])
+        })
     }
 
     pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {

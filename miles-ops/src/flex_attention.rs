@@ -40,6 +40,36 @@ impl Dims {
     }
 }
 
+/// The data of a `[batch, heads, keys, dim]` tensor and the distance between consecutive
+/// (batch, head) matrices: borrowed when each matrix is contiguous and the matrices are
+/// evenly spaced (a KV cache narrowed to its used keys, whose matrices are `capacity · dim`
+/// apart), copied to a contiguous tensor otherwise.
+fn head_matrices(t: &FlexTensor) -> (std::borrow::Cow<'_, [f32]>, usize) {
+    let layout = t.layout();
+    let shape = layout.shape();
+    let strides = layout.strides();
+    if t.dtype() == DType::F32 && shape.num_dims() == 4 {
+        let (heads, keys, d) = (shape[1], shape[2], shape[3]);
+        let s1 = strides[1];
+        let even = strides[3] == 1
+            && strides[2] == d as isize
+            && s1 >= (keys * d) as isize
+            && strides[0] == s1 * heads as isize;
+        if even {
+            let s1 = s1 as usize;
+            let start = layout.start_offset();
+            let storage = t.storage::<f32>();
+            let n = shape[0] * heads;
+            // Bounds: the last matrix ends inside the storage.
+            if n == 0 || start + (n - 1) * s1 + keys * d <= storage.len() {
+                return (std::borrow::Cow::Borrowed(&storage[start..]), s1);
+            }
+        }
+    }
+    let shape = t.shape();
+    (f32_data(t), shape[2] * shape[3])
+}
+
 /// The mask as one byte per element (non-zero = masked), contiguous.
 fn mask_bytes(mask: &FlexTensor) -> Vec<u8> {
     let contiguous = mask.to_contiguous();
@@ -196,7 +226,9 @@ pub(crate) fn forward(
     scale: f32,
     dims: Dims,
 ) -> (FlexTensor, FlexTensor) {
-    let (q, k, v) = (f32_data(q), f32_data(k), f32_data(v));
+    let q = f32_data(q);
+    // Keys and values in place when they are a cache's used part (see `head_matrices`).
+    let ((k, k_stride), (v, v_stride)) = (head_matrices(k), head_matrices(v));
     let mask = mask_bytes(mask);
     let limits = row_limits(&mask, &dims);
     let Dims {
@@ -209,20 +241,26 @@ pub(crate) fn forward(
     } = dims;
     let group = dims.group();
     let masked_lse = -1.0e30f32 + (t as f32).ln();
-    // Mean of v over all keys per (batch, kv head), for fully masked rows.
-    let means: Vec<f32> = (0..batch * kv_heads)
-        .flat_map(|bk| {
-            let vs = &v[bk * t * d..(bk + 1) * t * d];
-            let mut mean = vec![0.0f32; d];
-            for row in vs.chunks(d) {
-                for (m, x) in mean.iter_mut().zip(row) {
-                    *m += x;
+    // Mean of v over all keys per (batch, kv head), for fully masked rows: only computed
+    // when there is such a row (a decode step over a padded cache has none, and the pass
+    // would read every value once more).
+    let means: Vec<f32> = if limits.contains(&0) {
+        (0..batch * kv_heads)
+            .flat_map(|bk| {
+                let vs = &v[bk * v_stride..bk * v_stride + t * d];
+                let mut mean = vec![0.0f32; d];
+                for row in vs.chunks(d) {
+                    for (m, x) in mean.iter_mut().zip(row) {
+                        *m += x;
+                    }
                 }
-            }
-            mean.iter_mut().for_each(|m| *m /= t.max(1) as f32);
-            mean
-        })
-        .collect();
+                mean.iter_mut().for_each(|m| *m /= t.max(1) as f32);
+                mean
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut out = vec![0.0f32; batch * heads * s * d];
     let mut lse = vec![0.0f32; batch * heads * s];
     out.par_chunks_mut((s * d).max(1))
@@ -232,11 +270,12 @@ pub(crate) fn forward(
             let (bi, h) = (bh / heads, bh % heads);
             let kv = bi * kv_heads + h / group;
             let qh = &q[bh * s * d..(bh + 1) * s * d];
-            let kh = &k[kv * t * d..(kv + 1) * t * d];
-            let vh = &v[kv * t * d..(kv + 1) * t * d];
+            let kh = &k[kv * k_stride..kv * k_stride + t * d];
+            let vh = &v[kv * v_stride..kv * v_stride + t * d];
             let maskb = &mask[bi * s * t..(bi + 1) * s * t];
             let lim = &limits[bi * s..(bi + 1) * s];
-            let mut scores = vec![0.0f32; BLOCK * t];
+            // Scratch for one block's scores; every element a block reads it writes first.
+            let mut scores = vec![0.0f32; BLOCK.min(s) * t];
             for r0 in (0..s).step_by(BLOCK) {
                 let r1 = (r0 + BLOCK).min(s);
                 let n = r1 - r0;

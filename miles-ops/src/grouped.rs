@@ -248,3 +248,123 @@ impl<B: Backend + GroupedMatmulOps, C: CheckpointStrategy> GroupedMatmulOps for 
         )
     }
 }
+
+/// Expert weights stacked once for inference in the layout `gemm` reads fastest with few rows
+/// per expert: each expert's `[out, in]` matrix transposed to `[in, out]`, rows padded to
+/// `stride` columns (a row length that is not a multiple of 1 KiB keeps consecutive rows out
+/// of the same cache sets). Forward only ([`grouped_matmul_packed`]); built per weight
+/// version by the model, never trained.
+#[derive(Debug, Clone)]
+pub struct PackedExperts {
+    /// `[experts, in, stride]`.
+    pub data: Tensor<3>,
+    /// Output width of each expert.
+    pub out: usize,
+}
+
+impl PackedExperts {
+    /// Packs `w` `[experts, out, in]` (HF layout).
+    pub fn new(w: Tensor<3>) -> Self {
+        let [experts, out, k] = w.dims();
+        let stride = out + PACK_PAD;
+        let t = w.swap_dims(1, 2);
+        let data = if stride == out {
+            t
+        } else {
+            let pad = Tensor::<3>::zeros([experts, k, stride - out], &t.device());
+            Tensor::cat(vec![t, pad], 2)
+        };
+        Self { data, out }
+    }
+}
+
+/// Padding columns of a packed expert row.
+const PACK_PAD: usize = 16;
+
+/// [`grouped_matmul`] over [`PackedExperts`]: `x_e · w_eᵀ` for consecutive row groups.
+/// Forward only; on other devices than flex (or autodiff tensors) it is the same product
+/// with tensor ops.
+pub fn grouped_matmul_packed(
+    x: Tensor<2>,
+    w: &PackedExperts,
+    group_sizes: &[usize],
+) -> Result<Tensor<2>> {
+    let [rows, k] = x.dims();
+    let [experts, wk, stride] = w.data.dims();
+    if wk != k || group_sizes.len() > experts || w.out > stride {
+        return Err(OpsError::ShapeMismatch {
+            what: "grouped_matmul_packed weights",
+            expected: vec![group_sizes.len().max(experts), k, w.out],
+            got: w.data.dims().to_vec(),
+        });
+    }
+    let total: usize = group_sizes.iter().sum();
+    if total != rows {
+        return Err(OpsError::ShapeMismatch {
+            what: "grouped_matmul_packed group sizes (sum)",
+            expected: vec![rows],
+            got: vec![total],
+        });
+    }
+    let plain_flex = matches!(
+        x.device().as_dispatch(),
+        burn::backend::DispatchDevice::Flex(_)
+    );
+    if !plain_flex || !takes_fused(&[x.dtype(), w.data.dtype()], &x.device()) {
+        // [E, in, out] back to [E, out, in] for the reference.
+        let hf = w.data.clone().narrow(2, 0, w.out).swap_dims(1, 2);
+        return Ok(grouped_matmul_reference(x, hf, group_sizes));
+    }
+    let mut sizes = group_sizes.to_vec();
+    sizes.resize(experts, 0);
+    Ok(Tensor::from_dispatch(
+        <Dispatch as GroupedPackedOps>::grouped_matmul_packed(
+            x.into_dispatch(),
+            w.data.clone().into_dispatch(),
+            sizes,
+            w.out,
+        ),
+    ))
+}
+
+/// Backend op of [`grouped_matmul_packed`] (plain flex only).
+#[backend_extension(Flex)]
+pub trait GroupedPackedOps: Backend {
+    /// `x_e · w_e` per group, `w` `[experts, in, stride]`, outputs `out` wide.
+    fn grouped_matmul_packed(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        sizes: Vec<usize>,
+        out: usize,
+    ) -> FloatTensor<Self>;
+}
+
+impl GroupedPackedOps for Flex {
+    fn grouped_matmul_packed(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        sizes: Vec<usize>,
+        out: usize,
+    ) -> FloatTensor<Self> {
+        let (x, w) = (as_f32(x), as_f32(w));
+        let (xd, wd) = (f32_data(&x), f32_data(&w));
+        let [rows, k] = [dims(&x)[0], dims(&x)[1]];
+        let stride = dims(&w)[2];
+        let starts = offsets(&sizes);
+        let mut y_all = vec![0.0f32; rows * out];
+        split_groups(&mut y_all, &sizes, out)
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(e, y)| {
+                let n = sizes[e];
+                if n == 0 {
+                    return;
+                }
+                let xs = &xd[starts[e] * k..(starts[e] + n) * k];
+                let we = &wd[e * k * stride..(e + 1) * k * stride];
+                // y[n×out] = xs[n×k] · we[k×out] (rows `stride` apart).
+                matmul(n, out, k, y, out, false, xs, (k, 1), we, (stride, 1), 1.0);
+            });
+        tensor(y_all, &[rows, out])
+    }
+}

@@ -35,6 +35,9 @@
 //!
 //!   No plane (warp) operations and a few KiB of shared memory per cube, so they run on
 //!   every WebGPU adapter; tested on `Device::wgpu(DeviceKind::Cpu)` (lavapipe without a GPU).
+//! - [`linear`] and [`grouped::grouped_matmul_packed`]: forward-only inference matmuls for a
+//!   decode step on flex (small projections split over both cores; MoE experts over weights
+//!   packed once per weight version).
 //! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`)
 //! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
 //!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
@@ -93,6 +96,7 @@ mod kernels_attention;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod kernels_model;
 pub mod kl;
+pub mod linear;
 pub mod logprobs;
 pub mod norm;
 pub mod policy;

@@ -20,6 +20,9 @@
 //! 8 prefill prompts, for quick A/B runs. `MILES_BENCH_ONLY=glm_moe_88m` (or `qwen3_25m`,
 //! `deepseek_v3_82m`)
 //! runs one model; `MILES_BENCH_NO_HF=1` skips the HF measurement (ours only).
+//! `MILES_PROFILE_OPS=1` prints, after each decode row, the wall time the row spent per op
+//! class (attention, projections, experts, router, `lm_head`, sampling, KV cache, …; see
+//! `miles_bridge::profile`).
 
 mod common;
 
@@ -311,7 +314,14 @@ async fn run(
     );
     decode(&engine, 2, 4, vocab).await; // warm-up
     for seqs in ROWS {
+        miles_bridge::profile::reset();
         let (secs, first) = decode(&engine, seqs, new_tokens, vocab).await;
+        if miles_bridge::profile::enabled() {
+            println!(
+                "# engine {name}: {seqs} sequences, time per op class (MILES_PROFILE_OPS): {}",
+                miles_bridge::profile::report()
+            );
+        }
         let tps = (seqs * new_tokens) as f64 / secs;
         let baseline = hf
             .decode

@@ -248,3 +248,50 @@ fn inconsistent_shapes_are_typed_errors() {
         }
     ));
 }
+
+/// Keys and values that are the used part of a larger KV cache (`[b, kv_heads, capacity, d]`
+/// narrowed on the key axis, as the inference cache hands them over): the fused op reads them
+/// in place and must give what the reference gives on contiguous copies, fully masked rows
+/// (mean of the used values only) included.
+#[test]
+fn keys_and_values_narrowed_from_a_larger_cache() {
+    let device = Device::flex();
+    // One decode row; five rows of which the first ones see no key (left padding past them).
+    for (mask, rows) in [(MaskKind::Causal, 1), (MaskKind::LeftPadded(34), 5)] {
+        let c = Case {
+            batch: 3,
+            heads: 4,
+            kv_heads: 2,
+            rows,
+            keys: 37,
+            head_dim: 8,
+            mask,
+        };
+        let capacity = 64;
+        let cache = |seed: u64| {
+            let data = lcg(c.batch * c.kv_heads * capacity * c.head_dim, seed, 1.5);
+            Tensor::<1>::from_floats(data.as_slice(), &device)
+                .reshape([c.batch, c.kv_heads, capacity, c.head_dim])
+                .narrow(2, 0, c.keys)
+        };
+        let (k, v) = (cache(2), cache(3));
+        let q = Tensor::<1>::from_floats(
+            lcg(c.batch * c.heads * c.rows * c.head_dim, 1, 1.5).as_slice(),
+            &device,
+        )
+        .reshape([c.batch, c.heads, c.rows, c.head_dim]);
+        let mask = Tensor::<3, Bool>::from_data(
+            TensorData::new(mask_data(&c), [c.batch, c.rows, c.keys]),
+            &device,
+        );
+        let scale = 0.3;
+        let fused = attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale).unwrap();
+        // The reference on contiguous copies of the used keys and values.
+        let copy = |t: Tensor<4>| {
+            let dims = t.dims();
+            Tensor::<4>::from_data(t.into_data(), &device).reshape(dims)
+        };
+        let reference = attention_reference(q, copy(k), copy(v), mask, scale);
+        assert_rel_close("out", &to_vec(fused), &to_vec(reference), 2e-5);
+    }
+}

@@ -79,3 +79,45 @@ fn bad_sizes_are_typed_errors() {
         }
     ));
 }
+
+/// The inference path over weights packed once ([`miles_ops::grouped::PackedExperts`],
+/// `[experts, in, out + pad]`) on plain flex against the tensor-op form on the HF-layout
+/// stack: empty groups, fewer groups than experts, one row per group, decode-sized groups;
+/// and the shape errors.
+#[test]
+fn packed_experts_forward_equals_the_reference() {
+    use miles_ops::grouped::{PackedExperts, grouped_matmul_packed};
+    let device = Device::flex();
+    for (sizes, experts, m, k) in [
+        (vec![3usize, 0, 5, 1], 4usize, 24usize, 16usize),
+        (vec![2, 2], 5, 256, 64),
+        (vec![1, 1, 1], 3, 7, 9),
+        (vec![8, 9, 7, 8, 0, 0, 6, 10], 8, 512, 96),
+    ] {
+        let rows: usize = sizes.iter().sum();
+        let x =
+            Tensor::<1>::from_floats(lcg(rows * k, 1, 1.0).as_slice(), &device).reshape([rows, k]);
+        let w = Tensor::<1>::from_floats(lcg(experts * m * k, 2, 0.5).as_slice(), &device)
+            .reshape([experts, m, k]);
+        let packed = PackedExperts::new(w.clone());
+        let ours = grouped_matmul_packed(x.clone(), &packed, &sizes).unwrap();
+        let reference = grouped_matmul_reference(x, w, &sizes);
+        assert_rel_close(
+            &format!("{sizes:?} x {m}x{k}"),
+            &to_vec(ours),
+            &to_vec(reference),
+            1e-5,
+        );
+    }
+    let x = Tensor::<2>::zeros([4, 8], &device);
+    let packed = PackedExperts::new(Tensor::<3>::zeros([2, 5, 7], &device));
+    assert!(matches!(
+        grouped_matmul_packed(x.clone(), &packed, &[2, 2]),
+        Err(OpsError::ShapeMismatch { .. })
+    ));
+    let packed = PackedExperts::new(Tensor::<3>::zeros([2, 5, 8], &device));
+    assert!(matches!(
+        grouped_matmul_packed(x, &packed, &[2, 1]),
+        Err(OpsError::ShapeMismatch { .. })
+    ));
+}

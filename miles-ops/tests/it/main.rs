@@ -12,6 +12,7 @@ mod kernel_device;
 mod kernels;
 mod kernels_attention;
 mod kernels_model;
+mod linear;
 mod norm;
 mod properties;
 mod swiglu;

@@ -34,9 +34,11 @@ pub struct EngineConfig {
     /// of their own keeps generation and training from competing for the same cores, the
     /// in-process counterpart of giving rollout and training separate GPUs.
     pub compute_threads: Option<usize>,
-    /// Runs the forward steps on the path specialised for the device where there is one: on
-    /// flex, MoE layers apply only the chosen experts at every step (decode included, where
-    /// the generic `Auto` dispatch runs every expert on every token). Log-prob recompute
+    /// Runs the forward steps on the path specialised for inference and the device: q / k / v
+    /// and gate / up projections fused into one matmul each over weights stacked once per
+    /// weight version (`CausalLm::fuse_projections`; on flex, small matmuls split over both
+    /// cores), and on flex MoE layers apply only the chosen experts at every step (decode
+    /// included, where the generic `Auto` dispatch runs every expert on every token). Log-prob recompute
     /// (the [`super::SequenceScorer`]) always sees the model as loaded, so recomputed
     /// log-probs stay the trainer's. `false`: the generic path every device runs; both give
     /// the same greedy tokens and log-probs equal to float rounding (tested on every

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::Instant;
 
+use miles_bridge::profile::{self, OpClass};
 use miles_bridge::{CausalLm, KvCache};
 use miles_core::{
     EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, PauseMode, RoutedExperts,
@@ -432,7 +433,7 @@ impl Scheduler {
         if !new_caches.is_empty() {
             let mut parts = vec![std::mem::take(&mut self.batch)];
             parts.extend(new_caches);
-            match KvCache::concat_rows(parts) {
+            match profile::time(OpClass::KvManage, || KvCache::concat_rows(parts)) {
                 Ok(batch) => self.batch = batch,
                 Err(e) => self.fail_running(&e.to_string()),
             }
@@ -461,7 +462,8 @@ impl Scheduler {
                     .finish
                     .as_ref()
                     .is_some_and(|f| f.0 != FinishReason::Abort)
-                    && let Ok(one) = self.batch.select_rows(&[i])
+                    && let Ok(one) =
+                        profile::time(OpClass::KvManage, || self.batch.select_rows(&[i]))
                 {
                     let cached = seq.cached_len();
                     let tokens = seq.tokens[..cached].to_vec();
@@ -474,7 +476,7 @@ impl Scheduler {
         self.batch = if keep.is_empty() {
             KvCache::new()
         } else {
-            match self.batch.select_rows(&keep) {
+            match profile::time(OpClass::KvManage, || self.batch.select_rows(&keep)) {
                 Ok(b) => b,
                 Err(e) => {
                     let msg = e.to_string();
@@ -494,7 +496,7 @@ impl Scheduler {
         // Keep the padded key axis close to the longest row.
         let longest = self.running.iter().map(Seq::cached_len).max().unwrap_or(0);
         if !self.running.is_empty() && self.batch.len() > longest + longest / 4 + 64 {
-            self.batch = self.batch.compact();
+            self.batch = profile::time(OpClass::KvManage, || self.batch.compact());
         }
     }
 

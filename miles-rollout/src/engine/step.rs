@@ -2,6 +2,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use miles_bridge::profile::{self, OpClass};
 use miles_bridge::{CausalLm, KvCache, ModelInput, MoeDispatch};
 use miles_r3::Fallthrough;
 
@@ -138,13 +139,18 @@ pub(super) fn read_step(
     Ok((logits, routes))
 }
 
-/// The model the engine's forward steps run for `model`'s weights (sharing them): on flex
-/// with the specialised path, MoE layers dispatch sparsely at every batch size. Built anew
-/// from every weight version, so no step ever runs on a previous version's weights.
+/// The model the engine's forward steps run for `model`'s weights (sharing them). With the
+/// specialised path: q / k / v and gate / up projections fused into one matmul each over
+/// weights stacked here ([`CausalLm::fuse_projections`]), and on flex MoE layers dispatch
+/// sparsely at every batch size. Built anew from every weight version, so no step ever runs
+/// on a previous version's weights (or their stacked copies).
 pub(super) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
     let mut step = model.clone();
-    if specialised && miles_ops::device::is_flex(&model.lm_head_weight().device()) {
-        step.set_moe_dispatch(MoeDispatch::Sparse);
+    if specialised {
+        step.fuse_projections();
+        if miles_ops::device::is_flex(&model.lm_head_weight().device()) {
+            step.set_moe_dispatch(MoeDispatch::Sparse);
+        }
     }
     step
 }
@@ -230,7 +236,9 @@ impl Scheduler {
             &[]
         };
         // Logits and routing of the step in one read.
-        let (logits, routes) = match read_step(Some(out.logits.reshape([rows, vocab])), routing) {
+        let (logits, routes) = match profile::time(OpClass::Readback, || {
+            read_step(Some(out.logits.reshape([rows, vocab])), routing)
+        }) {
             Ok(read) => read,
             Err(e) => {
                 self.fail_running(&e);
@@ -246,14 +254,18 @@ impl Scheduler {
         // Sampling is independent per row (each sequence has its own generator): rows in
         // parallel, then the stop checks in order.
         let mut running = std::mem::take(&mut self.running);
-        let picks: Vec<(u32, f64)> = running
-            .par_iter_mut()
-            .zip(logits.par_chunks(vocab))
-            .map(|(seq, row)| sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng))
-            .collect();
-        for (seq, (token, lp)) in running.iter_mut().zip(picks) {
-            self.accept_token(seq, token, lp);
-        }
+        profile::time(OpClass::Sampling, || {
+            let picks: Vec<(u32, f64)> = running
+                .par_iter_mut()
+                .zip(logits.par_chunks(vocab))
+                .map(|(seq, row)| {
+                    sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng)
+                })
+                .collect();
+            for (seq, (token, lp)) in running.iter_mut().zip(picks) {
+                self.accept_token(seq, token, lp);
+            }
+        });
         self.running = running;
         self.retire_finished();
     }

@@ -1,7 +1,10 @@
-//! The engine's specialised forward path (flex: sparse experts at every step, last-position
-//! logits at prefill, rows sampled in parallel) against the generic path every other device
-//! runs, on every architecture fixture in `fixtures/models/`; and weight updates reaching the
-//! specialised path (a swapped version never decodes with the previous version's weights).
+//! The engine's specialised forward path (fused q / k / v and gate / up projections and
+//! packed routed experts over weights stacked per version, small matmuls split over both
+//! cores, flex: sparse experts at every step; last-position logits at prefill, rows sampled
+//! in parallel) against the generic path every other device runs, on every architecture
+//! fixture in `fixtures/models/` (DeepSeek-V3 MLA included); and weight updates reaching the
+//! specialised path (a swapped version never decodes with the previous version's weights or
+//! their stacked copies).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +17,9 @@ use miles_core::{
 };
 use miles_rollout::{EmbeddedEngine, EngineConfig};
 
-const ARCHITECTURES: [&str; 6] = [
+const ARCHITECTURES: [&str; 8] = [
+    "dsv3-noq",
+    "dsv3-tiny",
     "glm4moe-tiny",
     "llama-tiny",
     "qwen2-tiny",
@@ -124,7 +129,7 @@ fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_weight_update_reaches_the_specialised_path() {
-    for name in ["glm4moe-tiny", "qwen3-tiny"] {
+    for name in ["glm4moe-tiny", "qwen3-tiny", "dsv3-tiny"] {
         let model = load(name);
         let vocab = model.config.vocab_size as u32;
         let live = engine(model.clone(), true);

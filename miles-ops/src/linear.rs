@@ -1,0 +1,92 @@
+//! Inference linear layer `x · wᵀ` (HF layout `w` `[out, in]`) that keeps both cores busy
+//! on the small matmuls of a decode step.
+//!
+//! flex runs a matmul on one thread below `192³` multiply-adds, so a decode step's
+//! projections (`[rows ≤ 32, hidden]` by `[out, hidden]`, streaming every weight from memory
+//! once) run on one core. On plain flex (no autodiff, `f32`) [`linear`] splits such a matmul
+//! by output columns into one `gemm` per rayon task and joins the column blocks; larger
+//! matmuls, other devices and autodiff tensors take `x.matmul(w.transpose())`
+//! ([`linear_reference`], also what the split path is tested against). Forward only: the
+//! engine's step model uses it, training never does.
+
+use burn::backend::{
+    Backend, Dispatch, DispatchDevice, Flex, backend_extension, tensor::FloatTensor,
+};
+use burn::tensor::{DType, Tensor};
+use rayon::prelude::*;
+
+use crate::flex_attention::matmul;
+use crate::flex_util::{as_f32, dims, f32_data, tensor};
+
+/// Multiply-adds from which flex parallelises a matmul itself (its `192³`).
+const FLEX_PARALLEL: usize = 192 * 192 * 192;
+/// Multiply-adds below which a split costs more than it saves.
+const MIN_SPLIT: usize = 1 << 15;
+/// Output columns per block are a multiple of this (whole SIMD registers).
+const COLUMN_ALIGN: usize = 16;
+
+/// `x · wᵀ` for `x` `[rows, in]` and `w` `[out, in]` (see the module docs); panics on
+/// mismatched widths as `matmul` does.
+pub fn linear(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    let ([m, k], [n, wk]) = (x.dims(), w.dims());
+    let work = m.saturating_mul(n).saturating_mul(k);
+    let plain_flex = matches!(x.device().as_dispatch(), DispatchDevice::Flex(_))
+        && matches!(w.device().as_dispatch(), DispatchDevice::Flex(_));
+    if wk != k
+        || !plain_flex
+        || x.dtype() != DType::F32
+        || w.dtype() != DType::F32
+        || !(MIN_SPLIT..FLEX_PARALLEL).contains(&work)
+        || n < 2 * COLUMN_ALIGN
+        || rayon::current_num_threads() < 2
+    {
+        return linear_reference(x, w);
+    }
+    Tensor::from_dispatch(<Dispatch as LinearOps>::linear_split(
+        x.into_dispatch(),
+        w.into_dispatch(),
+    ))
+}
+
+/// `x.matmul(w.transpose())`.
+pub fn linear_reference(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
+    x.matmul(w.transpose())
+}
+
+/// Backend op of [`linear`] (plain flex only).
+#[backend_extension(Flex)]
+pub trait LinearOps: Backend {
+    /// `x · wᵀ`, split by output columns over the rayon pool.
+    fn linear_split(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+impl LinearOps for Flex {
+    fn linear_split(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (x, w) = (as_f32(x), as_f32(w));
+        let (xd, wd) = (f32_data(&x), f32_data(&w));
+        let [m, k] = [dims(&x)[0], dims(&x)[1]];
+        let n = dims(&w)[0];
+        let tasks = rayon::current_num_threads().max(1);
+        let block = n.div_ceil(tasks).div_ceil(COLUMN_ALIGN) * COLUMN_ALIGN;
+        let starts: Vec<usize> = (0..n).step_by(block.max(1)).collect();
+        // Each task: y_b[m × nb] = x[m × k] · w_bᵀ, w_b the rows start..start+nb of w.
+        let blocks: Vec<Vec<f32>> = starts
+            .par_iter()
+            .map(|&start| {
+                let nb = block.min(n - start);
+                let mut y = vec![0.0f32; m * nb];
+                let wb = &wd[start * k..(start + nb) * k];
+                matmul(m, nb, k, &mut y, nb, false, &xd, (k, 1), wb, (1, k), 1.0);
+                y
+            })
+            .collect();
+        let mut out = Vec::with_capacity(m * n);
+        for row in 0..m {
+            for (b, &start) in blocks.iter().zip(&starts) {
+                let nb = block.min(n - start);
+                out.extend_from_slice(&b[row * nb..(row + 1) * nb]);
+            }
+        }
+        tensor(out, &[m, n])
+    }
+}
