@@ -193,6 +193,16 @@ fn cuda(spec: String, _index: usize) -> Result<Device, DeviceError> {
     })
 }
 
+/// Whether `device` is burn's flex CPU backend (with or without autodiff): host and device
+/// memory are the same, so reading a tensor back (e.g. MoE routing ids for sparse dispatch)
+/// is a copy, not a device-to-host round trip.
+pub fn is_flex(device: &Device) -> bool {
+    matches!(
+        device.clone().without_autodiff().as_dispatch(),
+        burn::backend::DispatchDevice::Flex(_)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,14 +261,4 @@ mod tests {
         }
         assert_eq!(parse_device("flex").unwrap(), Device::flex());
     }
-}
-
-/// Whether `device` is burn's flex CPU backend (with or without autodiff): host and device
-/// memory are the same, so reading a tensor back (e.g. MoE routing ids for sparse dispatch)
-/// is a copy, not a device-to-host round trip.
-pub fn is_flex(device: &Device) -> bool {
-    matches!(
-        device.clone().without_autodiff().as_dispatch(),
-        burn::backend::DispatchDevice::Flex(_)
-    )
 }
