@@ -185,11 +185,15 @@ impl Linear {
 /// Several linear layers reading the same input as one: their weights (adapters merged)
 /// stacked on the output axis, `[Σ out, in]`, and their biases (zeros for a layer without
 /// one). Built once per weight version for inference ([`crate::CausalLm::fuse_projections`]);
-/// one matmul then replaces one per layer, and no training code ever sees it.
+/// one matmul then replaces one per layer, and no training code ever sees it. On flex the
+/// stacked weight is stored transposed, `[in, Σ out]` row-major, the layout `gemm` reads
+/// fastest at decode row counts ([`miles_ops::linear::linear_t`]).
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
-    /// `[Σ out, in]`, contiguous.
+    /// `[Σ out, in]`; `[in, Σ out]` contiguous when `transposed`.
     pub weight: Tensor<2>,
+    /// Whether `weight` is stored transposed (on flex).
+    pub transposed: bool,
     /// `[Σ out]`, when any of the layers has a bias.
     pub bias: Option<Tensor<1>>,
     /// Output width of each fused layer, in order.
@@ -212,27 +216,46 @@ impl FusedLinear {
                 .collect();
             Tensor::cat(parts, 0)
         });
-        Self {
-            weight: Tensor::cat(weights, 0),
-            bias,
-            widths,
-        }
+        let weight = if weights.len() == 1 {
+            weights.into_iter().next().expect("one weight")
+        } else {
+            Tensor::cat(weights, 0)
+        };
+        let mut fused = Self::from_weight(weight);
+        fused.bias = bias;
+        fused.widths = widths;
+        fused
     }
 
     /// One layer without bias over `weight` `[out, in]` (e.g. tied embeddings as `lm_head`).
     pub fn from_weight(weight: Tensor<2>) -> Self {
         let widths = vec![weight.dims()[0]];
+        let device = weight.device();
+        let (weight, transposed) = if miles_ops::device::is_flex(&device) {
+            // A contiguous copy of the transposed view (one per weight version).
+            (
+                Tensor::from_data(weight.transpose().into_data(), &device),
+                true,
+            )
+        } else {
+            (weight, false)
+        };
         Self {
             weight,
+            transposed,
             bias: None,
             widths,
         }
     }
 
     /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul,
-    /// split over both cores on flex when small ([`miles_ops::linear::linear`]).
+    /// split over both cores on flex when small ([`miles_ops::linear::linear_t`]).
     pub fn forward_all(&self, x: Tensor<2>) -> Tensor<2> {
-        let y = miles_ops::linear::linear(x, self.weight.clone());
+        let y = if self.transposed {
+            miles_ops::linear::linear_t(x, self.weight.clone())
+        } else {
+            miles_ops::linear::linear(x, self.weight.clone())
+        };
         match &self.bias {
             Some(bias) => y + bias.clone().unsqueeze_dim(0),
             None => y,

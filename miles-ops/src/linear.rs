@@ -6,8 +6,11 @@
 //! once) run on one core. On plain flex (no autodiff, `f32`) [`linear`] splits such a matmul
 //! by output columns into one `gemm` per rayon task and joins the column blocks; larger
 //! matmuls, other devices and autodiff tensors take `x.matmul(w.transpose())`
-//! ([`linear_reference`], also what the split path is tested against). Forward only: the
-//! engine's step model uses it, training never does.
+//! ([`linear_reference`], also what the split path is tested against). [`linear_t`] is the
+//! same over a weight already stored transposed, `[in, out]` row-major: the layout `gemm`'s
+//! AVX-512 kernels read fastest at decode row counts (the engine's step model packs its
+//! weights that way once per weight version). Forward only: the engine's step model uses
+//! them, training never does.
 
 use burn::backend::{
     Backend, Dispatch, DispatchDevice, Flex, backend_extension, tensor::FloatTensor,
@@ -29,23 +32,41 @@ const COLUMN_ALIGN: usize = 16;
 /// mismatched widths as `matmul` does.
 pub fn linear(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     let ([m, k], [n, wk]) = (x.dims(), w.dims());
-    let work = m.saturating_mul(n).saturating_mul(k);
-    let plain_flex = matches!(x.device().as_dispatch(), DispatchDevice::Flex(_))
-        && matches!(w.device().as_dispatch(), DispatchDevice::Flex(_));
-    if wk != k
-        || !plain_flex
-        || x.dtype() != DType::F32
-        || w.dtype() != DType::F32
-        || !(MIN_SPLIT..FLEX_PARALLEL).contains(&work)
-        || n < 2 * COLUMN_ALIGN
-        || rayon::current_num_threads() < 2
-    {
+    if wk != k || !splits(&x, &w, m, k, n) {
         return linear_reference(x, w);
     }
     Tensor::from_dispatch(<Dispatch as LinearOps>::linear_split(
         x.into_dispatch(),
         w.into_dispatch(),
+        false,
     ))
+}
+
+/// `x · wt` for `x` `[rows, in]` and `wt` `[in, out]` (a weight stored transposed), split
+/// over the cores as [`linear`] is; panics on mismatched widths as `matmul` does.
+pub fn linear_t(x: Tensor<2>, wt: Tensor<2>) -> Tensor<2> {
+    let ([m, k], [wk, n]) = (x.dims(), wt.dims());
+    if wk != k || !splits(&x, &wt, m, k, n) {
+        return x.matmul(wt);
+    }
+    Tensor::from_dispatch(<Dispatch as LinearOps>::linear_split(
+        x.into_dispatch(),
+        wt.into_dispatch(),
+        true,
+    ))
+}
+
+/// Whether an `[m, k] · [k, n]` product takes the split path: plain flex, `f32`, a size
+/// flex runs on one thread but worth splitting, and more than one core.
+fn splits(x: &Tensor<2>, w: &Tensor<2>, m: usize, k: usize, n: usize) -> bool {
+    let work = m.saturating_mul(n).saturating_mul(k);
+    matches!(x.device().as_dispatch(), DispatchDevice::Flex(_))
+        && matches!(w.device().as_dispatch(), DispatchDevice::Flex(_))
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && (MIN_SPLIT..FLEX_PARALLEL).contains(&work)
+        && n >= 2 * COLUMN_ALIGN
+        && rayon::current_num_threads() >= 2
 }
 
 /// `x.matmul(w.transpose())`.
@@ -56,27 +77,53 @@ pub fn linear_reference(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
 /// Backend op of [`linear`] (plain flex only).
 #[backend_extension(Flex)]
 pub trait LinearOps: Backend {
-    /// `x · wᵀ`, split by output columns over the rayon pool.
-    fn linear_split(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `x · wᵀ` (`w` `[out, in]`), or `x · w` when `transposed` (`w` `[in, out]`), split by
+    /// output columns over the rayon pool.
+    fn linear_split(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        transposed: bool,
+    ) -> FloatTensor<Self>;
 }
 
 impl LinearOps for Flex {
-    fn linear_split(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn linear_split(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        transposed: bool,
+    ) -> FloatTensor<Self> {
         let (x, w) = (as_f32(x), as_f32(w));
         let (xd, wd) = (f32_data(&x), f32_data(&w));
         let [m, k] = [dims(&x)[0], dims(&x)[1]];
-        let n = dims(&w)[0];
+        let n = if transposed { dims(&w)[1] } else { dims(&w)[0] };
         let tasks = rayon::current_num_threads().max(1);
         let block = n.div_ceil(tasks).div_ceil(COLUMN_ALIGN) * COLUMN_ALIGN;
         let starts: Vec<usize> = (0..n).step_by(block.max(1)).collect();
-        // Each task: y_b[m × nb] = x[m × k] · w_bᵀ, w_b the rows start..start+nb of w.
+        // Each task: y_b[m × nb] = x[m × k] · w_bᵀ, w_b the rows start..start+nb of w (or,
+        // transposed, the columns start..start+nb of w: rows `n` apart).
         let blocks: Vec<Vec<f32>> = starts
             .par_iter()
             .map(|&start| {
                 let nb = block.min(n - start);
                 let mut y = vec![0.0f32; m * nb];
-                let wb = &wd[start * k..(start + nb) * k];
-                matmul(m, nb, k, &mut y, nb, false, &xd, (k, 1), wb, (1, k), 1.0);
+                if transposed {
+                    matmul(
+                        m,
+                        nb,
+                        k,
+                        &mut y,
+                        nb,
+                        false,
+                        &xd,
+                        (k, 1),
+                        &wd[start..],
+                        (n, 1),
+                        1.0,
+                    );
+                } else {
+                    let wb = &wd[start * k..(start + nb) * k];
+                    matmul(m, nb, k, &mut y, nb, false, &xd, (k, 1), wb, (1, k), 1.0);
+                }
                 y
             })
             .collect();

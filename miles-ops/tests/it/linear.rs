@@ -1,10 +1,11 @@
-//! The split inference linear layer on plain flex against `x.matmul(w.transpose())`, for
+//! The split inference linear layer on plain flex (over `[out, in]` weights and over weights
+//! stored transposed) against `x.matmul(w.transpose())`, for
 //! decode-sized row counts, output widths that do not divide into aligned blocks, strided
 //! inputs, and sizes on both sides of the split thresholds; and that autodiff tensors keep
 //! the differentiable reference path.
 
 use burn::tensor::{Device, Tensor};
-use miles_ops::linear::{linear, linear_reference};
+use miles_ops::linear::{linear, linear_reference, linear_t};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 
@@ -28,8 +29,12 @@ fn split_linear_equals_the_matmul_reference() {
         let x = matrix(m, k, 1, &device);
         let w = matrix(n, k, 2, &device);
         let ours = to_vec(linear(x.clone(), w.clone()));
+        // The same weight stored transposed, `[in, out]` contiguous.
+        let wt = Tensor::<2>::from_data(w.clone().transpose().into_data(), &device);
+        let ours_t = to_vec(linear_t(x.clone(), wt));
         let reference = to_vec(linear_reference(x, w));
         assert_rel_close(&format!("{m}x{k} · {n}x{k}ᵀ"), &ours, &reference, 1e-5);
+        assert_rel_close(&format!("{m}x{k} · ({k}x{n})"), &ours_t, &reference, 1e-5);
     }
     // A strided input (a transposed view) is read correctly.
     let x = matrix(384, 4, 3, &device).transpose();
