@@ -355,8 +355,10 @@ impl MoeBlock {
     /// every token's `top_k` outputs are gathered back through the inverse permutation,
     /// weighted and summed over `k` in a fixed order (no scatter-add), so results are
     /// deterministic. Ids outside `0..experts` from a custom router hook are never used as an
-    /// index: their pairs contribute zero (the bucketing counts them on the device; the
-    /// engine rejects them where it reads the routing back).
+    /// index: their pairs contribute zero and are counted on the device
+    /// ([`miles_ops::bucket::ExpertBuckets::invalid`]); the routing returned in
+    /// [`MoeRouting`] still holds them for a caller that reads it to check. The hooks in this
+    /// workspace never produce them (top-k, or replay tables validated on the host).
     fn experts_sparse_device(
         &self,
         x: Tensor<2>,
