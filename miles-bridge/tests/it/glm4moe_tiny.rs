@@ -629,3 +629,83 @@ fn hook_chooses_experts_and_weights_come_from_router_scores() {
         }
     }
 }
+
+/// Timing, not a check (`--ignored`): one MoE layer of the GLM-4-MoE 88 M training-bench
+/// config (hidden 512, 16 experts × 256, top-4, one shared expert) forward + backward on the
+/// kernel device, `Dense` against the device-side `Sparse`, alternated, at a training size
+/// (512 tokens) and a decode size (8 tokens). Prints the median of each.
+#[test]
+#[ignore]
+fn moe_layer_dispatch_timing_on_wgpu() {
+    let Some(device) =
+        miles_ops::kernel_device::kernel_test_device("moe_layer_dispatch_timing_on_wgpu")
+    else {
+        return;
+    };
+    let device = device.autodiff();
+    let config = ModelConfig::from_hf_json(
+        r#"{"model_type": "glm4_moe", "vocab_size": 1000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 2,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+        "routed_scaling_factor": 1.0, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+        "attention_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02}"#,
+    )
+    .unwrap();
+    let model = CausalLm::init(&config, &device).unwrap();
+    let block = moe_block(&model).clone();
+    let runs = std::env::var("MOE_TIMING_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3usize);
+    for tokens in [512usize, 8] {
+        let n = tokens * 512;
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x = Tensor::<1>::from_floats(x.as_slice(), &device).reshape([tokens, 512]);
+        let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for run in 0..=runs {
+            for dispatch in [MoeDispatch::Dense, MoeDispatch::Sparse] {
+                let mut b = block.clone();
+                b.dispatch = dispatch;
+                let start = std::time::Instant::now();
+                let xg = x.clone().require_grad();
+                let (out, _) = b.forward(xg.clone(), &Fallthrough).unwrap();
+                let grads = out.sum().backward();
+                let dx: f32 = xg.grad(&grads).unwrap().sum().into_scalar();
+                let dw: f32 = b
+                    .experts
+                    .down_proj
+                    .val()
+                    .grad(&grads)
+                    .unwrap()
+                    .sum()
+                    .into_scalar();
+                let secs = start.elapsed().as_secs_f64();
+                assert!(dx.is_finite() && dw.is_finite());
+                if run > 0 {
+                    // Run 0 compiles the kernels.
+                    times
+                        .entry(if dispatch == MoeDispatch::Dense {
+                            "dense"
+                        } else {
+                            "sparse"
+                        })
+                        .or_default()
+                        .push(secs * 1e3);
+                }
+            }
+        }
+        for (name, mut t) in times {
+            t.sort_by(f64::total_cmp);
+            println!(
+                "MOE-TIMING tokens {tokens} {name}: median {:.1} ms, runs {:?}",
+                t[t.len() / 2],
+                t.iter()
+                    .map(|v| (v * 10.0).round() / 10.0)
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+}
