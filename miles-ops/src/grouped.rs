@@ -13,6 +13,13 @@
 //! ([`grouped_matmul_reference`]: a slice of `x` and a narrow of `w` per group), autodiff turns
 //! every slice and narrow into a zero tensor of the full input's size plus an add, which for
 //! an MoE layer is gigabytes of memory traffic per training step.
+//!
+//! [`grouped_matmul_offsets`] (and [`grouped_matmul_offsets_packed`] for inference) take the
+//! groups as device row offsets `[experts + 1]` instead of host sizes — what
+//! [`crate::bucket::bucket_by_expert`] computes on the device — so a sparse MoE dispatch
+//! never reads the routing back on CubeCL devices. Rows at or past `offsets[experts]` belong
+//! to no group: their outputs and input gradients are zero. On flex the offsets are read (a
+//! copy) and the host-size op runs.
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -21,9 +28,10 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{
-    AutodiffBackend, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor,
+    AutodiffBackend, Backend, Dispatch, Flex, backend_extension,
+    tensor::{FloatTensor, IntTensor},
 };
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor};
 use rayon::prelude::*;
 
 use crate::flex_attention::matmul;
@@ -366,5 +374,281 @@ impl GroupedPackedOps for Flex {
                 matmul(n, out, k, y, out, false, xs, (k, 1), we, (stride, 1), 1.0);
             });
         tensor(y_all, &[rows, out])
+    }
+}
+
+/// Checks `x` `[rows, k]` against `w` `[experts, m, k]` (or packed `[experts, k, ·]`) and
+/// `offsets` `[experts + 1]`.
+fn check_offsets(
+    what: &'static str,
+    x: [usize; 2],
+    w: [usize; 3],
+    wk: usize,
+    offsets: usize,
+) -> Result<()> {
+    if wk != x[1] || offsets != w[0] + 1 {
+        return Err(OpsError::ShapeMismatch {
+            what,
+            expected: vec![offsets.saturating_sub(1), x[1], offsets],
+            got: vec![w[0], wk, offsets],
+        });
+    }
+    Ok(())
+}
+
+/// Group sizes from offsets read on the host, made monotone and clamped to `rows` (the rows
+/// past the last group are then `rows − Σ sizes`).
+fn sizes_from_offsets(offsets: &[i64], rows: usize) -> Vec<usize> {
+    let mut prev = 0usize;
+    offsets
+        .iter()
+        .skip(1)
+        .map(|&o| {
+            let at = usize::try_from(o).unwrap_or(0).clamp(prev, rows);
+            let n = at - prev;
+            prev = at;
+            n
+        })
+        .collect()
+}
+
+fn read_offsets(offsets: Tensor<1, Int>) -> Result<Vec<i64>> {
+    let n = offsets.dims()[0];
+    offsets
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .map_err(|_| OpsError::ShapeMismatch {
+            what: "grouped matmul offsets (unreadable)",
+            expected: vec![n],
+            got: vec![0],
+        })
+}
+
+/// [`grouped_matmul_reference`] over the groups of `sizes`, rows past them zero.
+fn reference_with_tail(x: Tensor<2>, w: Tensor<3>, sizes: &[usize]) -> Tensor<2> {
+    let [rows, k] = x.dims();
+    let [_, m, _] = w.dims();
+    let total: usize = sizes.iter().sum();
+    if total == rows {
+        return grouped_matmul_reference(x, w, sizes);
+    }
+    let device = x.device();
+    let head = grouped_matmul_reference(x.slice([0..total, 0..k]), w, sizes);
+    Tensor::cat(vec![head, Tensor::zeros([rows - total, m], &device)], 0)
+}
+
+/// [`grouped_matmul`] with the groups given by device row offsets `[experts + 1]` (group `e`
+/// is rows `offsets[e]..offsets[e + 1]`; rows from `offsets[experts]` on are zero), forward
+/// and backward as one op; nothing is read back on CubeCL devices. Errors when `k` differs or
+/// `offsets` is not `[experts + 1]`.
+pub fn grouped_matmul_offsets(
+    x: Tensor<2>,
+    w: Tensor<3>,
+    offsets: Tensor<1, Int>,
+) -> Result<Tensor<2>> {
+    let [_, wk] = [w.dims()[0], w.dims()[2]];
+    check_offsets(
+        "grouped_matmul_offsets weights / offsets",
+        x.dims(),
+        w.dims(),
+        wk,
+        offsets.dims()[0],
+    )?;
+    if !takes_fused(&[x.dtype(), w.dtype()], &x.device()) {
+        let sizes = sizes_from_offsets(&read_offsets(offsets)?, x.dims()[0]);
+        return Ok(reference_with_tail(x, w, &sizes));
+    }
+    Ok(Tensor::from_dispatch(
+        <Dispatch as GroupedOffsetsOps>::grouped_matmul_offsets(
+            x.into_dispatch(),
+            w.into_dispatch(),
+            offsets.into_dispatch(),
+        ),
+    ))
+}
+
+/// [`grouped_matmul_offsets`] over [`PackedExperts`] (inference: forward only, a constant on
+/// autodiff devices).
+pub fn grouped_matmul_offsets_packed(
+    x: Tensor<2>,
+    w: &PackedExperts,
+    offsets: Tensor<1, Int>,
+) -> Result<Tensor<2>> {
+    let [experts, wk, stride] = w.data.dims();
+    check_offsets(
+        "grouped_matmul_offsets_packed weights / offsets",
+        x.dims(),
+        [experts, w.out, wk],
+        wk,
+        offsets.dims()[0],
+    )?;
+    if w.out > stride {
+        return Err(OpsError::ShapeMismatch {
+            what: "grouped_matmul_offsets_packed stride",
+            expected: vec![experts, wk, w.out],
+            got: w.data.dims().to_vec(),
+        });
+    }
+    if !takes_fused(&[x.dtype(), w.data.dtype()], &x.device()) {
+        let hf = w.data.clone().narrow(2, 0, w.out).swap_dims(1, 2);
+        let sizes = sizes_from_offsets(&read_offsets(offsets)?, x.dims()[0]);
+        return Ok(reference_with_tail(x, hf, &sizes));
+    }
+    Ok(Tensor::from_dispatch(
+        <Dispatch as GroupedOffsetsOps>::grouped_matmul_offsets_packed(
+            x.into_dispatch(),
+            w.data.clone().into_dispatch(),
+            offsets.into_dispatch(),
+            w.out,
+        ),
+    ))
+}
+
+/// Backend op of [`grouped_matmul_offsets`] and [`grouped_matmul_offsets_packed`].
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff
+)]
+pub trait GroupedOffsetsOps: Backend {
+    /// `x_e · w_eᵀ` per group, groups from `offsets` `[experts + 1]`.
+    fn grouped_matmul_offsets(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// `(∂x, ∂w)` for the upstream gradient `grad`.
+    fn grouped_matmul_offsets_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `x_e · w_e` per group over packed `[experts, in, stride]` weights, `out` columns.
+    fn grouped_matmul_offsets_packed(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+        out: usize,
+    ) -> FloatTensor<Self>;
+}
+
+/// Host group sizes of flex offsets for `rows` rows.
+fn flex_sizes(offsets: IntTensor<Flex>, rows: usize) -> Vec<usize> {
+    let host: Vec<i64> = offsets
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .unwrap_or_default();
+    sizes_from_offsets(&host, rows)
+}
+
+impl GroupedOffsetsOps for Flex {
+    fn grouped_matmul_offsets(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let sizes = flex_sizes(offsets, dims(&x)[0]);
+        <Flex as GroupedMatmulOps>::grouped_matmul(x, w, sizes)
+    }
+
+    fn grouped_matmul_offsets_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let sizes = flex_sizes(offsets, dims(&x)[0]);
+        <Flex as GroupedMatmulOps>::grouped_matmul_backward(x, w, grad, sizes)
+    }
+
+    fn grouped_matmul_offsets_packed(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+        out: usize,
+    ) -> FloatTensor<Self> {
+        let sizes = flex_sizes(offsets, dims(&x)[0]);
+        <Flex as GroupedPackedOps>::grouped_matmul_packed(x, w, sizes, out)
+    }
+}
+
+#[derive(Debug)]
+struct GroupedOffsetsBackward;
+
+impl<B: GroupedOffsetsOps> Backward<B, 2> for GroupedOffsetsBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w, offsets) = ops.state;
+        let (dx, dw) = B::grouped_matmul_offsets_backward(x, w, grad, offsets);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_w {
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+impl<B: Backend + GroupedOffsetsOps, C: CheckpointStrategy> GroupedOffsetsOps for Autodiff<B, C> {
+    fn grouped_matmul_offsets(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let guards = [x.node(), w.node()];
+        let (x, w) = (x.into_primitive(), w.into_primitive());
+        match GroupedOffsetsBackward
+            .prepare::<C>(guards)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::grouped_matmul_offsets(x.clone(), w.clone(), offsets.clone());
+                prep.finish((x, w, offsets), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::grouped_matmul_offsets(x, w, offsets)),
+        }
+    }
+
+    fn grouped_matmul_offsets_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // Constants: only called inside the op's own backward.
+        let (dx, dw) = B::grouped_matmul_offsets_backward(
+            x.into_primitive(),
+            w.into_primitive(),
+            grad.into_primitive(),
+            offsets,
+        );
+        (
+            <Self as AutodiffBackend>::from_inner(dx),
+            <Self as AutodiffBackend>::from_inner(dw),
+        )
+    }
+
+    fn grouped_matmul_offsets_packed(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+        out: usize,
+    ) -> FloatTensor<Self> {
+        // Inference only: a constant.
+        <Self as AutodiffBackend>::from_inner(B::grouped_matmul_offsets_packed(
+            x.into_primitive(),
+            w.into_primitive(),
+            offsets,
+            out,
+        ))
     }
 }

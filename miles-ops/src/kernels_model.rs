@@ -12,14 +12,18 @@
 //! - `rope_kernel`, `swiglu_kernel`, `swiglu_backward_kernel`: element-wise, one unit per
 //!   element.
 //! - `grouped_matmul_kernel` (forward and `∂x`) and `grouped_matmul_dw_kernel`: one unit per
-//!   output element, the group of a row found from the groups' row offsets.
+//!   output element, the group of a row found from the groups' row offsets (built from host
+//!   sizes, [`GroupedMatmulOps`], or given as a device tensor, [`GroupedOffsetsOps`]).
+//! - `expert_count_kernel`, `expert_scan_kernel`, `expert_place_kernel`: the expert bucketing
+//!   of [`ExpertBucketOps`] (one unit per expert counting, one unit scanning the counts, one
+//!   unit per expert writing its slots in pair order).
 //!
 //! No plane (warp) operations, so they also run on CPU-side adapters.
 
 #![allow(clippy::assign_op_pattern, clippy::collapsible_if)]
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{DType, Shape, TensorMetadata};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
@@ -27,7 +31,8 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
-use crate::grouped::GroupedMatmulOps;
+use crate::bucket::ExpertBucketOps;
+use crate::grouped::{GroupedMatmulOps, GroupedOffsetsOps};
 use crate::norm::NormRopeOps;
 use crate::swiglu::SwiGluOps;
 
@@ -312,7 +317,9 @@ fn group_of(offsets: &Tensor<u32>, experts: u32, row: u32) -> u32 {
 }
 
 /// `y[r, o] = Σ_k x[r, k] · w[e(r), o, k]` (forward, `w_t = 0`), or
-/// `y[r, o] = Σ_k x[r, k] · w[e(r), k, o]` (`∂x = ∂y · w_e`, `w_t = 1`).
+/// `y[r, o] = Σ_k x[r, k] · w[e(r), k, o]` (`∂x = ∂y · w_e`, or a packed `[in, w_ld]`
+/// expert, `w_t = 1`). Rows at or past `offsets[experts]` belong to no group and are zero
+/// (the slots of invalid expert ids in a device bucketing).
 #[cube(launch)]
 fn grouped_matmul_kernel<F: Float>(
     x: &Tensor<F>,          // [rows, inner], contiguous
@@ -323,6 +330,7 @@ fn grouped_matmul_kernel<F: Float>(
     inner: u32,
     cols: u32,
     w_t: u32,
+    w_ld: u32,
     #[define(F)] _dtype: ElemType,
 ) {
     let pos = ABSOLUTE_POS;
@@ -333,27 +341,31 @@ fn grouped_matmul_kernel<F: Float>(
     let n_cols = cols as usize;
     let r = pos / n_cols;
     let o = pos % n_cols;
-    let e = group_of(offsets, experts, r as u32) as usize;
-    let wbase = e * n_inner * n_cols;
     let mut acc = F::new(0.0);
-    let mut k = 0usize;
-    if w_t == 0 {
-        // w_e is [cols, inner].
-        while k < n_inner {
-            acc = acc + x[r * n_inner + k] * w[wbase + o * n_inner + k];
-            k += 1;
-        }
-    } else {
-        // w_e is [inner, cols].
-        while k < n_inner {
-            acc = acc + x[r * n_inner + k] * w[wbase + k * n_cols + o];
-            k += 1;
+    if (r as u32) < offsets[experts as usize] {
+        let e = group_of(offsets, experts, r as u32) as usize;
+        let mut k = 0usize;
+        if w_t == 0 {
+            // w_e is [cols, inner].
+            let wbase = e * n_inner * n_cols;
+            while k < n_inner {
+                acc = acc + x[r * n_inner + k] * w[wbase + o * n_inner + k];
+                k += 1;
+            }
+        } else {
+            // w_e is [inner, w_ld], the first `cols` columns used.
+            let ld = w_ld as usize;
+            let wbase = e * n_inner * ld;
+            while k < n_inner {
+                acc = acc + x[r * n_inner + k] * w[wbase + k * ld + o];
+                k += 1;
+            }
         }
     }
     output[pos] = acc;
 }
 
-/// `∂w[e, o, k] = Σ_{r ∈ group e} ∂y[r, o] · x[r, k]`.
+/// `∂w[e, o, k] = Σ_{r ∈ group e} ∂y[r, o] · x[r, k]` (group rows clamped to `x`'s rows).
 #[cube(launch)]
 fn grouped_matmul_dw_kernel<F: Float>(
     x: &Tensor<F>,         // [rows, k], contiguous
@@ -370,17 +382,132 @@ fn grouped_matmul_dw_kernel<F: Float>(
     }
     let n_m = m as usize;
     let n_k = k as usize;
+    let rows = x.len() / n_k;
     let kk = pos % n_k;
     let o = (pos / n_k) % n_m;
     let e = pos / (n_k * n_m);
     let mut acc = F::new(0.0);
     let mut r = offsets[e] as usize;
-    let end = offsets[e + 1] as usize;
+    let mut end = offsets[e + 1] as usize;
+    if end > rows {
+        end = rows;
+    }
     while r < end {
         acc = acc + grad[r * n_m + o] * x[r * n_k + kk];
         r += 1;
     }
     dw[pos] = acc;
+}
+
+/// Whether `id` is an expert index in `0..experts`.
+#[cube]
+fn valid_expert<I: Int>(id: I, experts: u32) -> bool {
+    let mut valid = false;
+    if id >= I::from_int(0) {
+        if id < I::cast_from(experts) {
+            valid = true;
+        }
+    }
+    valid
+}
+
+/// Expert bucketing, pass 1: unit `e < experts` counts the pairs routed to expert `e` into
+/// `offsets[e + 1]`; unit `experts` counts the ids outside `0..experts` into `invalid[0]`.
+#[cube(launch)]
+fn expert_count_kernel<I: Int>(
+    ids: &Tensor<I>,         // [pairs], contiguous
+    offsets: &mut Tensor<I>, // [experts + 1]
+    invalid: &mut Tensor<I>, // [1]
+    experts: u32,
+    #[define(I)] _dtype: ElemType,
+) {
+    let unit = ABSOLUTE_POS;
+    let n_experts = experts as usize;
+    if unit > n_experts {
+        terminate!();
+    }
+    let pairs = ids.len();
+    let mut n = 0u32;
+    let mut p = 0usize;
+    while p < pairs {
+        let id = ids[p];
+        let valid = valid_expert::<I>(id, experts);
+        if unit == n_experts {
+            if !valid {
+                n += 1;
+            }
+        } else if valid {
+            if id == I::cast_from(unit) {
+                n += 1;
+            }
+        }
+        p += 1;
+    }
+    if unit == n_experts {
+        invalid[0] = I::cast_from(n);
+    } else {
+        offsets[unit + 1] = I::cast_from(n);
+    }
+}
+
+/// Expert bucketing, pass 2 (one unit): `offsets[0] = 0` and the counts turned into their
+/// running sums, so group `e` holds slots `offsets[e]..offsets[e + 1]`.
+#[cube(launch)]
+fn expert_scan_kernel<I: Int>(offsets: &mut Tensor<I>, #[define(I)] _dtype: ElemType) {
+    if ABSOLUTE_POS > 0 {
+        terminate!();
+    }
+    offsets[0] = I::from_int(0);
+    let mut e = 1usize;
+    while e < offsets.len() {
+        offsets[e] = offsets[e] + offsets[e - 1];
+        e += 1;
+    }
+}
+
+/// Expert bucketing, pass 3: unit `e < experts` walks the pairs in order and gives those
+/// routed to `e` the slots `offsets[e]..` (stable); unit `experts` gives the invalid pairs the
+/// slots from `offsets[experts]` on. Each placed pair `p` (= `t · top_k + j`) writes
+/// `pair_of_slot[s] = p`, `token_of_slot[s] = t` and `slot_of_pair[p] = s`.
+#[cube(launch)]
+fn expert_place_kernel<I: Int>(
+    ids: &Tensor<I>,               // [pairs], contiguous
+    offsets: &Tensor<I>,           // [experts + 1]
+    pair_of_slot: &mut Tensor<I>,  // [pairs]
+    token_of_slot: &mut Tensor<I>, // [pairs]
+    slot_of_pair: &mut Tensor<I>,  // [pairs]
+    experts: u32,
+    top_k: u32,
+    #[define(I)] _dtype: ElemType,
+) {
+    let unit = ABSOLUTE_POS;
+    let n_experts = experts as usize;
+    if unit > n_experts {
+        terminate!();
+    }
+    let pairs = ids.len();
+    let k = top_k as usize;
+    let mut slot = usize::cast_from(offsets[unit]);
+    let mut p = 0usize;
+    while p < pairs {
+        let id = ids[p];
+        let valid = valid_expert::<I>(id, experts);
+        let mut mine = false;
+        if unit == n_experts {
+            mine = !valid;
+        } else if valid {
+            mine = id == I::cast_from(unit);
+        }
+        if mine {
+            if slot < pairs {
+                pair_of_slot[slot] = I::cast_from(p);
+                token_of_slot[slot] = I::cast_from(p / k);
+                slot_of_pair[p] = I::cast_from(slot);
+            }
+            slot += 1;
+        }
+        p += 1;
+    }
 }
 
 fn empty_like(t: &CubeTensor, shape: Shape) -> CubeTensor {
@@ -637,12 +764,24 @@ fn offsets_tensor(like: &CubeTensor, sizes: &[usize]) -> CubeTensor {
 
 /// `y_e = x_e · w_eᵀ` (`w_t = false`) or `x_e · w_e` (`w_t = true`) for the row groups.
 fn grouped_launch(x: CubeTensor, w: CubeTensor, offsets: &CubeTensor, w_t: bool) -> CubeTensor {
+    let cols = if w_t { w.shape()[2] } else { w.shape()[1] };
+    grouped_launch_cols(x, w, offsets, w_t, cols)
+}
+
+/// [`grouped_launch`] with `cols` output columns (fewer than a packed `[in, stride]`
+/// expert's `stride` when `w_t`).
+fn grouped_launch_cols(
+    x: CubeTensor,
+    w: CubeTensor,
+    offsets: &CubeTensor,
+    w_t: bool,
+    cols: usize,
+) -> CubeTensor {
     let x = into_contiguous(x);
     let w = into_contiguous(w);
     let rows = x.shape()[0];
     let inner = x.shape()[1];
-    let [experts, a, b] = [w.shape()[0], w.shape()[1], w.shape()[2]];
-    let cols = if w_t { b } else { a };
+    let [experts, w_ld] = [w.shape()[0], w.shape()[2]];
     let output = empty_like(&x, Shape::from([rows, cols]));
     let n = rows * cols;
     if n == 0 {
@@ -662,6 +801,7 @@ fn grouped_launch(x: CubeTensor, w: CubeTensor, offsets: &CubeTensor, w_t: bool)
         inner as u32,
         cols as u32,
         u32::from(w_t),
+        w_ld as u32,
         dtype_to_storage_type(dtype),
     );
     output
@@ -684,29 +824,135 @@ impl GroupedMatmulOps for CubeBackend {
         sizes: Vec<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let offsets = offsets_tensor(&x, &sizes);
-        let x = into_contiguous(x);
-        let grad = into_contiguous(grad);
-        let w_shape = w.shape();
-        let dx = grouped_launch(grad.clone(), w, &offsets, true);
-        let dw = empty_like(&x, w_shape.clone());
-        let n = w_shape.num_elements();
-        if n == 0 {
-            return (dx, dw);
-        }
-        let (count, dim) = elementwise_launch(&x, n);
-        let dtype = x.dtype;
-        grouped_matmul_dw_kernel::launch(
-            &x.client.clone(),
-            count,
+        grouped_backward(x, w, grad, offsets)
+    }
+}
+
+/// `(∂x, ∂w)` of the grouped matmul over `u32` row offsets.
+fn grouped_backward(
+    x: CubeTensor,
+    w: CubeTensor,
+    grad: CubeTensor,
+    offsets: CubeTensor,
+) -> (CubeTensor, CubeTensor) {
+    let x = into_contiguous(x);
+    let grad = into_contiguous(grad);
+    let w_shape = w.shape();
+    let dx = grouped_launch(grad.clone(), w, &offsets, true);
+    let dw = empty_like(&x, w_shape.clone());
+    let n = w_shape.num_elements();
+    if n == 0 {
+        return (dx, dw);
+    }
+    let (count, dim) = elementwise_launch(&x, n);
+    let dtype = x.dtype;
+    grouped_matmul_dw_kernel::launch(
+        &x.client.clone(),
+        count,
+        dim,
+        x.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        offsets.into_tensor_arg(),
+        dw.clone().into_tensor_arg(),
+        w_shape[1] as u32,
+        w_shape[2] as u32,
+        dtype_to_storage_type(dtype),
+    );
+    (dx, dw)
+}
+
+/// Device offsets (any int dtype) as the `u32` the grouped kernels read.
+fn offsets_u32(offsets: CubeTensor) -> CubeTensor {
+    let offsets = into_contiguous(offsets);
+    if offsets.dtype == DType::U32 {
+        offsets
+    } else {
+        burn_cubecl::kernel::cast(offsets, DType::U32)
+    }
+}
+
+impl GroupedOffsetsOps for CubeBackend {
+    fn grouped_matmul_offsets(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        grouped_launch(x, w, &offsets_u32(offsets), false)
+    }
+
+    fn grouped_matmul_offsets_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        grouped_backward(x, w, grad, offsets_u32(offsets))
+    }
+
+    fn grouped_matmul_offsets_packed(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        offsets: IntTensor<Self>,
+        out: usize,
+    ) -> FloatTensor<Self> {
+        grouped_launch_cols(x, w, &offsets_u32(offsets), true, out)
+    }
+}
+
+impl ExpertBucketOps for CubeBackend {
+    fn bucket_by_expert(
+        ids: IntTensor<Self>,
+        experts: usize,
+        top_k: usize,
+    ) -> (
+        IntTensor<Self>,
+        IntTensor<Self>,
+        IntTensor<Self>,
+        IntTensor<Self>,
+        IntTensor<Self>,
+    ) {
+        let ids = into_contiguous(ids);
+        let pairs = ids.shape().num_elements();
+        let offsets = empty_like(&ids, Shape::from([experts + 1]));
+        let invalid = empty_like(&ids, Shape::from([1]));
+        let pair_of_slot = empty_like(&ids, Shape::from([pairs]));
+        let token_of_slot = empty_like(&ids, Shape::from([pairs]));
+        let slot_of_pair = empty_like(&ids, Shape::from([pairs]));
+        let client = ids.client.clone();
+        let dtype = dtype_to_storage_type(ids.dtype);
+        let (count, dim) = elementwise_launch(&ids, experts + 1);
+        expert_count_kernel::launch(
+            &client,
+            count.clone(),
             dim,
-            x.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            offsets.into_tensor_arg(),
-            dw.clone().into_tensor_arg(),
-            w_shape[1] as u32,
-            w_shape[2] as u32,
-            dtype_to_storage_type(dtype),
+            ids.clone().into_tensor_arg(),
+            offsets.clone().into_tensor_arg(),
+            invalid.clone().into_tensor_arg(),
+            experts as u32,
+            dtype,
         );
-        (dx, dw)
+        expert_scan_kernel::launch(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            offsets.clone().into_tensor_arg(),
+            dtype,
+        );
+        if pairs > 0 {
+            expert_place_kernel::launch(
+                &client,
+                count,
+                dim,
+                ids.into_tensor_arg(),
+                offsets.clone().into_tensor_arg(),
+                pair_of_slot.clone().into_tensor_arg(),
+                token_of_slot.clone().into_tensor_arg(),
+                slot_of_pair.clone().into_tensor_arg(),
+                experts as u32,
+                top_k as u32,
+                dtype,
+            );
+        }
+        (offsets, pair_of_slot, token_of_slot, slot_of_pair, invalid)
     }
 }

@@ -19,6 +19,9 @@
 //! - [`attention`], [`norm`], [`swiglu`], [`grouped`]: the fused model ops (masked attention
 //!   with grouped key/value heads, RMSNorm, RoPE, SwiGLU, the grouped expert matmul), each
 //!   one backend op with a custom backward and a plain-op `*_reference` twin.
+//! - [`bucket`]: the expert bucketing of a sparse MoE dispatch (stable counting sort of the
+//!   chosen ids by expert) on the ids' device, whose offsets
+//!   [`grouped::grouped_matmul_offsets`] takes as a device tensor.
 //! - CubeCL kernels (feature `wgpu`, or `cuda`), registered as burn backend extensions for
 //!   `CubeBackend`, so the ops dispatch to them for `f32` tensors on a CubeCL device (with or
 //!   without autodiff) and to native loops on flex:
@@ -26,7 +29,8 @@
 //!     (`tests/it/kernels.rs`, against their plain-op twins);
 //!   - RMSNorm (row reductions in shared memory; the weight gradient in two passes), RoPE and
 //!     SwiGLU (element-wise), forward and backward, and the grouped expert matmul (forward,
-//!     input and weight gradients) (`tests/it/kernels_model.rs`, against the flex ops);
+//!     input and weight gradients, host sizes or device offsets) and the expert bucketing
+//!     (`tests/it/kernels_model.rs`, against the flex ops and the host counting sort);
 //!   - attention: a flash-style online-softmax forward (one cube per query row, key tiles
 //!     skipped outside the row's first / last unmasked key, log-sum-exp saved), which is
 //!     also the decode step over the KV cache, and a backward recomputing the
@@ -84,6 +88,7 @@
 
 pub mod advantages;
 pub mod attention;
+pub mod bucket;
 pub mod clipped;
 pub mod corrections;
 pub mod device;

@@ -95,7 +95,177 @@ fn auto_dispatch_is_sparse_on_flex_for_large_batches() {
 }
 
 fn check_against_transformers(dispatch: MoeDispatch) {
-    let device = Device::flex().autodiff();
+    check_against_transformers_on(&Device::flex(), dispatch);
+}
+
+/// The whole model against transformers on the kernel device (wgpu over lavapipe) with the
+/// default dispatch, which is the device-side sparse one there.
+#[test]
+fn logits_routing_and_gradients_match_transformers_on_wgpu_auto_dispatch() {
+    let Some(device) = miles_ops::kernel_device::kernel_test_device(
+        "logits_routing_and_gradients_match_transformers_on_wgpu_auto_dispatch",
+    ) else {
+        return;
+    };
+    for tokens in [1, 7, 10_000] {
+        assert_eq!(
+            MoeDispatch::Auto.resolve(&device, tokens),
+            MoeDispatch::Sparse
+        );
+        assert_eq!(
+            MoeDispatch::Auto.resolve(&device.clone().autodiff(), tokens),
+            MoeDispatch::Sparse
+        );
+    }
+    check_against_transformers_on(&device, MoeDispatch::Auto);
+}
+
+/// One MoE block (layer 1 of the fixture) on wgpu: device-sparse (`Sparse` and `Auto`) against
+/// `Dense` on the same device and against flex — outputs, input and parameter gradients —
+/// with identical routing; and the packed inference experts the same.
+#[test]
+fn moe_block_device_sparse_matches_dense_and_flex() {
+    let Some(wgpu) = miles_ops::kernel_device::kernel_test_device(
+        "moe_block_device_sparse_matches_dense_and_flex",
+    ) else {
+        return;
+    };
+    // Tokens: one (a decode step), an odd batch, and enough that every expert gets rows.
+    for tokens in [1usize, 13, 300] {
+        let flex_sparse = moe_block_run(&Device::flex(), MoeDispatch::Sparse, tokens);
+        let flex_dense = moe_block_run(&Device::flex(), MoeDispatch::Dense, tokens);
+        let dense = moe_block_run(&wgpu, MoeDispatch::Dense, tokens);
+        for dispatch in [MoeDispatch::Sparse, MoeDispatch::Auto] {
+            let got = moe_block_run(&wgpu, dispatch, tokens);
+            assert_eq!(
+                got.routing, dense.routing,
+                "routing, {dispatch:?} {tokens} tokens"
+            );
+            assert_eq!(
+                got.routing, flex_sparse.routing,
+                "routing vs flex, {tokens} tokens"
+            );
+            for (i, what) in MOE_RUN_PARTS.iter().enumerate() {
+                let what = format!("{what}, {dispatch:?} vs Dense on wgpu, {tokens} tokens");
+                assert_close(&what, &got.values[i], &dense.values[i], 1e-5);
+                let what = format!("{} vs flex Sparse", what);
+                assert_close(&what, &got.values[i], &flex_sparse.values[i], 1e-5);
+            }
+        }
+        for (i, what) in MOE_RUN_PARTS.iter().enumerate() {
+            let what = format!("{what}, flex Sparse vs Dense, {tokens} tokens");
+            assert_close(&what, &flex_sparse.values[i], &flex_dense.values[i], 1e-5);
+        }
+        // Inference over the packed experts (the engine's step model), no autodiff.
+        let packed = moe_block_packed_forward(&wgpu, tokens);
+        assert_close(
+            &format!("packed forward vs Dense, {tokens} tokens"),
+            &packed,
+            &dense.values[0],
+            1e-5,
+        );
+    }
+}
+
+const MOE_RUN_PARTS: [&str; 6] = [
+    "output",
+    "input gradient",
+    "router gradient",
+    "gate_proj gradient",
+    "up_proj gradient",
+    "down_proj gradient",
+];
+
+struct MoeRun {
+    routing: Vec<i64>,
+    values: Vec<Vec<f32>>,
+}
+
+fn moe_block_input(tokens: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let n = tokens * 64;
+    let wave = |seed: f32| -> Vec<f32> {
+        (0..n)
+            .map(|i| (i as f32 * 0.37 + seed).sin() * 1.3)
+            .collect()
+    };
+    let x = Tensor::<1>::from_floats(wave(0.1).as_slice(), device).reshape([tokens, 64]);
+    let c = Tensor::<1>::from_floats(wave(2.0).as_slice(), device).reshape([tokens, 64]);
+    (x, c)
+}
+
+fn moe_block(model: &CausalLm) -> &miles_bridge::MoeBlock {
+    match &model.model.layers[1].mlp {
+        miles_bridge::FeedForward::Moe(block) => block,
+        _ => panic!("layer 1 of glm4moe-tiny is an MoE layer"),
+    }
+}
+
+fn moe_block_run(device: &Device, dispatch: MoeDispatch, tokens: usize) -> MoeRun {
+    let device = device.clone().autodiff();
+    let mut model = load(&device);
+    model.set_moe_dispatch(dispatch);
+    let block = moe_block(&model);
+    let (x, c) = moe_block_input(tokens, &device);
+    let x = x.require_grad();
+    let (out, routing) = block.forward(x.clone(), &Fallthrough).unwrap();
+    let grads = (out.clone() * c).sum().backward();
+    let flat = |t: Tensor<3>| {
+        let n = t.shape().num_elements();
+        t.reshape([n])
+    };
+    let v1 = |t: Tensor<1>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let v2 = |t: Tensor<2>| {
+        let n = t.shape().num_elements();
+        v1(t.reshape([n]))
+    };
+    let e = &block.experts;
+    MoeRun {
+        routing: routing
+            .experts
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap(),
+        values: vec![
+            v2(out.detach()),
+            v2(x.grad(&grads).unwrap()),
+            v2(block.gate.weight.val().grad(&grads).unwrap()),
+            v1(flat(e.gate_proj.val().grad(&grads).unwrap())),
+            v1(flat(e.up_proj.val().grad(&grads).unwrap())),
+            v1(flat(e.down_proj.val().grad(&grads).unwrap())),
+        ],
+    }
+}
+
+fn moe_block_packed_forward(device: &Device, tokens: usize) -> Vec<f32> {
+    let mut model = load(device);
+    model.fuse_projections();
+    model.set_moe_dispatch(MoeDispatch::Auto);
+    let block = moe_block(&model);
+    assert!(block.packed.is_some());
+    let (x, _) = moe_block_input(tokens, device);
+    let (out, _) = block.forward(x, &Fallthrough).unwrap();
+    let n = out.shape().num_elements();
+    out.reshape([n])
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap()
+}
+
+/// max |a − b| ≤ tol · max(1, max |b|).
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(1f32, |m, x| m.max(x.abs()));
+    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        err <= tol * scale,
+        "{what}: max abs err {err} > {tol} × {scale}"
+    );
+}
+
+fn check_against_transformers_on(device: &Device, dispatch: MoeDispatch) {
+    let device = device.clone().autodiff();
     let mut model = load(&device);
     model.set_moe_dispatch(dispatch);
     let ids = ids_tensor(&inputs(), &device).unwrap();
@@ -456,6 +626,86 @@ fn hook_chooses_experts_and_weights_come_from_router_scores() {
         let want = [2.5 * s6 / (s6 + s1), 2.5 * s1 / (s6 + s1)];
         for (g, w) in w.iter().zip(want) {
             assert!((*g as f64 - w).abs() <= 1e-5, "token {t}: {g} vs {w}");
+        }
+    }
+}
+
+/// Timing, not a check (`--ignored`): one MoE layer of the GLM-4-MoE 88 M training-bench
+/// config (hidden 512, 16 experts × 256, top-4, one shared expert) forward + backward on the
+/// kernel device, `Dense` against the device-side `Sparse`, alternated, at a training size
+/// (512 tokens) and a decode size (8 tokens). Prints the median of each.
+#[test]
+#[ignore]
+fn moe_layer_dispatch_timing_on_wgpu() {
+    let Some(device) =
+        miles_ops::kernel_device::kernel_test_device("moe_layer_dispatch_timing_on_wgpu")
+    else {
+        return;
+    };
+    let device = device.autodiff();
+    let config = ModelConfig::from_hf_json(
+        r#"{"model_type": "glm4_moe", "vocab_size": 1000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 2,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+        "routed_scaling_factor": 1.0, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+        "attention_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02}"#,
+    )
+    .unwrap();
+    let model = CausalLm::init(&config, &device).unwrap();
+    let block = moe_block(&model).clone();
+    let runs = std::env::var("MOE_TIMING_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3usize);
+    for tokens in [512usize, 8] {
+        let n = tokens * 512;
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x = Tensor::<1>::from_floats(x.as_slice(), &device).reshape([tokens, 512]);
+        let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for run in 0..=runs {
+            for dispatch in [MoeDispatch::Dense, MoeDispatch::Sparse] {
+                let mut b = block.clone();
+                b.dispatch = dispatch;
+                let start = std::time::Instant::now();
+                let xg = x.clone().require_grad();
+                let (out, _) = b.forward(xg.clone(), &Fallthrough).unwrap();
+                let grads = out.sum().backward();
+                let dx: f32 = xg.grad(&grads).unwrap().sum().into_scalar();
+                let dw: f32 = b
+                    .experts
+                    .down_proj
+                    .val()
+                    .grad(&grads)
+                    .unwrap()
+                    .sum()
+                    .into_scalar();
+                let secs = start.elapsed().as_secs_f64();
+                assert!(dx.is_finite() && dw.is_finite());
+                if run > 0 {
+                    // Run 0 compiles the kernels.
+                    times
+                        .entry(if dispatch == MoeDispatch::Dense {
+                            "dense"
+                        } else {
+                            "sparse"
+                        })
+                        .or_default()
+                        .push(secs * 1e3);
+                }
+            }
+        }
+        for (name, mut t) in times {
+            t.sort_by(f64::total_cmp);
+            println!(
+                "MOE-TIMING tokens {tokens} {name}: median {:.1} ms, runs {:?}",
+                t[t.len() / 2],
+                t.iter()
+                    .map(|v| (v * 10.0).round() / 10.0)
+                    .collect::<Vec<_>>()
+            );
         }
     }
 }

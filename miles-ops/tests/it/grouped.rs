@@ -121,3 +121,66 @@ fn packed_experts_forward_equals_the_reference() {
         Err(OpsError::ShapeMismatch { .. })
     ));
 }
+
+/// The host counting sort of the expert bucketing on a hand-checked table: stable order,
+/// empty experts, invalid ids after the last group.
+#[test]
+fn host_buckets_are_a_stable_counting_sort() {
+    use miles_ops::bucket::HostBuckets;
+    // 3 tokens × top_k 2 over 4 experts: pairs 0..6 choose [2, 0, 2, 1, 0, 2].
+    let b = HostBuckets::new(&[2, 0, 2, 1, 0, 2], 2, 4);
+    assert_eq!(b.offsets, vec![0, 2, 3, 6, 6]);
+    assert_eq!(b.pair_of_slot, vec![1, 4, 3, 0, 2, 5]);
+    assert_eq!(b.token_of_slot, vec![0, 2, 1, 0, 1, 2]);
+    assert_eq!(b.slot_of_pair, vec![3, 0, 4, 2, 1, 5]);
+    assert_eq!(b.invalid, 0);
+    // Invalid ids (-1, 4) go after the valid pairs in pair order.
+    let b = HostBuckets::new(&[-1, 1, 4, 1], 1, 4);
+    assert_eq!(b.offsets, vec![0, 0, 2, 2, 2]);
+    assert_eq!(b.pair_of_slot, vec![1, 3, 0, 2]);
+    assert_eq!(b.invalid, 2);
+}
+
+/// On flex, the bucketing op and the device-offset grouped matmul agree with the host twin
+/// and the host-size op (values and gradients).
+#[test]
+fn flex_bucketing_and_offset_matmul_match_host_versions() {
+    use burn::tensor::{Int, TensorData};
+    use miles_ops::bucket::{HostBuckets, bucket_by_expert};
+    use miles_ops::grouped::grouped_matmul_offsets;
+    let device = Device::flex().autodiff();
+    let ids: Vec<i64> = vec![3, 0, 3, 1, 1, 0, 3, 3, 2, 0];
+    let host = HostBuckets::new(&ids, 2, 5);
+    let t = Tensor::<1, Int>::from_data(TensorData::new(ids, [10]), &device).reshape([5, 2]);
+    let b = bucket_by_expert(t, 5).unwrap();
+    let read = |t: Tensor<1, Int>| -> Vec<usize> {
+        t.into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|v| v as usize)
+            .collect()
+    };
+    assert_eq!(read(b.offsets.clone()), host.offsets);
+    assert_eq!(read(b.pair_of_slot), host.pair_of_slot);
+    assert_eq!(read(b.slot_of_pair), host.slot_of_pair);
+    let sizes: Vec<usize> = host.offsets.windows(2).map(|w| w[1] - w[0]).collect();
+    let (rows, m, k) = (10, 6, 4);
+    let x = Tensor::<1>::from_floats(lcg(rows * k, 1, 1.0).as_slice(), &device)
+        .reshape([rows, k])
+        .require_grad();
+    let w = Tensor::<1>::from_floats(lcg(5 * m * k, 2, 1.0).as_slice(), &device)
+        .reshape([5, m, k])
+        .require_grad();
+    let c = Tensor::<1>::from_floats(lcg(rows * m, 3, 1.0).as_slice(), &device).reshape([rows, m]);
+    let y = grouped_matmul_offsets(x.clone(), w.clone(), b.offsets).unwrap();
+    let g = (y.clone() * c.clone()).sum().backward();
+    let yr = grouped_matmul(x.clone(), w.clone(), &sizes).unwrap();
+    let gr = (yr.clone() * c).sum().backward();
+    let v = |t: Tensor<2>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    assert_eq!(v(y.detach()), v(yr.detach()));
+    assert_eq!(v(x.grad(&g).unwrap()), v(x.grad(&gr).unwrap()));
+    let v3 = |t: Tensor<3>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    assert_eq!(v3(w.grad(&g).unwrap()), v3(w.grad(&gr).unwrap()));
+}

@@ -194,3 +194,142 @@ fn grouped_matmul_kernel_matches_flex() {
         assert_rel_close("grouped dw", &c[2], &f[2], 1e-5);
     }
 }
+
+/// `tokens × top_k` pseudo-random expert ids in `0..experts` (plus `extra` fixed ids, e.g.
+/// invalid ones, written over the first pairs).
+fn random_ids(tokens: usize, top_k: usize, experts: usize, seed: u64, extra: &[i64]) -> Vec<i64> {
+    let mut ids: Vec<i64> = lcg(tokens * top_k, seed, 1.0)
+        .iter()
+        .map(|v| (((v + 1.0) * 0.5 * experts as f32) as i64).min(experts as i64 - 1))
+        .collect();
+    for (slot, &id) in ids.iter_mut().zip(extra) {
+        *slot = id;
+    }
+    ids
+}
+
+fn ints(t: Tensor<1, Int>) -> Vec<usize> {
+    t.into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|v| v as usize)
+        .collect()
+}
+
+/// The device bucketing equals the host counting sort exactly (stable order included).
+#[test]
+fn expert_bucketing_kernel_matches_host_twin() {
+    let Some(dev) = kernel_test_device("expert_bucketing_kernel_matches_host_twin") else {
+        return;
+    };
+    use miles_ops::bucket::{HostBuckets, bucket_by_expert};
+    // (tokens, top_k, experts, ids): random with empty experts (more experts than pairs),
+    // every pair on one expert, one token, top_k 1, non-multiple sizes, invalid ids.
+    let all_one: Vec<i64> = vec![3; 13 * 2];
+    let cases: Vec<(usize, usize, usize, Vec<i64>)> = vec![
+        (37, 8, 64, random_ids(37, 8, 64, 1, &[])),
+        (5, 2, 40, random_ids(5, 2, 40, 2, &[])),
+        (13, 2, 7, all_one),
+        (1, 4, 16, random_ids(1, 4, 16, 3, &[])),
+        (1, 1, 3, vec![2]),
+        (301, 1, 5, random_ids(301, 1, 5, 4, &[])),
+        (9, 3, 6, random_ids(9, 3, 6, 5, &[-1, 6, 1000, 2])),
+    ];
+    for (tokens, top_k, experts, ids) in cases {
+        let host = HostBuckets::new(&ids, top_k, experts);
+        let t = Tensor::<1, Int>::from_data(
+            burn::tensor::TensorData::new(ids.clone(), [tokens * top_k]),
+            &dev,
+        )
+        .reshape([tokens, top_k]);
+        let b = bucket_by_expert(t, experts).unwrap();
+        let what = format!("tokens {tokens} top_k {top_k} experts {experts}");
+        assert_eq!(ints(b.offsets), host.offsets, "offsets, {what}");
+        assert_eq!(
+            ints(b.pair_of_slot),
+            host.pair_of_slot,
+            "pair_of_slot, {what}"
+        );
+        assert_eq!(
+            ints(b.token_of_slot),
+            host.token_of_slot,
+            "token_of_slot, {what}"
+        );
+        assert_eq!(
+            ints(b.slot_of_pair),
+            host.slot_of_pair,
+            "slot_of_pair, {what}"
+        );
+        assert_eq!(ints(b.invalid), vec![host.invalid], "invalid, {what}");
+    }
+}
+
+/// [`grouped_matmul_offsets`] (device offsets) against [`grouped_matmul`] (host sizes) on
+/// the kernel device, values and gradients, and rows past the last group zero.
+#[test]
+fn grouped_matmul_offsets_kernel_matches_host_sizes() {
+    let Some(dev) = kernel_test_device("grouped_matmul_offsets_kernel_matches_host_sizes") else {
+        return;
+    };
+    use miles_ops::grouped::{
+        PackedExperts, grouped_matmul_offsets, grouped_matmul_offsets_packed,
+    };
+    let (m, k) = (24, 32);
+    for (sizes, experts, tail) in [
+        (&[0usize, 5, 0, 17, 3, 40][..], 6, 0),
+        (&[1, 1, 1][..], 3, 0),
+        (&[9, 0, 4, 0, 0][..], 5, 3),
+    ] {
+        let rows: usize = sizes.iter().sum::<usize>() + tail;
+        let device = dev.clone().autodiff();
+        let x = Tensor::<1>::from_floats(lcg(rows * k, 1, 1.0).as_slice(), &device)
+            .reshape([rows, k])
+            .require_grad();
+        let w = Tensor::<1>::from_floats(lcg(experts * m * k, 2, 0.5).as_slice(), &device)
+            .reshape([experts, m, k])
+            .require_grad();
+        let mut offsets = vec![0i64];
+        for &n in sizes {
+            offsets.push(offsets.last().unwrap() + n as i64);
+        }
+        let off = Tensor::<1, Int>::from_data(
+            burn::tensor::TensorData::new(offsets, [experts + 1]),
+            &device,
+        );
+        let c =
+            Tensor::<1>::from_floats(lcg(rows * m, 3, 1.0).as_slice(), &device).reshape([rows, m]);
+        let y = grouped_matmul_offsets(x.clone(), w.clone(), off.clone()).unwrap();
+        let grads = (y.clone() * c.clone()).sum().backward();
+        let got = [
+            to_vec(y.clone().detach()),
+            to_vec(x.grad(&grads).unwrap()),
+            to_vec(w.grad(&grads).unwrap()),
+        ];
+        // Reference: host sizes over the grouped rows; the tail rows are zero.
+        let head = rows - tail;
+        let xr = Tensor::<1>::from_floats(&lcg(rows * k, 1, 1.0)[..head * k], &device)
+            .reshape([head, k])
+            .require_grad();
+        let wr = Tensor::<1>::from_floats(lcg(experts * m * k, 2, 0.5).as_slice(), &device)
+            .reshape([experts, m, k])
+            .require_grad();
+        let yr = grouped_matmul(xr.clone(), wr.clone(), sizes).unwrap();
+        let gr = (yr.clone() * c.clone().slice([0..head, 0..m]))
+            .sum()
+            .backward();
+        let mut want_y = to_vec(yr.detach());
+        want_y.extend(std::iter::repeat_n(0.0, tail * m));
+        let mut want_dx = to_vec(xr.grad(&gr).unwrap());
+        want_dx.extend(std::iter::repeat_n(0.0, tail * k));
+        let want_dw = to_vec(wr.grad(&gr).unwrap());
+        assert_rel_close("offsets y", &got[0], &want_y, 1e-6);
+        assert_rel_close("offsets dx", &got[1], &want_dx, 1e-6);
+        assert_rel_close("offsets dw", &got[2], &want_dw, 1e-6);
+        // The packed inference layout gives the same forward.
+        let packed = PackedExperts::new(w.clone().detach());
+        let yp = grouped_matmul_offsets_packed(x.clone().detach(), &packed, off).unwrap();
+        assert_rel_close("offsets packed y", &to_vec(yp), &want_y, 1e-6);
+    }
+}
