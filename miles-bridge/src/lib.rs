@@ -55,6 +55,7 @@ mod model;
 pub mod names;
 pub mod nn;
 pub mod parallel;
+mod precision;
 pub mod profile;
 
 pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
@@ -68,3 +69,4 @@ pub use model::{
     ModelOutput, MoeBlock, MoeDispatch, MoeRouting, PackedMoe, SelfAttention, TopkRouter,
     ids_tensor, mtp_tensor_names, token_logprobs,
 };
+pub use precision::Precision;
