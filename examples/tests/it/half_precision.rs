@@ -205,3 +205,66 @@ fn mixed_precision_step_keeps_f32_masters_and_tracks_the_f32_step() {
         (dot, n_full, n_mixed) = (0.0, 0.0, 0.0);
     }
 }
+
+/// `wgpu-cpu` (burn's wgpu runtime over Mesa lavapipe): bf16 does not exist in WGSL, so the
+/// engine and the trainer refuse it with a typed error naming the device; f16 (WGSL's `f16`
+/// needs the adapter's `shader-f16` feature) runs the same bitwise equality as on flex when
+/// the adapter exposes it, and is refused the same way otherwise.
+#[tokio::test]
+async fn half_precision_on_wgpu_cpu_runs_or_is_refused() {
+    const TEST: &str = "half_precision_on_wgpu_cpu_runs_or_is_refused";
+    let Some(device) = miles_ops::kernel_device::kernel_test_device(TEST) else {
+        return;
+    };
+    let supports = |p: Precision| device.supports_dtype(p.dtype());
+    println!(
+        "wgpu-cpu: bf16 {}, f16 {}",
+        supports(Precision::Bf16),
+        supports(Precision::F16)
+    );
+    assert!(!supports(Precision::Bf16), "WGSL has no bf16");
+    let model = load("qwen3-tiny", &device);
+    for precision in [Precision::Bf16, Precision::F16] {
+        let built = EmbeddedEngine::builder(model.clone())
+            .config(EngineConfig {
+                precision,
+                ..EngineConfig::default()
+            })
+            .scorer(Arc::new(TrainerScorer::default()))
+            .build();
+        if !supports(precision) {
+            let err = built.unwrap_err().to_string();
+            assert!(err.contains("does not support"), "{precision}: {err}");
+            let trainer = load("qwen3-tiny", &device.clone().autodiff());
+            let err = Actor::new(trainer, train_config(precision))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("does not support"), "{precision}: {err}");
+            continue;
+        }
+        let engine = built.unwrap();
+        let prompt: Vec<u32> = (0..6).map(|t| (t * 31 + 3) % 512).collect();
+        let out = engine
+            .generate(GenerateRequest::new(
+                prompt.clone(),
+                SamplingParams {
+                    max_new_tokens: Some(5),
+                    sampling_seed: Some(1),
+                    ..SamplingParams::default()
+                },
+            ))
+            .await
+            .unwrap();
+        let tokens: Vec<u32> = prompt.iter().chain(&out.output_ids).copied().collect();
+        let expected = score_log_probs(
+            &model.clone().to_precision(precision),
+            &tokens,
+            out.output_ids.len(),
+            &Fallthrough,
+            &Default::default(),
+        )
+        .unwrap();
+        let got: Vec<f32> = out.output_log_probs.iter().map(|&v| v as f32).collect();
+        assert_eq!(got, expected, "{precision} on wgpu-cpu");
+    }
+}
