@@ -372,7 +372,8 @@ async fn run(
             target,
             &format!(
                 "{seqs}x{new_tokens} greedy decode from {PROMPT_LEN}-token prompts, {params} \
-                 params, f32 flex, 2 threads; baseline: {baseline_note}"
+                 params, {} flex, 2 threads; baseline: {baseline_note}",
+                bench_precision()
             ),
         );
     }
