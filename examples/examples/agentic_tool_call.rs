@@ -242,7 +242,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .iter()
         .filter_map(|t| tokenizer.token_to_id(t))
         .collect();
-    let engine = embedded_engine(model.valid(), &model_dir, eos_ids.clone(), 128, seed)?;
+    let engine = embedded_engine(
+        model.valid(),
+        &model_dir,
+        eos_ids.clone(),
+        128,
+        seed,
+        miles_bridge::Precision::F32,
+    )?;
     let server_url =
         miles_examples::wiring::spawn_session_server(engine.clone(), &model_dir, "qwen3", use_r3)
             .await?;

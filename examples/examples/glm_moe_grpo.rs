@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use miles_bridge::{CausalLm, FloatDtype};
+use miles_bridge::{CausalLm, FloatDtype, Precision};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample, SamplingParams,
     WeightVersion,
@@ -117,6 +117,8 @@ fn cli() -> Cli {
         .option("--num-layers", "N", Some("3"), "layers of the built GLM-4-MoE (the first dense)")
         .option("--seed", "N", Some("1234"), "seed of data, model and sampling")
         .option("--device", "DEV", Some("flex"), "device of the model, trainer and embedded engine: flex | wgpu[:N] | wgpu-cpu | cuda[:N] (wgpu / cuda need the `wgpu` / `cuda` feature)")
+        .flag("--bf16", "GRPO in mixed precision: the trainer's forward in bfloat16 on f32 master weights and AdamW state, the embedded engine's weights and KV cache in bfloat16, weights exported in bfloat16 (Megatron's --bf16; the warm-start stays f32)")
+        .flag("--fp16", "the same in float16 (Megatron's --fp16; no loss scaling; not with --bf16)")
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -196,6 +198,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         eos_ids.extend(miles_rollout::engine::eos_from_tokenizer_config(&model_dir));
     }
     let model = CausalLm::from_pretrained(&model_dir, &device.clone().autodiff())?;
+    let precision = Precision::from_flags(args.flag("--bf16"), args.flag("--fp16"))?;
     if use_r3 && !model.config.has_moe() {
         return Err("--use-rollout-routing-replay needs an MoE model".into());
     }
@@ -249,7 +252,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
     // 3. Engines: the embedded one (scoring with the trainer's function), or SGLang servers.
     let urls = args.all("--engine-url");
     let engine: Arc<dyn InferenceEngine> = if urls.is_empty() {
-        embedded_engine(model.valid(), &model_dir, eos_ids.clone(), 64, seed)?
+        embedded_engine(
+            model.valid(),
+            &model_dir,
+            eos_ids.clone(),
+            64,
+            seed,
+            precision,
+        )?
     } else {
         let moe_layers = (0..model.config.num_hidden_layers)
             .filter(|&l| model.config.is_moe_layer(l))
@@ -411,6 +421,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         micro_batch_size: 64,
         layout,
         use_routing_replay: use_r3,
+        precision,
         ..TrainConfig::default()
     };
     let p = &mut train_config.policy_loss;

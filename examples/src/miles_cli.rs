@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use miles_bridge::CausalLm;
+use miles_bridge::{CausalLm, Precision};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, RewardFn, SamplingParams,
 };
@@ -79,6 +79,8 @@ pub fn flag_set() -> FlagSet {
         .value("--output-dir", "DIR", Some("runs/miles"), "metrics.jsonl, curves.svg, summary.json and the defaults above")
         .value("--device", "DEV", Some("flex"), "flex | wgpu[:N] | wgpu-cpu | cuda[:N] (trainer, and engine unless --rollout-device)")
         .value("--rollout-device", "DEV", None, "device of the embedded engine (default: --device)")
+        .switch("--bf16", "mixed precision in bfloat16: the trainer's forward computes in bf16 on f32 master weights and AdamW state, the embedded engine holds its weights and KV cache in bf16, weights are exported in bf16 (Megatron's --bf16)")
+        .switch("--fp16", "the same in float16 (Megatron's --fp16; no loss scaling; not with --bf16)")
         .value("--seed", "N", Some("1234"), "seed of initialisation and shuffling")
         .group("Data")
         .value("--prompt-data", "FILE", None, "training prompts: JSONL (.jsonl / .json) or Parquet (.parquet); FILE@[a:b] takes rows a..b")
@@ -219,6 +221,7 @@ struct Common {
     out: PathBuf,
     device: burn::tensor::Device,
     rollout_device: burn::tensor::Device,
+    precision: Precision,
     seed: u64,
     encoder: Arc<ChatPromptEncoder>,
     eos_ids: Vec<u32>,
@@ -230,6 +233,7 @@ fn common(a: &FlagValues) -> Result<Common, BoxError> {
     std::fs::create_dir_all(&out)?;
     let spec: DeviceSpec = a.required("--device")?.parse()?;
     let device = spec.init()?;
+    let precision = Precision::from_flags(a.switch("--bf16"), a.switch("--fp16"))?;
     let rollout_device = match a.get("--rollout-device") {
         Some(s) => s.parse::<DeviceSpec>()?.init()?,
         None => device.clone(),
@@ -253,6 +257,7 @@ fn common(a: &FlagValues) -> Result<Common, BoxError> {
         out,
         device,
         rollout_device,
+        precision,
         seed: a.parse_required("--seed")?,
         encoder,
     })
@@ -389,6 +394,7 @@ fn engines(
             c.eos_ids.clone(),
             a.parse_required("--max-running-requests")?,
             c.seed,
+            c.precision,
         )?);
     }
     Ok(crate::wiring::sglang_fleet(
@@ -665,7 +671,9 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         manager = manager.with_generator(generator.clone());
     }
     let manager = Arc::new(manager);
-    let mut actor = Actor::new(model, train_config(a, n, use_r3, c.seed)?)?;
+    let mut config = train_config(a, n, use_r3, c.seed)?;
+    config.precision = c.precision;
+    let mut actor = Actor::new(model, config)?;
     if let Some(dir) = a.get("--ref-load") {
         actor = actor.with_reference(CausalLm::from_pretrained(dir, &c.device)?)?;
     }
@@ -840,6 +848,9 @@ fn rollout_config_for_eval(a: &FlagValues, c: &Common) -> Result<RolloutConfig, 
 }
 
 fn sft(a: &FlagValues) -> Result<Value, BoxError> {
+    if Precision::from_flags(a.switch("--bf16"), a.switch("--fp16"))?.is_half() {
+        return Err("sft trains in f32 only: drop --bf16 / --fp16".into());
+    }
     let hf = PathBuf::from(a.required("--hf-checkpoint")?);
     let out = PathBuf::from(a.required("--output-dir")?);
     std::fs::create_dir_all(&out)?;

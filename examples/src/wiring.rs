@@ -265,18 +265,21 @@ pub fn save_hf_checkpoint(
 
 /// The embedded engine the examples roll out on: `model` (an inference copy), continuous
 /// batching up to `max_running_requests`, the trainer's scoring function (rollout log-probs
-/// equal to the trainer's), the tokenizer of `model_dir` as detokenizer, seeded sampling.
+/// equal to the trainer's when the trainer computes in the same `precision`), the tokenizer
+/// of `model_dir` as detokenizer, seeded sampling.
 pub fn embedded_engine(
     model: miles_bridge::CausalLm,
     model_dir: &Path,
     eos_token_ids: Vec<u32>,
     max_running_requests: usize,
     seed: u64,
+    precision: miles_bridge::Precision,
 ) -> Result<Arc<dyn miles_core::InferenceEngine>, crate::Error> {
     let config = miles_rollout::EngineConfig {
         max_running_requests,
         eos_token_ids,
         seed,
+        precision,
         ..miles_rollout::EngineConfig::default()
     };
     Ok(embedded_engine_with(model, model_dir, config)?)

@@ -16,6 +16,10 @@
 //! - import of HF safetensors (single file or sharded, f32 / bf16 / f16) and export to
 //!   HF-named safetensors in a chosen dtype, through one declarative name table
 //!   ([`names`]) that stacks / splits per-expert tensors;
+//! - half precision ([`Precision`], Miles' `--bf16` / `--fp16`): weights loaded into or cast
+//!   to bf16 / f16 ([`CausalLm::from_pretrained_in`], [`CausalLm::to_precision`]; a
+//!   differentiable cast on autodiff devices, for mixed-precision training), with norms,
+//!   attention softmax and router scores kept in f32;
 //! - LoRA ([`lora`]): adapters on the HF-layout linear layers and the routed experts,
 //!   attached by PEFT's `target_modules` rule, merged export for engines and PEFT adapter
 //!   import / export;
@@ -55,6 +59,7 @@ mod model;
 pub mod names;
 pub mod nn;
 pub mod parallel;
+mod precision;
 pub mod profile;
 
 pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
@@ -68,3 +73,4 @@ pub use model::{
     ModelOutput, MoeBlock, MoeDispatch, MoeRouting, PackedMoe, SelfAttention, TopkRouter,
     ids_tensor, mtp_tensor_names, token_logprobs,
 };
+pub use precision::Precision;

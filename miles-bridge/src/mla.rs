@@ -336,9 +336,7 @@ impl LatentAttention {
         mask: Tensor<3, Bool>,
         scale: f32,
     ) -> Tensor<4> {
-        // Shapes are ours, so the fallback only re-raises burn's own shape panic.
-        miles_ops::attention::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
-            .unwrap_or_else(|_| miles_ops::attention::attention_reference(q, k, v, mask, scale))
+        crate::nn::attend(q, k, v, mask, scale)
     }
 
     /// Per-head keys and values expanded from the latent `kv` (`[batch, 1, keys, r + rope]`);
@@ -375,7 +373,7 @@ impl LatentAttention {
             if d == width {
                 return x;
             }
-            let zeros = Tensor::<4>::zeros([b, h, t, width - d], &x.device());
+            let zeros = Tensor::<4>::zeros([b, h, t, width - d], (&x.device(), x.dtype()));
             Tensor::cat(vec![x, zeros], 3)
         };
         let out = Self::attend(pad(q), pad(k), pad(v), mask, scale);

@@ -30,10 +30,10 @@
 
 use std::path::Path;
 
-use burn::module::{Module, Param};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::activation::{log_softmax, sigmoid, softmax};
 use burn::tensor::module::embedding;
-use burn::tensor::{Bool, Device, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Device, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
 use miles_r3::{MoeLayerInfo, RouterHook};
 
 use crate::checkpoint::{FloatDtype, HostTensor, TensorMap, read_checkpoint_dir};
@@ -46,7 +46,7 @@ use crate::nn::{
     RmsNorm, Rope, WeightSource, attention_mask, swiglu,
 };
 use crate::profile::{self, OpClass};
-use crate::{BridgeError, ModelConfig};
+use crate::{BridgeError, ModelConfig, Precision};
 
 /// The router of one MoE layer (`mlp.gate`).
 #[derive(Module, Debug)]
@@ -219,15 +219,22 @@ impl MoeBlock {
         let [tokens, _] = x.dims();
         let info = self.info();
         let experts = info.num_experts;
+        let dtype = x.dtype();
         let (chosen, weights) = profile::time(OpClass::Router, || -> Result<_, BridgeError> {
-            let logits = x.clone().matmul(self.gate.weight.val().transpose());
+            // Router logits, scores and weights in f32 in every precision (transformers
+            // upcasts GLM's router input and weight the same way).
+            let f32 = FloatDType::F32;
+            let logits = x
+                .clone()
+                .cast(f32)
+                .matmul(self.gate.weight.val().cast(f32).transpose());
             let scores = match self.router {
                 RouterKind::SigmoidGrouped => sigmoid(logits),
                 RouterKind::Softmax => softmax(logits, 1),
             };
             let mut choice = scores.clone().detach();
             if let Some(bias) = &self.gate.e_score_correction_bias {
-                choice = choice + bias.val().unsqueeze_dim(0);
+                choice = choice + bias.val().cast(f32).unsqueeze_dim(0);
             }
             if self.router == RouterKind::SigmoidGrouped && self.n_group > 1 {
                 let per_group = experts / self.n_group;
@@ -269,7 +276,7 @@ impl MoeBlock {
             if self.routed_scaling_factor != 1.0 {
                 weights = weights * self.routed_scaling_factor;
             }
-            Ok((chosen, weights))
+            Ok((chosen, weights.cast(dtype)))
         })?;
         let mut out = profile::time(OpClass::MoeExperts, || {
             match self.dispatch.resolve(&x.device(), x.dims()[0]) {
@@ -303,12 +310,8 @@ impl MoeBlock {
     ) -> Tensor<2> {
         let [tokens, hidden] = x.dims();
         let experts = self.gate.weight.val().dims()[0];
-        let combine = Tensor::<2>::zeros([tokens, experts], &x.device()).scatter(
-            1,
-            chosen.clone(),
-            weights,
-            IndexingUpdateOp::Add,
-        );
+        let combine = Tensor::<2>::zeros([tokens, experts], (&x.device(), weights.dtype()))
+            .scatter(1, chosen.clone(), weights, IndexingUpdateOp::Add);
         let [_, inter, _] = self.experts.gate_proj.val().dims();
         let gate_all = self
             .experts
@@ -513,12 +516,14 @@ impl MoeBlock {
             }
         };
         let weighted = outputs * slot_weights.unsqueeze_dim(1);
-        Ok(Tensor::<2>::zeros([tokens, hidden], &device).select_assign(
-            0,
-            token_index,
-            weighted,
-            IndexingUpdateOp::Add,
-        ))
+        Ok(
+            Tensor::<2>::zeros([tokens, hidden], (&device, weighted.dtype())).select_assign(
+                0,
+                token_index,
+                weighted,
+                IndexingUpdateOp::Add,
+            ),
+        )
     }
 
     fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
@@ -850,7 +855,7 @@ impl KvCache {
                         return t;
                     }
                     let [b, h, _, d] = t.dims();
-                    let zeros = Tensor::<4>::zeros([b, h, pad, d], &t.device());
+                    let zeros = Tensor::<4>::zeros([b, h, pad, d], (&t.device(), t.dtype()));
                     Tensor::cat(vec![t, zeros], 2)
                 };
                 per_layer[l].0.push(padded(slot.keys));
@@ -1044,12 +1049,14 @@ impl CausalLm {
         config: &ModelConfig,
         device: &Device,
         source: WeightSource<'_>,
+        precision: Precision,
     ) -> Result<Self, BridgeError> {
         config.validate()?;
         let c = config;
         let mut b = Builder {
             device: device.clone(),
             source,
+            dtype: precision.float_dtype(),
         };
         let embed_tokens = b.param(
             "model.embed_tokens.weight",
@@ -1206,6 +1213,7 @@ impl CausalLm {
             WeightSource::Random {
                 std: config.initializer_range,
             },
+            Precision::F32,
         )
     }
 
@@ -1217,6 +1225,18 @@ impl CausalLm {
         config: &ModelConfig,
         tensors: TensorMap,
         device: &Device,
+    ) -> Result<Self, BridgeError> {
+        Self::from_hf_tensors_in(config, tensors, device, Precision::F32)
+    }
+
+    /// [`CausalLm::from_hf_tensors`] with the weights held in `precision`: each tensor is
+    /// converted once, from the file's dtype to the model's, as it is loaded (what
+    /// [`CausalLm::to_precision`] gives for an `f32` model, without the `f32` copy).
+    pub fn from_hf_tensors_in(
+        config: &ModelConfig,
+        tensors: TensorMap,
+        device: &Device,
+        precision: Precision,
     ) -> Result<Self, BridgeError> {
         let mut tensors = tensors;
         for name in mtp_tensor_names(config, &tensors) {
@@ -1231,7 +1251,12 @@ impl CausalLm {
         if config.tie_word_embeddings {
             internal.remove("lm_head.weight");
         }
-        let model = Self::build(config, device, WeightSource::Loaded(&mut internal))?;
+        let model = Self::build(
+            config,
+            device,
+            WeightSource::Loaded(&mut internal),
+            precision,
+        )?;
         if let Some(name) = internal_to_hf(internal).into_keys().next() {
             return Err(BridgeError::UnexpectedTensor { name });
         }
@@ -1241,10 +1266,79 @@ impl CausalLm {
     /// Loads `dir/config.json` and its safetensors weights (single file or sharded).
     /// DeepSeek-V3 multi-token-prediction layers ([`mtp_tensor_names`]) are skipped.
     pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device) -> Result<Self, BridgeError> {
+        Self::from_pretrained_in(dir, device, Precision::F32)
+    }
+
+    /// [`CausalLm::from_pretrained`] with the weights held in `precision` (see
+    /// [`CausalLm::from_hf_tensors_in`]).
+    pub fn from_pretrained_in(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        precision: Precision,
+    ) -> Result<Self, BridgeError> {
         let dir = dir.as_ref();
         let config = ModelConfig::from_file(dir.join("config.json"))?;
         let tensors = read_checkpoint_dir(dir)?;
-        Self::from_hf_tensors(&config, tensors, device)
+        Self::from_hf_tensors_in(&config, tensors, device, precision)
+    }
+
+    /// The model with every parameter cast to `precision`'s dtype (GLM's
+    /// `e_score_correction_bias` stays `f32`), the inference-only fused / packed copies
+    /// dropped (build them again with [`CausalLm::fuse_projections`]).
+    ///
+    /// On an autodiff device the cast is part of the graph: gradients of a forward through
+    /// the cast model arrive on the original (`f32` master) parameters, in their dtype —
+    /// mixed-precision training. The forward of a half-precision model computes in its
+    /// dtype except where precision matters most, which stays in `f32`: RMSNorm statistics,
+    /// attention scores / softmax / weighted sum, MoE router logits, scores and weights (then
+    /// rounded to the compute dtype), and the RoPE tables (computed in `f32`, rounded like
+    /// transformers does). Logits come out in the compute dtype; scoring code casts up
+    /// ([`token_logprobs`] does).
+    pub fn to_precision(self, precision: Precision) -> CausalLm {
+        struct Cast(FloatDType);
+        impl ModuleMapper for Cast {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let dtype = self.0;
+                param.map(|t| t.cast(dtype))
+            }
+        }
+        if self.precision() == Some(precision) && self.packed_lm_head.is_none() {
+            return self;
+        }
+        let biases: Vec<Option<Param<Tensor<1>>>> = self
+            .model
+            .layers
+            .iter()
+            .map(|l| match &l.mlp {
+                FeedForward::Moe(m) => m.gate.e_score_correction_bias.clone(),
+                FeedForward::Dense(_) => None,
+            })
+            .collect();
+        let mut model = self.map(&mut Cast(precision.float_dtype()));
+        model.packed_lm_head = None;
+        for (layer, bias) in model.model.layers.iter_mut().zip(biases) {
+            if let SelfAttention::Grouped(a) = &mut layer.self_attn {
+                a.fused_qkv = None;
+                a.packed_o = None;
+            }
+            match &mut layer.mlp {
+                FeedForward::Dense(mlp) => mlp.unfuse(),
+                FeedForward::Moe(moe) => {
+                    moe.gate.e_score_correction_bias = bias;
+                    moe.packed = None;
+                    if let Some(shared) = &mut moe.shared_experts {
+                        shared.unfuse();
+                    }
+                }
+            }
+        }
+        model
+    }
+
+    /// The precision the model's weights are held in (that of its embeddings); `None` for
+    /// another dtype (f64).
+    pub fn precision(&self) -> Option<Precision> {
+        Precision::of_dtype(self.model.embed_tokens.val().dtype())
     }
 
     /// Calls `f(our name, parameter)` for every base parameter (the HF checkpoint's), in a
@@ -1587,7 +1681,8 @@ pub fn mtp_tensor_names(config: &ModelConfig, tensors: &TensorMap) -> Vec<String
 /// logits and `[batch, seq]` ids.
 pub fn token_logprobs(logits: Tensor<3>, input_ids: Tensor<2, Int>) -> Tensor<2> {
     let [batch, seq, _] = logits.dims();
-    let lp = log_softmax(logits.narrow(1, 0, seq - 1), 2);
+    // In f32 whatever the logits' dtype (half-precision logits are cast up first).
+    let lp = log_softmax(logits.narrow(1, 0, seq - 1).cast(FloatDType::F32), 2);
     let targets = input_ids.narrow(1, 1, seq - 1).reshape([batch, seq - 1, 1]);
     lp.gather(2, targets).reshape([batch, seq - 1])
 }

@@ -4,7 +4,7 @@
 //! importers and the parameter visitor used by export and gradient checks.
 
 use burn::module::{Module, Param};
-use burn::tensor::{Bool, Device, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Distribution, FloatDType, Int, Tensor, TensorData};
 
 use crate::BridgeError;
 use crate::checkpoint::TensorMap;
@@ -37,6 +37,15 @@ pub(crate) enum WeightSource<'a> {
 pub(crate) struct Builder<'a> {
     pub(crate) device: Device,
     pub(crate) source: WeightSource<'a>,
+    /// The dtype parameters are created in (cast once, as they are made); buffers that stay
+    /// `f32` in every precision ([`keeps_f32`]) ignore it.
+    pub(crate) dtype: FloatDType,
+}
+
+/// Whether the parameter `name` stays `f32` whatever the model's precision: GLM's
+/// `e_score_correction_bias`, which only ranks experts (transformers keeps it in `f32` too).
+pub(crate) fn keeps_f32(name: &str) -> bool {
+    name.ends_with("e_score_correction_bias")
 }
 
 impl Builder<'_> {
@@ -47,6 +56,11 @@ impl Builder<'_> {
         shape: [usize; D],
         init: Init,
     ) -> Result<Param<Tensor<D>>, BridgeError> {
+        let dtype: DType = if keeps_f32(name) {
+            DType::F32
+        } else {
+            self.dtype.into()
+        };
         let tensor = match &mut self.source {
             WeightSource::Random { std } => match init {
                 Init::Normal => {
@@ -54,7 +68,8 @@ impl Builder<'_> {
                 }
                 Init::Ones => Tensor::<D>::ones(shape, &self.device),
                 Init::Zeros => Tensor::<D>::zeros(shape, &self.device),
-            },
+            }
+            .cast(dtype),
             WeightSource::Loaded(map) => {
                 let host = map.remove(name).ok_or_else(|| BridgeError::MissingTensor {
                     name: name.to_string(),
@@ -66,7 +81,8 @@ impl Builder<'_> {
                         got: host.shape,
                     });
                 }
-                Tensor::<D>::from_data(TensorData::new(host.to_f32(), shape), &self.device)
+                // One conversion from the file's dtype to the model's.
+                Tensor::<D>::from_data(TensorData::new(host.to_f32(), shape), (&self.device, dtype))
             }
         };
         Ok(Param::from_tensor(tensor))
@@ -211,7 +227,10 @@ impl FusedLinear {
                 .zip(&widths)
                 .map(|(l, &n)| match &l.bias {
                     Some(b) => b.val(),
-                    None => Tensor::<1>::zeros([n], &l.weight.val().device()),
+                    None => {
+                        let w = l.weight.val();
+                        Tensor::<1>::zeros([n], (&w.device(), w.dtype()))
+                    }
                 })
                 .collect();
             Tensor::cat(parts, 0)
@@ -304,8 +323,18 @@ impl RmsNorm {
 
     /// Normalises the last dimension of `x`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        // One fused op on flex, tensor ops elsewhere (the weight is `[d]` by construction).
         let weight = self.weight.val();
+        let dtype = x.dtype();
+        if dtype != DType::F32 {
+            // Half precision: the statistics in f32 and the normalised values rounded to the
+            // compute dtype before the scale, as transformers' RMSNorm does.
+            let xf = x.cast(FloatDType::F32);
+            let inv_rms = (xf.clone().square().mean_dim(D - 1) + self.eps)
+                .sqrt()
+                .recip();
+            return (xf * inv_rms).cast(dtype) * weight.cast(dtype).unsqueeze();
+        }
+        // One fused op on flex, tensor ops elsewhere (the weight is `[d]` by construction).
         miles_ops::norm::rms_norm(x.clone(), weight.clone(), self.eps)
             .unwrap_or_else(|_| miles_ops::norm::rms_norm_reference(x, weight, self.eps))
     }
@@ -381,6 +410,12 @@ impl Mlp {
         self.packed_down = Some(FusedLinear::new(&[&self.down_proj]));
     }
 
+    /// Drops the inference-only fused copies ([`Mlp::fuse`]).
+    pub(crate) fn unfuse(&mut self) {
+        self.fused_gate_up = None;
+        self.packed_down = None;
+    }
+
     pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
         self.gate_proj.visit(&format!("{name}.gate_proj"), f);
         self.up_proj.visit(&format!("{name}.up_proj"), f);
@@ -423,7 +458,10 @@ impl Rope {
             return x;
         }
         let [batch, _, seq, _] = x.dims();
-        let table = |t: &Tensor<4>| t.clone().reshape([batch, seq, self.rotary_dim]);
+        // The tables are f32; in half precision they are rounded to the compute dtype
+        // first, as transformers does.
+        let dtype = x.dtype();
+        let table = |t: &Tensor<4>| t.clone().reshape([batch, seq, self.rotary_dim]).cast(dtype);
         let (cos, sin) = (table(&self.cos), table(&self.sin));
         // One fused op on flex, tensor ops elsewhere (the tables match `x` by construction).
         miles_ops::norm::rope(x.clone(), cos.clone(), sin.clone())
@@ -537,7 +575,7 @@ impl LayerCache {
                 let device = keys.device();
                 let grown = |old: Option<Tensor<4>>, new: Tensor<4>| -> Tensor<4> {
                     let [_, h, _, d] = new.dims();
-                    let mut t = Tensor::<4>::zeros([batch, h, cap, d], &device);
+                    let mut t = Tensor::<4>::zeros([batch, h, cap, d], (&device, new.dtype()));
                     if let Some(old) = old
                         && past > 0
                     {
@@ -719,10 +757,7 @@ impl Attention {
         // One fused op on flex (scores never materialised between ops); the same
         // computation with tensor ops elsewhere. Shapes are ours, so the fallback on an
         // error only re-raises burn's own shape panic.
-        let out = profile::time(OpClass::Attention, || {
-            miles_ops::attention::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
-                .unwrap_or_else(|_| miles_ops::attention::attention_reference(q, k, v, mask, scale))
-        });
+        let out = profile::time(OpClass::Attention, || attend(q, k, v, mask, scale));
         profile::time(OpClass::OProj, || {
             let out = out
                 .swap_dims(1, 2)
@@ -747,6 +782,31 @@ impl Attention {
             n.visit(&format!("{name}.k_norm"), f);
         }
     }
+}
+
+/// Masked softmax attention over `[batch, heads, seq, head_dim]` queries and the cache's keys
+/// and values: one fused op on flex (scores never materialised between ops), the same
+/// computation with tensor ops elsewhere. In half precision the scores, softmax and weighted
+/// sum run in f32 (as flash-attention kernels accumulate) and the output is rounded to the
+/// compute dtype. Shapes are ours, so the fallback on an error only re-raises burn's own
+/// shape panic.
+pub(crate) fn attend(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<3, Bool>,
+    scale: f32,
+) -> Tensor<4> {
+    let dtype = q.dtype();
+    let f32 = |t: Tensor<4>| t.cast(FloatDType::F32);
+    let (q, k, v) = if dtype == DType::F32 {
+        (q, k, v)
+    } else {
+        (f32(q), f32(k), f32(v))
+    };
+    miles_ops::attention::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
+        .unwrap_or_else(|_| miles_ops::attention::attention_reference(q, k, v, mask, scale))
+        .cast(dtype)
 }
 
 #[cfg(test)]

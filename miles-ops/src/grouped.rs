@@ -83,7 +83,7 @@ pub fn grouped_matmul_reference(x: Tensor<2>, w: Tensor<3>, group_sizes: &[usize
         from += n;
     }
     if outputs.is_empty() {
-        return Tensor::zeros([rows, m], &x.device());
+        return Tensor::zeros([rows, m], (&x.device(), x.dtype()));
     }
     Tensor::cat(outputs, 0)
 }
@@ -279,7 +279,7 @@ impl PackedExperts {
         let data = if stride == out {
             t
         } else {
-            let pad = Tensor::<3>::zeros([experts, k, stride - out], &t.device());
+            let pad = Tensor::<3>::zeros([experts, k, stride - out], (&t.device(), t.dtype()));
             Tensor::cat(vec![t, pad], 2)
         };
         Self { data, out }

@@ -20,6 +20,8 @@
 //! 8 prefill prompts, for quick A/B runs. `MILES_BENCH_ONLY=glm_moe_88m` (or `qwen3_25m`,
 //! `deepseek_v3_82m`)
 //! runs one model; `MILES_BENCH_NO_HF=1` skips the HF measurement (ours only).
+//! `MILES_BENCH_PRECISION=bf16` (or `fp16`) runs the engine in that precision (weights, fused
+//! copies and KV cache; default `fp32`).
 //! `MILES_PROFILE_OPS=1` prints, after each decode row, the wall time the row spent per op
 //! class (attention, projections, experts, router, `lm_head`, sampling, KV cache, …; see
 //! `miles_bridge::profile`).
@@ -182,6 +184,14 @@ fn measure_hf(name: &str, dir: &Path, sizes: Sizes) -> Option<HfFigures> {
     Some(figures)
 }
 
+/// `MILES_BENCH_PRECISION` (`fp32` default, `bf16`, `fp16`): the engine's precision.
+fn bench_precision() -> miles_bridge::Precision {
+    std::env::var("MILES_BENCH_PRECISION")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_default()
+}
+
 /// Resets the process's peak-RSS mark (Linux `clear_refs` 5), so each model's peak is its own.
 fn reset_peak_rss() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
@@ -307,6 +317,7 @@ async fn run(
             EngineConfig {
                 recompute_logprobs_via_prefill: false,
                 prefix_cache_tokens: 0,
+                precision: bench_precision(),
                 ..EngineConfig::default()
             },
         )
@@ -361,7 +372,8 @@ async fn run(
             target,
             &format!(
                 "{seqs}x{new_tokens} greedy decode from {PROMPT_LEN}-token prompts, {params} \
-                 params, f32 flex, 2 threads; baseline: {baseline_note}"
+                 params, {} flex, 2 threads; baseline: {baseline_note}",
+                bench_precision()
             ),
         );
     }

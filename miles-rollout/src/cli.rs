@@ -4,7 +4,8 @@
 //! miles-rollout serve --model DIR [--host 127.0.0.1] [--port 30000] [--tokenizer DIR]
 //!                     [--tito FAMILY] [--served-model-name NAME] [--max-running-requests N]
 //!                     [--kv-token-budget TOKENS] [--seed N] [--no-recompute-logprobs]
-//!                     [--device flex|wgpu[:N]|wgpu-cpu|cuda[:N]] (and the limits of USAGE)
+//!                     [--device flex|wgpu[:N]|wgpu-cpu|cuda[:N]] [--bf16 | --fp16]
+//!                     (and the limits of USAGE)
 //! ```
 //!
 //! `serve` loads an HF checkpoint directory into the embedded engine and answers SGLang's HTTP
@@ -50,6 +51,9 @@ options:
   --enable-metrics            serve Prometheus metrics at GET /metrics (SGLang's names)
   --device DEV                the engine's device: flex (default) | cpu | wgpu[:N] | wgpu-cpu |
                               cuda[:N] (wgpu / cuda need the crate built with that feature)
+  --bf16                      hold the weights and the KV cache and compute in bfloat16
+                              (Miles' --bf16; default float32)
+  --fp16                      the same in float16 (Miles' --fp16; not with --bf16)
 ";
 
 /// Options of `miles-rollout serve`.
@@ -98,6 +102,9 @@ pub struct ServeArgs {
     /// The engine's device (`--device`, default `flex`): `flex | cpu | wgpu[:N] | wgpu-cpu |
     /// cuda[:N]`, parsed by `miles_ops::device`.
     pub device: String,
+    /// The dtype the engine holds its weights and KV cache in and computes with: F32 (the
+    /// default), BF16 (`--bf16`) or F16 (`--fp16`); both flags are an error.
+    pub dtype: miles_core::DType,
 }
 
 impl ServeArgs {
@@ -189,7 +196,9 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         request_timeout_s: None,
         enable_metrics: false,
         device: "flex".into(),
+        dtype: miles_core::DType::F32,
     };
+    let (mut bf16, mut fp16) = (false, false);
     while let Some(flag) = args.next() {
         let (flag, inline) = match flag.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f.to_owned(), Some(v.to_owned())),
@@ -204,6 +213,14 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         }
         if flag == "--enable-metrics" {
             parsed.enable_metrics = true;
+            continue;
+        }
+        if flag == "--bf16" || flag == "--fp16" {
+            *(if flag == "--bf16" {
+                &mut bf16
+            } else {
+                &mut fp16
+            }) = true;
             continue;
         }
         let value = match inline.or_else(|| args.next()) {
@@ -239,6 +256,16 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
         }
     }
     parsed.model = model.ok_or_else(|| usage_error("--model DIR is required"))?;
+    parsed.dtype = match (bf16, fp16) {
+        (false, false) => miles_core::DType::F32,
+        (true, false) => miles_core::DType::BF16,
+        (false, true) => miles_core::DType::F16,
+        (true, true) => {
+            return Err(usage_error(
+                "--bf16 and --fp16 exclude each other: choose one compute dtype",
+            ));
+        }
+    };
     if parsed.api_key.is_none() {
         parsed.api_key = ApiKey::from_env().map_err(|e| usage_error(e.to_string()))?;
     }
@@ -249,6 +276,7 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command> {
 /// the tokenizer directory when it has one.
 pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
     let mut info = ServerInfo::from_model_dir(&args.model)?;
+    info.dtype = args.dtype;
     if let Some(name) = &args.served_model_name {
         info.served_model_name = name.clone();
     }
@@ -367,6 +395,15 @@ mod tests {
         assert_eq!(parsed.port, 30000);
         assert!(parsed.recompute_logprobs);
         assert_eq!(parsed.device, "flex");
+        assert_eq!(parsed.dtype, miles_core::DType::F32);
+        let Command::Serve(parsed) = args(&["serve", "--model=/m", "--bf16"]).unwrap() else {
+            panic!("serve expected");
+        };
+        assert_eq!(parsed.dtype, miles_core::DType::BF16);
+        let Command::Serve(parsed) = args(&["serve", "--fp16", "--model=/m"]).unwrap() else {
+            panic!("serve expected");
+        };
+        assert_eq!(parsed.dtype, miles_core::DType::F16);
         let Command::Serve(parsed) = args(&[
             "serve",
             "--model=/m",
@@ -401,6 +438,7 @@ mod tests {
             &["serve", "--model"],
             &["serve", "--model", "/m", "--port", "http"],
             &["serve", "--model", "/m", "--bogus", "1"],
+            &["serve", "--model", "/m", "--bf16", "--fp16"],
             &["train"],
         ] {
             assert!(matches!(args(bad), Err(Error::Config(_))), "{bad:?}");

@@ -21,6 +21,11 @@ fn serve(args: ServeArgs) -> miles_rollout::Result<()> {
         config.seed = seed;
     }
     config.recompute_logprobs_via_prefill = args.recompute_logprobs;
+    config.precision = match args.dtype {
+        miles_core::DType::BF16 => miles_bridge::Precision::Bf16,
+        miles_core::DType::F16 => miles_bridge::Precision::F16,
+        _ => miles_bridge::Precision::F32,
+    };
     let device = miles_ops::device::parse_device(&args.device)
         .map_err(|e| miles_rollout::Error::Config(format!("--device: {e}")))?;
     let engine = EmbeddedEngine::from_pretrained(&args.model, &device, config)?;

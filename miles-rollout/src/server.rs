@@ -75,6 +75,10 @@ pub struct ServerInfo {
     /// Served at `GET /metrics` in Prometheus' text format when set (`--enable-metrics`;
     /// `EmbeddedEngine::attach_metrics` keeps SGLang's engine metrics in it).
     pub metrics: Option<Arc<miles_core::prometheus::Registry>>,
+    /// The dtype the engine computes in, reported as SGLang's `--dtype` by
+    /// `/get_server_info` (SGLang clients publish weight updates in it).
+    /// (F32, BF16 or F16; `float32` unless the engine was started with `--bf16` / `--fp16`.)
+    pub dtype: miles_core::DType,
 }
 
 impl std::fmt::Debug for ServerInfo {
@@ -110,6 +114,7 @@ impl ServerInfo {
             max_sequences: 1024,
             weights_root: None,
             metrics: None,
+            dtype: miles_core::DType::F32,
         }
     }
 
@@ -1222,9 +1227,14 @@ async fn server_info(State(state): AppStateRef) -> Response {
             "served_model_name": info.served_model_name,
             "context_length": info.context_length,
             "vocab_size": info.vocab_size,
-            // SGLang's `--dtype`: the embedded engine holds and computes its weights in f32,
-            // so SGLang clients write weight updates in f32 for it.
-            "dtype": "float32",
+            // SGLang's `--dtype`: the dtype the embedded engine holds and computes its
+            // weights in (`--bf16` / `--fp16`, f32 by default); SGLang clients write weight
+            // updates in it.
+            "dtype": match info.dtype {
+                miles_core::DType::BF16 => "bfloat16",
+                miles_core::DType::F16 => "float16",
+                _ => "float32",
+            },
             "skip_tokenizer_init": info.tokenizer.is_none(),
             "chat_family": info.tokenizer.as_ref().map(|t| t.family().to_owned()),
             "version": concat!("miles-rollout ", env!("CARGO_PKG_VERSION")),

@@ -150,6 +150,16 @@ impl Actor {
                 reason: "the actor's model must live on an autodiff device (Device::autodiff())",
             });
         }
+        if model.precision() != Some(miles_bridge::Precision::F32) {
+            return Err(Error::Config {
+                field: "precision",
+                value: format!("{:?}", model.lm_head_weight().dtype()),
+                reason: "the actor's parameters are its f32 master weights: load the model in                          f32 and set TrainConfig::precision (--bf16 / --fp16) for the compute                          dtype",
+            });
+        }
+        config
+            .precision
+            .check_device(&model.lm_head_weight().device())?;
         let reference = config.needs_ref().then(|| model.valid());
         let model = match config.lora_config() {
             Some(_) if model.lora_config().is_some() => {
@@ -269,8 +279,15 @@ impl Actor {
         let fused = self.config.fused;
         let policy = self.config.loss_type == LossType::PolicyLoss;
 
-        // Old (trainer-scored) and reference log-probs, with the weights before this call.
-        let scorer = self.model.valid();
+        // Old (trainer-scored) and reference log-probs, with the weights before this call, in
+        // the compute precision (the engine's recompute scores the same way).
+        let precision = self.config.precision;
+        let scorer = self.model.valid().to_precision(precision);
+        let reference = self
+            .reference
+            .as_ref()
+            .filter(|_| policy)
+            .map(|r| r.clone().to_precision(precision));
         let mut old = Vec::with_capacity(n);
         let mut refs = Vec::new();
         let mut flips = FlipStats::new();
@@ -303,7 +320,7 @@ impl Actor {
             if let Some(replay) = &replay {
                 flips.merge(&replay.take_flip_stats()?);
             }
-            if let Some(reference) = self.reference.as_ref().filter(|_| policy) {
+            if let Some(reference) = &reference {
                 // The reference policy routes on its own (Miles: fallthrough stage).
                 refs.push(score(reference, &Fallthrough)?);
             }
@@ -508,8 +525,12 @@ impl Actor {
             let refs_mb: Vec<&TrainItem> = idx.iter().map(|&i| &items[i]).collect();
             let max_r = refs_mb.iter().map(|i| i.response_length).max().unwrap_or(0);
             let pad2 = |rows: Vec<&[f32]>| pad_rows(&rows, max_r, device);
+            // Mixed precision: the forward runs on the f32 master weights cast to the compute
+            // dtype (a graph op, cast anew per micro-batch so every backward owns its casts);
+            // gradients arrive in f32 on the masters, which `acc` reads.
+            let compute = self.model.clone().to_precision(self.config.precision);
             let scored = score_batch(
-                &self.model,
+                &compute,
                 &refs_mb,
                 self.config.layout,
                 &mut |its| hook_for(&self.config, self.moe.as_ref(), its, self.config.layout),
@@ -742,8 +763,9 @@ impl PolicyTrainer for Actor {
         Ok(metrics)
     }
 
+    /// The weights in the compute dtype ([`TrainConfig::precision`]: what the engines serve).
     fn export_weights(&self) -> miles_core::Result<NamedTensors> {
-        Ok(self.export(FloatDtype::F32)?)
+        Ok(self.export(self.config.precision.checkpoint_dtype())?)
     }
 
     fn weight_version(&self) -> WeightVersion {

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use miles_bridge::Precision;
 use miles_bridge::lora::{ALL_LINEAR, LoraConfig, LoraForward};
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::fused::FusedLogProbConfig;
@@ -119,6 +120,13 @@ pub struct TrainConfig {
     pub lora_forward: LoraForward,
     /// `--seed` (1234): seed of the `lora_A` initialisation.
     pub seed: u64,
+    /// `--bf16` / `--fp16` (Megatron's mixed precision; default `fp32`): the dtype the
+    /// forward computes in. Parameters and AdamW state stay `f32` (master weights); every
+    /// forward runs on the weights cast to this dtype (a differentiable cast, so gradients
+    /// arrive in `f32` on the masters), log-probs, losses and reductions stay `f32`, and the
+    /// weights exported for the engines ([`miles_core::PolicyTrainer::export_weights`]) are
+    /// written in it. Serialised as `"fp32"`, `"bf16"` or `"fp16"`.
+    pub precision: Precision,
 }
 
 impl Default for TrainConfig {
@@ -143,6 +151,7 @@ impl Default for TrainConfig {
             critic_lr: None,
             freeze_params: Vec::new(),
             use_routing_replay: false,
+            precision: Precision::F32,
             lora_rank: 0,
             lora_alpha: 16.0,
             lora_dropout: 0.0,

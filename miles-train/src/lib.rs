@@ -23,6 +23,11 @@
 //! 5. metrics under Miles' names (`train/loss`, `train/pg_loss`, `train/grad_norm`, `train/lr`,
 //!    …) are returned and traced.
 //!
+//! **Mixed precision** ([`TrainConfig::precision`], Miles' `--bf16` / `--fp16`): parameters and
+//! AdamW state stay `f32` (master weights); every forward runs on the weights cast to the
+//! compute dtype (a differentiable cast: gradients arrive in `f32`), the log-prob op, losses
+//! and reductions stay `f32`, and exported weights are written in the compute dtype.
+//!
 //! Per-token log-probs are **batch-invariant** by construction in the default
 //! [`BatchLayout::PerSample`] layout: every sample is forwarded on its own, so its log-probs do
 //! not depend on which other samples, padding or packing share its micro-batch (tested bit for

@@ -2,7 +2,7 @@
 //! model, through miles-ops' fused path. The trainer differentiates through it; the embedded
 //! engine calls it to score what it generated, so both sides see identical numbers.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use miles_bridge::{CausalLm, ModelInput, MoeRouting};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::RouterHook;
@@ -55,6 +55,18 @@ fn check_item(tokens: &[u32], response_length: usize, vocab: usize) -> Result<()
     Ok(())
 }
 
+/// The fused log-prob op's inputs in f32: a half-precision model's final hidden states and
+/// output projection are cast up (exactly) before the op, so the logits, log-softmax and
+/// entropy are computed in f32 from the compute-dtype values (Megatron casts its logits up
+/// before the cross-entropy the same way; here the logits themselves are never rounded to
+/// the compute dtype). Differentiable: the cast's backward casts the gradients back.
+fn in_f32(hidden: Tensor<2>, weight: Tensor<2>) -> (Tensor<2>, Tensor<2>) {
+    if hidden.dtype() == DType::F32 && weight.dtype() == DType::F32 {
+        return (hidden, weight);
+    }
+    (hidden.cast(FloatDType::F32), weight.cast(FloatDType::F32))
+}
+
 /// Log-probs and entropy of the last `response_length` tokens of `tokens`: entry `i` is
 /// `log p(tokens[n − R + i] | tokens[..n − R + i])`. One forward at the sequence's exact
 /// length, so the result does not depend on anything but the model, the tokens and the
@@ -76,8 +88,8 @@ pub fn score_response(
         .reshape([n, h])
         .narrow(0, n - 1 - response_length, response_length);
     // Host targets: the fused op checks them there and reads nothing back.
-    let (lp, ent) =
-        fused.forward_ids(rows, model.lm_head_weight(), &tokens[n - response_length..])?;
+    let (rows, weight) = in_f32(rows, model.lm_head_weight());
+    let (lp, ent) = fused.forward_ids(rows, weight, &tokens[n - response_length..])?;
     Ok((lp, ent, out.routing))
 }
 
@@ -152,7 +164,8 @@ pub fn score_batch(
                 offset += n;
             }
             let selected = flat.select(0, int_vec(rows, &device));
-            let (lp, ent) = fused.forward_ids(selected, model.lm_head_weight(), &targets)?;
+            let (selected, weight) = in_f32(selected, model.lm_head_weight());
+            let (lp, ent) = fused.forward_ids(selected, weight, &targets)?;
             let mut at = 0;
             for item in items {
                 let r = item.response_length;

@@ -6,6 +6,7 @@
 mod engine_vs_trainer;
 mod glm_moe_grpo;
 mod grpo_learns;
+mod half_precision;
 mod miles_cli;
 mod toolkit;
 mod wgpu_step;

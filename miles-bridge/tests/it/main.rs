@@ -6,6 +6,7 @@ mod common;
 mod cli;
 mod deepseek_v3;
 mod glm4moe_tiny;
+mod half_precision;
 mod lora;
 mod other_architectures;
 mod r3_replay;

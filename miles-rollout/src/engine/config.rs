@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use miles_bridge::Precision;
 use miles_core::WeightVersion;
 use serde_json::Value;
 
@@ -44,6 +45,13 @@ pub struct EngineConfig {
     /// the same greedy tokens and log-probs equal to float rounding (tested on every
     /// architecture).
     pub specialised_path: bool,
+    /// The dtype the engine holds its weights in and computes with (Miles' `--bf16` /
+    /// `--fp16`; default f32): the model handed to the builder is cast once, every weight
+    /// update is loaded straight into it, and the fused / packed copies and the KV cache
+    /// follow. Logits are read back as f32 for sampling; the log-prob scorer sees the model in
+    /// this precision, so with the trainer's scoring and the same precision on the trainer,
+    /// recomputed log-probs equal the trainer's.
+    pub precision: Precision,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +67,7 @@ impl Default for EngineConfig {
             initial_version: WeightVersion(0),
             compute_threads: None,
             specialised_path: true,
+            precision: Precision::F32,
         }
     }
 }

@@ -32,7 +32,8 @@ use std::thread::JoinHandle;
 use async_trait::async_trait;
 use burn::tensor::Device;
 use miles_bridge::{
-    CausalLm, FloatDtype, HostTensor, ModelConfig, TensorMap, checkpoint::read_checkpoint_dir,
+    CausalLm, FloatDtype, HostTensor, ModelConfig, Precision, TensorMap,
+    checkpoint::read_checkpoint_dir,
 };
 use miles_core::{
     DType, EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
@@ -112,6 +113,7 @@ pub struct EmbeddedEngine {
     shared: Arc<Shared>,
     model_config: ModelConfig,
     device: Device,
+    precision: Precision,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -154,6 +156,7 @@ impl EngineBuilder {
     /// Starts the scheduler thread.
     pub fn build(self) -> crate::Result<EmbeddedEngine> {
         let c = &self.config;
+        let c_precision = c.precision;
         if c.max_running_requests == 0 || c.kv_token_budget == 0 {
             return Err(crate::Error::Config(
                 "max_running_requests and kv_token_budget must be positive".into(),
@@ -163,8 +166,12 @@ impl EngineBuilder {
             .compute_threads
             .map(|threads| crate::compute_pool(threads, "miles-engine"))
             .transpose()?;
-        let model_config = self.model.config.clone();
-        let device = self.model.lm_head_weight().device();
+        c.precision
+            .check_device(&self.model.lm_head_weight().device())
+            .map_err(bridge_err)?;
+        let model = self.model.to_precision(c.precision);
+        let model_config = model.config.clone();
+        let device = model.lm_head_weight().device();
         let shared = Arc::new(Shared {
             version: AtomicU64::new(c.initial_version.0),
             alive: AtomicBool::new(true),
@@ -173,7 +180,7 @@ impl EngineBuilder {
         });
         let (tx, rx) = mpsc::channel();
         let scheduler = Scheduler::new(
-            self.model,
+            model,
             self.config,
             self.scorer,
             self.detokenizer,
@@ -192,6 +199,7 @@ impl EngineBuilder {
             shared,
             model_config,
             device,
+            precision: c_precision,
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -221,7 +229,8 @@ impl EmbeddedEngine {
         device: &Device,
         config: EngineConfig,
     ) -> crate::Result<Self> {
-        let model = CausalLm::from_pretrained(dir, device).map_err(bridge_err)?;
+        let model =
+            CausalLm::from_pretrained_in(dir, device, config.precision).map_err(bridge_err)?;
         let mut config = config;
         if config.eos_token_ids.is_empty() {
             config.eos_token_ids = read_eos_ids(dir);
@@ -239,6 +248,12 @@ impl EmbeddedEngine {
     /// The served model's configuration.
     pub fn model_config(&self) -> &ModelConfig {
         &self.model_config
+    }
+
+    /// The dtype the engine holds its weights in and computes with
+    /// ([`EngineConfig::precision`]).
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The device the model lives on.
@@ -279,7 +294,7 @@ impl EmbeddedEngine {
     }
 
     fn build_model(&self, tensors: TensorMap) -> miles_core::Result<CausalLm> {
-        CausalLm::from_hf_tensors(&self.model_config, tensors, &self.device)
+        CausalLm::from_hf_tensors_in(&self.model_config, tensors, &self.device, self.precision)
             .map_err(|e| CoreError::engine(EngineErrorKind::WeightUpdate, e.to_string()))
     }
 }
