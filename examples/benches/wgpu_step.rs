@@ -15,10 +15,11 @@
 //! - Decode step (`wgpu_step_decode`): the embedded engine decoding the same 4 sequences
 //!   (log-prob recompute off), `(t(17 new tokens) − t(1 new token)) / 16`: the prefill cancels.
 //!
-//! The first round of each mode is an untimed warm-up (shader compilation, autotune). Which
-//! ops have CubeCL kernels today: the fused log-prob op and the clipped policy loss;
-//! attention, norms, SwiGLU and the MoE grouped matmul run their plain-op forms on wgpu in
-//! both modes, so the decode step is the same work in both modes until they get kernels.
+//! The first round of each mode is an untimed warm-up (shader compilation, autotune). With the
+//! fused ops on, every fused op runs as a CubeCL kernel on wgpu (log-probs, clipped loss,
+//! attention forward / backward and the decode step over the KV cache, RMSNorm, RoPE, SwiGLU,
+//! the grouped expert matmul, and MoE dispatch is sparse on the device: bucketing kernels);
+//! switched off, their plain-op twins run and MoE dispatch is dense.
 //!
 //! `cargo bench -p miles-examples --features miles-ops/wgpu --bench wgpu_step`
 //! (or `cargo xtask bench --only wgpu_step -- --features miles-ops/wgpu`; the workspace

@@ -251,9 +251,11 @@ impl FusedLinear {
         let widths = vec![weight.dims()[0]];
         let device = weight.device();
         let (weight, transposed) = if miles_ops::device::is_flex(&device) {
-            // A contiguous copy of the transposed view (one per weight version).
+            // A contiguous copy of the transposed view (one per weight version), in the
+            // weight's own dtype.
+            let dtype = weight.dtype();
             (
-                Tensor::from_data(weight.transpose().into_data(), &device),
+                Tensor::from_data(weight.transpose().into_data(), (&device, dtype)),
                 true,
             )
         } else {
