@@ -270,7 +270,8 @@ impl FusedLinear {
     }
 
     /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul,
-    /// split over both cores on flex when small ([`miles_ops::linear::linear_t`]).
+    /// split over both cores on flex at decode row counts or when small
+    /// ([`miles_ops::linear::linear_t`]).
     pub fn forward_all(&self, x: Tensor<2>) -> Tensor<2> {
         let y = if self.transposed {
             miles_ops::linear::linear_t(x, self.weight.clone())

@@ -99,16 +99,20 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     n -= i32::from((n as f32) > t);
     let nf = n as f32;
     let g = x - nf * C1 - nf * C2;
+    exp_reduced(g) * f32::from_bits(((n + 127) as u32) << 23)
+}
+
+/// `exp(g)` for `|g| ≤ ln 2 / 2` (the reduced argument): Cephes' polynomial.
+#[inline(always)]
+pub(crate) fn exp_reduced(g: f32) -> f32 {
     let z = g * g;
-    let y = (((((1.987_569_1e-4 * g + 1.398_199_9e-3) * g + 8.333_452e-3) * g + 4.166_579_6e-2)
-        * g
+    (((((1.987_569_1e-4 * g + 1.398_199_9e-3) * g + 8.333_452e-3) * g + 4.166_579_6e-2) * g
         + 1.666_666_5e-1)
         * g
         + 0.5)
         * z
         + g
-        + 1.0;
-    y * f32::from_bits(((n + 127) as u32) << 23)
+        + 1.0
 }
 
 /// `dst[m×n] = beta·lhs[m×k]·rhs[k×n] (+ dst when `accumulate`)`, with explicit

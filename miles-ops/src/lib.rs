@@ -40,9 +40,10 @@
 //!   No plane (warp) operations and a few KiB of shared memory per cube, so they run on
 //!   every WebGPU adapter; tested on `Device::wgpu(DeviceKind::Cpu)` (lavapipe without a GPU).
 //! - [`linear`] and [`grouped::grouped_matmul_packed`]: forward-only inference matmuls for a
-//!   decode step on flex (small projections split over both cores, over weights stored
-//!   transposed by [`linear::linear_t`]; MoE experts over weights packed once per weight
-//!   version).
+//!   decode step on flex (projections split over both cores, over weights stored
+//!   transposed by [`linear::linear_t`], which splits every decode-sized matmul, `lm_head`
+//!   included; MoE experts over weights packed once per weight version). [`logprobs`] has
+//!   the samplers' vectorised row passes (log-sum-exp, tempered weights, greedy pick).
 //!
 //! Feature `avx512` (default): `gemm`'s AVX-512 kernels (burn's `x86-v4`), chosen at run time
 //! on CPUs with AVX-512F, so flex's matmuls and ours use them; other CPUs keep the AVX2 / SSE

@@ -25,6 +25,11 @@ fn split_linear_equals_the_matmul_reference() {
         (7, 96, 33),
         (1, 8, 8),
         (64, 512, 1024),
+        // Above flex's own parallel threshold: split at decode row counts (lm_head-sized,
+        // unaligned widths), flex's matmul for more rows.
+        (32, 512, 32000),
+        (17, 384, 4100),
+        (65, 256, 640),
     ] {
         let x = matrix(m, k, 1, &device);
         let w = matrix(n, k, 2, &device);

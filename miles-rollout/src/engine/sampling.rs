@@ -1,5 +1,11 @@
 //! Token sampling (per-sequence seeded generators, temperature / top-k / top-p / min-p) and
 //! the stop conditions checked after each sampled token.
+//!
+//! A row of logits costs two vectorised passes (`miles_ops::logprobs`: its maximum and
+//! log-sum-exp, then for plain temperature sampling the tempered weights with their sums per
+//! block of 256), so a draw skips whole blocks; greedy picks the first index of the maximum.
+//! The exponentials are `f32` (within 2 ulp), the sums `f64` over `f32` lanes; the rows of a
+//! decode step are sampled in parallel. Top-k / top-p / min-p sort the row.
 
 use std::time::Instant;
 
@@ -37,25 +43,22 @@ pub(super) fn sample_token(
     // f32 exponentials summed in f64: the log-sum-exp to a few f32 ulps, several times
     // faster than f64 exponentials over the whole vocabulary.
     let (max, lse) = miles_ops::logprobs::max_and_log_sum_exp(logits);
-    let greedy = params.temperature <= 0.0 || params.top_k == 1;
+    // A temperature so small that its inverse overflows `f32` is greedy (the tempered
+    // weights would be `0 · ∞` at the maximum).
+    let greedy = params.temperature <= 0.0
+        || params.top_k == 1
+        || !((1.0 / params.temperature as f64) as f32).is_finite();
     let token = if greedy {
-        let mut best = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x > logits[best] {
-                best = i;
-            }
-        }
-        best
+        miles_ops::logprobs::first_index_of_max(logits, max)
     } else {
         let t = params.temperature as f64;
         let u = rng.uniform();
         let plain = params.top_k < 1 && params.top_p >= 1.0 && params.min_p <= 0.0;
         if plain {
-            let weights: Vec<f64> = logits
-                .iter()
-                .map(|&x| ((x as f64 - max as f64) / t).exp())
-                .collect();
-            pick(&weights, u, |i| i)
+            let mut weights = Vec::new();
+            let blocks =
+                miles_ops::logprobs::tempered_weights(logits, max, (1.0 / t) as f32, &mut weights);
+            pick_in_blocks(&weights, &blocks, u)
         } else {
             let mut order: Vec<usize> = (0..logits.len()).collect();
             order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -90,6 +93,32 @@ pub(super) fn sample_token(
         }
     };
     (token as u32, logits[token] as f64 - lse)
+}
+
+/// Index drawn with probability proportional to `weights`, whose sums over consecutive
+/// blocks of [`miles_ops::logprobs::WEIGHT_BLOCK`] are `blocks`: whole blocks are skipped by
+/// their sums, then the block holding the draw is walked element by element (the same draw
+/// as [`pick`] up to the rounding of the sums).
+fn pick_in_blocks(weights: &[f32], blocks: &[f64], u: f64) -> usize {
+    const BLOCK: usize = miles_ops::logprobs::WEIGHT_BLOCK;
+    let total: f64 = blocks.iter().sum();
+    let target = u * total;
+    let mut cum = 0.0;
+    for (b, &sum) in blocks.iter().enumerate() {
+        if target >= cum + sum {
+            cum += sum;
+            continue;
+        }
+        let start = b * BLOCK;
+        for (i, &w) in weights[start..].iter().enumerate() {
+            cum += f64::from(w);
+            if target < cum {
+                return start + i;
+            }
+        }
+        break;
+    }
+    weights.len().saturating_sub(1)
 }
 
 /// Index drawn with probability proportional to `weights`, mapped through `map`.
@@ -232,6 +261,50 @@ mod tests {
         let z: f64 = logits.iter().map(|&x| (2.0 * x as f64).exp()).sum();
         let p0 = (2.0f64).exp() / z;
         assert!((counts[0] as f64 / 20_000.0 - p0).abs() < 0.015);
+    }
+
+    #[test]
+    fn a_vanishing_temperature_samples_the_argmax() {
+        let logits = [0.5f32, -1.0, 3.0, 2.9];
+        for temperature in [1e-40f32, f32::MIN_POSITIVE, 1e-30] {
+            let params = SamplingParams {
+                temperature,
+                ..SamplingParams::default()
+            };
+            for seed in 0..20 {
+                assert_eq!(sample_token(&logits, &params, &mut Rng(seed)).0, 2);
+            }
+        }
+    }
+
+    #[test]
+    fn drawing_by_blocks_is_drawing_by_elements() {
+        // Three blocks and a partial one, some zero weights, a heavy element late.
+        let mut weights: Vec<f32> = (0..900).map(|i| ((i * 37) % 11) as f32 * 0.125).collect();
+        weights[850] = 40.0;
+        let blocks: Vec<f64> = weights
+            .chunks(miles_ops::logprobs::WEIGHT_BLOCK)
+            .map(|b| b.iter().map(|&w| f64::from(w)).sum())
+            .collect();
+        assert_eq!(blocks.len(), 4);
+        let wide: Vec<f64> = weights.iter().map(|&w| f64::from(w)).collect();
+        let mut hits_850 = 0;
+        for k in 0..2000 {
+            let u = (k as f64 + 0.5) / 2000.0;
+            let got = pick_in_blocks(&weights, &blocks, u);
+            assert_eq!(got, pick(&wide, u, |i| i), "u = {u}");
+            assert!(weights[got] > 0.0);
+            hits_850 += usize::from(got == 850);
+        }
+        let total: f64 = wide.iter().sum();
+        let expected = 2000.0 * 40.0 / total;
+        assert!(
+            (hits_850 as f64 - expected).abs() <= 1.0,
+            "{hits_850} vs {expected}"
+        );
+        assert_eq!(pick_in_blocks(&weights, &blocks, 0.0), 1);
+        assert_eq!(pick_in_blocks(&weights, &blocks, 1.0), 899);
+        assert_eq!(pick_in_blocks(&[], &[], 0.5), 0);
     }
 
     #[test]
