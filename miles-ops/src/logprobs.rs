@@ -39,64 +39,67 @@ pub fn log_probs_and_entropy_plain(
     )
 }
 
-/// `(max, ln Σ exp(row))` of one host row of logits, for samplers: the exponentials in `f32`
-/// (a vectorisable polynomial of the shifted, non-positive logits, within 2 ulp) summed in
-/// `f32` lanes over blocks of 256 and the blocks in `f64`, so the log-sum-exp is within a few
-/// `f32` ulps of the exact one at a small fraction of the cost of `f64` exponentials. On
-/// x86-64 CPUs with AVX2 and FMA the same code runs compiled for them (chosen at run time;
-/// the lanes and the order of every sum are fixed in the code, so the result is the same bit
-/// for bit either way). NaN in, NaN out; an empty row gives `(−∞, −∞)`.
+/// `(max, ln Σ exp(row))` of one host row of logits, for samplers: [`row_max`], then
+/// [`tempered_weights`] at temperature 1 and [`log_sum_exp_of`] its block sums — the
+/// exponentials in `f32` (a vectorisable polynomial, within 2 ulp) summed in `f32` lanes over
+/// blocks of [`WEIGHT_BLOCK`] and the blocks in `f64`, so the log-sum-exp is within a few
+/// `f32` ulps of the exact one. NaN in, NaN out; an empty row gives `(−∞, −∞)`.
 pub fn max_and_log_sum_exp(row: &[f32]) -> (f32, f64) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-        return unsafe { row_stats_avx2(row) };
-    }
-    row_stats(row)
+    let max = row_max(row);
+    let sums = tempered_weights(row, max, 1.0, &mut Vec::new());
+    (max, log_sum_exp_of(max, &sums))
 }
 
-/// [`row_stats`] compiled for AVX2 + FMA.
+/// `ln Σ exp(row)` from the row's `max` and the block sums [`tempered_weights`] returned for
+/// it at temperature 1 (`inv_temperature = 1`).
+pub fn log_sum_exp_of(max: f32, block_sums: &[f64]) -> f64 {
+    block_sums.iter().sum::<f64>().ln() + f64::from(max)
+}
+
+/// Whether the row passes may run their AVX2 + FMA builds (checked at run time). The lanes
+/// and the order of every sum are fixed in the code, so either build gives the same bits.
+fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The largest value of `row` (NaNs ignored; `−∞` for an empty or all-NaN row), vectorised.
+pub fn row_max(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (`has_avx2_fma`).
+        return unsafe { row_max_avx2(row) };
+    }
+    row_max_body(row)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn row_stats_avx2(row: &[f32]) -> (f32, f64) {
-    row_stats(row)
+fn row_max_avx2(row: &[f32]) -> f32 {
+    row_max_body(row)
 }
-
-/// Elements per `f32` lane sum before it is added to the `f64` total (16 lanes × 16).
-const LSE_BLOCK: usize = 256;
 
 #[inline(always)]
-fn row_stats(row: &[f32]) -> (f32, f64) {
-    const LANES: usize = 16;
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut total = 0.0f64;
-    for block in row.chunks(LSE_BLOCK) {
-        let mut acc = [0.0f32; LANES];
-        let chunks = block.chunks_exact(LANES);
-        let rest = chunks.remainder();
-        for chunk in chunks {
-            for (a, &x) in acc.iter_mut().zip(chunk) {
-                *a += exp_nonpositive_rounded(x - max);
-            }
-        }
-        let mut sum: f64 = acc.iter().map(|&a| f64::from(a)).sum();
-        for &x in rest {
-            sum += f64::from(exp_nonpositive_rounded(x - max));
-        }
-        total += sum;
-    }
-    (max, total.ln() + f64::from(max))
+fn row_max_body(row: &[f32]) -> f32 {
+    row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// Elements per block of [`tempered_weights`]' block sums.
-pub const WEIGHT_BLOCK: usize = LSE_BLOCK;
+/// Elements per block of [`tempered_weights`]' block sums (16 `f32` lanes × 16).
+pub const WEIGHT_BLOCK: usize = 256;
 
-/// A sampler's unnormalised weights `exp((row[i] − max) · inv_temperature)` in `f32` (the
-/// polynomial of [`max_and_log_sum_exp`], within 2 ulp; arguments below −87 give `exp(−87)`)
-/// written over `weights` (resized to the row), and their sums over consecutive blocks of
-/// [`WEIGHT_BLOCK`] elements in `f64`, returned, so that a draw can skip whole blocks. `max`
-/// is the row's maximum and `inv_temperature` positive. Compiled for AVX2 + FMA when the
-/// CPU has them (same bits either way).
+/// A sampler's unnormalised weights `exp((row[i] − max) · inv_temperature)` in `f32` (a
+/// vectorisable polynomial, within 2 ulp; arguments below −87 give `exp(−87)`) written over
+/// `weights` (resized to the row), and their sums over consecutive blocks of
+/// [`WEIGHT_BLOCK`] elements (`f32` lanes, then `f64`), returned, so that a draw can skip
+/// whole blocks. `max` is the row's maximum ([`row_max`]) and `inv_temperature` positive; at
+/// `inv_temperature = 1` the sums give the log-sum-exp ([`log_sum_exp_of`]). Compiled for
+/// AVX2 + FMA when the CPU has them (same bits either way).
 pub fn tempered_weights(
     row: &[f32],
     max: f32,
@@ -106,8 +109,8 @@ pub fn tempered_weights(
     weights.clear();
     weights.resize(row.len(), 0.0);
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (`has_avx2_fma`).
         return unsafe { weights_avx2(row, max, inv_temperature, weights) };
     }
     weights_into(row, max, inv_temperature, weights)
@@ -244,9 +247,12 @@ mod tests {
         let row: Vec<f32> = (0..32_003)
             .map(|i| ((i * 7919) % 1000) as f32 * 0.037 - 20.0)
             .collect();
-        let plain = row_stats(&row);
-        assert_eq!(max_and_log_sum_exp(&row), plain);
-        assert_eq!(plain.0, 999.0f32 * 0.037 - 20.0);
+        let max = row_max_body(&row);
+        assert_eq!(max, 999.0f32 * 0.037 - 20.0);
+        assert_eq!(row_max(&row), max);
+        let mut plain = vec![0.0; row.len()];
+        let sums = weights_into(&row, max, 1.0, &mut plain);
+        assert_eq!(max_and_log_sum_exp(&row), (max, log_sum_exp_of(max, &sums)));
     }
 
     #[test]

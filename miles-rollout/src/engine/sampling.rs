@@ -1,9 +1,10 @@
 //! Token sampling (per-sequence seeded generators, temperature / top-k / top-p / min-p) and
 //! the stop conditions checked after each sampled token.
 //!
-//! A row of logits costs two vectorised passes (`miles_ops::logprobs`: its maximum and
-//! log-sum-exp, then for plain temperature sampling the tempered weights with their sums per
-//! block of 256), so a draw skips whole blocks; greedy picks the first index of the maximum.
+//! A row of logits costs two vectorised passes (`miles_ops::logprobs`: its maximum, then its
+//! exponentials with their sums per block of 256, which give the log-sum-exp and, at
+//! temperature 1, the draw's weights; another temperature recomputes the weights in a third
+//! pass), so a draw skips whole blocks; greedy picks the first index of the maximum.
 //! The exponentials are `f32` (within 2 ulp), the sums `f64` over `f32` lanes; the rows of a
 //! decode step are sampled in parallel. Top-k / top-p / min-p sort the row.
 
@@ -40,9 +41,14 @@ pub(super) fn sample_token(
     params: &miles_core::SamplingParams,
     rng: &mut Rng,
 ) -> (u32, f64) {
+    use miles_ops::logprobs::{log_sum_exp_of, row_max, tempered_weights};
     // f32 exponentials summed in f64: the log-sum-exp to a few f32 ulps, several times
-    // faster than f64 exponentials over the whole vocabulary.
-    let (max, lse) = miles_ops::logprobs::max_and_log_sum_exp(logits);
+    // faster than f64 exponentials over the whole vocabulary. The untempered weights are
+    // also temperature 1's sampling weights (the rollout default), so that draw reuses them.
+    let max = row_max(logits);
+    let mut weights = Vec::new();
+    let mut blocks = tempered_weights(logits, max, 1.0, &mut weights);
+    let lse = log_sum_exp_of(max, &blocks);
     // A temperature so small that its inverse overflows `f32` is greedy (the tempered
     // weights would be `0 · ∞` at the maximum).
     let greedy = params.temperature <= 0.0
@@ -55,9 +61,10 @@ pub(super) fn sample_token(
         let u = rng.uniform();
         let plain = params.top_k < 1 && params.top_p >= 1.0 && params.min_p <= 0.0;
         if plain {
-            let mut weights = Vec::new();
-            let blocks =
-                miles_ops::logprobs::tempered_weights(logits, max, (1.0 / t) as f32, &mut weights);
+            let inv_temperature = (1.0 / t) as f32;
+            if inv_temperature != 1.0 {
+                blocks = tempered_weights(logits, max, inv_temperature, &mut weights);
+            }
             pick_in_blocks(&weights, &blocks, u)
         } else {
             let mut order: Vec<usize> = (0..logits.len()).collect();
