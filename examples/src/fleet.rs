@@ -73,7 +73,7 @@ impl AdditionRl {
     }
 
     /// An embedded engine on the current model: up to `max_running_requests` sequences per
-    /// decode step, on `compute_threads` threads of its own (`None`: the global pool).
+    /// decode step, on `compute_threads` threads of its own (`None`: as many as the global pool).
     pub fn engine(
         &self,
         max_running_requests: usize,

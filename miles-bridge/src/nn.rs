@@ -202,18 +202,28 @@ impl Linear {
 /// stacked on the output axis, `[Σ out, in]`, and their biases (zeros for a layer without
 /// one). Built once per weight version for inference ([`crate::CausalLm::fuse_projections`]);
 /// one matmul then replaces one per layer, and no training code ever sees it. On flex the
-/// stacked weight is stored transposed, `[in, Σ out]` row-major, the layout `gemm` reads
-/// fastest at decode row counts ([`miles_ops::linear::linear_t`]).
+/// stacked weight is packed into [`miles_ops::packed`]'s panels (`f32` on an AVX-512F CPU)
+/// or else stored transposed, `[in, Σ out]` row-major, the layout `gemm` reads fastest at
+/// decode row counts ([`miles_ops::linear::linear_t`]).
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
-    /// `[Σ out, in]`; `[in, Σ out]` contiguous when `transposed`.
-    pub weight: Tensor<2>,
-    /// Whether `weight` is stored transposed (on flex).
-    pub transposed: bool,
+    /// The stacked weight.
+    pub weight: FusedWeight,
     /// `[Σ out]`, when any of the layers has a bias.
     pub bias: Option<Tensor<1>>,
     /// Output width of each fused layer, in order.
     pub widths: Vec<usize>,
+}
+
+/// How a [`FusedLinear`] stores its stacked weight.
+#[derive(Debug, Clone)]
+pub enum FusedWeight {
+    /// `[Σ out, in]` (devices other than flex).
+    Hf(Tensor<2>),
+    /// `[in, Σ out]` contiguous (flex without the packed kernels).
+    Transposed(Tensor<2>),
+    /// Panels for the packed decode kernel (flex, `f32`, AVX-512F).
+    Packed(miles_ops::packed::PackedMatrix),
 }
 
 impl FusedLinear {
@@ -250,33 +260,34 @@ impl FusedLinear {
     pub fn from_weight(weight: Tensor<2>) -> Self {
         let widths = vec![weight.dims()[0]];
         let device = weight.device();
-        let (weight, transposed) = if miles_ops::device::is_flex(&device) {
+        let weight = if !miles_ops::device::is_flex(&device) {
+            FusedWeight::Hf(weight)
+        } else if let Some(packed) = miles_ops::packed::PackedMatrix::new(weight.clone()) {
+            FusedWeight::Packed(packed)
+        } else {
             // A contiguous copy of the transposed view (one per weight version), in the
             // weight's own dtype.
             let dtype = weight.dtype();
-            (
-                Tensor::from_data(weight.transpose().into_data(), (&device, dtype)),
-                true,
-            )
-        } else {
-            (weight, false)
+            FusedWeight::Transposed(Tensor::from_data(
+                weight.transpose().into_data(),
+                (&device, dtype),
+            ))
         };
         Self {
             weight,
-            transposed,
             bias: None,
             widths,
         }
     }
 
-    /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul,
-    /// split over both cores on flex at decode row counts or when small
-    /// ([`miles_ops::linear::linear_t`]).
+    /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul
+    /// (the packed kernel, or split over both cores on flex at decode row counts or when
+    /// small, [`miles_ops::linear::linear_t`]).
     pub fn forward_all(&self, x: Tensor<2>) -> Tensor<2> {
-        let y = if self.transposed {
-            miles_ops::linear::linear_t(x, self.weight.clone())
-        } else {
-            miles_ops::linear::linear(x, self.weight.clone())
+        let y = match &self.weight {
+            FusedWeight::Packed(packed) => packed.matmul(x),
+            FusedWeight::Transposed(wt) => miles_ops::linear::linear_t(x, wt.clone()),
+            FusedWeight::Hf(w) => miles_ops::linear::linear(x, w.clone()),
         };
         match &self.bias {
             Some(bias) => y + bias.clone().unsqueeze_dim(0),

@@ -267,6 +267,32 @@ pub(crate) fn forward(
     };
     let mut out = vec![0.0f32; batch * heads * s * d];
     let mut lse = vec![0.0f32; batch * heads * s];
+    if s == 1 && decode::applies(d) {
+        // A decode step: one query row per head; each task takes a key/value head and the
+        // query heads of its group, reading every cached key and value once.
+        out.par_chunks_mut(group * d)
+            .zip(lse.par_chunks_mut(group))
+            .enumerate()
+            .for_each(|(bk, (out, lse))| {
+                let bi = bk / kv_heads;
+                let (lim, maskb) = (limits[bi], &mask[bi * t..(bi + 1) * t]);
+                if lim == 0 {
+                    for (o, l) in out.chunks_mut(d).zip(lse.iter_mut()) {
+                        o.copy_from_slice(&means[bk * d..(bk + 1) * d]);
+                        *l = masked_lse;
+                    }
+                    return;
+                }
+                let qs = &q[bk * group * d..(bk + 1) * group * d];
+                let kh = &k[bk * k_stride..bk * k_stride + lim * d];
+                let vh = &v[bk * v_stride..bk * v_stride + lim * d];
+                decode::attend(qs, kh, vh, &maskb[..lim], scale, d, out, lse);
+            });
+        return (
+            tensor(out, &[batch, heads, s, d]),
+            tensor(lse, &[batch, heads, s]),
+        );
+    }
     out.par_chunks_mut((s * d).max(1))
         .zip(lse.par_chunks_mut(s.max(1)))
         .enumerate()
@@ -321,6 +347,147 @@ pub(crate) fn forward(
         tensor(out, &[batch, heads, s, d]),
         tensor(lse, &[batch, heads, s]),
     )
+}
+
+/// The one-row (decode) forward: direct AVX-512 loops instead of two `gemm` calls per head
+/// (which pack their operands every call), so a decode step reads the cache at memory speed.
+mod decode {
+    #[cfg(not(target_arch = "x86_64"))]
+    use super::softmax_row;
+
+    /// Whether the decode loops take head size `d` on this CPU.
+    pub(super) fn applies(d: usize) -> bool {
+        d > 0 && d.is_multiple_of(16) && d <= 256 && crate::packed::supported()
+    }
+
+    /// For each query row `g` of `qs` (`[group, d]`): scores `scale · q_g · k_j` over the
+    /// `keys.len() / d` keys (masked where `mask[j] ≠ 0`), their softmax (as
+    /// [`softmax_row`]) and `out_g = Σ_j p_gj · v_j`; `lse[g]` the log-sum-exp.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend(
+        qs: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        mask: &[u8],
+        scale: f32,
+        d: usize,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        let (group, t) = (qs.len() / d, keys.len() / d);
+        let mut scores = vec![0.0f32; group * t];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `applies` checked AVX-512F; the slices are sized as documented.
+        unsafe {
+            avx512::scores(qs, keys, values, d, scale, &mut scores)
+        };
+        #[cfg(target_arch = "x86_64")]
+        for (g, row) in scores.chunks_mut(t.max(1)).enumerate().take(group) {
+            // SAFETY: as above.
+            lse[g] = unsafe { avx512::softmax(row, mask) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        for (g, row) in scores.chunks_mut(t.max(1)).enumerate().take(group) {
+            lse[g] = softmax_row(row, mask);
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            avx512::weighted_sum(&scores, values, d, out)
+        };
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod avx512 {
+        use std::arch::x86_64::*;
+
+        use crate::flex_attention::exp_nonpositive;
+
+        /// Lanes of the softmax passes.
+        const LANES: usize = 16;
+
+        /// [`super::softmax_row`] with the max and the sum taken over 16 lanes (a different
+        /// summation order, the same probabilities up to rounding).
+        #[target_feature(enable = "avx512f")]
+        pub(super) fn softmax(row: &mut [f32], mask: &[u8]) -> f32 {
+            let mut top = [f32::NEG_INFINITY; LANES];
+            for (s, m) in row.chunks(LANES).zip(mask.chunks(LANES)) {
+                for ((t, &v), &m) in top.iter_mut().zip(s).zip(m) {
+                    *t = t.max(if m == 0 { v } else { f32::NEG_INFINITY });
+                }
+            }
+            let max = top.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sums = [0.0f32; LANES];
+            for (s, m) in row.chunks_mut(LANES).zip(mask.chunks(LANES)) {
+                for ((acc, v), &m) in sums.iter_mut().zip(s.iter_mut()).zip(m) {
+                    let e = exp_nonpositive(*v - max);
+                    *v = if m == 0 { e } else { 0.0 };
+                    *acc += *v;
+                }
+            }
+            let sum: f32 = sums.iter().sum();
+            let inv = 1.0 / sum;
+            for v in row.iter_mut() {
+                *v *= inv;
+            }
+            max + sum.ln()
+        }
+
+        /// `scores[g · t + j] = scale · Σ_c qs[g · d + c] · keys[j · d + c]`, `d % 16 = 0`;
+        /// prefetches `values` (as long as `keys`) while it runs.
+        #[target_feature(enable = "avx512f")]
+        pub(super) fn scores(
+            qs: &[f32],
+            keys: &[f32],
+            values: &[f32],
+            d: usize,
+            scale: f32,
+            scores: &mut [f32],
+        ) {
+            let t = keys.len() / d;
+            for (g, q) in qs.chunks_exact(d).enumerate() {
+                let row = &mut scores[g * t..(g + 1) * t];
+                for (j, (s, key)) in row.iter_mut().zip(keys.chunks_exact(d)).enumerate() {
+                    if g == 0 {
+                        for v in values[j * d..(j + 1) * d].chunks(LANES) {
+                            _mm_prefetch::<_MM_HINT_T0>(v.as_ptr().cast());
+                        }
+                    }
+                    let mut acc = _mm512_setzero_ps();
+                    for (qc, kc) in q.chunks_exact(16).zip(key.chunks_exact(16)) {
+                        // SAFETY: both chunks hold 16 values.
+                        let (a, b) =
+                            unsafe { (_mm512_loadu_ps(qc.as_ptr()), _mm512_loadu_ps(kc.as_ptr())) };
+                        acc = _mm512_fmadd_ps(a, b, acc);
+                    }
+                    *s = scale * _mm512_reduce_add_ps(acc);
+                }
+            }
+        }
+
+        /// `out[g · d + c] = Σ_j probs[g · t + j] · values[j · d + c]`, `d % 16 = 0`,
+        /// `d ≤ 256`.
+        #[target_feature(enable = "avx512f")]
+        pub(super) fn weighted_sum(probs: &[f32], values: &[f32], d: usize, out: &mut [f32]) {
+            let t = values.len() / d;
+            for (p, o) in probs.chunks_exact(t.max(1)).zip(out.chunks_exact_mut(d)) {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                let lanes = d / 16;
+                for (&w, v) in p.iter().zip(values.chunks_exact(d)) {
+                    let w = _mm512_set1_ps(w);
+                    for (a, vc) in acc[..lanes].iter_mut().zip(v.chunks_exact(16)) {
+                        // SAFETY: the chunk holds 16 values.
+                        let x = unsafe { _mm512_loadu_ps(vc.as_ptr()) };
+                        *a = _mm512_fmadd_ps(w, x, *a);
+                    }
+                }
+                for (a, oc) in acc[..lanes].iter().zip(o.chunks_exact_mut(16)) {
+                    // SAFETY: the chunk holds 16 values.
+                    unsafe { _mm512_storeu_ps(oc.as_mut_ptr(), *a) };
+                }
+            }
+        }
+    }
 }
 
 /// Backward: `(dq, dk, dv)` for upstream `grad` `[b, h, s, d]`, from the forward's `out`

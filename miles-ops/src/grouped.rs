@@ -257,23 +257,59 @@ impl<B: Backend + GroupedMatmulOps, C: CheckpointStrategy> GroupedMatmulOps for 
     }
 }
 
-/// Expert weights stacked once for inference in the layout `gemm` reads fastest with few rows
-/// per expert: each expert's `[out, in]` matrix transposed to `[in, out]`, rows padded to
-/// `stride` columns (a row length that is not a multiple of 1 KiB keeps consecutive rows out
-/// of the same cache sets). Forward only ([`grouped_matmul_packed`]); built per weight
-/// version by the model, never trained.
+/// Expert weights stacked once for inference (forward only, [`grouped_matmul_packed`] and
+/// [`grouped_matmul_offsets_packed`]); built per weight version by the model, never trained.
+///
+/// On plain flex with `f32` weights and an AVX-512F CPU each expert is packed into
+/// [`crate::packed`]'s panels ([`ExpertLayout::Panels`]), which the packed micro-kernel
+/// streams once per step; elsewhere each expert's `[out, in]` matrix is transposed to
+/// `[in, out]` with rows padded to `stride` columns ([`ExpertLayout::Strided`]: a row length
+/// that is not a multiple of 1 KiB keeps consecutive rows out of the same cache sets), which
+/// `gemm` and the CubeCL kernel read.
 #[derive(Debug, Clone)]
 pub struct PackedExperts {
-    /// `[experts, in, stride]`.
-    pub data: Tensor<3>,
+    /// The stacked weights.
+    pub layout: ExpertLayout,
     /// Output width of each expert.
     pub out: usize,
+    /// Input width of each expert.
+    pub k: usize,
+    /// Number of experts.
+    pub experts: usize,
+}
+
+/// How [`PackedExperts`] stores its weights.
+#[derive(Debug, Clone)]
+pub enum ExpertLayout {
+    /// `[experts, in, stride]`: each expert transposed, rows padded.
+    Strided(Tensor<3>),
+    /// `[experts, panels(out) · in · PANEL]`: each expert in [`crate::packed::pack`]'s panels.
+    Panels(Tensor<2>),
 }
 
 impl PackedExperts {
     /// Packs `w` `[experts, out, in]` (HF layout).
     pub fn new(w: Tensor<3>) -> Self {
         let [experts, out, k] = w.dims();
+        if crate::packed::applies(&w.device(), w.dtype())
+            && let Ok(host) = w.clone().into_data().convert::<f32>().try_into_vec::<f32>()
+        {
+            let len = crate::packed::panels(out) * k * crate::packed::PANEL;
+            let mut data = Vec::with_capacity(experts * len);
+            for e in host.chunks_exact((out * k).max(1)).take(experts) {
+                data.extend(crate::packed::pack(e, out, k));
+            }
+            let panels = Tensor::from_data(
+                burn::tensor::TensorData::new(data, [experts, len]),
+                &w.device(),
+            );
+            return Self {
+                layout: ExpertLayout::Panels(panels),
+                out,
+                k,
+                experts,
+            };
+        }
         let stride = out + PACK_PAD;
         let t = w.swap_dims(1, 2);
         let data = if stride == out {
@@ -282,11 +318,89 @@ impl PackedExperts {
             let pad = Tensor::<3>::zeros([experts, k, stride - out], (&t.device(), t.dtype()));
             Tensor::cat(vec![t, pad], 2)
         };
-        Self { data, out }
+        Self {
+            layout: ExpertLayout::Strided(data),
+            out,
+            k,
+            experts,
+        }
+    }
+
+    /// The weights back in HF layout `[experts, out, in]` (the reference paths).
+    pub fn to_hf(&self) -> Tensor<3> {
+        match &self.layout {
+            ExpertLayout::Strided(data) => data.clone().narrow(2, 0, self.out).swap_dims(1, 2),
+            ExpertLayout::Panels(data) => {
+                let device = data.device();
+                let host = data
+                    .clone()
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>();
+                let host = host.unwrap_or_default();
+                let len = crate::packed::panels(self.out) * self.k * crate::packed::PANEL;
+                let mut w = Vec::with_capacity(self.experts * self.out * self.k);
+                for e in host.chunks_exact(len.max(1)).take(self.experts) {
+                    w.extend(crate::packed::unpack(e, self.out, self.k));
+                }
+                Tensor::from_data(
+                    burn::tensor::TensorData::new(w, [self.experts, self.out, self.k]),
+                    &device,
+                )
+            }
+        }
+    }
+
+    /// The products of the row groups `sizes` (host sizes, in expert order) over panels, when
+    /// this holds panels and `x` is plain flex `f32` with the fused ops on.
+    fn panel_product(&self, x: &Tensor<2>, sizes: &[usize]) -> Option<Tensor<2>> {
+        let ExpertLayout::Panels(data) = &self.layout else {
+            return None;
+        };
+        let plain_flex = matches!(
+            x.device().as_dispatch(),
+            burn::backend::DispatchDevice::Flex(_)
+        );
+        if !plain_flex || !takes_fused(&[x.dtype()], &x.device()) {
+            return None;
+        }
+        let mut sizes = sizes.to_vec();
+        sizes.resize(self.experts, 0);
+        Some(Tensor::from_dispatch(
+            <Dispatch as crate::packed::PackedOps>::packed_matmul(
+                x.clone().into_dispatch(),
+                data.clone().into_dispatch(),
+                sizes,
+                self.out,
+            ),
+        ))
+    }
+
+    fn check(&self, what: &'static str, k: usize, groups: usize) -> Result<()> {
+        let stride_ok = match &self.layout {
+            ExpertLayout::Strided(data) => {
+                data.dims() == [self.experts, self.k, data.dims()[2]] && self.out <= data.dims()[2]
+            }
+            ExpertLayout::Panels(data) => {
+                data.dims()
+                    == [
+                        self.experts,
+                        crate::packed::panels(self.out) * self.k * crate::packed::PANEL,
+                    ]
+            }
+        };
+        if k != self.k || groups > self.experts || !stride_ok {
+            return Err(OpsError::ShapeMismatch {
+                what,
+                expected: vec![groups.max(self.experts), k, self.out],
+                got: vec![self.experts, self.k, self.out],
+            });
+        }
+        Ok(())
     }
 }
 
-/// Padding columns of a packed expert row.
+/// Padding columns of a strided expert row.
 const PACK_PAD: usize = 16;
 
 /// [`grouped_matmul`] over [`PackedExperts`]: `x_e · w_eᵀ` for consecutive row groups.
@@ -298,14 +412,7 @@ pub fn grouped_matmul_packed(
     group_sizes: &[usize],
 ) -> Result<Tensor<2>> {
     let [rows, k] = x.dims();
-    let [experts, wk, stride] = w.data.dims();
-    if wk != k || group_sizes.len() > experts || w.out > stride {
-        return Err(OpsError::ShapeMismatch {
-            what: "grouped_matmul_packed weights",
-            expected: vec![group_sizes.len().max(experts), k, w.out],
-            got: w.data.dims().to_vec(),
-        });
-    }
+    w.check("grouped_matmul_packed weights", k, group_sizes.len())?;
     let total: usize = group_sizes.iter().sum();
     if total != rows {
         return Err(OpsError::ShapeMismatch {
@@ -314,21 +421,25 @@ pub fn grouped_matmul_packed(
             got: vec![total],
         });
     }
+    if let Some(y) = w.panel_product(&x, group_sizes) {
+        return Ok(y);
+    }
     let plain_flex = matches!(
         x.device().as_dispatch(),
         burn::backend::DispatchDevice::Flex(_)
     );
-    if !plain_flex || !takes_fused(&[x.dtype(), w.data.dtype()], &x.device()) {
-        // [E, in, out] back to [E, out, in] for the reference.
-        let hf = w.data.clone().narrow(2, 0, w.out).swap_dims(1, 2);
-        return Ok(grouped_matmul_reference(x, hf, group_sizes));
+    let ExpertLayout::Strided(data) = &w.layout else {
+        return Ok(grouped_matmul_reference(x, w.to_hf(), group_sizes));
+    };
+    if !plain_flex || !takes_fused(&[x.dtype(), data.dtype()], &x.device()) {
+        return Ok(grouped_matmul_reference(x, w.to_hf(), group_sizes));
     }
     let mut sizes = group_sizes.to_vec();
-    sizes.resize(experts, 0);
+    sizes.resize(w.experts, 0);
     Ok(Tensor::from_dispatch(
         <Dispatch as GroupedPackedOps>::grouped_matmul_packed(
             x.into_dispatch(),
-            w.data.clone().into_dispatch(),
+            data.clone().into_dispatch(),
             sizes,
             w.out,
         ),
@@ -475,30 +586,33 @@ pub fn grouped_matmul_offsets_packed(
     w: &PackedExperts,
     offsets: Tensor<1, Int>,
 ) -> Result<Tensor<2>> {
-    let [experts, wk, stride] = w.data.dims();
     check_offsets(
         "grouped_matmul_offsets_packed weights / offsets",
         x.dims(),
-        [experts, w.out, wk],
-        wk,
+        [w.experts, w.out, w.k],
+        w.k,
         offsets.dims()[0],
     )?;
-    if w.out > stride {
-        return Err(OpsError::ShapeMismatch {
-            what: "grouped_matmul_offsets_packed stride",
-            expected: vec![experts, wk, w.out],
-            got: w.data.dims().to_vec(),
-        });
-    }
-    if !takes_fused(&[x.dtype(), w.data.dtype()], &x.device()) {
-        let hf = w.data.clone().narrow(2, 0, w.out).swap_dims(1, 2);
+    w.check("grouped_matmul_offsets_packed weights", x.dims()[1], 0)?;
+    if matches!(w.layout, ExpertLayout::Panels(_)) {
+        // Panels exist only on flex, where the offsets are read on the host anyway.
         let sizes = sizes_from_offsets(&read_offsets(offsets)?, x.dims()[0]);
-        return Ok(reference_with_tail(x, hf, &sizes));
+        if let Some(y) = w.panel_product(&x, &sizes) {
+            return Ok(y);
+        }
+        return Ok(reference_with_tail(x, w.to_hf(), &sizes));
+    }
+    let ExpertLayout::Strided(data) = &w.layout else {
+        unreachable!("panels handled above");
+    };
+    if !takes_fused(&[x.dtype(), data.dtype()], &x.device()) {
+        let sizes = sizes_from_offsets(&read_offsets(offsets)?, x.dims()[0]);
+        return Ok(reference_with_tail(x, w.to_hf(), &sizes));
     }
     Ok(Tensor::from_dispatch(
         <Dispatch as GroupedOffsetsOps>::grouped_matmul_offsets_packed(
             x.into_dispatch(),
-            w.data.clone().into_dispatch(),
+            data.clone().into_dispatch(),
             offsets.into_dispatch(),
             w.out,
         ),

@@ -39,10 +39,12 @@
 //!
 //!   No plane (warp) operations and a few KiB of shared memory per cube, so they run on
 //!   every WebGPU adapter; tested on `Device::wgpu(DeviceKind::Cpu)` (lavapipe without a GPU).
-//! - [`linear`] and [`grouped::grouped_matmul_packed`]: forward-only inference matmuls for a
-//!   decode step on flex (projections split over both cores, over weights stored
-//!   transposed by [`linear::linear_t`], which splits every decode-sized matmul, `lm_head`
-//!   included; MoE experts over weights packed once per weight version). [`logprobs`] has
+//! - [`packed`], [`linear`] and [`grouped::grouped_matmul_packed`]: forward-only inference
+//!   matmuls for a decode step on flex: on AVX-512F CPUs an AVX-512 micro-kernel over weights
+//!   packed once per weight version into 32-column panels (projections, `lm_head` and MoE
+//!   experts; a row's result independent of the other rows); elsewhere projections split over
+//!   both cores over weights stored transposed ([`linear::linear_t`]). The flex attention
+//!   op's one-row (decode) case reads each cached key and value once per key/value head. [`logprobs`] has
 //!   the samplers' vectorised row passes (log-sum-exp, tempered weights, greedy pick).
 //!
 //! Feature `avx512` (default): `gemm`'s AVX-512 kernels (burn's `x86-v4`), chosen at run time
@@ -110,6 +112,7 @@ pub mod kl;
 pub mod linear;
 pub mod logprobs;
 pub mod norm;
+pub mod packed;
 pub mod policy;
 pub mod reduce;
 pub mod swiglu;

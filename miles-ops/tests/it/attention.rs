@@ -185,6 +185,42 @@ fn cached_keys_prefill_and_decode() {
     });
 }
 
+/// One query row per head with a head size the decode loops take (a multiple of 16): the
+/// direct decode path (grouped heads reading each key once), including a row whose keys are
+/// all masked and a key range cut short by the mask.
+#[test]
+fn decode_rows_with_vector_head_sizes() {
+    for head_dim in [16, 64, 128] {
+        compare(&Case {
+            batch: 3,
+            heads: 8,
+            kv_heads: 2,
+            rows: 1,
+            keys: 37,
+            head_dim,
+            mask: MaskKind::LeftPadded(3),
+        });
+    }
+    compare(&Case {
+        batch: 3,
+        heads: 4,
+        kv_heads: 4,
+        rows: 1,
+        keys: 3,
+        head_dim: 32,
+        mask: MaskKind::LeftPadded(1),
+    });
+    compare(&Case {
+        batch: 2,
+        heads: 6,
+        kv_heads: 3,
+        rows: 1,
+        keys: 70,
+        head_dim: 64,
+        mask: MaskKind::Packed,
+    });
+}
+
 #[test]
 fn inference_forward_matches_without_autodiff() {
     let device = Device::flex();

@@ -31,9 +31,10 @@ pub struct EngineConfig {
     /// Version the initial weights carry.
     pub initial_version: WeightVersion,
     /// Threads the engine computes with: its scheduler runs in a rayon pool of this size of
-    /// its own (`None`: the process-wide pool). Pinning the engine and the trainer to pools
-    /// of their own keeps generation and training from competing for the same cores, the
-    /// in-process counterpart of giving rollout and training separate GPUs.
+    /// its own (`None`: as many threads as the process-wide pool has; the pool's threads
+    /// sleep while the engine is idle). Sizing the engine's and the trainer's pools to split
+    /// the cores keeps generation and training from competing for them when they overlap,
+    /// the in-process counterpart of giving rollout and training separate GPUs.
     pub compute_threads: Option<usize>,
     /// Runs the forward steps on the path specialised for inference and the device: q / k / v
     /// and gate / up projections fused into one matmul each over weights stacked once per

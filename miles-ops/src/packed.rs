@@ -1,0 +1,552 @@
+//! Decode matmuls over weights packed once per weight version in the layout the kernel reads
+//! (flex, `f32`, CPUs with AVX-512F).
+//!
+//! A decode step multiplies a few rows (one per running sequence) by every weight matrix of
+//! the model, so it streams the weights from memory once per step and does little arithmetic
+//! per weight. `gemm` repacks its right-hand side on every call, which at these row counts
+//! costs as much as the product itself. Here each weight `[out, in]` (HF layout) is packed
+//! once into **panels** of [`PANEL`] output columns, each `[in, PANEL]` contiguous
+//! (columns past `out` zero), and the kernel walks a panel front to back:
+//!
+//! - the input rows are packed per call into blocks of at most [`ROW_BLOCK`] rows, each
+//!   `[in, rows]` (one cache line holds a block's values for one input index);
+//! - the AVX-512 micro-kernel keeps a block's `rows × 32` outputs in 2 × `rows` registers and
+//!   for each input index loads the panel's 32 weights once and does one FMA per register;
+//! - a task covers a few panels (about 512 KiB, so they stay in the core's L2 while every row
+//!   block reads them) and up to 16 row blocks; while the first row block runs, the next
+//!   panel is prefetched, which overlaps the weight stream with the arithmetic. Tasks run on
+//!   the rayon pool.
+//!
+//! Every output element is `Σ_i x[r, i] · w[i, c]` accumulated by FMA in input order from
+//! zero, whatever the number of rows, the row block or the task it falls in: a row's result
+//! does not depend on which other rows share the call (continuous batching gives the same
+//! logits as one sequence at a time). It is not `gemm`'s order, so results differ from
+//! [`crate::linear::linear_reference`] at float rounding (tests hold them within `1e-5`
+//! relative). Forward only: the engine's step model uses them, training never does.
+//!
+//! [`PackedMatrix::new`] returns `None` where this path does not apply (another device or
+//! dtype, a CPU without AVX-512F, the fused ops switched off); callers then keep their
+//! generic path.
+
+use std::ops::Range;
+
+use burn::backend::{
+    Backend, Dispatch, DispatchDevice, Flex, backend_extension, tensor::FloatTensor,
+};
+use burn::tensor::{DType, Tensor, TensorData};
+use rayon::prelude::*;
+
+use crate::flex_util::{as_f32, dims, f32_data, tensor};
+
+/// Output columns per panel (two 16-lane registers).
+pub const PANEL: usize = 32;
+/// Rows per register block of the micro-kernel.
+pub const ROW_BLOCK: usize = 12;
+/// Bytes of panels one task reads (kept in L2 across its row blocks).
+const TASK_PANEL_BYTES: usize = 512 * 1024;
+/// Row blocks per task (prefill-sized inputs are split by rows too).
+const TASK_ROW_BLOCKS: usize = 16;
+
+/// Whether the packed kernels can run here: an x86-64 CPU with AVX-512F.
+pub fn supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether weights on `device` in `dtype` get packed: plain flex (no autodiff), `f32`, the
+/// fused ops on ([`crate::fused_ops_enabled`]) and [`supported`].
+pub fn applies(device: &burn::tensor::Device, dtype: DType) -> bool {
+    matches!(device.as_dispatch(), DispatchDevice::Flex(_))
+        && dtype == DType::F32
+        && crate::fused_ops_enabled()
+        && supported()
+}
+
+/// Number of panels of an `out`-wide weight.
+pub fn panels(out: usize) -> usize {
+    out.div_ceil(PANEL)
+}
+
+/// Packs `w` `[out, in]` row-major (HF layout) into panels: element `(i, c)` of the product
+/// matrix `wᵀ` at `(c / PANEL) · in · PANEL + i · PANEL + c % PANEL`; columns past `out` zero.
+pub fn pack(w: &[f32], out: usize, k: usize) -> Vec<f32> {
+    assert_eq!(
+        w.len(),
+        out * k,
+        "pack: {} values for [{out}, {k}]",
+        w.len()
+    );
+    let mut data = vec![0.0f32; panels(out) * k * PANEL];
+    for (c, row) in w.chunks_exact(k.max(1)).enumerate().take(out) {
+        let base = (c / PANEL) * k * PANEL + c % PANEL;
+        for (i, &v) in row.iter().enumerate() {
+            data[base + i * PANEL] = v;
+        }
+    }
+    data
+}
+
+/// Unpacks [`pack`]'s panels back to `[out, in]` row-major.
+pub fn unpack(data: &[f32], out: usize, k: usize) -> Vec<f32> {
+    let mut w = vec![0.0f32; out * k];
+    for (c, row) in w.chunks_exact_mut(k.max(1)).enumerate().take(out) {
+        let base = (c / PANEL) * k * PANEL + c % PANEL;
+        for (i, v) in row.iter_mut().enumerate() {
+            *v = data[base + i * PANEL];
+        }
+    }
+    w
+}
+
+/// A weight `[out, in]` packed for [`PackedMatrix::matmul`] (see the module docs).
+#[derive(Debug, Clone)]
+pub struct PackedMatrix {
+    /// The panels, `[panels(out) · in · PANEL]`, on the weight's (flex) device.
+    pub data: Tensor<1>,
+    /// Input width.
+    pub k: usize,
+    /// Output width.
+    pub n: usize,
+}
+
+impl PackedMatrix {
+    /// Packs `w` `[out, in]`, or `None` where the packed path does not apply ([`applies`]).
+    pub fn new(w: Tensor<2>) -> Option<Self> {
+        let device = w.device();
+        if !applies(&device, w.dtype()) {
+            return None;
+        }
+        let [n, k] = w.dims();
+        let host = w.into_data().convert::<f32>().try_into_vec::<f32>().ok()?;
+        let data = pack(&host, n, k);
+        let len = data.len();
+        Some(Self {
+            data: Tensor::from_data(TensorData::new(data, [len]), &device),
+            k,
+            n,
+        })
+    }
+
+    /// `x · wᵀ` for `x` `[rows, in]`: `[rows, out]`. Any other input than plain flex `f32`
+    /// (e.g. an autodiff tensor) takes the reference product over the unpacked weight.
+    /// Panics on a mismatched input width, as `matmul` does.
+    pub fn matmul(&self, x: Tensor<2>) -> Tensor<2> {
+        let [_, k] = x.dims();
+        assert_eq!(
+            k, self.k,
+            "packed matmul: input width {k}, weight takes {}",
+            self.k
+        );
+        if !matches!(x.device().as_dispatch(), DispatchDevice::Flex(_)) || x.dtype() != DType::F32 {
+            return x.matmul(self.to_hf().transpose());
+        }
+        Tensor::from_dispatch(<Dispatch as PackedOps>::packed_matmul(
+            x.into_dispatch(),
+            self.data.clone().into_dispatch(),
+            vec![],
+            self.n,
+        ))
+    }
+
+    /// The weight back in HF layout `[out, in]`.
+    pub fn to_hf(&self) -> Tensor<2> {
+        let device = self.data.device();
+        let host = self
+            .data
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>();
+        let w = unpack(&host.unwrap_or_default(), self.n, self.k);
+        Tensor::from_data(TensorData::new(w, [self.n, self.k]), &device)
+    }
+}
+
+/// Backend op of [`PackedMatrix::matmul`] and of the packed grouped expert matmul
+/// ([`crate::grouped::grouped_matmul_packed`]); plain flex only.
+#[backend_extension(Flex)]
+pub trait PackedOps: Backend {
+    /// `x · W` for `x` `[rows, in]` over packed panels `data`, `out` columns. With empty
+    /// `sizes`, `data` is one matrix; otherwise it is one matrix per group (`[groups, len]`)
+    /// and group `g` multiplies the next `sizes[g]` rows (rows past the groups are zero).
+    fn packed_matmul(
+        x: FloatTensor<Self>,
+        data: FloatTensor<Self>,
+        sizes: Vec<usize>,
+        out: usize,
+    ) -> FloatTensor<Self>;
+}
+
+impl PackedOps for Flex {
+    fn packed_matmul(
+        x: FloatTensor<Self>,
+        data: FloatTensor<Self>,
+        sizes: Vec<usize>,
+        out: usize,
+    ) -> FloatTensor<Self> {
+        let (x, data) = (as_f32(x), as_f32(data));
+        let (xd, wd) = (f32_data(&x), f32_data(&data));
+        let [m, k] = [dims(&x)[0], dims(&x)[1]];
+        let y = if sizes.is_empty() {
+            matmul_host(&xd, m, k, &[(0..m, &wd[..])], out)
+        } else {
+            let len = panels(out) * k * PANEL;
+            let mut groups = Vec::with_capacity(sizes.len());
+            let mut start = 0;
+            for (g, &s) in sizes.iter().enumerate() {
+                let end = (start + s).min(m);
+                if end > start {
+                    groups.push((start..end, &wd[g * len..(g + 1) * len]));
+                }
+                start = end;
+            }
+            matmul_host(&xd, m, k, &groups, out)
+        };
+        tensor(y, &[m, out])
+    }
+}
+
+/// `y[m, n]` with rows `r` of each group `(rows, panels)` equal to `x[r] · W_group`
+/// (rows outside every group zero); `x` `[m, k]` row-major, each group's panels packed for
+/// `[n, k]` ([`pack`]).
+///
+/// # Panics
+/// When `x` is not `m · k` long, the groups' rows are not in order and disjoint or run past
+/// `m`, or a group's panels are short.
+pub fn matmul_host(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    groups: &[(Range<usize>, &[f32])],
+    n: usize,
+) -> Vec<f32> {
+    assert_eq!(x.len(), m * k, "packed matmul: input of {} values", x.len());
+    let np = panels(n);
+    let panel_len = k * PANEL;
+    let mut end = 0;
+    for (rows, w) in groups {
+        assert!(
+            rows.start >= end && rows.start <= rows.end && rows.end <= m,
+            "packed matmul: rows {rows:?} after {end} of {m}"
+        );
+        end = rows.end;
+        assert!(w.len() >= np * panel_len, "packed matmul: short panels");
+    }
+    let mut y = vec![0.0f32; m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return y;
+    }
+    // Row blocks (balanced, at most ROW_BLOCK rows) within each group, and the input packed
+    // per block as `[k, rows]`.
+    let mut blocks: Vec<(usize, usize, usize)> = Vec::new();
+    for (g, (rows, _)) in groups.iter().enumerate() {
+        let count = rows.len().div_ceil(ROW_BLOCK);
+        let mut r = rows.start;
+        for b in 0..count {
+            let size = (rows.end - r) / (count - b);
+            blocks.push((r, size, g));
+            r += size;
+        }
+    }
+    let mut xp = vec![0.0f32; m * k];
+    for &(r0, size, _) in &blocks {
+        let dst = &mut xp[r0 * k..(r0 + size) * k];
+        for i in 0..size {
+            let row = &x[(r0 + i) * k..(r0 + i + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                dst[kk * size + i] = v;
+            }
+        }
+    }
+    // Tasks: (row blocks of one group, panel range).
+    let threads = rayon::current_num_threads().max(1);
+    let by_bytes = (TASK_PANEL_BYTES / (panel_len * 4)).max(1);
+    let chunk = by_bytes.min(np.div_ceil(2 * threads)).max(1);
+    let mut tasks: Vec<(Range<usize>, Range<usize>)> = Vec::new();
+    let mut b = 0;
+    while b < blocks.len() {
+        let g = blocks[b].2;
+        let mut end = b + 1;
+        while end < blocks.len() && blocks[end].2 == g && end - b < TASK_ROW_BLOCKS {
+            end += 1;
+        }
+        for p in (0..np).step_by(chunk) {
+            tasks.push((b..end, p..(p + chunk).min(np)));
+        }
+        b = end;
+    }
+    let out = OutPtr(y.as_mut_ptr());
+    let (xp, blocks) = (&xp[..], &blocks[..]);
+    let run = |(bs, ps): &(Range<usize>, Range<usize>)| {
+        for (j, &(r0, size, g)) in blocks[bs.clone()].iter().enumerate() {
+            let w = groups[g].1;
+            for p in ps.clone() {
+                let next = (j == 0 && p + 1 < ps.end).then(|| &w[(p + 1) * panel_len..]);
+                let cols = (n - p * PANEL).min(PANEL);
+                // SAFETY: block rows r0..r0+size < m and panel columns p·PANEL..+cols ≤ n,
+                // so the written region lies inside `y`; tasks cover disjoint (row block,
+                // panel) pairs, so no two tasks write the same element; `y` outlives the
+                // parallel loop below.
+                unsafe {
+                    block(
+                        size,
+                        &xp[r0 * k..(r0 + size) * k],
+                        &w[p * panel_len..(p + 1) * panel_len],
+                        k,
+                        out.at(r0 * n + p * PANEL),
+                        n,
+                        cols,
+                        next,
+                    );
+                }
+            }
+        }
+    };
+    if tasks.len() == 1 || threads == 1 {
+        tasks.iter().for_each(run);
+    } else {
+        tasks.par_iter().for_each(run);
+    }
+    y
+}
+
+/// The output buffer shared by the tasks of [`matmul_host`] (each writes its own elements).
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (see `matmul_host`).
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// One row block (`rows` ≤ [`ROW_BLOCK`]) times one panel into `c` (row stride `ldc`, `cols`
+/// valid columns); `next`, when given, is prefetched as the block runs.
+///
+/// # Safety
+/// `c` must be valid for writes of `rows` rows of `cols` elements `ldc` apart; `a` holds
+/// `k · rows` values and `b` `k · PANEL`; the CPU has AVX-512F.
+#[allow(clippy::too_many_arguments)]
+unsafe fn block(
+    rows: usize,
+    a: &[f32],
+    b: &[f32],
+    k: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    next: Option<&[f32]>,
+) {
+    debug_assert!(a.len() >= k * rows && b.len() >= k * PANEL && cols <= PANEL);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let pf = next
+            .filter(|n| n.len() >= k * PANEL)
+            .map_or(std::ptr::null(), <[f32]>::as_ptr);
+        let (a, b) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            use avx512::kernel as kr;
+            match rows {
+                1 => kr::<1>(a, b, k, c, ldc, cols, pf),
+                2 => kr::<2>(a, b, k, c, ldc, cols, pf),
+                3 => kr::<3>(a, b, k, c, ldc, cols, pf),
+                4 => kr::<4>(a, b, k, c, ldc, cols, pf),
+                5 => kr::<5>(a, b, k, c, ldc, cols, pf),
+                6 => kr::<6>(a, b, k, c, ldc, cols, pf),
+                7 => kr::<7>(a, b, k, c, ldc, cols, pf),
+                8 => kr::<8>(a, b, k, c, ldc, cols, pf),
+                9 => kr::<9>(a, b, k, c, ldc, cols, pf),
+                10 => kr::<10>(a, b, k, c, ldc, cols, pf),
+                11 => kr::<11>(a, b, k, c, ldc, cols, pf),
+                12 => kr::<12>(a, b, k, c, ldc, cols, pf),
+                _ => unreachable!("row blocks hold at most ROW_BLOCK rows"),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (rows, a, b, k, c, ldc, cols, next);
+        unreachable!("packed weights exist only where `supported()`");
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::PANEL;
+
+    /// `c[r, j] = Σ_i a[i · R + r] · b[i · PANEL + j]` for `r < R`, `j < cols`, FMAs in `i`
+    /// order from zero; prefetches `pf` (same layout as `b`) when not null.
+    ///
+    /// # Safety
+    /// `a` holds `k · R` values, `b` (and `pf` when not null) `k · PANEL`; `c` is valid for
+    /// `R` rows of `cols ≤ PANEL` elements `ldc` apart; the CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn kernel<const R: usize>(
+        a: *const f32,
+        b: *const f32,
+        k: usize,
+        c: *mut f32,
+        ldc: usize,
+        cols: usize,
+        pf: *const f32,
+    ) {
+        let mut lo = [_mm512_setzero_ps(); R];
+        let mut hi = [_mm512_setzero_ps(); R];
+        // SAFETY: every offset below is inside the extents the caller guarantees.
+        unsafe {
+            for i in 0..k {
+                if !pf.is_null() {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(i * PANEL).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(i * PANEL + 16).cast());
+                }
+                let b0 = _mm512_loadu_ps(b.add(i * PANEL));
+                let b1 = _mm512_loadu_ps(b.add(i * PANEL + 16));
+                for r in 0..R {
+                    let av = _mm512_set1_ps(*a.add(i * R + r));
+                    lo[r] = _mm512_fmadd_ps(av, b0, lo[r]);
+                    hi[r] = _mm512_fmadd_ps(av, b1, hi[r]);
+                }
+            }
+            if cols == PANEL {
+                for r in 0..R {
+                    _mm512_storeu_ps(c.add(r * ldc), lo[r]);
+                    _mm512_storeu_ps(c.add(r * ldc + 16), hi[r]);
+                }
+            } else {
+                let m0 = lane_mask(cols);
+                let m1 = lane_mask(cols.saturating_sub(16));
+                for r in 0..R {
+                    _mm512_mask_storeu_ps(c.add(r * ldc), m0, lo[r]);
+                    _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, hi[r]);
+                }
+            }
+        }
+    }
+
+    /// The first `n` of 16 lanes (all for `n ≥ 16`).
+    fn lane_mask(n: usize) -> __mmask16 {
+        if n >= 16 {
+            u16::MAX
+        } else {
+            ((1u32 << n) - 1) as u16
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Σ_i x[r, i] · w[c, i]` accumulated in `f64`.
+    fn exact(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut y = vec![0.0; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                y[r * n + c] = (0..k)
+                    .map(|i| x[r * k + i] as f64 * w[c * k + i] as f64)
+                    .sum();
+            }
+        }
+        y
+    }
+
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pack_round_trips_and_pads_with_zeros() {
+        let (n, k) = (37, 5);
+        let w = values(n * k, 1);
+        let p = pack(&w, n, k);
+        assert_eq!(p.len(), 2 * k * PANEL);
+        assert_eq!(unpack(&p, n, k), w);
+        // Element (i = 3, c = 33): panel 1, column 1.
+        assert_eq!(p[k * PANEL + 3 * PANEL + 1], w[33 * k + 3]);
+        assert!(
+            p[k * PANEL + 2 * PANEL + 5..k * PANEL + 3 * PANEL]
+                .iter()
+                .all(|&v| v == 0.0)
+        );
+    }
+
+    #[test]
+    fn products_match_f64_and_rows_are_batch_invariant() {
+        if !supported() {
+            return;
+        }
+        for &(m, k, n) in &[
+            (1, 7, 5),
+            (3, 64, 100),
+            (13, 33, 64),
+            (32, 96, 70),
+            (200, 40, 33),
+        ] {
+            let (x, w) = (values(m * k, 2), values(n * k, 3));
+            let p = pack(&w, n, k);
+            let y = matmul_host(&x, m, k, &[(0..m, &p[..])], n);
+            let want = exact(&x, &w, m, k, n);
+            for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                assert!(
+                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "[{m}, {k}, {n}] element {i}: {got} vs {want}"
+                );
+            }
+            // Each row alone gives the same bits as within the batch.
+            for r in [0, m / 2, m - 1] {
+                let alone = matmul_host(&x[r * k..(r + 1) * k], 1, k, &[(0..1, &p[..])], n);
+                assert_eq!(alone, y[r * n..(r + 1) * n], "[{m}, {k}, {n}] row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn groups_use_their_own_weights_and_leave_other_rows_zero() {
+        if !supported() {
+            return;
+        }
+        let (m, k, n) = (20, 24, 40);
+        let x = values(m * k, 4);
+        let (w0, w1) = (values(n * k, 5), values(n * k, 6));
+        let (p0, p1) = (pack(&w0, n, k), pack(&w1, n, k));
+        let y = matmul_host(&x, m, k, &[(0..7, &p0[..]), (7..18, &p1[..])], n);
+        let (y0, y1) = (exact(&x, &w0, m, k, n), exact(&x, &w1, m, k, n));
+        for r in 0..m {
+            for c in 0..n {
+                let got = y[r * n + c] as f64;
+                let want = match r {
+                    0..7 => y0[r * n + c],
+                    7..18 => y1[r * n + c],
+                    _ => 0.0,
+                };
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "row {r} col {c}"
+                );
+            }
+        }
+    }
+}
