@@ -135,14 +135,29 @@ pub struct MoeBlock {
 }
 
 /// A MoE layer's routed experts packed once per weight version for inference: gate and up
-/// stacked as one `[experts, hidden, 2 · moe_intermediate]` grouped matmul, down as
+/// as one grouped product ([`miles_ops::grouped::PackedExperts::glu`]: the SwiGLU itself on
+/// flex with AVX-512F, else gate and up stacked, `2 · moe_intermediate` outputs), down as
 /// `[experts, moe_intermediate, hidden]` (adapters merged).
 #[derive(Debug, Clone)]
 pub struct PackedMoe {
-    /// Gate then up, `2 · moe_intermediate` outputs per expert.
+    /// Gate and up.
     pub gate_up: miles_ops::grouped::PackedExperts,
     /// Down, `hidden` outputs per expert.
     pub down: miles_ops::grouped::PackedExperts,
+}
+
+impl PackedMoe {
+    /// The SwiGLU activations from the gate / up product's output.
+    fn activations(&self, gate_up: Tensor<2>) -> Tensor<2> {
+        if self.gate_up.is_glu() {
+            return gate_up;
+        }
+        let inter = self.gate_up.out / 2;
+        swiglu(
+            gate_up.clone().narrow(1, 0, inter),
+            gate_up.narrow(1, inter, inter),
+        )
+    }
 }
 
 /// How an MoE layer applies its routed experts.
@@ -392,11 +407,7 @@ impl MoeBlock {
                     offsets.clone(),
                 )
                 .map_err(ops_err)?;
-                let inter = packed.gate_up.out / 2;
-                let act = swiglu(
-                    gate_up.clone().narrow(1, 0, inter),
-                    gate_up.narrow(1, inter, inter),
-                );
+                let act = packed.activations(gate_up);
                 miles_ops::grouped::grouped_matmul_offsets_packed(
                     act,
                     &packed.down,
@@ -482,28 +493,17 @@ impl MoeBlock {
         let outputs = match &self.packed {
             Some(packed) => {
                 // Shapes are ours: the reference fallback only re-raises a shape panic.
-                let gate_up = miles_ops::grouped::grouped_matmul_packed(
+                let act = match miles_ops::grouped::grouped_matmul_packed(
                     rows.clone(),
                     &packed.gate_up,
                     &counts,
-                )
-                .unwrap_or_else(|_| {
-                    grouped(
-                        rows,
-                        Tensor::cat(
-                            vec![
-                                self.experts.effective_gate_proj(),
-                                self.experts.effective_up_proj(),
-                            ],
-                            1,
-                        ),
-                    )
-                });
-                let inter = packed.gate_up.out / 2;
-                let act = swiglu(
-                    gate_up.clone().narrow(1, 0, inter),
-                    gate_up.narrow(1, inter, inter),
-                );
+                ) {
+                    Ok(gate_up) => packed.activations(gate_up),
+                    Err(_) => swiglu(
+                        grouped(rows.clone(), self.experts.effective_gate_proj()),
+                        grouped(rows, self.experts.effective_up_proj()),
+                    ),
+                };
                 miles_ops::grouped::grouped_matmul_packed(act.clone(), &packed.down, &counts)
                     .unwrap_or_else(|_| grouped(act, self.experts.effective_down_proj()))
             }
@@ -1018,15 +1018,11 @@ impl CausalLm {
                     if let Some(shared) = &mut moe.shared_experts {
                         shared.fuse();
                     }
-                    let gate_up = Tensor::cat(
-                        vec![
+                    moe.packed = Some(PackedMoe {
+                        gate_up: miles_ops::grouped::PackedExperts::glu(
                             moe.experts.effective_gate_proj(),
                             moe.experts.effective_up_proj(),
-                        ],
-                        1,
-                    );
-                    moe.packed = Some(PackedMoe {
-                        gate_up: miles_ops::grouped::PackedExperts::new(gate_up),
+                        ),
                         down: miles_ops::grouped::PackedExperts::new(
                             moe.experts.effective_down_proj(),
                         ),

@@ -256,6 +256,30 @@ impl FusedLinear {
         fused
     }
 
+    /// A gate and an up projection as one SwiGLU product: on flex with AVX-512F (`f32`, no
+    /// biases) [`FusedLinear::forward_all`] returns `silu(x · gateᵀ) ⊙ (x · upᵀ)` directly
+    /// ([`miles_ops::packed::PackedMatrix::glu`]); elsewhere the two stacked as
+    /// [`FusedLinear::new`] does ([`FusedLinear::is_glu`] tells which).
+    pub fn glu(gate: &Linear, up: &Linear) -> Self {
+        if gate.bias.is_none()
+            && up.bias.is_none()
+            && let Some(packed) =
+                miles_ops::packed::PackedMatrix::glu(gate.effective_weight(), up.effective_weight())
+        {
+            return Self {
+                widths: vec![packed.n],
+                weight: FusedWeight::Packed(packed),
+                bias: None,
+            };
+        }
+        Self::new(&[gate, up])
+    }
+
+    /// Whether [`FusedLinear::forward_all`] returns SwiGLU activations ([`FusedLinear::glu`]).
+    pub fn is_glu(&self) -> bool {
+        matches!(&self.weight, FusedWeight::Packed(p) if p.product == miles_ops::packed::Product::Glu)
+    }
+
     /// One layer without bias over `weight` `[out, in]` (e.g. tied embeddings as `lm_head`).
     pub fn from_weight(weight: Tensor<2>) -> Self {
         let widths = vec![weight.dims()[0]];
@@ -402,6 +426,7 @@ impl Mlp {
     /// Applies the MLP to `[tokens, hidden]` rows.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let h = match &self.fused_gate_up {
+            Some(fused) if fused.is_glu() => fused.forward_all(x),
             Some(fused) => {
                 let mut parts = fused.forward(x).into_iter();
                 match (parts.next(), parts.next()) {
@@ -418,9 +443,9 @@ impl Mlp {
         }
     }
 
-    /// Fuses `gate_proj` and `up_proj` for inference (see [`FusedLinear`]).
+    /// Fuses `gate_proj` and `up_proj` for inference (see [`FusedLinear::glu`]).
     pub fn fuse(&mut self) {
-        self.fused_gate_up = Some(FusedLinear::new(&[&self.gate_proj, &self.up_proj]));
+        self.fused_gate_up = Some(FusedLinear::glu(&self.gate_proj, &self.up_proj));
         self.packed_down = Some(FusedLinear::new(&[&self.down_proj]));
     }
 

@@ -190,30 +190,72 @@ fn block_keys(limits: &[usize]) -> usize {
     limits.iter().copied().max().unwrap_or(0)
 }
 
+/// Lanes of the softmax passes (one AVX-512 register).
+const LANES: usize = 16;
+
 /// Softmax of one row of scaled scores in place (masked and beyond-limit keys → 0);
-/// returns the row's log-sum-exp.
+/// returns the row's log-sum-exp. The max and the sum run over [`LANES`] lanes (lane sums
+/// added in order at the end), so the passes vectorise; compiled for AVX-512F when the CPU
+/// has it, with the same bits either way (no fused multiply-adds).
 fn softmax_row(scores: &mut [f32], mask: &[u8]) -> f32 {
-    let mut max = f32::NEG_INFINITY;
-    for (s, &m) in scores.iter().zip(mask) {
-        let v = if m == 0 { *s } else { f32::NEG_INFINITY };
-        max = max.max(v);
+    #[cfg(target_arch = "x86_64")]
+    if crate::packed::supported() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { softmax_row_avx512(scores, mask) };
     }
-    let mut sum = 0.0f32;
-    for (s, &m) in scores.iter_mut().zip(mask) {
-        let e = exp_nonpositive(*s - max);
-        let e = if m == 0 { e } else { 0.0 };
-        *s = e;
-        sum += e;
+    softmax_lanes(scores, mask)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn softmax_row_avx512(scores: &mut [f32], mask: &[u8]) -> f32 {
+    softmax_lanes(scores, mask)
+}
+
+#[inline(always)]
+fn softmax_lanes(scores: &mut [f32], mask: &[u8]) -> f32 {
+    let mut top = [f32::NEG_INFINITY; LANES];
+    for (s, m) in scores.chunks(LANES).zip(mask.chunks(LANES)) {
+        for ((t, &v), &m) in top.iter_mut().zip(s).zip(m) {
+            *t = t.max(if m == 0 { v } else { f32::NEG_INFINITY });
+        }
     }
+    let max = top.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sums = [0.0f32; LANES];
+    for (s, m) in scores.chunks_mut(LANES).zip(mask.chunks(LANES)) {
+        for ((acc, v), &m) in sums.iter_mut().zip(s.iter_mut()).zip(m) {
+            let e = exp_nonpositive(*v - max);
+            *v = if m == 0 { e } else { 0.0 };
+            *acc += *v;
+        }
+    }
+    let sum: f32 = sums.iter().sum();
     let inv = 1.0 / sum;
-    for s in scores.iter_mut() {
-        *s *= inv;
+    for v in scores.iter_mut() {
+        *v *= inv;
     }
     max + sum.ln()
 }
 
-/// `exp(scores − lse)` in place, masked keys → 0 (the forward's probabilities).
+/// `exp(scores − lse)` in place, masked keys → 0 (the forward's probabilities); compiled
+/// for AVX-512F when the CPU has it (same bits).
 fn probs_row(scores: &mut [f32], mask: &[u8], lse: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::packed::supported() {
+        // SAFETY: the CPU has AVX-512F.
+        return unsafe { probs_row_avx512(scores, mask, lse) };
+    }
+    probs_lanes(scores, mask, lse)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn probs_row_avx512(scores: &mut [f32], mask: &[u8], lse: f32) {
+    probs_lanes(scores, mask, lse)
+}
+
+#[inline(always)]
+fn probs_lanes(scores: &mut [f32], mask: &[u8], lse: f32) {
     for (s, &m) in scores.iter_mut().zip(mask) {
         let e = exp_nonpositive(*s - lse);
         *s = if m == 0 { e } else { 0.0 };
@@ -352,7 +394,6 @@ pub(crate) fn forward(
 /// The one-row (decode) forward: direct AVX-512 loops instead of two `gemm` calls per head
 /// (which pack their operands every call), so a decode step reads the cache at memory speed.
 mod decode {
-    #[cfg(not(target_arch = "x86_64"))]
     use super::softmax_row;
 
     /// Whether the decode loops take head size `d` on this CPU.
@@ -381,12 +422,6 @@ mod decode {
         unsafe {
             avx512::scores(qs, keys, values, d, scale, &mut scores)
         };
-        #[cfg(target_arch = "x86_64")]
-        for (g, row) in scores.chunks_mut(t.max(1)).enumerate().take(group) {
-            // SAFETY: as above.
-            lse[g] = unsafe { avx512::softmax(row, mask) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
         for (g, row) in scores.chunks_mut(t.max(1)).enumerate().take(group) {
             lse[g] = softmax_row(row, mask);
         }
@@ -401,37 +436,7 @@ mod decode {
     mod avx512 {
         use std::arch::x86_64::*;
 
-        use crate::flex_attention::exp_nonpositive;
-
-        /// Lanes of the softmax passes.
-        const LANES: usize = 16;
-
-        /// [`super::softmax_row`] with the max and the sum taken over 16 lanes (a different
-        /// summation order, the same probabilities up to rounding).
-        #[target_feature(enable = "avx512f")]
-        pub(super) fn softmax(row: &mut [f32], mask: &[u8]) -> f32 {
-            let mut top = [f32::NEG_INFINITY; LANES];
-            for (s, m) in row.chunks(LANES).zip(mask.chunks(LANES)) {
-                for ((t, &v), &m) in top.iter_mut().zip(s).zip(m) {
-                    *t = t.max(if m == 0 { v } else { f32::NEG_INFINITY });
-                }
-            }
-            let max = top.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sums = [0.0f32; LANES];
-            for (s, m) in row.chunks_mut(LANES).zip(mask.chunks(LANES)) {
-                for ((acc, v), &m) in sums.iter_mut().zip(s.iter_mut()).zip(m) {
-                    let e = exp_nonpositive(*v - max);
-                    *v = if m == 0 { e } else { 0.0 };
-                    *acc += *v;
-                }
-            }
-            let sum: f32 = sums.iter().sum();
-            let inv = 1.0 / sum;
-            for v in row.iter_mut() {
-                *v *= inv;
-            }
-            max + sum.ln()
-        }
+        use super::super::LANES;
 
         /// `scores[g · t + j] = scale · Σ_c qs[g · d + c] · keys[j · d + c]`, `d % 16 = 0`;
         /// prefetches `values` (as long as `keys`) while it runs.

@@ -276,6 +276,9 @@ pub struct PackedExperts {
     pub k: usize,
     /// Number of experts.
     pub experts: usize,
+    /// What the product computes (always [`crate::packed::Product::Plain`] for
+    /// [`ExpertLayout::Strided`]).
+    pub product: crate::packed::Product,
 }
 
 /// How [`PackedExperts`] stores its weights.
@@ -308,6 +311,7 @@ impl PackedExperts {
                 out,
                 k,
                 experts,
+                product: crate::packed::Product::Plain,
             };
         }
         let stride = out + PACK_PAD;
@@ -323,10 +327,49 @@ impl PackedExperts {
             out,
             k,
             experts,
+            product: crate::packed::Product::Plain,
         }
     }
 
-    /// The weights back in HF layout `[experts, out, in]` (the reference paths).
+    /// Packs the gate and up projections `[experts, inter, in]` for the fused SwiGLU product:
+    /// [`grouped_matmul_packed`] then returns `silu(x_e · gate_eᵀ) ⊙ (x_e · up_eᵀ)`
+    /// (`[rows, inter]`). Where the panels do not apply, the same as [`PackedExperts::new`]
+    /// over the two stacked on the output axis (the product then returns `[rows, 2 · inter]`;
+    /// [`PackedExperts::is_glu`] tells which).
+    pub fn glu(gate: Tensor<3>, up: Tensor<3>) -> Self {
+        let [experts, inter, k] = gate.dims();
+        if crate::packed::applies(&gate.device(), gate.dtype()) && up.dims() == gate.dims() {
+            let read = |t: Tensor<3>| t.into_data().convert::<f32>().try_into_vec::<f32>().ok();
+            if let (Some(g), Some(u)) = (read(gate.clone()), read(up.clone())) {
+                let each = (inter * k).max(1);
+                let mut data = Vec::new();
+                for (ge, ue) in g.chunks_exact(each).zip(u.chunks_exact(each)).take(experts) {
+                    data.extend(crate::packed::pack_glu(ge, ue, inter, k));
+                }
+                let len = data.len() / experts.max(1);
+                let panels = Tensor::from_data(
+                    burn::tensor::TensorData::new(data, [experts, len]),
+                    &gate.device(),
+                );
+                return Self {
+                    layout: ExpertLayout::Panels(panels),
+                    out: inter,
+                    k,
+                    experts,
+                    product: crate::packed::Product::Glu,
+                };
+            }
+        }
+        Self::new(Tensor::cat(vec![gate, up], 1))
+    }
+
+    /// Whether the product is the fused SwiGLU (`[rows, out]` activations).
+    pub fn is_glu(&self) -> bool {
+        self.product == crate::packed::Product::Glu
+    }
+
+    /// The weights back in HF layout `[experts, out, in]` (the reference paths; for the fused
+    /// SwiGLU product the gate rows then the up rows, `[experts, 2 · out, in]`).
     pub fn to_hf(&self) -> Tensor<3> {
         match &self.layout {
             ExpertLayout::Strided(data) => data.clone().narrow(2, 0, self.out).swap_dims(1, 2),
@@ -339,12 +382,23 @@ impl PackedExperts {
                     .try_into_vec::<f32>();
                 let host = host.unwrap_or_default();
                 let len = crate::packed::panels(self.out) * self.k * crate::packed::PANEL;
-                let mut w = Vec::with_capacity(self.experts * self.out * self.k);
-                for e in host.chunks_exact(len.max(1)).take(self.experts) {
-                    w.extend(crate::packed::unpack(e, self.out, self.k));
+                let width = if self.is_glu() { 2 } else { 1 };
+                let mut w = Vec::with_capacity(width * self.experts * self.out * self.k);
+                for e in host.chunks_exact((width * len).max(1)).take(self.experts) {
+                    if self.is_glu() {
+                        let (mut gate, mut up) = (Vec::new(), Vec::new());
+                        for pair in e.chunks_exact(2 * len.max(1)) {
+                            gate.extend_from_slice(&pair[..len]);
+                            up.extend_from_slice(&pair[len..]);
+                        }
+                        w.extend(crate::packed::unpack(&gate, self.out, self.k));
+                        w.extend(crate::packed::unpack(&up, self.out, self.k));
+                    } else {
+                        w.extend(crate::packed::unpack(e, self.out, self.k));
+                    }
                 }
                 Tensor::from_data(
-                    burn::tensor::TensorData::new(w, [self.experts, self.out, self.k]),
+                    burn::tensor::TensorData::new(w, [self.experts, width * self.out, self.k]),
                     &device,
                 )
             }
@@ -372,8 +426,24 @@ impl PackedExperts {
                 data.clone().into_dispatch(),
                 sizes,
                 self.out,
+                self.is_glu(),
             ),
         ))
+    }
+
+    /// The reference product over `to_hf()` weights for host group sizes (rows past the
+    /// groups zero): `x_e · w_eᵀ`, or for the fused SwiGLU product its activations.
+    fn reference(&self, x: Tensor<2>, sizes: &[usize]) -> Tensor<2> {
+        let w = self.to_hf();
+        if !self.is_glu() {
+            return reference_with_tail(x, w, sizes);
+        }
+        let gate = w.clone().narrow(1, 0, self.out);
+        let up = w.narrow(1, self.out, self.out);
+        crate::swiglu::swiglu_reference(
+            reference_with_tail(x.clone(), gate, sizes),
+            reference_with_tail(x, up, sizes),
+        )
     }
 
     fn check(&self, what: &'static str, k: usize, groups: usize) -> Result<()> {
@@ -382,10 +452,11 @@ impl PackedExperts {
                 data.dims() == [self.experts, self.k, data.dims()[2]] && self.out <= data.dims()[2]
             }
             ExpertLayout::Panels(data) => {
+                let width = if self.is_glu() { 2 } else { 1 };
                 data.dims()
                     == [
                         self.experts,
-                        crate::packed::panels(self.out) * self.k * crate::packed::PANEL,
+                        width * crate::packed::panels(self.out) * self.k * crate::packed::PANEL,
                     ]
             }
         };
@@ -403,9 +474,9 @@ impl PackedExperts {
 /// Padding columns of a strided expert row.
 const PACK_PAD: usize = 16;
 
-/// [`grouped_matmul`] over [`PackedExperts`]: `x_e · w_eᵀ` for consecutive row groups.
-/// Forward only; on other devices than flex (or autodiff tensors) it is the same product
-/// with tensor ops.
+/// [`grouped_matmul`] over [`PackedExperts`]: `x_e · w_eᵀ` for consecutive row groups (for
+/// [`PackedExperts::glu`] weights, `silu(x_e · gate_eᵀ) ⊙ (x_e · up_eᵀ)`). Forward only; on
+/// other devices than flex (or autodiff tensors) it is the same product with tensor ops.
 pub fn grouped_matmul_packed(
     x: Tensor<2>,
     w: &PackedExperts,
@@ -429,7 +500,7 @@ pub fn grouped_matmul_packed(
         burn::backend::DispatchDevice::Flex(_)
     );
     let ExpertLayout::Strided(data) = &w.layout else {
-        return Ok(grouped_matmul_reference(x, w.to_hf(), group_sizes));
+        return Ok(w.reference(x, group_sizes));
     };
     if !plain_flex || !takes_fused(&[x.dtype(), data.dtype()], &x.device()) {
         return Ok(grouped_matmul_reference(x, w.to_hf(), group_sizes));
@@ -600,7 +671,7 @@ pub fn grouped_matmul_offsets_packed(
         if let Some(y) = w.panel_product(&x, &sizes) {
             return Ok(y);
         }
-        return Ok(reference_with_tail(x, w.to_hf(), &sizes));
+        return Ok(w.reference(x, &sizes));
     }
     let ExpertLayout::Strided(data) = &w.layout else {
         unreachable!("panels handled above");

@@ -17,6 +17,12 @@
 //!   panel is prefetched, which overlaps the weight stream with the arithmetic. Tasks run on
 //!   the rayon pool.
 //!
+//! A gate and an up projection pack as one interleaved matrix ([`pack_glu`]: gate panel `j`
+//! then up panel `j`) for [`Product::Glu`]: the kernel keeps both products of a block of up to
+//! 6 rows in registers and writes `silu(gate) · up` (SwiGLU with the formula of
+//! [`crate::swiglu`]'s flex op), so the MLP's `[rows, 2 · inter]` intermediate, its column
+//! splits and the separate activation pass never exist.
+//!
 //! Every output element is `Σ_i x[r, i] · w[i, c]` accumulated by FMA in input order from
 //! zero, whatever the number of rows, the row block or the task it falls in: a row's result
 //! does not depend on which other rows share the call (continuous batching gives the same
@@ -104,6 +110,46 @@ pub fn unpack(data: &[f32], out: usize, k: usize) -> Vec<f32> {
     w
 }
 
+/// Packs a gate and an up projection (`[inter, in]` each, HF layout) for the fused SwiGLU
+/// product ([`PackedMatrix::glu`]): gate panel `j` then up panel `j`, for each `j`.
+pub fn pack_glu(gate: &[f32], up: &[f32], inter: usize, k: usize) -> Vec<f32> {
+    let (g, u) = (pack(gate, inter, k), pack(up, inter, k));
+    let len = k * PANEL;
+    let mut data = Vec::with_capacity(2 * g.len());
+    for (gp, up) in g.chunks_exact(len.max(1)).zip(u.chunks_exact(len.max(1))) {
+        data.extend_from_slice(gp);
+        data.extend_from_slice(up);
+    }
+    data
+}
+
+/// What a packed product computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Product {
+    /// `x · W`.
+    Plain,
+    /// `silu(x · W_gate) ⊙ (x · W_up)` over [`pack_glu`]'s interleaved panels.
+    Glu,
+}
+
+impl Product {
+    /// Weight values per output column per input index.
+    fn width(self) -> usize {
+        match self {
+            Self::Plain => 1,
+            Self::Glu => 2,
+        }
+    }
+
+    /// Rows per register block.
+    fn row_block(self) -> usize {
+        match self {
+            Self::Plain => ROW_BLOCK,
+            Self::Glu => ROW_BLOCK / 2,
+        }
+    }
+}
+
 /// A weight `[out, in]` packed for [`PackedMatrix::matmul`] (see the module docs).
 #[derive(Debug, Clone)]
 pub struct PackedMatrix {
@@ -113,6 +159,8 @@ pub struct PackedMatrix {
     pub k: usize,
     /// Output width.
     pub n: usize,
+    /// What [`PackedMatrix::matmul`] computes.
+    pub product: Product,
 }
 
 impl PackedMatrix {
@@ -130,10 +178,31 @@ impl PackedMatrix {
             data: Tensor::from_data(TensorData::new(data, [len]), &device),
             k,
             n,
+            product: Product::Plain,
         })
     }
 
-    /// `x · wᵀ` for `x` `[rows, in]`: `[rows, out]`. Any other input than plain flex `f32`
+    /// Packs a gate and an up projection (`[inter, in]` each) for the fused product
+    /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, or `None` where the packed path does not apply.
+    pub fn glu(gate: Tensor<2>, up: Tensor<2>) -> Option<Self> {
+        let device = gate.device();
+        if !applies(&device, gate.dtype()) || gate.dims() != up.dims() {
+            return None;
+        }
+        let [n, k] = gate.dims();
+        let read = |t: Tensor<2>| t.into_data().convert::<f32>().try_into_vec::<f32>().ok();
+        let data = pack_glu(&read(gate)?, &read(up)?, n, k);
+        let len = data.len();
+        Some(Self {
+            data: Tensor::from_data(TensorData::new(data, [len]), &device),
+            k,
+            n,
+            product: Product::Glu,
+        })
+    }
+
+    /// `x · wᵀ` for `x` `[rows, in]`: `[rows, out]` (for [`Product::Glu`] the SwiGLU
+    /// activations `silu(x · gateᵀ) ⊙ (x · upᵀ)`). Any other input than plain flex `f32`
     /// (e.g. an autodiff tensor) takes the reference product over the unpacked weight.
     /// Panics on a mismatched input width, as `matmul` does.
     pub fn matmul(&self, x: Tensor<2>) -> Tensor<2> {
@@ -144,17 +213,29 @@ impl PackedMatrix {
             self.k
         );
         if !matches!(x.device().as_dispatch(), DispatchDevice::Flex(_)) || x.dtype() != DType::F32 {
-            return x.matmul(self.to_hf().transpose());
+            let w = self.to_hf();
+            return match self.product {
+                Product::Plain => x.matmul(w.transpose()),
+                Product::Glu => {
+                    let (gate, up) = (w.clone().narrow(0, 0, self.n), w.narrow(0, self.n, self.n));
+                    crate::swiglu::swiglu_reference(
+                        x.clone().matmul(gate.transpose()),
+                        x.matmul(up.transpose()),
+                    )
+                }
+            };
         }
         Tensor::from_dispatch(<Dispatch as PackedOps>::packed_matmul(
             x.into_dispatch(),
             self.data.clone().into_dispatch(),
             vec![],
             self.n,
+            self.product == Product::Glu,
         ))
     }
 
-    /// The weight back in HF layout `[out, in]`.
+    /// The weight back in HF layout `[out, in]` (for [`Product::Glu`], the gate rows then the
+    /// up rows, `[2 · out, in]`).
     pub fn to_hf(&self) -> Tensor<2> {
         let device = self.data.device();
         let host = self
@@ -163,8 +244,23 @@ impl PackedMatrix {
             .into_data()
             .convert::<f32>()
             .try_into_vec::<f32>();
-        let w = unpack(&host.unwrap_or_default(), self.n, self.k);
-        Tensor::from_data(TensorData::new(w, [self.n, self.k]), &device)
+        let host = host.unwrap_or_default();
+        let w = match self.product {
+            Product::Plain => unpack(&host, self.n, self.k),
+            Product::Glu => {
+                let len = self.k * PANEL;
+                let (mut gate, mut up) = (Vec::new(), Vec::new());
+                for pair in host.chunks_exact(2 * len.max(1)) {
+                    gate.extend_from_slice(&pair[..len]);
+                    up.extend_from_slice(&pair[len..]);
+                }
+                let mut w = unpack(&gate, self.n, self.k);
+                w.extend(unpack(&up, self.n, self.k));
+                w
+            }
+        };
+        let rows = w.len() / self.k.max(1);
+        Tensor::from_data(TensorData::new(w, [rows, self.k]), &device)
     }
 }
 
@@ -172,14 +268,16 @@ impl PackedMatrix {
 /// ([`crate::grouped::grouped_matmul_packed`]); plain flex only.
 #[backend_extension(Flex)]
 pub trait PackedOps: Backend {
-    /// `x · W` for `x` `[rows, in]` over packed panels `data`, `out` columns. With empty
-    /// `sizes`, `data` is one matrix; otherwise it is one matrix per group (`[groups, len]`)
-    /// and group `g` multiplies the next `sizes[g]` rows (rows past the groups are zero).
+    /// `x · W` for `x` `[rows, in]` over packed panels `data`, `out` columns (with `glu`,
+    /// `silu(x · W_gate) ⊙ (x · W_up)` over [`pack_glu`]'s panels). With empty `sizes`,
+    /// `data` is one matrix; otherwise it is one matrix per group (`[groups, len]`) and group
+    /// `g` multiplies the next `sizes[g]` rows (rows past the groups are zero).
     fn packed_matmul(
         x: FloatTensor<Self>,
         data: FloatTensor<Self>,
         sizes: Vec<usize>,
         out: usize,
+        glu: bool,
     ) -> FloatTensor<Self>;
 }
 
@@ -189,14 +287,16 @@ impl PackedOps for Flex {
         data: FloatTensor<Self>,
         sizes: Vec<usize>,
         out: usize,
+        glu: bool,
     ) -> FloatTensor<Self> {
         let (x, data) = (as_f32(x), as_f32(data));
         let (xd, wd) = (f32_data(&x), f32_data(&data));
         let [m, k] = [dims(&x)[0], dims(&x)[1]];
+        let product = if glu { Product::Glu } else { Product::Plain };
         let y = if sizes.is_empty() {
-            matmul_host(&xd, m, k, &[(0..m, &wd[..])], out)
+            product_host(product, &xd, m, k, &[(0..m, &wd[..])], out)
         } else {
-            let len = panels(out) * k * PANEL;
+            let len = product.width() * panels(out) * k * PANEL;
             let mut groups = Vec::with_capacity(sizes.len());
             let mut start = 0;
             for (g, &s) in sizes.iter().enumerate() {
@@ -206,7 +306,7 @@ impl PackedOps for Flex {
                 }
                 start = end;
             }
-            matmul_host(&xd, m, k, &groups, out)
+            product_host(product, &xd, m, k, &groups, out)
         };
         tensor(y, &[m, out])
     }
@@ -226,9 +326,27 @@ pub fn matmul_host(
     groups: &[(Range<usize>, &[f32])],
     n: usize,
 ) -> Vec<f32> {
+    product_host(Product::Plain, x, m, k, groups, n)
+}
+
+/// [`matmul_host`] for either [`Product`] (for [`Product::Glu`] each group's panels come
+/// from [`pack_glu`] and `n` is the SwiGLU width).
+///
+/// # Panics
+/// As [`matmul_host`].
+pub fn product_host(
+    product: Product,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    groups: &[(Range<usize>, &[f32])],
+    n: usize,
+) -> Vec<f32> {
     assert_eq!(x.len(), m * k, "packed matmul: input of {} values", x.len());
     let np = panels(n);
     let panel_len = k * PANEL;
+    let step = product.width() * panel_len;
+    let row_block = product.row_block();
     let mut end = 0;
     for (rows, w) in groups {
         assert!(
@@ -236,17 +354,17 @@ pub fn matmul_host(
             "packed matmul: rows {rows:?} after {end} of {m}"
         );
         end = rows.end;
-        assert!(w.len() >= np * panel_len, "packed matmul: short panels");
+        assert!(w.len() >= np * step, "packed matmul: short panels");
     }
     let mut y = vec![0.0f32; m * n];
     if m == 0 || n == 0 || k == 0 {
         return y;
     }
-    // Row blocks (balanced, at most ROW_BLOCK rows) within each group, and the input packed
+    // Row blocks (balanced, at most the product's row block) within each group, the input packed
     // per block as `[k, rows]`.
     let mut blocks: Vec<(usize, usize, usize)> = Vec::new();
     for (g, (rows, _)) in groups.iter().enumerate() {
-        let count = rows.len().div_ceil(ROW_BLOCK);
+        let count = rows.len().div_ceil(row_block);
         let mut r = rows.start;
         for b in 0..count {
             let size = (rows.end - r) / (count - b);
@@ -266,7 +384,7 @@ pub fn matmul_host(
     }
     // Tasks: (row blocks of one group, panel range).
     let threads = rayon::current_num_threads().max(1);
-    let by_bytes = (TASK_PANEL_BYTES / (panel_len * 4)).max(1);
+    let by_bytes = (TASK_PANEL_BYTES / (step * 4)).max(1);
     let chunk = by_bytes.min(np.div_ceil(2 * threads)).max(1);
     let mut tasks: Vec<(Range<usize>, Range<usize>)> = Vec::new();
     let mut b = 0;
@@ -287,7 +405,7 @@ pub fn matmul_host(
         for (j, &(r0, size, g)) in blocks[bs.clone()].iter().enumerate() {
             let w = groups[g].1;
             for p in ps.clone() {
-                let next = (j == 0 && p + 1 < ps.end).then(|| &w[(p + 1) * panel_len..]);
+                let next = (j == 0 && p + 1 < ps.end).then(|| &w[(p + 1) * step..]);
                 let cols = (n - p * PANEL).min(PANEL);
                 // SAFETY: block rows r0..r0+size < m and panel columns p·PANEL..+cols ≤ n,
                 // so the written region lies inside `y`; tasks cover disjoint (row block,
@@ -295,9 +413,10 @@ pub fn matmul_host(
                 // parallel loop below.
                 unsafe {
                     block(
+                        product,
                         size,
                         &xp[r0 * k..(r0 + size) * k],
-                        &w[p * panel_len..(p + 1) * panel_len],
+                        &w[p * step..(p + 1) * step],
                         k,
                         out.at(r0 * n + p * PANEL),
                         n,
@@ -330,14 +449,16 @@ impl OutPtr {
     }
 }
 
-/// One row block (`rows` ≤ [`ROW_BLOCK`]) times one panel into `c` (row stride `ldc`, `cols`
-/// valid columns); `next`, when given, is prefetched as the block runs.
+/// One row block (`rows` ≤ the product's row block) times one panel (two for
+/// [`Product::Glu`]) into `c` (row stride `ldc`, `cols` valid columns); `next`, when given, is
+/// prefetched as the block runs.
 ///
 /// # Safety
 /// `c` must be valid for writes of `rows` rows of `cols` elements `ldc` apart; `a` holds
-/// `k · rows` values and `b` `k · PANEL`; the CPU has AVX-512F.
+/// `k · rows` values and `b` `width · k · PANEL`; the CPU has AVX-512F.
 #[allow(clippy::too_many_arguments)]
 unsafe fn block(
+    product: Product,
     rows: usize,
     a: &[f32],
     b: &[f32],
@@ -347,36 +468,43 @@ unsafe fn block(
     cols: usize,
     next: Option<&[f32]>,
 ) {
-    debug_assert!(a.len() >= k * rows && b.len() >= k * PANEL && cols <= PANEL);
+    let step = product.width() * k * PANEL;
+    debug_assert!(a.len() >= k * rows && b.len() >= step && cols <= PANEL);
     #[cfg(target_arch = "x86_64")]
     {
         let pf = next
-            .filter(|n| n.len() >= k * PANEL)
+            .filter(|n| n.len() >= step)
             .map_or(std::ptr::null(), <[f32]>::as_ptr);
         let (a, b) = (a.as_ptr(), b.as_ptr());
         // SAFETY: forwarded from the caller.
         unsafe {
-            use avx512::kernel as kr;
-            match rows {
-                1 => kr::<1>(a, b, k, c, ldc, cols, pf),
-                2 => kr::<2>(a, b, k, c, ldc, cols, pf),
-                3 => kr::<3>(a, b, k, c, ldc, cols, pf),
-                4 => kr::<4>(a, b, k, c, ldc, cols, pf),
-                5 => kr::<5>(a, b, k, c, ldc, cols, pf),
-                6 => kr::<6>(a, b, k, c, ldc, cols, pf),
-                7 => kr::<7>(a, b, k, c, ldc, cols, pf),
-                8 => kr::<8>(a, b, k, c, ldc, cols, pf),
-                9 => kr::<9>(a, b, k, c, ldc, cols, pf),
-                10 => kr::<10>(a, b, k, c, ldc, cols, pf),
-                11 => kr::<11>(a, b, k, c, ldc, cols, pf),
-                12 => kr::<12>(a, b, k, c, ldc, cols, pf),
-                _ => unreachable!("row blocks hold at most ROW_BLOCK rows"),
+            use avx512::{glu as g, kernel as kr};
+            match (product, rows) {
+                (Product::Plain, 1) => kr::<1>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 2) => kr::<2>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 3) => kr::<3>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 4) => kr::<4>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 5) => kr::<5>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 6) => kr::<6>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 7) => kr::<7>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 8) => kr::<8>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 9) => kr::<9>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 10) => kr::<10>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 11) => kr::<11>(a, b, k, c, ldc, cols, pf),
+                (Product::Plain, 12) => kr::<12>(a, b, k, c, ldc, cols, pf),
+                (Product::Glu, 1) => g::<1>(a, b, k, c, ldc, cols, pf),
+                (Product::Glu, 2) => g::<2>(a, b, k, c, ldc, cols, pf),
+                (Product::Glu, 3) => g::<3>(a, b, k, c, ldc, cols, pf),
+                (Product::Glu, 4) => g::<4>(a, b, k, c, ldc, cols, pf),
+                (Product::Glu, 5) => g::<5>(a, b, k, c, ldc, cols, pf),
+                (Product::Glu, 6) => g::<6>(a, b, k, c, ldc, cols, pf),
+                _ => unreachable!("row blocks hold at most the product's row block"),
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (rows, a, b, k, c, ldc, cols, next);
+        let _ = (product, rows, a, b, k, c, ldc, cols, next, step);
         unreachable!("packed weights exist only where `supported()`");
     }
 }
@@ -432,6 +560,60 @@ mod avx512 {
                     _mm512_mask_storeu_ps(c.add(r * ldc), m0, lo[r]);
                     _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, hi[r]);
                 }
+            }
+        }
+    }
+
+    /// `c[r, j] = silu(g) · u` with `g` the product of `a`'s row `r` with the gate panel at
+    /// `b` and `u` with the up panel at `b + k · PANEL` (each accumulated as in [`kernel`]);
+    /// prefetches `pf` (two panels) when not null.
+    ///
+    /// # Safety
+    /// As [`kernel`], with `b` (and `pf`) holding `2 · k · PANEL` values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn glu<const R: usize>(
+        a: *const f32,
+        b: *const f32,
+        k: usize,
+        c: *mut f32,
+        ldc: usize,
+        cols: usize,
+        pf: *const f32,
+    ) {
+        let mut g = [[_mm512_setzero_ps(); 2]; R];
+        let mut u = [[_mm512_setzero_ps(); 2]; R];
+        // SAFETY: every offset below is inside the extents the caller guarantees.
+        unsafe {
+            let bu = b.add(k * PANEL);
+            for i in 0..k {
+                if !pf.is_null() {
+                    for off in [0, 16, k * PANEL, k * PANEL + 16] {
+                        _mm_prefetch::<_MM_HINT_T0>(pf.add(i * PANEL + off).cast());
+                    }
+                }
+                let g0 = _mm512_loadu_ps(b.add(i * PANEL));
+                let g1 = _mm512_loadu_ps(b.add(i * PANEL + 16));
+                let u0 = _mm512_loadu_ps(bu.add(i * PANEL));
+                let u1 = _mm512_loadu_ps(bu.add(i * PANEL + 16));
+                for r in 0..R {
+                    let av = _mm512_set1_ps(*a.add(i * R + r));
+                    g[r][0] = _mm512_fmadd_ps(av, g0, g[r][0]);
+                    g[r][1] = _mm512_fmadd_ps(av, g1, g[r][1]);
+                    u[r][0] = _mm512_fmadd_ps(av, u0, u[r][0]);
+                    u[r][1] = _mm512_fmadd_ps(av, u1, u[r][1]);
+                }
+            }
+            let mut gs = [0.0f32; PANEL];
+            let mut us = [0.0f32; PANEL];
+            for r in 0..R {
+                _mm512_storeu_ps(gs.as_mut_ptr(), g[r][0]);
+                _mm512_storeu_ps(gs.as_mut_ptr().add(16), g[r][1]);
+                _mm512_storeu_ps(us.as_mut_ptr(), u[r][0]);
+                _mm512_storeu_ps(us.as_mut_ptr().add(16), u[r][1]);
+                for (x, &y) in gs.iter_mut().zip(&us) {
+                    *x = *x * crate::swiglu::sigmoid(*x) * y;
+                }
+                std::ptr::copy_nonoverlapping(gs.as_ptr(), c.add(r * ldc), cols);
             }
         }
     }
@@ -520,6 +702,37 @@ mod tests {
                 let alone = matmul_host(&x[r * k..(r + 1) * k], 1, k, &[(0..1, &p[..])], n);
                 assert_eq!(alone, y[r * n..(r + 1) * n], "[{m}, {k}, {n}] row {r}");
             }
+        }
+    }
+
+    #[test]
+    fn glu_products_match_f64_swiglu_and_rows_are_batch_invariant() {
+        if !supported() {
+            return;
+        }
+        for &(m, k, inter) in &[
+            (1, 9, 5),
+            (7, 64, 70),
+            (13, 40, 32),
+            (40, 33, 96),
+            (70, 24, 45),
+        ] {
+            let x = values(m * k, 7);
+            let (gate, up) = (values(inter * k, 8), values(inter * k, 9));
+            let p = pack_glu(&gate, &up, inter, k);
+            assert_eq!(p.len(), 2 * panels(inter) * k * PANEL);
+            let y = product_host(Product::Glu, &x, m, k, &[(0..m, &p[..])], inter);
+            let (g, u) = (exact(&x, &gate, m, k, inter), exact(&x, &up, m, k, inter));
+            for (i, &got) in y.iter().enumerate() {
+                let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+                assert!(
+                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "[{m}, {k}, {inter}] element {i}: {got} vs {want}"
+                );
+            }
+            let r = m - 1;
+            let alone = product_host(Product::Glu, &x[r * k..], 1, k, &[(0..1, &p[..])], inter);
+            assert_eq!(alone, y[r * inter..], "[{m}, {k}, {inter}] last row alone");
         }
     }
 

@@ -70,7 +70,7 @@ pub trait SwiGluOps: Backend {
 
 /// `σ(x)` from `exp(−|x|)`, branch-free so that loops vectorise.
 #[inline(always)]
-fn sigmoid(x: f32) -> f32 {
+pub(crate) fn sigmoid(x: f32) -> f32 {
     let e = crate::flex_attention::exp_nonpositive(-x.abs());
     let r = 1.0 / (1.0 + e);
     if x >= 0.0 { r } else { e * r }

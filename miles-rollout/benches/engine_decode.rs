@@ -378,7 +378,14 @@ async fn run(
         );
     }
     let decode_peak = peak_rss_mib();
+    miles_bridge::profile::reset();
     let secs = prefill(&engine, sizes.prefill_seqs, vocab).await;
+    if miles_bridge::profile::enabled() {
+        println!(
+            "# engine {name}: prefill, time per op class (MILES_PROFILE_OPS): {}",
+            miles_bridge::profile::report()
+        );
+    }
     let tokens = (sizes.prefill_seqs * PREFILL_LEN) as f64;
     let tps = tokens / secs;
     println!(
