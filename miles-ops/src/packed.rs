@@ -659,6 +659,31 @@ mod tests {
             .collect()
     }
 
+    /// Whether this CPU runs the kernels; without AVX-512F the tests say so, and fail where
+    /// `MILES_REQUIRE_KERNEL_TESTS` is set (CI).
+    fn runs_here() -> bool {
+        if supported() {
+            return true;
+        }
+        assert!(
+            std::env::var_os("MILES_REQUIRE_KERNEL_TESTS").is_none(),
+            "MILES_REQUIRE_KERNEL_TESTS is set but this CPU has no AVX-512F"
+        );
+        eprintln!("packed kernel tests skipped: this CPU has no AVX-512F");
+        false
+    }
+
+    /// Every `got[i]` within `1e-5` (relative, plus absolute) of `want(i)`.
+    fn assert_close(what: &str, got: &[f32], want: impl Fn(usize) -> f64) {
+        for (i, &got) in got.iter().enumerate() {
+            let want = want(i);
+            assert!(
+                (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "{what} element {i}: {got} vs {want}"
+            );
+        }
+    }
+
     #[test]
     fn pack_round_trips_and_pads_with_zeros() {
         let (n, k) = (37, 5);
@@ -677,7 +702,7 @@ mod tests {
 
     #[test]
     fn products_match_f64_and_rows_are_batch_invariant() {
-        if !supported() {
+        if !runs_here() {
             return;
         }
         for &(m, k, n) in &[
@@ -691,12 +716,7 @@ mod tests {
             let p = pack(&w, n, k);
             let y = matmul_host(&x, m, k, &[(0..m, &p[..])], n);
             let want = exact(&x, &w, m, k, n);
-            for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
-                assert!(
-                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                    "[{m}, {k}, {n}] element {i}: {got} vs {want}"
-                );
-            }
+            assert_close(&format!("[{m}, {k}, {n}]"), &y, |i| want[i]);
             // Each row alone gives the same bits as within the batch.
             for r in [0, m / 2, m - 1] {
                 let alone = matmul_host(&x[r * k..(r + 1) * k], 1, k, &[(0..1, &p[..])], n);
@@ -707,7 +727,7 @@ mod tests {
 
     #[test]
     fn glu_products_match_f64_swiglu_and_rows_are_batch_invariant() {
-        if !supported() {
+        if !runs_here() {
             return;
         }
         for &(m, k, inter) in &[
@@ -723,13 +743,9 @@ mod tests {
             assert_eq!(p.len(), 2 * panels(inter) * k * PANEL);
             let y = product_host(Product::Glu, &x, m, k, &[(0..m, &p[..])], inter);
             let (g, u) = (exact(&x, &gate, m, k, inter), exact(&x, &up, m, k, inter));
-            for (i, &got) in y.iter().enumerate() {
-                let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
-                assert!(
-                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                    "[{m}, {k}, {inter}] element {i}: {got} vs {want}"
-                );
-            }
+            assert_close(&format!("[{m}, {k}, {inter}] SwiGLU"), &y, |i| {
+                g[i] / (1.0 + (-g[i]).exp()) * u[i]
+            });
             let r = m - 1;
             let alone = product_host(Product::Glu, &x[r * k..], 1, k, &[(0..1, &p[..])], inter);
             assert_eq!(alone, y[r * inter..], "[{m}, {k}, {inter}] last row alone");
@@ -738,7 +754,7 @@ mod tests {
 
     #[test]
     fn groups_use_their_own_weights_and_leave_other_rows_zero() {
-        if !supported() {
+        if !runs_here() {
             return;
         }
         let (m, k, n) = (20, 24, 40);
@@ -747,19 +763,10 @@ mod tests {
         let (p0, p1) = (pack(&w0, n, k), pack(&w1, n, k));
         let y = matmul_host(&x, m, k, &[(0..7, &p0[..]), (7..18, &p1[..])], n);
         let (y0, y1) = (exact(&x, &w0, m, k, n), exact(&x, &w1, m, k, n));
-        for r in 0..m {
-            for c in 0..n {
-                let got = y[r * n + c] as f64;
-                let want = match r {
-                    0..7 => y0[r * n + c],
-                    7..18 => y1[r * n + c],
-                    _ => 0.0,
-                };
-                assert!(
-                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                    "row {r} col {c}"
-                );
-            }
-        }
+        assert_close("two groups", &y, |i| match i / n {
+            0..7 => y0[i],
+            7..18 => y1[i],
+            _ => 0.0,
+        });
     }
 }
