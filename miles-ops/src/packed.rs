@@ -50,6 +50,8 @@ pub const PANEL: usize = 32;
 pub const ROW_BLOCK: usize = 12;
 /// Bytes of panels one task reads (kept in L2 across its row blocks).
 const TASK_PANEL_BYTES: usize = 512 * 1024;
+/// Input values from which the per-call packing of the input runs on the rayon pool.
+const PARALLEL_PACK: usize = 1 << 16;
 /// Row blocks per task (prefill-sized inputs are split by rows too).
 const TASK_ROW_BLOCKS: usize = 16;
 
@@ -372,18 +374,34 @@ pub fn product_host(
             r += size;
         }
     }
+    let threads = rayon::current_num_threads().max(1);
     let mut xp = vec![0.0f32; m * k];
-    for &(r0, size, _) in &blocks {
-        let dst = &mut xp[r0 * k..(r0 + size) * k];
-        for i in 0..size {
-            let row = &x[(r0 + i) * k..(r0 + i + 1) * k];
-            for (kk, &v) in row.iter().enumerate() {
-                dst[kk * size + i] = v;
+    {
+        // Each block's `[k, rows]` slice of `xp` (blocks are in row order and disjoint).
+        let mut parts = Vec::with_capacity(blocks.len());
+        let (mut rest, mut at) = (&mut xp[..], 0);
+        for &(r0, size, _) in &blocks {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(r0 * k - at);
+            let (dst, tail) = tail.split_at_mut(size * k);
+            parts.push((r0, size, dst));
+            (rest, at) = (tail, (r0 + size) * k);
+        }
+        let pack_block = |(r0, size, dst): (usize, usize, &mut [f32])| {
+            for i in 0..size {
+                let row = &x[(r0 + i) * k..(r0 + i + 1) * k];
+                for (kk, &v) in row.iter().enumerate() {
+                    dst[kk * size + i] = v;
+                }
             }
+        };
+        // A prefill's input is megabytes: transposed on every core.
+        if threads > 1 && m * k >= PARALLEL_PACK {
+            parts.into_par_iter().for_each(pack_block);
+        } else {
+            parts.into_iter().for_each(pack_block);
         }
     }
     // Tasks: (row blocks of one group, panel range).
-    let threads = rayon::current_num_threads().max(1);
     let by_bytes = (TASK_PANEL_BYTES / (step * 4)).max(1);
     let chunk = by_bytes.min(np.div_ceil(2 * threads)).max(1);
     let mut tasks: Vec<(Range<usize>, Range<usize>)> = Vec::new();
@@ -711,6 +729,8 @@ mod tests {
             (13, 33, 64),
             (32, 96, 70),
             (200, 40, 33),
+            // Input packed on the rayon pool (≥ PARALLEL_PACK values).
+            (300, 256, 40),
         ] {
             let (x, w) = (values(m * k, 2), values(n * k, 3));
             let p = pack(&w, n, k);
