@@ -156,6 +156,15 @@ fn moe_block_device_sparse_matches_dense_and_flex() {
             let what = format!("{what}, flex Sparse vs Dense, {tokens} tokens");
             assert_close(&what, &flex_sparse.values[i], &flex_dense.values[i], 1e-5);
         }
+        // On flex with AVX-512F the packed experts are kernel panels, gate / up computing the
+        // SwiGLU itself.
+        let packed_flex = moe_block_packed_forward(&Device::flex(), tokens);
+        assert_close(
+            &format!("flex packed forward vs flex Dense, {tokens} tokens"),
+            &packed_flex,
+            &flex_dense.values[0],
+            1e-5,
+        );
         // Inference over the packed experts (the engine's step model), no autodiff.
         let packed = moe_block_packed_forward(&wgpu, tokens);
         assert_close(
@@ -240,9 +249,20 @@ fn moe_block_run(device: &Device, dispatch: MoeDispatch, tokens: usize) -> MoeRu
 fn moe_block_packed_forward(device: &Device, tokens: usize) -> Vec<f32> {
     let mut model = load(device);
     model.fuse_projections();
-    model.set_moe_dispatch(MoeDispatch::Auto);
+    // As the engine's step model: sparse at every batch size (flex's `Auto` is dense below
+    // 256 tokens).
+    model.set_moe_dispatch(if miles_ops::device::is_flex(device) {
+        MoeDispatch::Sparse
+    } else {
+        MoeDispatch::Auto
+    });
     let block = moe_block(&model);
-    assert!(block.packed.is_some());
+    let packed = block.packed.as_ref().expect("packed experts");
+    assert_eq!(
+        packed.gate_up.is_glu(),
+        miles_ops::device::is_flex(device) && miles_ops::packed::supported(),
+        "the fused SwiGLU panels exactly on flex with AVX-512F"
+    );
     let (x, _) = moe_block_input(tokens, device);
     let (out, _) = block.forward(x, &Fallthrough).unwrap();
     let n = out.shape().num_elements();
