@@ -293,27 +293,10 @@ pub enum ExpertLayout {
 impl PackedExperts {
     /// Packs `w` `[experts, out, in]` (HF layout).
     pub fn new(w: Tensor<3>) -> Self {
-        let [experts, out, k] = w.dims();
-        if crate::packed::applies(&w.device(), w.dtype())
-            && let Ok(host) = w.clone().into_data().convert::<f32>().try_into_vec::<f32>()
-        {
-            let len = crate::packed::panels(out) * k * crate::packed::PANEL;
-            let mut data = Vec::with_capacity(experts * len);
-            for e in host.chunks_exact((out * k).max(1)).take(experts) {
-                data.extend(crate::packed::pack(e, out, k));
-            }
-            let panels = Tensor::from_data(
-                burn::tensor::TensorData::new(data, [experts, len]),
-                &w.device(),
-            );
-            return Self {
-                layout: ExpertLayout::Panels(panels),
-                out,
-                k,
-                experts,
-                product: crate::packed::Product::Plain,
-            };
+        if let Some(packed) = Self::panels(crate::packed::Product::Plain, vec![w.clone()]) {
+            return packed;
         }
+        let [experts, out, k] = w.dims();
         let stride = out + PACK_PAD;
         let t = w.swap_dims(1, 2);
         let data = if stride == out {
@@ -337,30 +320,42 @@ impl PackedExperts {
     /// over the two stacked on the output axis (the product then returns `[rows, 2 · inter]`;
     /// [`PackedExperts::is_glu`] tells which).
     pub fn glu(gate: Tensor<3>, up: Tensor<3>) -> Self {
-        let [experts, inter, k] = gate.dims();
-        if crate::packed::applies(&gate.device(), gate.dtype()) && up.dims() == gate.dims() {
-            let read = |t: Tensor<3>| t.into_data().convert::<f32>().try_into_vec::<f32>().ok();
-            if let (Some(g), Some(u)) = (read(gate.clone()), read(up.clone())) {
-                let each = (inter * k).max(1);
-                let mut data = Vec::new();
-                for (ge, ue) in g.chunks_exact(each).zip(u.chunks_exact(each)).take(experts) {
-                    data.extend(crate::packed::pack_glu(ge, ue, inter, k));
-                }
-                let len = data.len() / experts.max(1);
-                let panels = Tensor::from_data(
-                    burn::tensor::TensorData::new(data, [experts, len]),
-                    &gate.device(),
-                );
-                return Self {
-                    layout: ExpertLayout::Panels(panels),
-                    out: inter,
-                    k,
-                    experts,
-                    product: crate::packed::Product::Glu,
-                };
-            }
+        Self::panels(crate::packed::Product::Glu, vec![gate.clone(), up.clone()])
+            .unwrap_or_else(|| Self::new(Tensor::cat(vec![gate, up], 1)))
+    }
+
+    /// Each expert of `weights` (`product.width()` stacks of one shape and dtype) packed for
+    /// `product`, or `None` where the panels do not apply ([`crate::packed::applies`]).
+    fn panels(product: crate::packed::Product, weights: Vec<Tensor<3>>) -> Option<Self> {
+        let first = weights.first()?;
+        let (device, [experts, out, k], dtype) = (first.device(), first.dims(), first.dtype());
+        if !crate::packed::applies(&device, dtype)
+            || weights.len() != product.width()
+            || weights
+                .iter()
+                .any(|w| w.dims() != [experts, out, k] || w.dtype() != dtype)
+        {
+            return None;
         }
-        Self::new(Tensor::cat(vec![gate, up], 1))
+        let host = weights
+            .into_iter()
+            .map(crate::packed::host_f32)
+            .collect::<Option<Vec<_>>>()?;
+        let (each, len) = (out * k, product.packed_len(out, k));
+        let mut data = Vec::with_capacity(experts * len);
+        for e in 0..experts {
+            let parts: Vec<&[f32]> = host.iter().map(|h| &h[e * each..(e + 1) * each]).collect();
+            data.extend(product.pack(&parts, out, k));
+        }
+        let panels =
+            Tensor::from_data(burn::tensor::TensorData::new(data, [experts, len]), &device);
+        Some(Self {
+            layout: ExpertLayout::Panels(panels),
+            out,
+            k,
+            experts,
+            product,
+        })
     }
 
     /// Whether the product is the fused SwiGLU (`[rows, out]` activations).
@@ -374,32 +369,16 @@ impl PackedExperts {
         match &self.layout {
             ExpertLayout::Strided(data) => data.clone().narrow(2, 0, self.out).swap_dims(1, 2),
             ExpertLayout::Panels(data) => {
-                let device = data.device();
-                let host = data
-                    .clone()
-                    .into_data()
-                    .convert::<f32>()
-                    .try_into_vec::<f32>();
-                let host = host.unwrap_or_default();
-                let len = crate::packed::panels(self.out) * self.k * crate::packed::PANEL;
-                let width = if self.is_glu() { 2 } else { 1 };
-                let mut w = Vec::with_capacity(width * self.experts * self.out * self.k);
-                for e in host.chunks_exact((width * len).max(1)).take(self.experts) {
-                    if self.is_glu() {
-                        let (mut gate, mut up) = (Vec::new(), Vec::new());
-                        for pair in e.chunks_exact(2 * len.max(1)) {
-                            gate.extend_from_slice(&pair[..len]);
-                            up.extend_from_slice(&pair[len..]);
-                        }
-                        w.extend(crate::packed::unpack(&gate, self.out, self.k));
-                        w.extend(crate::packed::unpack(&up, self.out, self.k));
-                    } else {
-                        w.extend(crate::packed::unpack(e, self.out, self.k));
-                    }
+                let host = crate::packed::host_f32(data.clone()).unwrap_or_default();
+                let len = self.product.packed_len(self.out, self.k).max(1);
+                let mut w = Vec::with_capacity(host.len());
+                for e in host.chunks_exact(len).take(self.experts) {
+                    w.extend(self.product.unpack(e, self.out, self.k));
                 }
+                let rows = self.product.width() * self.out;
                 Tensor::from_data(
-                    burn::tensor::TensorData::new(w, [self.experts, width * self.out, self.k]),
-                    &device,
+                    burn::tensor::TensorData::new(w, [self.experts, rows, self.k]),
+                    &data.device(),
                 )
             }
         }
@@ -452,12 +431,7 @@ impl PackedExperts {
                 data.dims() == [self.experts, self.k, data.dims()[2]] && self.out <= data.dims()[2]
             }
             ExpertLayout::Panels(data) => {
-                let width = if self.is_glu() { 2 } else { 1 };
-                data.dims()
-                    == [
-                        self.experts,
-                        width * crate::packed::panels(self.out) * self.k * crate::packed::PANEL,
-                    ]
+                data.dims() == [self.experts, self.product.packed_len(self.out, self.k)]
             }
         };
         if k != self.k || groups > self.experts || !stride_ok {

@@ -135,11 +135,47 @@ pub enum Product {
 }
 
 impl Product {
-    /// Weight values per output column per input index.
-    fn width(self) -> usize {
+    /// Weight matrices the product packs (the weight, or gate and up).
+    pub fn width(self) -> usize {
         match self {
             Self::Plain => 1,
             Self::Glu => 2,
+        }
+    }
+
+    /// Values of one packed matrix with `out` outputs and `k` inputs.
+    pub fn packed_len(self, out: usize, k: usize) -> usize {
+        self.width() * panels(out) * k * PANEL
+    }
+
+    /// Packs [`Product::width`] matrices `[out, in]` (row-major, HF layout): [`pack`] or
+    /// [`pack_glu`].
+    ///
+    /// # Panics
+    /// When `parts` holds fewer matrices or one is not `out · k` long.
+    pub fn pack(self, parts: &[&[f32]], out: usize, k: usize) -> Vec<f32> {
+        match self {
+            Self::Plain => pack(parts[0], out, k),
+            Self::Glu => pack_glu(parts[0], parts[1], out, k),
+        }
+    }
+
+    /// [`Product::pack`] undone: the weight `[out, in]`, or the gate rows then the up rows
+    /// `[2 · out, in]`.
+    pub fn unpack(self, data: &[f32], out: usize, k: usize) -> Vec<f32> {
+        match self {
+            Self::Plain => unpack(data, out, k),
+            Self::Glu => {
+                let len = k * PANEL;
+                let (mut gate, mut up) = (Vec::new(), Vec::new());
+                for pair in data.chunks_exact(2 * len.max(1)) {
+                    gate.extend_from_slice(&pair[..len]);
+                    up.extend_from_slice(&pair[len..]);
+                }
+                let mut w = unpack(&gate, out, k);
+                w.extend(unpack(&up, out, k));
+                w
+            }
         }
     }
 
@@ -168,38 +204,39 @@ pub struct PackedMatrix {
 impl PackedMatrix {
     /// Packs `w` `[out, in]`, or `None` where the packed path does not apply ([`applies`]).
     pub fn new(w: Tensor<2>) -> Option<Self> {
-        let device = w.device();
-        if !applies(&device, w.dtype()) {
-            return None;
-        }
-        let [n, k] = w.dims();
-        let host = w.into_data().convert::<f32>().try_into_vec::<f32>().ok()?;
-        let data = pack(&host, n, k);
-        let len = data.len();
-        Some(Self {
-            data: Tensor::from_data(TensorData::new(data, [len]), &device),
-            k,
-            n,
-            product: Product::Plain,
-        })
+        Self::build(Product::Plain, vec![w])
     }
 
     /// Packs a gate and an up projection (`[inter, in]` each) for the fused product
     /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, or `None` where the packed path does not apply.
     pub fn glu(gate: Tensor<2>, up: Tensor<2>) -> Option<Self> {
-        let device = gate.device();
-        if !applies(&device, gate.dtype()) || gate.dims() != up.dims() {
+        Self::build(Product::Glu, vec![gate, up])
+    }
+
+    /// Packs `weights` (`product.width()` matrices of one shape and dtype) for `product`.
+    fn build(product: Product, weights: Vec<Tensor<2>>) -> Option<Self> {
+        let first = weights.first()?;
+        let (device, [n, k], dtype) = (first.device(), first.dims(), first.dtype());
+        if !applies(&device, dtype)
+            || weights.len() != product.width()
+            || weights
+                .iter()
+                .any(|w| w.dims() != [n, k] || w.dtype() != dtype)
+        {
             return None;
         }
-        let [n, k] = gate.dims();
-        let read = |t: Tensor<2>| t.into_data().convert::<f32>().try_into_vec::<f32>().ok();
-        let data = pack_glu(&read(gate)?, &read(up)?, n, k);
+        let host = weights
+            .into_iter()
+            .map(host_f32)
+            .collect::<Option<Vec<_>>>()?;
+        let parts: Vec<&[f32]> = host.iter().map(Vec::as_slice).collect();
+        let data = product.pack(&parts, n, k);
         let len = data.len();
         Some(Self {
             data: Tensor::from_data(TensorData::new(data, [len]), &device),
             k,
             n,
-            product: Product::Glu,
+            product,
         })
     }
 
@@ -239,31 +276,16 @@ impl PackedMatrix {
     /// The weight back in HF layout `[out, in]` (for [`Product::Glu`], the gate rows then the
     /// up rows, `[2 · out, in]`).
     pub fn to_hf(&self) -> Tensor<2> {
-        let device = self.data.device();
-        let host = self
-            .data
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>();
-        let host = host.unwrap_or_default();
-        let w = match self.product {
-            Product::Plain => unpack(&host, self.n, self.k),
-            Product::Glu => {
-                let len = self.k * PANEL;
-                let (mut gate, mut up) = (Vec::new(), Vec::new());
-                for pair in host.chunks_exact(2 * len.max(1)) {
-                    gate.extend_from_slice(&pair[..len]);
-                    up.extend_from_slice(&pair[len..]);
-                }
-                let mut w = unpack(&gate, self.n, self.k);
-                w.extend(unpack(&up, self.n, self.k));
-                w
-            }
-        };
-        let rows = w.len() / self.k.max(1);
-        Tensor::from_data(TensorData::new(w, [rows, self.k]), &device)
+        let host = host_f32(self.data.clone()).unwrap_or_default();
+        let w = self.product.unpack(&host, self.n, self.k);
+        let rows = self.product.width() * self.n;
+        Tensor::from_data(TensorData::new(w, [rows, self.k]), &self.data.device())
     }
+}
+
+/// `t`'s values as `f32` on the host (`None` when they cannot be read).
+pub(crate) fn host_f32<const D: usize>(t: Tensor<D>) -> Option<Vec<f32>> {
+    t.into_data().convert::<f32>().try_into_vec::<f32>().ok()
 }
 
 /// Backend op of [`PackedMatrix::matmul`] and of the packed grouped expert matmul
@@ -298,7 +320,7 @@ impl PackedOps for Flex {
         let y = if sizes.is_empty() {
             product_host(product, &xd, m, k, &[(0..m, &wd[..])], out)
         } else {
-            let len = product.width() * panels(out) * k * PANEL;
+            let len = product.packed_len(out, k);
             let mut groups = Vec::with_capacity(sizes.len());
             let mut start = 0;
             for (g, &s) in sizes.iter().enumerate() {
