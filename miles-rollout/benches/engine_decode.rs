@@ -327,12 +327,7 @@ async fn run(
     for seqs in ROWS {
         miles_bridge::profile::reset();
         let (secs, first) = decode(&engine, seqs, new_tokens, vocab).await;
-        if miles_bridge::profile::enabled() {
-            println!(
-                "# engine {name}: {seqs} sequences, time per op class (MILES_PROFILE_OPS): {}",
-                miles_bridge::profile::report()
-            );
-        }
+        print_profile(name, &format!("{seqs} sequences"));
         let tps = (seqs * new_tokens) as f64 / secs;
         let baseline = hf
             .decode
@@ -380,12 +375,7 @@ async fn run(
     let decode_peak = peak_rss_mib();
     miles_bridge::profile::reset();
     let secs = prefill(&engine, sizes.prefill_seqs, vocab).await;
-    if miles_bridge::profile::enabled() {
-        println!(
-            "# engine {name}: prefill, time per op class (MILES_PROFILE_OPS): {}",
-            miles_bridge::profile::report()
-        );
-    }
+    print_profile(name, "prefill");
     let tokens = (sizes.prefill_seqs * PREFILL_LEN) as f64;
     let tps = tokens / secs;
     println!(
@@ -449,4 +439,14 @@ fn main() {
             run("deepseek_v3_82m", deepseek_v3_82m(), None, 1.0, sizes).await;
         }
     });
+}
+
+/// With `MILES_PROFILE_OPS`, the time per op class since the last reset, for `what`.
+fn print_profile(name: &str, what: &str) {
+    if miles_bridge::profile::enabled() {
+        println!(
+            "# engine {name}: {what}, time per op class (MILES_PROFILE_OPS): {}",
+            miles_bridge::profile::report()
+        );
+    }
 }
