@@ -58,6 +58,7 @@ pub mod mla;
 mod model;
 pub mod names;
 pub mod nn;
+pub mod paged;
 pub mod parallel;
 mod precision;
 pub mod profile;
@@ -73,4 +74,5 @@ pub use model::{
     ModelOutput, MoeBlock, MoeDispatch, MoeRouting, PackedMoe, SelfAttention, TopkRouter,
     ids_tensor, mtp_tensor_names, token_logprobs,
 };
+pub use paged::{PagedKvCache, RowId};
 pub use precision::Precision;

@@ -38,7 +38,7 @@ use burn::tensor::{Bool, Tensor};
 
 use crate::BridgeError;
 use crate::config::MlaConfig;
-use crate::nn::{Builder, LayerCache, Linear, ParamVisitor, RmsNorm, Rope};
+use crate::nn::{Builder, KvTarget, LayerCache, Linear, ParamVisitor, RmsNorm, Rope};
 use crate::profile::{self, OpClass};
 
 /// transformers builds `q_a_layernorm` / `kv_a_layernorm` with the RMSNorm default eps.
@@ -253,6 +253,16 @@ impl LatentAttention {
         mask: Tensor<4, Bool>,
         cache: Option<&mut Option<LayerCache>>,
     ) -> Tensor<3> {
+        self.forward_kv(x, rope, KvTarget::new(mask, cache))
+    }
+
+    /// Key columns a cached position takes: the latent and the rope key.
+    pub(crate) fn cache_width(&self) -> usize {
+        self.shape.kv_lora_rank + self.shape.qk_rope_head_dim
+    }
+
+    /// [`LatentAttention::forward`] with the latent kept where `target` says.
+    pub(crate) fn forward_kv(&self, x: Tensor<3>, rope: &Rope, target: KvTarget<'_>) -> Tensor<3> {
         let [batch, seq, hidden] = x.dims();
         let MlaConfig {
             kv_lora_rank: r,
@@ -285,12 +295,19 @@ impl LatentAttention {
             );
             (q_nope, q_rot, Tensor::cat(vec![latent, k_rot], 3))
         });
-        let evaluation = match cache {
-            None => Evaluation::Expanded,
-            Some(slot) => profile::time(OpClass::KvAppend, || {
+        let (evaluation, mask) = match target {
+            KvTarget::Plain(mask) => (Evaluation::Expanded, mask),
+            KvTarget::Contiguous(mask, slot) => profile::time(OpClass::KvAppend, || {
                 let past = mask.dims()[3] - seq;
                 kv = LayerCache::append(slot, past, kv.clone(), None).keys;
-                self.cheaper(seq, kv.dims()[2])
+                (self.cheaper(seq, kv.dims()[2]), mask)
+            }),
+            KvTarget::Paged(mut step) => profile::time(OpClass::KvAppend, || {
+                step.write(kv.clone(), None);
+                if let Some((latent, _)) = step.gather() {
+                    kv = latent;
+                }
+                (self.cheaper(seq, kv.dims()[2]), step.mask())
             }),
         };
         let total = kv.dims()[2];

@@ -42,9 +42,10 @@ use crate::lora::{ExpertLora, LoraConfig};
 use crate::mla::LatentAttention;
 use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
 use crate::nn::{
-    Attention, AttentionShape, Builder, Init, LayerCache, Linear, Mlp, ParamRef, ParamVisitor,
-    RmsNorm, Rope, WeightSource, attention_mask, swiglu,
+    Attention, AttentionShape, Builder, Init, KvTarget, LayerCache, Linear, Mlp, ParamRef,
+    ParamVisitor, RmsNorm, Rope, WeightSource, attention_mask, swiglu,
 };
+use crate::paged::{PagedKvCache, RowId};
 use crate::profile::{self, OpClass};
 use crate::{BridgeError, ModelConfig, Precision};
 
@@ -583,9 +584,22 @@ impl SelfAttention {
         mask: Tensor<4, Bool>,
         cache: Option<&mut Option<LayerCache>>,
     ) -> Tensor<3> {
+        self.forward_kv(x, rope, KvTarget::new(mask, cache))
+    }
+
+    pub(crate) fn forward_kv(&self, x: Tensor<3>, rope: &Rope, target: KvTarget<'_>) -> Tensor<3> {
         match self {
-            Self::Grouped(a) => a.forward(x, rope, mask, cache),
-            Self::Latent(a) => a.forward(x, rope, mask, cache),
+            Self::Grouped(a) => a.forward_kv(x, rope, target),
+            Self::Latent(a) => a.forward_kv(x, rope, target),
+        }
+    }
+
+    /// Key / value heads and width of a cached position (see [`crate::paged`]), and whether
+    /// values are stored.
+    pub(crate) fn cache_shape(&self) -> (usize, usize, bool) {
+        match self {
+            Self::Grouped(a) => (a.num_kv_heads, a.head_dim, true),
+            Self::Latent(a) => (1, a.cache_width(), false),
         }
     }
 
@@ -764,6 +778,18 @@ impl KvCache {
                     .map(|r| flags[r * len..(r + 1) * len].iter().filter(|&&b| b).count())
                     .collect()
             }
+        }
+    }
+
+    /// A one-row cache of `len` real positions filled from position 0.
+    pub(crate) fn from_filled_row(layers: Vec<LayerCache>, len: usize, device: &Device) -> Self {
+        KvCache {
+            layers: layers.into_iter().map(Some).collect(),
+            key_valid: Some(Tensor::<2, Int>::ones([1, len], device).equal_elem(1)),
+            next_position: Some(Tensor::from_data(
+                TensorData::new(vec![len as i32], [1, 1]),
+                device,
+            )),
         }
     }
 
@@ -1610,22 +1636,42 @@ impl CausalLm {
                 Rope::new(positions, c.inv_freq()),
             )
         });
-        let mut hidden = profile::time(OpClass::Embed, || {
+        let hidden = profile::time(OpClass::Embed, || {
             embedding(self.model.embed_tokens.val(), input.input_ids.clone())
         });
-        let mut routing = Vec::new();
         if let Some(cache) = cache.as_deref_mut()
             && cache.layers.len() != self.model.layers.len()
         {
             cache.layers = vec![None; self.model.layers.len()];
         }
-        for (l, layer) in self.model.layers.iter().enumerate() {
+        let out = self.decoder(hidden, hook, |l, attention, x| {
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
+            attention.forward(x, &rope, mask.clone(), slot)
+        })?;
+        if let Some(cache) = cache {
+            cache.next_position = Some(start + valid.int().sum_dim(1));
+            cache.key_valid = Some(key_valid);
+        }
+        Ok(out)
+    }
+
+    /// The decoder layers and the final norm over embedded `hidden` `[batch, seq, hidden]`,
+    /// with each layer's attention computed by `attention(layer index, attention, normed
+    /// input)`.
+    fn decoder(
+        &self,
+        mut hidden: Tensor<3>,
+        hook: &dyn RouterHook,
+        mut attention: impl FnMut(usize, &SelfAttention, Tensor<3>) -> Tensor<3>,
+    ) -> Result<HiddenOutput, BridgeError> {
+        let [batch, seq, _] = hidden.dims();
+        let c = &self.config;
+        let mut routing = Vec::new();
+        for (l, layer) in self.model.layers.iter().enumerate() {
             let normed = profile::time(OpClass::Norm, || {
                 layer.input_layernorm.forward(hidden.clone())
             });
-            let attn = layer.self_attn.forward(normed, &rope, mask.clone(), slot);
-            hidden = hidden + attn;
+            hidden = hidden + attention(l, &layer.self_attn, normed);
             let normed = profile::time(OpClass::Norm, || {
                 layer
                     .post_attention_layernorm
@@ -1642,12 +1688,57 @@ impl CausalLm {
             };
             hidden = hidden + mlp_out.reshape([batch, seq, c.hidden_size]);
         }
-        if let Some(cache) = cache {
-            cache.next_position = Some(start + valid.int().sum_dim(1));
-            cache.key_valid = Some(key_valid);
-        }
         Ok(HiddenOutput {
             hidden: profile::time(OpClass::Norm, || self.model.norm.forward(hidden)),
+            routing,
+        })
+    }
+
+    /// One inference step over sequences held in a paged KV cache ([`PagedKvCache`]):
+    /// `input_ids` `[rows.len(), seq]` are the next `seq` tokens of each of `rows`, at the
+    /// positions that follow what each row has cached. Their keys / values are written into
+    /// the rows' blocks and the rows' lengths grow by `seq`. Logits of every position and the
+    /// routing, as [`CausalLm::forward_cached`]. Errors (nothing written) for unknown or
+    /// repeated rows, rows whose blocks are full, or a cache built for another model.
+    pub fn forward_paged(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut PagedKvCache,
+        rows: &[RowId],
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        let [batch, seq] = input_ids.dims();
+        if batch == 0 || seq == 0 || batch != rows.len() {
+            return Err(BridgeError::input(format!(
+                "paged step: input {:?} for {} rows",
+                [batch, seq],
+                rows.len()
+            )));
+        }
+        if !cache.fits(self) {
+            return Err(BridgeError::input(
+                "paged step: the KV pool was built for another model",
+            ));
+        }
+        let plan = cache.plan(rows, seq)?;
+        let rope = profile::time(OpClass::Rope, || {
+            Rope::new(plan.positions(), self.config.inv_freq())
+        });
+        let hidden = profile::time(OpClass::Embed, || {
+            embedding(self.model.embed_tokens.val(), input_ids)
+        });
+        let HiddenOutput { hidden, routing } = self.decoder(hidden, hook, |l, attention, x| {
+            match cache.layer(l, &plan) {
+                Some(step) => attention.forward_kv(x, &rope, KvTarget::Paged(step)),
+                // `fits` checked the layer count.
+                None => unreachable!("a pool layer per decoder layer"),
+            }
+        })?;
+        cache.commit(rows, &plan);
+        let h = self.config.hidden_size;
+        let logits = self.logits(hidden.reshape([batch * seq, h]));
+        Ok(ModelOutput {
+            logits: logits.reshape([batch, seq, self.config.vocab_size]),
             routing,
         })
     }

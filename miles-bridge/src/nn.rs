@@ -638,6 +638,26 @@ impl LayerCache {
     }
 }
 
+/// Where an attention layer keeps this step's keys and values.
+pub(crate) enum KvTarget<'a> {
+    /// Nowhere (a training / scoring forward): `mask` `[batch, 1, seq, seq]`.
+    Plain(Tensor<4, Bool>),
+    /// Appended to a contiguous cache; `mask` `[batch, 1, seq, cached + seq]`.
+    Contiguous(Tensor<4, Bool>, &'a mut Option<LayerCache>),
+    /// Written into a paged pool ([`crate::paged`]), which also gives the mask.
+    Paged(crate::paged::LayerStep<'a>),
+}
+
+impl<'a> KvTarget<'a> {
+    /// The target of the public `forward(x, rope, mask, cache)` signatures.
+    pub(crate) fn new(mask: Tensor<4, Bool>, cache: Option<&'a mut Option<LayerCache>>) -> Self {
+        match cache {
+            Some(slot) => Self::Contiguous(mask, slot),
+            None => Self::Plain(mask),
+        }
+    }
+}
+
 /// Grouped-query self-attention with optional q/k bias, optional per-head qk RMSNorm and
 /// partial RoPE; scale `1/sqrt(head_dim)`.
 #[derive(Module, Debug)]
@@ -746,6 +766,11 @@ impl Attention {
         mask: Tensor<4, Bool>,
         cache: Option<&mut Option<LayerCache>>,
     ) -> Tensor<3> {
+        self.forward_kv(x, rope, KvTarget::new(mask, cache))
+    }
+
+    /// [`Attention::forward`] with the keys / values kept where `target` says.
+    pub(crate) fn forward_kv(&self, x: Tensor<3>, rope: &Rope, target: KvTarget<'_>) -> Tensor<3> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
         let (q, k, v) = profile::time(OpClass::QkvProj, || {
@@ -779,24 +804,44 @@ impl Attention {
             (rope.apply(q), rope.apply(k))
         });
         let mut v = v;
-        if let Some(slot) = cache {
-            profile::time(OpClass::KvAppend, || {
-                let past = mask.dims()[3] - seq;
-                // A grouped-query layer always stores its values.
-                let used = LayerCache::append(slot, past, k.clone(), Some(v.clone()));
-                k = used.keys;
-                if let Some(values) = used.values {
-                    v = values;
-                }
-            });
-        }
-        let total = k.dims()[2];
         let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
-        let mask = mask.reshape([batch, seq, total]);
-        // One fused op on flex (scores never materialised between ops); the same
-        // computation with tensor ops elsewhere. Shapes are ours, so the fallback on an
-        // error only re-raises burn's own shape panic.
-        let out = profile::time(OpClass::Attention, || attend(q, k, v, mask, scale));
+        let mut paged_out = None;
+        let mask = match target {
+            KvTarget::Plain(mask) => mask,
+            KvTarget::Contiguous(mask, slot) => {
+                profile::time(OpClass::KvAppend, || {
+                    let past = mask.dims()[3] - seq;
+                    // A grouped-query layer always stores its values.
+                    let used = LayerCache::append(slot, past, k.clone(), Some(v.clone()));
+                    k = used.keys;
+                    if let Some(values) = used.values {
+                        v = values;
+                    }
+                });
+                mask
+            }
+            KvTarget::Paged(mut step) => {
+                profile::time(OpClass::KvAppend, || step.write(k.clone(), Some(v.clone())));
+                paged_out = profile::time(OpClass::Attention, || step.decode(&q, scale));
+                if paged_out.is_none()
+                    && let Some((keys, Some(values))) =
+                        profile::time(OpClass::KvAppend, || step.gather())
+                {
+                    (k, v) = (keys, values);
+                }
+                step.mask()
+            }
+        };
+        let out = match paged_out {
+            Some(out) => out,
+            None => {
+                let total = k.dims()[2];
+                let mask = mask.reshape([batch, seq, total]);
+                // One fused op on flex (scores never materialised between ops); the same
+                // computation with tensor ops elsewhere.
+                profile::time(OpClass::Attention, || attend(q, k, v, mask, scale))
+            }
+        };
         profile::time(OpClass::OProj, || {
             let out = out
                 .swap_dims(1, 2)

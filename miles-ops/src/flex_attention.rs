@@ -391,6 +391,54 @@ pub(crate) fn forward(
     )
 }
 
+/// Whether [`paged_decode`] takes head size `d` on this CPU.
+pub(crate) fn decode_applies(d: usize) -> bool {
+    decode::applies(d)
+}
+
+/// One decode step of attention over a paged pool (see [`crate::paged`]): `q`
+/// `[batch · heads · d]`, `keys` / `values` `[kv_heads · slots, d]` (pool row
+/// `h · slots + slot`); row `b` attends to its first `lens[b]` positions, position `p` at slot
+/// `table[b · per_row + p / block] · block + p % block`. Each output is what the contiguous
+/// decode loop computes over the same keys, bit for bit. The caller checked the sizes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_decode(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    table: &[usize],
+    lens: &[usize],
+    block: usize,
+    kv_heads: usize,
+    heads: usize,
+    d: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let batch = lens.len();
+    let group = heads / kv_heads;
+    let slots = keys.len() / (d * kv_heads);
+    let per_row = table.len() / batch.max(1);
+    let mut out = vec![0.0f32; batch * heads * d];
+    out.par_chunks_mut(group * d)
+        .enumerate()
+        .for_each(|(bk, out)| {
+            let (b, h) = (bk / kv_heads, bk % kv_heads);
+            let len = lens[b];
+            let blocks: Vec<(&[f32], &[f32])> = (0..len.div_ceil(block))
+                .map(|i| {
+                    let start = (h * slots + table[b * per_row + i] * block) * d;
+                    let n = block.min(len - i * block) * d;
+                    (&keys[start..start + n], &values[start..start + n])
+                })
+                .collect();
+            let mask = vec![0u8; len];
+            let mut lse = vec![0.0f32; group];
+            let qs = &q[bk * group * d..(bk + 1) * group * d];
+            decode::attend_blocks(qs, &blocks, &mask, scale, d, out, &mut lse);
+        });
+    out
+}
+
 /// The one-row (decode) forward: direct AVX-512 loops instead of two `gemm` calls per head
 /// (which pack their operands every call), so a decode step reads the cache at memory speed.
 mod decode {
@@ -415,20 +463,41 @@ mod decode {
         out: &mut [f32],
         lse: &mut [f32],
     ) {
-        let (group, t) = (qs.len() / d, keys.len() / d);
+        attend_blocks(qs, &[(keys, values)], mask, scale, d, out, lse);
+    }
+
+    /// [`attend`] over keys and values stored in blocks (a paged cache): `blocks[i]` holds
+    /// the keys and values of consecutive positions, in order. Every output is computed as
+    /// [`attend`] computes it over the same keys stored contiguously, bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_blocks(
+        qs: &[f32],
+        blocks: &[(&[f32], &[f32])],
+        mask: &[u8],
+        scale: f32,
+        d: usize,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        let group = qs.len() / d;
+        let t: usize = blocks.iter().map(|(k, _)| k.len() / d).sum();
         let mut scores = vec![0.0f32; group * t];
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `applies` checked AVX-512F; the slices are sized as documented.
-        unsafe {
-            avx512::scores(qs, keys, values, d, scale, &mut scores)
-        };
+        let mut offset = 0;
+        for (keys, values) in blocks {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `applies` checked AVX-512F; the slices are sized as documented.
+            unsafe {
+                avx512::scores(qs, keys, values, d, scale, &mut scores, t, offset)
+            };
+            offset += keys.len() / d;
+        }
         for (g, row) in scores.chunks_mut(t.max(1)).enumerate().take(group) {
             lse[g] = softmax_row(row, mask);
         }
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         unsafe {
-            avx512::weighted_sum(&scores, values, d, out)
+            avx512::weighted_sum(&scores, t, blocks, d, out)
         };
     }
 
@@ -438,8 +507,9 @@ mod decode {
 
         use super::super::LANES;
 
-        /// `scores[g · t + j] = scale · Σ_c qs[g · d + c] · keys[j · d + c]`, `d % 16 = 0`;
-        /// prefetches `values` (as long as `keys`) while it runs.
+        /// `scores[g · t + offset + j] = scale · Σ_c qs[g · d + c] · keys[j · d + c]`,
+        /// `d % 16 = 0`; prefetches `values` (as long as `keys`) while it runs.
+        #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = "avx512f")]
         pub(super) fn scores(
             qs: &[f32],
@@ -448,10 +518,12 @@ mod decode {
             d: usize,
             scale: f32,
             scores: &mut [f32],
+            t: usize,
+            offset: usize,
         ) {
-            let t = keys.len() / d;
+            let n = keys.len() / d;
             for (g, q) in qs.chunks_exact(d).enumerate() {
-                let row = &mut scores[g * t..(g + 1) * t];
+                let row = &mut scores[g * t + offset..g * t + offset + n];
                 for (j, (s, key)) in row.iter_mut().zip(keys.chunks_exact(d)).enumerate() {
                     if g == 0 {
                         for v in values[j * d..(j + 1) * d].chunks(LANES) {
@@ -470,20 +542,29 @@ mod decode {
             }
         }
 
-        /// `out[g · d + c] = Σ_j probs[g · t + j] · values[j · d + c]`, `d % 16 = 0`,
-        /// `d ≤ 256`.
+        /// `out[g · d + c] = Σ_j probs[g · t + j] · v_j[c]` over the values of `blocks` in
+        /// order (`t` of them), `d % 16 = 0`, `d ≤ 256`.
         #[target_feature(enable = "avx512f")]
-        pub(super) fn weighted_sum(probs: &[f32], values: &[f32], d: usize, out: &mut [f32]) {
-            let t = values.len() / d;
+        pub(super) fn weighted_sum(
+            probs: &[f32],
+            t: usize,
+            blocks: &[(&[f32], &[f32])],
+            d: usize,
+            out: &mut [f32],
+        ) {
             for (p, o) in probs.chunks_exact(t.max(1)).zip(out.chunks_exact_mut(d)) {
                 let mut acc = [_mm512_setzero_ps(); 16];
                 let lanes = d / 16;
-                for (&w, v) in p.iter().zip(values.chunks_exact(d)) {
-                    let w = _mm512_set1_ps(w);
-                    for (a, vc) in acc[..lanes].iter_mut().zip(v.chunks_exact(16)) {
-                        // SAFETY: the chunk holds 16 values.
-                        let x = unsafe { _mm512_loadu_ps(vc.as_ptr()) };
-                        *a = _mm512_fmadd_ps(w, x, *a);
+                let mut weights = p.iter();
+                for (_, values) in blocks {
+                    // Values first: `zip` stops on them without taking a weight.
+                    for (v, &w) in values.chunks_exact(d).zip(weights.by_ref()) {
+                        let w = _mm512_set1_ps(w);
+                        for (a, vc) in acc[..lanes].iter_mut().zip(v.chunks_exact(16)) {
+                            // SAFETY: the chunk holds 16 values.
+                            let x = unsafe { _mm512_loadu_ps(vc.as_ptr()) };
+                            *a = _mm512_fmadd_ps(w, x, *a);
+                        }
                     }
                 }
                 for (a, oc) in acc[..lanes].iter().zip(o.chunks_exact_mut(16)) {

@@ -113,6 +113,7 @@ pub mod linear;
 pub mod logprobs;
 pub mod norm;
 pub mod packed;
+pub mod paged;
 pub mod policy;
 pub mod reduce;
 pub mod swiglu;

@@ -9,4 +9,5 @@ mod glm4moe_tiny;
 mod half_precision;
 mod lora;
 mod other_architectures;
+mod paged;
 mod r3_replay;

@@ -331,3 +331,86 @@ fn keys_and_values_narrowed_from_a_larger_cache() {
         assert_rel_close("out", &to_vec(fused), &to_vec(reference), 2e-5);
     }
 }
+
+/// The paged decode kernel (`miles_ops::paged`) over a pool whose blocks are scattered and
+/// shared by sequences of different lengths, against the fused op over the same keys copied
+/// into a contiguous, masked batch (`gather_index`) — bit for bit, since both run the same
+/// decode loops over the same keys in the same order — and against the tensor-op reference;
+/// bad tables and shapes are typed errors.
+#[test]
+fn paged_decode_equals_contiguous_decode() {
+    use miles_ops::paged::{PageTable, applies, gather_index, paged_decode};
+    let device = Device::flex();
+    let (heads, kv_heads, d, block) = (8, 2, 32, 16);
+    let blocks_in_pool = 12;
+    let slots = blocks_in_pool * block;
+    let table = PageTable {
+        block,
+        // Blocks out of order and interleaved between sequences; one sequence ends exactly
+        // on a block boundary, one has a single position.
+        blocks: vec![vec![7, 2, 9], vec![0], vec![11, 3], vec![5, 1, 8, 10]],
+        lens: vec![40, 1, 32, 50],
+    };
+    let batch = table.lens.len();
+    let pool = |seed| {
+        Tensor::<2>::from_data(
+            TensorData::new(lcg(kv_heads * slots * d, seed, 1.0), [kv_heads * slots, d]),
+            &device,
+        )
+    };
+    let (keys, values) = (pool(3), pool(4));
+    let q = Tensor::<4>::from_data(
+        TensorData::new(lcg(batch * heads * d, 5, 1.0), [batch, heads, 1, d]),
+        &device,
+    );
+    let scale = 0.17;
+    let total = *table.lens.iter().max().unwrap();
+    let index = gather_index(&table, kv_heads, slots, &device);
+    let gather = |t: &Tensor<2>| {
+        t.clone()
+            .select(0, index.clone())
+            .reshape([batch, kv_heads, total, d])
+    };
+    let mask: Vec<bool> = table
+        .lens
+        .iter()
+        .flat_map(|&len| (0..total).map(move |p| p >= len))
+        .collect();
+    let mask = Tensor::<3, Bool>::from_data(TensorData::new(mask, [batch, 1, total]), &device);
+    let (k, v) = (gather(&keys), gather(&values));
+    let reference = attention_reference(q.clone(), k.clone(), v.clone(), mask.clone(), scale);
+    if !applies(&device, burn::tensor::DType::F32, d) {
+        // No AVX-512F here: the kernel must refuse rather than compute.
+        assert!(paged_decode(q, keys, values, kv_heads, &table, scale).is_err());
+        return;
+    }
+    let contiguous = attention(q.clone(), k, v, mask, scale).unwrap();
+    let run = |table: PageTable| {
+        paged_decode(
+            q.clone(),
+            keys.clone(),
+            values.clone(),
+            kv_heads,
+            &table,
+            scale,
+        )
+    };
+    let got = to_vec(run(table.clone()).unwrap());
+    assert_eq!(got, to_vec(contiguous), "paged vs contiguous decode");
+    assert_rel_close("paged vs reference", &got, &to_vec(reference), 1e-5);
+
+    let bad = run;
+    let mut t = table.clone();
+    t.lens[0] = 49; // more positions than its 3 blocks
+    assert!(matches!(bad(t), Err(OpsError::LengthMismatch { .. })));
+    let mut t = table.clone();
+    t.blocks[1] = vec![12]; // past the pool
+    assert!(matches!(bad(t), Err(OpsError::ShapeMismatch { .. })));
+    let mut t = table.clone();
+    t.lens.pop(); // a sequence too few for the queries
+    assert!(bad(t).is_err());
+    let mut t = table.clone();
+    t.lens[1] = 0;
+    assert!(bad(t).is_err());
+    assert!(paged_decode(q, keys.clone(), values, 3, &table, scale).is_err());
+}

@@ -15,7 +15,9 @@ pub struct EngineConfig {
     /// Most sequences decoded together in one step.
     pub max_running_requests: usize,
     /// KV-cache budget in tokens: a request reserves `prompt + max_new_tokens` while it runs;
-    /// requests that do not fit wait. A request larger than the whole budget is rejected.
+    /// requests that do not fit wait. A request larger than the whole budget is rejected. The
+    /// engine allocates its KV pool for this many tokens (plus one 16-token block per running
+    /// sequence) once, when it starts: size it to the memory the cache may take.
     pub kv_token_budget: usize,
     /// Tokens of finished / prefilled sequences kept for prefix reuse (0 disables reuse).
     pub prefix_cache_tokens: usize,

@@ -8,6 +8,13 @@
 //! samples from its own seeded generator, so a request's tokens do not depend on what it was
 //! batched with.
 //!
+//! KV cache: one paged pool per layer ([`miles_bridge::PagedKvCache`]), allocated when the
+//! engine starts from `kv_token_budget` (plus one block per running sequence for rounding) and
+//! never grown. An admitted request takes blocks for its whole reservation (prompt +
+//! `max_new_tokens`), its prefill is copied in, each decode step writes one slot per sequence
+//! in place, and the blocks return to the pool when it finishes (its cache is copied out to the
+//! prefix cache first). On flex (`f32`, AVX-512F) decode attention reads the pool directly.
+//!
 //! Versions: a weight update waits until no sequence is mid-generation (admission stops, the
 //! running ones finish), then swaps the weights and flushes the prefix cache; every output
 //! carries the single version all its tokens were generated with. Sequences held by an in-place
@@ -190,7 +197,7 @@ impl EngineBuilder {
             self.detokenizer,
             shared.clone(),
             rx,
-        );
+        )?;
         let thread = std::thread::Builder::new()
             .name("miles-engine".into())
             .spawn(move || pool.install(move || scheduler.run()))

@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use miles_bridge::profile::{self, OpClass};
-use miles_bridge::{CausalLm, KvCache};
+use miles_bridge::{CausalLm, PagedKvCache, RowId};
 use miles_core::{
     EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, PauseMode, RoutedExperts,
     WeightVersion,
@@ -36,6 +36,8 @@ pub(super) struct Seq {
     pub(super) cached_tokens: usize,
     /// Tokens reserved against the KV budget.
     pub(super) reserved: usize,
+    /// Its blocks in the KV pool while it runs.
+    pub(super) row: Option<RowId>,
     /// Version the KV cache of a retracted sequence was computed with.
     pub(super) retracted_at: Option<u64>,
     /// Already counted as waiting for KV budget.
@@ -75,7 +77,8 @@ pub(super) struct Scheduler {
     pub(super) commands: mpsc::Receiver<Cmd>,
     pub(super) waiting: VecDeque<Seq>,
     pub(super) running: Vec<Seq>,
-    pub(super) batch: KvCache,
+    /// The KV cache of the running sequences: pools allocated once from the token budget.
+    pub(super) pool: PagedKvCache,
     pub(super) paused: Option<PauseMode>,
     pub(super) updates: VecDeque<(Box<CausalLm>, WeightVersion, oneshot::Sender<()>)>,
     /// Finished sequences whose log-probs are still to be recomputed, each with the weights
@@ -104,14 +107,17 @@ impl Scheduler {
         detokenizer: Option<Arc<dyn Detokenizer>>,
         shared: Arc<Shared>,
         commands: mpsc::Receiver<Cmd>,
-    ) -> Self {
+    ) -> crate::Result<Self> {
         let c = &model.config;
         let moe_layers = (0..c.num_hidden_layers)
             .filter(|&l| c.is_moe_layer(l))
             .count();
         let route_width = moe_layers * c.num_experts_per_tok;
-        Self {
-            step: Arc::new(step_model(&model, config.specialised_path)),
+        let step = step_model(&model, config.specialised_path);
+        let pool = PagedKvCache::new(&step, config.kv_token_budget, config.max_running_requests)
+            .map_err(|e| crate::Error::Config(format!("KV cache: {e}")))?;
+        Ok(Self {
+            step: Arc::new(step),
             model: Arc::new(model),
             config,
             scorer,
@@ -120,7 +126,7 @@ impl Scheduler {
             commands,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            batch: KvCache::new(),
+            pool,
             paused: None,
             updates: VecDeque::new(),
             finished: VecDeque::new(),
@@ -131,7 +137,7 @@ impl Scheduler {
             route_width,
             throughput_mark: (Instant::now(), 0),
             stats: EngineStats::default(),
-        }
+        })
     }
 
     pub(super) fn version(&self) -> WeightVersion {
@@ -324,6 +330,7 @@ impl Scheduler {
             routing: Vec::new(),
             rng: Rng(seed),
             cached_tokens: 0,
+            row: None,
             reserved: 0,
             retracted_at: None,
             waited: false,
@@ -350,8 +357,10 @@ impl Scheduler {
     pub(super) fn retract_running(&mut self) {
         let version = self.version().0;
         let running: Vec<Seq> = self.running.drain(..).collect();
-        self.batch = KvCache::new();
         for mut seq in running.into_iter().rev() {
+            if let Some(row) = seq.row.take() {
+                self.pool.release(row);
+            }
             self.reserved -= seq.reserved;
             seq.reserved = 0;
             seq.retracted_at = Some(version);
@@ -396,8 +405,8 @@ impl Scheduler {
     }
 
     pub(super) fn admit(&mut self) {
-        let mut new_caches = Vec::new();
-        while self.running.len() + new_caches.len() < self.config.max_running_requests {
+        let mut admitted = false;
+        while self.running.len() < self.config.max_running_requests {
             let Some(front) = self.waiting.front() else {
                 break;
             };
@@ -414,15 +423,30 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            seq.reserved = need;
-            self.reserved += need;
-            match self.prefill(&mut seq) {
-                Ok(cache) => {
-                    new_caches.push(cache);
+            // The budget check above leaves blocks for `need` (the pool has one spare block
+            // per running sequence for the rounding), so this only fails on a broken
+            // invariant; the request then fails alone.
+            let reserved = self.pool.reserve(need).map_err(|e| e.to_string());
+            let admitted_row = reserved.and_then(|row| {
+                seq.reserved = need;
+                self.reserved += need;
+                let loaded = self.prefill(&mut seq).and_then(|cache| {
+                    profile::time(OpClass::KvManage, || self.pool.load(row, &cache))
+                        .map_err(|e| e.to_string())
+                });
+                if loaded.is_err() {
+                    self.pool.release(row);
+                    self.reserved -= seq.reserved;
+                }
+                loaded.map(|()| row)
+            });
+            match admitted_row {
+                Ok(row) => {
+                    seq.row = Some(row);
                     self.running.push(seq);
+                    admitted = true;
                 }
                 Err(e) => {
-                    self.reserved -= seq.reserved;
                     let _ = seq.pending.reply.send(Err(CoreError::engine(
                         EngineErrorKind::Internal,
                         format!("prefill failed: {e}"),
@@ -430,80 +454,53 @@ impl Scheduler {
                 }
             }
         }
-        if !new_caches.is_empty() {
-            let mut parts = vec![std::mem::take(&mut self.batch)];
-            parts.extend(new_caches);
-            match profile::time(OpClass::KvManage, || KvCache::concat_rows(parts)) {
-                Ok(batch) => self.batch = batch,
-                Err(e) => self.fail_running(&e.to_string()),
-            }
+        if admitted {
             self.stats.max_batch = self.stats.max_batch.max(self.running.len());
         }
         // A sequence may have ended on its first token.
         self.retire_finished();
     }
 
-    /// Removes finished sequences from the running batch and answers them.
+    /// Removes finished sequences from the running batch, returns their blocks and answers
+    /// them.
     pub(super) fn retire_finished(&mut self) {
         if self.running.iter().all(|s| s.finish.is_none()) {
             return;
         }
-        let keep: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].finish.is_none())
-            .collect();
-        let done_rows: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].finish.is_some())
-            .collect();
-        // Finished sequences' caches go to the prefix cache (multi-turn reuse).
-        if self.config.prefix_cache_tokens > 0 {
-            for &i in &done_rows {
-                let seq = &self.running[i];
-                if seq
-                    .finish
-                    .as_ref()
-                    .is_some_and(|f| f.0 != FinishReason::Abort)
-                    && let Ok(one) =
-                        profile::time(OpClass::KvManage, || self.batch.select_rows(&[i]))
+        let (done, running): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|s| s.finish.is_some());
+        self.running = running;
+        for mut seq in done {
+            if let Some(row) = seq.row.take() {
+                // Finished sequences' caches go to the prefix cache (multi-turn reuse).
+                if self.config.prefix_cache_tokens > 0
+                    && seq
+                        .finish
+                        .as_ref()
+                        .is_some_and(|f| f.0 != FinishReason::Abort)
+                    && let Ok(one) = profile::time(OpClass::KvManage, || self.pool.export(row))
+                    && one.len() == seq.cached_len()
                 {
                     let cached = seq.cached_len();
                     let tokens = seq.tokens[..cached].to_vec();
                     let routing =
                         seq.routing[..(cached * self.route_width).min(seq.routing.len())].to_vec();
-                    self.insert_prefix(tokens, one.compact(), routing);
+                    self.insert_prefix(tokens, one, routing);
                 }
+                self.pool.release(row);
             }
-        }
-        self.batch = if keep.is_empty() {
-            KvCache::new()
-        } else {
-            match profile::time(OpClass::KvManage, || self.batch.select_rows(&keep)) {
-                Ok(b) => b,
-                Err(e) => {
-                    let msg = e.to_string();
-                    self.fail_running(&msg);
-                    return;
-                }
-            }
-        };
-        let mut all: Vec<Option<Seq>> = self.running.drain(..).map(Some).collect();
-        for &i in &done_rows {
-            if let Some(seq) = all[i].take() {
-                self.reserved -= seq.reserved;
-                self.finish(seq);
-            }
-        }
-        self.running = all.into_iter().flatten().collect();
-        // Keep the padded key axis close to the longest row.
-        let longest = self.running.iter().map(Seq::cached_len).max().unwrap_or(0);
-        if !self.running.is_empty() && self.batch.len() > longest + longest / 4 + 64 {
-            self.batch = profile::time(OpClass::KvManage, || self.batch.compact());
+            self.reserved -= seq.reserved;
+            self.finish(seq);
         }
     }
 
     pub(super) fn fail_running(&mut self, reason: &str) {
         let running: Vec<Seq> = self.running.drain(..).collect();
-        self.batch = KvCache::new();
-        for seq in running {
+        for mut seq in running {
+            if let Some(row) = seq.row.take() {
+                self.pool.release(row);
+            }
             self.reserved = self.reserved.saturating_sub(seq.reserved);
             let _ = seq.pending.reply.send(Err(CoreError::engine(
                 EngineErrorKind::Internal,

@@ -217,17 +217,17 @@ impl Scheduler {
             .map(|s| *s.tokens.last().unwrap_or(&0) as i32)
             .collect();
         let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
-        let out =
-            match self
-                .step
-                .forward_cached(&ModelInput::new(input), &mut self.batch, &Fallthrough)
-            {
-                Ok(out) => out,
-                Err(e) => {
-                    self.fail_running(&e.to_string());
-                    return;
-                }
-            };
+        let seqs: Vec<_> = self.running.iter().filter_map(|s| s.row).collect();
+        let out = match self
+            .step
+            .forward_paged(input, &mut self.pool, &seqs, &Fallthrough)
+        {
+            Ok(out) => out,
+            Err(e) => {
+                self.fail_running(&e.to_string());
+                return;
+            }
+        };
         self.stats.decode_steps += 1;
         let vocab = self.model.config.vocab_size;
         let routing: &[_] = if self.route_width > 0 {

@@ -13,11 +13,11 @@ use safetensors::SafeTensors;
 /// batch) gives exactly the tokens transformers' `generate(do_sample=False)` gave, as stored
 /// in the fixture's `reference_generate.json`.
 pub fn assert_greedy_kv_cache_decode_equals_hf_generate(dir: &Path) {
-    let text = std::fs::read_to_string(dir.join("reference_generate.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let prompts: Vec<Vec<u32>> = serde_json::from_value(v["prompts"].clone()).unwrap();
-    let want: Vec<Vec<u32>> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-    let new_tokens = v["max_new_tokens"].as_u64().unwrap() as usize;
+    let HfGenerate {
+        prompts,
+        want,
+        new_tokens,
+    } = hf_generate(dir);
     let device = Device::flex();
     let model = CausalLm::from_pretrained(dir, &device).unwrap();
     let mut cache = KvCache::new();
@@ -52,6 +52,27 @@ pub fn assert_greedy_kv_cache_decode_equals_hf_generate(dir: &Path) {
         "{}: greedy decode differs from HF generate",
         dir.display()
     );
+}
+
+/// A fixture's `reference_generate.json`: transformers' greedy `generate` on its prompts.
+pub struct HfGenerate {
+    /// The prompts.
+    pub prompts: Vec<Vec<u32>>,
+    /// The generated tokens of each prompt.
+    pub want: Vec<Vec<u32>>,
+    /// Tokens generated per prompt.
+    pub new_tokens: usize,
+}
+
+/// Reads a fixture's [`HfGenerate`].
+pub fn hf_generate(dir: &Path) -> HfGenerate {
+    let text = std::fs::read_to_string(dir.join("reference_generate.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    HfGenerate {
+        prompts: serde_json::from_value(v["prompts"].clone()).unwrap(),
+        want: serde_json::from_value(v["output_ids"].clone()).unwrap(),
+        new_tokens: v["max_new_tokens"].as_u64().unwrap() as usize,
+    }
 }
 
 /// A fixture directory under `fixtures/models`.

@@ -1,0 +1,306 @@
+//! The paged KV cache ([`PagedKvCache`], [`CausalLm::forward_paged`]): greedy decoding from
+//! the pool equals transformers' `generate`; a batch of sequences of different lengths
+//! decoded from the pool equals each sequence decoded alone through the contiguous cache;
+//! blocks are reserved and returned exactly; bad steps are typed errors that write nothing.
+
+use std::path::Path;
+
+use burn::tensor::{DType, Device, Int, Tensor};
+use miles_bridge::{CausalLm, KvCache, ModelInput, MoeDispatch, PagedKvCache, RowId, ids_tensor};
+use miles_r3::Fallthrough;
+
+use crate::common::{HfGenerate, fixture, hf_generate};
+
+/// The model an inference engine steps on flex: fused projections (packed on AVX-512F),
+/// sparse experts.
+fn step_model(dir: &Path, device: &Device) -> CausalLm {
+    let mut model = CausalLm::from_pretrained(dir, device).unwrap();
+    model.fuse_projections();
+    model.set_moe_dispatch(MoeDispatch::Sparse);
+    model
+}
+
+fn ids(rows: &[Vec<u32>], device: &Device) -> Tensor<2, Int> {
+    ids_tensor(rows, device).unwrap()
+}
+
+fn rows_of(logits: Tensor<3>) -> Vec<Vec<f32>> {
+    let [b, s, v] = logits.dims();
+    let flat = logits
+        .narrow(1, s - 1, 1)
+        .reshape([b * v])
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap();
+    flat.chunks(v).map(<[f32]>::to_vec).collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A one-row prefill through the contiguous cache.
+fn prefill(model: &CausalLm, prompt: &[u32], device: &Device) -> (KvCache, Vec<f32>) {
+    let mut cache = KvCache::new();
+    let out = model
+        .forward_cached(
+            &ModelInput::new(ids(&[prompt.to_vec()], device)),
+            &mut cache,
+            &Fallthrough,
+        )
+        .unwrap();
+    (cache, rows_of(out.logits).remove(0))
+}
+
+/// Greedy decoding of the fixture's prompts from the pool: odd rows prefilled through the
+/// contiguous cache and loaded, even rows prefilled by `forward_paged` itself (several tokens
+/// per row: the gather path); then every row decoded in one batch. The tokens equal
+/// transformers' `generate(do_sample=False)` (`reference_generate.json`).
+fn assert_paged_greedy_equals_hf_generate(dir: &Path) {
+    let HfGenerate {
+        prompts,
+        want,
+        new_tokens,
+    } = hf_generate(dir);
+    let device = Device::flex();
+    let model = step_model(dir, &device);
+    let budget: usize = prompts.iter().map(|p| p.len() + new_tokens).sum();
+    let mut pool = PagedKvCache::new(&model, budget, prompts.len()).unwrap();
+    let mut rows = Vec::new();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    for (i, prompt) in prompts.iter().enumerate() {
+        let row = pool.reserve(prompt.len() + new_tokens).unwrap();
+        let last = if i % 2 == 1 {
+            let (cache, last) = prefill(&model, prompt, &device);
+            pool.load(row, &cache).unwrap();
+            last
+        } else {
+            let out = model
+                .forward_paged(
+                    ids(std::slice::from_ref(prompt), &device),
+                    &mut pool,
+                    &[row],
+                    &Fallthrough,
+                )
+                .unwrap();
+            rows_of(out.logits).remove(0)
+        };
+        assert_eq!(pool.len(row), prompt.len());
+        got[i].push(argmax(&last));
+        rows.push(row);
+    }
+    for _ in 1..new_tokens {
+        let step: Vec<Vec<u32>> = got.iter().map(|g| vec![*g.last().unwrap()]).collect();
+        let out = model
+            .forward_paged(ids(&step, &device), &mut pool, &rows, &Fallthrough)
+            .unwrap();
+        for (g, logits) in got.iter_mut().zip(rows_of(out.logits)) {
+            g.push(argmax(&logits));
+        }
+    }
+    assert_eq!(
+        got,
+        want,
+        "{}: paged greedy decode differs from HF",
+        dir.display()
+    );
+}
+
+#[test]
+fn paged_greedy_decode_equals_hf_generate() {
+    // Grouped-query attention (qwen2, tied and untied) and DeepSeek-V3's latent attention.
+    for name in ["qwen2-tiny", "qwen2-untied", "dsv3-tiny", "dsv3-noq"] {
+        assert_paged_greedy_equals_hf_generate(&fixture(name));
+    }
+}
+
+/// Sequences of different lengths decoded together from the pool against each decoded
+/// alone through the contiguous cache, on the same step model: the same logits at every
+/// step — bit for bit where the paged decode kernel runs (flex, f32, AVX-512F; the packed
+/// matmuls are row-invariant there too), within float rounding elsewhere.
+fn assert_batch_equals_alone(name: &str, lens: &[usize], steps: usize) {
+    let dir = fixture(name);
+    let device = Device::flex();
+    let model = step_model(&dir, &device);
+    let c = &model.config;
+    let exact = miles_ops::paged::applies(&device, DType::F32, c.head_dim);
+    let vocab = c.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            (0..n as u32)
+                .map(|t| (7 + 31 * t + 13 * r as u32) % vocab)
+                .collect()
+        })
+        .collect();
+    // Alone: prefill, then `steps` greedy tokens through the contiguous cache.
+    let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
+    for prompt in &prompts {
+        let (mut cache, mut last) = prefill(&model, prompt, &device);
+        let mut per_step = vec![last.clone()];
+        for _ in 0..steps {
+            let out = model
+                .forward_cached(
+                    &ModelInput::new(ids(&[vec![argmax(&last)]], &device)),
+                    &mut cache,
+                    &Fallthrough,
+                )
+                .unwrap();
+            last = rows_of(out.logits).remove(0);
+            per_step.push(last.clone());
+        }
+        alone.push(per_step);
+    }
+    // Together from the pool (a pool with room for more than these rows, so blocks are
+    // spread over it; one row released and reserved again first, so ids are reused).
+    let budget = 4 * lens.iter().map(|n| n + steps).sum::<usize>();
+    let mut pool = PagedKvCache::new(&model, budget, 2 * lens.len()).unwrap();
+    let spare = pool.reserve(40).unwrap();
+    let mut rows: Vec<RowId> = Vec::new();
+    let mut last = Vec::new();
+    for prompt in &prompts {
+        let row = pool.reserve(prompt.len() + steps).unwrap();
+        let (cache, l) = prefill(&model, prompt, &device);
+        pool.load(row, &cache).unwrap();
+        rows.push(row);
+        last.push(l);
+    }
+    pool.release(spare);
+    for step in 0..steps {
+        let input: Vec<Vec<u32>> = last.iter().map(|l| vec![argmax(l)]).collect();
+        let out = model
+            .forward_paged(ids(&input, &device), &mut pool, &rows, &Fallthrough)
+            .unwrap();
+        last = rows_of(out.logits);
+        for (r, got) in last.iter().enumerate() {
+            let want = &alone[r][step + 1];
+            if exact {
+                assert_eq!(got, want, "{name}: row {r}, step {step}: not bit-equal");
+            } else {
+                let worst = got
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(worst < 1e-4, "{name}: row {r}, step {step}: {worst}");
+            }
+        }
+    }
+    for (row, &n) in rows.iter().zip(lens) {
+        assert_eq!(pool.len(*row), n + steps);
+    }
+}
+
+#[test]
+fn paged_batch_decode_equals_each_sequence_alone() {
+    // GLM-4-MoE (sparse experts, head 16), Qwen3 (qk norm), DeepSeek-V3 (latent attention);
+    // lengths across block boundaries (blocks of 16).
+    assert_batch_equals_alone("glm4moe-tiny", &[1, 15, 16, 17, 40], 20);
+    assert_batch_equals_alone("qwen3-tiny", &[3, 16, 33], 18);
+    assert_batch_equals_alone("dsv3-tiny", &[2, 17], 6);
+}
+
+#[test]
+fn pool_blocks_are_reserved_returned_and_copied_exactly() {
+    let device = Device::flex();
+    let model = step_model(&fixture("glm4moe-tiny"), &device);
+    let block = PagedKvCache::BLOCK;
+    let mut pool = PagedKvCache::new(&model, 5 * block, 2).unwrap();
+    // 5 blocks for the budget and one spare per row.
+    assert_eq!(pool.capacity(), 7 * block);
+    assert_eq!(pool.free_tokens(), 7 * block);
+    let a = pool.reserve(3 * block + 1).unwrap();
+    assert_eq!(pool.row_capacity(a), 4 * block);
+    assert_eq!(pool.free_tokens(), 3 * block);
+    let err = pool.reserve(3 * block + 1).unwrap_err().to_string();
+    assert!(err.contains("free"), "{err}");
+    assert_eq!(
+        pool.free_tokens(),
+        3 * block,
+        "a refused reservation takes nothing"
+    );
+    let b = pool.reserve(3 * block).unwrap();
+    assert_eq!(pool.free_tokens(), 0);
+    assert_eq!(pool.active_rows(), 2);
+
+    // load, then export: the same keys and values, bit for bit.
+    let prompt: Vec<u32> = (0..37).map(|t| (t * 11 + 5) % 512).collect();
+    let (cache, _) = prefill(&model, &prompt, &device);
+    pool.load(a, &cache).unwrap();
+    assert_eq!(pool.len(a), 37);
+    let back = pool.export(a).unwrap();
+    assert_eq!(back.len(), 37);
+    assert_eq!(back.valid_lens(), vec![37]);
+    for l in 0..model.model.layers.len() {
+        let (x, y) = (cache.layer(l).unwrap(), back.layer(l).unwrap());
+        let host = |t: Tensor<4>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+        assert_eq!(host(x.keys), host(y.keys), "layer {l} keys");
+        assert_eq!(
+            host(x.values.unwrap()),
+            host(y.values.unwrap()),
+            "layer {l} values"
+        );
+    }
+    // A cache longer than the row's blocks is refused.
+    let long: Vec<u32> = (0..3 * block as u32 + 1).collect();
+    let (cache_long, _) = prefill(&model, &long, &device);
+    assert!(pool.load(b, &cache_long).is_err());
+    assert_eq!(pool.len(b), 0);
+
+    // Steps that cannot run are errors and write nothing.
+    let one = |t: u32| ids(&[vec![t]], &device);
+    let two = ids(&[vec![1], vec![2]], &device);
+    assert!(
+        model
+            .forward_paged(two.clone(), &mut pool, &[a, a], &Fallthrough)
+            .is_err()
+    );
+    assert!(
+        model
+            .forward_paged(two, &mut pool, &[a], &Fallthrough)
+            .is_err()
+    );
+    pool.release(b);
+    assert!(
+        model
+            .forward_paged(one(3), &mut pool, &[b], &Fallthrough)
+            .is_err()
+    );
+    assert_eq!(pool.len(a), 37);
+    // Fill row a to its 4 blocks, then one more token is refused.
+    let rest = 4 * block - 37;
+    let fill: Vec<u32> = (0..rest as u32).collect();
+    model
+        .forward_paged(ids(&[fill], &device), &mut pool, &[a], &Fallthrough)
+        .unwrap();
+    assert_eq!(pool.len(a), 4 * block);
+    let err = model
+        .forward_paged(one(4), &mut pool, &[a], &Fallthrough)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("full"), "{err}");
+    // A pool built for another model is refused.
+    let other = step_model(&fixture("dsv3-tiny"), &device);
+    let mut foreign = PagedKvCache::new(&other, block, 1).unwrap();
+    let row = foreign.reserve(4).unwrap();
+    assert!(
+        model
+            .forward_paged(one(1), &mut foreign, &[row], &Fallthrough)
+            .is_err()
+    );
+    // Releasing returns every block.
+    pool.release(a);
+    pool.clear();
+    assert_eq!(pool.free_tokens(), pool.capacity());
+    assert_eq!(pool.active_rows(), 0);
+    assert!(PagedKvCache::new(&model, 0, 1).is_err());
+    assert!(PagedKvCache::new(&model, usize::MAX, 1).is_err());
+}
