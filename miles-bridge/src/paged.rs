@@ -141,6 +141,17 @@ impl PagedKvCache {
                 })
     }
 
+    /// Bytes of the pools (keys and values of every layer).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| {
+                let tensors = 1 + usize::from(l.values.is_some());
+                tensors * l.heads * l.width * self.slots * self.dtype.size()
+            })
+            .sum()
+    }
+
     /// Positions the pool holds (all blocks).
     pub fn capacity(&self) -> usize {
         self.slots

@@ -86,6 +86,13 @@ struct Sizes {
     prefill_seqs: usize,
 }
 
+/// KV tokens the largest batch of a run reserves at once: the largest decode batch of
+/// [`PROMPT_LEN`] + `new_tokens`, or the prefill batch of [`PREFILL_LEN`] + 1.
+fn kv_budget(sizes: Sizes) -> usize {
+    let decode = ROWS.iter().max().copied().unwrap_or(1) * (PROMPT_LEN + sizes.new_tokens);
+    decode.max(sizes.prefill_seqs * (PREFILL_LEN + 1))
+}
+
 /// What HF transformers measured on one model.
 #[derive(Debug, Default)]
 struct HfFigures {
@@ -318,6 +325,9 @@ async fn run(
                 recompute_logprobs_via_prefill: false,
                 prefix_cache_tokens: 0,
                 precision: bench_precision(),
+                // The KV pool is allocated once for this budget: what the largest batch of
+                // the run needs at once (the decode rows, or the prefill batch).
+                kv_token_budget: kv_budget(sizes),
                 ..EngineConfig::default()
             },
         )

@@ -216,6 +216,8 @@ fn pool_blocks_are_reserved_returned_and_copied_exactly() {
     let mut pool = PagedKvCache::new(&model, 5 * block, 2).unwrap();
     // 5 blocks for the budget and one spare per row.
     assert_eq!(pool.capacity(), 7 * block);
+    // The fixture's 3 layers × keys and values × 2 KV heads × head 16, f32, per slot.
+    assert_eq!(pool.bytes(), 3 * 2 * 2 * 16 * 4 * 7 * block);
     assert_eq!(pool.free_tokens(), 7 * block);
     let a = pool.reserve(3 * block + 1).unwrap();
     assert_eq!(pool.row_capacity(a), 4 * block);

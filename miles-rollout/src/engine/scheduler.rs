@@ -116,6 +116,12 @@ impl Scheduler {
         let step = step_model(&model, config.specialised_path);
         let pool = PagedKvCache::new(&step, config.kv_token_budget, config.max_running_requests)
             .map_err(|e| crate::Error::Config(format!("KV cache: {e}")))?;
+        tracing::info!(
+            tokens = pool.capacity(),
+            mib = pool.bytes() >> 20,
+            "KV pool allocated (kv_token_budget {} + a block per running sequence)",
+            config.kv_token_budget
+        );
         Ok(Self {
             step: Arc::new(step),
             model: Arc::new(model),
