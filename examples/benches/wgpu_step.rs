@@ -15,6 +15,12 @@
 //! - Decode step (`wgpu_step_decode`): the embedded engine decoding the same 4 sequences
 //!   (log-prob recompute off), `(t(17 new tokens) − t(1 new token)) / 16`: the prefill cancels.
 //!
+//! - MoE layer (`wgpu_moe_layer_8tok`, `wgpu_moe_layer_512tok`): one MoE block of a larger
+//!   GLM-4-MoE config (hidden 512, 16 experts × 256, top-4, one shared expert), forward +
+//!   backward at a decode size (8 tokens) and a training size (512 tokens), the device-side
+//!   grouping (`MoeDispatch::Sparse`: bucketing kernels and the grouped matmul) against every
+//!   expert on every token (`Dense`) on the same device, alternated.
+//!
 //! The first round of each mode is an untimed warm-up (shader compilation, autotune). With the
 //! fused ops on, every fused op runs as a CubeCL kernel on wgpu (log-probs, clipped loss,
 //! attention forward / backward and the decode step over the KV cache, RMSNorm, RoPE, SwiGLU,
@@ -30,7 +36,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
-use miles_bridge::{CausalLm, ModelConfig};
+use burn::tensor::{Device, Tensor};
+use miles_bridge::{CausalLm, FeedForward, ModelConfig, MoeDispatch};
 use miles_core::{PolicyTrainer, Sample};
 use miles_examples::grpo_step::{StepPlan, generate_all, samples_of};
 use miles_rollout::{EmbeddedEngine, EngineConfig};
@@ -114,6 +121,62 @@ fn train_step_secs(model: &CausalLm, plan: &StepPlan, samples: &[Sample]) -> (f6
     (secs, metrics["train/grad_norm"])
 }
 
+/// Seconds of one forward + backward of `block` over `x` with `dispatch`.
+fn moe_layer_secs(block: &miles_bridge::MoeBlock, x: &Tensor<2>, dispatch: MoeDispatch) -> f64 {
+    let mut block = block.clone();
+    block.dispatch = dispatch;
+    let start = Instant::now();
+    let xg = x.clone().require_grad();
+    let (out, _) = block
+        .forward(xg.clone(), &miles_r3::Fallthrough)
+        .expect("moe forward");
+    let grads = out.sum().backward();
+    let dx: f32 = xg.grad(&grads).expect("dx").sum().into_scalar();
+    let secs = start.elapsed().as_secs_f64();
+    assert!(dx.is_finite());
+    secs
+}
+
+/// The MoE-layer rows (module docs): sparse vs dense medians at 8 and 512 tokens.
+fn moe_layer_rows(device: &Device, iters: usize) {
+    let config = ModelConfig::from_hf_json(
+        r#"{"model_type": "glm4_moe", "vocab_size": 1000, "hidden_size": 512,
+        "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 2,
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": true,
+        "routed_scaling_factor": 1.0, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+        "attention_bias": false, "tie_word_embeddings": false, "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02}"#,
+    )
+    .expect("config");
+    let device = device.clone().autodiff();
+    let model = CausalLm::init(&config, &device).expect("model");
+    let FeedForward::Moe(block) = &model.model.layers[1].mlp else {
+        panic!("layer 1 is an MoE layer");
+    };
+    for tokens in [8usize, 512] {
+        let x: Vec<f32> = (0..tokens * 512).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x = Tensor::<1>::from_floats(x.as_slice(), &device).reshape([tokens, 512]);
+        let mut times = [Vec::new(), Vec::new()];
+        for round in 0..=iters {
+            for (mode, dispatch) in [(0, MoeDispatch::Sparse), (1, MoeDispatch::Dense)] {
+                let t = moe_layer_secs(block, &x, dispatch);
+                // Round 0 compiles the kernels.
+                if round > 0 {
+                    times[mode].push(t);
+                }
+            }
+        }
+        let [sparse, dense] = times.map(median);
+        println!(
+            "xtask-result: wgpu_moe_layer_{tokens}tok ours={:.2}ms baseline={:.2}ms note=one MoE block (hidden 512, 16 experts x 256, top-4, 1 shared) forward + backward of {tokens} tokens on wgpu-cpu: device-side grouping (Sparse) vs every expert on every token (Dense) in the same run (median of {iters})",
+            sparse * 1e3,
+            dense * 1e3,
+        );
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; a name filter selects nothing else here.
     let Some(device) = miles_ops::kernel_device::kernel_test_device("wgpu_step") else {
@@ -187,4 +250,5 @@ fn main() {
         decode_fused * 1e3,
         decode_plain * 1e3,
     );
+    moe_layer_rows(&device, iters);
 }
