@@ -69,18 +69,18 @@ impl PagedKvCache {
     pub const BLOCK: usize = 16;
 
     /// Pools for `model`'s layers holding `tokens` positions for up to `rows` sequences at
-    /// once (each sequence's last block may be partly used, so the pool has `rows` blocks
-    /// more than `tokens` needs), in the dtype of the model's attention weights, on their
-    /// device. The memory is allocated here, once (zeroed pages the OS maps on first write).
+    /// once (each sequence's last block may be partly used, so the pool has a spare block
+    /// per sequence, at most as many spare blocks as `tokens` takes), in the dtype of the
+    /// model's attention weights, on their device. The memory is allocated here, once.
     pub fn new(model: &CausalLm, tokens: usize, rows: usize) -> Result<Self, BridgeError> {
         if tokens == 0 || rows == 0 {
             return Err(BridgeError::input(
                 "a paged KV cache needs a positive token budget and row count",
             ));
         }
-        let blocks = tokens
-            .div_ceil(Self::BLOCK)
-            .checked_add(rows)
+        let needed = tokens.div_ceil(Self::BLOCK);
+        let blocks = needed
+            .checked_add(rows.min(needed))
             .filter(|&b| b <= u32::MAX as usize)
             .ok_or_else(|| BridgeError::input(format!("KV budget of {tokens} tokens")))?;
         let slots = blocks * Self::BLOCK;
@@ -165,6 +165,11 @@ impl PagedKvCache {
     /// Number of sequences holding blocks.
     pub fn active_rows(&self) -> usize {
         self.rows.iter().flatten().count()
+    }
+
+    /// Whether [`PagedKvCache::reserve`] of `tokens` would succeed now.
+    pub fn can_reserve(&self, tokens: usize) -> bool {
+        tokens.div_ceil(Self::BLOCK).max(1) <= self.free.len()
     }
 
     /// Reserves blocks for `tokens` positions of a new, empty sequence. An error (nothing

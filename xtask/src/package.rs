@@ -83,7 +83,8 @@ pub fn verify(crates: &[&str]) -> Result<(), String> {
     )
     .map_err(|e| format!("cannot write the feature mirror: {e}"))?;
 
-    fs::write(check.join("Cargo.toml"), manifest(&members))
+    let inherited = release_overrides(&root.join("Cargo.toml"))?;
+    fs::write(check.join("Cargo.toml"), manifest(&members, &inherited)?)
         .map_err(|e| format!("cannot write the package-check manifest: {e}"))?;
     fs::copy(root.join("Cargo.lock"), check.join("Cargo.lock"))
         .map_err(|e| format!("cannot copy Cargo.lock: {e}"))?;
@@ -107,9 +108,27 @@ pub fn verify(crates: &[&str]) -> Result<(), String> {
     Ok(())
 }
 
+/// The workspace's `[profile.release.package.*]` overrides (of dependencies: the check
+/// workspace must compile them as the test build did, or it rebuilds them and all above).
+pub fn release_overrides(manifest: &Path) -> Result<toml::Table, String> {
+    let text = fs::read_to_string(manifest)
+        .map_err(|e| format!("cannot read {}: {e}", manifest.display()))?;
+    let parsed: toml::Table = text
+        .parse()
+        .map_err(|e| format!("{}: {e}", manifest.display()))?;
+    Ok(parsed
+        .get("profile")
+        .and_then(|p| p.get("release"))
+        .and_then(|r| r.get("package"))
+        .and_then(toml::Value::as_table)
+        .cloned()
+        .unwrap_or_default())
+}
+
 /// The workspace of unpacked packages: each crate a member, each registry dependency on one
-/// of them patched to its folder, our crates compiled without optimisation.
-pub fn manifest(members: &[(String, String)]) -> String {
+/// of them patched to its folder, our crates compiled without optimisation, and the test
+/// build's release overrides of dependencies (`inherited`) kept.
+pub fn manifest(members: &[(String, String)], inherited: &toml::Table) -> Result<String, String> {
     let mut text = String::from(
         "# Written by `cargo xtask ci`: the library crates as their packages hold them.\n\
          [workspace]\nresolver = \"3\"\nmembers = [\n",
@@ -127,7 +146,26 @@ pub fn manifest(members: &[(String, String)]) -> String {
             "\n[profile.release.package.{krate}]\nopt-level = 0\n"
         ));
     }
-    text
+    for (krate, settings) in inherited {
+        if members.iter().any(|(member, _)| member == krate) {
+            continue;
+        }
+        text.push_str(&format!("\n[profile.release.package.{krate}]\n"));
+        for (key, value) in settings.as_table().into_iter().flatten() {
+            let value = match value {
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
+                toml::Value::String(s) => format!("{s:?}"),
+                other => {
+                    return Err(format!(
+                        "profile.release.package.{krate}.{key}: unsupported value {other:?}"
+                    ));
+                }
+            };
+            text.push_str(&format!("{key} = {value}\n"));
+        }
+    }
+    Ok(text)
 }
 
 /// The check workspace's member that reproduces the test build's feature resolution.
@@ -272,10 +310,17 @@ mod tests {
 
     #[test]
     fn the_manifest_patches_every_crate_to_its_package() {
-        let text = manifest(&[
-            ("miles-core".into(), "miles-core-0.1.0".into()),
-            ("miles-r3".into(), "miles-r3-0.1.0".into()),
-        ]);
+        let inherited: toml::Table = "[naga]\nopt-level = 1\n[miles-r3]\nopt-level = 3\n"
+            .parse()
+            .unwrap();
+        let text = manifest(
+            &[
+                ("miles-core".into(), "miles-core-0.1.0".into()),
+                ("miles-r3".into(), "miles-r3-0.1.0".into()),
+            ],
+            &inherited,
+        )
+        .unwrap();
         let parsed: toml::Table = text.parse().expect("valid TOML");
         let members = parsed["workspace"]["members"].as_array().unwrap();
         assert_eq!(members.len(), 3);
@@ -286,10 +331,18 @@ mod tests {
             patch["miles-core"]["path"].as_str(),
             Some("miles-core-0.1.0")
         );
-        assert_eq!(
-            parsed["profile"]["release"]["package"]["miles-r3"]["opt-level"].as_integer(),
-            Some(0)
-        );
+        let profiles = &parsed["profile"]["release"]["package"];
+        assert_eq!(profiles["miles-r3"]["opt-level"].as_integer(), Some(0));
+        // A dependency's override carries over; ours stay unoptimised.
+        assert_eq!(profiles["naga"]["opt-level"].as_integer(), Some(1));
+    }
+
+    #[test]
+    fn the_release_overrides_come_from_the_workspace_manifest() {
+        let root = workspace_root().join("Cargo.toml");
+        let overrides = release_overrides(&root).unwrap();
+        assert_eq!(overrides["cubek-matmul"]["opt-level"].as_integer(), Some(1));
+        assert!(!overrides.contains_key("burn-flex"));
     }
 
     #[test]

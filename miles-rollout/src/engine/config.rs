@@ -17,7 +17,8 @@ pub struct EngineConfig {
     /// KV-cache budget in tokens: a request reserves `prompt + max_new_tokens` while it runs;
     /// requests that do not fit wait. A request larger than the whole budget is rejected. The
     /// engine allocates its KV pool for this many tokens (plus one 16-token block per running
-    /// sequence) once, when it starts: size it to the memory the cache may take.
+    /// sequence for partly used last blocks, at most doubling it) once, when it starts: size it
+    /// to the memory the cache may take (the engine logs the pool's size).
     pub kv_token_budget: usize,
     /// Tokens of finished / prefilled sequences kept for prefix reuse (0 disables reuse).
     pub prefix_cache_tokens: usize,

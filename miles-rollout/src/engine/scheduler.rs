@@ -417,7 +417,9 @@ impl Scheduler {
                 break;
             };
             let need = front.tokens.len() + front.max_new - front.output_len();
-            if self.reserved + need > self.config.kv_token_budget {
+            // The token budget, and blocks for it in the pool (many short sequences can use
+            // up the pool's spare blocks for partly filled last blocks first).
+            if self.reserved + need > self.config.kv_token_budget || !self.pool.can_reserve(need) {
                 if !front.waited {
                     self.stats.budget_waits += 1;
                     if let Some(f) = self.waiting.front_mut() {
@@ -429,9 +431,8 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            // The budget check above leaves blocks for `need` (the pool has one spare block
-            // per running sequence for the rounding), so this only fails on a broken
-            // invariant; the request then fails alone.
+            // `can_reserve` held above, so this only fails on a broken invariant; the request
+            // then fails alone.
             let reserved = self.pool.reserve(need).map_err(|e| e.to_string());
             let admitted_row = reserved.and_then(|row| {
                 seq.reserved = need;

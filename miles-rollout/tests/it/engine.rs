@@ -440,6 +440,51 @@ async fn the_kv_budget_makes_requests_wait_and_rejects_what_can_never_fit() {
     );
 }
 
+/// Many short requests: the token budget (64) admits 16 of them at once (2 prompt + 2 new
+/// tokens each), but each takes a 16-position block of the KV pool, which holds 64 / 16 = 4
+/// blocks plus at most 4 spare ones (one per running sequence, at most as many as the budget
+/// takes): 8 blocks. The others wait for blocks rather than failing, and every request
+/// finishes with the tokens and log-probs it gets alone.
+#[tokio::test]
+async fn short_requests_wait_for_kv_pool_blocks_and_finish_as_alone() {
+    let model = load("glm4moe-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let reqs: Vec<GenerateRequest> = (0..12)
+        .map(|i| request(prompt(2, 7 + i as u32, vocab), 2, 300 + i as u64))
+        .collect();
+    let engine = Arc::new(
+        EmbeddedEngine::new(
+            model.clone(),
+            EngineConfig {
+                kv_token_budget: 64,
+                max_running_requests: 16,
+                ..config(true)
+            },
+        )
+        .unwrap(),
+    );
+    let single = Arc::new(
+        EmbeddedEngine::new(
+            model,
+            EngineConfig {
+                max_running_requests: 1,
+                ..config(true)
+            },
+        )
+        .unwrap(),
+    );
+    let a = run_all(&engine, reqs.clone()).await;
+    let b = run_all(&single, reqs).await;
+    assert_eq!(a.len(), 12);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.output_ids.len(), 2);
+        assert_eq!(x.output_ids, y.output_ids);
+        assert_eq!(x.output_log_probs, y.output_log_probs);
+    }
+    let stats = engine.stats();
+    assert!(stats.max_batch <= 8, "{stats:?}");
+}
+
 #[tokio::test]
 async fn prefixes_are_reused_within_a_session_and_across_a_group() {
     let model = load("glm4moe-tiny");
