@@ -206,10 +206,101 @@ fn softmax_row(scores: &mut [f32], mask: &[u8]) -> f32 {
     softmax_lanes(scores, mask)
 }
 
+/// [`softmax_lanes`] with explicit AVX-512 instructions, one register per [`LANES`] chunk:
+/// the same operations in the same order (separate multiplies and adds, the lane sums added
+/// in order at the end), so the same bits; the generic loop does not vectorise the exp.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn softmax_row_avx512(scores: &mut [f32], mask: &[u8]) -> f32 {
-    softmax_lanes(scores, mask)
+    use std::arch::x86_64::*;
+    let n = scores.len().min(mask.len());
+    // A chunk's scores and "masked" lanes; past the row's end a lane is masked (its score
+    // never read as a value, its probability 0 and never stored).
+    let load = |scores: &[f32], i: usize| -> (__m512, __mmask16) {
+        let len = (n - i).min(LANES);
+        let mut m = [1u8; LANES];
+        m[..len].copy_from_slice(&mask[i..i + len]);
+        let valid = if len == LANES {
+            0xffff
+        } else {
+            (1u16 << len) - 1
+        };
+        // SAFETY: `valid` limits the load to the row's `len` remaining scores; `m` holds 16
+        // bytes.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(valid, scores[i..].as_ptr());
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(m.as_ptr().cast()));
+            (v, _mm512_cmpneq_epi32_mask(bytes, _mm512_setzero_si512()))
+        }
+    };
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut top = neg_inf;
+    for i in (0..n).step_by(LANES) {
+        let (v, masked) = load(scores, i);
+        // `f32::max` keeps the running value when the candidate is NaN: so does MAXPS with
+        // the candidate first.
+        top = _mm512_max_ps(_mm512_mask_blend_ps(masked, v, neg_inf), top);
+    }
+    let mut lanes = [0.0f32; LANES];
+    // SAFETY: `lanes` holds 16 floats.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), top) };
+    let max = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sums = _mm512_setzero_ps();
+    let zero = _mm512_setzero_ps();
+    for i in (0..n).step_by(LANES) {
+        let (v, masked) = load(scores, i);
+        let e = exp_nonpositive_avx512(_mm512_sub_ps(v, _mm512_set1_ps(max)));
+        let p = _mm512_mask_blend_ps(masked, e, zero);
+        sums = _mm512_add_ps(sums, p);
+        let len = (n - i).min(LANES);
+        let valid = if len == LANES {
+            0xffff
+        } else {
+            (1u16 << len) - 1
+        };
+        // SAFETY: `valid` limits the store to the row's remaining scores.
+        unsafe { _mm512_mask_storeu_ps(scores[i..].as_mut_ptr(), valid, p) };
+    }
+    // SAFETY: as above.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums) };
+    let sum: f32 = lanes.iter().sum();
+    let inv = 1.0 / sum;
+    for v in scores[..n].iter_mut() {
+        *v *= inv;
+    }
+    max + sum.ln()
+}
+
+/// [`exp_nonpositive`] on 16 lanes, operation for operation (no fused multiply-adds).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_nonpositive_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let c = _mm512_set1_ps;
+    let low = c(-87.0);
+    // `x < -87 → -87`, NaN kept.
+    let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low), x, low);
+    let t = _mm512_add_ps(_mm512_mul_ps(x, c(std::f32::consts::LOG2_E)), c(0.5));
+    let n = _mm512_cvttps_epi32(t);
+    let above = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_cvtepi32_ps(n), t);
+    let n = _mm512_mask_sub_epi32(n, above, n, _mm512_set1_epi32(1));
+    let nf = _mm512_cvtepi32_ps(n);
+    let g = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(nf, c(0.693_359_4))),
+        _mm512_mul_ps(nf, c(-2.121_944_4e-4)),
+    );
+    let z = _mm512_mul_ps(g, g);
+    let mut p = _mm512_add_ps(_mm512_mul_ps(c(1.987_569_1e-4), g), c(1.398_199_9e-3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, g), c(8.333_452e-3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, g), c(4.166_579_6e-2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, g), c(1.666_666_5e-1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, g), c(0.5));
+    let reduced = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, z), g), c(1.0));
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        n,
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_mul_ps(reduced, scale)
 }
 
 #[inline(always)]
@@ -762,6 +853,50 @@ mod tests {
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert!(exp_nonpositive(-1.0e30) < 1.0e-37);
         assert!(exp_nonpositive(f32::NAN).is_nan());
+    }
+
+    /// The AVX-512 softmax against the generic lane loop: the same bits, for rows of every
+    /// length around the lane count, masked keys anywhere (masked scores above the max
+    /// included), and large score ranges.
+    #[test]
+    fn avx512_softmax_has_the_generic_bits() {
+        if !crate::packed::supported() {
+            return;
+        }
+        let mut state = 12345u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695);
+            (state >> 33) as u32
+        };
+        for len in (1..70).chain([128, 255, 512]) {
+            for round in 0..6 {
+                let scale = [0.1f32, 1.0, 10.0, 40.0, 100.0, 1.0][round];
+                let scores: Vec<f32> = (0..len)
+                    .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * scale)
+                    .collect();
+                let mut mask: Vec<u8> = (0..len).map(|_| u8::from(next() % 4 == 0)).collect();
+                if round == 5 {
+                    mask.iter_mut().for_each(|m| *m = 0);
+                }
+                if mask.iter().all(|&m| m != 0) {
+                    mask[len / 2] = 0;
+                }
+                let mut scores = scores;
+                // A masked score far above the others: masked lanes must not leak.
+                if let Some(j) = mask.iter().position(|&m| m != 0) {
+                    scores[j] = 1.0e30;
+                }
+                let (mut a, mut b) = (scores.clone(), scores.clone());
+                let la = softmax_lanes(&mut a, &mask);
+                // SAFETY: `supported` checked AVX-512F.
+                let lb = unsafe { softmax_row_avx512(&mut b, &mask) };
+                assert_eq!(la.to_bits(), lb.to_bits(), "lse, len {len} round {round}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "probabilities, len {len} round {round}");
+            }
+        }
     }
 
     #[test]
