@@ -39,6 +39,20 @@ fn config(recompute: bool) -> EngineConfig {
     }
 }
 
+/// An engine that runs one sequence at a time (the reference of continuous batching).
+fn one_at_a_time(model: CausalLm) -> Arc<EmbeddedEngine> {
+    Arc::new(
+        EmbeddedEngine::new(
+            model,
+            EngineConfig {
+                max_running_requests: 1,
+                ..config(true)
+            },
+        )
+        .unwrap(),
+    )
+}
+
 fn request(prompt: Vec<u32>, max_new: usize, seed: u64) -> GenerateRequest {
     let mut r = GenerateRequest::new(
         prompt,
@@ -201,16 +215,7 @@ async fn continuous_batching_gives_the_same_tokens_as_one_at_a_time() {
         })
         .collect();
     let batched = Arc::new(EmbeddedEngine::new(model.clone(), config(true)).unwrap());
-    let single = Arc::new(
-        EmbeddedEngine::new(
-            model,
-            EngineConfig {
-                max_running_requests: 1,
-                ..config(true)
-            },
-        )
-        .unwrap(),
-    );
+    let single = one_at_a_time(model);
     let a = run_all(&batched, reqs.clone()).await;
     let b = run_all(&single, reqs).await;
     for (x, y) in a.iter().zip(&b) {
@@ -463,16 +468,7 @@ async fn short_requests_wait_for_kv_pool_blocks_and_finish_as_alone() {
         )
         .unwrap(),
     );
-    let single = Arc::new(
-        EmbeddedEngine::new(
-            model,
-            EngineConfig {
-                max_running_requests: 1,
-                ..config(true)
-            },
-        )
-        .unwrap(),
-    );
+    let single = one_at_a_time(model);
     let a = run_all(&engine, reqs.clone()).await;
     let b = run_all(&single, reqs).await;
     assert_eq!(a.len(), 12);
