@@ -795,7 +795,7 @@ impl Attention {
                 self.heads(v, batch, seq, self.num_kv_heads),
             )
         });
-        let (q, mut k) = profile::time(OpClass::Rope, || {
+        let (q, k) = profile::time(OpClass::Rope, || {
             let (mut q, mut k) = (q, k);
             if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
                 q = qn.forward(q);
@@ -803,43 +803,33 @@ impl Attention {
             }
             (rope.apply(q), rope.apply(k))
         });
-        let mut v = v;
         let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
-        let mut paged_out = None;
-        let mask = match target {
-            KvTarget::Plain(mask) => mask,
+        // One fused op on flex (scores never materialised between ops); the same computation
+        // with tensor ops elsewhere.
+        let attend_all = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Tensor<4, Bool>| {
+            let mask = mask.reshape([batch, seq, k.dims()[2]]);
+            profile::time(OpClass::Attention, || attend(q, k, v, mask, scale))
+        };
+        let out = match target {
+            KvTarget::Plain(mask) => attend_all(q, k, v, mask),
             KvTarget::Contiguous(mask, slot) => {
-                profile::time(OpClass::KvAppend, || {
+                // A grouped-query layer always stores its values.
+                let used = profile::time(OpClass::KvAppend, || {
                     let past = mask.dims()[3] - seq;
-                    // A grouped-query layer always stores its values.
-                    let used = LayerCache::append(slot, past, k.clone(), Some(v.clone()));
-                    k = used.keys;
-                    if let Some(values) = used.values {
-                        v = values;
-                    }
+                    LayerCache::append(slot, past, k.clone(), Some(v.clone()))
                 });
-                mask
+                attend_all(q, used.keys, used.values.unwrap_or(v), mask)
             }
             KvTarget::Paged(mut step) => {
                 profile::time(OpClass::KvAppend, || step.write(k.clone(), Some(v.clone())));
-                paged_out = profile::time(OpClass::Attention, || step.decode(&q, scale));
-                if paged_out.is_none()
-                    && let Some((keys, Some(values))) =
-                        profile::time(OpClass::KvAppend, || step.gather())
-                {
-                    (k, v) = (keys, values);
+                match profile::time(OpClass::Attention, || step.decode(&q, scale)) {
+                    Some(out) => out,
+                    None => match profile::time(OpClass::KvAppend, || step.gather()) {
+                        Some((keys, Some(values))) => attend_all(q, keys, values, step.mask()),
+                        // A grouped-query pool always has values.
+                        _ => unreachable!("a grouped-query pool without values"),
+                    },
                 }
-                step.mask()
-            }
-        };
-        let out = match paged_out {
-            Some(out) => out,
-            None => {
-                let total = k.dims()[2];
-                let mask = mask.reshape([batch, seq, total]);
-                // One fused op on flex (scores never materialised between ops); the same
-                // computation with tensor ops elsewhere.
-                profile::time(OpClass::Attention, || attend(q, k, v, mask, scale))
             }
         };
         profile::time(OpClass::OProj, || {

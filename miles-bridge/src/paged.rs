@@ -275,7 +275,12 @@ impl PagedKvCache {
             }
             let index = indices
                 .entry(heads)
-                .or_insert_with(|| rows_index(&table, 0, 0..len, heads, self.slots, &self.device))
+                .or_insert_with(|| {
+                    index_tensor(
+                        pool_rows(&table, 0, 0..len, heads, self.slots).collect(),
+                        &self.device,
+                    )
+                })
                 .clone();
             pool.write(index.clone(), layer.keys, layer.values, self.dtype);
         }
@@ -305,7 +310,10 @@ impl PagedKvCache {
             .layers
             .iter()
             .map(|pool| {
-                let index = rows_index(&table, 0, 0..len, pool.heads, self.slots, &self.device);
+                let index = index_tensor(
+                    pool_rows(&table, 0, 0..len, pool.heads, self.slots).collect(),
+                    &self.device,
+                );
                 let take = |t: &Option<Tensor<2>>| {
                     t.as_ref().map(|t| {
                         t.clone()
@@ -381,22 +389,23 @@ impl PagedKvCache {
 }
 
 /// Pool rows of positions `range` of sequence `b` for every head, in `(head, position)`
-/// order.
-fn rows_index(
+/// order: the order of a `[heads, positions, width]` block of keys.
+fn pool_rows(
     table: &PageTable,
     b: usize,
     range: std::ops::Range<usize>,
     heads: usize,
     slots: usize,
-    device: &Device,
-) -> Tensor<1, Int> {
-    let index: Vec<i32> = (0..heads)
-        .flat_map(|h| {
-            range
-                .clone()
-                .map(move |p| (h * slots + table.slot(b, p)) as i32)
-        })
-        .collect();
+) -> impl Iterator<Item = i32> + '_ {
+    (0..heads).flat_map(move |h| {
+        range
+            .clone()
+            .map(move |p| (h * slots + table.slot(b, p)) as i32)
+    })
+}
+
+/// An index tensor of pool rows.
+fn index_tensor(index: Vec<i32>, device: &Device) -> Tensor<1, Int> {
     let n = index.len();
     Tensor::from_data(TensorData::new(index, [n]), device)
 }
@@ -461,19 +470,17 @@ impl StepPlan {
             .borrow_mut()
             .entry(heads)
             .or_insert_with(|| {
-                let index: Vec<i32> = self
+                // `(sequence, head, position)`: the order of the step's `[batch, heads, seq,
+                // width]` keys.
+                let index = self
                     .past
                     .iter()
                     .enumerate()
                     .flat_map(|(b, &p)| {
-                        (0..heads).flat_map(move |h| {
-                            (p..p + self.seq)
-                                .map(move |x| (h * self.slots + self.table.slot(b, x)) as i32)
-                        })
+                        pool_rows(&self.table, b, p..p + self.seq, heads, self.slots)
                     })
                     .collect();
-                let n = index.len();
-                Tensor::from_data(TensorData::new(index, [n]), &self.device)
+                index_tensor(index, &self.device)
             })
             .clone()
     }

@@ -431,33 +431,37 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            let fail = |seq: Seq, e: String| {
+                let _ = seq.pending.reply.send(Err(CoreError::engine(
+                    EngineErrorKind::Internal,
+                    format!("prefill failed: {e}"),
+                )));
+            };
             // `can_reserve` held above, so this only fails on a broken invariant; the request
             // then fails alone.
-            let reserved = self.pool.reserve(need).map_err(|e| e.to_string());
-            let admitted_row = reserved.and_then(|row| {
-                seq.reserved = need;
-                self.reserved += need;
-                let loaded = self.prefill(&mut seq).and_then(|cache| {
-                    profile::time(OpClass::KvManage, || self.pool.load(row, &cache))
-                        .map_err(|e| e.to_string())
-                });
-                if loaded.is_err() {
-                    self.pool.release(row);
-                    self.reserved -= seq.reserved;
+            let row = match self.pool.reserve(need) {
+                Ok(row) => row,
+                Err(e) => {
+                    fail(seq, e.to_string());
+                    continue;
                 }
-                loaded.map(|()| row)
+            };
+            seq.reserved = need;
+            self.reserved += need;
+            let loaded = self.prefill(&mut seq).and_then(|cache| {
+                profile::time(OpClass::KvManage, || self.pool.load(row, &cache))
+                    .map_err(|e| e.to_string())
             });
-            match admitted_row {
-                Ok(row) => {
+            match loaded {
+                Ok(()) => {
                     seq.row = Some(row);
                     self.running.push(seq);
                     admitted = true;
                 }
                 Err(e) => {
-                    let _ = seq.pending.reply.send(Err(CoreError::engine(
-                        EngineErrorKind::Internal,
-                        format!("prefill failed: {e}"),
-                    )));
+                    self.pool.release(row);
+                    self.reserved -= need;
+                    fail(seq, e);
                 }
             }
         }
