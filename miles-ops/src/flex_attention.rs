@@ -510,22 +510,32 @@ pub(crate) fn paged_decode(
     let slots = keys.len() / (d * kv_heads);
     let per_row = table.len() / batch.max(1);
     let mut out = vec![0.0f32; batch * heads * d];
+    // Pool rows of the keys and values of position block `i` of task `bk` (sequence
+    // `bk / kv_heads`, key head `bk % kv_heads`).
+    let block_range = |bk: usize, i: usize| {
+        let (b, h) = (bk / kv_heads, bk % kv_heads);
+        let start = (h * slots + table[b * per_row + i] * block) * d;
+        start..start + block.min(lens[b] - i * block) * d
+    };
     out.par_chunks_mut(group * d)
         .enumerate()
         .for_each(|(bk, out)| {
-            let (b, h) = (bk / kv_heads, bk % kv_heads);
-            let len = lens[b];
+            let len = lens[bk / kv_heads];
             let blocks: Vec<(&[f32], &[f32])> = (0..len.div_ceil(block))
                 .map(|i| {
-                    let start = (h * slots + table[b * per_row + i] * block) * d;
-                    let n = block.min(len - i * block) * d;
-                    (&keys[start..start + n], &values[start..start + n])
+                    let r = block_range(bk, i);
+                    (&keys[r.clone()], &values[r])
                 })
                 .collect();
+            // The next task's first keys, requested while this one runs.
+            let following = match bk + 1 < batch * kv_heads {
+                true => &keys[block_range(bk + 1, 0)],
+                false => &[],
+            };
             let mask = vec![0u8; len];
             let mut lse = vec![0.0f32; group];
             let qs = &q[bk * group * d..(bk + 1) * group * d];
-            decode::attend_blocks(qs, &blocks, &mask, scale, d, out, &mut lse);
+            decode::attend_blocks(qs, &blocks, following, &mask, scale, d, out, &mut lse);
         });
     out
 }
@@ -554,16 +564,20 @@ mod decode {
         out: &mut [f32],
         lse: &mut [f32],
     ) {
-        attend_blocks(qs, &[(keys, values)], mask, scale, d, out, lse);
+        attend_blocks(qs, &[(keys, values)], &[], mask, scale, d, out, lse);
     }
 
     /// [`attend`] over keys and values stored in blocks (a paged cache): `blocks[i]` holds
     /// the keys and values of consecutive positions, in order. Every output is computed as
-    /// [`attend`] computes it over the same keys stored contiguously, bit for bit.
+    /// [`attend`] computes it over the same keys stored contiguously, bit for bit. While a
+    /// block's scores run, its values and the next block's keys (after the last block,
+    /// `following`) are prefetched: the hardware prefetcher stops at every page boundary,
+    /// and a pool's blocks need not be adjacent.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attend_blocks(
         qs: &[f32],
         blocks: &[(&[f32], &[f32])],
+        following: &[f32],
         mask: &[u8],
         scale: f32,
         d: usize,
@@ -574,11 +588,12 @@ mod decode {
         let t: usize = blocks.iter().map(|(k, _)| k.len() / d).sum();
         let mut scores = vec![0.0f32; group * t];
         let mut offset = 0;
-        for (keys, values) in blocks {
+        for (i, (keys, values)) in blocks.iter().enumerate() {
+            let next = blocks.get(i + 1).map_or(following, |(k, _)| k);
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `applies` checked AVX-512F; the slices are sized as documented.
             unsafe {
-                avx512::scores(qs, keys, values, d, scale, &mut scores, t, offset)
+                avx512::scores(qs, keys, values, next, d, scale, &mut scores, t, offset)
             };
             offset += keys.len() / d;
         }
@@ -599,13 +614,15 @@ mod decode {
         use super::super::LANES;
 
         /// `scores[g · t + offset + j] = scale · Σ_c qs[g · d + c] · keys[j · d + c]`,
-        /// `d % 16 = 0`; prefetches `values` (as long as `keys`) while it runs.
+        /// `d % 16 = 0`; prefetches `values` (as long as `keys`) and as much of `next` while
+        /// it runs.
         #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = "avx512f")]
         pub(super) fn scores(
             qs: &[f32],
             keys: &[f32],
             values: &[f32],
+            next: &[f32],
             d: usize,
             scale: f32,
             scores: &mut [f32],
@@ -618,6 +635,13 @@ mod decode {
                 for (j, (s, key)) in row.iter_mut().zip(keys.chunks_exact(d)).enumerate() {
                     if g == 0 {
                         for v in values[j * d..(j + 1) * d].chunks(LANES) {
+                            _mm_prefetch::<_MM_HINT_T0>(v.as_ptr().cast());
+                        }
+                        for v in next
+                            .get(j * d..(j + 1) * d)
+                            .unwrap_or_default()
+                            .chunks(LANES)
+                        {
                             _mm_prefetch::<_MM_HINT_T0>(v.as_ptr().cast());
                         }
                     }

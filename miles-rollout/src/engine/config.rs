@@ -35,7 +35,8 @@ pub struct EngineConfig {
     pub initial_version: WeightVersion,
     /// Threads the engine computes with: its scheduler runs in a rayon pool of this size of
     /// its own (`None`: as many threads as the process-wide pool has; the pool's threads
-    /// sleep while the engine is idle). Sizing the engine's and the trainer's pools to split
+    /// sleep while the engine is idle, and during a decode step poll for the step's parallel
+    /// ops, yielding their core when there is nothing to take). Sizing the engine's and the trainer's pools to split
     /// the cores keeps generation and training from competing for them when they overlap,
     /// the in-process counterpart of giving rollout and training separate GPUs.
     pub compute_threads: Option<usize>,

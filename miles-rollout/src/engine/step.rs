@@ -209,6 +209,9 @@ impl Scheduler {
     }
 
     pub(super) fn decode_step(&mut self) {
+        // A decode step is dozens of short parallel ops: the pool's other threads poll for
+        // them instead of sleeping between them.
+        let _awake = KeepAwake::start();
         let device = self.step.lm_head_weight().device();
         let rows = self.running.len();
         let ids: Vec<i32> = self
@@ -268,5 +271,52 @@ impl Scheduler {
         });
         self.running = running;
         self.retire_finished();
+    }
+}
+
+/// While alive, the other threads of the current rayon pool poll for work (running any they
+/// can steal, yielding their core to other threads when there is none) instead of going to
+/// sleep between the short parallel ops of a decode step: waking a sleeping thread costs a
+/// system call and tens of microseconds of scheduler latency per op, during which the
+/// stepping thread works alone. A poller gives up after [`KeepAwake::IDLE`] without work, so
+/// a step that stalls never keeps a core busy.
+struct KeepAwake {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl KeepAwake {
+    /// Longest a poller waits for work before it returns its thread to rayon.
+    const IDLE: std::time::Duration = std::time::Duration::from_millis(2);
+
+    fn start() -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let owner = rayon::current_thread_index();
+        if owner.is_some() {
+            for _ in 1..rayon::current_num_threads() {
+                let stop = stop.clone();
+                rayon::spawn(move || {
+                    // The stepping thread itself (popping its own queue) never polls.
+                    if rayon::current_thread_index() == owner {
+                        return;
+                    }
+                    let mut idle_since = std::time::Instant::now();
+                    while !stop.load(Ordering::Relaxed) {
+                        match rayon::yield_now() {
+                            Some(rayon::Yield::Executed) => idle_since = std::time::Instant::now(),
+                            _ if idle_since.elapsed() > Self::IDLE => return,
+                            _ => std::thread::yield_now(),
+                        }
+                    }
+                });
+            }
+        }
+        Self { stop }
+    }
+}
+
+impl Drop for KeepAwake {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
