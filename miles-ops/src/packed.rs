@@ -601,11 +601,11 @@ mod avx512 {
         fn step(&mut self) {
             self.acc += self.lines;
             while self.acc >= self.k && self.at < self.end {
-                // SAFETY: `at` lies inside the range `new` was given (checked above).
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T2>(self.at.cast());
-                    self.at = self.at.add(16);
-                }
+                // SAFETY: a prefetch never faults, and `at` lies inside the range `new` was
+                // given (the loop condition).
+                unsafe { _mm_prefetch::<_MM_HINT_T2>(self.at.cast()) };
+                // The last line's step may pass the range's end: never dereferenced.
+                self.at = self.at.wrapping_add(16);
                 self.acc -= self.k;
             }
         }
