@@ -3,7 +3,7 @@ family) on the turns `tito_turns.rs` measures, in the same run.
 
 Usage: python miles_tito.py STATE.json
 STATE.json (written by the bench): {"tokenizer_dir", "tools", "turns": [{"name", "stored",
-"stored_ids", "request", "full_ids"}]}, messages in OpenAI form.
+"request", "full_ids"}]}, messages in OpenAI form, `full_ids` miles-tito's prompt ids.
 
 Miles must be importable (its source tree and an sglang install on PYTHONPATH: the bench
 passes MILES_TITO_PYTHONPATH). Prints one line per turn:

@@ -21,7 +21,8 @@
 //! the same turns in the same run by `benches/miles_tito.py` when `MILES_TITO_PYTHONPATH`
 //! names a Miles source tree and an sglang install (joined as a `PYTHONPATH`), with the Python
 //! of `MILES_TORCH_PYTHON` or the workspace's `.venv-ref` (transformers); the script first
-//! checks that Miles' ids equal its own full render's and ours. Without them the bench falls
+//! checks that Miles' merged ids equal its own full render's, and reports whether they equal
+//! ours (`same_ids_as_ours`). Without them the bench falls
 //! back to issue 3's constants (0.67 ms per turn at turn 2 and 0.93 ms at turn 64; full
 //! re-tokenize 1.37 ms and 28.0 ms) and says so.
 
@@ -186,7 +187,6 @@ fn measure_miles(
         "turns": turns.iter().map(|(name, t)| json!({
             "name": name,
             "stored": t.stored,
-            "stored_ids": t.stored_ids,
             "request": t.request,
             "full_ids": full(tito, t, tools),
         })).collect::<Vec<_>>(),
