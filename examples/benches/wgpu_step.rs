@@ -39,8 +39,8 @@ use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use miles_bridge::{CausalLm, FeedForward, ModelConfig, MoeDispatch};
 use miles_core::{PolicyTrainer, Sample};
+use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_examples::grpo_step::{StepPlan, generate_all, samples_of};
-use miles_rollout::{EmbeddedEngine, EngineConfig};
 use miles_train::Actor;
 
 const BATCH: usize = 4;

@@ -192,10 +192,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let mut kwargs = serde_json::Map::new();
     kwargs.insert("enable_thinking".into(), json!(false));
     let encoder = Arc::new(ChatPromptEncoder::load(&model_dir)?.with_kwargs(kwargs));
-    let mut eos_ids = miles_rollout::engine::read_eos_ids(&model_dir);
+    let mut eos_ids = miles_engine::read_eos_ids(&model_dir);
     if eos_ids.is_empty() {
         // A config without `eos_token_id`: the tokenizer config's end-of-turn token.
-        eos_ids.extend(miles_rollout::engine::eos_from_tokenizer_config(&model_dir));
+        eos_ids.extend(miles_engine::eos_from_tokenizer_config(&model_dir));
     }
     let model = CausalLm::from_pretrained(&model_dir, &device.clone().autodiff())?;
     let precision = Precision::from_flags(args.flag("--bf16"), args.flag("--fp16"))?;

@@ -11,10 +11,9 @@ use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::CausalLm;
 use miles_core::{InferenceEngine, SamplingParams};
+use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
-use miles_rollout::{
-    ChatPromptEncoder, DataSource, EmbeddedEngine, EngineConfig, RolloutConfig, RolloutManager,
-};
+use miles_rollout::{ChatPromptEncoder, DataSource, RolloutConfig, RolloutManager};
 use miles_train::{Actor, BatchLayout, TrainConfig};
 
 use crate::Error;
@@ -54,7 +53,7 @@ impl AdditionRl {
         let mut kwargs = serde_json::Map::new();
         kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
         let encoder = Arc::new(ChatPromptEncoder::load(dir)?.with_kwargs(kwargs));
-        let eos_ids = miles_rollout::engine::read_eos_ids(dir);
+        let eos_ids = miles_engine::read_eos_ids(dir);
         let model = CausalLm::from_pretrained(dir, &device.autodiff())?;
         let split = AdditionTask {
             min_digits: 1,

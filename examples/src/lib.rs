@@ -134,9 +134,15 @@ pub enum Error {
     /// miles-train failed.
     #[error(transparent)]
     Train(#[from] miles_train::Error),
-    /// miles-rollout failed (engine, manager, loop).
+    /// The embedded engine could not start or load.
+    #[error(transparent)]
+    Engine(#[from] miles_engine::Error),
+    /// miles-rollout failed (manager, data, loop).
     #[error(transparent)]
     Rollout(#[from] miles_rollout::Error),
+    /// miles-session failed (session server, SGLang client / server, router).
+    #[error(transparent)]
+    Session(#[from] miles_session::Error),
     /// A miles-core seam failed (trainer, sample).
     #[error(transparent)]
     Core(#[from] miles_core::Error),

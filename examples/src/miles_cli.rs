@@ -246,10 +246,10 @@ fn common(a: &FlagValues) -> Result<Common, BoxError> {
             .with_kwargs(kwargs)
             .with_raw_text(!a.switch("--apply-chat-template")),
     );
-    let mut eos_ids = miles_rollout::engine::read_eos_ids(&hf);
+    let mut eos_ids = miles_engine::read_eos_ids(&hf);
     if eos_ids.is_empty() {
         // A config without `eos_token_id`: the tokenizer config's end-of-turn token.
-        eos_ids.extend(miles_rollout::engine::eos_from_tokenizer_config(&hf));
+        eos_ids.extend(miles_engine::eos_from_tokenizer_config(&hf));
     }
     Ok(Common {
         eos_ids,

@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_bridge::CausalLm;
 use miles_core::{Metrics, MetricsSink, NamedTensors};
+use miles_engine::SequenceScorer;
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
-use miles_rollout::SequenceScorer;
 
 /// miles-train's batch-invariant scoring ([`miles_train::score_log_probs`]) as the engine's
 /// `recompute_logprobs_via_prefill` scorer: rollout log-probs then equal the trainer's
@@ -212,7 +212,7 @@ pub fn tensorboard_sink(
     Ok(sink)
 }
 
-/// A [`miles_rollout::Router`] over SGLang-compatible servers at `urls`: the key of
+/// A [`miles_session::sglang::Router`] over SGLang-compatible servers at `urls`: the key of
 /// `MILES_API_KEY` sent to each, `num_layers` MoE layers for routed experts, and one
 /// [`miles_session::sglang::WeightPublisher`] under `weights_dir` (each version written once
 /// for the fleet, the two newest kept; the servers must be able to read it).
@@ -220,7 +220,7 @@ pub fn sglang_fleet(
     urls: &[String],
     weights_dir: &Path,
     num_layers: Option<usize>,
-) -> Result<Arc<miles_rollout::Router>, miles_session::Error> {
+) -> Result<Arc<miles_session::sglang::Router>, miles_session::Error> {
     use miles_session::sglang::{SglangConfig, SglangEngine, WeightPublisher};
     let key = miles_session::guard::ApiKey::from_env()?;
     let publisher = Arc::new(WeightPublisher::new(weights_dir).with_keep(2));
@@ -239,7 +239,7 @@ pub fn sglang_fleet(
             )
         })
         .collect();
-    Ok(Arc::new(miles_rollout::Router::new(engines)))
+    Ok(Arc::new(miles_session::sglang::Router::new(engines)))
 }
 
 /// Writes HF-named `weights` as `dir/model.safetensors` with the config, generation config,
@@ -275,27 +275,27 @@ pub fn embedded_engine(
     seed: u64,
     precision: miles_bridge::Precision,
 ) -> Result<Arc<dyn miles_core::InferenceEngine>, crate::Error> {
-    let config = miles_rollout::EngineConfig {
+    let config = miles_engine::EngineConfig {
         max_running_requests,
         eos_token_ids,
         seed,
         precision,
-        ..miles_rollout::EngineConfig::default()
+        ..miles_engine::EngineConfig::default()
     };
     Ok(embedded_engine_with(model, model_dir, config)?)
 }
 
-/// [`embedded_engine`] with a whole [`miles_rollout::EngineConfig`], returned as the concrete
-/// engine (to read its stats or [`miles_rollout::EmbeddedEngine::shutdown`] it).
+/// [`embedded_engine`] with a whole [`miles_engine::EngineConfig`], returned as the concrete
+/// engine (to read its stats or [`miles_engine::EmbeddedEngine::shutdown`] it).
 pub fn embedded_engine_with(
     model: miles_bridge::CausalLm,
     model_dir: &Path,
-    config: miles_rollout::EngineConfig,
-) -> Result<Arc<miles_rollout::EmbeddedEngine>, crate::Error> {
+    config: miles_engine::EngineConfig,
+) -> Result<Arc<miles_engine::EmbeddedEngine>, crate::Error> {
     let path = model_dir.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&path)
         .map_err(|e| crate::Error::Tokenizer(format!("{}: {e}", path.display())))?;
-    let engine = miles_rollout::EmbeddedEngine::builder(model)
+    let engine = miles_engine::EmbeddedEngine::builder(model)
         .config(config)
         .scorer(Arc::new(TrainerScorer::default()))
         .detokenizer(Arc::new(tokenizer))

@@ -1,21 +1,14 @@
 //! # miles-rollout
 //!
-//! Engines and orchestration for RL post-training: the embedded burn inference engine, an
-//! SGLang-compatible server and a router over engines, the rollout manager (groups, rewards,
-//! dynamic filters, over-sampling with abort, staleness control, partial rollout) and the
+//! Rollout orchestration for RL post-training: the rollout manager (groups, rewards, dynamic
+//! filters, over-sampling with abort, staleness control, partial rollout), prompt data and the
 //! synchronous / fully-asynchronous RL loops. It drives any [`miles_core::InferenceEngine`]
-//! and any [`miles_core::PolicyTrainer`] through miles-core's traits and never imports
-//! miles-train.
-//!
-//! Everything but the embedded engine is burn-free: build with `default-features = false` to
-//! drive your own engines (SGLang servers, [`miles_core::InferenceEngine`] implementations)
-//! and your own trainer without compiling burn. The default `embedded` feature adds it.
+//! (the embedded engine of miles-engine, SGLang servers through miles-session's client, a
+//! miles-session `Router` over a fleet) and any [`miles_core::PolicyTrainer`] through
+//! miles-core's traits, and never imports miles-train, miles-engine or burn: it is burn-free
+//! with every feature set.
 //!
 //! Available now:
-//! * `engine` (feature `embedded`, on by default): the `EmbeddedEngine` — continuous batching
-//!   over any miles-bridge model, per-sequence KV caches under a token budget, prefix reuse,
-//!   seeded sampling, log-probs (recomputed by a pluggable `SequenceScorer`), routed experts,
-//!   pause / abort / flush and versioned in-place weight updates;
 //! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
 //!   of returned groups;
 //! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
@@ -32,11 +25,6 @@
 //!   HTTP) and the token-level multi-turn tool loop ([`multi_turn`]:
 //!   [`MultiTurnGenerator`] with a user [`ToolExecutor`]); any [`SampleGenerator`] plugs in
 //!   with [`RolloutManager::with_generator`];
-//! * [`router`]: a [`Router`] over engines (itself an engine) — sticky routing keys, least
-//!   outstanding requests, failover, health checks with re-creation and weight catch-up;
-//! * [`server`]: SGLang's HTTP protocol over any engine ([`sglang_router`]: `/generate`,
-//!   `/v1/chat/completions`, health, pause / continue / abort / flush, weight updates from
-//!   disk and versions), served by the `miles-rollout serve --model DIR` binary ([`cli`]);
 //! * [`loops`]: the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
 //!   (pause → flush → update → resume → version check), staleness control and resumable
 //!   checkpoints;
@@ -65,30 +53,20 @@
 //! ```
 
 pub mod checkpoint;
-pub mod cli;
 pub mod data;
 pub mod encoder;
-#[cfg(feature = "embedded")]
-pub mod engine;
 pub mod error;
 pub mod loops;
 pub mod manager;
 pub mod multi_turn;
 pub mod reward;
 pub mod rm_hub;
-pub mod router;
-pub mod server;
 
 pub use data::{
     DataCursor, DataSource, DataSourceState, DatasetFormat, DatasetKeys, DatasetOptions,
     LoadedDataset, PromptDataPath, PromptRecord, SkippedRows, load_dataset,
 };
 pub use encoder::ChatPromptEncoder;
-#[cfg(feature = "embedded")]
-pub use engine::{
-    Detokenizer, EmbeddedEngine, EngineBuilder, EngineConfig, EngineStats, PrefillScorer,
-    SequenceScorer,
-};
 pub use error::{Error, Result, RowError, RowErrorKind};
 pub use loops::{
     EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,
@@ -100,15 +78,12 @@ pub use manager::{
 pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
 pub use reward::{BuiltinReward, RemoteReward};
 pub use rm_hub::{RmHubReward, RmRule, RmType};
-pub use router::{EngineFactory, Router};
-pub use server::{ServerInfo, sglang_router};
 
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 
 /// A rayon pool of `threads` threads named `name-N`, for work that must stay on its own
-/// cores (the engine's `EngineConfig::compute_threads` (feature `embedded`), the loop's
-/// [`LoopConfig::train_threads`]). burn's CPU backend parallelises through the rayon pool it
+/// cores (the loop's [`LoopConfig::train_threads`]). burn's CPU backend parallelises through the rayon pool it
 /// is called from, so running inside [`rayon::ThreadPool::install`] bounds its cores.
 pub fn compute_pool(threads: usize, name: &str) -> Result<rayon::ThreadPool> {
     if threads == 0 {

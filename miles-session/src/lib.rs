@@ -29,8 +29,9 @@
 //!   session over its OpenAI API (`CommandAgent`: stdin/stdout JSON protocol, timeouts that
 //!   kill the process group).
 //! * [`openai`]: the typed chat-completions body (with SGLang's extensions) and its mapping to
-//!   sampling parameters, shared with miles-rollout's SGLang-compatible server.
-//! * [`sglang`]: the SGLang-protocol HTTP client implementing `InferenceEngine`.
+//!   sampling parameters, shared with the SGLang-compatible server of [`sglang`].
+//! * [`sglang`]: SGLang's HTTP protocol, both ends (the client [`SglangEngine`], the server
+//!   [`sglang::sglang_router`]) and the [`sglang::Router`] over engines.
 //! * [`tito_adapter`]: [`tito_adapter::TitoChat`], the [`chat::ChatTokenizer`] over
 //!   miles-tito (HF-exact templates, the TITO families, incremental tokenization) that the
 //!   binary serves for `--model DIR --tito FAMILY`.

@@ -2,8 +2,9 @@
 //!
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
-//! * `lint`  — the dependency rule (no burn / CubeCL under miles-core, miles-tito,
-//!   miles-session, nor under miles-rollout without its `embedded` feature), the library
+//! * `lint`  — the dependency rule (each crate depends only on crates below it in
+//!   [`LAYERS`]; no burn / CubeCL under miles-core, miles-tito, miles-session and miles-rollout
+//!   with any feature set), the library
 //!   crates' packages (`cargo package --list` holds both licences and every file `src/`
 //!   includes) and `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
 //! * `package` — every library crate built from its packaged files alone ([`package`]).
@@ -123,14 +124,97 @@ fn test_command(extra: &[String]) -> Result<Command, String> {
 }
 
 /// Crates that must never pull burn or CubeCL (DESIGN.md: `cargo add miles-tito` stays light),
-/// with the extra `cargo tree` flags that select their light build: miles-rollout is light
-/// without its default `embedded` feature (router, server protocol, manager, loops).
+/// with the extra `cargo tree` flags that select their build. miles-rollout is light with
+/// every feature set (the engine lives in miles-engine).
 const LIGHT_CRATES: [(&str, &[&str]); 4] = [
     ("miles-core", &[]),
     ("miles-tito", &[]),
     ("miles-session", &[]),
-    ("miles-rollout", &["--no-default-features"]),
+    ("miles-rollout", &["--all-features"]),
 ];
+
+/// The workspace's library crates from the bottom of the stack up (DESIGN.md's map): a
+/// crate's normal and build dependencies among them must come earlier in this list, and every
+/// library crate of the workspace must be in it. Only `miles-examples` and `xtask` sit above.
+const LAYERS: [&str; 9] = [
+    "miles-core",
+    "miles-tito",
+    "miles-session",
+    "miles-r3",
+    "miles-ops",
+    "miles-bridge",
+    "miles-engine",
+    "miles-train",
+    "miles-rollout",
+];
+
+/// Workspace members outside [`LAYERS`]: they may depend on any crate.
+const TOP_OF_STACK: [&str; 2] = ["miles-examples", "xtask"];
+
+/// Fails when a crate depends on one at or above its own layer, or a workspace crate is in
+/// no layer (`cargo metadata`).
+fn check_layers() -> Result<(), String> {
+    let mut metadata = cargo();
+    metadata.args(["metadata", "--format-version", "1", "--no-deps"]);
+    let output = metadata
+        .output()
+        .map_err(|e| format!("cannot run cargo metadata: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let violations = layer_violations(&String::from_utf8_lossy(&output.stdout), &LAYERS)?;
+    if !violations.is_empty() {
+        return Err(format!(
+            "the dependency rule is broken (a crate may depend only on crates below it: {}):\n  {}",
+            LAYERS.join(" < "),
+            violations.join("\n  ")
+        ));
+    }
+    eprintln!(
+        "xtask: every crate depends only on crates below it ({})",
+        LAYERS.join(" < ")
+    );
+    Ok(())
+}
+
+/// The broken rules in `cargo metadata` JSON for `layers` (bottom first).
+fn layer_violations(json: &str, layers: &[&str]) -> Result<Vec<String>, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("cargo metadata: {e}"))?;
+    let packages = value["packages"]
+        .as_array()
+        .ok_or("cargo metadata: no packages")?;
+    let members: Vec<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
+    let mut violations = Vec::new();
+    for package in packages {
+        let name = package["name"].as_str().ok_or("a package without a name")?;
+        let Some(level) = layers.iter().position(|l| *l == name) else {
+            if !TOP_OF_STACK.contains(&name) {
+                violations.push(format!("{name} is in no layer (add it to xtask's LAYERS)"));
+            }
+            continue;
+        };
+        for dep in package["dependencies"].as_array().into_iter().flatten() {
+            if dep["kind"].as_str() == Some("dev") {
+                continue;
+            }
+            let Some(dep_name) = dep["name"].as_str() else {
+                continue;
+            };
+            if !members.contains(&dep_name) {
+                continue;
+            }
+            match layers.iter().position(|l| *l == dep_name) {
+                Some(dep_level) if dep_level < level => {}
+                _ => violations.push(format!("{name} depends on {dep_name}")),
+            }
+        }
+    }
+    Ok(violations)
+}
 
 /// Fails when a light crate's normal dependency tree contains burn or CubeCL.
 fn check_light_crates() -> Result<(), String> {
@@ -177,13 +261,14 @@ fn heavy_dependencies(tree: &str) -> Vec<String> {
 }
 
 /// The library crates a user would `cargo add`: each must build from its packaged files.
-const LIBRARY_CRATES: [&str; 8] = [
+const LIBRARY_CRATES: [&str; 9] = [
     "miles-core",
     "miles-tito",
     "miles-session",
     "miles-ops",
     "miles-bridge",
     "miles-r3",
+    "miles-engine",
     "miles-rollout",
     "miles-train",
 ];
@@ -302,6 +387,7 @@ fn normalize(path: &std::path::Path) -> String {
 /// The checks that need no build: the dependency rule, the library crates' packages and
 /// formatting.
 fn lint() -> Result<(), String> {
+    check_layers()?;
     check_light_crates()?;
     check_packages()?;
     let mut fmt = cargo();
@@ -419,6 +505,32 @@ mod tests {
             normalize(std::path::Path::new("src/../../fixtures/x.json")),
             "../fixtures/x.json"
         );
+    }
+
+    #[test]
+    fn layer_violations_name_upward_and_unplaced_crates() {
+        let json = r#"{"packages": [
+            {"name": "low", "dependencies": [{"name": "serde", "kind": null}]},
+            {"name": "mid", "dependencies": [{"name": "low", "kind": null},
+                                             {"name": "high", "kind": "dev"}]},
+            {"name": "high", "dependencies": [{"name": "mid", "kind": null},
+                                              {"name": "high2", "kind": "build"}]},
+            {"name": "high2", "dependencies": []},
+            {"name": "stray", "dependencies": []},
+            {"name": "xtask", "dependencies": [{"name": "high", "kind": null}]}
+        ]}"#;
+        assert_eq!(
+            layer_violations(json, &["low", "mid", "high", "high2"]).unwrap(),
+            [
+                "high depends on high2",
+                "stray is in no layer (add it to xtask's LAYERS)"
+            ]
+        );
+        let clean = r#"{"packages": [
+            {"name": "low", "dependencies": []},
+            {"name": "mid", "dependencies": [{"name": "low", "kind": null}]}
+        ]}"#;
+        assert!(layer_violations(clean, &["low", "mid"]).unwrap().is_empty());
     }
 
     #[test]

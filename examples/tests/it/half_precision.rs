@@ -11,11 +11,11 @@ use miles_bridge::{CausalLm, Precision};
 use miles_core::{
     GenerateRequest, InferenceEngine, PolicyTrainer, Reward, Sample, SamplingParams, WeightVersion,
 };
+use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_examples::fixture_path;
 use miles_examples::wiring::TrainerScorer;
 use miles_ops::advantages::AdvantageConfig;
 use miles_r3::Fallthrough;
-use miles_rollout::{EmbeddedEngine, EngineConfig};
 use miles_train::{Actor, TrainConfig, score_log_probs};
 
 fn load(name: &str, device: &Device) -> CausalLm {

@@ -11,9 +11,9 @@ use miles_core::{
     NamedTensors, SamplingParams, TensorBytes, WeightVersion,
 };
 use miles_rollout::{
-    BuiltinReward, DataSource, EngineFactory, LoopConfig, PromptRecord, RlLoop, RolloutConfig,
-    RolloutManager, Router,
+    BuiltinReward, DataSource, LoopConfig, PromptRecord, RlLoop, RolloutConfig, RolloutManager,
 };
+use miles_session::sglang::{EngineFactory, Router};
 
 fn request(key: Option<&str>, tokens: usize) -> GenerateRequest {
     let mut request = GenerateRequest::new(

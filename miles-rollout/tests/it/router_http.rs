@@ -15,8 +15,8 @@ use miles_core::{
     NamedTensors, PauseMode, RequestId, Result as CoreResult, SamplingParams, TensorBytes,
     WeightVersion, async_trait,
 };
-use miles_rollout::Router;
-use miles_rollout::server::{ServerInfo, sglang_router};
+use miles_session::sglang::Router;
+use miles_session::sglang::{ServerInfo, sglang_router};
 
 /// The tabular engine behind a server that loads `model.safetensors` from a directory, as
 /// `update_weights_from_disk` asks.

@@ -12,6 +12,8 @@ mod parsers_roundtrip;
 mod prometheus_scrape;
 mod server;
 mod sglang;
+mod sglang_fuzz_routes;
+mod sglang_serve_contract;
 mod tito_qwen3;
 mod trailing_trim;
 mod trajectory_props;

@@ -9,9 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use miles_core::{InferenceEngine, MemoryMetricsSink, PolicyTrainer};
+use miles_engine::EmbeddedEngine;
 use miles_examples::fleet::AdditionRl;
 use miles_examples::toy::ToyModelSpec;
-use miles_rollout::{EmbeddedEngine, EngineFactory, LoopConfig, RlLoop, Router, SharedTrainer};
+use miles_rollout::{LoopConfig, RlLoop, SharedTrainer};
+use miles_session::sglang::{EngineFactory, Router};
 
 const STEPS: u64 = 6;
 

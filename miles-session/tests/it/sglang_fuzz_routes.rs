@@ -1,4 +1,4 @@
-//! Property fuzz of every route of `miles-rollout serve`'s SGLang protocol on loopback, behind
+//! Property fuzz of every route of `miles-engine serve`'s SGLang protocol on loopback, behind
 //! the binary's guard: random bodies (JSON of any shape, `/generate` and chat bodies with
 //! hostile field values, raw bytes, wrong content types) on every route. No answer is a 5xx
 //! except the toy engine's declared failures, every 4xx carries a JSON error body, nothing
@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::Method;
-use miles_rollout::server::{ServerInfo, sglang_router};
 use miles_session::guard::{self, GuardConfig};
 use miles_session::http::HttpClient;
+use miles_session::sglang::{ServerInfo, sglang_router};
 use miles_session::testkit::{ByteChatml, ToyEngine};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;

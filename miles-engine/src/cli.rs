@@ -1,7 +1,7 @@
-//! The command line of the `miles-rollout` binary:
+//! The command line of the `miles-engine` binary:
 //!
 //! ```text
-//! miles-rollout serve --model DIR [--host 127.0.0.1] [--port 30000] [--tokenizer DIR]
+//! miles-engine serve --model DIR [--host 127.0.0.1] [--port 30000] [--tokenizer DIR]
 //!                     [--tito FAMILY] [--served-model-name NAME] [--max-running-requests N]
 //!                     [--kv-token-budget TOKENS] [--seed N] [--no-recompute-logprobs]
 //!                     [--device flex|wgpu[:N]|wgpu-cpu|cuda[:N]] [--bf16 | --fp16]
@@ -9,21 +9,20 @@
 //! ```
 //!
 //! `serve` loads an HF checkpoint directory into the embedded engine and answers SGLang's HTTP
-//! protocol on it ([`crate::server`]). With `--port 0` the system picks a free port. Once the
+//! protocol on it (miles-session's [`sglang_router`](miles_session::sglang::sglang_router)). With `--port 0` the system picks a free port. Once the
 //! socket is bound the binary prints one line, `listening on http://HOST:PORT`, to stdout.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use miles_session::guard::{ApiKey, GuardConfig};
 
 use crate::error::{Error, Result};
-use crate::server::{ServerInfo, load_chat_tokenizer, tito_family_for};
+use miles_session::sglang::{ServerInfo, load_chat_tokenizer, tito_family_for};
 
 /// The usage text.
 pub const USAGE: &str = "\
-usage: miles-rollout serve --model DIR [options]
+usage: miles-engine serve --model DIR [options]
 
 Serves an HF checkpoint with the embedded engine over SGLang's HTTP protocol.
 
@@ -56,7 +55,7 @@ options:
   --fp16                      the same in float16 (Miles' --fp16; not with --bf16)
 ";
 
-/// Options of `miles-rollout serve`.
+/// Options of `miles-engine serve`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServeArgs {
     /// HF checkpoint directory.
@@ -314,7 +313,6 @@ pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
 
 /// With `--enable-metrics`: a registry holding SGLang's engine metrics, kept current by
 /// `engine` and served by the server of `info` at `GET /metrics`. Does nothing otherwise.
-#[cfg(feature = "embedded")]
 pub fn attach_metrics(
     args: &ServeArgs,
     engine: &crate::EmbeddedEngine,
@@ -330,51 +328,6 @@ pub fn attach_metrics(
     engine.attach_metrics(std::sync::Arc::new(metrics));
     info.metrics = Some(registry);
     Ok(())
-}
-
-/// Binds `host:port`, prints `listening on http://ADDR` and serves `app` until the process
-/// ends, with the default [`GuardConfig`] (no key; connection limit and request-head
-/// timeout).
-pub async fn run(app: axum::Router, host: &str, port: u16) -> Result<()> {
-    run_guarded(app, host, port, GuardConfig::default()).await
-}
-
-/// [`run`] behind `guard`: the router is hardened with it ([`miles_session::guard::harden`])
-/// and served with its connection limit and request-head timeout. Warns when it binds a
-/// non-loopback address without a key.
-pub async fn run_guarded(
-    app: axum::Router,
-    host: &str,
-    port: u16,
-    guard: GuardConfig,
-) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind((host, port))
-        .await
-        .map_err(|source| Error::Io {
-            path: PathBuf::from(format!("{host}:{port}")),
-            source,
-        })?;
-    let addr: SocketAddr = listener.local_addr().map_err(|source| Error::Io {
-        path: PathBuf::from(format!("{host}:{port}")),
-        source,
-    })?;
-    {
-        use std::io::Write;
-        let mut out = std::io::stdout().lock();
-        // The line a supervisor (or a test) waits for; a closed stdout is not fatal.
-        let _ = writeln!(out, "listening on http://{addr}");
-        let _ = out.flush();
-    }
-    if guard.api_key.is_none() && !addr.ip().is_loopback() {
-        eprintln!(
-            "miles-rollout: warning: serving {addr} without --api-key: anyone who can reach it \
-             can generate and (with --weights-root) load weights"
-        );
-    }
-    let app = miles_session::guard::harden(app, &guard);
-    miles_session::guard::serve(listener, app, guard)
-        .await
-        .map_err(|e| Error::Task(format!("HTTP server stopped: {e}")))
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use miles_core::{
     GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors, SamplingParams, TensorBytes,
     WeightVersion,
 };
-use miles_rollout::{EmbeddedEngine, EngineConfig};
+use miles_engine::{EmbeddedEngine, EngineConfig};
 
 const ARCHITECTURES: [&str; 8] = [
     "dsv3-noq",

@@ -8,16 +8,9 @@
 //! The exponentials are `f32` (within 2 ulp), the sums `f64` over `f32` lanes; the rows of a
 //! decode step are sampled in parallel. Top-k / top-p / min-p sort the row.
 
-use std::time::Instant;
-
-use miles_core::FinishReason;
-use serde_json::Value;
-
-use super::scheduler::{Scheduler, Seq};
-
 /// A small, fast, seedable generator (SplitMix64), one per sequence.
 #[derive(Debug, Clone)]
-pub(super) struct Rng(pub(super) u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     fn next_u64(&mut self) -> u64 {
@@ -36,7 +29,7 @@ impl Rng {
 
 /// Samples one token from `logits` with the request's parameters; returns the token and its
 /// log-prob under the untempered distribution.
-pub(super) fn sample_token(
+pub(crate) fn sample_token(
     logits: &[f32],
     params: &miles_core::SamplingParams,
     rng: &mut Rng,
@@ -129,7 +122,7 @@ fn pick_in_blocks(weights: &[f32], blocks: &[f64], u: f64) -> usize {
 }
 
 /// Index drawn with probability proportional to `weights`, mapped through `map`.
-pub(super) fn pick(weights: &[f64], u: f64, map: impl Fn(usize) -> usize) -> usize {
+pub(crate) fn pick(weights: &[f64], u: f64, map: impl Fn(usize) -> usize) -> usize {
     let total: f64 = weights.iter().sum();
     let target = u * total;
     let mut cum = 0.0;
@@ -140,62 +133,6 @@ pub(super) fn pick(weights: &[f64], u: f64, map: impl Fn(usize) -> usize) -> usi
         }
     }
     map(weights.len() - 1)
-}
-
-impl Scheduler {
-    /// Samples the next token of `seq` from `logits` and checks the stop conditions.
-    pub(super) fn push_token(&mut self, seq: &mut Seq, logits: &[f32]) {
-        let params = &seq.pending.request.sampling_params;
-        let (token, lp) = sample_token(logits, params, &mut seq.rng);
-        self.accept_token(seq, token, lp);
-    }
-
-    /// Appends a sampled `token` (log-prob `lp`) to `seq` and checks the stop conditions.
-    pub(super) fn accept_token(&mut self, seq: &mut Seq, token: u32, lp: f64) {
-        let params = &seq.pending.request.sampling_params;
-        seq.tokens.push(token);
-        seq.log_probs.push(lp);
-        self.stats.generated_tokens += 1;
-        let now = Instant::now();
-        if let Some(metrics) = self.shared.metrics.get() {
-            metrics.generation_tokens_total.inc();
-            match seq.last_token {
-                None => metrics
-                    .time_to_first_token_seconds
-                    .observe(now.duration_since(seq.arrived).as_secs_f64()),
-                Some(last) => metrics
-                    .inter_token_latency_seconds
-                    .observe(now.duration_since(last).as_secs_f64()),
-            }
-        }
-        seq.last_token = Some(now);
-        let produced = seq.output_len();
-        let may_stop = produced >= params.min_new_tokens;
-        if may_stop
-            && (params.stop_token_ids.contains(&token)
-                || self.config.eos_token_ids.contains(&token))
-        {
-            seq.finish = Some((FinishReason::Stop, Some(Value::from(token))));
-            return;
-        }
-        if may_stop
-            && !params.stop.is_empty()
-            && let Some(detok) = &self.detokenizer
-        {
-            let text = detok.decode(&seq.tokens[seq.prompt_len..]);
-            if let Some(s) = params
-                .stop
-                .iter()
-                .find(|s| !s.is_empty() && text.contains(s.as_str()))
-            {
-                seq.finish = Some((FinishReason::Stop, Some(Value::from(s.clone()))));
-                return;
-            }
-        }
-        if produced >= seq.max_new {
-            seq.finish = Some((FinishReason::Length, None));
-        }
-    }
 }
 
 #[cfg(test)]

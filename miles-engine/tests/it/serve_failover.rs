@@ -1,4 +1,4 @@
-//! Killing a `miles-rollout serve` process under load loses no request silently: the router
+//! Killing a `miles-engine serve` process under load loses no request silently: the router
 //! (over miles-session's SGLang client) re-runs every request the dead server held on the
 //! other one, or reports it ABORTED; the dead server leaves the rotation and is re-admitted
 //! once it is restarted.
@@ -13,7 +13,7 @@ use miles_core::{
     EngineErrorKind, Error as CoreError, FinishReason, GenerateRequest, InferenceEngine,
     SamplingParams,
 };
-use miles_rollout::Router;
+use miles_session::sglang::Router;
 
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/serve/qwen3-tiny-chat")
@@ -32,14 +32,14 @@ impl Drop for Server {
     }
 }
 
-/// Starts `miles-rollout serve` on `port` (0: any) and waits for its `listening on` line.
+/// Starts `miles-engine serve` on `port` (0: any) and waits for its `listening on` line.
 fn start(port: u16) -> Server {
     start_with(port, &[]).unwrap_or_else(|line| panic!("unexpected first line {line:?}"))
 }
 
 /// [`start`] with extra flags; `Err(first line)` when the server did not come up.
 fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_miles-rollout"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_miles-engine"))
         .args(["serve", "--model"])
         .arg(model_dir())
         .args(["--port", &port.to_string()])
@@ -47,7 +47,7 @@ fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .expect("start miles-rollout serve");
+        .expect("start miles-engine serve");
     let stdout = child.stdout.take().expect("piped stdout");
     let mut line = String::new();
     BufReader::new(stdout)

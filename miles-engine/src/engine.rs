@@ -1,34 +1,5 @@
-//! The embedded inference engine: any miles-bridge [`CausalLm`] served through
-//! [`InferenceEngine`] on a non-autodiff device (flex by default).
-//!
-//! One scheduler thread owns the model. Between decode steps it takes commands (new requests,
-//! aborts, pause / resume, cache flushes, weight updates), admits waiting requests while the KV
-//! token budget allows (prefill one sequence at a time, reusing the longest cached prefix), then
-//! runs one batched decode step over every running sequence: continuous batching. Each sequence
-//! samples from its own seeded generator, so a request's tokens do not depend on what it was
-//! batched with.
-//!
-//! KV cache: one paged pool per layer ([`miles_bridge::PagedKvCache`]), allocated when the
-//! engine starts from `kv_token_budget` (plus one block per running sequence for rounding) and
-//! never grown. An admitted request takes blocks for its whole reservation (prompt +
-//! `max_new_tokens`), its prefill is copied in, each decode step writes one slot per sequence
-//! in place, and the blocks return to the pool when it finishes (its cache is copied out to the
-//! prefix cache first). On flex (`f32`, AVX-512F) decode attention reads the pool directly.
-//!
-//! Versions: a weight update waits until no sequence is mid-generation (admission stops, the
-//! running ones finish), then swaps the weights and flushes the prefix cache; every output
-//! carries the single version all its tokens were generated with. Sequences held by an in-place
-//! or retract pause when an update arrives end with finish reason `abort` at the old version
-//! (their partial output is returned, as Miles' partial rollout expects) rather than continuing
-//! on new weights.
-//!
-//! Log-probs: per-token log-probs of the sampled tokens under the untempered distribution. With
-//! `recompute_logprobs_via_prefill` (default on) they are recomputed after the sequence ends by
-//! a [`SequenceScorer`] over the whole sequence; plug in the trainer's scoring function (as
-//! `miles-examples` does with miles-train's) and rollout log-probs equal the trainer's bit for
-//! bit. Aborted requests keep their decode-time log-probs: a weight update ends every
-//! interrupted request at once, and a prefill per request then would stall the update (the
-//! difference is float rounding under the same weights, which TIS absorbs).
+//! The engine handle: [`EmbeddedEngine`] and its [`EngineBuilder`], implementing
+//! [`InferenceEngine`] by sending commands to the scheduler thread.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,71 +19,11 @@ use miles_core::{
 };
 use tokio::sync::oneshot;
 
-mod config;
-mod kv_cache;
-mod sampling;
-mod scheduler;
-mod step;
-
-pub use config::{DEFAULT_MAX_NEW_TOKENS, EngineConfig, eos_from_tokenizer_config, read_eos_ids};
-pub use step::{PrefillScorer, SequenceScorer};
-
-use scheduler::Scheduler;
-
-/// Turns output ids into text, for stop strings.
-pub trait Detokenizer: Send + Sync {
-    /// The text of `ids`.
-    fn decode(&self, ids: &[u32]) -> String;
-}
-
-impl Detokenizer for tokenizers::Tokenizer {
-    fn decode(&self, ids: &[u32]) -> String {
-        std::ops::Deref::deref(self)
-            .decode(ids, false)
-            .unwrap_or_default()
-    }
-}
-
-/// Counters of an engine's life, for tests and metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    /// Decode steps run.
-    pub decode_steps: u64,
-    /// Largest number of sequences decoded in one step.
-    pub max_batch: usize,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_prompt_tokens: u64,
-    /// Tokens prefilled.
-    pub prefill_tokens: u64,
-    /// Tokens generated.
-    pub generated_tokens: u64,
-    /// Requests that had to wait for KV budget.
-    pub budget_waits: u64,
-}
-
-enum Cmd {
-    Generate(Box<Pending>),
-    Abort(RequestId),
-    AbortAll,
-    Pause(PauseMode, oneshot::Sender<()>),
-    Resume,
-    Flush(oneshot::Sender<()>),
-    Update(Box<CausalLm>, WeightVersion, oneshot::Sender<()>),
-    Shutdown,
-}
-
-struct Pending {
-    request: GenerateRequest,
-    reply: oneshot::Sender<miles_core::Result<GenerateOutput>>,
-}
-
-struct Shared {
-    version: AtomicU64,
-    alive: AtomicBool,
-    stats: Mutex<EngineStats>,
-    /// SGLang-named Prometheus metrics the scheduler keeps current, once attached.
-    metrics: OnceLock<Arc<miles_core::prometheus::SglangMetrics>>,
-}
+use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
+use crate::config::{EngineConfig, read_eos_ids};
+use crate::error::{Error, Result};
+use crate::scheduler::Scheduler;
+use crate::step::{PrefillScorer, SequenceScorer};
 
 /// The embedded burn inference engine (see the module docs).
 pub struct EmbeddedEngine {
@@ -161,11 +72,11 @@ impl EngineBuilder {
     }
 
     /// Starts the scheduler thread.
-    pub fn build(self) -> crate::Result<EmbeddedEngine> {
+    pub fn build(self) -> Result<EmbeddedEngine> {
         let c = &self.config;
         let c_precision = c.precision;
         if c.max_running_requests == 0 || c.kv_token_budget == 0 {
-            return Err(crate::Error::Config(
+            return Err(Error::Config(
                 "max_running_requests and kv_token_budget must be positive".into(),
             ));
         }
@@ -176,7 +87,7 @@ impl EngineBuilder {
         let threads = c
             .compute_threads
             .unwrap_or_else(|| rayon::current_num_threads().max(1));
-        let pool = crate::compute_pool(threads, "miles-engine")?;
+        let pool = compute_pool(threads)?;
         c.precision
             .check_device(&self.model.lm_head_weight().device())
             .map_err(bridge_err)?;
@@ -201,7 +112,7 @@ impl EngineBuilder {
         let thread = std::thread::Builder::new()
             .name("miles-engine".into())
             .spawn(move || pool.install(move || scheduler.run()))
-            .map_err(|e| crate::Error::Task(format!("cannot start the engine thread: {e}")))?;
+            .map_err(|e| Error::Task(format!("cannot start the engine thread: {e}")))?;
         Ok(EmbeddedEngine {
             commands: tx,
             shared,
@@ -215,7 +126,7 @@ impl EngineBuilder {
 
 impl EmbeddedEngine {
     /// An engine over `model` with the default scorer and no detokenizer.
-    pub fn new(model: CausalLm, config: EngineConfig) -> crate::Result<Self> {
+    pub fn new(model: CausalLm, config: EngineConfig) -> Result<Self> {
         Self::builder(model).config(config).build()
     }
 
@@ -232,11 +143,7 @@ impl EmbeddedEngine {
     /// Loads an HF model directory: weights and `config.json`, the EOS ids of
     /// `generation_config.json` / `config.json` (when `config.eos_token_ids` is empty) and
     /// `tokenizer.json` as the detokenizer when present.
-    pub fn from_pretrained(
-        dir: &Path,
-        device: &Device,
-        config: EngineConfig,
-    ) -> crate::Result<Self> {
+    pub fn from_pretrained(dir: &Path, device: &Device, config: EngineConfig) -> Result<Self> {
         let model =
             CausalLm::from_pretrained_in(dir, device, config.precision).map_err(bridge_err)?;
         let mut config = config;
@@ -247,7 +154,7 @@ impl EmbeddedEngine {
         let tok = dir.join("tokenizer.json");
         if tok.exists() {
             let tokenizer = tokenizers::Tokenizer::from_file(&tok)
-                .map_err(|e| crate::Error::Config(format!("cannot load {}: {e}", tok.display())))?;
+                .map_err(|e| Error::Config(format!("cannot load {}: {e}", tok.display())))?;
             builder = builder.detokenizer(Arc::new(tokenizer));
         }
         builder.build()
@@ -310,7 +217,7 @@ impl EmbeddedEngine {
 impl EmbeddedEngine {
     /// Stops the engine now, as if its process died: requests in flight end ABORTED with what
     /// they had generated, later calls fail with an `Unavailable` engine error and
-    /// [`InferenceEngine::health`] reports it down (a [`crate::Router`] then re-creates it
+    /// [`InferenceEngine::health`] reports it down (a router (miles-session's `Router`) then re-creates it
     /// through its factory). Blocks until the scheduler thread has exited; idempotent.
     pub fn shutdown(&self) {
         let _ = self.commands.send(Cmd::Shutdown);
@@ -431,6 +338,18 @@ impl InferenceEngine for EmbeddedEngine {
     }
 }
 
-fn bridge_err(e: miles_bridge::BridgeError) -> crate::Error {
-    crate::Error::Config(e.to_string())
+fn bridge_err(e: miles_bridge::BridgeError) -> Error {
+    Error::Config(e.to_string())
+}
+
+/// The engine's own rayon pool of `threads` threads (`miles-engine-N`).
+fn compute_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    if threads == 0 {
+        return Err(Error::Config("compute_threads must be >= 1".into()));
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("miles-engine-{i}"))
+        .build()
+        .map_err(|e| Error::Task(format!("cannot start {threads} compute threads: {e}")))
 }

@@ -37,7 +37,7 @@ use burn::tensor::Device;
 use common::glm_moe_88m;
 use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
 use miles_core::{GenerateRequest, InferenceEngine, SamplingParams};
-use miles_rollout::{EmbeddedEngine, EngineConfig};
+use miles_engine::{EmbeddedEngine, EngineConfig};
 
 const PROMPT_LEN: usize = 16;
 const PREFILL_LEN: usize = 512;

@@ -1,4 +1,4 @@
-//! `miles-rollout serve` against hostile input, on a real server over loopback with the
+//! `miles-engine serve` against hostile input, on a real server over loopback with the
 //! embedded engine and the real tiny Qwen3 checkpoint of `fixtures/`: every bad request is a
 //! 4xx with an OpenAI-shaped JSON error, and the server serves a normal request afterwards.
 //! The file-system route (`update_weights_from_disk`) reads only under `--weights-root`, and a
@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::Method;
-use miles_rollout::cli::{self, Command};
-use miles_rollout::server::sglang_router;
-use miles_rollout::{EmbeddedEngine, EngineConfig};
+use miles_engine::cli::{self, Command};
+use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_session::http::HttpClient;
+use miles_session::sglang::sglang_router;
 use serde_json::{Value, json};
 
 fn fixture(path: &str) -> PathBuf {
@@ -21,7 +21,7 @@ fn fixture(path: &str) -> PathBuf {
         .join(path)
 }
 
-/// Starts `miles-rollout serve` (library form of the binary) with `flags` after `--model`.
+/// Starts `miles-engine serve` (library form of the binary) with `flags` after `--model`.
 async fn serve(flags: &[String]) -> String {
     serve_with(flags, false).await
 }

@@ -7,55 +7,57 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::Instant;
 
+use burn::tensor::{Int, Tensor, TensorData};
 use miles_bridge::profile::{self, OpClass};
-use miles_bridge::{CausalLm, PagedKvCache, RowId};
+use miles_bridge::{CausalLm, KvCache, ModelInput, PagedKvCache, RowId};
 use miles_core::{
     EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, PauseMode, RoutedExperts,
     WeightVersion,
 };
+use miles_r3::Fallthrough;
+use rayon::prelude::*;
 use serde_json::Value;
 use tokio::sync::oneshot;
 
-use super::config::valid_sampling;
-use super::kv_cache::PrefixEntry;
-use super::sampling::Rng;
-use super::step::step_model;
-use super::{Cmd, Detokenizer, EngineConfig, EngineStats, Pending, SequenceScorer, Shared};
+use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
+use crate::config::{EngineConfig, valid_sampling};
+use crate::sampling::{Rng, sample_token};
+use crate::step::{KeepAwake, SequenceScorer, ids_row, read_step, step_model};
 
 /// One request inside the scheduler.
-pub(super) struct Seq {
-    pub(super) pending: Pending,
+pub(crate) struct Seq {
+    pub(crate) pending: Pending,
     /// Prompt + output so far.
-    pub(super) tokens: Vec<u32>,
-    pub(super) prompt_len: usize,
-    pub(super) max_new: usize,
-    pub(super) log_probs: Vec<f64>,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) prompt_len: usize,
+    pub(crate) max_new: usize,
+    pub(crate) log_probs: Vec<f64>,
     /// Routing rows `[positions forwarded, moe layers, top_k]`, flattened.
-    pub(super) routing: Vec<i32>,
-    pub(super) rng: Rng,
-    pub(super) cached_tokens: usize,
+    pub(crate) routing: Vec<i32>,
+    pub(crate) rng: Rng,
+    pub(crate) cached_tokens: usize,
     /// Tokens reserved against the KV budget.
-    pub(super) reserved: usize,
+    pub(crate) reserved: usize,
     /// Its blocks in the KV pool while it runs.
-    pub(super) row: Option<RowId>,
+    pub(crate) row: Option<RowId>,
     /// Version the KV cache of a retracted sequence was computed with.
-    pub(super) retracted_at: Option<u64>,
+    pub(crate) retracted_at: Option<u64>,
     /// Already counted as waiting for KV budget.
-    pub(super) waited: bool,
-    pub(super) finish: Option<(FinishReason, Option<Value>)>,
+    pub(crate) waited: bool,
+    pub(crate) finish: Option<(FinishReason, Option<Value>)>,
     /// When the engine received the request.
-    pub(super) arrived: Instant,
+    pub(crate) arrived: Instant,
     /// When the last token was sampled.
-    pub(super) last_token: Option<Instant>,
+    pub(crate) last_token: Option<Instant>,
 }
 
 impl Seq {
-    pub(super) fn output_len(&self) -> usize {
+    pub(crate) fn output_len(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
 
     /// Tokens whose keys are in the cache (all but the last sampled one).
-    pub(super) fn cached_len(&self) -> usize {
+    pub(crate) fn cached_len(&self) -> usize {
         if self.output_len() == 0 {
             self.tokens.len()
         } else {
@@ -64,43 +66,52 @@ impl Seq {
     }
 }
 
-pub(super) struct Scheduler {
+/// A cached prefix: its tokens, KV cache and routing rows (the prefix cache keeps finished
+/// and prefilled sequences for reuse).
+pub(crate) struct PrefixEntry {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) cache: KvCache,
+    pub(crate) routing: Vec<i32>,
+    pub(crate) last_used: u64,
+}
+
+pub(crate) struct Scheduler {
     /// The current weights (shared with finished sequences still waiting for their answer).
-    pub(super) model: Arc<CausalLm>,
+    pub(crate) model: Arc<CausalLm>,
     /// The model the forward steps run: the current weights prepared for the device
     /// ([`super::step::step_model`]), rebuilt with every weight update.
-    pub(super) step: Arc<CausalLm>,
-    pub(super) config: EngineConfig,
-    pub(super) scorer: Arc<dyn SequenceScorer>,
-    pub(super) detokenizer: Option<Arc<dyn Detokenizer>>,
-    pub(super) shared: Arc<Shared>,
-    pub(super) commands: mpsc::Receiver<Cmd>,
-    pub(super) waiting: VecDeque<Seq>,
-    pub(super) running: Vec<Seq>,
+    pub(crate) step: Arc<CausalLm>,
+    pub(crate) config: EngineConfig,
+    pub(crate) scorer: Arc<dyn SequenceScorer>,
+    pub(crate) detokenizer: Option<Arc<dyn Detokenizer>>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) commands: mpsc::Receiver<Cmd>,
+    pub(crate) waiting: VecDeque<Seq>,
+    pub(crate) running: Vec<Seq>,
     /// The KV cache of the running sequences: pools allocated once from the token budget.
-    pub(super) pool: PagedKvCache,
-    pub(super) paused: Option<PauseMode>,
-    pub(super) updates: VecDeque<(Box<CausalLm>, WeightVersion, oneshot::Sender<()>)>,
+    pub(crate) pool: PagedKvCache,
+    pub(crate) paused: Option<PauseMode>,
+    pub(crate) updates: VecDeque<(Box<CausalLm>, WeightVersion, oneshot::Sender<()>)>,
     /// Finished sequences whose log-probs are still to be recomputed, each with the weights
     /// (and their version) that generated it. They are answered one per scheduler iteration,
     /// so a burst of sequences finishing together never holds a pause or an update for long.
-    pub(super) finished: VecDeque<(Seq, Arc<CausalLm>, WeightVersion)>,
-    pub(super) prefix: Vec<PrefixEntry>,
-    pub(super) clock: u64,
-    pub(super) counter: u64,
-    pub(super) reserved: usize,
-    pub(super) route_width: usize,
-    pub(super) stats: EngineStats,
+    pub(crate) finished: VecDeque<(Seq, Arc<CausalLm>, WeightVersion)>,
+    pub(crate) prefix: Vec<PrefixEntry>,
+    pub(crate) clock: u64,
+    pub(crate) counter: u64,
+    pub(crate) reserved: usize,
+    pub(crate) route_width: usize,
+    pub(crate) stats: EngineStats,
     /// Start of the current `sglang:gen_throughput` window and the tokens generated before it.
-    pub(super) throughput_mark: (Instant, u64),
+    pub(crate) throughput_mark: (Instant, u64),
 }
 
 /// The window over which `sglang:gen_throughput` is measured (SGLang logs it per decode log
 /// interval; here it is refreshed once a second).
-pub(super) const THROUGHPUT_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const THROUGHPUT_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Scheduler {
-    pub(super) fn new(
+    pub(crate) fn new(
         model: CausalLm,
         config: EngineConfig,
         scorer: Arc<dyn SequenceScorer>,
@@ -146,11 +157,11 @@ impl Scheduler {
         })
     }
 
-    pub(super) fn version(&self) -> WeightVersion {
+    pub(crate) fn version(&self) -> WeightVersion {
         WeightVersion(self.shared.version.load(Ordering::SeqCst))
     }
 
-    pub(super) fn run(mut self) {
+    pub(crate) fn run(mut self) {
         loop {
             let idle = self.running.is_empty()
                 && (self.waiting.is_empty() || self.paused.is_some())
@@ -210,7 +221,7 @@ impl Scheduler {
         self.shared.alive.store(false, Ordering::SeqCst);
     }
 
-    pub(super) fn publish_stats(&mut self) {
+    pub(crate) fn publish_stats(&mut self) {
         if let Ok(mut s) = self.shared.stats.lock() {
             *s = self.stats;
         }
@@ -235,7 +246,7 @@ impl Scheduler {
     }
 
     /// Handles one command; `false` to shut down.
-    pub(super) fn handle(&mut self, cmd: Cmd) -> bool {
+    pub(crate) fn handle(&mut self, cmd: Cmd) -> bool {
         match cmd {
             Cmd::Generate(pending) => self.enqueue(*pending),
             Cmd::Abort(rid) => {
@@ -274,7 +285,7 @@ impl Scheduler {
         true
     }
 
-    pub(super) fn enqueue(&mut self, pending: Pending) {
+    pub(crate) fn enqueue(&mut self, pending: Pending) {
         let request = &pending.request;
         let params = &request.sampling_params;
         let bad = |reason: String| -> miles_core::Result<GenerateOutput> {
@@ -349,7 +360,7 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn abort_everything(&mut self) {
+    pub(crate) fn abort_everything(&mut self) {
         while let Some(seq) = self.waiting.pop_front() {
             self.finish_aborted(seq);
         }
@@ -360,7 +371,7 @@ impl Scheduler {
     }
 
     /// Releases the KV cache of running sequences and puts them back at the front of the queue.
-    pub(super) fn retract_running(&mut self) {
+    pub(crate) fn retract_running(&mut self) {
         let version = self.version().0;
         let running: Vec<Seq> = self.running.drain(..).collect();
         for mut seq in running.into_iter().rev() {
@@ -374,7 +385,7 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn apply_updates(&mut self) {
+    pub(crate) fn apply_updates(&mut self) {
         if self.updates.is_empty() {
             return;
         }
@@ -410,7 +421,7 @@ impl Scheduler {
         self.prefix.clear();
     }
 
-    pub(super) fn admit(&mut self) {
+    pub(crate) fn admit(&mut self) {
         let mut admitted = false;
         while self.running.len() < self.config.max_running_requests {
             let Some(front) = self.waiting.front() else {
@@ -474,7 +485,7 @@ impl Scheduler {
 
     /// Removes finished sequences from the running batch, returns their blocks and answers
     /// them.
-    pub(super) fn retire_finished(&mut self) {
+    pub(crate) fn retire_finished(&mut self) {
         if self.running.iter().all(|s| s.finish.is_none()) {
             return;
         }
@@ -506,7 +517,7 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn fail_running(&mut self, reason: &str) {
+    pub(crate) fn fail_running(&mut self, reason: &str) {
         let running: Vec<Seq> = self.running.drain(..).collect();
         for mut seq in running {
             if let Some(row) = seq.row.take() {
@@ -520,7 +531,7 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn finish_aborted(&mut self, mut seq: Seq) {
+    pub(crate) fn finish_aborted(&mut self, mut seq: Seq) {
         self.reserved = self.reserved.saturating_sub(seq.reserved);
         seq.finish = Some((FinishReason::Abort, None));
         let model = self.model.clone();
@@ -529,7 +540,7 @@ impl Scheduler {
 
     /// Answers a finished sequence now, or queues it (with the current weights) when its
     /// log-probs must be recomputed first.
-    pub(super) fn finish(&mut self, seq: Seq) {
+    pub(crate) fn finish(&mut self, seq: Seq) {
         let model = self.model.clone();
         let version = self.version();
         if self.needs_recompute(&seq) {
@@ -541,7 +552,7 @@ impl Scheduler {
 
     /// Whether the sequence's log-probs are recomputed by the scorer: a stop or length finish
     /// with generated tokens, when asked for (aborted outputs keep their decode log-probs).
-    pub(super) fn needs_recompute(&self, seq: &Seq) -> bool {
+    pub(crate) fn needs_recompute(&self, seq: &Seq) -> bool {
         self.config.recompute_logprobs_via_prefill
             && seq.pending.request.return_logprob
             && seq
@@ -553,7 +564,7 @@ impl Scheduler {
 
     /// Builds the output of a finished sequence and sends it; `model` holds the weights that
     /// generated it (for the log-prob recompute) and `version` their version.
-    pub(super) fn answer(&mut self, seq: Seq, model: &CausalLm, version: WeightVersion) {
+    pub(crate) fn answer(&mut self, seq: Seq, model: &CausalLm, version: WeightVersion) {
         let recompute = self.needs_recompute(&seq);
         if let Some(metrics) = self.shared.metrics.get() {
             metrics.num_requests_total.inc();
@@ -645,5 +656,258 @@ impl Scheduler {
             cached_tokens,
         };
         let _ = pending.reply.send(Ok(output));
+    }
+}
+
+// The prefix cache: KV caches of finished and prefilled sequences kept for reuse.
+impl Scheduler {
+    /// Longest cached prefix of `tokens` (at most `len − 1` when `keep_one`): the cache, its
+    /// length and its routing rows.
+    pub(crate) fn lookup_prefix(
+        &mut self,
+        tokens: &[u32],
+        keep_one: bool,
+    ) -> (KvCache, usize, Vec<i32>) {
+        let limit = if keep_one {
+            tokens.len().saturating_sub(1)
+        } else {
+            tokens.len()
+        };
+        let mut best: Option<(usize, usize)> = None;
+        for (i, e) in self.prefix.iter().enumerate() {
+            let common = e
+                .tokens
+                .iter()
+                .zip(tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(limit);
+            if common > 0 && best.is_none_or(|(_, c)| common > c) {
+                best = Some((i, common));
+            }
+        }
+        let Some((i, common)) = best else {
+            return (KvCache::new(), 0, Vec::new());
+        };
+        self.clock += 1;
+        let entry = &mut self.prefix[i];
+        entry.last_used = self.clock;
+        let cache = if common == entry.tokens.len() {
+            entry.cache.clone()
+        } else {
+            entry.cache.truncate(common)
+        };
+        let routing =
+            entry.routing[..(common * self.route_width).min(entry.routing.len())].to_vec();
+        (cache, common, routing)
+    }
+
+    pub(crate) fn insert_prefix(&mut self, tokens: Vec<u32>, cache: KvCache, routing: Vec<i32>) {
+        let budget = self.config.prefix_cache_tokens;
+        if budget == 0 || tokens.len() > budget || tokens.is_empty() {
+            return;
+        }
+        // An entry that is a prefix of the new one is covered by it.
+        self.prefix
+            .retain(|e| !(e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens)));
+        if self.prefix.iter().any(|e| e.tokens.starts_with(&tokens)) {
+            return;
+        }
+        self.clock += 1;
+        self.prefix.push(PrefixEntry {
+            tokens,
+            cache,
+            routing,
+            last_used: self.clock,
+        });
+        while self.prefix.iter().map(|e| e.tokens.len()).sum::<usize>() > budget {
+            let Some(oldest) = self
+                .prefix
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
+            self.prefix.swap_remove(oldest);
+        }
+    }
+}
+
+// Sampling: the next token of a sequence and the stop conditions.
+impl Scheduler {
+    /// Samples the next token of `seq` from `logits` and checks the stop conditions.
+    pub(crate) fn push_token(&mut self, seq: &mut Seq, logits: &[f32]) {
+        let params = &seq.pending.request.sampling_params;
+        let (token, lp) = sample_token(logits, params, &mut seq.rng);
+        self.accept_token(seq, token, lp);
+    }
+
+    /// Appends a sampled `token` (log-prob `lp`) to `seq` and checks the stop conditions.
+    pub(crate) fn accept_token(&mut self, seq: &mut Seq, token: u32, lp: f64) {
+        let params = &seq.pending.request.sampling_params;
+        seq.tokens.push(token);
+        seq.log_probs.push(lp);
+        self.stats.generated_tokens += 1;
+        let now = Instant::now();
+        if let Some(metrics) = self.shared.metrics.get() {
+            metrics.generation_tokens_total.inc();
+            match seq.last_token {
+                None => metrics
+                    .time_to_first_token_seconds
+                    .observe(now.duration_since(seq.arrived).as_secs_f64()),
+                Some(last) => metrics
+                    .inter_token_latency_seconds
+                    .observe(now.duration_since(last).as_secs_f64()),
+            }
+        }
+        seq.last_token = Some(now);
+        let produced = seq.output_len();
+        let may_stop = produced >= params.min_new_tokens;
+        if may_stop
+            && (params.stop_token_ids.contains(&token)
+                || self.config.eos_token_ids.contains(&token))
+        {
+            seq.finish = Some((FinishReason::Stop, Some(Value::from(token))));
+            return;
+        }
+        if may_stop
+            && !params.stop.is_empty()
+            && let Some(detok) = &self.detokenizer
+        {
+            let text = detok.decode(&seq.tokens[seq.prompt_len..]);
+            if let Some(s) = params
+                .stop
+                .iter()
+                .find(|s| !s.is_empty() && text.contains(s.as_str()))
+            {
+                seq.finish = Some((FinishReason::Stop, Some(Value::from(s.clone()))));
+                return;
+            }
+        }
+        if produced >= seq.max_new {
+            seq.finish = Some((FinishReason::Length, None));
+        }
+    }
+}
+
+// The model step: prefill and batched decode.
+impl Scheduler {
+    /// Runs the prompt (or, for a retracted sequence, everything but its last token) through
+    /// the model on a fresh one-row cache, reusing the longest cached prefix.
+    pub(crate) fn prefill(&mut self, seq: &mut Seq) -> Result<KvCache, String> {
+        let resumed = seq.output_len() > 0;
+        let target = seq.cached_len();
+        let (mut cache, hit, hit_routing) = self.lookup_prefix(&seq.tokens[..target], !resumed);
+        if !resumed {
+            seq.cached_tokens = hit;
+            self.stats.cached_prompt_tokens += hit as u64;
+        }
+        seq.routing = hit_routing;
+        let rest = &seq.tokens[hit..target];
+        if rest.is_empty() {
+            // Only a resumed sequence can get here (a fresh one always keeps one token).
+            return Ok(cache);
+        }
+        let device = self.step.lm_head_weight().device();
+        // Hidden states only: the logits of the last position are the only ones used.
+        let out = self
+            .step
+            .forward_cached_hidden(
+                &ModelInput::new(ids_row(rest, &device)),
+                &mut cache,
+                &Fallthrough,
+            )
+            .map_err(|e| e.to_string())?;
+        self.stats.prefill_tokens += rest.len() as u64;
+        let routing: &[_] = if self.route_width > 0 {
+            &out.routing
+        } else {
+            &[]
+        };
+        // The last position's logits (a fresh sequence samples its first token from them)
+        // and the routing of every token, in one read.
+        let last = (!resumed).then(|| {
+            let [_, m, hidden] = out.hidden.dims();
+            self.step
+                .logits(out.hidden.clone().narrow(1, m - 1, 1).reshape([1, hidden]))
+        });
+        let (last, routes) = read_step(last, routing)?;
+        seq.routing.extend_from_slice(&routes);
+        if !resumed {
+            self.insert_prefix(
+                seq.tokens[..target].to_vec(),
+                cache.clone(),
+                seq.routing.clone(),
+            );
+            self.push_token(seq, &last);
+        }
+        Ok(cache)
+    }
+
+    pub(crate) fn decode_step(&mut self) {
+        // A decode step is dozens of short parallel ops: the pool's other threads poll for
+        // them instead of sleeping between them.
+        let _awake = KeepAwake::start();
+        let device = self.step.lm_head_weight().device();
+        let rows = self.running.len();
+        let ids: Vec<i32> = self
+            .running
+            .iter()
+            .map(|s| *s.tokens.last().unwrap_or(&0) as i32)
+            .collect();
+        let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
+        let seqs: Vec<_> = self.running.iter().filter_map(|s| s.row).collect();
+        let out = match self
+            .step
+            .forward_paged(input, &mut self.pool, &seqs, &Fallthrough)
+        {
+            Ok(out) => out,
+            Err(e) => {
+                self.fail_running(&e.to_string());
+                return;
+            }
+        };
+        self.stats.decode_steps += 1;
+        let vocab = self.model.config.vocab_size;
+        let routing: &[_] = if self.route_width > 0 {
+            &out.routing
+        } else {
+            &[]
+        };
+        // Logits and routing of the step in one read.
+        let (logits, routes) = match profile::time(OpClass::Readback, || {
+            read_step(Some(out.logits.reshape([rows, vocab])), routing)
+        }) {
+            Ok(read) => read,
+            Err(e) => {
+                self.fail_running(&e);
+                return;
+            }
+        };
+        if self.route_width > 0 {
+            let width = self.route_width;
+            for (seq, row) in self.running.iter_mut().zip(routes.chunks_exact(width)) {
+                seq.routing.extend_from_slice(row);
+            }
+        }
+        // Sampling is independent per row (each sequence has its own generator): rows in
+        // parallel, then the stop checks in order.
+        let mut running = std::mem::take(&mut self.running);
+        profile::time(OpClass::Sampling, || {
+            let picks: Vec<(u32, f64)> = running
+                .par_iter_mut()
+                .zip(logits.par_chunks(vocab))
+                .map(|(seq, row)| {
+                    sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng)
+                })
+                .collect();
+            for (seq, (token, lp)) in running.iter_mut().zip(picks) {
+                self.accept_token(seq, token, lp);
+            }
+        });
+        self.running = running;
+        self.retire_finished();
     }
 }

@@ -4,7 +4,7 @@
 //! to the current weights); a request is retried on another engine only when that is safe.
 //!
 //! Engines may be in-process or remote: [`Router::over_http`] builds a router over SGLang
-//! servers (miles-session's [`SglangEngine`] client, e.g. `miles-rollout serve` processes), and
+//! servers (the [`SglangEngine`] client, e.g. `miles-engine serve` processes), and
 //! [`Router::spawn_health_checker`] runs [`Router::check_health`] periodically, the way Miles'
 //! router polls `/health` every `--rollout-health-check-interval` seconds.
 //!
@@ -21,11 +21,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use super::client::{SglangConfig, SglangEngine};
 use miles_core::{
     EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
     NamedTensors, PauseMode, RequestId, Result as CoreResult, WeightVersion, async_trait,
 };
-use miles_session::sglang::{SglangConfig, SglangEngine};
 
 /// Re-creates an engine that died (in-process engines); `None` for engines that come back
 /// on their own (HTTP servers restarted by their supervisor) and are only health-checked.

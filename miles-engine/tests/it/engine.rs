@@ -13,8 +13,8 @@ use miles_core::{
     InferenceEngine, NamedTensors, PauseMode, RequestId, SamplingParams, TensorBytes,
     WeightVersion,
 };
+use miles_engine::{Detokenizer, EmbeddedEngine, EngineConfig};
 use miles_r3::Fallthrough;
-use miles_rollout::{Detokenizer, EmbeddedEngine, EngineConfig};
 
 fn fixture(name: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -25,9 +25,10 @@ use std::time::Instant;
 use burn::tensor::Device;
 use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{DType, InferenceEngine, NamedTensors, TensorBytes, WeightVersion};
-use miles_rollout::server::{ServerInfo, sglang_router};
-use miles_rollout::{EmbeddedEngine, EngineConfig, Router};
-use miles_session::sglang::{SglangConfig, SglangEngine, WeightDtype, WeightPublisher};
+use miles_engine::{EmbeddedEngine, EngineConfig};
+use miles_session::sglang::{
+    Router, ServerInfo, SglangConfig, SglangEngine, WeightDtype, WeightPublisher, sglang_router,
+};
 
 const SERVERS: usize = 4;
 const ROUNDS: usize = 3;

@@ -11,12 +11,12 @@ use miles_core::{
     FinishReason, GenerateRequest, InferenceEngine, NamedTensors, Sample, SampleStatus,
     SamplingParams, TokenId, WeightVersion,
 };
-use miles_rollout::cli::{self, Command};
-use miles_rollout::server::sglang_router;
-use miles_rollout::{EmbeddedEngine, EngineConfig};
+use miles_engine::cli::{self, Command};
+use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_session::chat::ChatTokenizer;
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
+use miles_session::sglang::sglang_router;
 use miles_session::sglang::{SglangConfig, SglangEngine};
 use serde_json::{Value, json};
 
@@ -26,7 +26,7 @@ fn fixture(path: &str) -> PathBuf {
         .join(path)
 }
 
-/// Serves `dir` with the embedded engine on loopback, as `miles-rollout serve` would.
+/// Serves `dir` with the embedded engine on loopback, as `miles-engine serve` would.
 async fn serve(dir: &Path) -> String {
     let Command::Serve(args) = cli::parse_args([
         "serve".to_owned(),

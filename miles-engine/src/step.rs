@@ -2,14 +2,8 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
-use miles_bridge::profile::{self, OpClass};
-use miles_bridge::{CausalLm, KvCache, ModelInput, MoeDispatch};
+use miles_bridge::{CausalLm, ModelInput, MoeDispatch};
 use miles_r3::Fallthrough;
-
-use rayon::prelude::*;
-
-use super::sampling::sample_token;
-use super::scheduler::{Scheduler, Seq};
 
 /// Computes the log-probs of the last `response_length` tokens of `tokens` in one pass over
 /// the whole sequence. The engine calls it on its scheduler thread with the weights that
@@ -71,7 +65,7 @@ impl SequenceScorer for PrefillScorer {
     }
 }
 
-pub(super) fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
+pub(crate) fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
     Tensor::from_data(
         TensorData::new(
             tokens.iter().map(|&t| t as i32).collect(),
@@ -87,7 +81,7 @@ pub(super) fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
 /// engine stores routing in). On flex these are plain copies; on other devices the expert
 /// ids travel as `f32` (exact: ids are far below 2^24) in the same buffer as `f32` logits,
 /// so a step costs one device synchronisation instead of one per MoE layer plus one.
-pub(super) fn read_step(
+pub(crate) fn read_step(
     logits: Option<Tensor<2>>,
     routing: &[miles_bridge::MoeRouting],
 ) -> Result<(Vec<f32>, Vec<i32>), String> {
@@ -144,7 +138,7 @@ pub(super) fn read_step(
 /// weights stacked here ([`CausalLm::fuse_projections`]), and on flex MoE layers dispatch
 /// sparsely at every batch size. Built anew from every weight version, so no step ever runs
 /// on a previous version's weights (or their stacked copies).
-pub(super) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
+pub(crate) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
     let mut step = model.clone();
     if specialised {
         step.fuse_projections();
@@ -155,132 +149,13 @@ pub(super) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
     step
 }
 
-impl Scheduler {
-    /// Runs the prompt (or, for a retracted sequence, everything but its last token) through
-    /// the model on a fresh one-row cache, reusing the longest cached prefix.
-    pub(super) fn prefill(&mut self, seq: &mut Seq) -> Result<KvCache, String> {
-        let resumed = seq.output_len() > 0;
-        let target = seq.cached_len();
-        let (mut cache, hit, hit_routing) = self.lookup_prefix(&seq.tokens[..target], !resumed);
-        if !resumed {
-            seq.cached_tokens = hit;
-            self.stats.cached_prompt_tokens += hit as u64;
-        }
-        seq.routing = hit_routing;
-        let rest = &seq.tokens[hit..target];
-        if rest.is_empty() {
-            // Only a resumed sequence can get here (a fresh one always keeps one token).
-            return Ok(cache);
-        }
-        let device = self.step.lm_head_weight().device();
-        // Hidden states only: the logits of the last position are the only ones used.
-        let out = self
-            .step
-            .forward_cached_hidden(
-                &ModelInput::new(ids_row(rest, &device)),
-                &mut cache,
-                &Fallthrough,
-            )
-            .map_err(|e| e.to_string())?;
-        self.stats.prefill_tokens += rest.len() as u64;
-        let routing: &[_] = if self.route_width > 0 {
-            &out.routing
-        } else {
-            &[]
-        };
-        // The last position's logits (a fresh sequence samples its first token from them)
-        // and the routing of every token, in one read.
-        let last = (!resumed).then(|| {
-            let [_, m, hidden] = out.hidden.dims();
-            self.step
-                .logits(out.hidden.clone().narrow(1, m - 1, 1).reshape([1, hidden]))
-        });
-        let (last, routes) = read_step(last, routing)?;
-        seq.routing.extend_from_slice(&routes);
-        if !resumed {
-            self.insert_prefix(
-                seq.tokens[..target].to_vec(),
-                cache.clone(),
-                seq.routing.clone(),
-            );
-            self.push_token(seq, &last);
-        }
-        Ok(cache)
-    }
-
-    pub(super) fn decode_step(&mut self) {
-        // A decode step is dozens of short parallel ops: the pool's other threads poll for
-        // them instead of sleeping between them.
-        let _awake = KeepAwake::start();
-        let device = self.step.lm_head_weight().device();
-        let rows = self.running.len();
-        let ids: Vec<i32> = self
-            .running
-            .iter()
-            .map(|s| *s.tokens.last().unwrap_or(&0) as i32)
-            .collect();
-        let input = Tensor::<2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
-        let seqs: Vec<_> = self.running.iter().filter_map(|s| s.row).collect();
-        let out = match self
-            .step
-            .forward_paged(input, &mut self.pool, &seqs, &Fallthrough)
-        {
-            Ok(out) => out,
-            Err(e) => {
-                self.fail_running(&e.to_string());
-                return;
-            }
-        };
-        self.stats.decode_steps += 1;
-        let vocab = self.model.config.vocab_size;
-        let routing: &[_] = if self.route_width > 0 {
-            &out.routing
-        } else {
-            &[]
-        };
-        // Logits and routing of the step in one read.
-        let (logits, routes) = match profile::time(OpClass::Readback, || {
-            read_step(Some(out.logits.reshape([rows, vocab])), routing)
-        }) {
-            Ok(read) => read,
-            Err(e) => {
-                self.fail_running(&e);
-                return;
-            }
-        };
-        if self.route_width > 0 {
-            let width = self.route_width;
-            for (seq, row) in self.running.iter_mut().zip(routes.chunks_exact(width)) {
-                seq.routing.extend_from_slice(row);
-            }
-        }
-        // Sampling is independent per row (each sequence has its own generator): rows in
-        // parallel, then the stop checks in order.
-        let mut running = std::mem::take(&mut self.running);
-        profile::time(OpClass::Sampling, || {
-            let picks: Vec<(u32, f64)> = running
-                .par_iter_mut()
-                .zip(logits.par_chunks(vocab))
-                .map(|(seq, row)| {
-                    sample_token(row, &seq.pending.request.sampling_params, &mut seq.rng)
-                })
-                .collect();
-            for (seq, (token, lp)) in running.iter_mut().zip(picks) {
-                self.accept_token(seq, token, lp);
-            }
-        });
-        self.running = running;
-        self.retire_finished();
-    }
-}
-
 /// While alive, the other threads of the current rayon pool poll for work (running any they
 /// can steal, yielding their core to other threads when there is none) instead of going to
 /// sleep between the short parallel ops of a decode step: waking a sleeping thread costs a
 /// system call and tens of microseconds of scheduler latency per op, during which the
 /// stepping thread works alone. A poller gives up after [`KeepAwake::IDLE`] without work, so
 /// a step that stalls never keeps a core busy.
-struct KeepAwake {
+pub(crate) struct KeepAwake {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -288,7 +163,7 @@ impl KeepAwake {
     /// Longest a poller waits for work before it returns its thread to rayon.
     const IDLE: std::time::Duration = std::time::Duration::from_millis(2);
 
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         use std::sync::atomic::{AtomicBool, Ordering};
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let owner = rayon::current_thread_index();

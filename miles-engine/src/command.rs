@@ -1,0 +1,64 @@
+//! What the engine handle and its scheduler thread share: the commands sent to the thread, a
+//! pending request with its reply channel, the counters and the detokenizer seam.
+
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use miles_bridge::CausalLm;
+use miles_core::{GenerateOutput, GenerateRequest, PauseMode, RequestId, WeightVersion};
+use tokio::sync::oneshot;
+
+/// Turns output ids into text, for stop strings.
+pub trait Detokenizer: Send + Sync {
+    /// The text of `ids`.
+    fn decode(&self, ids: &[u32]) -> String;
+}
+
+impl Detokenizer for tokenizers::Tokenizer {
+    fn decode(&self, ids: &[u32]) -> String {
+        std::ops::Deref::deref(self)
+            .decode(ids, false)
+            .unwrap_or_default()
+    }
+}
+
+/// Counters of an engine's life, for tests and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Decode steps run.
+    pub decode_steps: u64,
+    /// Largest number of sequences decoded in one step.
+    pub max_batch: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_prompt_tokens: u64,
+    /// Tokens prefilled.
+    pub prefill_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Requests that had to wait for KV budget.
+    pub budget_waits: u64,
+}
+
+pub(crate) enum Cmd {
+    Generate(Box<Pending>),
+    Abort(RequestId),
+    AbortAll,
+    Pause(PauseMode, oneshot::Sender<()>),
+    Resume,
+    Flush(oneshot::Sender<()>),
+    Update(Box<CausalLm>, WeightVersion, oneshot::Sender<()>),
+    Shutdown,
+}
+
+pub(crate) struct Pending {
+    pub(crate) request: GenerateRequest,
+    pub(crate) reply: oneshot::Sender<miles_core::Result<GenerateOutput>>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) version: AtomicU64,
+    pub(crate) alive: AtomicBool,
+    pub(crate) stats: Mutex<EngineStats>,
+    /// SGLang-named Prometheus metrics the scheduler keeps current, once attached.
+    pub(crate) metrics: OnceLock<Arc<miles_core::prometheus::SglangMetrics>>,
+}
