@@ -183,7 +183,9 @@ pub(super) async fn chat_inner(
             "matched_stop": output.matched_stop.clone().unwrap_or(Value::Null),
         });
         if chat.return_meta_info.unwrap_or(false) {
-            choice["meta_info"] = meta_info(state, rid, output, options, latency)?;
+            choice["meta_info"] =
+                serde_json::to_value(meta_info(state, rid, output, options, latency)?)
+                    .unwrap_or(Value::Null);
         }
         choices.push(choice);
     }

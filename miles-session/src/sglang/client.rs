@@ -13,15 +13,18 @@ use std::time::Duration;
 
 use hyper::Method;
 use miles_core::{
-    DType, EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine,
-    NamedTensors, PauseMode, RequestId, RoutedExperts, TokenId, WeightVersion, async_trait,
+    DType, EngineErrorKind, GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors,
+    PauseMode, RequestId, RoutedExperts, TokenId, WeightVersion, async_trait,
 };
+use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::error::Error;
 use crate::guard::ApiKey;
 use crate::http::{HttpClient, HttpResponse};
 use crate::server::ROUTING_KEY_HEADER;
+
+use super::wire::{GenerateResponse, TokenLogprob, parse_weight_version};
 
 /// The dtype weight versions are written in for an SGLang-compatible engine.
 ///
@@ -362,54 +365,20 @@ fn status_error(url: &str, response: &HttpResponse) -> miles_core::Error {
     )
 }
 
-/// Parses a weight version as SGLang reports it (`"7"`, `7`; `"default"` before the first
-/// update is version 0).
-pub fn parse_weight_version(value: Option<&Value>) -> miles_core::Result<WeightVersion> {
-    match value {
-        None | Some(Value::Null) => Ok(WeightVersion(0)),
-        Some(Value::String(s)) if s == "default" => Ok(WeightVersion(0)),
-        Some(Value::String(s)) => s.parse().map_err(|_| {
-            let shown: String = s.chars().take(40).collect();
-            protocol(format!("weight_version {shown:?} is not a version"))
-        }),
-        Some(Value::Number(n)) => n
-            .as_u64()
-            .map(WeightVersion)
-            .ok_or_else(|| protocol(format!("weight_version {n} is not a version"))),
-        Some(other) => Err(protocol(format!("weight_version {other} is not a version"))),
-    }
-}
-
-/// Parses a `/generate` response body (MILES_SPEC §7.2) for `request`.
-pub fn parse_generate_response(
+/// Checks a `/generate` answer (MILES_SPEC §7.2) against `request` and turns it into the
+/// engine's output: counts agree with each other and with the request, log-probs are
+/// log-probabilities, routed experts fit the sequence before they are decoded.
+pub(crate) fn check_generate_response(
     request: &GenerateRequest,
-    body: &Value,
+    answer: GenerateResponse,
     num_layers: Option<usize>,
 ) -> miles_core::Result<GenerateOutput> {
-    let meta = body
-        .get("meta_info")
-        .and_then(Value::as_object)
-        .ok_or_else(|| protocol("/generate response has no meta_info object"))?;
+    let meta = answer.meta_info;
     let finish = meta
-        .get("finish_reason")
+        .finish_reason
         .ok_or_else(|| protocol("meta_info has no finish_reason"))?;
-    let (finish_type, matched_stop) = match finish {
-        Value::Object(o) => (
-            o.get("type").and_then(Value::as_str).unwrap_or(""),
-            o.get("matched").cloned().filter(|v| !v.is_null()),
-        ),
-        Value::String(s) => (s.as_str(), None),
-        _ => ("", None),
-    };
-    let finish_reason = match finish_type {
-        "stop" => FinishReason::Stop,
-        "length" => FinishReason::Length,
-        "abort" => FinishReason::Abort,
-        other => return Err(protocol(format!("unknown finish_reason type {other:?}"))),
-    };
     let completion_tokens = meta
-        .get("completion_tokens")
-        .and_then(Value::as_u64)
+        .completion_tokens
         .ok_or_else(|| protocol("meta_info has no completion_tokens"))?;
     let completion_tokens = usize::try_from(completion_tokens)
         .ok()
@@ -425,38 +394,19 @@ pub fn parse_generate_response(
                 request.sampling_params.max_new_tokens
             ))
         })?;
-    // Never trust a count for an allocation: the entries themselves bound the vectors.
-    let announced = match meta.get("output_token_logprobs") {
-        Some(Value::Array(entries)) => entries.len(),
-        _ => body
-            .get("output_ids")
-            .and_then(Value::as_array)
-            .map_or(0, Vec::len),
-    };
-    let mut output_ids: Vec<TokenId> = Vec::with_capacity(completion_tokens.min(announced));
-    let mut output_log_probs = Vec::with_capacity(completion_tokens.min(announced));
-    match meta.get("output_token_logprobs") {
-        Some(Value::Array(entries)) => {
-            for (i, entry) in entries.iter().enumerate() {
-                let lp = entry.get(0).and_then(Value::as_f64);
-                let id = entry
-                    .get(1)
-                    .and_then(Value::as_u64)
-                    .and_then(|v| TokenId::try_from(v).ok());
-                let (Some(lp), Some(id)) = (lp, id) else {
-                    let shown: String = entry.to_string().chars().take(100).collect();
-                    return Err(protocol(format!(
-                        "output_token_logprobs[{i}] = {shown} is not [logprob, token_id, text]"
-                    )));
-                };
+    let (output_ids, output_log_probs) = match meta.output_token_logprobs {
+        Some(entries) => {
+            let mut ids: Vec<TokenId> = Vec::with_capacity(entries.len());
+            let mut log_probs = Vec::with_capacity(entries.len());
+            for (i, TokenLogprob(lp, id, _)) in entries.iter().enumerate() {
                 // A log-probability is finite and at most 0 (a little rounding allowed).
-                if !(lp.is_finite() && lp <= LOGPROB_SLACK) {
+                if !(lp.is_finite() && *lp <= LOGPROB_SLACK) {
                     return Err(protocol(format!(
                         "output_token_logprobs[{i}] has log-prob {lp}, not a log-probability"
                     )));
                 }
-                output_log_probs.push(lp);
-                output_ids.push(id);
+                log_probs.push(*lp);
+                ids.push(*id);
             }
             if entries.len() != completion_tokens {
                 return Err(protocol(format!(
@@ -464,59 +414,43 @@ pub fn parse_generate_response(
                     entries.len()
                 )));
             }
+            if let Some(listed) = &answer.output_ids
+                && *listed != ids
+            {
+                return Err(protocol("output_ids disagree with output_token_logprobs"));
+            }
+            (ids, log_probs)
         }
-        _ if request.return_logprob => {
+        None if request.return_logprob => {
             return Err(protocol("meta_info has no output_token_logprobs"));
         }
-        _ => {
-            let ids = body
-                .get("output_ids")
-                .and_then(Value::as_array)
-                .ok_or_else(|| {
-                    protocol("response has neither output_token_logprobs nor output_ids")
-                })?;
+        None => {
+            let ids = answer.output_ids.ok_or_else(|| {
+                protocol("response has neither output_token_logprobs nor output_ids")
+            })?;
             if ids.len() != completion_tokens {
                 return Err(protocol(format!(
                     "{} output_ids for completion_tokens = {completion_tokens}",
                     ids.len()
                 )));
             }
-            for v in ids {
-                output_ids.push(
-                    v.as_u64()
-                        .and_then(|x| TokenId::try_from(x).ok())
-                        .ok_or_else(|| protocol(format!("output id {v} is not a token id")))?,
-                );
-            }
+            (ids, Vec::new())
         }
-    }
-    if let Some(Value::Array(ids)) = body.get("output_ids")
-        && request.return_logprob
-    {
-        let same = ids.len() == output_ids.len()
-            && ids
-                .iter()
-                .zip(&output_ids)
-                .all(|(a, b)| a.as_u64() == Some(u64::from(*b)));
-        if !same {
-            return Err(protocol("output_ids disagree with output_token_logprobs"));
-        }
-    }
-    let prompt_tokens = match meta.get("prompt_tokens") {
-        None | Some(Value::Null) => request.input_ids.len(),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
+    };
+    let prompt_tokens = match meta.prompt_tokens {
+        None => request.input_ids.len(),
+        Some(n) => usize::try_from(n)
+            .ok()
             .filter(|&n| n == request.input_ids.len())
             .ok_or_else(|| {
                 protocol(format!(
-                    "prompt_tokens = {v} for {} input ids",
+                    "prompt_tokens = {n} for {} input ids",
                     request.input_ids.len()
                 ))
             })?,
     };
-    let routed_experts = match meta.get("routed_experts") {
-        Some(Value::String(b64)) if request.return_routed_experts => {
+    let routed_experts = match meta.routed_experts {
+        Some(b64) if request.return_routed_experts => {
             let layers = num_layers.ok_or_else(|| {
                 protocol("routed_experts returned but the client was not told num_layers")
             })?;
@@ -537,33 +471,33 @@ pub fn parse_generate_response(
                 )));
             }
             Some(
-                RoutedExperts::from_base64(b64, rows, layers)
+                RoutedExperts::from_base64(&b64, rows, layers)
                     .map_err(|e| protocol(e.to_string()))?,
             )
         }
         _ => None,
+    };
+    let cached_tokens = match meta.cached_tokens {
+        None => 0,
+        Some(n) => usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= prompt_tokens)
+            .ok_or_else(|| {
+                protocol(format!(
+                    "cached_tokens = {n} for {prompt_tokens} prompt tokens"
+                ))
+            })?,
     };
     Ok(GenerateOutput {
         request_id: request.request_id.clone(),
         output_ids,
         output_log_probs,
         routed_experts,
-        finish_reason,
-        matched_stop,
-        weight_version: parse_weight_version(meta.get("weight_version"))?,
+        finish_reason: finish.reason(),
+        matched_stop: finish.matched().cloned(),
+        weight_version: meta.weight_version.map_or(WeightVersion(0), |v| v.0),
         prompt_tokens,
-        cached_tokens: match meta.get("cached_tokens") {
-            None | Some(Value::Null) => 0,
-            Some(v) => v
-                .as_u64()
-                .and_then(|n| usize::try_from(n).ok())
-                .filter(|&n| n <= prompt_tokens)
-                .ok_or_else(|| {
-                    protocol(format!(
-                        "cached_tokens = {v} for {prompt_tokens} prompt tokens"
-                    ))
-                })?,
-        },
+        cached_tokens,
     })
 }
 
@@ -572,7 +506,7 @@ const LOGPROB_SLACK: f64 = 1e-3;
 
 /// The most experts per token a `routed_experts` payload may carry (bounds its size before it
 /// is decoded).
-pub const MAX_EXPERTS_PER_TOKEN: usize = 256;
+pub(crate) const MAX_EXPERTS_PER_TOKEN: usize = 256;
 
 impl SglangEngine {
     /// A client for the server at `config.base_url`.
@@ -707,7 +641,9 @@ impl InferenceEngine for SglangEngine {
                 String::from_utf8_lossy(&response.body[..response.body.len().min(200)])
             ))
         })?;
-        parse_generate_response(&request, &value, self.config.num_layers)
+        let answer = GenerateResponse::deserialize(value)
+            .map_err(|e| protocol(format!("/generate answer is not SGLang's: {e}")))?;
+        check_generate_response(&request, answer, self.config.num_layers)
     }
 
     async fn update_weights(
@@ -807,6 +743,6 @@ impl InferenceEngine for SglangEngine {
             .control(Method::GET, "/get_weight_version", None)
             .await?;
         let value: Value = response.json().map_err(to_engine_error)?;
-        parse_weight_version(value.get("weight_version"))
+        parse_weight_version(value.get("weight_version").unwrap_or(&Value::Null)).map_err(protocol)
     }
 }

@@ -12,11 +12,12 @@ use miles_core::{
     EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, RequestId,
     SamplingParams, TokenId,
 };
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 use tokio::task::JoinSet;
 
 use super::info::ServerInfo;
 use super::state::{ApiError, ApiResult, AppState, AppStateRef, json_response, read_json};
+use super::wire::{GenerateResponse, MetaInfo, TokenLogprob, WireFinishReason, WireWeightVersion};
 
 // ---------------------------------------------------------------------------------------------
 // /generate
@@ -303,15 +304,13 @@ pub(super) fn resolve_max_new(
     Ok(max_new)
 }
 
-pub(super) fn finish_reason_json(output: &GenerateOutput) -> Value {
-    match output.finish_reason {
-        FinishReason::Stop => json!({
-            "type": "stop",
-            "matched": output.matched_stop.clone().unwrap_or(Value::Null),
-        }),
-        FinishReason::Length => json!({"type": "length", "length": output.output_ids.len()}),
-        FinishReason::Abort => json!({"type": "abort", "message": "Abort before completion"}),
-    }
+/// SGLang's finish reason object of `output`.
+fn finish_reason(output: &GenerateOutput) -> WireFinishReason {
+    WireFinishReason::new(
+        output.finish_reason,
+        output.matched_stop.clone(),
+        output.output_ids.len(),
+    )
 }
 
 /// `meta_info` of a `/generate` answer (MILES_SPEC §7.2).
@@ -321,17 +320,8 @@ pub(super) fn meta_info(
     output: &GenerateOutput,
     options: OutputOptions,
     latency: f64,
-) -> ApiResult<Value> {
-    let mut meta = json!({
-        "id": rid,
-        "finish_reason": finish_reason_json(output),
-        "prompt_tokens": output.prompt_tokens,
-        "weight_version": output.weight_version.to_string(),
-        "completion_tokens": output.output_ids.len(),
-        "cached_tokens": output.cached_tokens,
-        "e2e_latency": latency,
-    });
-    if options.return_logprob {
+) -> ApiResult<MetaInfo> {
+    let output_token_logprobs = if options.return_logprob {
         if output.output_log_probs.len() != output.output_ids.len() {
             return Err(ApiError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -347,21 +337,30 @@ pub(super) fn meta_info(
             .tokenizer
             .as_ref()
             .filter(|_| options.return_text_in_logprobs);
-        let entries: Vec<Value> = output
-            .output_ids
-            .iter()
-            .zip(&output.output_log_probs)
-            .map(|(&id, &lp)| {
-                let text = tokenizer.map_or(Value::Null, |t| json!(&*t.decode_token(id)));
-                json!([lp, id, text])
-            })
-            .collect();
-        meta["output_token_logprobs"] = Value::Array(entries);
-    }
-    if let Some(routed) = &output.routed_experts {
-        meta["routed_experts"] = json!(routed.to_base64());
-    }
-    Ok(meta)
+        Some(
+            output
+                .output_ids
+                .iter()
+                .zip(&output.output_log_probs)
+                .map(|(&id, &lp)| {
+                    TokenLogprob(lp, id, tokenizer.map(|t| t.decode_token(id).to_string()))
+                })
+                .collect(),
+        )
+    } else {
+        None
+    };
+    Ok(MetaInfo {
+        id: Some(rid.to_owned()),
+        finish_reason: Some(finish_reason(output)),
+        prompt_tokens: Some(output.prompt_tokens as u64),
+        weight_version: Some(WireWeightVersion(output.weight_version)),
+        completion_tokens: Some(output.output_ids.len() as u64),
+        cached_tokens: Some(output.cached_tokens as u64),
+        e2e_latency: Some(latency),
+        output_token_logprobs,
+        routed_experts: output.routed_experts.as_ref().map(|r| r.to_base64()),
+    })
 }
 
 /// Runs one request on the engine; a client disconnect aborts it. An engine-side abort is an
@@ -558,16 +557,19 @@ pub(super) async fn generate_inner(
     let latency = started.elapsed().as_secs_f64();
     let mut answers = Vec::with_capacity(outputs.len());
     for (output, rid) in outputs.iter().zip(&ids) {
-        let mut answer = Map::new();
-        if let Some(tokenizer) = &state.info.tokenizer {
-            answer.insert("text".into(), json!(tokenizer.decode(&output.output_ids)));
-        }
-        answer.insert("output_ids".into(), json!(output.output_ids));
-        answer.insert(
-            "meta_info".into(),
-            meta_info(state, rid, output, options, latency)?,
-        );
-        answers.push(Value::Object(answer));
+        let answer = GenerateResponse {
+            text: state
+                .info
+                .tokenizer
+                .as_ref()
+                .map(|tokenizer| tokenizer.decode(&output.output_ids)),
+            output_ids: Some(output.output_ids.clone()),
+            meta_info: meta_info(state, rid, output, options, latency)?,
+        };
+        answers.push(serde_json::to_value(answer).map_err(|e| ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: format!("cannot write the answer: {e}"),
+        })?);
     }
     if !batched && answers.len() == 1 {
         Ok(answers.pop().expect("one answer"))
@@ -581,6 +583,11 @@ mod tests {
     use super::*;
     use crate::openai::RequestLimits;
     use miles_core::WeightVersion;
+    use serde_json::json;
+
+    fn finish_reason_json(output: &GenerateOutput) -> Value {
+        serde_json::to_value(finish_reason(output)).unwrap()
+    }
 
     #[test]
     fn request_limits_bound_n_sequences_and_stops() {

@@ -11,8 +11,9 @@
 //! * the [`Router`]: itself an `InferenceEngine` over several engines (sticky routing keys,
 //!   least outstanding requests, failover, health checks with re-creation and weight catch-up).
 //!
-//! Client and server read and write the same wire types ([`GenerateBody`],
-//! [`GenerateResponse`]), so what one writes the other reads.
+//! Client and server read and write the same `/generate` answer type ([`GenerateResponse`]);
+//! the request is miles-core's [`GenerateRequest`](miles_core::GenerateRequest) on the
+//! client side, SGLang's looser body (text or ids, batches, `n`) on the server side.
 
 mod admin;
 mod chat;
@@ -23,9 +24,11 @@ mod router;
 mod serve;
 mod server;
 mod state;
+mod wire;
 
 pub use client::{SglangConfig, SglangEngine, WeightDtype, WeightPublisher};
 pub use info::{DEFAULT_MAX_NEW_TOKENS, ServerInfo, load_chat_tokenizer, tito_family_for};
 pub use router::{EngineFactory, MAX_ROUTING_KEYS, Router};
 pub use serve::serve;
 pub use server::sglang_router;
+pub use wire::{GenerateResponse, MetaInfo, TokenLogprob, WireFinishReason, WireWeightVersion};

@@ -332,7 +332,11 @@ async fn malformed_or_failing_engines_give_clear_errors() {
     config.generate_timeout = Duration::from_millis(300);
     let client = SglangEngine::new(config);
     let cases = [
-        (Mode::NoMeta, EngineErrorKind::Protocol, "no meta_info"),
+        (
+            Mode::NoMeta,
+            EngineErrorKind::Protocol,
+            "missing field `meta_info`",
+        ),
         (
             Mode::CountMismatch,
             EngineErrorKind::Protocol,
