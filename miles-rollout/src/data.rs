@@ -25,70 +25,23 @@
 //! refused without being read into memory.
 
 use std::collections::VecDeque;
+use std::io::BufReader;
 use std::path::Path;
 
-use miles_core::{Prompt, Sample};
+use miles_core::Sample;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
 mod parquet_rows;
 mod read;
 
+use read::{ReadError, RowSink, read_json_lines};
+
 pub use read::{
-    DEFAULT_MAX_ROW_BYTES, DatasetFormat, DatasetOptions, LoadedDataset, PromptDataPath,
-    REPORTED_BAD_ROWS, RowRange, SkippedRows, load_dataset,
+    DEFAULT_MAX_ROW_BYTES, DatasetFormat, DatasetKeys, DatasetOptions, LoadedDataset,
+    PromptDataPath, PromptRecord, REPORTED_BAD_ROWS, RowRange, SkippedRows,
 };
-
-/// Which keys of a dataset row hold what (Miles' `--input-key`, `--label-key`,
-/// `--metadata-key`, `--tool-key`). A dotted key also reaches into nested objects when no
-/// column has that exact name (see the module docs).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DatasetKeys {
-    /// The prompt: a string, or a list of chat messages.
-    pub input_key: String,
-    /// The reference answer (any JSON scalar; kept as text). `None`: no labels.
-    pub label_key: Option<String>,
-    /// An object merged into the sample's metadata.
-    pub metadata_key: String,
-    /// The tool list for the prompt, stored as `metadata["tools"]`.
-    pub tool_key: String,
-}
-
-impl Default for DatasetKeys {
-    fn default() -> Self {
-        Self {
-            input_key: "input".into(),
-            label_key: Some("label".into()),
-            metadata_key: "metadata".into(),
-            tool_key: "tools".into(),
-        }
-    }
-}
-
-/// One prompt of a dataset.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PromptRecord {
-    /// Text or chat messages.
-    pub prompt: Prompt,
-    /// Reference answer.
-    pub label: Option<String>,
-    /// Metadata (including `tools` when the line had them).
-    pub metadata: Map<String, Value>,
-}
-
-impl PromptRecord {
-    /// A text prompt with a label.
-    pub fn text(prompt: impl Into<String>, label: impl Into<String>) -> Self {
-        Self {
-            prompt: Prompt::Text(prompt.into()),
-            label: Some(label.into()),
-            metadata: Map::new(),
-        }
-    }
-}
 
 /// Parses JSONL text (strict: the first bad line is an [`Error::DatasetRow`] with file
 /// `<string>`). Blank lines are skipped.
@@ -245,13 +198,10 @@ impl DataSource {
 
     /// Returns groups to the buffer (recycled stale groups, partially generated groups). Per-turn
     /// siblings collapse to one sample per rollout first (see
-    /// [`crate::manager::collapse_siblings`]). Each must then have `n_samples_per_prompt`
+    /// [`collapse_siblings`]). Each must then have `n_samples_per_prompt`
     /// samples; a wrong size is an error and nothing is added.
     pub fn add_groups(&mut self, groups: Vec<Vec<Sample>>) -> Result<()> {
-        let groups: Vec<Vec<Sample>> = groups
-            .into_iter()
-            .map(crate::manager::collapse_siblings)
-            .collect();
+        let groups: Vec<Vec<Sample>> = groups.into_iter().map(collapse_siblings).collect();
         if let Some(bad) = groups.iter().find(|g| g.len() != self.n_samples_per_prompt) {
             return Err(Error::Config(format!(
                 "a returned group has {} samples, expected {}",
@@ -285,6 +235,58 @@ impl DataSource {
         self.buffer = state.buffer.into();
         Ok(())
     }
+}
+
+/// Reads a prompt dataset (JSONL or Parquet, by extension) into records.
+///
+/// Without [`DatasetOptions::skip_bad_rows`] the first bad row is an [`Error::DatasetRow`]
+/// naming file, row and key; with it, bad rows are counted in [`LoadedDataset::skipped`].
+/// A file that cannot be read as its format is an [`Error::DatasetFile`].
+pub fn load_dataset(source: &PromptDataPath, options: &DatasetOptions) -> Result<LoadedDataset> {
+    let path = source.path.as_path();
+    let format = DatasetFormat::from_path(path)?;
+    let mut sink = RowSink::new(path, options, source.rows);
+    match format {
+        DatasetFormat::JsonLines => {
+            let file = std::fs::File::open(path).map_err(|e| Error::Io {
+                path: path.to_path_buf(),
+                source: e,
+            })?;
+            read_json_lines(BufReader::new(file), &mut sink).map_err(|e| match e {
+                ReadError::Io(source) => Error::Io {
+                    path: path.to_path_buf(),
+                    source,
+                },
+                ReadError::Other(e) => e,
+            })?;
+        }
+        DatasetFormat::Parquet => parquet_rows::read_parquet(path, &mut sink)?,
+    }
+    Ok(sink.finish())
+}
+
+/// A group as the data source serves it again: one sample per rollout. Per-turn siblings
+/// (samples sharing a rollout id, `rollout_id` else `index`, see
+/// `SampleGenerator::generate_samples`) collapse to their first sample; a group that had
+/// siblings is reset to be generated again (its turns cannot be resumed). Groups without siblings come back unchanged.
+pub fn collapse_siblings(group: Vec<Sample>) -> Vec<Sample> {
+    let mut seen: Vec<u64> = Vec::new();
+    let mut had_siblings = false;
+    let mut out: Vec<Sample> = Vec::with_capacity(group.len());
+    for sample in group {
+        if let Some(id) = sample.rollout_id() {
+            if seen.contains(&id) {
+                had_siblings = true;
+                continue;
+            }
+            seen.push(id);
+        }
+        out.push(sample);
+    }
+    if had_siblings {
+        out.iter_mut().for_each(Sample::reset_for_retry);
+    }
+    out
 }
 
 /// SplitMix64: a tiny, well-mixed deterministic generator (for shuffling only).
@@ -321,6 +323,7 @@ fn shuffle(items: &mut [usize], seed: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use miles_core::Prompt;
     use miles_core::Role;
 
     const JSONL: &str = r#"{"input": "1+1=", "label": 2}

@@ -567,30 +567,6 @@ pub(crate) fn keep_partial(group: &mut [Sample], partial_rollout: bool) -> bool 
     true
 }
 
-/// A group as the data source serves it again: one sample per rollout. Per-turn siblings
-/// (samples sharing a rollout id, `rollout_id` else `index`, see
-/// [`SampleGenerator::generate_samples`]) collapse to their first sample; a group that had siblings is reset to be generated again
-/// (its turns cannot be resumed). Groups without siblings come back unchanged.
-pub fn collapse_siblings(group: Vec<Sample>) -> Vec<Sample> {
-    let mut seen: Vec<u64> = Vec::new();
-    let mut had_siblings = false;
-    let mut out: Vec<Sample> = Vec::with_capacity(group.len());
-    for sample in group {
-        if let Some(id) = sample.rollout_id() {
-            if seen.contains(&id) {
-                had_siblings = true;
-                continue;
-            }
-            seen.push(id);
-        }
-        out.push(sample);
-    }
-    if had_siblings {
-        out.iter_mut().for_each(Sample::reset_for_retry);
-    }
-    out
-}
-
 /// Whether a sample has finished generating (stop or length).
 fn finished_generating(sample: &Sample) -> bool {
     matches!(

@@ -683,15 +683,6 @@ impl Actor {
         self.reference.as_ref()
     }
 
-    pub(crate) fn parts(&self) -> (&CausalLm, &AdamW, WeightVersion, u64) {
-        (
-            &self.model,
-            &self.optimizer,
-            self.version,
-            self.rollouts_trained,
-        )
-    }
-
     pub(crate) fn restore(
         &mut self,
         model: CausalLm,
@@ -773,10 +764,24 @@ impl PolicyTrainer for Actor {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> miles_core::Result<()> {
-        Ok(checkpoint::save(self, dir)?)
+        Ok(checkpoint::save(
+            &self.model,
+            &self.optimizer,
+            self.version,
+            self.rollouts_trained,
+            dir,
+        )?)
     }
 
     fn load_checkpoint(&mut self, dir: &Path) -> miles_core::Result<()> {
-        Ok(checkpoint::load(self, dir)?)
+        let restored = checkpoint::load(&self.model, &self.optimizer, dir)?;
+        self.restore(
+            restored.model,
+            restored.optimizer,
+            restored.version,
+            restored.rollouts_trained,
+            None,
+        );
+        Ok(())
     }
 }

@@ -25,7 +25,6 @@ use miles_bridge::{CausalLm, FloatDtype, HostTensor, TensorMap};
 use miles_core::WeightVersion;
 use serde::{Deserialize, Serialize};
 
-use crate::actor::Actor;
 use crate::optim::AdamW;
 use crate::{Error, Result};
 
@@ -74,9 +73,24 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| Error::io(dir, e))
 }
 
-/// Writes `actor`'s checkpoint to `dir` atomically.
-pub(crate) fn save(actor: &Actor, dir: &Path) -> Result<()> {
-    let (model, optimizer, version, rollouts) = actor.parts();
+/// What a checkpoint restores: the policy, its optimizer, the weight version and the count of
+/// rollouts trained.
+pub(crate) struct Restored {
+    pub(crate) model: CausalLm,
+    pub(crate) optimizer: AdamW,
+    pub(crate) version: WeightVersion,
+    pub(crate) rollouts_trained: u64,
+}
+
+/// Writes an actor's checkpoint (its policy `model`, `optimizer`, weight `version` and
+/// `rollouts` trained) to `dir` atomically.
+pub(crate) fn save(
+    model: &CausalLm,
+    optimizer: &AdamW,
+    version: WeightVersion,
+    rollouts: u64,
+    dir: &Path,
+) -> Result<()> {
     let tmp = sibling(dir, ".tmp");
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
@@ -135,8 +149,10 @@ fn sync_parent(path: &Path) -> Result<()> {
         .map_err(|e| Error::io(parent, e))
 }
 
-/// Restores `actor` from `dir` (or from `dir.old` left by an interrupted save).
-pub(crate) fn load(actor: &mut Actor, dir: &Path) -> Result<()> {
+/// Reads the checkpoint at `dir` (or at `dir.old` left by an interrupted save) for an actor
+/// training `model` with `optimizer`: the checkpoint must match their architecture, adapters,
+/// parameters and optimizer state.
+pub(crate) fn load(model: &CausalLm, optimizer: &AdamW, dir: &Path) -> Result<Restored> {
     let dir = if dir.join(STATE_FILE).exists() {
         dir.to_path_buf()
     } else {
@@ -160,7 +176,6 @@ pub(crate) fn load(actor: &mut Actor, dir: &Path) -> Result<()> {
             ),
         ));
     }
-    let (model, optimizer, _, _) = actor.parts();
     let config = model.config.clone();
     let ours = config.architecture.model_type();
     if state.architecture != ours {
@@ -241,12 +256,10 @@ pub(crate) fn load(actor: &mut Actor, dir: &Path) -> Result<()> {
         Error::Checkpoint { reason, .. } => Error::checkpoint(&opt_path, reason),
         other => other,
     })?;
-    actor.restore(
-        loaded,
-        opt,
-        state.weight_version,
-        state.rollouts_trained,
-        None,
-    );
-    Ok(())
+    Ok(Restored {
+        model: loaded,
+        optimizer: opt,
+        version: state.weight_version,
+        rollouts_trained: state.rollouts_trained,
+    })
 }

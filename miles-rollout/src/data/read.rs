@@ -2,7 +2,7 @@
 //! extension, an optional `@[start:end]` row slice, every row turned into a [`PromptRecord`].
 
 use std::fmt;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -10,8 +10,6 @@ use miles_core::{Message, Prompt};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::parquet_rows;
-use super::{DatasetKeys, PromptRecord};
 use crate::error::{Error, Result, RowError, RowErrorKind};
 
 /// Default bound on one row: 16 MiB.
@@ -19,6 +17,55 @@ pub const DEFAULT_MAX_ROW_BYTES: usize = 16 << 20;
 
 /// How many skipped rows [`SkippedRows`] keeps the reason of.
 pub const REPORTED_BAD_ROWS: usize = 5;
+
+/// Which keys of a dataset row hold what (Miles' `--input-key`, `--label-key`,
+/// `--metadata-key`, `--tool-key`). A dotted key also reaches into nested objects when no
+/// column has that exact name (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DatasetKeys {
+    /// The prompt: a string, or a list of chat messages.
+    pub input_key: String,
+    /// The reference answer (any JSON scalar; kept as text). `None`: no labels.
+    pub label_key: Option<String>,
+    /// An object merged into the sample's metadata.
+    pub metadata_key: String,
+    /// The tool list for the prompt, stored as `metadata["tools"]`.
+    pub tool_key: String,
+}
+
+impl Default for DatasetKeys {
+    fn default() -> Self {
+        Self {
+            input_key: "input".into(),
+            label_key: Some("label".into()),
+            metadata_key: "metadata".into(),
+            tool_key: "tools".into(),
+        }
+    }
+}
+
+/// One prompt of a dataset.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptRecord {
+    /// Text or chat messages.
+    pub prompt: Prompt,
+    /// Reference answer.
+    pub label: Option<String>,
+    /// Metadata (including `tools` when the line had them).
+    pub metadata: Map<String, Value>,
+}
+
+impl PromptRecord {
+    /// A text prompt with a label.
+    pub fn text(prompt: impl Into<String>, label: impl Into<String>) -> Self {
+        Self {
+            prompt: Prompt::Text(prompt.into()),
+            label: Some(label.into()),
+            metadata: Map::new(),
+        }
+    }
+}
 
 /// How to read a prompt dataset: the keys, what to do with bad rows, the row bound.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -329,34 +376,6 @@ impl<'a> RowSink<'a> {
     pub(super) fn finish(self) -> LoadedDataset {
         self.out
     }
-}
-
-/// Reads a prompt dataset (JSONL or Parquet, by extension) into records.
-///
-/// Without [`DatasetOptions::skip_bad_rows`] the first bad row is an [`Error::DatasetRow`]
-/// naming file, row and key; with it, bad rows are counted in [`LoadedDataset::skipped`].
-/// A file that cannot be read as its format is an [`Error::DatasetFile`].
-pub fn load_dataset(source: &PromptDataPath, options: &DatasetOptions) -> Result<LoadedDataset> {
-    let path = source.path.as_path();
-    let format = DatasetFormat::from_path(path)?;
-    let mut sink = RowSink::new(path, options, source.rows);
-    match format {
-        DatasetFormat::JsonLines => {
-            let file = std::fs::File::open(path).map_err(|e| Error::Io {
-                path: path.to_path_buf(),
-                source: e,
-            })?;
-            read_json_lines(BufReader::new(file), &mut sink).map_err(|e| match e {
-                ReadError::Io(source) => Error::Io {
-                    path: path.to_path_buf(),
-                    source,
-                },
-                ReadError::Other(e) => e,
-            })?;
-        }
-        DatasetFormat::Parquet => parquet_rows::read_parquet(path, &mut sink)?,
-    }
-    Ok(sink.finish())
 }
 
 pub(super) enum ReadError {
