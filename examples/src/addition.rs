@@ -330,7 +330,7 @@ impl RewardFn for AdditionReward {
 mod tests {
     use super::*;
     use miles_rollout::DatasetKeys;
-    use miles_rollout::data::load_jsonl;
+    use miles_rollout::load_jsonl;
 
     #[test]
     fn splitmix_matches_the_reference_sequence() {

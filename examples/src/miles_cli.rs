@@ -22,12 +22,12 @@ use miles_core::{
 };
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::device::DeviceSpec;
-use miles_rollout::data::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_rollout::{
     AgentGenerator, BuiltinReward, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter,
     EvalSet, LoopConfig, PromptRecord, RemoteReward, RlLoop, RmHubReward, RmType, RolloutConfig,
     RolloutManager, SharedTrainer,
 };
+use miles_rollout::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_session::agent::{AgentDriverConfig, AgentReward};
 use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};

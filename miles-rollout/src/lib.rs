@@ -9,8 +9,8 @@
 //! with every feature set.
 //!
 //! Available now:
-//! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
-//!   of returned groups;
+//! * data: JSONL / Parquet prompt datasets ([`load_dataset`], [`DataSource`]), epochs,
+//!   seeded shuffling, a resumable cursor and a buffer of returned groups;
 //! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
 //!   checker) and a reward model over HTTP ([`RemoteReward`], Miles' `remote_rm`), all
 //!   implementing [`miles_core::RewardFn`];
@@ -18,14 +18,14 @@
 //!   ([`RmType`]: `math`, `dapo`, `deepscaler`, `gemma_math`, `f1`, `gpqa`, `random`,
 //!   `deterministic_random`, `remote_rm`, `boxed_*`), with the per-sample
 //!   `metadata["rm_type"]` override ([`RmHubReward`]);
-//! * [`manager`]: the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
+//! * the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
 //!   concurrency, rewards, dynamic filters, over-sampling with abort of the surplus, partial
 //!   rollout — with three generation modes: single-turn (one engine call per sample, the
 //!   default), agentic ([`AgentGenerator`]: a user agent talks to a session server over
-//!   HTTP) and the token-level multi-turn tool loop ([`multi_turn`]:
-//!   [`MultiTurnGenerator`] with a user [`ToolExecutor`]); any [`SampleGenerator`] plugs in
+//!   HTTP) and the token-level multi-turn tool loop ([`MultiTurnGenerator`] with a user
+//!   [`ToolExecutor`]); any [`SampleGenerator`] plugs in
 //!   with [`RolloutManager::with_generator`];
-//! * [`loops`]: the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
+//! * the synchronous and fully-asynchronous [`RlLoop`] with versioned weight updates
 //!   (pause → flush → update → resume → version check), staleness control and resumable
 //!   checkpoints;
 //! * the group-level checks: the staleness bound ([`group_staleness`],
@@ -53,27 +53,29 @@
 //! ```
 
 pub mod checkpoint;
-pub mod data;
-pub mod encoder;
-pub mod error;
-pub mod loops;
-pub mod manager;
-pub mod multi_turn;
+mod data;
+mod encoder;
+mod error;
+mod loops;
+mod manager;
+mod multi_turn;
 pub mod reward;
 pub mod rm_hub;
 
 pub use data::{
-    DataCursor, DataSource, DataSourceState, DatasetFormat, DatasetKeys, DatasetOptions,
-    LoadedDataset, PromptDataPath, PromptRecord, SkippedRows, load_dataset,
+    DEFAULT_MAX_ROW_BYTES, DataCursor, DataSource, DataSourceState, DatasetFormat, DatasetKeys,
+    DatasetOptions, LoadedDataset, PromptDataPath, PromptRecord, REPORTED_BAD_ROWS, RowRange,
+    SkippedRows, collapse_siblings, load_dataset, load_jsonl, parse_jsonl,
 };
 pub use encoder::ChatPromptEncoder;
 pub use error::{Error, Result, RowError, RowErrorKind};
 pub use loops::{
     EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,
+    latest_checkpoint, sample_perf_metrics, update_weights,
 };
 pub use manager::{
     AgentGenerator, PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager, SampleGenerator,
-    TITO_MISMATCH_TYPES, tito_mismatch_metrics,
+    TITO_MISMATCH_TYPES, mask_unusable, rollout_metrics, tito_mismatch_metrics,
 };
 pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
 pub use reward::{BuiltinReward, RemoteReward};
@@ -83,8 +85,9 @@ use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 
 /// A rayon pool of `threads` threads named `name-N`, for work that must stay on its own
-/// cores (the loop's [`LoopConfig::train_threads`]). burn's CPU backend parallelises through the rayon pool it
-/// is called from, so running inside [`rayon::ThreadPool::install`] bounds its cores.
+/// cores (the loop's [`LoopConfig::train_threads`]). burn's CPU backend parallelises through
+/// the rayon pool it is called from, so running inside [`rayon::ThreadPool::install`] bounds
+/// its cores.
 pub fn compute_pool(threads: usize, name: &str) -> Result<rayon::ThreadPool> {
     if threads == 0 {
         return Err(Error::Config(format!(

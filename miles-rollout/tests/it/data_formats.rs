@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use miles_core::Prompt;
-use miles_rollout::data::{
+use miles_rollout::{
     DatasetKeys, DatasetOptions, PromptDataPath, PromptRecord, REPORTED_BAD_ROWS, RowRange,
     load_dataset, parse_jsonl,
 };
