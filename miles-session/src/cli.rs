@@ -26,8 +26,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use miles_core::InferenceEngine;
+use miles_tito::ChatTokenizer;
 
-use crate::chat::ChatTokenizer;
 use crate::error::{Error, Result};
 use crate::guard::{ApiKey, GuardConfig};
 use crate::openai::RequestLimits;

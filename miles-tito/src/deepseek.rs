@@ -1,10 +1,10 @@
-//! DeepSeek V3.2 and V4 prompt encoders, and Miles' bridge to them (MILES_SPEC §1.3.1).
+//! DeepSeek V3.2 and V4 prompt encoders, and Miles' bridge to them.
 //!
 //! Neither model ships a Jinja chat template: prompts are built by Python encoders
 //! (`encode_messages`). This module reproduces, byte for byte, the two encoders Miles renders
 //! with — its vendored `encoding_dsv32` (upstream's with `drop_thinking=False` honoured on
 //! every turn) and sglang's `encoding_dsv4` — and Miles' bridge around them
-//! ([`apply_chat_template`]): tool-call arguments as JSON, tools (validated like sglang's
+//! ([`DeepSeekVersion::apply_chat_template`]): tool-call arguments as JSON, tools (validated like sglang's
 //! `Tool` model) injected into the first system message, the thinking mode resolved from
 //! `thinking_mode` / `enable_thinking` / `thinking`, and the generation suffix stripped when
 //! no generation prompt is asked for.
@@ -26,19 +26,19 @@ use crate::pyfmt::{
 };
 
 /// `<｜begin▁of▁sentence｜>`.
-pub const BOS: &str = "<｜begin▁of▁sentence｜>";
+pub(crate) const BOS: &str = "<｜begin▁of▁sentence｜>";
 /// `<｜end▁of▁sentence｜>`.
-pub const EOS: &str = "<｜end▁of▁sentence｜>";
+pub(crate) const EOS: &str = "<｜end▁of▁sentence｜>";
 /// `<think>`.
-pub const THINK_START: &str = "<think>";
+pub(crate) const THINK_START: &str = "<think>";
 /// `</think>`.
-pub const THINK_END: &str = "</think>";
+pub(crate) const THINK_END: &str = "</think>";
 /// `<｜User｜>`.
-pub const USER_TOKEN: &str = "<｜User｜>";
+pub(crate) const USER_TOKEN: &str = "<｜User｜>";
 /// `<｜Assistant｜>`.
-pub const ASSISTANT_TOKEN: &str = "<｜Assistant｜>";
+pub(crate) const ASSISTANT_TOKEN: &str = "<｜Assistant｜>";
 /// `<｜latest_reminder｜>` (V4).
-pub const LATEST_REMINDER_TOKEN: &str = "<｜latest_reminder｜>";
+pub(crate) const LATEST_REMINDER_TOKEN: &str = "<｜latest_reminder｜>";
 
 const RESPONSE_FORMAT_PREFIX: &str =
     "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n";
@@ -493,7 +493,7 @@ fn system_text(version: DeepSeekVersion, f: &Fields<'_>) -> String {
 /// The encoder keywords (`encode_messages(messages, thinking_mode, context=None,
 /// drop_thinking=True, add_default_bos_token=True[, reasoning_effort=None])`).
 #[derive(Debug, Clone)]
-pub struct EncodeOptions {
+pub struct DeepSeekEncodeOptions {
     /// `"thinking"` or `"chat"` (anything else is rejected when a message is rendered).
     pub thinking_mode: Json,
     /// Preceding messages, already encoded (truthy: a list).
@@ -506,7 +506,7 @@ pub struct EncodeOptions {
     pub reasoning_effort: Json,
 }
 
-impl Default for EncodeOptions {
+impl Default for DeepSeekEncodeOptions {
     fn default() -> Self {
         Self {
             thinking_mode: json!("thinking"),
@@ -518,7 +518,7 @@ impl Default for EncodeOptions {
     }
 }
 
-impl EncodeOptions {
+impl DeepSeekEncodeOptions {
     fn thinking(&self) -> bool {
         is_str(&self.thinking_mode, "thinking")
     }
@@ -553,24 +553,42 @@ impl EncodeOptions {
     }
 }
 
-/// Runs the version's `encode_messages`.
-pub fn encode_messages(
-    version: DeepSeekVersion,
-    messages: &[Json],
-    options: &EncodeOptions,
-) -> Result<String> {
-    match version {
-        DeepSeekVersion::V32 => encode_v32(messages, options),
-        DeepSeekVersion::V4 => encode_v4(messages, options),
+impl DeepSeekVersion {
+    /// Runs the version's `encode_messages`.
+    pub fn encode_messages(
+        self,
+        messages: &[Json],
+        options: &DeepSeekEncodeOptions,
+    ) -> Result<String> {
+        match self {
+            DeepSeekVersion::V32 => encode_v32(messages, options),
+            DeepSeekVersion::V4 => encode_v4(messages, options),
+        }
+        .map_err(|e| e.into_error(self))
     }
-    .map_err(|e| e.into_error(version))
+
+    /// Miles' `apply_chat_template` for a DeepSeek checkpoint (`template.py` →
+    /// `deepseek.apply_chat_template`): renders `messages` with the version's encoder under
+    /// the chat-template `kwargs` (tool-call arguments as JSON, the thinking mode resolved from
+    /// `thinking_mode` / `enable_thinking` / `thinking`), with `tools` injected into the first
+    /// system message, and without the next assistant opener when `add_generation_prompt` is
+    /// false.
+    pub fn apply_chat_template(
+        self,
+        messages: &[Json],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Json>,
+    ) -> Result<String> {
+        bridge(self, messages, tools, add_generation_prompt, kwargs).map_err(|e| e.into_error(self))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // V3.2
 // ---------------------------------------------------------------------------------------------
 
-fn encode_v32(messages: &[Json], options: &EncodeOptions) -> Py<String> {
+fn encode_v32(messages: &[Json], options: &DeepSeekEncodeOptions) -> Py<String> {
     let context = options.context()?;
     let mut full: Vec<Json> = context.iter().chain(messages).cloned().collect();
     let mut prompt = String::new();
@@ -620,7 +638,7 @@ fn drop_thinking(messages: &[Json], keep: &[&str]) -> Py<Vec<Json>> {
 fn render_v32(
     index: usize,
     messages: &[Json],
-    options: &EncodeOptions,
+    options: &DeepSeekEncodeOptions,
     prompt: &mut String,
 ) -> Py<()> {
     let len = messages.len();
@@ -881,7 +899,7 @@ fn sort_tool_results(messages: &mut [Json]) -> Py<()> {
     Ok(())
 }
 
-fn encode_v4(messages: &[Json], options: &EncodeOptions) -> Py<String> {
+fn encode_v4(messages: &[Json], options: &DeepSeekEncodeOptions) -> Py<String> {
     let merged = merge_tool_messages(messages)?;
     let raw_context = options.context()?;
     let n_context = raw_context.len();
@@ -912,7 +930,7 @@ fn encode_v4(messages: &[Json], options: &EncodeOptions) -> Py<String> {
     } else {
         (messages.len() as isize, context.len() as isize)
     };
-    let effective = EncodeOptions {
+    let effective = DeepSeekEncodeOptions {
         drop_thinking: drop,
         ..options.clone()
     };
@@ -925,7 +943,7 @@ fn encode_v4(messages: &[Json], options: &EncodeOptions) -> Py<String> {
 fn render_v4(
     index: usize,
     messages: &[Json],
-    options: &EncodeOptions,
+    options: &DeepSeekEncodeOptions,
     prompt: &mut String,
 ) -> Py<()> {
     if index >= messages.len() {
@@ -1096,7 +1114,10 @@ fn render_v4(
 /// `thinking`, set `thinking_mode` when it is not given (true → `"thinking"`, false →
 /// `"chat"`; null is ignored), defaulting to `"thinking"`; every other kwarg is an encoder
 /// keyword.
-fn encode_config(version: DeepSeekVersion, kwargs: &Map<String, Json>) -> Py<EncodeOptions> {
+fn encode_config(
+    version: DeepSeekVersion,
+    kwargs: &Map<String, Json>,
+) -> Py<DeepSeekEncodeOptions> {
     let mut kwargs = kwargs.clone();
     for alias in ["enable_thinking", "thinking"] {
         if let Some(value) = kwargs.shift_remove(alias)
@@ -1106,7 +1127,7 @@ fn encode_config(version: DeepSeekVersion, kwargs: &Map<String, Json>) -> Py<Enc
             kwargs.entry("thinking_mode").or_insert(json!(mode));
         }
     }
-    let mut options = EncodeOptions::default();
+    let mut options = DeepSeekEncodeOptions::default();
     for (key, value) in kwargs {
         match key.as_str() {
             "thinking_mode" => options.thinking_mode = value,
@@ -1129,7 +1150,7 @@ fn encode_config(version: DeepSeekVersion, kwargs: &Map<String, Json>) -> Py<Enc
 
 /// Whether chat-template `kwargs` resolve to thinking mode (Miles'
 /// `render_thinking_enabled`): the resolved `thinking_mode` is `"thinking"`.
-pub fn thinking_enabled(kwargs: &Map<String, Json>) -> bool {
+pub(crate) fn thinking_enabled(kwargs: &Map<String, Json>) -> bool {
     let mut mode = kwargs.get("thinking_mode").cloned();
     for alias in ["enable_thinking", "thinking"] {
         if mode.is_none()
@@ -1325,34 +1346,19 @@ fn bridge(
     }
 }
 
-/// Miles' `apply_chat_template` for a DeepSeek checkpoint (`template.py` →
-/// `deepseek.apply_chat_template`): renders `messages` with the version's encoder under the
-/// chat-template `kwargs` (see the module docs), with `tools` injected into the first system
-/// message, and without the next assistant opener when `add_generation_prompt` is false.
-pub fn apply_chat_template(
-    version: DeepSeekVersion,
-    messages: &[Json],
-    tools: Option<&[Json]>,
-    add_generation_prompt: bool,
-    kwargs: &Map<String, Json>,
-) -> Result<String> {
-    bridge(version, messages, tools, add_generation_prompt, kwargs)
-        .map_err(|e| e.into_error(version))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn render(version: DeepSeekVersion, messages: Json, kwargs: Json, gen_prompt: bool) -> String {
-        apply_chat_template(
-            version,
-            messages.as_array().unwrap(),
-            None,
-            gen_prompt,
-            kwargs.as_object().unwrap(),
-        )
-        .unwrap()
+        version
+            .apply_chat_template(
+                messages.as_array().unwrap(),
+                None,
+                gen_prompt,
+                kwargs.as_object().unwrap(),
+            )
+            .unwrap()
     }
 
     #[test]
@@ -1445,14 +1451,14 @@ mod tests {
 
     #[test]
     fn rejected_input_names_the_python_exception() {
-        let err = apply_chat_template(
-            DeepSeekVersion::V32,
-            &[json!({"role": "user", "content": "x"})],
-            None,
-            true,
-            json!({"reasoning_effort": "max"}).as_object().unwrap(),
-        )
-        .unwrap_err();
+        let err = DeepSeekVersion::V32
+            .apply_chat_template(
+                &[json!({"role": "user", "content": "x"})],
+                None,
+                true,
+                json!({"reasoning_effort": "max"}).as_object().unwrap(),
+            )
+            .unwrap_err();
         assert!(matches!(
             err,
             Error::DeepSeekEncoding {
@@ -1460,14 +1466,14 @@ mod tests {
                 ..
             }
         ));
-        let err = apply_chat_template(
-            DeepSeekVersion::V4,
-            &[json!({"role": "user", "content": "x"}), json!(3)],
-            None,
-            true,
-            &Map::new(),
-        )
-        .unwrap_err();
+        let err = DeepSeekVersion::V4
+            .apply_chat_template(
+                &[json!({"role": "user", "content": "x"}), json!(3)],
+                None,
+                true,
+                &Map::new(),
+            )
+            .unwrap_err();
         assert!(matches!(
             err,
             Error::DeepSeekEncoding {

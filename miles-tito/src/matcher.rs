@@ -272,6 +272,28 @@ mod tests {
     }
 
     #[test]
+    fn falsy_values_collapse_and_index_is_ignored() {
+        let messages_match = |a: &Message, b: &Message| MessageMatcher::Strict.matches(a, b);
+        let mut a = Message::assistant("");
+        a.tool_calls = Some(vec![]);
+        let mut b = Message::assistant("x");
+        b.content = None;
+        assert!(messages_match(&a, &b));
+        let mut call = ToolCall::function("c1", "f", Map::new());
+        let with_index = {
+            let mut c = call.clone();
+            c.index = Some(0);
+            c
+        };
+        let x = Message::assistant("").with_tool_calls(vec![with_index]);
+        call.index = None;
+        let y = Message::assistant("").with_tool_calls(vec![call]);
+        assert!(messages_match(&x, &y));
+        // Whitespace is significant.
+        assert!(!messages_match(&Message::user(" "), &Message::user("")));
+    }
+
+    #[test]
     fn typed_match_equals_json_diff() {
         let variants = [
             json!({"role": "assistant"}),

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
-use crate::deepseek::{self, DeepSeekVersion};
+use crate::deepseek::DeepSeekVersion;
 use crate::error::{Error, Result};
 use crate::fastdec::FastDecoder;
 use crate::fastenc::FastEncoder;
@@ -290,11 +290,10 @@ impl HfChat {
     }
 
     /// Renders with the HF-selected template, or with the DeepSeek encoder for a DeepSeek
-    /// checkpoint (Miles' bridge: [`deepseek::apply_chat_template`]).
+    /// checkpoint (Miles' bridge: [`DeepSeekVersion::apply_chat_template`]).
     pub fn render(&self, args: RenderArgs<'_>) -> Result<String> {
         if let Some(version) = self.deepseek {
-            return deepseek::apply_chat_template(
-                version,
+            return version.apply_chat_template(
                 args.messages,
                 args.tools,
                 args.add_generation_prompt,

@@ -15,8 +15,9 @@ use serde::Deserialize;
 use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
+use crate::family::ALL_ROLES;
 use crate::template::{ChatTemplate, RenderArgs};
-use crate::tito::{ALL_ROLES, TitoTokenizer, miles_normalise};
+use crate::tito::{TitoTokenizer, miles_normalise};
 
 /// One trajectory: a conversation and the boundaries at which a session would have stored
 /// tokens.

@@ -5,8 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use miles_core::Message;
-use miles_tito::trajectory::{TurnRecord, merge_turn_samples, turn_samples};
-use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
+use miles_tito::{HfChat, TitoFamily, TitoTokenizer, TurnRecord, merge_turn_samples, turn_samples};
 use serde_json::{Map, Value, json};
 
 fn fixtures() -> PathBuf {
