@@ -1,4 +1,4 @@
-//! Token-sequence comparator and session mismatch metric (MILES_SPEC §1.10, §2.7).
+//! Token-sequence comparator and session mismatch metric.
 //!
 //! Compares the tokens a session accumulated with a canonical re-tokenization of its
 //! messages. Both sequences lose their trailing stop ids, are cut into segments (each
@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
 use crate::error::Result;
-use crate::model;
+use crate::hf;
 
 /// The kind of a token-sequence mismatch (Miles' comparator types; also the metric suffixes
 /// of `tito_session_mismatch_rate/…`).
@@ -266,11 +266,11 @@ impl TokenView for TokenSeqComparator {
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
-        model::decode(&self.tokenizer, ids)
+        hf::decode(&self.tokenizer, ids)
     }
 }
 
-/// The session mismatch metric over many samples (§2.7): `rate` = fraction of samples with at
+/// The session mismatch metric over many samples: `rate` = fraction of samples with at
 /// least one mismatch; `per_type[t]` = fraction with at least one mismatch of type `t`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MismatchMetric {

@@ -96,6 +96,7 @@
 //! family's output is in a format no parser reads yet, add one file under `src/parsers/` and
 //! its variant of [`ToolCallParser`] (or [`ReasoningParser`]).
 
+mod args;
 mod chat;
 mod comparator;
 mod deepseek;
@@ -103,6 +104,7 @@ mod error;
 mod family;
 mod fastdec;
 mod fastenc;
+mod hf;
 mod matcher;
 mod model;
 mod native;
@@ -114,6 +116,7 @@ mod tito_chat;
 mod trajectory;
 mod verify;
 
+pub use args::RenderArgs;
 pub use chat::ChatTokenizer;
 pub use comparator::{Mismatch, MismatchMetric, MismatchType, TokenSeqComparator};
 pub use deepseek::{DeepSeekEncodeOptions, DeepSeekVersion};
@@ -124,10 +127,11 @@ pub use family::{
 };
 pub use fastdec::FastDecoder;
 pub use fastenc::FastEncoder;
+pub use hf::{decode, encode};
 pub use matcher::{MessageMatcher, TEMPLATE_KEYS, assert_append_only};
-pub use model::{HfChat, Rendered, SPECIAL_TOKEN_ATTRIBUTES, decode, encode};
+pub use model::{HfChat, Rendered, SPECIAL_TOKEN_ATTRIBUTES};
 pub use parsers::{OutputParser, ParsedAssistant, ReasoningParser, ToolCallParser};
-pub use template::{ChatTemplate, RenderArgs, RenderLimits, normalise_messages, tools_to_json};
+pub use template::{ChatTemplate, RenderLimits, normalise_messages, tools_to_json};
 pub use tito::{TitoTokenizer, canonical_tools, miles_normalise};
 pub use tito_chat::TitoChat;
 pub use trajectory::{

@@ -1,4 +1,4 @@
-//! Message matching and append-only validation (MILES_SPEC §1.6).
+//! Message matching and append-only validation (Miles' `message_matcher_hub`).
 //!
 //! Only the template-relevant keys are compared: `role`, `content`, `reasoning_content` and
 //! `tool_calls`. `null`, `""` and `[]` compare equal (falsy collapse); anything else,

@@ -7,7 +7,7 @@
 //! context, and [`TitoTokenizer::merge_tokens`] joins them to the stored token prefix after
 //! fixing the boundary where the model stopped.
 //!
-//! The DeepSeek V3.2 / V4 families render with the DeepSeek encoders ([`crate::deepseek`])
+//! The DeepSeek V3.2 / V4 families render with the DeepSeek encoders ([`DeepSeekVersion`])
 //! instead of a Jinja template; V4 diffs the renders of the real histories instead of the
 //! synthetic context, because its encoder folds adjacent tool results and user turns.
 
@@ -18,15 +18,18 @@ use miles_core::{Message, Role};
 use serde_json::{Map, Value as Json, json};
 use tokenizers::Tokenizer;
 
+use crate::args::RenderArgs;
 use crate::comparator::TokenSeqComparator;
 use crate::deepseek::DeepSeekVersion;
 use crate::error::{Error, Result};
 use crate::family::{BoundaryRule, Incremental, SpecialIds, TitoFamily};
 use crate::fastdec::FastDecoder;
 use crate::fastenc::FastEncoder;
+use crate::hf;
 use crate::matcher::{MessageMatcher, assert_append_only};
-use crate::model::{self, HfChat};
+use crate::model::HfChat;
 use crate::template::ChatTemplate;
+use crate::trajectory::TokenTrajectory;
 
 /// Boundary rule resolved to token ids.
 #[derive(Debug, Clone)]
@@ -67,7 +70,7 @@ fn token_id(tokenizer: &Tokenizer, family: TitoFamily, text: &str) -> Result<u32
 }
 
 fn single_token(tokenizer: &Tokenizer, family: TitoFamily, text: &str) -> Result<u32> {
-    let ids = model::encode(tokenizer, text)?;
+    let ids = hf::encode(tokenizer, text)?;
     match ids.as_slice() {
         [id] => Ok(*id),
         _ => Err(Error::FamilyTokenizer {
@@ -308,7 +311,7 @@ impl TitoTokenizer {
         self.family.max_trim_tokens()
     }
 
-    /// A comparator configured for this family (§1.10).
+    /// A comparator configured for this family.
     pub fn comparator(&self) -> TokenSeqComparator {
         TokenSeqComparator::new(
             self.tokenizer.clone(),
@@ -359,7 +362,7 @@ impl TitoTokenizer {
                 std::borrow::Cow::Owned(canonical_tools(t))
             }
         });
-        let args = crate::RenderArgs {
+        let args = RenderArgs {
             messages,
             tools: tools.as_deref(),
             add_generation_prompt,
@@ -375,7 +378,7 @@ impl TitoTokenizer {
                     .iter()
                     .map(|t| t.get("function").cloned().unwrap_or_else(|| t.clone()))
                     .collect();
-                template.render(crate::RenderArgs {
+                template.render(RenderArgs {
                     tools: Some(&inner),
                     ..args
                 })
@@ -387,7 +390,7 @@ impl TitoTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match &self.fast {
             Some(fast) => fast.encode(text),
-            None => model::encode(&self.tokenizer, text),
+            None => hf::encode(&self.tokenizer, text),
         }
     }
 
@@ -395,7 +398,7 @@ impl TitoTokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match &self.fast_decoder {
             Some(fast) => Ok(fast.decode(ids)),
-            None => model::decode(&self.tokenizer, ids),
+            None => hf::decode(&self.tokenizer, ids),
         }
     }
 
@@ -409,7 +412,7 @@ impl TitoTokenizer {
         self.encode(&self.render(messages, tools, add_generation_prompt)?)
     }
 
-    /// `tokenize_additional_messages` (§1.4): validates that `new` extends `old` with allowed
+    /// `tokenize_additional_messages`: validates that `new` extends `old` with allowed
     /// roles, renders the appended messages plus the generation prompt after the synthetic
     /// context `[dummy system, dummy assistant carrying old's last tool calls]`, checks the
     /// rendered text extends the context's render, and encodes the difference.
@@ -528,7 +531,7 @@ impl TitoTokenizer {
         }
     }
 
-    /// `merge_tokens` (§1.4): the boundary-fixed stored prefix followed by the incremental
+    /// `merge_tokens`: the boundary-fixed stored prefix followed by the incremental
     /// tokens of `new` beyond `old`.
     pub fn merge_tokens(
         &self,
@@ -579,8 +582,8 @@ impl TitoTokenizer {
         &self,
         messages: &[Message],
         tools: Option<&[Json]>,
-    ) -> Result<crate::TokenTrajectory> {
-        let mut trajectory = crate::TokenTrajectory::new(self.max_trim_tokens());
+    ) -> Result<TokenTrajectory> {
+        let mut trajectory = TokenTrajectory::new(self.max_trim_tokens());
         let mut stored_end = 0usize;
         for (index, message) in messages.iter().enumerate() {
             if message.role != Role::Assistant {

@@ -182,7 +182,7 @@ fn miles_trailing_trim_vectors() {
                     assert_eq!(json!(s.response_length), e["response_length"]);
                     assert_eq!(s.loss_mask.len(), s.response_length);
                 }
-                // Merged sample (§3.3): a ⊕ 0^obs ⊕ b.
+                // Merged sample (`merge_samples`): a ⊕ 0^obs ⊕ b.
                 let merged = merge_turn_samples(&samples).unwrap();
                 assert_eq!(&merged.tokens, samples.last().map(|s| &s.tokens).unwrap());
                 if case["name"] == "three_turn_trim_trailing_stop_tokens" {
