@@ -15,8 +15,7 @@ use std::process::ExitCode;
 use miles_examples::Error;
 use miles_examples::args::{Cli, Parse};
 use miles_examples::template_check::{CheckOptions, check_model_dir};
-use miles_tito::TitoFamily;
-use miles_tito::verify::ThinkingMode;
+use miles_tito::{ThinkingMode, TitoFamily};
 use serde_json::Value;
 
 fn cli() -> Cli {
@@ -38,8 +37,9 @@ fn cli() -> Cli {
         "FAMILY",
         None,
         "TITO family: default, qwen3, qwen35, qwennext, glm47, nemotron3, kimi25, kimi26, \
-         minimax_m25, minimax_m27 (guessed from the special tokens when absent; the DeepSeek \
-         families are checked with `miles-tito verify --tito deepseekv32|deepseekv4`)",
+         minimax_m25, minimax_m27 (detected from config.json and the special tokens when \
+         absent; the DeepSeek families are checked with \
+         `miles-tito verify --tito deepseekv32|deepseekv4`)",
     )
     .option(
         "--template",

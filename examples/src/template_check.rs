@@ -7,8 +7,8 @@
 //! 2. **Raw template** (miles-tito's verifier, raw mode): the directory's own chat template
 //!    is append-only as text. Informational when the TITO family brings its own fixed
 //!    template (as Miles' `qwen3` family does), since that template is the one sessions use.
-//! 3. **TITO mode** (miles-tito's verifier): for the family (`--tito`, or guessed from the
-//!    special tokens), merging stored ids with the incremental tokens of appended messages
+//! 3. **TITO mode** (miles-tito's verifier): for the family (`--tito`, or detected from
+//!    `config.json`'s `model_type` and the special tokens by [`TitoFamily::detect`]), merging stored ids with the incremental tokens of appended messages
 //!    decodes to exactly the standard render, on Miles' 17 trajectories (43 cases).
 //!
 //! The directory is TITO-safe when 1 and 3 pass.
@@ -16,8 +16,10 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use miles_tito::verify::{ThinkingMode, Trajectory, VerifyReport, VerifyTarget, verify};
-use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
+use miles_tito::{
+    HfChat, ThinkingMode, TitoFamily, TitoTokenizer, Trajectory, VerifyReport, VerifyTarget,
+    parse_trajectories, verify,
+};
 use serde_json::{Map, Value};
 
 use crate::Error;
@@ -33,7 +35,7 @@ pub struct CheckOptions {
     pub model: PathBuf,
     /// A chat template file replacing the directory's (and the family's fixed template).
     pub template: Option<PathBuf>,
-    /// The TITO family; `None`: guessed with [`guess_family`].
+    /// The TITO family; `None`: detected with [`TitoFamily::detect`].
     pub family: Option<TitoFamily>,
     /// Which trajectories / `enable_thinking` variants to run.
     pub thinking: ThinkingMode,
@@ -44,7 +46,7 @@ pub struct CheckOptions {
 }
 
 impl CheckOptions {
-    /// Defaults for `model`: guessed family, thinking `on` (Miles' default), no kwargs.
+    /// Defaults for `model`: detected family, thinking `on` (Miles' default), no kwargs.
     pub fn new(model: impl Into<PathBuf>) -> Self {
         Self {
             model: model.into(),
@@ -73,7 +75,7 @@ pub struct TemplateCheck {
     pub model: PathBuf,
     /// The family used in TITO mode.
     pub family: TitoFamily,
-    /// Whether the family was guessed (no `--tito`).
+    /// Whether the family was detected (no `--tito`).
     pub family_guessed: bool,
     /// Tokenizer checks.
     pub tokenizer: Vec<Check>,
@@ -129,7 +131,7 @@ impl TemplateCheck {
             "\n== 3. TITO mode: --tito {}{}",
             self.family,
             if self.family_guessed {
-                " (guessed from the special tokens; pass --tito to choose)"
+                " (detected from config.json and the special tokens; pass --tito to choose)"
             } else {
                 ""
             }
@@ -154,27 +156,6 @@ impl TemplateCheck {
             }
         );
         out
-    }
-}
-
-/// The TITO family a directory most likely belongs to, from its added tokens: Kimi
-/// (`<|im_middle|>`), GLM-4.7 (`<|observation|>`), MiniMax (`]~b]`), Qwen3 / ChatML
-/// (`<|im_start|>`), else `default` (the directory's own template, no boundary rule).
-pub fn guess_family(chat: &HfChat) -> TitoFamily {
-    let Some(tokenizer) = chat.tokenizer() else {
-        return TitoFamily::Default;
-    };
-    let has = |t: &str| tokenizer.token_to_id(t).is_some();
-    if has("<|im_middle|>") {
-        TitoFamily::Kimi25
-    } else if has("<|observation|>") {
-        TitoFamily::Glm47
-    } else if has("]~b]") {
-        TitoFamily::MinimaxM25
-    } else if has("<|im_start|>") {
-        TitoFamily::Qwen3
-    } else {
-        TitoFamily::Default
     }
 }
 
@@ -237,7 +218,7 @@ fn tokenizer_checks(
         let tools = t
             .tools
             .as_ref()
-            .map(|tools| miles_tito::template::tools_to_json(tools));
+            .map(|tools| miles_tito::tools_to_json(tools));
         let Ok(text) = tito.render(&t.messages, tools.as_deref(), false) else {
             continue; // render failures are reported by the verifier
         };
@@ -270,11 +251,13 @@ pub fn check_model_dir(options: &CheckOptions) -> Result<TemplateCheck, Error> {
         chat = chat.with_template_source(read(path)?)?;
     }
     let trajectories = match &options.trajectories {
-        Some(path) => miles_tito::verify::parse_trajectories(&read(path)?)?,
-        None => miles_tito::verify::parse_trajectories(DEFAULT_TRAJECTORIES)?,
+        Some(path) => parse_trajectories(&read(path)?)?,
+        None => parse_trajectories(DEFAULT_TRAJECTORIES)?,
     };
     let family_guessed = options.family.is_none();
-    let family = options.family.unwrap_or_else(|| guess_family(&chat));
+    let family = options.family.unwrap_or_else(|| {
+        TitoFamily::detect(chat.model_type(), chat.tokenizer().map(|t| t.as_ref()))
+    });
     if family.deepseek_encoder().is_some() {
         // The report compares the directory's Jinja template with the family's; a DeepSeek
         // family renders with its Python-equivalent encoder instead.

@@ -180,7 +180,7 @@ pub async fn spawn_session_server(
     family: &str,
     return_routed_experts: bool,
 ) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
-    let chat = miles_session::TitoChat::load(model_dir, family)?;
+    let chat = miles_tito::TitoChat::load(model_dir, family)?;
     let server = miles_session::SessionServer::new(
         engine,
         Arc::new(chat),

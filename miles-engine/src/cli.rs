@@ -18,7 +18,7 @@ use std::time::Duration;
 use miles_session::guard::{ApiKey, GuardConfig};
 
 use crate::error::{Error, Result};
-use miles_session::sglang::{ServerInfo, load_chat_tokenizer, tito_family_for};
+use miles_session::sglang::{ServerInfo, load_chat_tokenizer};
 
 /// The usage text.
 pub const USAGE: &str = "\
@@ -296,11 +296,11 @@ pub fn server_info(args: &ServeArgs) -> Result<ServerInfo> {
         info.weights_root = Some(root.clone());
     }
     let tokenizer_dir = args.tokenizer.clone().unwrap_or_else(|| args.model.clone());
-    let family = args
-        .tito
-        .clone()
-        .unwrap_or_else(|| tito_family_for(info.model_type.as_deref()).to_owned());
-    if let Some(tokenizer) = load_chat_tokenizer(&tokenizer_dir, &family)? {
+    if let Some(tokenizer) = load_chat_tokenizer(
+        &tokenizer_dir,
+        args.tito.as_deref(),
+        info.model_type.as_deref(),
+    )? {
         info = info.with_tokenizer(tokenizer, tokenizer_dir.to_string_lossy());
     } else if args.tokenizer.is_some() {
         return Err(Error::Config(format!(

@@ -4,8 +4,7 @@
 use std::path::Path;
 
 use miles_core::{EngineErrorKind, Error as CoreError, Prompt, Sample, TokenId};
-use miles_tito::HfChat;
-use miles_tito::template::RenderArgs;
+use miles_tito::{HfChat, RenderArgs};
 use serde_json::{Map, Value};
 
 use crate::manager::PromptEncoder;
@@ -100,7 +99,7 @@ impl PromptEncoder for ChatPromptEncoder {
 
     fn decode(&self, tokens: &[TokenId]) -> String {
         match self.chat.tokenizer() {
-            Some(t) => miles_tito::model::decode(t, tokens).unwrap_or_default(),
+            Some(t) => miles_tito::decode(t, tokens).unwrap_or_default(),
             None => String::new(),
         }
     }

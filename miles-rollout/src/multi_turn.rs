@@ -16,7 +16,7 @@ use miles_core::{
     GenerateRequest, InferenceEngine, Message, Prompt, Role, Sample, SampleStatus, SamplingParams,
     ToolSpec, async_trait,
 };
-use miles_session::ChatTokenizer;
+use miles_tito::ChatTokenizer;
 use serde_json::{Map, Value};
 
 use crate::manager::{SampleGenerator, apply_output};

@@ -26,8 +26,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use miles_core::InferenceEngine;
+use miles_tito::ChatTokenizer;
 
-use crate::chat::ChatTokenizer;
 use crate::error::{Error, Result};
 use crate::guard::{ApiKey, GuardConfig};
 use crate::openai::RequestLimits;
@@ -286,7 +286,8 @@ impl CliArgs {
     }
 
     /// The tokenizer: `byte_chatml` built in, any other family through `loader`, or through
-    /// the miles-tito adapter ([`crate::tito_adapter::TitoChat`]) when `loader` is `None`.
+    /// miles-tito's [`miles_tito::TitoChat`] ([`crate::tito_adapter::load_tokenizer`]) when
+    /// `loader` is `None`.
     pub fn tokenizer(&self, loader: Option<&TokenizerLoader>) -> Result<Arc<dyn ChatTokenizer>> {
         if self.tito == "byte_chatml" {
             return Ok(Arc::new(ByteChatml::default()));

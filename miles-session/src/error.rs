@@ -288,6 +288,28 @@ impl Error {
     }
 }
 
+/// miles-tito's errors (rendering, incremental tokenization, the [`miles_tito::ChatTokenizer`]
+/// seam) onto this crate's, and so onto HTTP statuses: kwarg conflicts and message validation
+/// keep their kinds (400), model output that does not parse is the upstream's (502), everything
+/// else (render, suffix diff, tokenizer) is a tokenization error (500; the server answers 400
+/// for the render errors the request caused).
+impl From<miles_tito::Error> for Error {
+    fn from(error: miles_tito::Error) -> Self {
+        match error {
+            miles_tito::Error::KwargConflict { key, value, family } => {
+                Self::KwargConflict { key, value, family }
+            }
+            miles_tito::Error::MessageValidation { reason, .. } => {
+                Self::MessageValidation { reason }
+            }
+            miles_tito::Error::ModelOutput { reason } => Self::UpstreamResponse { reason },
+            other => Self::Tokenization {
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
 impl From<miles_core::Error> for Error {
     fn from(error: miles_core::Error) -> Self {
         match error {

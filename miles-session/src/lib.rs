@@ -17,11 +17,10 @@
 //!   and request timeouts, request and connection caps, request-head timeout), reusable by any
 //!   axum server of the workspace.
 //! * [`trajectory`]: the linear trajectory with one-step rollback, and the records.
-//! * [`chat`]: the [`chat::ChatTokenizer`] seam (render, incremental tokenization, output
-//!   parsing, decode) that miles-tito plugs into, strict append-only validation and the
-//!   token-sequence comparator behind the `tito_session_mismatch` metric.
-//! * [`parsers`]: reasoning / tool-call parsers with SGLang's names (`qwen3`, `glm45`,
-//!   `kimi_k2`; `qwen25`, `glm45`, `glm47`, `kimi_k2`).
+//! * The server reaches chat templates and tokenizers only through miles-tito's
+//!   [`miles_tito::ChatTokenizer`] seam (render, incremental tokenization, output parsing,
+//!   decode; with miles-tito's strict append-only validation and token-sequence comparator
+//!   behind the `tito_session_mismatch` metric).
 //! * [`assembly`] and [`codec`]: records → training [`miles_core::Sample`]s (trailing-token
 //!   trim, truncation, merge) and Miles' safetensors samples wire format.
 //! * [`agent`]: the agent driver (`agentic_tool_call.generate`).
@@ -32,9 +31,8 @@
 //!   sampling parameters, shared with the SGLang-compatible server of [`sglang`].
 //! * [`sglang`]: SGLang's HTTP protocol, both ends (the client [`SglangEngine`], the server
 //!   [`sglang::sglang_router`]) and the [`sglang::Router`] over engines.
-//! * [`tito_adapter`]: [`tito_adapter::TitoChat`], the [`chat::ChatTokenizer`] over
-//!   miles-tito (HF-exact templates, the TITO families, incremental tokenization) that the
-//!   binary serves for `--model DIR --tito FAMILY`.
+//! * [`tito_adapter`]: the binary's loader of [`miles_tito::TitoChat`] (the family table's
+//!   [`miles_tito::ChatTokenizer`] over a model directory) for `--model DIR --tito FAMILY`.
 //! * [`metrics_server`]: a `/metrics` endpoint for any [`miles_core::prometheus::Registry`]
 //!   (trainer processes, `miles-rollout serve`), as a router, an async `serve` or a
 //!   self-contained [`metrics_server::MetricsServer`] thread.
@@ -79,7 +77,6 @@
 
 pub mod agent;
 pub mod assembly;
-pub mod chat;
 pub mod cli;
 pub mod codec;
 #[cfg(unix)]
@@ -91,15 +88,12 @@ pub mod loadgen;
 pub mod metrics;
 pub mod metrics_server;
 pub mod openai;
-pub mod parsers;
 pub mod server;
 pub mod sglang;
 pub mod testkit;
 pub mod tito_adapter;
 pub mod trajectory;
 
-pub use chat::{ChatTokenizer, ParsedAssistant};
 pub use error::{Error, Result};
 pub use server::{SessionServer, SessionServerConfig};
 pub use sglang::{SglangConfig, SglangEngine};
-pub use tito_adapter::TitoChat;

@@ -1,5 +1,5 @@
 //! Server metrics in the Prometheus text format (`GET /metrics`). Labels are bounded: error
-//! labels come from [`crate::Error::label`], mismatch types from [`crate::chat::MismatchType`].
+//! labels come from [`crate::Error::label`], mismatch types from [`miles_tito::MismatchType`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::chat::MismatchType;
+use miles_tito::MismatchType;
 
 /// Histogram bucket upper bounds, in seconds.
 pub const LATENCY_BUCKETS: [f64; 15] = [

@@ -16,6 +16,7 @@ use miles_core::{
     FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message, RequestId, Sample,
     SamplingParams, ToolArguments, ToolSpec,
 };
+use miles_tito::{ChatTokenizer, Mismatch};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::Mutex;
@@ -23,7 +24,6 @@ use tokio::sync::Mutex;
 use crate::assembly::{
     compute_samples_from_records, merge_samples, truncate_samples_by_total_tokens,
 };
-use crate::chat::{ChatTokenizer, Mismatch};
 use crate::codec::{EmptyReason, SamplesPayload, encode_samples};
 use crate::error::{Error, Result};
 use crate::guard::GuardConfig;
@@ -423,8 +423,8 @@ async fn delete_session(State(state): AppStateRef, Path(id): Path<String>) -> Re
 /// The effective template kwargs of a request body (`chat_template_kwargs` must be an object).
 fn request_kwargs(tokenizer: &dyn ChatTokenizer, body: &Value) -> Result<Map<String, Value>> {
     match body.get("chat_template_kwargs") {
-        None | Some(Value::Null) => tokenizer.resolve_kwargs(&Map::new()),
-        Some(Value::Object(map)) => tokenizer.resolve_kwargs(map),
+        None | Some(Value::Null) => Ok(tokenizer.resolve_kwargs(&Map::new())?),
+        Some(Value::Object(map)) => Ok(tokenizer.resolve_kwargs(map)?),
         Some(other) => Err(Error::InvalidBody {
             reason: format!("chat_template_kwargs must be an object, got {other}"),
         }),

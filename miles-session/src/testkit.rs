@@ -14,12 +14,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::Error;
-use crate::chat::{ChatTokenizer, ParsedAssistant};
 use miles_core::{
     EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message,
     NamedTensors, PauseMode, RequestId, Role, RoutedExperts, TokenId, ToolCall, ToolSpec,
     WeightVersion, async_trait,
 };
+use miles_tito::{ChatTokenizer, ParsedAssistant};
 use serde_json::{Map, Value, json};
 
 /// Id of `<|im_start|>`.
@@ -166,7 +166,7 @@ impl ChatTokenizer for ByteChatml {
         tools: &[ToolSpec],
         add_generation_prompt: bool,
         kwargs: &Map<String, Value>,
-    ) -> crate::Result<Vec<TokenId>> {
+    ) -> miles_tito::Result<Vec<TokenId>> {
         Ok(self.encode(&self.render_text(messages, tools, add_generation_prompt, kwargs)))
     }
 
@@ -176,7 +176,7 @@ impl ChatTokenizer for ByteChatml {
         new: &[Message],
         tools: &[ToolSpec],
         kwargs: &Map<String, Value>,
-    ) -> crate::Result<Vec<TokenId>> {
+    ) -> miles_tito::Result<Vec<TokenId>> {
         let mut dummy = Message::assistant("").with_reasoning(" ");
         dummy.tool_calls = Some(
             old.last()
@@ -190,7 +190,12 @@ impl ChatTokenizer for ByteChatml {
         let with = self.render_text(&all, tools, true, kwargs);
         let suffix = with
             .strip_prefix(&without)
-            .ok_or_else(|| Error::tokenization("rendered suffix diff failed"))?;
+            .ok_or_else(|| miles_tito::Error::SuffixDiff {
+                roles: new[old.len()..]
+                    .iter()
+                    .map(|m| m.role.as_str().to_owned())
+                    .collect(),
+            })?;
         Ok(self.encode(suffix))
     }
 
@@ -198,7 +203,7 @@ impl ChatTokenizer for ByteChatml {
         &self,
         ids: &[TokenId],
         _tools: &[ToolSpec],
-    ) -> crate::Result<ParsedAssistant> {
+    ) -> miles_tito::Result<ParsedAssistant> {
         let text = self.decode(ids);
         let text = text.strip_suffix("<|im_end|>").unwrap_or(&text);
         let (reasoning, rest) = match text
@@ -220,10 +225,12 @@ impl ChatTokenizer for ByteChatml {
             for part in calls.split("<tool_call>\n").skip(1) {
                 let body = part.trim_start_matches('\n');
                 let Some((json_text, _)) = body.split_once("\n</tool_call>") else {
-                    return Err(Error::upstream(format!("unterminated tool call: {body}")));
+                    return Err(miles_tito::Error::model_output(format!(
+                        "unterminated tool call: {body}"
+                    )));
                 };
-                let v: Value =
-                    serde_json::from_str(json_text).map_err(|e| Error::upstream(e.to_string()))?;
+                let v: Value = serde_json::from_str(json_text)
+                    .map_err(|e| miles_tito::Error::model_output(e.to_string()))?;
                 let name = v["name"].as_str().unwrap_or_default().to_owned();
                 let args = v["arguments"].as_object().cloned().unwrap_or_default();
                 let mut call = ToolCall::function("", name, args);
@@ -250,7 +257,7 @@ impl ChatTokenizer for ByteChatml {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    fn encode(&self, text: &str) -> crate::Result<Vec<TokenId>> {
+    fn encode(&self, text: &str) -> miles_tito::Result<Vec<TokenId>> {
         Ok(ByteChatml::encode(self, text))
     }
 

@@ -1,10 +1,10 @@
 //! One session's linear trajectory (MILES_SPEC §2.5) and its records (§2.6).
 
-use miles_core::{Message, TokenId, ToolSpec};
+use miles_core::{Message, Role, TokenId, ToolSpec};
+use miles_tito::{ChatTokenizer, MessageMatcher, assert_append_only};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::chat::{ChatTokenizer, assert_append_only, messages_match};
 use crate::error::{Error, Result};
 
 /// Miles' `MAX_ASSISTANT_ROLLBACK_STEPS`: a retry may discard at most one generated turn.
@@ -200,7 +200,7 @@ impl LinearTrajectory {
         let match_len = stored
             .iter()
             .zip(request)
-            .take_while(|(a, b)| messages_match(a, b))
+            .take_while(|(a, b)| MessageMatcher::Strict.matches(a, b))
             .count();
         if match_len >= stored.len() {
             return Ok(self.num_assistant());
@@ -247,7 +247,7 @@ impl LinearTrajectory {
             tokenizer.render(request, tools, true, kwargs)?
         } else {
             let stored = self.kept_messages(keep);
-            assert_append_only(stored, request, tokenizer.allowed_append_roles())?;
+            validate_append(stored, request, tokenizer.allowed_append_roles())?;
             // Validated: the tokenizer reads the stored messages and the appended tail.
             tokenizer.merge_tokens(stored, request, &self.checkpoints[keep - 1], tools, kwargs)?
         };
@@ -312,5 +312,48 @@ impl LinearTrajectory {
         self.records.push(record);
         self.generation += 1;
         Ok(())
+    }
+}
+
+/// miles-tito's strict append-only validation of `request` against the `stored` history with
+/// the family's appendable roles; a failure is this crate's 400 with Miles' session wording.
+fn validate_append(stored: &[Message], request: &[Message], allowed: &[Role]) -> Result<()> {
+    assert_append_only(stored, request, allowed, MessageMatcher::Strict).map_err(|e| match e {
+        miles_tito::Error::MessageValidation { reason, .. } => Error::validation(format!(
+            "{reason}; the selected TITO fixed template does not support appending this role"
+        )),
+        other => Error::from(other),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn append_only_errors_name_index_and_role() {
+        let assert_append_only = validate_append;
+        let stored = vec![
+            Message::system("s"),
+            Message::user("u"),
+            Message::assistant("a"),
+        ];
+        let mut changed = stored.clone();
+        changed[1] = Message::user("v");
+        let err = assert_append_only(&stored, &changed, &[Role::Tool]).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("message mismatch at index 1"), "{text}");
+        assert!(
+            text.contains("content: {stored: \"u\", new: \"v\"}"),
+            "{text}"
+        );
+        let mut appended = stored.clone();
+        appended.push(Message::user("again"));
+        let err = assert_append_only(&stored, &appended, &[Role::Tool]).unwrap_err();
+        assert!(err.to_string().contains("index 3 has role=user"));
+        assert!(assert_append_only(&stored, &stored[..2], &[Role::Tool]).is_err());
+        assert!(assert_append_only(&stored, &appended, &[Role::User]).is_ok());
+        assert_eq!(json!(err.status()), json!(400));
     }
 }

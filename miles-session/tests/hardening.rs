@@ -818,8 +818,8 @@ async fn concurrency_limit_and_request_timeout() {
 
 #[tokio::test]
 async fn hostile_chat_template_is_a_typed_500_with_the_reason() {
-    use miles_session::chat::ChatTokenizer;
     use miles_session::testkit::InstantEngine;
+    use miles_tito::ChatTokenizer;
     let fixture =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
     let dir = std::env::temp_dir().join(format!("miles-session-hostile-{}", std::process::id()));
@@ -834,7 +834,7 @@ async fn hostile_chat_template_is_a_typed_500_with_the_reason() {
     );
     std::fs::write(dir.join("chat_template.jinja"), hostile).unwrap();
     let tok: Arc<dyn ChatTokenizer> =
-        Arc::new(miles_session::TitoChat::load(&dir, "default").unwrap());
+        Arc::new(miles_tito::TitoChat::load(&dir, "default").unwrap());
     // Engine ids outside the vocabulary decode and parse without a panic.
     let hostile_ids = [4_000_000_000u32, u32::MAX, 0, 151_645];
     let _ = tok.decode(&hostile_ids);
@@ -1335,11 +1335,10 @@ async fn the_binary_takes_its_key_from_the_environment_and_drops_slow_clients() 
 
 #[tokio::test]
 async fn messages_the_template_cannot_render_are_a_400() {
-    use miles_session::chat::ChatTokenizer;
     use miles_session::testkit::InstantEngine;
+    use miles_tito::ChatTokenizer;
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
-    let tok: Arc<dyn ChatTokenizer> =
-        Arc::new(miles_session::TitoChat::load(&dir, "qwen3").unwrap());
+    let tok: Arc<dyn ChatTokenizer> = Arc::new(miles_tito::TitoChat::load(&dir, "qwen3").unwrap());
     let engine = InstantEngine::for_chatml(tok.as_ref()).unwrap();
     let server = SessionServer::new(engine, tok, SessionServerConfig::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,20 +1,23 @@
-//! Token-sequence comparator and session mismatch metric (MILES_SPEC §1.10, §2.7).
+//! Token-sequence comparator and session mismatch metric.
 //!
 //! Compares the tokens a session accumulated with a canonical re-tokenization of its
 //! messages. Both sequences lose their trailing stop ids, are cut into segments (each
-//! special id alone, runs of ordinary ids together), and aligned segment by segment.
+//! special id alone, runs of ordinary ids together), and aligned segment by segment. One
+//! algorithm serves a HF tokenizer ([`TokenSeqComparator`]) and any
+//! [`ChatTokenizer`](crate::ChatTokenizer) (its default `compare_sequences`).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
 use crate::error::Result;
-use crate::model;
+use crate::hf;
 
-/// Kind of a token-sequence mismatch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+/// The kind of a token-sequence mismatch (Miles' comparator types; also the metric suffixes
+/// of `tito_session_mismatch_rate/…`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MismatchType {
     /// The segment structures differ (count or special/content pattern).
@@ -37,8 +40,8 @@ impl MismatchType {
         Self::AssistantText,
     ];
 
-    /// Miles' name.
-    pub fn name(self) -> &'static str {
+    /// Miles' (snake-case) name.
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::SpecialTokenCount => "special_token_count",
             Self::SpecialTokenType => "special_token_type",
@@ -48,8 +51,8 @@ impl MismatchType {
     }
 }
 
-/// One mismatch record.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One mismatch between the canonical and the session token sequence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mismatch {
     /// The kind.
     #[serde(rename = "type")]
@@ -64,13 +67,160 @@ pub struct Mismatch {
     pub detail: String,
 }
 
-#[derive(Debug, Clone)]
-struct Segment {
-    special: bool,
-    ids: Vec<u32>,
+/// What the comparator reads from a tokenizer: the segment-boundary ids, the trailing ids
+/// stripped first, the text that opens an assistant turn, and the text of ids.
+pub(crate) trait TokenView {
+    /// Whether `id` is a segment boundary (a special token).
+    fn is_special(&self, id: u32) -> bool;
+    /// Whether `id` is stripped from the end of both sequences before comparing.
+    fn is_trailing(&self, id: u32) -> bool;
+    /// The text that opens an assistant turn (`None`: assistant text cannot be classified).
+    fn assistant_start(&self) -> Option<&str>;
+    /// The text of `ids`, special tokens included.
+    fn decode(&self, ids: &[u32]) -> Result<String>;
 }
 
-/// Compares token sequences (Miles' `TokenSeqComparator`).
+/// A run of ordinary ids, or one special id.
+#[derive(Debug, Clone, Copy)]
+struct Segment<'a> {
+    special: bool,
+    ids: &'a [u32],
+}
+
+fn segments<'a, V: TokenView + ?Sized>(view: &V, ids: &'a [u32]) -> Vec<Segment<'a>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (i, &id) in ids.iter().enumerate() {
+        if view.is_special(id) {
+            if start < i {
+                out.push(Segment {
+                    special: false,
+                    ids: &ids[start..i],
+                });
+            }
+            out.push(Segment {
+                special: true,
+                ids: &ids[i..=i],
+            });
+            start = i + 1;
+        }
+    }
+    if start < ids.len() {
+        out.push(Segment {
+            special: false,
+            ids: &ids[start..],
+        });
+    }
+    out
+}
+
+fn strip<'a, V: TokenView + ?Sized>(view: &V, mut ids: &'a [u32]) -> &'a [u32] {
+    while let Some((last, rest)) = ids.split_last() {
+        if view.is_trailing(*last) {
+            ids = rest;
+        } else {
+            break;
+        }
+    }
+    ids
+}
+
+fn describe<V: TokenView + ?Sized>(view: &V, segments: &[Segment<'_>]) -> Result<String> {
+    let mut parts = Vec::with_capacity(segments.len());
+    for seg in segments {
+        if seg.special {
+            parts.push(format!("[{}]", view.decode(seg.ids)?));
+        } else {
+            parts.push(format!("({} tokens)", seg.ids.len()));
+        }
+    }
+    Ok(parts.join(" "))
+}
+
+fn is_assistant_content<V: TokenView + ?Sized>(
+    view: &V,
+    segments: &[Segment<'_>],
+    index: usize,
+) -> Result<bool> {
+    let Some(start) = view.assistant_start() else {
+        return Ok(false);
+    };
+    if index == 0 || !segments[index - 1].special {
+        return Ok(false);
+    }
+    let head = &segments[index].ids[..segments[index].ids.len().min(20)];
+    let text = view.decode(segments[index - 1].ids)? + &view.decode(head)?;
+    Ok(text.starts_with(start))
+}
+
+/// `compare_sequences(expected, actual)` over any [`TokenView`]: every mismatch, or an empty
+/// list. Both sequences lose their trailing ids, are cut into segments and aligned.
+pub(crate) fn compare_with<V: TokenView + ?Sized>(
+    view: &V,
+    expected: &[u32],
+    actual: &[u32],
+) -> Result<Vec<Mismatch>> {
+    let exp = segments(view, strip(view, expected));
+    let act = segments(view, strip(view, actual));
+    let same_shape =
+        exp.len() == act.len() && exp.iter().zip(&act).all(|(a, b)| a.special == b.special);
+    if !same_shape {
+        return Ok(vec![Mismatch {
+            kind: MismatchType::SpecialTokenCount,
+            segment_index: -1,
+            expected_text: describe(view, &exp)?,
+            actual_text: describe(view, &act)?,
+            detail: format!(
+                "segment structure differs: expected {} segments, actual {}",
+                exp.len(),
+                act.len()
+            ),
+        }]);
+    }
+    let mut out = Vec::new();
+    for (i, (e, a)) in exp.iter().zip(&act).enumerate() {
+        if e.ids == a.ids {
+            continue;
+        }
+        let expected_text = view.decode(e.ids)?;
+        let actual_text = view.decode(a.ids)?;
+        if e.special {
+            out.push(Mismatch {
+                kind: MismatchType::SpecialTokenType,
+                segment_index: i as i64,
+                detail: format!("special token {expected_text:?} != {actual_text:?}"),
+                expected_text,
+                actual_text,
+            });
+            continue;
+        }
+        if expected_text == actual_text {
+            // Same text, different tokenization of it: not a mismatch Miles reports
+            // (content is compared by decoded text).
+            continue;
+        }
+        let assistant =
+            is_assistant_content(view, &exp, i)? && is_assistant_content(view, &act, i)?;
+        out.push(Mismatch {
+            kind: if assistant {
+                MismatchType::AssistantText
+            } else {
+                MismatchType::NonAssistantText
+            },
+            segment_index: i as i64,
+            detail: format!(
+                "content segment {i} differs ({} vs {} tokens)",
+                e.ids.len(),
+                a.ids.len()
+            ),
+            expected_text,
+            actual_text,
+        });
+    }
+    Ok(out)
+}
+
+/// Compares token sequences of a HF tokenizer (Miles' `TokenSeqComparator`).
 #[derive(Debug, Clone)]
 pub struct TokenSeqComparator {
     tokenizer: Arc<Tokenizer>,
@@ -96,127 +246,31 @@ impl TokenSeqComparator {
         }
     }
 
-    fn segments(&self, ids: &[u32]) -> Vec<Segment> {
-        let mut out: Vec<Segment> = Vec::new();
-        for &id in ids {
-            if self.special_ids.contains(&id) {
-                out.push(Segment {
-                    special: true,
-                    ids: vec![id],
-                });
-            } else {
-                match out.last_mut() {
-                    Some(seg) if !seg.special => seg.ids.push(id),
-                    _ => out.push(Segment {
-                        special: false,
-                        ids: vec![id],
-                    }),
-                }
-            }
-        }
-        out
-    }
-
-    fn strip<'a>(&self, mut ids: &'a [u32]) -> &'a [u32] {
-        while let Some((last, rest)) = ids.split_last() {
-            if self.trim_trailing_ids.contains(last) {
-                ids = rest;
-            } else {
-                break;
-            }
-        }
-        ids
-    }
-
-    fn describe(&self, segments: &[Segment]) -> Result<String> {
-        let mut parts = Vec::with_capacity(segments.len());
-        for seg in segments {
-            if seg.special {
-                parts.push(format!("[{}]", model::decode(&self.tokenizer, &seg.ids)?));
-            } else {
-                parts.push(format!("({} tokens)", seg.ids.len()));
-            }
-        }
-        Ok(parts.join(" "))
-    }
-
-    fn is_assistant_content(&self, segments: &[Segment], index: usize) -> Result<bool> {
-        let Some(start) = &self.assistant_start_str else {
-            return Ok(false);
-        };
-        if index == 0 || !segments[index - 1].special {
-            return Ok(false);
-        }
-        let head = &segments[index].ids[..segments[index].ids.len().min(20)];
-        let text = model::decode(&self.tokenizer, &segments[index - 1].ids)?
-            + &model::decode(&self.tokenizer, head)?;
-        Ok(text.starts_with(start.as_str()))
-    }
-
     /// `compare_sequences(expected, actual)`: every mismatch, or an empty list.
     pub fn compare(&self, expected: &[u32], actual: &[u32]) -> Result<Vec<Mismatch>> {
-        let exp = self.segments(self.strip(expected));
-        let act = self.segments(self.strip(actual));
-        let same_shape =
-            exp.len() == act.len() && exp.iter().zip(&act).all(|(a, b)| a.special == b.special);
-        if !same_shape {
-            return Ok(vec![Mismatch {
-                kind: MismatchType::SpecialTokenCount,
-                segment_index: -1,
-                expected_text: self.describe(&exp)?,
-                actual_text: self.describe(&act)?,
-                detail: format!(
-                    "segment structure differs: expected {} segments, actual {}",
-                    exp.len(),
-                    act.len()
-                ),
-            }]);
-        }
-        let mut out = Vec::new();
-        for (i, (e, a)) in exp.iter().zip(&act).enumerate() {
-            if e.ids == a.ids {
-                continue;
-            }
-            let expected_text = model::decode(&self.tokenizer, &e.ids)?;
-            let actual_text = model::decode(&self.tokenizer, &a.ids)?;
-            if e.special {
-                out.push(Mismatch {
-                    kind: MismatchType::SpecialTokenType,
-                    segment_index: i as i64,
-                    detail: format!("special token {:?} != {:?}", expected_text, actual_text),
-                    expected_text,
-                    actual_text,
-                });
-                continue;
-            }
-            if expected_text == actual_text {
-                // Same text, different tokenization of it: not a mismatch Miles reports
-                // (content is compared by decoded text).
-                continue;
-            }
-            let assistant =
-                self.is_assistant_content(&exp, i)? && self.is_assistant_content(&act, i)?;
-            out.push(Mismatch {
-                kind: if assistant {
-                    MismatchType::AssistantText
-                } else {
-                    MismatchType::NonAssistantText
-                },
-                segment_index: i as i64,
-                detail: format!(
-                    "content segment {i} differs ({} vs {} tokens)",
-                    e.ids.len(),
-                    a.ids.len()
-                ),
-                expected_text,
-                actual_text,
-            });
-        }
-        Ok(out)
+        compare_with(self, expected, actual)
     }
 }
 
-/// The session mismatch metric over many samples (§2.7): `rate` = fraction of samples with at
+impl TokenView for TokenSeqComparator {
+    fn is_special(&self, id: u32) -> bool {
+        self.special_ids.contains(&id)
+    }
+
+    fn is_trailing(&self, id: u32) -> bool {
+        self.trim_trailing_ids.contains(&id)
+    }
+
+    fn assistant_start(&self) -> Option<&str> {
+        self.assistant_start_str.as_deref()
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        hf::decode(&self.tokenizer, ids)
+    }
+}
+
+/// The session mismatch metric over many samples: `rate` = fraction of samples with at
 /// least one mismatch; `per_type[t]` = fraction with at least one mismatch of type `t`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MismatchMetric {
@@ -264,7 +318,7 @@ impl MismatchMetric {
     pub fn to_named(&self, prefix: &str) -> Vec<(String, f64)> {
         let mut out = vec![(prefix.to_owned(), self.rate)];
         for (kind, value) in &self.per_type {
-            out.push((format!("{prefix}/{}", kind.name()), *value));
+            out.push((format!("{prefix}/{}", kind.as_str()), *value));
         }
         out
     }

@@ -86,8 +86,7 @@ pub enum Error {
         /// What does not hold.
         reason: String,
     },
-    /// The new message list is not an append-only extension of the stored one (MILES_SPEC
-    /// §1.6).
+    /// The new message list is not an append-only extension of the stored one.
     #[error("message validation failed: {reason}")]
     MessageValidation {
         /// Index of the first offending message, when there is one.
@@ -96,7 +95,8 @@ pub enum Error {
         /// index k has role=…`).
         reason: String,
     },
-    /// The rendered appendix is not a suffix of the rendered base context (§1.4 step 5).
+    /// The rendered appendix is not a suffix of the rendered base context (the suffix check of
+    /// `tokenize_additional_messages`).
     #[error("rendered suffix diff failed for {roles:?}")]
     SuffixDiff {
         /// Roles of the appended messages.
@@ -124,7 +124,7 @@ pub enum Error {
         /// The renderer (`deepseek_v4`).
         family: String,
     },
-    /// A new token sequence does not extend the stored one (§1.9).
+    /// A new token sequence does not extend the stored one (the runtime prefix check).
     #[error(
         "pretokenized prefix mismatch at token {index}: stored {stored_len} tokens, new sequence {new_len} tokens (checked {checked})"
     )]
@@ -138,7 +138,7 @@ pub enum Error {
         /// Number of positions that had to agree.
         checked: usize,
     },
-    /// Rendering hit a [`crate::template::RenderLimits`] bound: the template ran out of
+    /// Rendering hit a [`crate::RenderLimits`] bound: the template ran out of
     /// fuel (instructions), recursed too deep or produced too much output. Templates are
     /// untrusted input: such a template is rejected, never allowed to hang or exhaust memory.
     #[error("chat template exceeded its {limit} limit ({detail})")]
@@ -152,12 +152,35 @@ pub enum Error {
     /// to roll back, a trim beyond the allowed count, ...).
     #[error("trajectory error: {0}")]
     Trajectory(String),
+    /// A reasoning or tool-call parser name that SGLang does not define (or that this crate
+    /// does not support).
+    #[error("unknown {kind} parser {name:?}")]
+    UnknownParser {
+        /// `reasoning` or `tool-call`.
+        kind: &'static str,
+        /// The name given.
+        name: String,
+    },
+    /// The model's output does not parse in its family's format (a malformed tool call).
+    /// [`crate::OutputParser::parse`] never returns it: it keeps such text as content.
+    #[error("model output does not parse: {reason}")]
+    ModelOutput {
+        /// What was malformed.
+        reason: String,
+    },
 }
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Shorthand for [`Error::ModelOutput`].
+    pub fn model_output(reason: impl Into<String>) -> Self {
+        Self::ModelOutput {
+            reason: reason.into(),
+        }
+    }
+
     pub(crate) fn json(what: impl Into<String>, reason: impl std::fmt::Display) -> Self {
         Self::Json {
             what: what.into(),

@@ -258,7 +258,7 @@ impl FastEncoder {
         };
         let agrees = PROBES.iter().all(|text| {
             matches!(
-                (encoder.encode(text), crate::model::encode(&encoder.tokenizer, text)),
+                (encoder.encode(text), crate::hf::encode(&encoder.tokenizer, text)),
                 (Ok(fast), Ok(slow)) if fast == slow
             )
         });
@@ -303,7 +303,7 @@ impl FastEncoder {
             return Ok(());
         }
         if !segment.is_ascii() {
-            ids.extend(crate::model::encode(&self.tokenizer, segment)?);
+            ids.extend(crate::hf::encode(&self.tokenizer, segment)?);
             return Ok(());
         }
         let bytes = segment.as_bytes();

@@ -1,4 +1,4 @@
-//! Message matching and append-only validation (MILES_SPEC §1.6).
+//! Message matching and append-only validation (Miles' `message_matcher_hub`).
 //!
 //! Only the template-relevant keys are compared: `role`, `content`, `reasoning_content` and
 //! `tool_calls`. `null`, `""` and `[]` compare equal (falsy collapse); anything else,
@@ -269,6 +269,28 @@ mod tests {
             Default::default(),
         )]);
         assert!(!MessageMatcher::Strict.matches(&e, &g));
+    }
+
+    #[test]
+    fn falsy_values_collapse_and_index_is_ignored() {
+        let messages_match = |a: &Message, b: &Message| MessageMatcher::Strict.matches(a, b);
+        let mut a = Message::assistant("");
+        a.tool_calls = Some(vec![]);
+        let mut b = Message::assistant("x");
+        b.content = None;
+        assert!(messages_match(&a, &b));
+        let mut call = ToolCall::function("c1", "f", Map::new());
+        let with_index = {
+            let mut c = call.clone();
+            c.index = Some(0);
+            c
+        };
+        let x = Message::assistant("").with_tool_calls(vec![with_index]);
+        call.index = None;
+        let y = Message::assistant("").with_tool_calls(vec![call]);
+        assert!(messages_match(&x, &y));
+        // Whitespace is significant.
+        assert!(!messages_match(&Message::user(" "), &Message::user("")));
     }
 
     #[test]

@@ -5,9 +5,9 @@
 //! `[{"name": …, "template": …}]`) and `chat_template.jinja` (which, as in transformers, takes
 //! precedence over the config's template), plus any `additional_chat_templates/NAME.jinja`.
 //!
-//! As in Miles (`template.py`, MILES_SPEC §1.3 step 1), a directory whose `config.json`
-//! `model_type` is `deepseek_v32` or `deepseek_v4` renders with that DeepSeek encoder (see
-//! [`crate::deepseek`]) instead of a chat template.
+//! As in Miles (`template.py`, its first rule), a directory whose `config.json` `model_type`
+//! is `deepseek_v32` or `deepseek_v4` renders with that DeepSeek encoder (see
+//! [`DeepSeekVersion`]) instead of a chat template.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,11 +16,13 @@ use std::sync::Arc;
 use serde_json::{Map, Value as Json};
 use tokenizers::Tokenizer;
 
-use crate::deepseek::{self, DeepSeekVersion};
+use crate::args::RenderArgs;
+use crate::deepseek::DeepSeekVersion;
 use crate::error::{Error, Result};
 use crate::fastdec::FastDecoder;
 use crate::fastenc::FastEncoder;
-use crate::template::{ChatTemplate, RenderArgs};
+use crate::hf;
+use crate::template::ChatTemplate;
 
 /// The special-token attributes HF passes to templates, in `special_tokens_map` order.
 pub const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
@@ -290,11 +292,10 @@ impl HfChat {
     }
 
     /// Renders with the HF-selected template, or with the DeepSeek encoder for a DeepSeek
-    /// checkpoint (Miles' bridge: [`deepseek::apply_chat_template`]).
+    /// checkpoint (Miles' bridge: [`DeepSeekVersion::apply_chat_template`]).
     pub fn render(&self, args: RenderArgs<'_>) -> Result<String> {
         if let Some(version) = self.deepseek {
-            return deepseek::apply_chat_template(
-                version,
+            return version.apply_chat_template(
                 args.messages,
                 args.tools,
                 args.add_generation_prompt,
@@ -311,7 +312,7 @@ impl HfChat {
             return fast.encode(text);
         }
         let tokenizer = self.tokenizer.as_ref().ok_or(Error::NoTokenizer)?;
-        encode(tokenizer, text)
+        hf::encode(tokenizer, text)
     }
 
     /// Renders, then encodes when a tokenizer is loaded.
@@ -323,21 +324,6 @@ impl HfChat {
         };
         Ok(Rendered { text, ids })
     }
-}
-
-/// `tokenizer(text, add_special_tokens=False)["input_ids"]`.
-pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
-    tokenizer
-        .encode_fast(text, false)
-        .map(|e| e.get_ids().to_vec())
-        .map_err(|e| Error::Tokenizer(e.to_string()))
-}
-
-/// Decodes ids keeping special tokens (what Miles' verifier and comparator do).
-pub fn decode(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
-    tokenizer
-        .decode(ids, false)
-        .map_err(|e| Error::Tokenizer(e.to_string()))
 }
 
 #[cfg(test)]

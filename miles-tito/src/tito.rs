@@ -1,13 +1,13 @@
-//! TITO tokenizer families and incremental tokenization (MILES_SPEC §1.2, §1.4).
+//! Incremental (token-in-token-out) tokenization of one TITO family.
 //!
-//! A [`TitoTokenizer`] pins one chat template (the family's fixed template, or the model's
-//! own), the kwargs the family forces, the roles that may be appended to a session, and the
-//! family's boundary rule. [`TitoTokenizer::tokenize_additional_messages`] renders only the
+//! A [`TitoTokenizer`] pins what the family's row of the table ([`crate::FamilySpec`]) says:
+//! one chat template (the family's fixed template, or the model's own), the kwargs the family
+//! forces, the roles that may be appended to a session, and the family's boundary rule. [`TitoTokenizer::tokenize_additional_messages`] renders only the
 //! appended messages (plus the next generation prompt) against a two-message synthetic
 //! context, and [`TitoTokenizer::merge_tokens`] joins them to the stored token prefix after
 //! fixing the boundary where the model stopped.
 //!
-//! The DeepSeek V3.2 / V4 families render with the DeepSeek encoders ([`crate::deepseek`])
+//! The DeepSeek V3.2 / V4 families render with the DeepSeek encoders ([`DeepSeekVersion`])
 //! instead of a Jinja template; V4 diffs the renders of the real histories instead of the
 //! synthetic context, because its encoder folds adjacent tool results and user turns.
 
@@ -18,262 +18,25 @@ use miles_core::{Message, Role};
 use serde_json::{Map, Value as Json, json};
 use tokenizers::Tokenizer;
 
+use crate::args::RenderArgs;
 use crate::comparator::TokenSeqComparator;
-use crate::deepseek::{self, DeepSeekVersion};
+use crate::deepseek::DeepSeekVersion;
 use crate::error::{Error, Result};
+use crate::family::{BoundaryRule, Incremental, SpecialIds, TitoFamily};
+use crate::fastdec::FastDecoder;
 use crate::fastenc::FastEncoder;
+use crate::hf;
 use crate::matcher::{MessageMatcher, assert_append_only};
-use crate::model::{self, HfChat};
+use crate::model::HfChat;
 use crate::template::ChatTemplate;
-
-/// All four appendable roles (`VALID_APPEND_ROLES`).
-pub const ALL_ROLES: [Role; 4] = [Role::Tool, Role::User, Role::System, Role::Assistant];
-const NO_SYSTEM: [Role; 3] = [Role::Tool, Role::User, Role::Assistant];
-
-/// A TITO tokenizer family, named as Miles' `--tito-model` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum TitoFamily {
-    /// The model's own template, plain concatenation, no forced kwargs.
-    Default,
-    /// Qwen3 with `qwen3_fixed.jinja`.
-    Qwen3,
-    /// Qwen3.5 with `qwen3.5_fixed.jinja` (no mid-session system messages).
-    Qwen35,
-    /// Qwen3 thinking-2507 / Qwen3-Next with `qwen3_thinking_2507_and_next_fixed.jinja`.
-    QwenNext,
-    /// GLM-4.7: native template, `<|observation|>`/`<|user|>` trim.
-    Glm47,
-    /// Nemotron 3: native template, `truncate_history_thinking=False`.
-    Nemotron3,
-    /// Kimi K2.5 with `kimi_k25_fixed.jinja`.
-    Kimi25,
-    /// Kimi K2.6: native template, `preserve_thinking=True`.
-    Kimi26,
-    /// MiniMax M2.5 with `minimax_m25_fixed.jinja`.
-    MinimaxM25,
-    /// MiniMax M2.7 with `minimax_m27_fixed.jinja`.
-    MinimaxM27,
-    /// DeepSeek V3.2: Miles' vendored `encoding_dsv32` encoder, `drop_thinking=False`.
-    DeepseekV32,
-    /// DeepSeek V4: sglang's `encoding_dsv4` encoder, `drop_thinking=False`, incremental
-    /// tokens from the real histories' renders (no mid-session system messages).
-    DeepseekV4,
-}
-
-/// How the stored prefix is joined to the incremental tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BoundaryRule {
-    /// Plain concatenation (default, Kimi).
-    Concat,
-    /// The template writes `END\n` after every message but the model stops at `END`: when
-    /// the prefix ends with `END`, append the `\n` token (Qwen, Nemotron: `<|im_end|>`;
-    /// MiniMax: `[e~[`).
-    NewlineAfter(&'static str),
-    /// The model's stop tokens double as the next message's opener: drop one trailing
-    /// `<|observation|>` or `<|user|>` (GLM-4.7, `max_trim_tokens = 1`).
-    TrimStopOpeners,
-}
-
-impl TitoFamily {
-    /// Every supported family.
-    pub const ALL: [TitoFamily; 12] = [
-        Self::Default,
-        Self::Qwen3,
-        Self::Qwen35,
-        Self::QwenNext,
-        Self::Glm47,
-        Self::Nemotron3,
-        Self::Kimi25,
-        Self::Kimi26,
-        Self::MinimaxM25,
-        Self::MinimaxM27,
-        Self::DeepseekV32,
-        Self::DeepseekV4,
-    ];
-
-    /// Miles' name (`qwen3`, `glm47`, …).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Default => "default",
-            Self::Qwen3 => "qwen3",
-            Self::Qwen35 => "qwen35",
-            Self::QwenNext => "qwennext",
-            Self::Glm47 => "glm47",
-            Self::Nemotron3 => "nemotron3",
-            Self::Kimi25 => "kimi25",
-            Self::Kimi26 => "kimi26",
-            Self::MinimaxM25 => "minimax_m25",
-            Self::MinimaxM27 => "minimax_m27",
-            Self::DeepseekV32 => "deepseekv32",
-            Self::DeepseekV4 => "deepseekv4",
-        }
-    }
-
-    /// Parses a Miles family name.
-    pub fn parse(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.name() == name)
-            .ok_or_else(|| Error::UnknownFamily {
-                name: name.to_owned(),
-                known: Self::ALL.map(Self::name).join(", "),
-            })
-    }
-
-    /// The fixed template's file name and Jinja source, or `None` for the model's own.
-    pub fn fixed_template(self) -> Option<(&'static str, &'static str)> {
-        match self {
-            Self::Qwen3 => Some((
-                "qwen3_fixed.jinja",
-                include_str!("../templates/qwen3_fixed.jinja"),
-            )),
-            Self::Qwen35 => Some((
-                "qwen3.5_fixed.jinja",
-                include_str!("../templates/qwen3.5_fixed.jinja"),
-            )),
-            Self::QwenNext => Some((
-                "qwen3_thinking_2507_and_next_fixed.jinja",
-                include_str!("../templates/qwen3_thinking_2507_and_next_fixed.jinja"),
-            )),
-            Self::Kimi25 => Some((
-                "kimi_k25_fixed.jinja",
-                include_str!("../templates/kimi_k25_fixed.jinja"),
-            )),
-            Self::MinimaxM25 => Some((
-                "minimax_m25_fixed.jinja",
-                include_str!("../templates/minimax_m25_fixed.jinja"),
-            )),
-            Self::MinimaxM27 => Some((
-                "minimax_m27_fixed.jinja",
-                include_str!("../templates/minimax_m27_fixed.jinja"),
-            )),
-            Self::Default
-            | Self::Glm47
-            | Self::Nemotron3
-            | Self::Kimi26
-            | Self::DeepseekV32
-            | Self::DeepseekV4 => None,
-        }
-    }
-
-    /// The kwargs the family forces (`extra_kwargs`).
-    pub fn forced_kwargs(self) -> Map<String, Json> {
-        let (key, value) = match self {
-            Self::Default => return Map::new(),
-            Self::Qwen3 | Self::Qwen35 | Self::QwenNext | Self::Glm47 => ("clear_thinking", false),
-            Self::MinimaxM25 | Self::MinimaxM27 => ("clear_thinking", false),
-            Self::Nemotron3 => ("truncate_history_thinking", false),
-            Self::Kimi25 | Self::Kimi26 => ("preserve_thinking", true),
-            Self::DeepseekV32 | Self::DeepseekV4 => ("drop_thinking", false),
-        };
-        let mut map = Map::new();
-        map.insert(key.to_owned(), Json::Bool(value));
-        map
-    }
-
-    /// Roles that may be appended to a session.
-    pub fn allowed_append_roles(self) -> &'static [Role] {
-        match self {
-            Self::Qwen35 | Self::MinimaxM25 | Self::MinimaxM27 | Self::DeepseekV4 => &NO_SYSTEM,
-            _ => &ALL_ROLES,
-        }
-    }
-
-    /// The text that opens an assistant turn (comparator classification), if known.
-    pub fn assistant_start_str(self) -> Option<&'static str> {
-        match self {
-            Self::Default => None,
-            Self::Qwen3 | Self::Qwen35 | Self::QwenNext => Some("<|im_start|>assistant"),
-            Self::Nemotron3 => Some("<|im_start|>assistant\n"),
-            Self::Glm47 => Some("<|assistant|>"),
-            Self::Kimi25 | Self::Kimi26 => Some("<|im_assistant|>"),
-            Self::MinimaxM25 | Self::MinimaxM27 => Some("]~b]ai"),
-            Self::DeepseekV32 | Self::DeepseekV4 => Some(deepseek::ASSISTANT_TOKEN),
-        }
-    }
-
-    /// How many trailing stored tokens the next prompt may drop (§1.9).
-    pub fn max_trim_tokens(self) -> usize {
-        usize::from(self == Self::Glm47)
-    }
-
-    /// The family's boundary rule.
-    pub fn boundary_rule(self) -> BoundaryRule {
-        match self {
-            Self::Default | Self::Kimi25 | Self::Kimi26 | Self::DeepseekV32 | Self::DeepseekV4 => {
-                BoundaryRule::Concat
-            }
-            Self::Qwen3 | Self::Qwen35 | Self::QwenNext | Self::Nemotron3 => {
-                BoundaryRule::NewlineAfter("<|im_end|>")
-            }
-            Self::MinimaxM25 | Self::MinimaxM27 => BoundaryRule::NewlineAfter("[e~["),
-            Self::Glm47 => BoundaryRule::TrimStopOpeners,
-        }
-    }
-
-    /// The kwargs a tokenizer of this family renders with: `kwargs` with the family's forced
-    /// kwargs merged in (a caller value that differs from a forced one is
-    /// [`Error::KwargConflict`]); the DeepSeek families also set `thinking` to whether the
-    /// kwargs resolve to thinking mode.
-    pub fn merge_kwargs(self, kwargs: Map<String, Json>) -> Result<Map<String, Json>> {
-        let mut kwargs = merge_forced(self, kwargs)?;
-        if self.deepseek_encoder().is_some() {
-            let thinking = deepseek::thinking_enabled(&kwargs);
-            kwargs.insert("thinking".into(), Json::Bool(thinking));
-        }
-        Ok(kwargs)
-    }
-
-    /// The DeepSeek encoder the family renders with, for the DeepSeek families.
-    pub fn deepseek_encoder(self) -> Option<DeepSeekVersion> {
-        match self {
-            Self::DeepseekV32 => Some(DeepSeekVersion::V32),
-            Self::DeepseekV4 => Some(DeepSeekVersion::V4),
-            _ => None,
-        }
-    }
-
-    /// Kwargs that are aliases of one setting: when a request sets any of them,
-    /// [`TitoTokenizer::clone_with_chat_template_kwargs`] drops all of them from the base
-    /// kwargs first (DeepSeek: `thinking_mode`, `enable_thinking`, `thinking`).
-    pub fn kwarg_aliases(self) -> &'static [&'static str] {
-        match self {
-            Self::DeepseekV32 | Self::DeepseekV4 => {
-                &["thinking_mode", "enable_thinking", "thinking"]
-            }
-            _ => &[],
-        }
-    }
-
-    /// Texts whose ids form `trailing_token_ids` (where the model may stop, stripped by the
-    /// verifier and comparator).
-    fn trailing_token_texts(self) -> &'static [&'static str] {
-        match self {
-            Self::Default | Self::Kimi25 | Self::Kimi26 | Self::DeepseekV32 => &[],
-            Self::Glm47 => &["<|observation|>", "<|user|>"],
-            Self::DeepseekV4 => &[
-                deepseek::ASSISTANT_TOKEN,
-                deepseek::THINK_START,
-                deepseek::THINK_END,
-            ],
-            _ => &["\n"],
-        }
-    }
-}
-
-impl std::fmt::Display for TitoFamily {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::trajectory::TokenTrajectory;
 
 /// Boundary rule resolved to token ids.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Boundary {
     Concat,
     NewlineAfter { end: u32, newline: u32 },
-    Trim { observation: u32, user: u32 },
+    Trim(Vec<u32>),
 }
 
 /// What renders a conversation: a Jinja chat template, or a DeepSeek encoder.
@@ -290,7 +53,7 @@ pub struct TitoTokenizer {
     renderer: Renderer,
     tokenizer: Arc<Tokenizer>,
     fast: Option<Arc<FastEncoder>>,
-    fast_decoder: Option<Arc<crate::FastDecoder>>,
+    fast_decoder: Option<Arc<FastDecoder>>,
     kwargs: Map<String, Json>,
     boundary: Boundary,
     special_ids: BTreeSet<u32>,
@@ -307,7 +70,7 @@ fn token_id(tokenizer: &Tokenizer, family: TitoFamily, text: &str) -> Result<u32
 }
 
 fn single_token(tokenizer: &Tokenizer, family: TitoFamily, text: &str) -> Result<u32> {
-    let ids = model::encode(tokenizer, text)?;
+    let ids = hf::encode(tokenizer, text)?;
     match ids.as_slice() {
         [id] => Ok(*id),
         _ => Err(Error::FamilyTokenizer {
@@ -315,24 +78,6 @@ fn single_token(tokenizer: &Tokenizer, family: TitoFamily, text: &str) -> Result
             reason: format!("{text:?} must encode to exactly one token, got {ids:?}"),
         }),
     }
-}
-
-fn merge_forced(family: TitoFamily, mut kwargs: Map<String, Json>) -> Result<Map<String, Json>> {
-    for (key, value) in family.forced_kwargs() {
-        match kwargs.get(&key) {
-            Some(given) if *given != value => {
-                return Err(Error::KwargConflict {
-                    key,
-                    value: given.to_string(),
-                    family: family.name().into(),
-                });
-            }
-            _ => {
-                kwargs.insert(key, value);
-            }
-        }
-    }
-    Ok(kwargs)
 }
 
 /// Miles' message normalisation before rendering: assistant `content: null` becomes `""`,
@@ -437,19 +182,22 @@ impl TitoTokenizer {
     ) -> Result<Self> {
         let tokenizer = chat.tokenizer().cloned().ok_or(Error::NoTokenizer)?;
         let kwargs = family.merge_kwargs(kwargs)?;
-        let boundary = match family.boundary_rule() {
+        let spec = family.spec();
+        let boundary = match spec.boundary {
             BoundaryRule::Concat => Boundary::Concat,
             BoundaryRule::NewlineAfter(end) => Boundary::NewlineAfter {
                 end: token_id(&tokenizer, family, end)?,
                 newline: single_token(&tokenizer, family, "\n")?,
             },
-            BoundaryRule::TrimStopOpeners => Boundary::Trim {
-                observation: token_id(&tokenizer, family, "<|observation|>")?,
-                user: token_id(&tokenizer, family, "<|user|>")?,
-            },
+            BoundaryRule::TrimStopOpeners(openers) => Boundary::Trim(
+                openers
+                    .iter()
+                    .map(|text| token_id(&tokenizer, family, text))
+                    .collect::<Result<_>>()?,
+            ),
         };
         let mut trailing_ids = BTreeSet::new();
-        for text in family.trailing_token_texts() {
+        for text in spec.trailing_tokens {
             let id = if *text == "\n" {
                 single_token(&tokenizer, family, text)?
             } else if family.deepseek_encoder().is_some() {
@@ -464,24 +212,24 @@ impl TitoTokenizer {
             };
             trailing_ids.insert(id);
         }
-        let mut special_ids: BTreeSet<u32> = if family.deepseek_encoder().is_some() {
-            [deepseek::USER_TOKEN, deepseek::ASSISTANT_TOKEN]
-                .into_iter()
+        let special_ids: BTreeSet<u32> = match spec.special_ids {
+            SpecialIds::Exactly(texts) => texts
+                .iter()
                 .map(|text| token_id(&tokenizer, family, text))
-                .collect::<Result<_>>()?
-        } else {
-            tokenizer
-                .get_added_tokens_decoder()
-                .into_iter()
-                .filter(|(_, token)| token.special)
-                .map(|(id, _)| id)
-                .collect()
+                .collect::<Result<_>>()?,
+            SpecialIds::Added { except } => {
+                let except: Vec<u32> = except
+                    .iter()
+                    .filter_map(|text| tokenizer.token_to_id(text))
+                    .collect();
+                tokenizer
+                    .get_added_tokens_decoder()
+                    .into_iter()
+                    .filter(|(id, token)| token.special && !except.contains(id))
+                    .map(|(id, _)| id)
+                    .collect()
+            }
         };
-        if matches!(family, TitoFamily::Kimi25 | TitoFamily::Kimi26)
-            && let Some(id) = tokenizer.token_to_id("<|im_middle|>")
-        {
-            special_ids.remove(&id);
-        }
         Ok(Self {
             family,
             renderer,
@@ -563,7 +311,7 @@ impl TitoTokenizer {
         self.family.max_trim_tokens()
     }
 
-    /// A comparator configured for this family (§1.10).
+    /// A comparator configured for this family.
     pub fn comparator(&self) -> TokenSeqComparator {
         TokenSeqComparator::new(
             self.tokenizer.clone(),
@@ -576,7 +324,7 @@ impl TitoTokenizer {
     /// Renders `messages` (normalised as Miles does) with the family's template and kwargs.
     /// When rendering with tools fails, it is retried once with only the inner `function`
     /// objects of the tools, as Miles does. A DeepSeek encoder gets the messages as sent
-    /// (its bridge normalises them: [`deepseek::apply_chat_template`]).
+    /// (its bridge normalises them: [`DeepSeekVersion::apply_chat_template`]).
     pub fn render(
         &self,
         messages: &[Message],
@@ -599,8 +347,7 @@ impl TitoTokenizer {
         let template = match &self.renderer {
             Renderer::Jinja(template) => template,
             Renderer::DeepSeek(version) => {
-                return deepseek::apply_chat_template(
-                    *version,
+                return version.apply_chat_template(
                     messages,
                     tools,
                     add_generation_prompt,
@@ -615,7 +362,7 @@ impl TitoTokenizer {
                 std::borrow::Cow::Owned(canonical_tools(t))
             }
         });
-        let args = crate::RenderArgs {
+        let args = RenderArgs {
             messages,
             tools: tools.as_deref(),
             add_generation_prompt,
@@ -631,7 +378,7 @@ impl TitoTokenizer {
                     .iter()
                     .map(|t| t.get("function").cloned().unwrap_or_else(|| t.clone()))
                     .collect();
-                template.render(crate::RenderArgs {
+                template.render(RenderArgs {
                     tools: Some(&inner),
                     ..args
                 })
@@ -643,7 +390,7 @@ impl TitoTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match &self.fast {
             Some(fast) => fast.encode(text),
-            None => model::encode(&self.tokenizer, text),
+            None => hf::encode(&self.tokenizer, text),
         }
     }
 
@@ -651,7 +398,7 @@ impl TitoTokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match &self.fast_decoder {
             Some(fast) => Ok(fast.decode(ids)),
-            None => model::decode(&self.tokenizer, ids),
+            None => hf::decode(&self.tokenizer, ids),
         }
     }
 
@@ -665,7 +412,7 @@ impl TitoTokenizer {
         self.encode(&self.render(messages, tools, add_generation_prompt)?)
     }
 
-    /// `tokenize_additional_messages` (§1.4): validates that `new` extends `old` with allowed
+    /// `tokenize_additional_messages`: validates that `new` extends `old` with allowed
     /// roles, renders the appended messages plus the generation prompt after the synthetic
     /// context `[dummy system, dummy assistant carrying old's last tool calls]`, checks the
     /// rendered text extends the context's render, and encodes the difference.
@@ -685,13 +432,14 @@ impl TitoTokenizer {
             self.family.allowed_append_roles(),
             MessageMatcher::Strict,
         )?;
-        if self.family == TitoFamily::DeepseekV4 {
+        if self.family.spec().incremental == Incremental::RealHistories {
             return self.render_diff(old, new, tools);
         }
         self.tokenize_appended(old, &new[old.len()..], tools)
     }
 
-    /// DeepSeek V4: the ids of `render(new, gen=True)` beyond `render(old, gen=False)`.
+    /// Real-history families (DeepSeek V4): the ids of `render(new, gen=True)` beyond
+    /// `render(old, gen=False)`.
     fn render_diff(
         &self,
         old: &[Message],
@@ -703,7 +451,10 @@ impl TitoTokenizer {
         match text_new.strip_prefix(&text_old) {
             Some(suffix) => self.encode(suffix),
             None => Err(Error::RenderNotAppendOnly {
-                family: DeepSeekVersion::V4.model_type().into(),
+                family: self
+                    .deepseek_version()
+                    .map_or(self.family.name(), DeepSeekVersion::model_type)
+                    .into(),
             }),
         }
     }
@@ -718,7 +469,7 @@ impl TitoTokenizer {
         appended: &[Message],
         tools: Option<&[Json]>,
     ) -> Result<Vec<u32>> {
-        if self.family == TitoFamily::DeepseekV4 {
+        if self.family.spec().incremental == Incremental::RealHistories {
             let mut new = old.to_vec();
             new.extend_from_slice(appended);
             return self.render_diff(old, &new, tools);
@@ -765,22 +516,22 @@ impl TitoTokenizer {
     }
 
     fn fix_boundary_in_place(&self, out: &mut Vec<u32>) {
-        match self.boundary {
+        match &self.boundary {
             Boundary::Concat => {}
             Boundary::NewlineAfter { end, newline } => {
-                if out.last() == Some(&end) {
-                    out.push(newline);
+                if out.last() == Some(end) {
+                    out.push(*newline);
                 }
             }
-            Boundary::Trim { observation, user } => {
-                if matches!(out.last(), Some(&id) if id == observation || id == user) {
+            Boundary::Trim(openers) => {
+                if out.last().is_some_and(|id| openers.contains(id)) {
                     out.pop();
                 }
             }
         }
     }
 
-    /// `merge_tokens` (§1.4): the boundary-fixed stored prefix followed by the incremental
+    /// `merge_tokens`: the boundary-fixed stored prefix followed by the incremental
     /// tokens of `new` beyond `old`.
     pub fn merge_tokens(
         &self,
@@ -831,8 +582,8 @@ impl TitoTokenizer {
         &self,
         messages: &[Message],
         tools: Option<&[Json]>,
-    ) -> Result<crate::TokenTrajectory> {
-        let mut trajectory = crate::TokenTrajectory::new(self.max_trim_tokens());
+    ) -> Result<TokenTrajectory> {
+        let mut trajectory = TokenTrajectory::new(self.max_trim_tokens());
         let mut stored_end = 0usize;
         for (index, message) in messages.iter().enumerate() {
             if message.role != Role::Assistant {
@@ -874,38 +625,6 @@ pub fn canonical_tools(tools: &[Json]) -> Vec<Json> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn family_names_round_trip_and_unknown_is_typed() {
-        for family in TitoFamily::ALL {
-            assert_eq!(TitoFamily::parse(family.name()).unwrap(), family);
-        }
-        assert!(matches!(
-            TitoFamily::parse("gpt"),
-            Err(Error::UnknownFamily { .. })
-        ));
-    }
-
-    #[test]
-    fn forced_kwargs_conflict() {
-        let mut kwargs = Map::new();
-        kwargs.insert("clear_thinking".into(), Json::Bool(true));
-        let err = merge_forced(TitoFamily::Qwen3, kwargs).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "chat template kwarg clear_thinking=true conflicts with the value registered for qwen3"
-        );
-        let mut kwargs = Map::new();
-        kwargs.insert("clear_thinking".into(), Json::Bool(false));
-        kwargs.insert("enable_thinking".into(), Json::Bool(true));
-        let merged = merge_forced(TitoFamily::Qwen3, kwargs).unwrap();
-        assert_eq!(merged.len(), 2);
-        assert!(
-            merge_forced(TitoFamily::Default, Map::new())
-                .unwrap()
-                .is_empty()
-        );
-    }
 
     #[test]
     fn tool_calls_json_is_the_serialised_call_with_object_arguments() {

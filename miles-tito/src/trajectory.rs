@@ -1,5 +1,6 @@
-//! Append-only token trajectories, loss masks and per-turn samples (MILES_SPEC §1.9, §2.5,
-//! §3.2, §3.3).
+//! Append-only token trajectories, loss masks and per-turn samples (Miles' runtime prefix
+//! check, `LinearTrajectory` token state, and the token part of its sample assembly and
+//! `merge_samples`).
 //!
 //! A [`TokenTrajectory`] holds the exact ids of a session: each turn's prompt (stored prefix
 //! plus template-rendered appendix) followed by the ids the model generated. Its only
@@ -38,7 +39,7 @@ struct Checkpoint {
     tail_mask: Vec<u8>,
 }
 
-/// `assert_pretokenized_prefix` (§1.9): `new` must agree with `prev` on its first
+/// `assert_pretokenized_prefix`: `new` must agree with `prev` on its first
 /// `len(prev) - max_trim_tokens` ids.
 pub fn assert_pretokenized_prefix(prev: &[u32], new: &[u32], max_trim_tokens: usize) -> Result<()> {
     let check_len = prev.len().saturating_sub(max_trim_tokens);
@@ -176,7 +177,7 @@ pub struct TurnSample {
     pub loss_mask: Vec<u8>,
 }
 
-/// `compute_samples_from_openai_records`' token part (§3.2): one sample per record, with
+/// `compute_samples_from_openai_records`' token part: one sample per record, with
 /// trailing stop ids that the next prompt does not keep trimmed (at most `max_trim_tokens`,
 /// none on the last record), checked against the session's accumulated ids.
 pub fn turn_samples(
@@ -226,7 +227,7 @@ pub fn turn_samples(
     Ok(out)
 }
 
-/// Merges per-turn samples into one (§3.3 `merge_samples`, token part): tokens of the last,
+/// Merges per-turn samples into one (`merge_samples`, token part): tokens of the last,
 /// loss mask `a ⊕ 0^obs ⊕ b` where `obs` are the ids the template added between turns.
 pub fn merge_turn_samples(samples: &[TurnSample]) -> Result<TurnSample> {
     let mut iter = samples.iter();
@@ -277,7 +278,7 @@ mod tests {
 
     #[test]
     fn glm_style_loss_mask_and_rollback() {
-        // Miles' worked example (§3.2): STOP = 99 is dropped and re-rendered by the template.
+        // Miles' worked example of sample assembly: STOP = 99 is dropped and re-rendered by the template.
         let mut t = TokenTrajectory::new(1);
         t.extend(&[1, 2, 3], &[10, 99]).unwrap();
         t.extend(&[1, 2, 3, 10, 4, 5, 6], &[20, 99]).unwrap();

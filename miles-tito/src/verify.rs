@@ -1,4 +1,4 @@
-//! Chat-template verifier (Miles' `scripts/tools/verify_chat_template.py`, MILES_SPEC §1.8).
+//! Chat-template verifier (Miles' `scripts/tools/verify_chat_template.py`).
 //!
 //! Runs trajectories (Miles' 17 trajectories / 43 cases, or any the user gives) against a
 //! template. *Raw mode* checks that the template is append-only as text: for every boundary
@@ -14,9 +14,11 @@ use miles_core::{Message, Role, ToolSpec};
 use serde::Deserialize;
 use serde_json::{Map, Value as Json};
 
+use crate::args::RenderArgs;
 use crate::error::{Error, Result};
-use crate::template::{ChatTemplate, RenderArgs};
-use crate::tito::{ALL_ROLES, TitoTokenizer, miles_normalise};
+use crate::family::ALL_ROLES;
+use crate::template::ChatTemplate;
+use crate::tito::{TitoTokenizer, miles_normalise};
 
 /// One trajectory: a conversation and the boundaries at which a session would have stored
 /// tokens.

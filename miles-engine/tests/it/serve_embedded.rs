@@ -13,11 +13,11 @@ use miles_core::{
 };
 use miles_engine::cli::{self, Command};
 use miles_engine::{EmbeddedEngine, EngineConfig};
-use miles_session::chat::ChatTokenizer;
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
 use miles_session::sglang::sglang_router;
 use miles_session::sglang::{SglangConfig, SglangEngine};
+use miles_tito::ChatTokenizer;
 use serde_json::{Value, json};
 
 fn fixture(path: &str) -> PathBuf {
@@ -205,7 +205,7 @@ async fn chat_weights_abort_and_sessions_on_the_embedded_engine() {
     );
 
     // Chat: the prompt is the Qwen3 template's rendering of the messages.
-    let tito = miles_session::TitoChat::load(&dir, "qwen3").unwrap();
+    let tito = miles_tito::TitoChat::load(&dir, "qwen3").unwrap();
     let messages = [miles_core::Message::user("Say hi.")];
     let rendered = tito
         .render(&messages, &[], true, &tito.forced_kwargs())

@@ -960,8 +960,8 @@ impl miles_rollout::ToolExecutor for Weather {
 async fn multi_turn_tool_loop_appends_tool_outputs_with_tito_and_masks_them() {
     use miles_core::{InferenceEngine as _, Message, Prompt, SamplingParams};
     use miles_rollout::{MultiTurnGenerator, SampleGenerator};
-    use miles_session::ChatTokenizer;
     use miles_session::testkit::{ByteChatml, ToyEngine};
+    use miles_tito::ChatTokenizer;
 
     let engine = ToyEngine::new();
     let chat = Arc::new(ByteChatml::default());

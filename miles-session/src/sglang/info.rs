@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::chat::ChatTokenizer;
 use crate::openai::RequestLimits;
+use miles_tito::{ChatTokenizer, HfChat, TitoChat, TitoFamily};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -145,40 +145,27 @@ impl ServerInfo {
     }
 }
 
-/// The miles-tito family (Miles' `--tito-model`) whose template and parsers fit an HF
-/// `model_type`: Qwen3 dense / MoE → `qwen3`, GLM-4.5/4.7 MoE → `glm47`, otherwise `default`
-/// (the checkpoint's own template, no reasoning / tool-call parsing).
-pub fn tito_family_for(model_type: Option<&str>) -> &'static str {
-    match model_type {
-        Some("qwen3" | "qwen3_moe") => "qwen3",
-        Some("qwen3_next") => "qwennext",
-        Some("glm4_moe" | "glm4_moe_lite") => "glm47",
-        _ => "default",
-    }
-}
-
 /// Loads the chat tokenizer of `dir` (a `tokenizer.json` next to `tokenizer_config.json` or
-/// `chat_template.jinja`) as miles-tito family `family`. `Ok(None)` when `dir` has no
-/// `tokenizer.json` (the server then speaks token ids only).
-pub fn load_chat_tokenizer(dir: &Path, family: &str) -> Result<Option<Arc<dyn ChatTokenizer>>> {
+/// `chat_template.jinja`) as miles-tito family `family` (Miles' `--tito-model`), or, without
+/// one, as the family miles-tito detects from `model_type` and the vocabulary
+/// ([`TitoFamily::detect`]). `Ok(None)` when `dir` has no `tokenizer.json` (the server then
+/// speaks token ids only).
+pub fn load_chat_tokenizer(
+    dir: &Path,
+    family: Option<&str>,
+    model_type: Option<&str>,
+) -> Result<Option<Arc<dyn ChatTokenizer>>> {
     if !dir.join("tokenizer.json").is_file() {
         return Ok(None);
     }
-    let chat = crate::TitoChat::load(dir, family)
-        .map_err(|e| Error::Config(format!("tokenizer in {}: {e}", dir.display())))?;
-    Ok(Some(Arc::new(chat)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn families_follow_model_types() {
-        assert_eq!(tito_family_for(Some("qwen3")), "qwen3");
-        assert_eq!(tito_family_for(Some("qwen3_moe")), "qwen3");
-        assert_eq!(tito_family_for(Some("glm4_moe")), "glm47");
-        assert_eq!(tito_family_for(Some("llama")), "default");
-        assert_eq!(tito_family_for(None), "default");
-    }
+    let failed =
+        |e: miles_tito::Error| Error::Config(format!("tokenizer in {}: {e}", dir.display()));
+    let chat = HfChat::load(dir).map_err(failed)?;
+    let family = match family {
+        Some(name) => TitoFamily::parse(name).map_err(failed)?,
+        None => TitoFamily::detect(model_type, chat.tokenizer().map(|t| &**t)),
+    };
+    Ok(Some(Arc::new(
+        TitoChat::new(&chat, family).map_err(failed)?,
+    )))
 }

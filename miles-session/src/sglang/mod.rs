@@ -27,7 +27,7 @@ mod state;
 mod wire;
 
 pub use client::{SglangConfig, SglangEngine, WeightDtype, WeightPublisher};
-pub use info::{DEFAULT_MAX_NEW_TOKENS, ServerInfo, load_chat_tokenizer, tito_family_for};
+pub use info::{DEFAULT_MAX_NEW_TOKENS, ServerInfo, load_chat_tokenizer};
 pub use router::{EngineFactory, MAX_ROUTING_KEYS, Router};
 pub use serve::serve;
 pub use server::sglang_router;

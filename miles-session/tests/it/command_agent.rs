@@ -23,7 +23,7 @@ use miles_session::agent::{AgentDriverConfig, AgentReward, generate};
 use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
-use miles_session::tito_adapter::TitoChat;
+use miles_tito::TitoChat;
 use serde_json::{Value, json};
 
 fn repo() -> PathBuf {

@@ -398,17 +398,16 @@ fn every_route_survives_random_requests() {
 /// instant engine answering in Qwen3 tokens.
 #[test]
 fn every_route_survives_random_requests_on_qwen3() {
-    use miles_session::chat::ChatTokenizer;
+    use miles_tito::ChatTokenizer;
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
-    let tok: Arc<dyn ChatTokenizer> =
-        Arc::new(miles_session::TitoChat::load(&dir, "qwen3").unwrap());
+    let tok: Arc<dyn ChatTokenizer> = Arc::new(miles_tito::TitoChat::load(&dir, "qwen3").unwrap());
     let engine = miles_session::testkit::InstantEngine::for_chatml(tok.as_ref()).unwrap();
     fuzz(engine, tok, "MILES_FUZZ_CASES_QWEN3", 300, "");
 }
 
 fn fuzz(
     engine: Arc<dyn miles_core::InferenceEngine>,
-    tok: Arc<dyn miles_session::chat::ChatTokenizer>,
+    tok: Arc<dyn miles_tito::ChatTokenizer>,
     cases_var: &str,
     default_cases: u32,
     echo: &str,

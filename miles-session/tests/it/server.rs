@@ -8,10 +8,10 @@ use std::time::Duration;
 use crate::common::{ByteChatml, IM_END, ToyEngine, serve, toy_expert, toy_logprob, weather_tool};
 use hyper::Method;
 use miles_core::{Role, Sample, SampleStatus, TokenId};
-use miles_session::chat::ChatTokenizer;
 use miles_session::codec::decode_samples;
 use miles_session::http::{HttpClient, HttpResponse};
 use miles_session::server::{SessionServer, SessionServerConfig};
+use miles_tito::ChatTokenizer;
 use serde_json::{Value, json};
 
 struct Harness {

@@ -14,10 +14,10 @@ use miles_core::{
     DType, EngineErrorKind, FinishReason, GenerateRequest, InferenceEngine, NamedTensors,
     PauseMode, RequestId, SamplingParams, TensorBytes, WeightVersion,
 };
-use miles_session::chat::ChatTokenizer;
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
 use miles_session::sglang::{SglangConfig, SglangEngine};
+use miles_tito::ChatTokenizer;
 use serde_json::{Value, json};
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -18,12 +18,12 @@ use miles_core::{
     FinishReason, GenerateRequest, InferenceEngine, PauseMode, RequestId, RoutedExperts, Sample,
     SampleStatus, SamplingParams, TokenId, WeightVersion,
 };
-use miles_session::chat::ChatTokenizer;
 use miles_session::http::{HttpClient, HttpResponse};
 use miles_session::server::{SessionServer, SessionServerConfig};
 use miles_session::sglang::{ServerInfo, sglang_router};
 use miles_session::sglang::{SglangConfig, SglangEngine};
 use miles_session::testkit::{ByteChatml, IM_END, ToyEngine, toy_expert, toy_logprob};
+use miles_tito::ChatTokenizer;
 use serde_json::{Value, json};
 
 async fn serve(router: axum::Router) -> String {

@@ -16,10 +16,10 @@ use std::time::Duration;
 use crate::common::hf_replay::{HfReplayEngine, IM_END, hf_reference, logprob, tokenizer_fixtures};
 use crate::common::serve;
 use miles_core::{Message, Sample, SampleStatus, TokenId, WeightVersion};
-use miles_session::chat::ChatTokenizer;
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
-use miles_session::tito_adapter::TitoChat;
+use miles_tito::ChatTokenizer;
+use miles_tito::TitoChat;
 use serde_json::{Value, json};
 
 /// Qwen3's `"\n"` (tokenizer.json).

@@ -2,9 +2,9 @@
 //! the full render of the conversation, and the finished session shows no TITO mismatch.
 
 use miles_core::{Message, TokenId};
-use miles_session::chat::ChatTokenizer;
 use miles_session::testkit::ByteChatml;
 use miles_session::trajectory::{LinearTrajectory, SessionRecord};
+use miles_tito::ChatTokenizer;
 use proptest::prelude::*;
 use serde_json::{Map, json};
 

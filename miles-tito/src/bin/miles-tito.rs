@@ -18,9 +18,10 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use miles_core::Message;
-use miles_tito::tito::miles_normalise;
-use miles_tito::verify::{ThinkingMode, VerifyTarget, parse_trajectories, verify};
-use miles_tito::{ChatTemplate, HfChat, RenderArgs, TitoFamily, TitoTokenizer};
+use miles_tito::{
+    ChatTemplate, HfChat, RenderArgs, ThinkingMode, TitoFamily, TitoTokenizer, VerifyTarget,
+    miles_normalise, parse_trajectories, verify,
+};
 use serde_json::{Map, Value as Json, json};
 
 const USAGE: &str = "usage:
@@ -206,14 +207,9 @@ fn cmd_render(args: &Args) -> Result<ExitCode, String> {
             let kwargs = family
                 .merge_kwargs(kwargs(args)?)
                 .map_err(|e| e.to_string())?;
-            let text = miles_tito::deepseek::apply_chat_template(
-                version,
-                &messages,
-                tools.as_deref(),
-                add_generation_prompt,
-                &kwargs,
-            )
-            .map_err(|e| e.to_string())?;
+            let text = version
+                .apply_chat_template(&messages, tools.as_deref(), add_generation_prompt, &kwargs)
+                .map_err(|e| e.to_string())?;
             let ids = match chat.tokenizer() {
                 Some(_) => Some(chat.encode(&text).map_err(|e| e.to_string())?),
                 None => None,
@@ -234,7 +230,7 @@ fn cmd_render(args: &Args) -> Result<ExitCode, String> {
                 .map_err(|e| e.to_string())?;
             let typed = typed_messages(&messages)?;
             let normalised = miles_normalise(&typed).map_err(|e| e.to_string())?;
-            let tools = tools.as_deref().map(miles_tito::tito::canonical_tools);
+            let tools = tools.as_deref().map(miles_tito::canonical_tools);
             let text = template
                 .render(RenderArgs {
                     messages: &normalised,

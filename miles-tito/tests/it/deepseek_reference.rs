@@ -10,9 +10,10 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use miles_core::{Message, Role};
-use miles_tito::deepseek::{EncodeOptions, encode_messages};
-use miles_tito::verify::{ThinkingMode, Trajectory, VerifyTarget, parse_trajectories, verify};
-use miles_tito::{DeepSeekVersion, Error, HfChat, RenderArgs, TitoFamily, TitoTokenizer};
+use miles_tito::{
+    DeepSeekEncodeOptions, DeepSeekVersion, Error, HfChat, RenderArgs, ThinkingMode, TitoFamily,
+    TitoTokenizer, Trajectory, VerifyTarget, parse_trajectories, verify,
+};
 use serde_json::{Map, Value, json};
 
 fn root() -> PathBuf {
@@ -259,10 +260,7 @@ fn source(case: &Value) -> (Vec<Message>, Option<Vec<Value>>) {
     let name = case["name"].as_str().unwrap();
     if case["source"] == "trajectory" {
         let t = &trajectories()[name];
-        let tools = t
-            .tools
-            .as_ref()
-            .map(|t| miles_tito::template::tools_to_json(t));
+        let tools = t.tools.as_ref().map(|t| miles_tito::tools_to_json(t));
         (t.messages.clone(), tools)
     } else {
         let conv = conversation(name);
@@ -707,12 +705,12 @@ fn tokenizer_fixtures_reproduce_published_examples() {
         {"role": "assistant", "content": "Hello! I am DeepSeek.", "reasoning_content": "thinking..."},
         {"role": "user", "content": "1+1=?"},
     ]);
-    let prompt = encode_messages(
-        DeepSeekVersion::V32,
-        messages.as_array().unwrap(),
-        &EncodeOptions::default(),
-    )
-    .unwrap();
+    let prompt = DeepSeekVersion::V32
+        .encode_messages(
+            messages.as_array().unwrap(),
+            &DeepSeekEncodeOptions::default(),
+        )
+        .unwrap();
     assert_eq!(
         prompt,
         "<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜></think>Hello! I am DeepSeek.\

@@ -94,7 +94,7 @@ fn check(name: &str, seed: u64) {
     let mut rng = Rng(seed);
     for case in 0..4000 {
         let text = random_text(&mut rng, case % 4 == 0);
-        let expected = miles_tito::model::encode(tokenizer, &text).unwrap();
+        let expected = miles_tito::encode(tokenizer, &text).unwrap();
         assert_eq!(fast.encode(&text).unwrap(), expected, "{name}: {text:?}");
     }
 }

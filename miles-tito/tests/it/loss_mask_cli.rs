@@ -5,8 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use miles_core::Message;
-use miles_tito::trajectory::{TurnRecord, merge_turn_samples, turn_samples};
-use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
+use miles_tito::{HfChat, TitoFamily, TitoTokenizer, TurnRecord, merge_turn_samples, turn_samples};
 use serde_json::{Map, Value, json};
 
 fn fixtures() -> PathBuf {
@@ -183,7 +182,7 @@ fn miles_trailing_trim_vectors() {
                     assert_eq!(json!(s.response_length), e["response_length"]);
                     assert_eq!(s.loss_mask.len(), s.response_length);
                 }
-                // Merged sample (§3.3): a ⊕ 0^obs ⊕ b.
+                // Merged sample (`merge_samples`): a ⊕ 0^obs ⊕ b.
                 let merged = merge_turn_samples(&samples).unwrap();
                 assert_eq!(&merged.tokens, samples.last().map(|s| &s.tokens).unwrap());
                 if case["name"] == "three_turn_trim_trailing_stop_tokens" {

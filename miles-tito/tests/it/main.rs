@@ -5,10 +5,12 @@
 mod common;
 mod comparator;
 mod deepseek_reference;
+mod family_detection;
 mod fast_decode;
 mod fast_encode;
 mod hf_exact;
 mod hostile_templates;
 mod loss_mask_cli;
+mod parsers_roundtrip;
 mod tito_reference;
 mod verify_tito;

@@ -4,8 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use miles_tito::verify::{Trajectory, parse_trajectories};
-use miles_tito::{ChatTemplate, HfChat, TitoFamily, TitoTokenizer};
+use miles_tito::{ChatTemplate, HfChat, TitoFamily, TitoTokenizer, Trajectory, parse_trajectories};
 use serde_json::{Map, Value};
 
 fn root() -> PathBuf {
@@ -55,10 +54,8 @@ fn merged_ids_equal_the_hf_reference() {
             let tito = base
                 .clone_with_chat_template_kwargs(case["kwargs"].as_object().unwrap())
                 .unwrap();
-            let tools: Option<Vec<Value>> = traj
-                .tools
-                .as_ref()
-                .map(|t| miles_tito::template::tools_to_json(t));
+            let tools: Option<Vec<Value>> =
+                traj.tools.as_ref().map(|t| miles_tito::tools_to_json(t));
             let result = (|| {
                 let mut prefix =
                     tito.encode(&tito.render(&traj.messages[..n], tools.as_deref(), false)?)?;

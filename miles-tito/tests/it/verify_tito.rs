@@ -3,8 +3,10 @@
 
 use std::path::PathBuf;
 
-use miles_tito::verify::{ThinkingMode, Trajectory, VerifyTarget, parse_trajectories, verify};
-use miles_tito::{ChatTemplate, HfChat, TitoFamily, TitoTokenizer};
+use miles_tito::{
+    ChatTemplate, HfChat, ThinkingMode, TitoFamily, TitoTokenizer, Trajectory, VerifyTarget,
+    parse_trajectories, verify,
+};
 use serde_json::{Map, Value};
 
 fn root() -> PathBuf {
@@ -34,7 +36,7 @@ fn run_tito(
     template: Option<&str>,
     family: TitoFamily,
     thinking: ThinkingMode,
-) -> miles_tito::verify::VerifyReport {
+) -> miles_tito::VerifyReport {
     let chat = chat(dir, template);
     let tito = TitoTokenizer::new(&chat, family, Map::new()).unwrap();
     let report = verify(

@@ -1,8 +1,14 @@
-//! Helpers shared by the fast-path tests (`fast_encode.rs`, `fast_decode.rs`).
+//! Helpers shared by the tests: fixture model directories and a deterministic generator
+//! (`fast_encode.rs`, `fast_decode.rs`), and a byte-level ChatML [`ChatTokenizer`]
+//! (`comparator.rs`).
 
 use std::path::PathBuf;
 
 use miles_tito::HfChat;
+
+mod byte_chatml;
+
+pub use byte_chatml::ByteChatml;
 
 /// A fixture model directory under `fixtures/tokenizers/`.
 pub fn load(name: &str) -> HfChat {

@@ -16,22 +16,23 @@
 use std::path::{Path, PathBuf};
 
 use miles_core::{ToolArguments, ToolSpec};
-use miles_session::chat::{ChatTokenizer, ParsedAssistant};
-use miles_session::parsers::{OutputParser, ReasoningParser, ToolCallParser};
-use miles_session::tito_adapter::{TitoChat, family_end_of_turn, family_parsers};
-use miles_tito::deepseek::{self, DeepSeekVersion};
-use miles_tito::{ChatTemplate, HfChat, RenderArgs, TitoFamily};
+use miles_tito::{
+    ChatTemplate, ChatTokenizer, DeepSeekVersion, HfChat, OutputParser, ParsedAssistant,
+    ReasoningParser, RenderArgs, TitoChat, TitoFamily, ToolCallParser,
+};
 use serde_json::{Map, Value, json};
 
 const REASONING: &str = "The user wants the weather and a search; call both tools.";
 const CONTENT: &str = "Let me check both.";
+/// DeepSeek's end of sentence (its families' end of turn).
+const DEEPSEEK_EOS: &str = "<｜end▁of▁sentence｜>";
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers")
 }
 
 fn tito_templates() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../miles-tito/templates")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("templates")
 }
 
 fn tools_json() -> Value {
@@ -144,14 +145,9 @@ impl Renderer {
                     kwargs,
                 })
                 .unwrap(),
-            Self::DeepSeek(version) => deepseek::apply_chat_template(
-                *version,
-                messages,
-                Some(tools),
-                add_generation_prompt,
-                kwargs,
-            )
-            .unwrap(),
+            Self::DeepSeek(version) => version
+                .apply_chat_template(messages, Some(tools), add_generation_prompt, kwargs)
+                .unwrap(),
         }
     }
 
@@ -175,15 +171,7 @@ impl Renderer {
 }
 
 fn family_parser(family: TitoFamily) -> OutputParser {
-    let (reasoning, tool_calls) = family_parsers(family);
-    OutputParser {
-        reasoning,
-        tool_calls,
-        end_of_turn: family_end_of_turn(family)
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect(),
-    }
+    family.output_parser()
 }
 
 /// The parsed turn carries the conversation's calls (names, arguments as typed JSON, and the
@@ -370,11 +358,11 @@ fn deepseek_v31_round_trip() {
             .unwrap();
     let renderer = Renderer::jinja(&source, Some("deepseek-v3"));
     let kwargs = Map::new();
-    let turn = renderer.assistant_turn(assistant(false, true), &kwargs, deepseek::EOS);
+    let turn = renderer.assistant_turn(assistant(false, true), &kwargs, DEEPSEEK_EOS);
     let parser = OutputParser {
         reasoning: Some(ReasoningParser::from_name("deepseek-v3").unwrap()),
         tool_calls: Some(ToolCallParser::from_name("deepseekv31").unwrap()),
-        end_of_turn: vec![deepseek::EOS.to_owned()],
+        end_of_turn: vec![DEEPSEEK_EOS.to_owned()],
     };
     let parsed = parser.parse(&turn, &tools()).unwrap();
     assert_eq!(parsed.reasoning_content, None);
@@ -393,7 +381,7 @@ fn deepseek_round_trip(family: TitoFamily, version: DeepSeekVersion, dir: &str, 
     let parser = family_parser(family);
     // Thinking mode (the default): the prompt ends with `<think>`.
     let kwargs = family.merge_kwargs(Map::new()).unwrap();
-    let turn = renderer.assistant_turn(assistant(true, false), &kwargs, deepseek::EOS);
+    let turn = renderer.assistant_turn(assistant(true, false), &kwargs, DEEPSEEK_EOS);
     assert!(turn.contains(&format!("<｜DSML｜{block}>")), "{turn}");
     for parsed in [
         parser.parse(&turn, &tools()).unwrap(),
@@ -410,10 +398,10 @@ fn deepseek_round_trip(family: TitoFamily, version: DeepSeekVersion, dir: &str, 
     let mut off = Map::new();
     off.insert("thinking".into(), json!(false));
     let off = family.merge_kwargs(off).unwrap();
-    let turn = renderer.assistant_turn(assistant(false, false), &off, deepseek::EOS);
+    let turn = renderer.assistant_turn(assistant(false, false), &off, DEEPSEEK_EOS);
     let chat = TitoChat::load(&fixtures().join(dir), family.name()).unwrap();
     // The engine stops at the end of the turn: `<｜end▁of▁sentence｜>` is the stop id.
-    let eos = chat.encode(deepseek::EOS).unwrap();
+    let eos = chat.encode(DEEPSEEK_EOS).unwrap();
     assert_eq!(eos.len(), 1);
     assert_eq!(chat.stop_token_ids(), eos);
     let ids = chat.encode(&turn).unwrap();
@@ -641,7 +629,7 @@ mod fuzz {
                     ReasoningParser::from_name(reasoning[i % reasoning.len()]).unwrap(),
                 ),
                 tool_calls: Some(ToolCallParser::from_name(t).unwrap()),
-                end_of_turn: vec!["<|im_end|>".into(), deepseek::EOS.into()],
+                end_of_turn: vec!["<|im_end|>".into(), DEEPSEEK_EOS.into()],
             });
         }
         out
