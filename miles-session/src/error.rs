@@ -321,3 +321,8 @@ impl From<miles_core::Error> for Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The OpenAI-shaped error body `{"error": {"message", "type", "code"}}`.
+pub fn error_body(error: &Error) -> serde_json::Value {
+    serde_json::json!({"error": {"message": error.to_string(), "type": error.openai_type(), "code": error.label()}})
+}

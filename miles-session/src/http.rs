@@ -98,7 +98,7 @@ impl HttpClient {
 
     /// This client sending `Authorization: Bearer <key>` with every request that does not set
     /// its own `Authorization` (`None`: no header).
-    pub fn with_api_key(mut self, key: Option<&crate::guard::ApiKey>) -> Self {
+    pub fn with_api_key(mut self, key: Option<&crate::api_key::ApiKey>) -> Self {
         self.authorization = key.and_then(|k| {
             let mut v = HeaderValue::from_str(&k.bearer()).ok()?;
             v.set_sensitive(true);

@@ -76,6 +76,7 @@
 //! ```
 
 pub mod agent;
+mod api_key;
 pub mod assembly;
 pub mod cli;
 pub mod codec;

@@ -284,11 +284,6 @@ fn now_secs() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The OpenAI-shaped error body `{"error": {"message", "type", "code"}}`.
-pub fn error_body(error: &Error) -> Value {
-    json!({"error": {"message": error.to_string(), "type": error.openai_type(), "code": error.label()}})
-}
-
 fn error_response(state: &AppState, error: Error) -> Response {
     state.metrics.error(error.label());
     tracing::debug!(label = error.label(), %error, "request failed");
