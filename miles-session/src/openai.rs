@@ -289,3 +289,69 @@ impl ChatCompletionRequest {
         Ok(())
     }
 }
+
+/// The OpenAI chat-completion envelope both servers answer with: `id`, `object`
+/// (`chat.completion`), `created`, `model`, `choices` and `usage`.
+pub fn completion_body(
+    id: String,
+    created: u64,
+    model: String,
+    choices: Vec<Value>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+) -> Value {
+    serde_json::json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    })
+}
+
+/// A chat completion as a non-incremental stream (what Miles' session server and SGLang's
+/// `stream: true` answer with here): one `chat.completion.chunk` per choice carrying its whole
+/// message as the delta (`role`, `content`, and `reasoning_content` / `tool_calls` when set),
+/// its `logprobs` when the choice has the key, the `usage` when the body has it, then
+/// `data: [DONE]`.
+pub fn sse_response(body: &Value) -> axum::response::Response {
+    use axum::http::{HeaderValue, header};
+    let mut text = String::new();
+    for choice in body["choices"].as_array().into_iter().flatten() {
+        let message = &choice["message"];
+        let mut delta = serde_json::json!({"role": "assistant", "content": message["content"]});
+        for key in ["reasoning_content", "tool_calls"] {
+            if message.get(key).is_some_and(|v| !v.is_null()) {
+                delta[key] = message[key].clone();
+            }
+        }
+        let mut streamed = serde_json::json!({"index": choice["index"], "delta": delta});
+        if let Some(logprobs) = choice.get("logprobs") {
+            streamed["logprobs"] = logprobs.clone();
+        }
+        streamed["finish_reason"] = choice["finish_reason"].clone();
+        let mut chunk = serde_json::json!({
+            "id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
+            "model": body["model"], "choices": [streamed],
+        });
+        if let Some(usage) = body.get("usage") {
+            chunk["usage"] = usage.clone();
+        }
+        text.push_str(&format!("data: {chunk}\n\n"));
+    }
+    text.push_str("data: [DONE]\n\n");
+    let mut response = axum::response::Response::new(axum::body::Body::from(text));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}

@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -28,7 +28,8 @@ use crate::codec::{EmptyReason, SamplesPayload, encode_samples};
 use crate::error::{Error, Result};
 use crate::guard::GuardConfig;
 use crate::metrics::ServerMetrics;
-use crate::openai::{ChatCompletionRequest, RequestLimits};
+use crate::openai;
+use crate::openai::{ChatCompletionRequest, RequestLimits, sse_response};
 use crate::trajectory::{LinearTrajectory, SessionRecord};
 
 /// The sticky routing header sent to engines with every call of a session.
@@ -699,20 +700,22 @@ fn completion_body(
         meta["routed_experts"] = json!(table.to_base64());
         meta["routed_experts_num_layers"] = json!(table.layers());
     }
-    let body = json!({
-        "id": format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
-        "object": "chat.completion",
-        "created": now_secs() as u64,
-        "model": request.model.clone().unwrap_or_else(|| state.config.model_name.clone()),
-        "choices": [{
+    let body = openai::completion_body(
+        format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        now_secs() as u64,
+        request
+            .model
+            .clone()
+            .unwrap_or_else(|| state.config.model_name.clone()),
+        vec![json!({
             "index": 0,
             "message": message,
             "finish_reason": finish_reason,
             "meta_info": meta,
-        }],
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_len + completion_tokens},
-    });
+        })],
+        prompt_len,
+        completion_tokens,
+    );
     Ok((body, assistant))
 }
 
@@ -863,36 +866,6 @@ fn client_json(tok: &dyn ChatTokenizer, body: &Value) -> Result<Vec<u8>> {
         field: "response".into(),
         reason: e.to_string(),
     })
-}
-
-/// Miles' fake streaming: one `chat.completion.chunk` event, then `[DONE]`.
-fn sse_response(body: &Value) -> Response {
-    let choice = &body["choices"][0];
-    let message = &choice["message"];
-    let mut delta = json!({"role": "assistant", "content": message["content"]});
-    if let Some(r) = message.get("reasoning_content") {
-        delta["reasoning_content"] = r.clone();
-    }
-    if let Some(calls) = message.get("tool_calls") {
-        delta["tool_calls"] = calls.clone();
-    }
-    let mut chunk = json!({
-        "id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"],
-        "choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"]}],
-    });
-    if let Some(usage) = body.get("usage") {
-        chunk["usage"] = usage.clone();
-    }
-    let text = format!("data: {chunk}\n\ndata: [DONE]\n\n");
-    let mut response = Response::new(Body::from(text));
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    response
 }
 
 async fn chat_completions(

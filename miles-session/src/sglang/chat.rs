@@ -3,10 +3,9 @@
 
 use std::time::Instant;
 
-use crate::openai::ChatCompletionRequest;
-use axum::body::Body;
+use crate::openai::{ChatCompletionRequest, completion_body, sse_response};
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use miles_core::{FinishReason, GenerateRequest, RequestId, ToolArguments};
 use serde_json::{Map, Value, json};
@@ -190,50 +189,15 @@ pub(super) async fn chat_inner(
         choices.push(choice);
     }
     let prompt_tokens = prompt.len();
-    let body = json!({
-        "id": format!("chatcmpl-{}", state.fresh_id("")),
-        "object": "chat.completion",
-        "created": now_secs(),
-        "model": chat.model.clone().unwrap_or_else(|| state.info.served_model_name.clone()),
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    });
-    Ok((body, chat.stream.unwrap_or(false)))
-}
-
-/// A non-incremental stream: one `chat.completion.chunk` per choice carrying the whole
-/// message, then `data: [DONE]`.
-pub(super) fn sse_response(body: &Value) -> Response {
-    let mut text = String::new();
-    for choice in body["choices"].as_array().into_iter().flatten() {
-        let message = &choice["message"];
-        let mut delta = json!({"role": "assistant", "content": message["content"]});
-        for key in ["reasoning_content", "tool_calls"] {
-            if !message[key].is_null() {
-                delta[key] = message[key].clone();
-            }
-        }
-        let chunk = json!({
-            "id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
-            "model": body["model"],
-            "choices": [{"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"],
-                         "finish_reason": choice["finish_reason"]}],
-            "usage": body["usage"],
-        });
-        text.push_str(&format!("data: {chunk}\n\n"));
-    }
-    text.push_str("data: [DONE]\n\n");
-    let mut response = Response::new(Body::from(text));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
+    let body = completion_body(
+        format!("chatcmpl-{}", state.fresh_id("")),
+        now_secs(),
+        chat.model
+            .clone()
+            .unwrap_or_else(|| state.info.served_model_name.clone()),
+        choices,
+        prompt_tokens,
+        completion_tokens,
     );
-    response
-        .headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    Ok((body, chat.stream.unwrap_or(false)))
 }
