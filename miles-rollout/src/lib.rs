@@ -18,15 +18,9 @@
 //!   pause / abort / flush and versioned in-place weight updates;
 //! * [`data`]: JSONL prompt datasets, epochs, seeded shuffling, a resumable cursor and a buffer
 //!   of returned groups;
-//! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
-//!   checker) and a reward model over HTTP ([`RemoteReward`], Miles' `remote_rm`), all
-//!   implementing [`miles_core::RewardFn`];
-//! * [`rm_hub`]: Miles' rule-based rewards with Miles' semantics, named by `--rm-type`
-//!   ([`RmType`]: `math`, `dapo`, `deepscaler`, `gemma_math`, `f1`, `gpqa`, `random`,
-//!   `deterministic_random`, `remote_rm`, `boxed_*`), with the per-sample
-//!   `metadata["rm_type"]` override ([`RmHubReward`]);
 //! * [`manager`]: the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
-//!   concurrency, rewards, dynamic filters, over-sampling with abort of the surplus, partial
+//!   concurrency, rewards (any [`miles_core::RewardFn`]; Miles' rules and a reward model over
+//!   HTTP are in miles-reward), dynamic filters, over-sampling with abort of the surplus, partial
 //!   rollout — with three generation modes: single-turn (one engine call per sample, the
 //!   default), agentic ([`AgentGenerator`]: a user agent talks to a session server over
 //!   HTTP) and the token-level multi-turn tool loop ([`multi_turn`]:
@@ -74,8 +68,6 @@ pub mod error;
 pub mod loops;
 pub mod manager;
 pub mod multi_turn;
-pub mod reward;
-pub mod rm_hub;
 pub mod router;
 pub mod server;
 
@@ -98,8 +90,6 @@ pub use manager::{
     TITO_MISMATCH_TYPES, tito_mismatch_metrics,
 };
 pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
-pub use reward::{BuiltinReward, RemoteReward};
-pub use rm_hub::{RmHubReward, RmRule, RmType};
 pub use router::{EngineFactory, Router};
 pub use server::{ServerInfo, sglang_router};
 

@@ -3,7 +3,7 @@
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
 //! * `lint`  — the dependency rule (no burn / CubeCL under miles-core, miles-tito,
-//!   miles-session, nor under miles-rollout without its `embedded` feature), the library
+//!   miles-session, miles-reward, nor under miles-rollout without its `embedded` feature), the library
 //!   crates' packages (`cargo package --list` holds both licences and every file `src/`
 //!   includes) and `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
 //! * `package` — every library crate built from its packaged files alone ([`package`]).
@@ -125,10 +125,11 @@ fn test_command(extra: &[String]) -> Result<Command, String> {
 /// Crates that must never pull burn or CubeCL (DESIGN.md: `cargo add miles-tito` stays light),
 /// with the extra `cargo tree` flags that select their light build: miles-rollout is light
 /// without its default `embedded` feature (router, server protocol, manager, loops).
-const LIGHT_CRATES: [(&str, &[&str]); 4] = [
+const LIGHT_CRATES: [(&str, &[&str]); 5] = [
     ("miles-core", &[]),
     ("miles-tito", &[]),
     ("miles-session", &[]),
+    ("miles-reward", &[]),
     ("miles-rollout", &["--no-default-features"]),
 ];
 
@@ -177,10 +178,11 @@ fn heavy_dependencies(tree: &str) -> Vec<String> {
 }
 
 /// The library crates a user would `cargo add`: each must build from its packaged files.
-const LIBRARY_CRATES: [&str; 8] = [
+const LIBRARY_CRATES: [&str; 9] = [
     "miles-core",
     "miles-tito",
     "miles-session",
+    "miles-reward",
     "miles-ops",
     "miles-bridge",
     "miles-r3",

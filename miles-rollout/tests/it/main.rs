@@ -12,7 +12,6 @@ mod engine;
 mod engine_paths;
 mod fuzz_routes;
 mod loops;
-mod rm_hub;
 mod router;
 mod router_http;
 mod serve_contract;

@@ -10,9 +10,10 @@ use miles_core::{
     EngineErrorKind, Error as CoreError, GenerateRequest, InferenceEngine, MemoryMetricsSink,
     NamedTensors, SamplingParams, TensorBytes, WeightVersion,
 };
+use miles_reward::BuiltinReward;
 use miles_rollout::{
-    BuiltinReward, DataSource, EngineFactory, LoopConfig, PromptRecord, RlLoop, RolloutConfig,
-    RolloutManager, Router,
+    DataSource, EngineFactory, LoopConfig, PromptRecord, RlLoop, RolloutConfig, RolloutManager,
+    Router,
 };
 
 fn request(key: Option<&str>, tokens: usize) -> GenerateRequest {

@@ -1,13 +1,15 @@
-//! Miles' `rm_hub/gpqa.py`: multiple-choice grading from the option letter in the response
-//! (or the correct option's text appearing in it), with choices, valid letters and the
-//! correct letter optionally given in the sample metadata.
+//! `gpqa`: Miles' `rm_hub/gpqa.py`, multiple-choice grading from the option letter in the
+//! response (or the correct option's text appearing in it), with choices, valid letters and
+//! the correct letter optionally given in the sample metadata. 1.0 / 0.0.
 
 use std::sync::LazyLock;
 
+use miles_core::{Error as CoreError, Result as CoreResult, Reward};
 use regex::Regex;
 use serde_json::{Map, Value};
 
-use super::python;
+use crate::python;
+use crate::rule::RuleInput;
 
 fn re(pattern: &str) -> Regex {
     Regex::new(pattern).unwrap_or_else(|e| panic!("rm_hub pattern {pattern:?}: {e}"))
@@ -199,4 +201,11 @@ pub(crate) fn compute_gpqa_reward(
         });
     }
     Ok(0.0)
+}
+
+/// The rule's scoring function.
+pub(crate) fn score(input: &RuleInput<'_>) -> CoreResult<Reward> {
+    compute_gpqa_reward(input.response, input.label, &input.sample.metadata)
+        .map(Reward::Scalar)
+        .map_err(|e| CoreError::Reward(format!("gpqa metadata: {}", e.0)))
 }
