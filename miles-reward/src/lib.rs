@@ -76,7 +76,6 @@ mod hub;
 mod latex2text;
 mod latex_symbols;
 mod math_utils;
-mod python;
 mod remote;
 mod rm_type;
 mod rule;

@@ -5,10 +5,11 @@
 
 use std::sync::LazyLock;
 
+use miles_core::python;
 use miles_core::{Error as CoreError, Result as CoreResult};
 use regex::Regex;
 
-use crate::{latex2text, python, sympy_lite};
+use crate::{latex2text, sympy_lite};
 
 fn re(pattern: &str) -> Regex {
     // The patterns are constants of this file; a failure is a bug here, caught by every test.
@@ -215,7 +216,7 @@ static MINUS_SPACES: LazyLock<Regex> = LazyLock::new(|| re(r"- *"));
 static MIXED: LazyLock<Regex> = LazyLock::new(|| re(r"([0-9]) +([0-9])"));
 
 fn is_int_float(x: f64) -> bool {
-    x.is_finite() && (x - python::round_half_even(x)).abs() <= 1e-7
+    x.is_finite() && (x - python::round(x, 0)).abs() <= 1e-7
 }
 
 /// `_strip_properly_formatted_commas`: the `(\d)(,)(\d\d\d)($|\D)` substitution repeated to a
@@ -313,7 +314,7 @@ pub(crate) fn normalize(expr: &str) -> String {
     expr = THIN_COMMA.replace_all(&expr, "").into_owned();
     if let Some(x) = python::float(&expr)
         && is_int_float(x)
-        && let Some(s) = python::int_string(python::round_half_even(x))
+        && let Some(s) = python::int_string(python::round(x, 0))
     {
         expr = s;
     }

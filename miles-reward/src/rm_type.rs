@@ -7,11 +7,11 @@ use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 
 use miles_core::Error as CoreError;
+use miles_core::python;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::Error;
-use crate::python;
 use crate::rule::Rule;
 use crate::rules;
 
@@ -167,7 +167,7 @@ pub fn resolve_rm_type(
     let name = match metadata.get("rm_type") {
         Some(Value::String(s)) if !s.is_empty() => s.as_str(),
         Some(v @ (Value::Number(_) | Value::Bool(true) | Value::Array(_) | Value::Object(_)))
-            if truthy(v) =>
+            if python::truthy(v) =>
         {
             return Err(CoreError::Reward(format!(
                 "metadata rm_type {v} is not a string"
@@ -182,18 +182,6 @@ pub fn resolve_rm_type(
     RmType::from_rm_type(name)
         .map(Some)
         .map_err(|e| CoreError::Reward(e.to_string()))
-}
-
-/// Python truthiness of a JSON value.
-fn truthy(v: &Value) -> bool {
-    match v {
-        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
-        Value::Bool(b) => *b,
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-        Value::String(s) => !s.is_empty(),
-        Value::Null => false,
-    }
 }
 
 #[cfg(test)]

@@ -93,6 +93,7 @@ pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
 pub use router::{EngineFactory, Router};
 pub use server::{ServerInfo, sglang_router};
 
+use miles_core::python;
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 
@@ -182,7 +183,10 @@ impl DynamicFilter {
                     FilterVerdict::Keep
                 } else {
                     FilterVerdict::Drop {
-                        reason: format!("zero_std_{}", python_round_1(rewards[0])),
+                        reason: format!(
+                            "zero_std_{}",
+                            python::float_repr(python::round(rewards[0], 1))
+                        ),
                     }
                 }
             }
@@ -196,20 +200,6 @@ impl DynamicFilter {
                 }
             }
         }
-    }
-}
-
-/// Formats `round(x, 1)` as Python prints it: Rust's `{:.1}` rounds the exact binary value
-/// half-to-even, which is what Python's `round` does (`0.25 → 0.2`, `0.35 → 0.3`).
-fn python_round_1(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.1}")
-    } else if x.is_nan() {
-        "nan".into()
-    } else if x > 0.0 {
-        "inf".into()
-    } else {
-        "-inf".into()
     }
 }
 

@@ -18,12 +18,10 @@
 
 use std::borrow::Cow;
 
+use miles_core::python::{self, JsonDumpOptions, repr, str as py_str, truthy};
 use serde_json::{Map, Value as Json, json};
 
 use crate::error::{Error, Result};
-use crate::pyfmt::{
-    json_value_dumps as to_json, json_value_repr as repr, json_value_str as py_str,
-};
 
 /// `<｜begin▁of▁sentence｜>`.
 pub const BOS: &str = "<｜begin▁of▁sentence｜>";
@@ -184,6 +182,11 @@ impl Raise {
 
 static NULL: Json = Json::Null;
 
+/// `json.dumps(value, ensure_ascii=False)`, as the encoder writes tool schemas and arguments.
+fn to_json(value: &Json) -> String {
+    python::json_dumps(value, &JsonDumpOptions::unicode())
+}
+
 fn py_type(value: &Json) -> &'static str {
     match value {
         Json::Null => "NoneType",
@@ -193,18 +196,6 @@ fn py_type(value: &Json) -> &'static str {
         Json::String(_) => "str",
         Json::Array(_) => "list",
         Json::Object(_) => "dict",
-    }
-}
-
-/// Python truthiness of a JSON value (Jinja's is the same for JSON values).
-pub(crate) fn truthy(value: &Json) -> bool {
-    match value {
-        Json::Null => false,
-        Json::Bool(b) => *b,
-        Json::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
-        Json::String(s) => !s.is_empty(),
-        Json::Array(items) => !items.is_empty(),
-        Json::Object(map) => !map.is_empty(),
     }
 }
 

@@ -12,10 +12,9 @@
 //! A session renders two small conversations per turn (MILES_SPEC §1.4); through minijinja
 //! most of that is interpreter work, compiled it is string appends.
 
+use miles_core::python::{self, JsonDumpOptions, truthy};
 use serde_json::{Map, Value as Json};
 
-use crate::deepseek::truthy;
-use crate::pyfmt;
 use crate::template::RenderArgs;
 
 /// A template with a compiled renderer.
@@ -200,7 +199,10 @@ fn qwen3_fixed<'v>(
                     match field(call, "arguments")? {
                         Json::String(text) => out.push_str(text),
                         arguments @ Json::Object(_) => {
-                            out.push_str(&pyfmt::json_value_dumps(arguments));
+                            out.push_str(&python::json_dumps(
+                                arguments,
+                                &JsonDumpOptions::unicode(),
+                            ));
                         }
                         _ => return None,
                     }

@@ -8,8 +8,8 @@ use miles_core::{Error as CoreError, Result as CoreResult, Reward};
 use regex::Regex;
 use serde_json::Map;
 
-use crate::python;
 use crate::rule::RuleInput;
+use miles_core::python;
 
 fn re(pattern: &str) -> Regex {
     Regex::new(pattern).unwrap_or_else(|e| panic!("rm_hub pattern {pattern:?}: {e}"))

@@ -7,8 +7,8 @@ use std::sync::LazyLock;
 use miles_core::{Error as CoreError, Result as CoreResult, Reward};
 use regex::Regex;
 
-use crate::python;
 use crate::rule::RuleInput;
+use miles_core::python;
 
 static ARTICLES: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"\b(a|an|the)\b").unwrap_or_else(|e| panic!("rm_hub pattern: {e}"))

@@ -8,8 +8,8 @@ use miles_core::{Error as CoreError, Result as CoreResult, Reward};
 use regex::Regex;
 use serde_json::{Map, Value};
 
-use crate::python;
 use crate::rule::RuleInput;
+use miles_core::python;
 
 fn re(pattern: &str) -> Regex {
     Regex::new(pattern).unwrap_or_else(|e| panic!("rm_hub pattern {pattern:?}: {e}"))
@@ -63,25 +63,7 @@ fn extract_letter(response: &str, valid: &[String]) -> Option<String> {
 
 /// Python's `str(value)` for the JSON values metadata can hold.
 fn py_str(value: &Value) -> String {
-    match value {
-        Value::String(s) => s.clone(),
-        Value::Null => "None".into(),
-        Value::Bool(true) => "True".into(),
-        Value::Bool(false) => "False".into(),
-        other => other.to_string(),
-    }
-}
-
-/// Python truthiness of a JSON value.
-fn truthy(value: &Value) -> bool {
-    match value {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64().is_some_and(|v| v != 0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
+    python::str(value).into_owned()
 }
 
 /// Why Miles' gpqa rule raises on this metadata.
@@ -103,7 +85,7 @@ pub(crate) fn compute_gpqa_reward(
     };
     let has_choices = choices.as_ref().is_some_and(|c| !c.is_empty());
     let valid_letters: Vec<String> = match metadata.get("valid_letters") {
-        Some(v) if truthy(v) => match v {
+        Some(v) if python::truthy(v) => match v {
             Value::Array(items) => items.iter().map(|l| py_str(l).to_uppercase()).collect(),
             Value::String(s) => s.chars().map(|c| c.to_uppercase().collect()).collect(),
             Value::Object(o) => o.keys().map(|k| k.to_uppercase()).collect(),
@@ -172,7 +154,7 @@ pub(crate) fn compute_gpqa_reward(
             ("correct_answer", None) => correct_answer_default.clone().map(Value::String),
             (_, v) => v.cloned(),
         };
-        if let Some(v) = value.filter(truthy) {
+        if let Some(v) = value.filter(python::truthy) {
             candidates.push(py_str(&v));
         }
     }
