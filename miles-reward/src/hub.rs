@@ -5,6 +5,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use miles_core::rng::SplitMix64;
 use miles_core::{Error as CoreError, Result as CoreResult, Reward, RewardFn, Sample, async_trait};
 
 use crate::math_utils::extract_answer;
@@ -18,8 +19,8 @@ use crate::rule::RuleInput;
 pub struct RmHubReward {
     rm_type: Option<RmType>,
     remote: Option<Arc<dyn RewardFn>>,
-    /// SplitMix64 state of `random`.
-    rng: Mutex<u64>,
+    /// The stream of `random`.
+    rng: Mutex<SplitMix64>,
 }
 
 impl fmt::Debug for RmHubReward {
@@ -37,7 +38,7 @@ impl RmHubReward {
         Self {
             rm_type,
             remote: None,
-            rng: Mutex::new(0x9E37_79B9_7F4A_7C15),
+            rng: Mutex::new(SplitMix64::new(0x9E37_79B9_7F4A_7C15)),
         }
     }
 
@@ -52,7 +53,7 @@ impl RmHubReward {
     /// SplitMix64 stream).
     pub fn with_seed(self, seed: u64) -> Self {
         Self {
-            rng: Mutex::new(seed),
+            rng: Mutex::new(SplitMix64::new(seed)),
             ..self
         }
     }

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
 
+use miles_core::rng::SplitMix64;
 use miles_core::{Result as CoreResult, Reward, RewardFn, Sample};
 
 /// What a rule scores: the sample, the response text the rule grades and the hub's shared
@@ -20,8 +21,8 @@ pub(crate) struct RuleInput<'a> {
     pub(crate) label: Option<&'a str>,
     /// The hub's reward model (Miles' `--rm-url`), when one is configured.
     pub(crate) remote: Option<&'a dyn RewardFn>,
-    /// The hub's SplitMix64 state, for rules that draw random numbers.
-    pub(crate) rng: &'a Mutex<u64>,
+    /// The hub's random stream, for rules that draw random numbers.
+    pub(crate) rng: &'a Mutex<SplitMix64>,
 }
 
 /// A boxed, `Send` future of a rule's reward.

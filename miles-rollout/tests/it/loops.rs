@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
+use miles_core::rng::SplitMix64;
 use miles_core::{
     Error as CoreError, InferenceEngine, MemoryMetricsSink, PauseMode, Result as CoreResult,
     Reward, RewardFn, Sample, SampleStatus, WeightVersion, async_trait,
@@ -235,15 +236,8 @@ async fn async_loop_respects_the_staleness_bound_and_learns() {
 /// weight pushes, pause mode and engine latency.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn property_no_sample_staler_than_the_bound_reaches_the_trainer() {
-    let mut state = 0x5EED_u64;
-    let mut next = |bound: u64| {
-        // SplitMix64.
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        (z ^ (z >> 31)) % bound
-    };
+    let mut rng = SplitMix64::new(0x5EED);
+    let mut next = |bound: u64| rng.next_u64() % bound;
     // The infeasible setting is a typed error, not a loop that never fills a batch.
     {
         let engine = TabularEngine::new(Duration::from_millis(0));
