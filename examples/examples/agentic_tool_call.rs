@@ -31,8 +31,8 @@ use std::time::Instant;
 
 use burn::module::Module;
 use miles_bridge::{CausalLm, FloatDtype};
+use miles_core::rng::SplitMix64;
 use miles_core::{JsonlMetricsSink, MetricsSink, PolicyTrainer, SamplingParams, WeightVersion};
-use miles_examples::addition::SplitMix64;
 use miles_examples::args::{Args, Cli, exit_code, parse_env};
 use miles_examples::calculator::{
     CalculatorAgent, CalculatorReward, MulProblem, MulTask, TOOL_CALL_WORDS,
@@ -345,7 +345,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
             .train
             .iter()
             .map(|p| {
-                let unit = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                let unit = rng.next_f64();
                 let demo = if unit < slip_rate {
                     slips += 1;
                     p.careless_demonstration(declare_tools)?

@@ -39,13 +39,12 @@ use std::time::Instant;
 
 use burn::module::Module;
 use miles_bridge::{CausalLm, FloatDtype, Precision};
+use miles_core::rng::SplitMix64;
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample, SamplingParams,
     WeightVersion,
 };
-use miles_examples::addition::{
-    AdditionProblem, AdditionReward, AdditionTask, SplitMix64, write_jsonl,
-};
+use miles_examples::addition::{AdditionProblem, AdditionReward, AdditionTask, write_jsonl};
 use miles_examples::args::{Args, Cli, exit_code, parse_env};
 use miles_examples::sft::{WarmStart, warm_start};
 use miles_examples::toy::{ToyModelSpec, write_model_dir};
@@ -584,7 +583,7 @@ fn demonstrated_answers(
         .map(|p| {
             // One draw per problem whether or not it carries, so the slips of a seed do not
             // depend on which problems carry.
-            let unit = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let unit = rng.next_f64();
             let slip = unit < slip_rate;
             if slip && p.has_carry() {
                 p.answer_without_carries()

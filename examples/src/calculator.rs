@@ -24,6 +24,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use miles_core::rng::SplitMix64;
 use miles_core::{
     Error as CoreError, Message, Prompt, Result as CoreResult, Reward, RewardFn, Sample,
     SampleStatus, async_trait,
@@ -34,7 +35,6 @@ use miles_session::http::HttpClient;
 use serde_json::{Map, Value, json};
 
 use crate::Error;
-use crate::addition::SplitMix64;
 use crate::sft::Conversation;
 
 /// Name of the tool.
@@ -300,8 +300,8 @@ impl MulTask {
             let mut out = Vec::with_capacity(n);
             while out.len() < n {
                 let p = MulProblem {
-                    a: rng.range(10, 99),
-                    b: rng.range(10, 99),
+                    a: rng.range_inclusive(10, 99),
+                    b: rng.range_inclusive(10, 99),
                 };
                 if seen.insert((p.a, p.b)) {
                     seen.insert((p.b, p.a));

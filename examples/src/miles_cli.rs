@@ -22,10 +22,10 @@ use miles_core::{
 };
 use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::device::DeviceSpec;
+use miles_reward::{BuiltinReward, RemoteReward, RmHubReward, RmType};
 use miles_rollout::{
-    AgentGenerator, BuiltinReward, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter,
-    EvalSet, LoopConfig, PromptRecord, RemoteReward, RlLoop, RmHubReward, RmType, RolloutConfig,
-    RolloutManager, SharedTrainer,
+    AgentGenerator, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter, EvalSet, LoopConfig,
+    PromptRecord, RlLoop, RolloutConfig, RolloutManager, SharedTrainer,
 };
 use miles_rollout::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_session::agent::{AgentDriverConfig, AgentReward};
@@ -313,7 +313,7 @@ fn reward(a: &FlagValues, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
                 .map_err(|e| format!("--rm-type: {e}"))?;
             let mut hub = RmHubReward::new(global).with_seed(seed);
             if let Some(remote) = remote {
-                hub = hub.with_remote(remote);
+                hub = hub.with_remote(Arc::new(remote));
             }
             Some(Arc::new(hub))
         }

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::{CausalLm, FloatDtype};
+use miles_core::rng::SplitMix64;
 use miles_core::{JsonlMetricsSink, Message, Metrics, PolicyTrainer, Prompt, Role, Sample};
 use miles_r3::Fallthrough;
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
@@ -29,7 +30,6 @@ use miles_train::{
 use serde_json::{Map, Value};
 
 use crate::Error;
-use crate::addition::SplitMix64;
 
 /// One conversation of an SFT file.
 #[derive(Debug, Clone, PartialEq)]
@@ -287,7 +287,7 @@ pub fn run_sft(
     let mut step = 0u64;
     for _ in 0..options.epochs {
         for i in (1..order.len()).rev() {
-            order.swap(i, rng.range(0, i as u64) as usize);
+            order.swap(i, rng.range_inclusive(0, i as u64) as usize);
         }
         for chunk in order.chunks(options.global_batch_size) {
             let batch: Vec<Sample> = chunk.iter().map(|&i| samples[i].clone()).collect();

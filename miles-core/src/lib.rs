@@ -19,6 +19,10 @@
 //!   [`FanoutMetricsSink`] (several sinks at once), and [`prometheus`]: a small registry
 //!   and text-format encoder with SGLang's engine metrics, a trainer set and
 //!   [`PrometheusMetricsSink`].
+//! * [`python`]: Python's semantics where our text must be Python's — `repr(float)`,
+//!   `json.dumps`, `str()` / `repr()` of JSON values, truthiness, `round`, `str` methods and
+//!   `float()` — one module for every crate.
+//! * [`rng::SplitMix64`]: the one small seeded generator of the workspace.
 //!
 //! It depends only on serde, serde_json, thiserror and async-trait, so `cargo add miles-core`
 //! stays light.
@@ -53,7 +57,9 @@ pub mod error;
 pub mod message;
 pub mod metrics;
 pub mod prometheus;
+pub mod python;
 pub mod reward;
+pub mod rng;
 pub mod routed;
 pub mod sample;
 pub mod tensorboard;

@@ -8,31 +8,14 @@
 //! The exponentials are `f32` (within 2 ulp), the sums `f64` over `f32` lanes; the rows of a
 //! decode step are sampled in parallel. Top-k / top-p / min-p sort the row.
 
-/// A small, fast, seedable generator (SplitMix64), one per sequence.
-#[derive(Debug, Clone)]
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+use miles_core::rng::SplitMix64;
 
 /// Samples one token from `logits` with the request's parameters; returns the token and its
 /// log-prob under the untempered distribution.
 pub(crate) fn sample_token(
     logits: &[f32],
     params: &miles_core::SamplingParams,
-    rng: &mut Rng,
+    rng: &mut SplitMix64,
 ) -> (u32, f64) {
     use miles_ops::logprobs::{log_sum_exp_of, row_max, tempered_weights};
     // f32 exponentials summed in f64: the log-sum-exp to a few f32 ulps, several times
@@ -51,7 +34,7 @@ pub(crate) fn sample_token(
         miles_ops::logprobs::first_index_of_max(logits, max)
     } else {
         let t = params.temperature as f64;
-        let u = rng.uniform();
+        let u = rng.next_f64();
         let plain = params.top_k < 1 && params.top_p >= 1.0 && params.min_p <= 0.0;
         if plain {
             let inv_temperature = (1.0 / t) as f32;
@@ -147,7 +130,7 @@ mod tests {
             temperature: 0.0,
             ..SamplingParams::default()
         };
-        let (tok, lp) = sample_token(&logits, &params, &mut Rng(1));
+        let (tok, lp) = sample_token(&logits, &params, &mut SplitMix64::new(1));
         assert_eq!(tok, 1);
         let lse = (1.0f64 + 2f64.exp() + 1f64.exp()).ln();
         // f32 exponentials: the log-sum-exp to a few f32 ulps.
@@ -172,7 +155,10 @@ mod tests {
             },
         ] {
             for seed in 0..20 {
-                assert_eq!(sample_token(&logits, &params, &mut Rng(seed)).0, 2);
+                assert_eq!(
+                    sample_token(&logits, &params, &mut SplitMix64::new(seed)).0,
+                    2
+                );
             }
         }
     }
@@ -184,7 +170,7 @@ mod tests {
             top_k: 2,
             ..SamplingParams::default()
         };
-        let mut rng = Rng(42);
+        let mut rng = SplitMix64::new(42);
         let mut counts = [0usize; 4];
         for _ in 0..20_000 {
             counts[sample_token(&logits, &params, &mut rng).0 as usize] += 1;
@@ -216,7 +202,10 @@ mod tests {
                 ..SamplingParams::default()
             };
             for seed in 0..20 {
-                assert_eq!(sample_token(&logits, &params, &mut Rng(seed)).0, 2);
+                assert_eq!(
+                    sample_token(&logits, &params, &mut SplitMix64::new(seed)).0,
+                    2
+                );
             }
         }
     }
@@ -253,8 +242,8 @@ mod tests {
 
     #[test]
     fn seeded_generators_repeat() {
-        let mut a = Rng(7);
-        let mut b = Rng(7);
+        let mut a = SplitMix64::new(7);
+        let mut b = SplitMix64::new(7);
         assert_eq!(
             (0..5).map(|_| a.next_u64()).collect::<Vec<_>>(),
             (0..5).map(|_| b.next_u64()).collect::<Vec<_>>()

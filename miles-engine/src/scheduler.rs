@@ -21,8 +21,9 @@ use tokio::sync::oneshot;
 
 use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
 use crate::config::{EngineConfig, valid_sampling};
-use crate::sampling::{Rng, sample_token};
+use crate::sampling::sample_token;
 use crate::step::{KeepAwake, SequenceScorer, ids_row, read_step, step_model};
+use miles_core::rng::SplitMix64;
 
 /// One request inside the scheduler.
 pub(crate) struct Seq {
@@ -34,7 +35,7 @@ pub(crate) struct Seq {
     pub(crate) log_probs: Vec<f64>,
     /// Routing rows `[positions forwarded, moe layers, top_k]`, flattened.
     pub(crate) routing: Vec<i32>,
-    pub(crate) rng: Rng,
+    pub(crate) rng: SplitMix64,
     pub(crate) cached_tokens: usize,
     /// Tokens reserved against the KV budget.
     pub(crate) reserved: usize,
@@ -345,7 +346,7 @@ impl Scheduler {
             max_new,
             log_probs: Vec::new(),
             routing: Vec::new(),
-            rng: Rng(seed),
+            rng: SplitMix64::new(seed),
             cached_tokens: 0,
             row: None,
             reserved: 0,

@@ -14,9 +14,10 @@ use miles_core::{
     NamedTensors, PauseMode, PolicyTrainer, RequestId, Result as CoreResult, Sample, TokenId,
     WeightVersion, async_trait,
 };
+use miles_reward::BuiltinReward;
 use miles_rollout::{
-    BuiltinReward, DataSource, LoopConfig, PromptEncoder, PromptRecord, RlLoop, RolloutConfig,
-    RolloutManager, SharedTrainer,
+    DataSource, LoopConfig, PromptEncoder, PromptRecord, RlLoop, RolloutConfig, RolloutManager,
+    SharedTrainer,
 };
 
 /// Busy work on the calling thread for `duration` (a core fully used).

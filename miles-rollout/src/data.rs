@@ -29,6 +29,7 @@ use std::io::BufReader;
 use std::path::Path;
 
 use miles_core::Sample;
+use miles_core::rng::SplitMix64;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -268,7 +269,8 @@ pub fn load_dataset(source: &PromptDataPath, options: &DatasetOptions) -> Result
 /// A group as the data source serves it again: one sample per rollout. Per-turn siblings
 /// (samples sharing a rollout id, `rollout_id` else `index`, see
 /// `SampleGenerator::generate_samples`) collapse to their first sample; a group that had
-/// siblings is reset to be generated again (its turns cannot be resumed). Groups without siblings come back unchanged.
+/// siblings is reset to be generated again (its turns cannot be resumed). Groups without
+/// siblings come back unchanged.
 pub fn collapse_siblings(group: Vec<Sample>) -> Vec<Sample> {
     let mut seen: Vec<u64> = Vec::new();
     let mut had_siblings = false;
@@ -289,29 +291,7 @@ pub fn collapse_siblings(group: Vec<Sample>) -> Vec<Sample> {
     out
 }
 
-/// SplitMix64: a tiny, well-mixed deterministic generator (for shuffling only).
-pub(crate) struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub(crate) fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (Lemire's multiply-shift; bias below 2⁻³² for our sizes).
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
-    }
-}
-
-/// Fisher–Yates shuffle seeded by `seed`.
+/// Fisher–Yates shuffle seeded by `seed` (indices by [`SplitMix64::below`]).
 fn shuffle(items: &mut [usize], seed: u64) {
     let mut rng = SplitMix64::new(seed);
     for i in (1..items.len()).rev() {

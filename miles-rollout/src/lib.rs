@@ -11,15 +11,9 @@
 //! Available now:
 //! * data: JSONL / Parquet prompt datasets ([`load_dataset`], [`DataSource`]), epochs,
 //!   seeded shuffling, a resumable cursor and a buffer of returned groups;
-//! * [`reward`]: built-in rewards (exact / numeric match, a `\boxed{}` / last-number math
-//!   checker) and a reward model over HTTP ([`RemoteReward`], Miles' `remote_rm`), all
-//!   implementing [`miles_core::RewardFn`];
-//! * [`rm_hub`]: Miles' rule-based rewards with Miles' semantics, named by `--rm-type`
-//!   ([`RmType`]: `math`, `dapo`, `deepscaler`, `gemma_math`, `f1`, `gpqa`, `random`,
-//!   `deterministic_random`, `remote_rm`, `boxed_*`), with the per-sample
-//!   `metadata["rm_type"]` override ([`RmHubReward`]);
 //! * the [`RolloutManager`] — groups of `n_samples_per_prompt`, bounded
-//!   concurrency, rewards, dynamic filters, over-sampling with abort of the surplus, partial
+//!   concurrency, rewards (any [`miles_core::RewardFn`]; Miles' rules and a reward model over
+//!   HTTP are in miles-reward), dynamic filters, over-sampling with abort of the surplus, partial
 //!   rollout — with three generation modes: single-turn (one engine call per sample, the
 //!   default), agentic ([`AgentGenerator`]: a user agent talks to a session server over
 //!   HTTP) and the token-level multi-turn tool loop ([`MultiTurnGenerator`] with a user
@@ -59,8 +53,6 @@ mod error;
 mod loops;
 mod manager;
 mod multi_turn;
-pub mod reward;
-pub mod rm_hub;
 
 pub use data::{
     DEFAULT_MAX_ROW_BYTES, DataCursor, DataSource, DataSourceState, DatasetFormat, DatasetKeys,
@@ -78,9 +70,8 @@ pub use manager::{
     TITO_MISMATCH_TYPES, mask_unusable, rollout_metrics, tito_mismatch_metrics,
 };
 pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
-pub use reward::{BuiltinReward, RemoteReward};
-pub use rm_hub::{RmHubReward, RmRule, RmType};
 
+use miles_core::python;
 use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 
@@ -170,7 +161,10 @@ impl DynamicFilter {
                     FilterVerdict::Keep
                 } else {
                     FilterVerdict::Drop {
-                        reason: format!("zero_std_{}", python_round_1(rewards[0])),
+                        reason: format!(
+                            "zero_std_{}",
+                            python::float_repr(python::round(rewards[0], 1))
+                        ),
                     }
                 }
             }
@@ -184,20 +178,6 @@ impl DynamicFilter {
                 }
             }
         }
-    }
-}
-
-/// Formats `round(x, 1)` as Python prints it: Rust's `{:.1}` rounds the exact binary value
-/// half-to-even, which is what Python's `round` does (`0.25 → 0.2`, `0.35 → 0.3`).
-fn python_round_1(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.1}")
-    } else if x.is_nan() {
-        "nan".into()
-    } else if x > 0.0 {
-        "inf".into()
-    } else {
-        "-inf".into()
     }
 }
 

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 
+use miles_core::python::{self, JsonDumpOptions};
 use miles_core::{
     DType, NamedTensors, PrefixCacheInfo, RoutedExperts, Sample, SampleStatus, TensorBytes,
 };
@@ -176,7 +177,10 @@ pub fn encode_samples(payload: &SamplesPayload) -> Result<Vec<u8>> {
         session_metadata: payload.session_metadata.clone(),
         empty_reason: payload.empty_reason,
     };
-    let json = python_json::to_vec(&meta).map_err(|e| codec_err(META_KEY, e.to_string()))?;
+    // Python's compact `json.dumps(…, ensure_ascii=False, separators=(",", ":"))`: floats
+    // as `float.__repr__` (`1e-05`), where serde_json writes `1e-5`.
+    let json = python::json_dumps_to_vec(&meta, &JsonDumpOptions::compact())
+        .map_err(|e| codec_err(META_KEY, e.to_string()))?;
     tensors.insert(
         META_KEY,
         tensor(DType::U8, vec![json.len()], json, META_KEY)?,
@@ -375,87 +379,6 @@ pub fn decode_samples(bytes: &[u8], input: &Sample) -> Result<SamplesPayload> {
     })
 }
 
-/// JSON as Python's `json.dumps(…, ensure_ascii=False, separators=(",", ":"))` writes it:
-/// serde_json's compact output (same string escapes: `\"`, `\\`, `\b \f \n \r \t`, other
-/// control characters as lowercase `\u00XX`, everything else raw UTF-8; key order as stored)
-/// with floats formatted as Python's `float.__repr__` instead of serde_json's.
-mod python_json {
-    use std::io;
-
-    use serde::Serialize;
-    use serde_json::ser::{Formatter, Serializer};
-
-    /// Python's `repr(float)` for a finite value: the shortest digits that round-trip
-    /// (as Rust's `{:e}`), in positional notation when the decimal exponent is in
-    /// `-4 ..= 15` (with `.0` when integral), else `d[.ddd]e±XX` with at least two exponent
-    /// digits.
-    pub(super) fn repr(value: f64) -> String {
-        if value == 0.0 {
-            return if value.is_sign_negative() {
-                "-0.0"
-            } else {
-                "0.0"
-            }
-            .to_owned();
-        }
-        let sci = format!("{:e}", value.abs());
-        let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-        let exp: i32 = exp.parse().unwrap_or(0);
-        let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-        let sign = if value.is_sign_negative() { "-" } else { "" };
-        if (-4..16).contains(&exp) {
-            // decimal point after `exp + 1` digits
-            let point = exp + 1;
-            let body = if point <= 0 {
-                format!("0.{}{digits}", "0".repeat(point.unsigned_abs() as usize))
-            } else if point as usize >= digits.len() {
-                format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
-            } else {
-                let (int, frac) = digits.split_at(point as usize);
-                format!("{int}.{frac}")
-            };
-            format!("{sign}{body}")
-        } else {
-            let (first, rest) = digits.split_at(1);
-            let mantissa = if rest.is_empty() {
-                first.to_owned()
-            } else {
-                format!("{first}.{rest}")
-            };
-            let exp_sign = if exp < 0 { '-' } else { '+' };
-            format!("{sign}{mantissa}e{exp_sign}{:02}", exp.unsigned_abs())
-        }
-    }
-
-    /// serde_json's compact formatter (its default methods) with Python's float format.
-    struct PythonFormatter;
-
-    impl Formatter for PythonFormatter {
-        fn write_f64<W: ?Sized + io::Write>(
-            &mut self,
-            writer: &mut W,
-            value: f64,
-        ) -> io::Result<()> {
-            writer.write_all(repr(value).as_bytes())
-        }
-
-        fn write_f32<W: ?Sized + io::Write>(
-            &mut self,
-            writer: &mut W,
-            value: f32,
-        ) -> io::Result<()> {
-            self.write_f64(writer, f64::from(value))
-        }
-    }
-
-    /// Serialises `value` as Python's compact `json.dumps` would.
-    pub(super) fn to_vec<T: Serialize>(value: &T) -> serde_json::Result<Vec<u8>> {
-        let mut out = Vec::new();
-        value.serialize(&mut Serializer::with_formatter(&mut out, PythonFormatter))?;
-        Ok(out)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -594,9 +517,13 @@ mod tests {
             (1e22, "1e+22"),
             (2f64.powi(63), "9.223372036854776e+18"),
         ] {
-            assert_eq!(python_json::repr(value), python, "{value:e}");
+            assert_eq!(python::float_repr(value), python, "{value:e}");
         }
-        let json = python_json::to_vec(&json!({"b": [1e-05, 1, -2, "é\u{1}"], "a": null})).unwrap();
+        let json = python::json_dumps_to_vec(
+            &json!({"b": [1e-05, 1, -2, "é\u{1}"], "a": null}),
+            &JsonDumpOptions::compact(),
+        )
+        .unwrap();
         assert_eq!(
             String::from_utf8(json).unwrap(),
             r#"{"b":[1e-05,1,-2,"é\u0001"],"a":null}"#

@@ -13,11 +13,10 @@
 //! `tokenize_additional_messages`, without and with the appended messages); through minijinja
 //! most of that is interpreter work, compiled it is string appends.
 
+use miles_core::python::{self, JsonDumpOptions, truthy};
 use serde_json::{Map, Value as Json};
 
 use crate::args::RenderArgs;
-use crate::deepseek::truthy;
-use crate::pyfmt;
 
 /// A template with a compiled renderer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,7 +201,10 @@ fn qwen3_fixed<'v>(
                     match field(call, "arguments")? {
                         Json::String(text) => out.push_str(text),
                         arguments @ Json::Object(_) => {
-                            out.push_str(&pyfmt::json_value_dumps(arguments));
+                            out.push_str(&python::json_dumps(
+                                arguments,
+                                &JsonDumpOptions::unicode(),
+                            ));
                         }
                         _ => return None,
                     }

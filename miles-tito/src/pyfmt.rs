@@ -3,76 +3,15 @@
 //! HF renders chat templates in Python's Jinja2, so values print the way Python prints them:
 //! `str()` of `None`/`True` is `None`/`True`, containers print as their `repr()`, floats use
 //! Python's shortest round-trip repr, and HF's `tojson` is `json.dumps(x, ensure_ascii=False,
-//! indent=…, separators=…, sort_keys=…)`. This module reproduces those forms for minijinja
-//! values.
+//! indent=…, separators=…, sort_keys=…)`. This module applies those forms to minijinja
+//! values; the primitives (`repr(float)`, `repr(str)`, JSON string literals, the `json.dumps`
+//! options) are miles-core's [`miles_core::python`], which also prints JSON values.
 
 use std::fmt::Write as _;
 
+use miles_core::python::{JsonDumpOptions, float_repr, push_json_string, str_repr};
 use minijinja::value::{Value, ValueKind};
 use minijinja::{Error as JinjaError, ErrorKind};
-
-/// Python `repr(float)`: the shortest digits that round-trip, in exponent form when the
-/// decimal exponent is below -4 or at least 16.
-pub fn float_repr(value: f64) -> String {
-    if value.is_nan() {
-        return "nan".into();
-    }
-    if value.is_infinite() {
-        return if value > 0.0 {
-            "inf".into()
-        } else {
-            "-inf".into()
-        };
-    }
-    if value == 0.0 {
-        return if value.is_sign_negative() {
-            "-0.0".into()
-        } else {
-            "0.0".into()
-        };
-    }
-    // `{:e}` gives the shortest round-trip digits: `-1.2345e-7`.
-    let sci = format!("{value:e}");
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    let (sign, mantissa) = match mantissa.strip_prefix('-') {
-        Some(rest) => ("-", rest),
-        None => ("", mantissa),
-    };
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    if !(-4..16).contains(&exp) {
-        let mut out = String::from(sign);
-        out.push_str(&digits[..1]);
-        if digits.len() > 1 {
-            out.push('.');
-            out.push_str(&digits[1..]);
-        }
-        let _ = write!(out, "e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
-        return out;
-    }
-    let mut out = String::from(sign);
-    if exp < 0 {
-        out.push_str("0.");
-        for _ in 0..(-exp - 1) {
-            out.push('0');
-        }
-        out.push_str(&digits);
-    } else {
-        let int_len = exp as usize + 1;
-        if digits.len() <= int_len {
-            out.push_str(&digits);
-            for _ in digits.len()..int_len {
-                out.push('0');
-            }
-            out.push_str(".0");
-        } else {
-            out.push_str(&digits[..int_len]);
-            out.push('.');
-            out.push_str(&digits[int_len..]);
-        }
-    }
-    out
-}
 
 fn number_text(value: &Value, json: bool) -> String {
     if value.is_integer() {
@@ -92,60 +31,6 @@ fn number_text(value: &Value, json: bool) -> String {
         }
     }
     float_repr(f)
-}
-
-fn is_printable(c: char) -> bool {
-    // Python's str.isprintable(): everything except the "Other" and "Separator" categories
-    // (space is printable). This covers the characters chat data realistically contains.
-    let cp = c as u32;
-    !(cp < 0x20
-        || (0x7f..=0xa0).contains(&cp)
-        || cp == 0xad
-        || (0x200b..=0x200f).contains(&cp)
-        || (0x2028..=0x202e).contains(&cp)
-        || (0x2060..=0x2064).contains(&cp)
-        || cp == 0x1680
-        || (0x2000..=0x200a).contains(&cp)
-        || cp == 0x205f
-        || cp == 0x3000
-        || cp == 0xfeff
-        || (0xd800..=0xf8ff).contains(&cp)
-        || (0xfff9..=0xfffb).contains(&cp))
-}
-
-/// Python `repr(str)`.
-pub fn str_repr(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push(quote);
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if is_printable(c) => out.push(c),
-            c if (c as u32) < 0x100 => {
-                let _ = write!(out, "\\x{:02x}", c as u32);
-            }
-            c if (c as u32) < 0x10000 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => {
-                let _ = write!(out, "\\U{:08x}", c as u32);
-            }
-        }
-    }
-    out.push(quote);
-    out
 }
 
 /// Python `repr()` of a value (how Jinja2 prints a value nested in a list or dict).
@@ -208,33 +93,15 @@ pub fn py_str(value: &Value) -> String {
     }
 }
 
-/// Options of Python's `json.dumps` that HF's `tojson` exposes.
-#[derive(Debug, Clone, Default)]
-pub struct JsonDumpOptions {
-    /// Escape every non-ASCII character as `\uXXXX` (HF default: false).
-    pub ensure_ascii: bool,
-    /// Pretty-print with this indent string (Python accepts an int = that many spaces).
-    pub indent: Option<String>,
-    /// Item and key separators; Python's default is `(", ", ": ")`, or `(",", ": ")` with an
-    /// indent.
-    pub separators: Option<(String, String)>,
-    /// Sort object keys.
-    pub sort_keys: bool,
-}
-
 /// Python `json.dumps(value, …)` for a minijinja value. Values JSON cannot hold (undefined,
 /// functions, namespaces) are an error, as in Python.
 pub fn json_dumps(value: &Value, options: &JsonDumpOptions) -> Result<String, JinjaError> {
-    let (item_sep, key_sep) = match &options.separators {
-        Some((a, b)) => (a.clone(), b.clone()),
-        None if options.indent.is_some() => (",".to_owned(), ": ".to_owned()),
-        None => (", ".to_owned(), ": ".to_owned()),
-    };
+    let (item_sep, key_sep) = options.effective_separators();
     let mut out = String::new();
     let ctx = DumpCtx {
         options,
-        item_sep: &item_sep,
-        key_sep: &key_sep,
+        item_sep,
+        key_sep,
     };
     ctx.write(&mut out, value, 0)?;
     Ok(out)
@@ -261,7 +128,7 @@ impl DumpCtx<'_> {
             ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
             ValueKind::Number => out.push_str(&number_text(value, true)),
-            ValueKind::String => write_json_str(
+            ValueKind::String => push_json_string(
                 out,
                 value.as_str().unwrap_or_default(),
                 self.options.ensure_ascii,
@@ -312,7 +179,7 @@ impl DumpCtx<'_> {
                     self.newline(out, level + 1);
                     let key_text = match key.kind() {
                         ValueKind::String => {
-                            write_json_str(
+                            push_json_string(
                                 out,
                                 key.as_str().unwrap_or_default(),
                                 self.options.ensure_ascii,
@@ -336,7 +203,7 @@ impl DumpCtx<'_> {
                             ));
                         }
                     };
-                    write_json_str(out, &key_text, self.options.ensure_ascii);
+                    push_json_string(out, &key_text, self.options.ensure_ascii);
                     out.push_str(self.key_sep);
                     self.write(out, item, level + 1)?;
                 }
@@ -351,62 +218,6 @@ impl DumpCtx<'_> {
             }
         }
         Ok(())
-    }
-}
-
-fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
-    out.push('"');
-    let needs_escape = |b: u8| b == b'"' || b == b'\\' || b < 0x20 || (ensure_ascii && b > 0x7e);
-    let mut rest = s;
-    while let Some(at) = rest.bytes().position(needs_escape) {
-        out.push_str(&rest[..at]);
-        let Some(c) = rest[at..].chars().next() else {
-            break;
-        };
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => {
-                // ensure_ascii and c > 0x7e.
-                let mut buf = [0u16; 2];
-                for unit in c.encode_utf16(&mut buf) {
-                    let _ = write!(out, "\\u{unit:04x}");
-                }
-            }
-        }
-        rest = &rest[at + c.len_utf8()..];
-    }
-    out.push_str(rest);
-    out.push('"');
-}
-
-/// Python `json.dumps(value, ensure_ascii=False)` (default separators `", "` and `": "`) of a
-/// value as `json.loads` would have produced it: [`json_dumps`] of its template value.
-pub fn json_value_dumps(value: &serde_json::Value) -> String {
-    // A JSON value converts only to values JSON can hold, so the dump does not fail.
-    json_dumps(&Value::from_serialize(value), &JsonDumpOptions::default()).unwrap_or_default()
-}
-
-/// Python `repr()` of a value as `json.loads` would have produced it (`None`, `True`,
-/// `'text'`, `[1, 2.5]`, `{'k': 'v'}`): [`py_repr`] of its template value.
-pub fn json_value_repr(value: &serde_json::Value) -> String {
-    py_repr(&Value::from_serialize(value))
-}
-
-/// Python `str()` of a value as `json.loads` would have produced it: a string is itself,
-/// anything else its `repr()` (what `"{}".format(value)` and f-strings print).
-pub fn json_value_str(value: &serde_json::Value) -> std::borrow::Cow<'_, str> {
-    match value {
-        serde_json::Value::String(s) => std::borrow::Cow::Borrowed(s),
-        other => std::borrow::Cow::Owned(json_value_repr(other)),
     }
 }
 
@@ -565,36 +376,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn float_repr_matches_python() {
-        // Values from CPython's repr().
-        let cases = [
-            (0.5, "0.5"),
-            (1.0, "1.0"),
-            (21.5, "21.5"),
-            (0.1, "0.1"),
-            (1e16, "1e+16"),
-            (1e15, "1000000000000000.0"),
-            (123456789012345680.0, "1.2345678901234568e+17"),
-            (0.0001, "0.0001"),
-            (0.00001, "1e-05"),
-            (-2.5e-7, "-2.5e-07"),
-            (1.5e300, "1.5e+300"),
-            (-0.0, "-0.0"),
-            (100.0, "100.0"),
-        ];
-        for (value, expected) in cases {
-            assert_eq!(float_repr(value), expected, "{value}");
-        }
-    }
-
-    #[test]
     fn json_dumps_matches_python() {
         let value = Value::from_serialize(serde_json::json!({
             "b": [1, 2.0, true, null, "é\n\"<>&"], "a": {}, "c": []
         }));
         // json.dumps(v, ensure_ascii=False)
         assert_eq!(
-            json_dumps(&value, &JsonDumpOptions::default()).unwrap(),
+            json_dumps(&value, &JsonDumpOptions::unicode()).unwrap(),
             r#"{"b": [1, 2.0, true, null, "é\n\"<>&"], "a": {}, "c": []}"#
         );
         // json.dumps(v, ensure_ascii=True, sort_keys=True)

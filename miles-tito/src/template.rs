@@ -19,13 +19,14 @@ use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Rest, Value, Valu
 use minijinja::{Environment, Error as JinjaError, ErrorKind, State};
 use serde_json::{Map, Value as Json};
 
+use miles_core::python::{self, JsonDumpOptions};
 use miles_core::{Message, ToolSpec};
 
 use crate::args::RenderArgs;
 use crate::error::{Error, Result};
 use crate::matcher::{map_eq, slice_eq};
 use crate::native::Compiled;
-use crate::pyfmt::{self, CivilTime, JsonDumpOptions};
+use crate::pyfmt::{self, CivilTime};
 
 const TEMPLATE_NAME: &str = "chat_template";
 const RAISE_MARKER: &str = "\u{1}raise_exception\u{1}";
@@ -258,7 +259,7 @@ impl ChatTemplate {
                 let mut text = String::new();
                 for tool in tools {
                     text.push('\n');
-                    text.push_str(&pyfmt::json_value_dumps(tool));
+                    text.push_str(&python::json_dumps(tool, &JsonDumpOptions::unicode()));
                 }
                 (tools.to_vec(), text.into())
             },
@@ -594,10 +595,10 @@ fn configure(env: &mut Environment<'static>) {
 /// HF's `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.
 fn tojson_filter(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<String, JinjaError> {
     if args.is_empty() && kwargs.args().next().is_none() && !value.is_undefined() {
-        return pyfmt::json_dumps(&value, &JsonDumpOptions::default());
+        return pyfmt::json_dumps(&value, &JsonDumpOptions::unicode());
     }
     let mut positional = args.iter();
-    let mut options = JsonDumpOptions::default();
+    let mut options = JsonDumpOptions::unicode();
     let ensure_ascii = kwargs
         .get::<Option<Value>>("ensure_ascii")?
         .or_else(|| positional.next().cloned());

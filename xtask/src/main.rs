@@ -3,8 +3,8 @@
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
 //! * `lint`  — the dependency rule (each crate depends only on crates below it in
-//!   [`LAYERS`]; no burn / CubeCL under miles-core, miles-tito, miles-session and miles-rollout
-//!   with any feature set), the library
+//!   [`LAYERS`]; no burn / CubeCL under miles-core, miles-tito, miles-session, miles-reward and
+//!   miles-rollout with any feature set), the library
 //!   crates' packages (`cargo package --list` holds both licences and every file `src/`
 //!   includes) and `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
 //! * `package` — every library crate built from its packaged files alone ([`package`]).
@@ -126,20 +126,22 @@ fn test_command(extra: &[String]) -> Result<Command, String> {
 /// Crates that must never pull burn or CubeCL (DESIGN.md: `cargo add miles-tito` stays light),
 /// with the extra `cargo tree` flags that select their build. miles-rollout is light with
 /// every feature set (the engine lives in miles-engine).
-const LIGHT_CRATES: [(&str, &[&str]); 4] = [
+const LIGHT_CRATES: [(&str, &[&str]); 5] = [
     ("miles-core", &[]),
     ("miles-tito", &[]),
     ("miles-session", &[]),
+    ("miles-reward", &[]),
     ("miles-rollout", &["--all-features"]),
 ];
 
 /// The workspace's library crates from the bottom of the stack up (DESIGN.md's map): a
 /// crate's normal and build dependencies among them must come earlier in this list, and every
 /// library crate of the workspace must be in it. Only `miles-examples` and `xtask` sit above.
-const LAYERS: [&str; 9] = [
+const LAYERS: [&str; 10] = [
     "miles-core",
     "miles-tito",
     "miles-session",
+    "miles-reward",
     "miles-r3",
     "miles-ops",
     "miles-bridge",
@@ -261,10 +263,11 @@ fn heavy_dependencies(tree: &str) -> Vec<String> {
 }
 
 /// The library crates a user would `cargo add`: each must build from its packaged files.
-const LIBRARY_CRATES: [&str; 9] = [
+const LIBRARY_CRATES: [&str; 10] = [
     "miles-core",
     "miles-tito",
     "miles-session",
+    "miles-reward",
     "miles-ops",
     "miles-bridge",
     "miles-r3",

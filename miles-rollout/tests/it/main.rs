@@ -5,6 +5,5 @@ mod common;
 
 mod data_formats;
 mod loops;
-mod rm_hub;
 mod router;
 mod router_http;

@@ -10,9 +10,8 @@ use miles_core::{
     EngineErrorKind, Error as CoreError, GenerateRequest, InferenceEngine, MemoryMetricsSink,
     NamedTensors, SamplingParams, TensorBytes, WeightVersion,
 };
-use miles_rollout::{
-    BuiltinReward, DataSource, LoopConfig, PromptRecord, RlLoop, RolloutConfig, RolloutManager,
-};
+use miles_reward::BuiltinReward;
+use miles_rollout::{DataSource, LoopConfig, PromptRecord, RlLoop, RolloutConfig, RolloutManager};
 use miles_session::sglang::{EngineFactory, Router};
 
 fn request(key: Option<&str>, tokens: usize) -> GenerateRequest {

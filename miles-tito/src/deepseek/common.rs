@@ -8,7 +8,12 @@ use serde_json::{Value as Json, json};
 use super::pydict::*;
 use super::tokens::*;
 use super::version::DeepSeekVersion;
-use crate::pyfmt::{json_value_dumps as to_json, json_value_str as py_str};
+use miles_core::python::{self, JsonDumpOptions, str as py_str};
+
+/// `json.dumps(value, ensure_ascii=False)`, as the encoder writes tool schemas and arguments.
+fn to_json(value: &Json) -> String {
+    python::json_dumps(value, &JsonDumpOptions::unicode())
+}
 
 /// `[tool["function"] for tool in tools]`.
 pub(super) fn tools_from_openai(tools: &Json) -> Py<Vec<Json>> {

@@ -31,7 +31,6 @@ mod version;
 
 pub(crate) use bridge::thinking_enabled;
 pub use common::DeepSeekEncodeOptions;
-pub(crate) use pydict::truthy;
 pub(crate) use tokens::{ASSISTANT_TOKEN, EOS, THINK_END, THINK_START, USER_TOKEN};
 pub use version::DeepSeekVersion;
 

@@ -7,7 +7,7 @@ use serde_json::{Map, Value as Json};
 
 use super::version::DeepSeekVersion;
 use crate::error::Error;
-use crate::pyfmt::json_value_str as py_str;
+use miles_core::python::str as py_str;
 
 /// A Python exception: its class name and message.
 pub(super) struct Raise {
@@ -48,17 +48,7 @@ pub(super) fn py_type(value: &Json) -> &'static str {
     }
 }
 
-/// Python truthiness of a JSON value (Jinja's is the same for JSON values).
-pub(crate) fn truthy(value: &Json) -> bool {
-    match value {
-        Json::Null => false,
-        Json::Bool(b) => *b,
-        Json::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
-        Json::String(s) => !s.is_empty(),
-        Json::Array(items) => !items.is_empty(),
-        Json::Object(map) => !map.is_empty(),
-    }
-}
+pub(crate) use miles_core::python::truthy;
 
 pub(super) fn is_str(value: &Json, text: &str) -> bool {
     value.as_str() == Some(text)

@@ -7,7 +7,7 @@ use super::common::*;
 use super::pydict::*;
 use super::tokens::*;
 use super::version::DeepSeekVersion;
-use crate::pyfmt::{json_value_repr as repr, json_value_str as py_str};
+use miles_core::python::{repr, str as py_str};
 
 pub(super) fn encode_v32(messages: &[Json], options: &DeepSeekEncodeOptions) -> Py<String> {
     let context = options.context()?;

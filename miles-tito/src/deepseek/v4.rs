@@ -9,7 +9,7 @@ use super::common::*;
 use super::pydict::*;
 use super::tokens::*;
 use super::version::DeepSeekVersion;
-use crate::pyfmt::{json_value_repr as repr, json_value_str as py_str};
+use miles_core::python::{repr, str as py_str};
 
 /// Tool messages become `tool_result` blocks of a user message; a user message (or tool
 /// result) directly after such a merged user message joins it.

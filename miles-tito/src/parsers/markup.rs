@@ -2,41 +2,14 @@
 //! tag scanning (`OPEN(.*?)CLOSE` bodies, the earliest of several markers, `ATTR="VALUE"`
 //! attributes), Python number parsing, and the tool-list checks every detector makes.
 
-use std::io;
-
 use miles_core::ToolSpec;
-use serde::Serialize;
 use serde_json::Value;
 
 /// Serialises JSON as Python's `json.dumps(v, ensure_ascii=False)` does (`", "` and `": "`
-/// separators), which is how SGLang spells tool-call `arguments`.
+/// separators, Python's float repr such as `1e-05`), which is how SGLang spells tool-call
+/// `arguments`.
 pub(crate) fn python_json(value: &Value) -> String {
-    struct PyFormatter;
-    impl serde_json::ser::Formatter for PyFormatter {
-        fn begin_array_value<W: ?Sized + io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> io::Result<()> {
-            if first { Ok(()) } else { w.write_all(b", ") }
-        }
-        fn begin_object_key<W: ?Sized + io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> io::Result<()> {
-            if first { Ok(()) } else { w.write_all(b", ") }
-        }
-        fn begin_object_value<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
-            w.write_all(b": ")
-        }
-    }
-    let mut out = Vec::new();
-    let mut ser = serde_json::Serializer::with_formatter(&mut out, PyFormatter);
-    match value.serialize(&mut ser) {
-        Ok(()) => String::from_utf8(out).unwrap_or_default(),
-        Err(_) => value.to_string(),
-    }
+    miles_core::python::json_dumps(value, &miles_core::python::JsonDumpOptions::unicode())
 }
 
 /// A parsed call: model-given id, name, arguments as a JSON string.
@@ -156,6 +129,20 @@ mod tests {
         assert_eq!(
             python_json(&v),
             r#"{"city": "Zürich", "days": [1, 2], "x": {"a": null}}"#
+        );
+    }
+
+    #[test]
+    fn python_json_floats_are_pythons() {
+        // python3 -c 'import json; print(json.dumps(json.loads("{\"lr\": 1e-5, \"big\": 1e16,
+        //   \"neg\": -0.0, \"args\": {\"w\": [0.1, 2.5e-7]}}"), ensure_ascii=False))'
+        let v: Value = serde_json::from_str(
+            r#"{"lr": 1e-5, "big": 1e16, "neg": -0.0, "args": {"w": [0.1, 2.5e-7]}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            python_json(&v),
+            r#"{"lr": 1e-05, "big": 1e+16, "neg": -0.0, "args": {"w": [0.1, 2.5e-07]}}"#
         );
     }
 }

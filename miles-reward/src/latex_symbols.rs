@@ -1,7 +1,7 @@
 //! Generated from pylatexenc 2.11's default latex2text database (MIT licence): the text
 //! of each argument-free macro. Unlisted macros render as nothing.
 
-pub(super) const SYMBOLS: &[(&str, &str)] = &[
+pub(crate) const SYMBOLS: &[(&str, &str)] = &[
     (" ", " "),
     ("#", "#"),
     ("$", "$"),

@@ -1,23 +1,24 @@
-//! Small pieces of Python string / number semantics that Miles' reward code relies on.
+//! Python's `str` methods and number parsing: `str.strip()`, `str.split()`, `str.isspace()`,
+//! `str.isdigit()`, `str.isalpha()`, `s[-n:]`, `float(s)` and `str(int(x))`.
 
 /// Python's `str.isspace()` for one character (Unicode `White_Space` plus the ASCII
 /// information separators U+001C..U+001F, which Python also treats as whitespace).
-pub(crate) fn is_space(c: char) -> bool {
+pub fn is_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 
 /// Python's `str.strip()` without arguments.
-pub(crate) fn strip(s: &str) -> &str {
+pub fn strip(s: &str) -> &str {
     s.trim_matches(is_space)
 }
 
 /// Python's `str.split()` without arguments.
-pub(crate) fn split_whitespace(s: &str) -> impl Iterator<Item = &str> {
+pub fn split_whitespace(s: &str) -> impl Iterator<Item = &str> {
     s.split(is_space).filter(|t| !t.is_empty())
 }
 
 /// Python's `s[-n:]` (code points).
-pub(crate) fn last_chars(s: &str, n: usize) -> &str {
+pub fn last_chars(s: &str, n: usize) -> &str {
     if n == 0 {
         return "";
     }
@@ -39,7 +40,7 @@ const DIGIT_ZEROS: [u32; 66] = [
 ];
 
 /// The value of a Unicode decimal digit (Python's `\d`, what `float()` / `int()` accept).
-pub(crate) fn decimal_digit(c: char) -> Option<u32> {
+pub fn decimal_digit(c: char) -> Option<u32> {
     let cp = u32::from(c);
     let i = DIGIT_ZEROS.partition_point(|&z| z <= cp);
     let zero = *DIGIT_ZEROS.get(i.checked_sub(1)?)?;
@@ -48,7 +49,7 @@ pub(crate) fn decimal_digit(c: char) -> Option<u32> {
 
 /// Python's `float(s)`: surrounding whitespace, a sign, `_` between digits, any Unicode
 /// decimal digits, `inf` / `infinity` / `nan` in any case.
-pub(crate) fn float(s: &str) -> Option<f64> {
+pub fn float(s: &str) -> Option<f64> {
     let ascii: String;
     let s = if s.is_ascii() {
         s
@@ -106,19 +107,9 @@ pub(crate) fn float(s: &str) -> Option<f64> {
     Some(if neg { -v } else { v })
 }
 
-/// Python's `round(x)` (ties to even).
-pub(crate) fn round_half_even(x: f64) -> f64 {
-    let r = x.round();
-    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-        r - x.signum()
-    } else {
-        r
-    }
-}
-
 /// Python's `str(int(x))` for a finite float (truncation toward zero, exact digits);
 /// `None` for inf / nan (Python raises).
-pub(crate) fn int_string(x: f64) -> Option<String> {
+pub fn int_string(x: f64) -> Option<String> {
     if !x.is_finite() {
         return None;
     }
@@ -161,14 +152,14 @@ pub(crate) fn int_string(x: f64) -> Option<String> {
 
 /// Python's `str.isdigit()` on a whole string (non-empty, every character a digit; non-ASCII
 /// characters count when Rust calls them numeric, a close approximation of Python's set).
-pub(crate) fn is_digit_str(s: &str) -> bool {
+pub fn is_digit_str(s: &str) -> bool {
     !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_digit() || (!c.is_ascii() && c.is_numeric()))
 }
 
 /// Python's `str.isalpha()` for one character.
-pub(crate) fn is_alpha(c: char) -> bool {
+pub fn is_alpha(c: char) -> bool {
     c.is_alphabetic()
 }
 
@@ -197,9 +188,6 @@ mod tests {
         );
         assert_eq!(int_string(-42.9).as_deref(), Some("-42"));
         assert_eq!(int_string(f64::NAN), None);
-        assert_eq!(round_half_even(2.5), 2.0);
-        assert_eq!(round_half_even(3.5), 4.0);
-        assert_eq!(round_half_even(-2.5), -2.0);
         assert_eq!(last_chars("héllo", 3), "llo");
         assert_eq!(last_chars("ab", 5), "ab");
     }

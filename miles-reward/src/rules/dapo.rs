@@ -1,11 +1,15 @@
-//! Miles' `rm_hub/math_dapo_utils.py` (DAPO / Minerva): the last `Answer: …` line of the
-//! response's last 300 characters, normalised, against the integer label.
+//! `dapo`: Miles' `rm_hub/math_dapo_utils.py` (DAPO / Minerva): the last `Answer: …` line of
+//! the response's last 300 characters, normalised, against the integer label;
+//! `{"score": ±1.0, "acc": bool, "pred": str}`.
 
 use std::sync::LazyLock;
 
+use miles_core::{Error as CoreError, Result as CoreResult, Reward};
 use regex::Regex;
+use serde_json::Map;
 
-use super::python;
+use crate::rule::RuleInput;
+use miles_core::python;
 
 fn re(pattern: &str) -> Regex {
     Regex::new(pattern).unwrap_or_else(|e| panic!("rm_hub pattern {pattern:?}: {e}"))
@@ -150,4 +154,16 @@ pub fn compute_score(solution: &str, ground_truth: &str) -> Option<DapoScore> {
         acc,
         pred,
     })
+}
+
+/// The rule's scoring function (a missing label is Python's `None`, which is no number).
+pub(crate) fn score(input: &RuleInput<'_>) -> CoreResult<Reward> {
+    let label = input.label.unwrap_or("None");
+    let score = compute_score(input.response, label)
+        .ok_or_else(|| CoreError::Reward(format!("dapo label {label:?} is not a number")))?;
+    let mut map = Map::new();
+    map.insert("score".into(), score.score.into());
+    map.insert("acc".into(), score.acc.into());
+    map.insert("pred".into(), score.pred.into());
+    Ok(Reward::Map(map))
 }

@@ -2,7 +2,7 @@
 //! settings) that Miles' math grader reaches: groups, `\frac`, `\sqrt`, text-style macros,
 //! accents, argument-free symbol macros (from pylatexenc's own table) and specials.
 
-use super::latex_symbols::SYMBOLS;
+use crate::latex_symbols::SYMBOLS;
 
 /// Why a conversion raised in pylatexenc (Miles then keeps the expression unchanged).
 #[derive(Debug)]

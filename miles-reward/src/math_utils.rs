@@ -1,12 +1,15 @@
 //! Miles' `rm_hub/math_utils.py` (itself from DeepScaleR / Hendrycks' MATH): `\boxed{}`
 //! extraction, the MATH ("mathd") normaliser, the sympy grader's normaliser and its
-//! equivalence check (through [`super::sympy_lite`]), and `grade_answer_verl`.
+//! equivalence check (through `sympy_lite`), `grade_answer_verl` (the `math` rule) and the
+//! grading step `deepscaler` and `gemma_math` share.
 
 use std::sync::LazyLock;
 
+use miles_core::python;
+use miles_core::{Error as CoreError, Result as CoreResult};
 use regex::Regex;
 
-use super::{latex2text, python, sympy_lite};
+use crate::{latex2text, sympy_lite};
 
 fn re(pattern: &str) -> Regex {
     // The patterns are constants of this file; a failure is a bug here, caught by every test.
@@ -213,7 +216,7 @@ static MINUS_SPACES: LazyLock<Regex> = LazyLock::new(|| re(r"- *"));
 static MIXED: LazyLock<Regex> = LazyLock::new(|| re(r"([0-9]) +([0-9])"));
 
 fn is_int_float(x: f64) -> bool {
-    x.is_finite() && (x - python::round_half_even(x)).abs() <= 1e-7
+    x.is_finite() && (x - python::round(x, 0)).abs() <= 1e-7
 }
 
 /// `_strip_properly_formatted_commas`: the `(\d)(,)(\d\d\d)($|\D)` substitution repeated to a
@@ -311,7 +314,7 @@ pub(crate) fn normalize(expr: &str) -> String {
     expr = THIN_COMMA.replace_all(&expr, "").into_owned();
     if let Some(x) = python::float(&expr)
         && is_int_float(x)
-        && let Some(s) = python::int_string(python::round_half_even(x))
+        && let Some(s) = python::int_string(python::round(x, 0))
     {
         expr = s;
     }
@@ -442,4 +445,30 @@ pub fn grade_answer_verl(solution: &str, ground_truth: Option<&str>) -> bool {
         return false;
     };
     grade_answer_mathd(given, truth) || grade_answer_sympy(given, truth)
+}
+
+/// `deepscaler`'s grading of the text after the reasoning (shared by `gemma_math`): the last
+/// `\boxed{}` of `solution` against the label (itself unboxed when it holds a `\boxed`),
+/// equal under the MATH normaliser or the sympy grader. 0 without a `\boxed{}` answer or with
+/// an empty label; an error without a label.
+pub(crate) fn grade_boxed_solution(solution: &str, label: Option<&str>) -> CoreResult<f64> {
+    let Some(given) = extract_answer(solution) else {
+        return Ok(0.0);
+    };
+    let Some(label) = label else {
+        return Err(CoreError::Reward("deepscaler needs a label".into()));
+    };
+    if label.is_empty() {
+        return Ok(0.0);
+    }
+    let truth = if label.contains("\\boxed") {
+        match extract_answer(label) {
+            Some(t) => t,
+            None => return Ok(0.0),
+        }
+    } else {
+        label
+    };
+    let ok = grade_answer_mathd(given, truth) || grade_answer_sympy(given, truth);
+    Ok(if ok { 1.0 } else { 0.0 })
 }

@@ -12,7 +12,7 @@
 //!
 //! COMPATIBILITY.md lists where this differs from sympy.
 
-use super::python;
+use miles_core::python;
 
 /// Longest expression tried (sympy would be slow far below this anyway).
 const MAX_EXPR_CHARS: usize = 4096;

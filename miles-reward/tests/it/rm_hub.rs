@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use miles_core::{Reward, RewardFn, Sample};
-use miles_rollout::rm_hub::{RmHubReward, RmRule, RmType};
+use miles_reward::{RmHubReward, RmRule, RmType};
 use proptest::prelude::*;
 use serde_json::{Map, Value};
 
@@ -140,9 +140,8 @@ fn every_case_scores_as_miles() {
 }
 
 fn all_rm_types() -> Vec<RmType> {
-    RmRule::ALL
-        .into_iter()
-        .filter(|r| *r != RmRule::RemoteRm)
+    RmRule::all()
+        .filter(|r| r.name() != "remote_rm")
         .flat_map(|rule| [RmType { boxed: false, rule }, RmType { boxed: true, rule }])
         .collect()
 }
@@ -214,4 +213,23 @@ fn metadata_rm_type_overrides_the_global_one() {
     // remote_rm without a reward model URL is a typed error, not a panic.
     s.metadata.insert("rm_type".into(), "remote_rm".into());
     assert!(block_on(hub.reward(&s)).is_err());
+}
+
+/// `remote_rm` reaches its reward model through the `RewardFn` seam: any implementation works.
+#[test]
+fn remote_rm_goes_through_the_reward_fn_seam() {
+    struct Fixed;
+    #[miles_core::async_trait]
+    impl RewardFn for Fixed {
+        async fn reward(&self, sample: &Sample) -> miles_core::Result<Reward> {
+            Ok(Reward::Scalar(sample.response.len() as f64))
+        }
+    }
+    let hub = RmHubReward::new(Some(RmType::from_rm_type("remote_rm").unwrap()))
+        .with_remote(std::sync::Arc::new(Fixed));
+    let s = sample("four", None, Map::new(), vec![]);
+    assert_eq!(block_on(hub.reward(&s)).unwrap(), Reward::Scalar(4.0));
+    // Without a reward model, remote_rm is a typed error.
+    let bare = RmHubReward::new(Some(RmType::from_rm_type("remote_rm").unwrap()));
+    assert!(block_on(bare.reward(&s)).is_err());
 }

@@ -1,13 +1,15 @@
-//! Miles' `rm_hub/gpqa.py`: multiple-choice grading from the option letter in the response
-//! (or the correct option's text appearing in it), with choices, valid letters and the
-//! correct letter optionally given in the sample metadata.
+//! `gpqa`: Miles' `rm_hub/gpqa.py`, multiple-choice grading from the option letter in the
+//! response (or the correct option's text appearing in it), with choices, valid letters and
+//! the correct letter optionally given in the sample metadata. 1.0 / 0.0.
 
 use std::sync::LazyLock;
 
+use miles_core::{Error as CoreError, Result as CoreResult, Reward};
 use regex::Regex;
 use serde_json::{Map, Value};
 
-use super::python;
+use crate::rule::RuleInput;
+use miles_core::python;
 
 fn re(pattern: &str) -> Regex {
     Regex::new(pattern).unwrap_or_else(|e| panic!("rm_hub pattern {pattern:?}: {e}"))
@@ -61,25 +63,7 @@ fn extract_letter(response: &str, valid: &[String]) -> Option<String> {
 
 /// Python's `str(value)` for the JSON values metadata can hold.
 fn py_str(value: &Value) -> String {
-    match value {
-        Value::String(s) => s.clone(),
-        Value::Null => "None".into(),
-        Value::Bool(true) => "True".into(),
-        Value::Bool(false) => "False".into(),
-        other => other.to_string(),
-    }
-}
-
-/// Python truthiness of a JSON value.
-fn truthy(value: &Value) -> bool {
-    match value {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64().is_some_and(|v| v != 0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
+    python::str(value).into_owned()
 }
 
 /// Why Miles' gpqa rule raises on this metadata.
@@ -101,7 +85,7 @@ pub(crate) fn compute_gpqa_reward(
     };
     let has_choices = choices.as_ref().is_some_and(|c| !c.is_empty());
     let valid_letters: Vec<String> = match metadata.get("valid_letters") {
-        Some(v) if truthy(v) => match v {
+        Some(v) if python::truthy(v) => match v {
             Value::Array(items) => items.iter().map(|l| py_str(l).to_uppercase()).collect(),
             Value::String(s) => s.chars().map(|c| c.to_uppercase().collect()).collect(),
             Value::Object(o) => o.keys().map(|k| k.to_uppercase()).collect(),
@@ -170,7 +154,7 @@ pub(crate) fn compute_gpqa_reward(
             ("correct_answer", None) => correct_answer_default.clone().map(Value::String),
             (_, v) => v.cloned(),
         };
-        if let Some(v) = value.filter(truthy) {
+        if let Some(v) = value.filter(python::truthy) {
             candidates.push(py_str(&v));
         }
     }
@@ -199,4 +183,11 @@ pub(crate) fn compute_gpqa_reward(
         });
     }
     Ok(0.0)
+}
+
+/// The rule's scoring function.
+pub(crate) fn score(input: &RuleInput<'_>) -> CoreResult<Reward> {
+    compute_gpqa_reward(input.response, input.label, &input.sample.metadata)
+        .map(Reward::Scalar)
+        .map_err(|e| CoreError::Reward(format!("gpqa metadata: {}", e.0)))
 }

@@ -1,12 +1,14 @@
-//! Miles' `rm_hub/f1.py`: SQuAD-style token F1 after lower-casing and removing punctuation
-//! and articles.
+//! `f1`: Miles' `rm_hub/f1.py`, SQuAD-style token F1 in [0, 1] after lower-casing and
+//! removing punctuation and articles.
 
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
+use miles_core::{Error as CoreError, Result as CoreResult, Reward};
 use regex::Regex;
 
-use super::python;
+use crate::rule::RuleInput;
+use miles_core::python;
 
 static ARTICLES: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"\b(a|an|the)\b").unwrap_or_else(|e| panic!("rm_hub pattern: {e}"))
@@ -50,4 +52,12 @@ pub fn f1_score(prediction: &str, ground_truth: &str) -> f64 {
     let precision = same as f64 / pred_tokens.len() as f64;
     let recall = same as f64 / truth_tokens.len() as f64;
     (2.0 * precision * recall) / (precision + recall)
+}
+
+/// The rule's scoring function (a label is required).
+pub(crate) fn score(input: &RuleInput<'_>) -> CoreResult<Reward> {
+    let label = input
+        .label
+        .ok_or_else(|| CoreError::Reward("f1 needs a label".into()))?;
+    Ok(Reward::Scalar(f1_score(input.response, label)))
 }
