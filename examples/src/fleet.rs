@@ -11,7 +11,7 @@ use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::CausalLm;
 use miles_core::{InferenceEngine, SamplingParams};
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{
     ChatPromptEncoder, DataSource, EmbeddedEngine, EngineConfig, RolloutConfig, RolloutManager,
 };

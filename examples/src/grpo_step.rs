@@ -14,7 +14,7 @@ use miles_core::{
     GenerateOutput, GenerateRequest, InferenceEngine, Metrics, NamedTensors, PolicyTrainer, Reward,
     Sample, SamplingParams, WeightVersion,
 };
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::{EmbeddedEngine, EngineConfig};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig, score_log_probs};

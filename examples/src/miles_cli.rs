@@ -20,8 +20,8 @@ use miles_bridge::{CausalLm, Precision};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, RewardFn, SamplingParams,
 };
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::device::DeviceSpec;
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::data::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_rollout::{
     AgentGenerator, BuiltinReward, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter,

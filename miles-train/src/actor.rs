@@ -12,9 +12,9 @@ use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{
     DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, TensorBytes, WeightVersion,
 };
-use miles_ops::advantages::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
-use miles_ops::kl::shaping_kl;
-use miles_ops::policy::{PolicyLoss, PolicyLossInput};
+use miles_ops::shaping_kl;
+use miles_ops::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
+use miles_ops::{PolicyLoss, PolicyLossInput};
 use miles_r3::{
     Fallthrough, FlipStats, MoeLayerInfo, MoeModel, R3Error, ReplayStage, RouterHook, RoutingReplay,
 };
@@ -596,7 +596,7 @@ impl Actor {
         let norm_sq = acc.global_norm_sq();
         let mut values: Vec<Tensor<1>> = pending.iter().map(|(_, v)| v.clone()).collect();
         values.extend(norm_sq.clone());
-        let read = miles_ops::reduce::read_scalars(&values);
+        let read = miles_ops::read_scalars(&values);
         for ((name, _), v) in pending.iter().zip(&read) {
             *metric_sums.entry(format!("train/{name}")).or_default() += v;
         }

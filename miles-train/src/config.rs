@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use miles_bridge::Precision;
 use miles_bridge::lora::{ALL_LINEAR, LoraConfig, LoraForward};
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_ops::PolicyLossConfig;
 use miles_ops::fused::FusedLogProbConfig;
-use miles_ops::policy::PolicyLossConfig;
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use serde::{Deserialize, Serialize};
 
 use crate::batch::BatchLayout;

@@ -8,8 +8,8 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use miles_bridge::nn::{Linear, ParamRef, ParamVisitor};
 use miles_bridge::{CausalLm, ModelInput};
-use miles_ops::policy::value_loss;
-use miles_ops::reduce::{LossAggregation, Reducer};
+use miles_ops::value_loss;
+use miles_ops::{LossAggregation, Reducer};
 use miles_r3::RouterHook;
 
 use crate::batch::{TrainItem, micro_batches_of, pad_row, pad_rows, step_normalizer};
