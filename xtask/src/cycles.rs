@@ -9,8 +9,9 @@
 //! There is an edge `A -> B` when code of file `A` names an item through module `B`:
 //!
 //! * `use crate::b::…`, `crate::b::…` in a path, `self::b::…` and `super::b::…` (resolved
-//!   from the module, inline modules included, that the path is written in), and `b::…`
-//!   where `b` is a child module declared in that scope;
+//!   from the module, inline modules included, that the path is written in), `b::…` where
+//!   `b` is a child module declared in that scope, and `x::…` where a `use` of that scope
+//!   binds `x` (`use crate::b; b::f()`);
 //! * a path ends at the deepest module it walks through: `crate::b::c::Item` is an edge to
 //!   `b/c.rs` when `c` is a module file, to `b.rs` when `c` is an item or an inline module
 //!   of `b.rs`;
@@ -650,6 +651,16 @@ impl Graph {
     /// The module path `segments` names from `scope` (a module path), walking module by
     /// module; `None` for a path into another crate.
     fn resolve(&self, root: usize, scope: &[String], segments: &[String]) -> Option<Vec<String>> {
+        self.resolve_at(root, scope, segments, 0)
+    }
+
+    fn resolve_at(
+        &self,
+        root: usize,
+        scope: &[String],
+        segments: &[String],
+        depth: usize,
+    ) -> Option<Vec<String>> {
         let first = segments.first()?;
         let (base, rest): (Vec<String>, &[String]) = match first.as_str() {
             "crate" => (Vec::new(), &segments[1..]),
@@ -668,7 +679,21 @@ impl Graph {
                 let mut child = scope.to_vec();
                 child.push(name.to_owned());
                 if !self.modules.contains_key(&(root, child)) {
-                    return None;
+                    // A name a `use` of this scope binds (`use crate::flex;` then
+                    // `flex::attention::forward`): the path it stands for.
+                    let module = self.modules.get(&(root, scope.to_vec()))?;
+                    let binding = self.facts[module.file].paths.iter().find(|p| {
+                        p.is_use
+                            && !p.glob
+                            && p.scope == module.inline
+                            && p.binds.as_deref() == Some(name)
+                    })?;
+                    if depth >= 8 {
+                        return None;
+                    }
+                    let mut full = binding.segments.clone();
+                    full.extend(segments[1..].iter().cloned());
+                    return self.resolve_at(root, scope, &full, depth + 1);
                 }
                 (scope.to_vec(), segments)
             }
@@ -1039,6 +1064,29 @@ mod tests {
         assert_eq!(to(&["c"], "crate::Debug"), None);
         assert_eq!(to(&["a"], "super::Thing").as_deref(), Some("src/b.rs"));
         assert_eq!(cycle_files(&dir), [["src/a.rs", "src/b.rs"]]);
+    }
+
+    #[test]
+    fn a_module_name_bound_by_a_use_is_followed() {
+        // `use crate::flex;` then `flex::attention::forward()`: an edge to flex/attention.rs,
+        // which closes the cycle; an extern crate's name (`burn::…`) is no edge.
+        let dir = synthetic(
+            "bound",
+            &[
+                ("lib.rs", "mod flex;\nmod op;\n"),
+                ("flex/mod.rs", "pub mod attention;\n"),
+                (
+                    "flex/attention.rs",
+                    "pub fn forward() { crate::op::check() }\n",
+                ),
+                (
+                    "op.rs",
+                    "use crate::flex;\nuse burn::tensor as t;\npub fn check() {}\n\
+                     fn run() { flex::attention::forward(); let _ = t::Tensor::new(); }\n",
+                ),
+            ],
+        );
+        assert_eq!(cycle_files(&dir), [["src/flex/attention.rs", "src/op.rs"]]);
     }
 
     #[test]
