@@ -179,7 +179,7 @@ fn moe_layer_rows(device: &Device, iters: usize) {
 
 fn main() {
     // `cargo bench` passes `--bench`; a name filter selects nothing else here.
-    let Some(device) = miles_ops::kernel_device::kernel_test_device("wgpu_step") else {
+    let Some(device) = miles_ops::kernels::kernel_test_device("wgpu_step") else {
         return;
     };
     let vocab = env("MILES_BENCH_WGPU_VOCAB", 8_000);
@@ -212,7 +212,7 @@ fn main() {
             let mode = if round % 2 == 0 { mode } else { 1 - mode };
             let fused = if round % 2 == 0 { fused } else { !fused };
             miles_ops::set_fused_ops(fused);
-            assert_eq!(miles_ops::fused::runs_fused(&device), fused);
+            assert_eq!(miles_ops::runs_fused(&device), fused);
             let (t, norm) = train_step_secs(&model, &plan, &samples);
             let d = runtime.block_on(decode_step_secs(&inference, &plan));
             grad_norms[mode] = norm;

@@ -43,7 +43,7 @@ use miles_examples::wiring::{
     FanOut, ProgressSink, SharedProgress, embedded_engine, held_out_reward, save_hf_checkpoint,
     write_final_outputs,
 };
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{
     AgentGenerator, ChatPromptEncoder, DataSource, EvalSet, LoopConfig, RlLoop, RolloutConfig,
     RolloutManager, SharedTrainer,

@@ -52,7 +52,7 @@ use miles_examples::wiring::{
     FanOut, ProgressSink, SharedProgress, embedded_engine, held_out_reward, save_hf_checkpoint,
     write_final_outputs,
 };
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{
     ChatPromptEncoder, DataSource, EvalSet, LoopConfig, PromptEncoder, RlLoop, RolloutConfig,
     RolloutManager, SharedTrainer,

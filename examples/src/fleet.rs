@@ -12,7 +12,7 @@ use burn::tensor::Device;
 use miles_bridge::CausalLm;
 use miles_core::{InferenceEngine, SamplingParams};
 use miles_engine::{EmbeddedEngine, EngineConfig};
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{ChatPromptEncoder, DataSource, RolloutConfig, RolloutManager};
 use miles_train::{Actor, BatchLayout, TrainConfig};
 

@@ -15,7 +15,7 @@ use miles_core::{
     Sample, SamplingParams, WeightVersion,
 };
 use miles_engine::{EmbeddedEngine, EngineConfig};
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig, score_log_probs};
 

@@ -20,8 +20,8 @@ use miles_bridge::{CausalLm, Precision};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, RewardFn, SamplingParams,
 };
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
 use miles_ops::device::DeviceSpec;
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_reward::{BuiltinReward, RemoteReward, RmHubReward, RmType};
 use miles_rollout::{
     AgentGenerator, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter, EvalSet, LoopConfig,

@@ -19,7 +19,7 @@
 //! `Dense` otherwise). `Sparse` groups the (token, slot) pairs by expert with a stable
 //! counting sort of the chosen ids and runs each expert on its own rows, `top_k / E` of the
 //! dense work: on flex the ids are read back to the host (a copy); on CubeCL devices the sort
-//! runs on the device ([`miles_ops::bucket::bucket_by_expert`]) and the grouped matmuls take
+//! runs on the device ([`miles_ops::bucket_by_expert`]) and the grouped matmuls take
 //! the groups' offsets as a device tensor, so no MoE layer waits on a device-to-host read, and
 //! each token's expert outputs are gathered back and summed in a fixed order. `Dense` runs
 //! entirely on the device with static shapes (no host round trip, no `sort` / `one_hot`): the
@@ -129,22 +129,22 @@ pub struct MoeBlock {
     #[module(skip)]
     pub dispatch: MoeDispatch,
     /// Inference only: the routed experts' gate / up stacks fused and all stacks packed for
-    /// the sparse dispatch ([`miles_ops::grouped::PackedExperts`]), set by
+    /// the sparse dispatch ([`miles_ops::PackedExperts`]), set by
     /// [`CausalLm::fuse_projections`].
     #[module(skip)]
     pub packed: Option<PackedMoe>,
 }
 
 /// A MoE layer's routed experts packed once per weight version for inference: gate and up
-/// as one grouped product ([`miles_ops::grouped::PackedExperts::glu`]: the SwiGLU itself on
+/// as one grouped product ([`miles_ops::PackedExperts::glu`]: the SwiGLU itself on
 /// flex with AVX-512F, else gate and up stacked, `2 · moe_intermediate` outputs), down as
 /// `[experts, moe_intermediate, hidden]` (adapters merged).
 #[derive(Debug, Clone)]
 pub struct PackedMoe {
     /// Gate and up.
-    pub gate_up: miles_ops::grouped::PackedExperts,
+    pub gate_up: miles_ops::PackedExperts,
     /// Down, `hidden` outputs per expert.
-    pub down: miles_ops::grouped::PackedExperts,
+    pub down: miles_ops::PackedExperts,
 }
 
 impl PackedMoe {
@@ -177,7 +177,7 @@ pub enum MoeDispatch {
     /// Each expert on the tokens routed to it (`top_k / n_experts` of the dense work), one
     /// grouped matmul per projection. On flex the chosen ids are read back (a copy) and
     /// grouped on the host; on other devices they are grouped on the device
-    /// ([`miles_ops::bucket::bucket_by_expert`]) and the grouped matmuls take the groups'
+    /// ([`miles_ops::bucket_by_expert`]) and the grouped matmuls take the groups'
     /// offsets as a device tensor, so nothing is read back. On flex the GLM-4-MoE 88 M
     /// training step is 1.3-1.7× faster than with `Dense`.
     Sparse,
@@ -197,7 +197,7 @@ impl MoeDispatch {
                     Self::Dense
                 }
             }
-            Self::Auto if miles_ops::fused::runs_fused(device) => Self::Sparse,
+            Self::Auto if miles_ops::runs_fused(device) => Self::Sparse,
             Self::Auto => Self::Dense,
             other => other,
         }
@@ -368,14 +368,14 @@ impl MoeBlock {
     }
 
     /// The sparse dispatch with the grouping computed on the device, nothing read back: the
-    /// pairs are bucketed by expert on the device ([`miles_ops::bucket::bucket_by_expert`],
+    /// pairs are bucketed by expert on the device ([`miles_ops::bucket_by_expert`],
     /// stable), the rows gathered by the device token index, each projection is one grouped
-    /// matmul over the device offsets ([`miles_ops::grouped::grouped_matmul_offsets`]), and
+    /// matmul over the device offsets ([`miles_ops::grouped_matmul_offsets`]), and
     /// every token's `top_k` outputs are gathered back through the inverse permutation,
     /// weighted and summed over `k` in a fixed order (no scatter-add), so results are
     /// deterministic. Ids outside `0..experts` from a custom router hook are never used as an
     /// index: their pairs contribute zero and are counted on the device
-    /// ([`miles_ops::bucket::ExpertBuckets::invalid`]); the routing returned in
+    /// ([`miles_ops::ExpertBuckets::invalid`]); the routing returned in
     /// [`MoeRouting`] still holds them for a caller that reads it to check. The hooks in this
     /// workspace never produce them (top-k, or replay tables validated on the host).
     fn experts_sparse_device(
@@ -393,28 +393,23 @@ impl MoeBlock {
                 self.layer_index
             ))
         };
-        let buckets =
-            miles_ops::bucket::bucket_by_expert(chosen.clone(), experts).map_err(ops_err)?;
+        let buckets = miles_ops::bucket_by_expert(chosen.clone(), experts).map_err(ops_err)?;
         let offsets = buckets.offsets;
         let rows = x.select(0, buckets.token_of_slot);
         let grouped = |x: Tensor<2>, w: Tensor<3>| {
-            miles_ops::grouped::grouped_matmul_offsets(x, w, offsets.clone()).map_err(ops_err)
+            miles_ops::grouped_matmul_offsets(x, w, offsets.clone()).map_err(ops_err)
         };
         let outputs = match &self.packed {
             Some(packed) => {
-                let gate_up = miles_ops::grouped::grouped_matmul_offsets_packed(
+                let gate_up = miles_ops::grouped_matmul_offsets_packed(
                     rows,
                     &packed.gate_up,
                     offsets.clone(),
                 )
                 .map_err(ops_err)?;
                 let act = packed.activations(gate_up);
-                miles_ops::grouped::grouped_matmul_offsets_packed(
-                    act,
-                    &packed.down,
-                    offsets.clone(),
-                )
-                .map_err(ops_err)?
+                miles_ops::grouped_matmul_offsets_packed(act, &packed.down, offsets.clone())
+                    .map_err(ops_err)?
             }
             None => {
                 let act = swiglu(
@@ -488,13 +483,13 @@ impl MoeBlock {
         // One grouped matmul per projection over the expert-sorted rows (per-expert slices
         // and narrows would cost autodiff a full-size zero tensor each).
         let grouped = |x: Tensor<2>, w: Tensor<3>| {
-            miles_ops::grouped::grouped_matmul(x.clone(), w.clone(), &counts)
-                .unwrap_or_else(|_| miles_ops::grouped::grouped_matmul_reference(x, w, &counts))
+            miles_ops::grouped_matmul(x.clone(), w.clone(), &counts)
+                .unwrap_or_else(|_| miles_ops::grouped_matmul_reference(x, w, &counts))
         };
         let outputs = match &self.packed {
             Some(packed) => {
                 // Shapes are ours: the reference fallback only re-raises a shape panic.
-                let act = match miles_ops::grouped::grouped_matmul_packed(
+                let act = match miles_ops::grouped_matmul_packed(
                     rows.clone(),
                     &packed.gate_up,
                     &counts,
@@ -505,7 +500,7 @@ impl MoeBlock {
                         grouped(rows, self.experts.effective_up_proj()),
                     ),
                 };
-                miles_ops::grouped::grouped_matmul_packed(act.clone(), &packed.down, &counts)
+                miles_ops::grouped_matmul_packed(act.clone(), &packed.down, &counts)
                     .unwrap_or_else(|_| grouped(act, self.experts.effective_down_proj()))
             }
             None => {
@@ -1026,7 +1021,7 @@ impl CausalLm {
     /// projections and each SwiGLU MLP's (dense and shared experts) gate / up projections
     /// become one matmul over weights stacked once here ([`crate::nn::FusedLinear`], adapters
     /// merged), and those, the output / down projections and `lm_head` run through
-    /// [`miles_ops::linear::linear`] (small matmuls split over both cores on flex). The
+    /// [`miles_ops::linear()`] (small matmuls split over both cores on flex). The
     /// stacked copies do not follow later changes to the parameters: call this on a model
     /// whose weights no longer change (the embedded engine builds its step model anew from
     /// every weight version), never on one being trained. MoE layers get their routed
@@ -1045,13 +1040,11 @@ impl CausalLm {
                         shared.fuse();
                     }
                     moe.packed = Some(PackedMoe {
-                        gate_up: miles_ops::grouped::PackedExperts::glu(
+                        gate_up: miles_ops::PackedExperts::glu(
                             moe.experts.effective_gate_proj(),
                             moe.experts.effective_up_proj(),
                         ),
-                        down: miles_ops::grouped::PackedExperts::new(
-                            moe.experts.effective_down_proj(),
-                        ),
+                        down: miles_ops::PackedExperts::new(moe.experts.effective_down_proj()),
                     });
                 }
             }

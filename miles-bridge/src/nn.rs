@@ -204,7 +204,7 @@ impl Linear {
 /// one matmul then replaces one per layer, and no training code ever sees it. On flex the
 /// stacked weight is packed into [`miles_ops::packed`]'s panels (`f32` on an AVX-512F CPU)
 /// or else stored transposed, `[in, Σ out]` row-major, the layout `gemm` reads fastest at
-/// decode row counts ([`miles_ops::linear::linear_t`]).
+/// decode row counts ([`miles_ops::linear_t`]).
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
     /// The stacked weight.
@@ -306,12 +306,12 @@ impl FusedLinear {
 
     /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul
     /// (the packed kernel, or split over both cores on flex at decode row counts or when
-    /// small, [`miles_ops::linear::linear_t`]).
+    /// small, [`miles_ops::linear_t`]).
     pub fn forward_all(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.weight {
             FusedWeight::Packed(packed) => packed.matmul(x),
-            FusedWeight::Transposed(wt) => miles_ops::linear::linear_t(x, wt.clone()),
-            FusedWeight::Hf(w) => miles_ops::linear::linear(x, w.clone()),
+            FusedWeight::Transposed(wt) => miles_ops::linear_t(x, wt.clone()),
+            FusedWeight::Hf(w) => miles_ops::linear(x, w.clone()),
         };
         match &self.bias {
             Some(bias) => y + bias.clone().unsqueeze_dim(0),
@@ -373,8 +373,8 @@ impl RmsNorm {
             return (xf * inv_rms).cast(dtype) * weight.cast(dtype).unsqueeze();
         }
         // One fused op on flex, tensor ops elsewhere (the weight is `[d]` by construction).
-        miles_ops::norm::rms_norm(x.clone(), weight.clone(), self.eps)
-            .unwrap_or_else(|_| miles_ops::norm::rms_norm_reference(x, weight, self.eps))
+        miles_ops::rms_norm(x.clone(), weight.clone(), self.eps)
+            .unwrap_or_else(|_| miles_ops::rms_norm_reference(x, weight, self.eps))
     }
 
     pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
@@ -385,8 +385,8 @@ impl RmsNorm {
 /// `silu(gate) * up`: one fused op on flex, tensor ops elsewhere (equal shapes by
 /// construction; the fallback only re-raises burn's own shape panic).
 pub(crate) fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
-    miles_ops::swiglu::swiglu(gate.clone(), up.clone())
-        .unwrap_or_else(|_| miles_ops::swiglu::swiglu_reference(gate, up))
+    miles_ops::swiglu(gate.clone(), up.clone())
+        .unwrap_or_else(|_| miles_ops::swiglu_reference(gate, up))
 }
 
 /// SwiGLU MLP `down(silu(gate(x)) * up(x))` (no biases).
@@ -503,8 +503,8 @@ impl Rope {
         let table = |t: &Tensor<4>| t.clone().reshape([batch, seq, self.rotary_dim]).cast(dtype);
         let (cos, sin) = (table(&self.cos), table(&self.sin));
         // One fused op on flex, tensor ops elsewhere (the tables match `x` by construction).
-        miles_ops::norm::rope(x.clone(), cos.clone(), sin.clone())
-            .unwrap_or_else(|_| miles_ops::norm::rope_reference(x, cos, sin))
+        miles_ops::rope(x.clone(), cos.clone(), sin.clone())
+            .unwrap_or_else(|_| miles_ops::rope_reference(x, cos, sin))
     }
 }
 
@@ -878,8 +878,8 @@ pub(crate) fn attend(
     } else {
         (f32(q), f32(k), f32(v))
     };
-    miles_ops::attention::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
-        .unwrap_or_else(|_| miles_ops::attention::attention_reference(q, k, v, mask, scale))
+    miles_ops::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
+        .unwrap_or_else(|_| miles_ops::attention_reference(q, k, v, mask, scale))
         .cast(dtype)
 }
 

@@ -32,7 +32,7 @@ use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::{Device, Distribution, Int, Tensor};
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
 use miles_ops::fused::FusedLogProbConfig;
-use miles_ops::policy::{PolicyLossConfig, PolicyLossInput};
+use miles_ops::{PolicyLossConfig, PolicyLossInput};
 
 struct Counting;
 static CURRENT: AtomicUsize = AtomicUsize::new(0);
@@ -165,7 +165,7 @@ fn loss_step(inputs: &[Tensor<2>; 6]) {
         use_tis: true,
         use_kl_loss: true,
         kl_loss_coef: 0.01,
-        kl_loss_type: miles_ops::kl::KlLossType::LowVarKl,
+        kl_loss_type: miles_ops::KlLossType::LowVarKl,
         entropy_coef: 0.001,
         use_opsm: true,
         ..Default::default()
@@ -370,7 +370,7 @@ fn policy_loss_step(c: &mut Criterion) {
 /// high-water reservation). Small sizes by default: lavapipe runs on the same 2 CPU cores.
 #[cfg(feature = "wgpu")]
 fn fused_vs_plain_wgpu(c: &mut Criterion) {
-    let Some(device) = miles_ops::kernel_device::kernel_test_device("fused_vs_plain_wgpu") else {
+    let Some(device) = miles_ops::kernels::kernel_test_device("fused_vs_plain_wgpu") else {
         return;
     };
     let tokens = env_usize("MILES_BENCH_WGPU_TOKENS", 1024);

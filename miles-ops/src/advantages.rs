@@ -1,4 +1,4 @@
-//! Reward normalisation and advantage estimators (MILES_SPEC §5.2, §5.4).
+//! Reward normalisation (Miles' rollout side) and advantage estimators (its actor).
 //!
 //! These run on the host, per sample, exactly like Miles' rollout-to-train-data conversion:
 //! rewards are scalars per sample, per-token quantities (KL, values, loss mask) are slices
@@ -214,7 +214,7 @@ pub struct AdvantageSample<'a> {
     /// Loss mask over the response tokens (`> 0` = trainable).
     pub loss_mask: &'a [f32],
     /// Per-token KL for reward shaping (needed when `kl_coef ≠ 0`); see
-    /// [`crate::kl::shaping_kl`].
+    /// [`crate::shaping_kl`].
     pub kl: Option<&'a [f32]>,
     /// Critic values per response token (needed by `ppo`).
     pub values: Option<&'a [f32]>,
@@ -263,7 +263,7 @@ impl AdvantageCalculator {
         &self.config
     }
 
-    /// Group-normalises scalar rewards as Miles' rollout side does (MILES_SPEC §5.2).
+    /// Group-normalises scalar rewards as Miles' rollout side does.
     ///
     /// Applies only to `grpo`, `gspo` and `reinforce_plus_plus_baseline` unless
     /// `--disable-rewards-normalization`; other estimators get the rewards back unchanged.

@@ -1,21 +1,4 @@
 //! Fused masked softmax attention with grouped key/value heads, forward and backward.
-//!
-//! [`attention`] computes `softmax(mask_fill(q·kᵀ·scale, mask, −1e30))·v` for queries
-//! `[batch, heads, rows, head_dim]`, keys and values `[batch, kv_heads, keys, head_dim]`
-//! (query head `h` reads key/value head `h / (heads / kv_heads)`, as HF's `repeat_kv`) and a
-//! boolean mask `[batch, rows, keys]` (`true` = masked). A row whose keys are all masked
-//! attends uniformly to every key, as the masked-fill form does.
-//!
-//! On flex (`f32`) it runs as one backend op ([`FusedAttentionOps`]): rayon tasks per head,
-//! row blocks that skip the keys past their last unmasked one (half the work under a causal
-//! mask), the scale, masking and softmax fused over each block, and a custom backward that
-//! recomputes the probabilities from the forward's log-sum-exp, so neither the
-//! `[batch, heads, rows, keys]` scores nor their gradients are materialised between ops.
-//! On CubeCL devices (feature `wgpu` / `cuda`, `f32`) the same op runs flash-style CubeCL
-//! kernels (`src/kernels_attention.rs`: online softmax over key tiles, the log-sum-exp saved
-//! for the backward; also the engine's decode step, one query row over the KV cache).
-//! Elsewhere (other devices or dtypes) it is the same computation written with tensor ops
-//! ([`attention_reference`]), which is also what the flex op is tested against.
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -30,8 +13,8 @@ use burn::backend::{
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 
-use crate::flex_attention;
-use crate::flex_util::{as_f32, takes_fused};
+use crate::flex;
+use crate::flex::tensor::{as_f32, takes_fused};
 use crate::{OpsError, Result};
 
 /// The score a masked key gets before the softmax.
@@ -65,15 +48,25 @@ fn check(q: &[usize; 4], k: &[usize; 4], v: &[usize; 4], mask: &[usize; 3]) -> R
     Ok(())
 }
 
-/// Whether [`attention`] runs the fused op for tensors on `device` (flex and, with the
-/// `wgpu` / `cuda` feature, CubeCL devices; with or without autodiff; `f32` tensors) while
-/// [`crate::fused_ops_enabled`].
-pub fn runs_fused(device: &burn::tensor::Device) -> bool {
-    crate::fused::runs_fused(device)
-}
-
-/// Masked softmax attention (see the module docs). Errors on inconsistent shapes (heads not
-/// a multiple of key/value heads, mismatched batch, keys, head size or mask).
+/// Masked softmax attention. Errors on inconsistent shapes (heads not a multiple of
+/// key/value heads, mismatched batch, keys, head size or mask).
+///
+/// [`attention`] computes `softmax(mask_fill(q·kᵀ·scale, mask, −1e30))·v` for queries
+/// `[batch, heads, rows, head_dim]`, keys and values `[batch, kv_heads, keys, head_dim]`
+/// (query head `h` reads key/value head `h / (heads / kv_heads)`, as HF's `repeat_kv`) and a
+/// boolean mask `[batch, rows, keys]` (`true` = masked). A row whose keys are all masked
+/// attends uniformly to every key, as the masked-fill form does.
+///
+/// On flex (`f32`) it runs as one backend op ([`FusedAttentionOps`]): rayon tasks per head,
+/// row blocks that skip the keys past their last unmasked one (half the work under a causal
+/// mask), the scale, masking and softmax fused over each block, and a custom backward that
+/// recomputes the probabilities from the forward's log-sum-exp, so neither the
+/// `[batch, heads, rows, keys]` scores nor their gradients are materialised between ops.
+/// On CubeCL devices (feature `wgpu` / `cuda`, `f32`) the same op runs flash-style CubeCL
+/// kernels (`src/kernels/attention.rs`: online softmax over key tiles, the log-sum-exp saved
+/// for the backward; also the engine's decode step, one query row over the KV cache).
+/// Elsewhere (other devices or dtypes) it is the same computation written with tensor ops
+/// ([`attention_reference`]), which is also what the flex op is tested against.
 pub fn attention(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -179,9 +172,9 @@ impl FusedAttentionOps for Flex {
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (q, k, v) = (as_f32(q), as_f32(k), as_f32(v));
-        debug_assert!(flex_attention::supported(&q, &k, &v));
-        let dims = flex_attention::dims_of(&q.shape(), &k.shape());
-        flex_attention::forward(&q, &k, &v, &mask, scale, dims)
+        debug_assert!(flex::attention::supported(&q, &k, &v));
+        let dims = flex::attention::dims_of(&q.shape(), &k.shape());
+        flex::attention::forward(&q, &k, &v, &mask, scale, dims)
     }
 
     fn fused_attention_backward(
@@ -196,8 +189,8 @@ impl FusedAttentionOps for Flex {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (q, k, v) = (as_f32(q), as_f32(k), as_f32(v));
         let (out, grad) = (as_f32(out), as_f32(grad));
-        let dims = flex_attention::dims_of(&q.shape(), &k.shape());
-        flex_attention::backward(&q, &k, &v, &mask, &out, &lse, &grad, scale, dims)
+        let dims = flex::attention::dims_of(&q.shape(), &k.shape());
+        flex::attention::backward(&q, &k, &v, &mask, &out, &lse, &grad, scale, dims)
     }
 }
 

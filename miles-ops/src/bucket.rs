@@ -1,26 +1,6 @@
 //! Expert bucketing for the sparse MoE dispatch, computed where the routing is: the
 //! `(token, slot)` pairs of a `[tokens, top_k]` table of chosen expert ids sorted by expert,
 //! without reading the ids back to the host on CubeCL devices.
-//!
-//! Pair `p = t · top_k + j` is token `t`'s `j`-th choice. [`bucket_by_expert`] returns, on the
-//! ids' device ([`ExpertBuckets`]): the groups' slot offsets `[experts + 1]` (group `e` holds
-//! slots `offsets[e]..offsets[e + 1]`, the layout [`crate::grouped::grouped_matmul_offsets`]
-//! takes), and for every slot of the expert-sorted order its pair and token, plus the inverse
-//! permutation (the slot of every pair). The order is **stable**: the pairs of one expert keep
-//! ascending pair order, so results are deterministic.
-//!
-//! Ids outside `0..experts` (a router hook may return anything) are never used as an index:
-//! their pairs get the slots after the last group (`offsets[experts]..pairs`, in pair order),
-//! where the grouped matmul writes zero rows, and are counted in [`ExpertBuckets::invalid`] (a
-//! device scalar, never read here: a caller that reads something per step can fold it into
-//! that read; [`HostBuckets::new`] reports it on the host).
-//!
-//! On CubeCL devices (feature `wgpu` / `cuda`) three small kernels do it: one unit per expert
-//! (plus one for invalid ids) counts its pairs, one unit turns the counts into offsets (experts
-//! are at most a few hundred), and one unit per expert walks the pairs in order writing its
-//! slots — `O(experts × pairs)` work in `experts + 1` parallel units. Elsewhere (flex, or with
-//! the fused ops switched off) the ids are read and [`HostBuckets::new`], the counting sort
-//! that is also the kernels' test oracle, does it.
 
 use burn::backend::autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::IntTensor};
@@ -28,8 +8,28 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::{OpsError, Result};
 
-/// The expert-sorted order of a routing table, on its device (see the module docs). All
-/// tensors have the ids' int dtype.
+/// The expert-sorted order of a routing table, on its device. All tensors have the ids'
+/// int dtype.
+///
+/// Pair `p = t · top_k + j` is token `t`'s `j`-th choice. [`bucket_by_expert`] returns, on the
+/// ids' device ([`ExpertBuckets`]): the groups' slot offsets `[experts + 1]` (group `e` holds
+/// slots `offsets[e]..offsets[e + 1]`, the layout [`crate::grouped_matmul_offsets`]
+/// takes), and for every slot of the expert-sorted order its pair and token, plus the inverse
+/// permutation (the slot of every pair). The order is **stable**: the pairs of one expert keep
+/// ascending pair order, so results are deterministic.
+///
+/// Ids outside `0..experts` (a router hook may return anything) are never used as an index:
+/// their pairs get the slots after the last group (`offsets[experts]..pairs`, in pair order),
+/// where the grouped matmul writes zero rows, and are counted in [`ExpertBuckets::invalid`] (a
+/// device scalar, never read here: a caller that reads something per step can fold it into
+/// that read; [`HostBuckets::new`] reports it on the host).
+///
+/// On CubeCL devices (feature `wgpu` / `cuda`) three small kernels do it: one unit per expert
+/// (plus one for invalid ids) counts its pairs, one unit turns the counts into offsets (experts
+/// are at most a few hundred), and one unit per expert walks the pairs in order writing its
+/// slots — `O(experts × pairs)` work in `experts + 1` parallel units. Elsewhere (flex, or with
+/// the fused ops switched off) the ids are read and [`HostBuckets::new`], the counting sort
+/// that is also the kernels' test oracle, does it.
 #[derive(Debug, Clone)]
 pub struct ExpertBuckets {
     /// `[experts + 1]`: group `e` holds slots `offsets[e]..offsets[e + 1]`;
@@ -113,7 +113,7 @@ pub fn bucket_by_expert(ids: Tensor<2, Int>, experts: usize) -> Result<ExpertBuc
     let pairs = tokens * top_k;
     let device = ids.device();
     let flat = ids.reshape([pairs]);
-    if pairs > 0 && crate::fused::runs_fused(&device) {
+    if pairs > 0 && crate::runs_fused(&device) {
         let (offsets, pair_of_slot, token_of_slot, slot_of_pair, invalid) =
             <Dispatch as ExpertBucketOps>::bucket_by_expert(flat.into_dispatch(), experts, top_k);
         return Ok(ExpertBuckets {

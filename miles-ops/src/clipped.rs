@@ -233,12 +233,6 @@ impl<B: ClippedPgLossOps, C: CheckpointStrategy> ClippedPgLossOps for Autodiff<B
     }
 }
 
-/// Whether [`clipped_pg_loss`] runs the extension on `device` (flex, and the CubeCL devices
-/// with the `wgpu` / `cuda` feature) rather than [`clipped_pg_loss_reference`].
-pub fn runs_extension(device: &burn::tensor::Device) -> bool {
-    crate::fused::runs_fused(device)
-}
-
 /// The clipped policy-gradient loss: `(losses, clipfrac)` shaped like `ppo_kl`.
 ///
 /// Differentiable with respect to `ppo_kl` and `advantages`; `clipfrac` is a constant.
@@ -249,7 +243,7 @@ pub fn clipped_pg_loss<const D: usize>(
     eps_clip_high: f32,
     eps_clip_c: Option<f32>,
 ) -> (Tensor<D>, Tensor<D>) {
-    if !runs_extension(&ppo_kl.device()) {
+    if !crate::runs_fused(&ppo_kl.device()) {
         return clipped_pg_loss_reference(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c);
     }
     let (losses, clipfrac) = <Dispatch as ClippedPgLossOps>::clipped_pg_loss(

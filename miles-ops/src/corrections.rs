@@ -1,4 +1,4 @@
-//! Train/inference mismatch corrections: TIS, ICEPOP and MIS (MILES_SPEC §5.5).
+//! Train/inference mismatch corrections: TIS, ICEPOP and MIS (as Miles' policy loss applies them).
 //!
 //! All weights are computed from the trainer-scored old log-probs and the rollout engine's
 //! log-probs, are detached, and multiply the per-token policy-gradient loss. A correction may

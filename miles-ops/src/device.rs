@@ -156,7 +156,7 @@ fn wgpu(spec: String, kind: WgpuKind) -> Result<Device, DeviceError> {
     use burn::tensor::DeviceKind;
     if matches!(kind, WgpuKind::Cpu) {
         // One CPU adapter per process, shared with the kernel tests.
-        return crate::kernel_device::kernel_device()
+        return crate::kernels::kernel_device()
             .map_err(|reason| DeviceError::Unavailable { spec, reason });
     }
     let kind = match kind {

@@ -16,7 +16,7 @@
 //! matmuls are shared ([`forward_chunked`] / [`backward_chunked`]); the two per-chunk steps
 //! (online log-sum-exp forward step, logits-gradient backward step) are backend methods —
 //! native row loops on `Flex`, CubeCL kernels on CubeCL devices (feature `wgpu` / `cuda`,
-//! `src/kernels.rs`), each with a plain-op twin ([`logit_chunk_stats_reference`],
+//! `src/kernels/loss.rs`), each with a plain-op twin ([`logit_chunk_stats_reference`],
 //! [`logit_chunk_grad_reference`]; [`forward_reference`] / [`backward_reference`] run the
 //! whole op on them). `Autodiff<B>` gets the custom backward. On other backends
 //! [`FusedLogProbConfig::forward`] falls back to
@@ -34,6 +34,7 @@ use burn::backend::{
 };
 use burn::tensor::{IndexingUpdateOp, Int, Tensor};
 
+use crate::flex::steps;
 use crate::{OpsError, Result};
 
 /// Default number of tokens per chunk.
@@ -175,7 +176,7 @@ impl FusedLogProbConfig {
     ) -> (Tensor<1>, Tensor<1>) {
         let [tokens, _] = hidden.dims();
         let [vocab, _] = lm_head.dims();
-        if !runs_fused(&hidden.device()) {
+        if !crate::runs_fused(&hidden.device()) {
             // No fused implementation registered for this backend yet (or the fused ops are
             // switched off): same results through the plain path (which materialises the
             // logits).
@@ -216,23 +217,6 @@ fn check_ids(ids: impl Iterator<Item = i64>, vocab: usize) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Whether [`FusedLogProbConfig::forward`] runs the fused op on `device` (flex, and the
-/// CubeCL devices when the `wgpu` / `cuda` feature is on; with or without autodiff) rather
-/// than falling back to the plain path; never while [`crate::fused_ops_enabled`] is off.
-pub fn runs_fused(device: &burn::tensor::Device) -> bool {
-    if !crate::fused_ops_enabled() {
-        return false;
-    }
-    let inner = device.clone().without_autodiff();
-    match inner.as_dispatch() {
-        burn::backend::DispatchDevice::Flex(_) => true,
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        burn::backend::DispatchDevice::Cube(_) => true,
-        #[allow(unreachable_patterns)]
-        _ => false,
-    }
 }
 
 /// The forward step ([`FusedLogProbOps::logit_chunk_stats`]) on `logits`' device: folds a
@@ -330,14 +314,20 @@ impl FusedLogProbOps for burn::backend::Flex {
         logits: FloatTensor<Self>,
         running: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        crate::flex_steps::logit_chunk_stats(logits, running)
+        match steps::logit_chunk_stats(&logits, &running) {
+            Some(out) => out,
+            None => logit_chunk_stats_reference::<Self>(logits, running),
+        }
     }
 
     fn logit_chunk_grad(
         logits: FloatTensor<Self>,
         row_stats: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        crate::flex_steps::logit_chunk_grad(logits, row_stats)
+        match steps::logit_chunk_grad(&logits, &row_stats) {
+            Some(out) => out,
+            None => logit_chunk_grad_reference::<Self>(logits, row_stats),
+        }
     }
 }
 

@@ -1,25 +1,5 @@
 //! Grouped matmul for MoE experts: rows sorted by expert, each group multiplied by its own
 //! expert's weight, forward and backward as one op.
-//!
-//! For `x` `[rows, k]` whose rows come in consecutive groups of `group_sizes[e]` rows and
-//! stacked weights `w` `[experts, m, k]` (HF's `[out, in]` per expert), [`grouped_matmul`]
-//! returns `[rows, m]` with group `e` equal to `x_e · w_eᵀ`. Backward:
-//! `∂x_e = ∂y_e · w_e`, `∂w_e = ∂y_eᵀ · x_e` (zero for an expert without rows).
-//!
-//! On flex (`f32`) it is one backend op ([`GroupedMatmulOps`]): one `gemm` per group, groups
-//! in parallel (rayon), and a backward that writes each expert's weight gradient and each
-//! group's input gradient in place; on CubeCL devices (feature `wgpu` / `cuda`, `f32`) CubeCL
-//! kernels do the same (one unit per output element). Written with tensor ops instead
-//! ([`grouped_matmul_reference`]: a slice of `x` and a narrow of `w` per group), autodiff turns
-//! every slice and narrow into a zero tensor of the full input's size plus an add, which for
-//! an MoE layer is gigabytes of memory traffic per training step.
-//!
-//! [`grouped_matmul_offsets`] (and [`grouped_matmul_offsets_packed`] for inference) take the
-//! groups as device row offsets `[experts + 1]` instead of host sizes — what
-//! [`crate::bucket::bucket_by_expert`] computes on the device — so a sparse MoE dispatch
-//! never reads the routing back on CubeCL devices. Rows at or past `offsets[experts]` belong
-//! to no group: their outputs and input gradients are zero. On flex the offsets are read (a
-//! copy) and the host-size op runs.
 
 use burn::backend::autodiff::{
     Autodiff,
@@ -34,12 +14,32 @@ use burn::backend::{
 use burn::tensor::{Int, Tensor};
 use rayon::prelude::*;
 
-use crate::flex_attention::matmul;
-use crate::flex_util::{as_f32, dims, f32_data, takes_fused, tensor};
+use crate::flex::gemm::matmul;
+use crate::flex::tensor::{as_f32, dims, f32_data, takes_fused, tensor};
 use crate::{OpsError, Result};
 
-/// `x_e · w_eᵀ` for consecutive row groups (see the module docs). Errors when the group
-/// sizes do not add up to the rows, there are more groups than experts, or `k` differs.
+/// `x_e · w_eᵀ` for consecutive row groups. Errors when the group sizes do not add up to
+/// the rows, there are more groups than experts, or `k` differs.
+///
+/// For `x` `[rows, k]` whose rows come in consecutive groups of `group_sizes[e]` rows and
+/// stacked weights `w` `[experts, m, k]` (HF's `[out, in]` per expert), [`grouped_matmul`]
+/// returns `[rows, m]` with group `e` equal to `x_e · w_eᵀ`. Backward:
+/// `∂x_e = ∂y_e · w_e`, `∂w_e = ∂y_eᵀ · x_e` (zero for an expert without rows).
+///
+/// On flex (`f32`) it is one backend op ([`GroupedMatmulOps`]): one `gemm` per group, groups
+/// in parallel (rayon), and a backward that writes each expert's weight gradient and each
+/// group's input gradient in place; on CubeCL devices (feature `wgpu` / `cuda`, `f32`) CubeCL
+/// kernels do the same (one unit per output element). Written with tensor ops instead
+/// ([`grouped_matmul_reference`]: a slice of `x` and a narrow of `w` per group), autodiff turns
+/// every slice and narrow into a zero tensor of the full input's size plus an add, which for
+/// an MoE layer is gigabytes of memory traffic per training step.
+///
+/// [`grouped_matmul_offsets`] (and [`grouped_matmul_offsets_packed`] for inference) take the
+/// groups as device row offsets `[experts + 1]` instead of host sizes — what
+/// [`crate::bucket_by_expert`] computes on the device — so a sparse MoE dispatch
+/// never reads the routing back on CubeCL devices. Rows at or past `offsets[experts]` belong
+/// to no group: their outputs and input gradients are zero. On flex the offsets are read (a
+/// copy) and the host-size op runs.
 pub fn grouped_matmul(x: Tensor<2>, w: Tensor<3>, group_sizes: &[usize]) -> Result<Tensor<2>> {
     let [rows, k] = x.dims();
     let [experts, m, wk] = w.dims();

@@ -1,4 +1,4 @@
-//! KL estimators (`compute_approx_kl`, MILES_SPEC §5.6).
+//! KL estimators (Miles' `compute_approx_kl`).
 //!
 //! With `d = log_probs − log_probs_base`:
 //! `k1 → d`, `k2 → d²/2`, `k3 → exp(−d) − 1 + d`, and `low_var_kl` → k3 with `−d` first
@@ -129,7 +129,8 @@ pub fn approx_kl_scalar(log_prob: f32, log_prob_base: f32, kl_type: KlLossType) 
     kl as f32
 }
 
-/// Per-token shaping KL for one sample (`kl_i` of MILES_SPEC §5.3).
+/// Per-token shaping KL for one sample (the `kl_i` of Miles' reward shaping, weighted by
+/// `--kl-coef`).
 pub fn shaping_kl(
     log_probs: &[f32],
     ref_log_probs: &[f32],

@@ -1,61 +1,57 @@
 //! # miles-ops
 //!
-//! The math of RL post-training for miles-rs, matching Miles' formulas and flag names
-//! (MILES_SPEC §5):
+//! The math of RL post-training for miles-rs, matching Miles' formulas, flag names and
+//! defaults. Every item has one path: the RL math and the fused model ops at the crate root,
+//! six namespaces for what only reads well qualified.
 //!
-//! - [`advantages`]: reward normalisation and the estimators `grpo` (Dr.GRPO with
-//!   `disable_grpo_std_normalization`), `gspo`, `reinforce_plus_plus`,
-//!   `reinforce_plus_plus_baseline` and `ppo` (GAE), plus `--normalize-advantages`.
-//! - [`policy`]: the policy loss (PPO clip, asymmetric `eps_clip_high`, dual clip
-//!   `eps_clip_c`, GSPO sequence ratio, OPSM), KL loss, entropy bonus, value and SFT losses.
-//! - [`corrections`]: TIS (`vanilla_tis`), ICEPOP and MIS importance-sampling corrections.
-//! - [`kl`]: the k1 / k2 / k3 / `low_var_kl` estimators.
-//! - [`reduce`]: `sum_of_sample_mean` / per-token aggregation with loss masks, and metrics
-//!   under Miles' names.
-//! - [`logprobs`] and [`fused`]: per-token log-probs and entropy from logits, and the fused,
-//!   chunked version from hidden states and `lm_head` with a custom backward that never
-//!   materialises `[tokens, vocab]`.
-//! - [`clipped`]: the clipped policy-gradient loss as one fused op (forward and backward).
-//! - [`attention`], [`norm`], [`swiglu`], [`grouped`]: the fused model ops (masked attention
-//!   with grouped key/value heads, RMSNorm, RoPE, SwiGLU, the grouped expert matmul), each
-//!   one backend op with a custom backward and a plain-op `*_reference` twin.
-//! - [`bucket`]: the expert bucketing of a sparse MoE dispatch (stable counting sort of the
-//!   chosen ids by expert) on the ids' device, whose offsets
-//!   [`grouped::grouped_matmul_offsets`] takes as a device tensor.
-//! - CubeCL kernels (feature `wgpu`, or `cuda`), registered as burn backend extensions for
-//!   `CubeBackend`, so the ops dispatch to them for `f32` tensors on a CubeCL device (with or
-//!   without autodiff) and to native loops on flex:
-//!   - the per-chunk forward and backward steps of [`fused`] and the [`clipped`] loss
-//!     (`tests/it/kernels.rs`, against their plain-op twins);
-//!   - RMSNorm (row reductions in shared memory; the weight gradient in two passes), RoPE and
-//!     SwiGLU (element-wise), forward and backward, and the grouped expert matmul (forward,
-//!     input and weight gradients, host sizes or device offsets) and the expert bucketing
-//!     (`tests/it/kernels_model.rs`, against the flex ops and the host counting sort);
-//!   - attention: a flash-style online-softmax forward (one cube per query row, key tiles
-//!     skipped outside the row's first / last unmasked key, log-sum-exp saved), which is
-//!     also the decode step over the KV cache, and a backward recomputing the
-//!     probabilities from it (`∂q` per query row, `∂k / ∂v` per key, no atomics)
-//!     (`tests/it/kernels_attention.rs`, against the flex op).
+//! **RL math** (at the root):
 //!
-//!   No plane (warp) operations and a few KiB of shared memory per cube, so they run on
-//!   every WebGPU adapter; tested on `Device::wgpu(DeviceKind::Cpu)` (lavapipe without a GPU).
-//! - [`packed`], [`linear`] and [`grouped::grouped_matmul_packed`]: forward-only inference
-//!   matmuls for a decode step on flex: on AVX-512F CPUs an AVX-512 micro-kernel over weights
-//!   packed once per weight version into 32-column panels (projections, `lm_head` and MoE
-//!   experts; a row's result independent of the other rows); elsewhere projections split over
-//!   both cores over weights stored transposed ([`linear::linear_t`]). The flex attention
-//!   op's one-row (decode) case reads each cached key and value once per key/value head. [`logprobs`] has
-//!   the samplers' vectorised row passes (log-sum-exp, tempered weights, greedy pick).
+//! - advantages: [`AdvantageConfig`] → [`AdvantageCalculator`] (reward normalisation and the
+//!   estimators `grpo` — Dr.GRPO with `disable_grpo_std_normalization` — `gspo`,
+//!   `reinforce_plus_plus`, `reinforce_plus_plus_baseline` and `ppo` (GAE), see
+//!   [`AdvantageEstimator`]), plus `--normalize-advantages` ([`whiten_advantages`]);
+//! - the policy loss: [`PolicyLossConfig`] → [`PolicyLoss`] (PPO clip, asymmetric
+//!   `eps_clip_high`, dual clip `eps_clip_c`, GSPO sequence ratio, OPSM, KL loss, entropy
+//!   bonus), [`value_loss`], [`sft_loss`], and the clipped policy-gradient loss as one fused
+//!   op forward and backward ([`clipped_pg_loss`], twin [`clipped_pg_loss_reference`]);
+//! - importance-sampling corrections: [`TisFunction`] (`vanilla_tis`, `icepop`) and Miles'
+//!   MIS ([`MisConfig`]);
+//! - KL: [`KlLossType`] (`k1`, `k2`, `k3`, `low_var_kl`), [`compute_approx_kl`],
+//!   [`shaping_kl`];
+//! - aggregation: [`Reducer`] (`sum_of_sample_mean` / per-token with loss masks) and
+//!   [`LossMetrics`] under Miles' names.
+//!
+//! **Fused model ops** (at the root), each one backend op with a custom backward and a
+//! plain-op `*_reference` twin — native row loops on flex, CubeCL kernels on CubeCL devices:
+//! masked attention with grouped key/value heads ([`attention()`]), [`rms_norm`], [`rope`],
+//! [`swiglu()`], the grouped expert matmul ([`grouped_matmul`], over device offsets
+//! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
+//! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
+//! device ([`bucket_by_expert`]) and the decode-step projections split over the cores
+//! ([`linear()`], [`linear_t`]). [`runs_fused`] says whether a device takes the fused path;
+//! [`fused_ops_enabled`] / [`set_fused_ops`] (also `MILES_FUSED_OPS=off`) is one
+//! process-wide switch that sends every fused op to its plain-op twin, to measure the two
+//! paths in one run.
+//!
+//! **Namespaces:**
+//!
+//! - [`fused`]: per-token log-probs and entropy from hidden states and `lm_head`, chunked over
+//!   tokens and vocabulary with a custom backward that never materialises `[tokens, vocab]`
+//!   ([`fused::FusedLogProbConfig`]), and the op's per-chunk steps and plain-op twins;
+//! - [`logprobs`]: the plain (reference) log-probs and entropy from logits, and the samplers'
+//!   vectorised host row passes (log-sum-exp, tempered weights, greedy pick);
+//! - [`packed`]: forward-only decode matmuls on flex with AVX-512F over weights packed once per
+//!   weight version into 32-column panels (projections, `lm_head`, MoE experts);
+//! - [`paged`]: decode attention over a paged KV pool;
+//! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`);
+//! - [`kernels`]: the CubeCL kernels (feature `wgpu`, or `cuda`) are registered as burn
+//!   backend extensions for `CubeBackend`, so the ops above dispatch to them for `f32` tensors
+//!   on a CubeCL device; the namespace holds the device their tests run on (wgpu over a
+//!   software adapter) and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
 //!
 //! Feature `avx512` (default): `gemm`'s AVX-512 kernels (burn's `x86-v4`), chosen at run time
 //! on CPUs with AVX-512F, so flex's matmuls and ours use them; other CPUs keep the AVX2 / SSE
 //! kernels and other architectures are unaffected.
-//! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`)
-//! - [`kernel_device`]: the device CubeCL kernel tests run on (wgpu over a software adapter)
-//!   and the policy for machines without one (`MILES_REQUIRE_KERNEL_TESTS`).
-//! - [`fused_ops_enabled`] / [`set_fused_ops`]: one process-wide switch (also
-//!   `MILES_FUSED_OPS=off`) that sends every fused op to its plain-op twin, to measure the two
-//!   paths in one run.
 //!
 //! Built-in choices are serde enums whose values are Miles' CLI values; configs carry
 //! Miles' defaults and are validated once (`init`). Tensor code uses burn's
@@ -63,8 +59,7 @@
 //!
 //! ```
 //! use burn::tensor::{Device, Tensor};
-//! use miles_ops::advantages::{AdvantageConfig, AdvantageSample, Grouping};
-//! use miles_ops::policy::{PolicyLossConfig, PolicyLossInput};
+//! use miles_ops::{AdvantageConfig, AdvantageSample, Grouping, PolicyLossConfig, PolicyLossInput};
 //!
 //! // GRPO: one prompt, four samples.
 //! let calc = AdvantageConfig::default().with_n_samples_per_prompt(4).init()?;
@@ -89,35 +84,57 @@
 //! # Ok::<(), miles_ops::OpsError>(())
 //! ```
 
-pub mod advantages;
-pub mod attention;
-pub mod bucket;
-pub mod clipped;
-pub mod corrections;
+mod advantages;
+mod attention;
+mod bucket;
+mod clipped;
+mod corrections;
 pub mod device;
 mod error;
-mod flex_attention;
-mod flex_steps;
-mod flex_util;
+mod flex;
 pub mod fused;
-pub mod grouped;
-pub mod kernel_device;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod kernels;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod kernels_attention;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-mod kernels_model;
-pub mod kl;
-pub mod linear;
+mod grouped;
+pub mod kernels;
+mod kl;
+mod linear;
 pub mod logprobs;
-pub mod norm;
+mod norm;
 pub mod packed;
 pub mod paged;
-pub mod policy;
-pub mod reduce;
-pub mod swiglu;
+mod policy;
+mod reduce;
+mod swiglu;
 mod switch;
 
 pub use error::{OpsError, Result};
-pub use switch::{FUSED_OPS_ENV, env_value_turns_off, fused_ops_enabled, set_fused_ops};
+pub use switch::{
+    FUSED_OPS_ENV, env_value_turns_off, fused_ops_enabled, runs_fused, set_fused_ops,
+};
+
+// RL math.
+pub use advantages::{
+    AdvantageCalculator, AdvantageConfig, AdvantageEstimator, AdvantageOutput, AdvantageSample,
+    GROUP_STD_EPS, Grouping, WHITEN_EPS, whiten_advantages,
+};
+pub use clipped::{ClippedPgLossOps, clipped_pg_loss, clipped_pg_loss_reference};
+pub use corrections::{Correction, IS_LOG_RATIO_BOUND, IsLevel, IsMode, MisConfig, TisFunction};
+pub use kl::{
+    KlLossType, LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP, approx_kl_scalar, compute_approx_kl, shaping_kl,
+};
+pub use policy::{
+    PolicyLoss, PolicyLossConfig, PolicyLossInput, PolicyLossOutput, compute_policy_loss, sft_loss,
+    value_loss,
+};
+pub use reduce::{LossAggregation, LossMetrics, Reducer, read_scalars};
+
+// Fused model ops.
+pub use attention::{FusedAttentionOps, MASKED_SCORE, attention, attention_reference};
+pub use bucket::{ExpertBucketOps, ExpertBuckets, HostBuckets, bucket_by_expert};
+pub use grouped::{
+    ExpertLayout, GroupedMatmulOps, GroupedOffsetsOps, GroupedPackedOps, PackedExperts,
+    grouped_matmul, grouped_matmul_offsets, grouped_matmul_offsets_packed, grouped_matmul_packed,
+    grouped_matmul_reference,
+};
+pub use linear::{DECODE_ROWS, LinearOps, linear, linear_reference, linear_t};
+pub use norm::{NormRopeOps, rms_norm, rms_norm_reference, rope, rope_reference};
+pub use swiglu::{SwiGluOps, swiglu, swiglu_reference};

@@ -1,22 +1,5 @@
 //! Inference linear layer `x · wᵀ` (HF layout `w` `[out, in]`) that keeps both cores busy
 //! on the small matmuls of a decode step.
-//!
-//! flex runs a matmul on one thread below `192³` multiply-adds, so a decode step's
-//! projections (`[rows ≤ 32, hidden]` by `[out, hidden]`, streaming every weight from memory
-//! once) run on one core. On plain flex (no autodiff, `f32`) [`linear`] splits such a matmul
-//! by output columns into one `gemm` per rayon task and joins the column blocks; larger
-//! matmuls, other devices and autodiff tensors take `x.matmul(w.transpose())`
-//! ([`linear_reference`], also what the split path is tested against). [`linear_t`] is the
-//! same over a weight already stored transposed, `[in, out]` row-major: the layout `gemm`'s
-//! AVX-512 kernels read fastest at decode row counts (the engine's step model packs its
-//! weights that way once per weight version). At decode row counts (at most
-//! [`DECODE_ROWS`]) [`linear_t`] splits at every size, `lm_head` included: one sequence's
-//! `[1, 512] · [512, 32000]` took 4.3 ms per token through flex's own matmul and takes 2.1 ms
-//! split (GLM-4-MoE 88 M decode on this project's 2-core machine); at 32 rows both stream
-//! the weight from memory at about the same rate.
-//! Forward only: the engine's step model uses them, training never does. On CPUs with
-//! AVX-512F the step model packs its `f32` weights for [`crate::packed`] instead (about 1.5x
-//! faster at 32 rows, no per-call packing); this is the path on other CPUs and dtypes.
 
 use burn::backend::{
     Backend, Dispatch, DispatchDevice, Flex, backend_extension, tensor::FloatTensor,
@@ -24,8 +7,8 @@ use burn::backend::{
 use burn::tensor::{DType, Tensor};
 use rayon::prelude::*;
 
-use crate::flex_attention::matmul;
-use crate::flex_util::{as_f32, dims, f32_data, tensor};
+use crate::flex::gemm::matmul;
+use crate::flex::tensor::{as_f32, dims, f32_data, tensor};
 
 /// Multiply-adds from which flex parallelises a matmul itself (its `192³`).
 const FLEX_PARALLEL: usize = 192 * 192 * 192;
@@ -36,8 +19,25 @@ const COLUMN_ALIGN: usize = 16;
 /// Rows up to which [`linear_t`] splits at every size (a decode step's batch).
 pub const DECODE_ROWS: usize = 64;
 
-/// `x · wᵀ` for `x` `[rows, in]` and `w` `[out, in]` (see the module docs); panics on
-/// mismatched widths as `matmul` does.
+/// `x · wᵀ` for `x` `[rows, in]` and `w` `[out, in]`; panics on mismatched widths as
+/// `matmul` does.
+///
+/// flex runs a matmul on one thread below `192³` multiply-adds, so a decode step's
+/// projections (`[rows ≤ 32, hidden]` by `[out, hidden]`, streaming every weight from memory
+/// once) run on one core. On plain flex (no autodiff, `f32`) [`linear`] splits such a matmul
+/// by output columns into one `gemm` per rayon task and joins the column blocks; larger
+/// matmuls, other devices and autodiff tensors take `x.matmul(w.transpose())`
+/// ([`linear_reference`], also what the split path is tested against). [`linear_t`] is the
+/// same over a weight already stored transposed, `[in, out]` row-major: the layout `gemm`'s
+/// AVX-512 kernels read fastest at decode row counts (the engine's step model packs its
+/// weights that way once per weight version). At decode row counts (at most
+/// [`DECODE_ROWS`]) [`linear_t`] splits at every size, `lm_head` included: one sequence's
+/// `[1, 512] · [512, 32000]` took 4.3 ms per token through flex's own matmul and takes 2.1 ms
+/// split (GLM-4-MoE 88 M decode on this project's 2-core machine); at 32 rows both stream
+/// the weight from memory at about the same rate.
+/// Forward only: the engine's step model uses them, training never does. On CPUs with
+/// AVX-512F the step model packs its `f32` weights for [`crate::packed`] instead (about 1.5x
+/// faster at 32 rows, no per-call packing); this is the path on other CPUs and dtypes.
 pub fn linear(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     let ([m, k], [n, wk]) = (x.dims(), w.dims());
     if wk != k || !splits(&x, &w, m, k, n, FLEX_PARALLEL) {

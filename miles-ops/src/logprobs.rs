@@ -165,7 +165,7 @@ pub fn first_index_of_max(row: &[f32], max: f32) -> usize {
         .unwrap_or(0)
 }
 
-/// `exp(x)` for `x ≤ 0`: the polynomial of [`crate::flex_attention`]'s `exp_nonpositive`
+/// `exp(x)` for `x ≤ 0`: the polynomial of the flex row loops (`flex/exp.rs`)
 /// (Cephes, within 2 ulp) with the power of two rounded to nearest by adding 1.5·2²³
 /// instead of a saturating float-to-int cast, so that it vectorises on every x86-64 level.
 /// NaN stays NaN; below −87 it returns `exp(−87)`.
@@ -181,7 +181,7 @@ fn exp_nonpositive_rounded(x: f32) -> f32 {
     let n = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let nf = t - ROUND;
     let g = x - nf * C1 - nf * C2;
-    crate::flex_attention::exp_reduced(g) * f32::from_bits((n.wrapping_add(127) as u32) << 23)
+    crate::flex::exp::exp_reduced(g) * f32::from_bits((n.wrapping_add(127) as u32) << 23)
 }
 
 #[cfg(test)]

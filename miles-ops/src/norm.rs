@@ -12,7 +12,7 @@
 //! On flex (`f32`) each is one backend op ([`NormRopeOps`]) with row-parallel (rayon) passes,
 //! where burn's generic forms run five to eight single-threaded element-wise ops each way; on
 //! CubeCL devices (feature `wgpu` / `cuda`, `f32`) the same op runs CubeCL kernels
-//! (`src/kernels_model.rs`); elsewhere the same math with tensor ops ([`rms_norm_reference`],
+//! (`src/kernels/model.rs`); elsewhere the same math with tensor ops ([`rms_norm_reference`],
 //! [`rope_reference`]).
 
 use burn::backend::autodiff::{
@@ -27,7 +27,7 @@ use burn::backend::{
 use burn::tensor::Tensor;
 use rayon::prelude::*;
 
-use crate::flex_util::{as_f32, dims, f32_data, takes_fused, tensor};
+use crate::flex::tensor::{as_f32, dims, f32_data, takes_fused, tensor};
 use crate::{OpsError, Result};
 
 /// Rows per parallel task.

@@ -22,14 +22,14 @@
 //! A gate and an up projection pack as one interleaved matrix ([`pack_glu`]: gate panel `j`
 //! then up panel `j`) for [`Product::Glu`]: the kernel keeps both products of a block of up to
 //! 6 rows in registers and writes `silu(gate) · up` (SwiGLU with the formula of
-//! [`crate::swiglu`]'s flex op), so the MLP's `[rows, 2 · inter]` intermediate, its column
+//! [`crate::swiglu()`]'s flex op), so the MLP's `[rows, 2 · inter]` intermediate, its column
 //! splits and the separate activation pass never exist.
 //!
 //! Every output element is `Σ_i x[r, i] · w[i, c]` accumulated by FMA in input order from
 //! zero, whatever the number of rows, the row block or the task it falls in: a row's result
 //! does not depend on which other rows share the call (continuous batching gives the same
 //! logits as one sequence at a time). It is not `gemm`'s order, so results differ from
-//! [`crate::linear::linear_reference`] at float rounding (tests hold them within `1e-5`
+//! [`crate::linear_reference`] at float rounding (tests hold them within `1e-5`
 //! relative). Forward only: the engine's step model uses them, training never does.
 //!
 //! [`PackedMatrix::new`] returns `None` where this path does not apply (another device or
@@ -44,7 +44,7 @@ use burn::backend::{
 use burn::tensor::{DType, Tensor, TensorData};
 use rayon::prelude::*;
 
-use crate::flex_util::{as_f32, dims, f32_data, tensor};
+use crate::flex::tensor::{as_f32, dims, f32_data, tensor};
 
 /// Output columns per panel (two 16-lane registers).
 pub const PANEL: usize = 32;
@@ -291,7 +291,7 @@ pub(crate) fn host_f32<const D: usize>(t: Tensor<D>) -> Option<Vec<f32>> {
 }
 
 /// Backend op of [`PackedMatrix::matmul`] and of the packed grouped expert matmul
-/// ([`crate::grouped::grouped_matmul_packed`]); plain flex only.
+/// ([`crate::grouped_matmul_packed`]); plain flex only.
 #[backend_extension(Flex)]
 pub trait PackedOps: Backend {
     /// `x · W` for `x` `[rows, in]` over packed panels `data`, `out` columns (with `glu`,

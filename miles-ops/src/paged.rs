@@ -12,14 +12,14 @@
 //! position order with the same loops as the contiguous decode step, so every output equals
 //! the contiguous computation over the same keys bit for bit, and a sequence's result never
 //! depends on the other sequences of the step. Elsewhere ([`applies`] is false) callers gather
-//! the keys with [`gather_index`] and run [`crate::attention::attention`].
+//! the keys with [`gather_index`] and run [`crate::attention()`].
 
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::error::{OpsError, Result};
-use crate::flex_attention;
-use crate::flex_util::{as_f32, dims, f32_data, tensor};
+use crate::flex;
+use crate::flex::tensor::{as_f32, dims, f32_data, tensor};
 
 /// Where each sequence's keys live in a pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +80,7 @@ impl PageTable {
 /// flex, `f32`, AVX-512F (as [`crate::packed::applies`]) and a head size the decode loops
 /// take (a multiple of 16, at most 256).
 pub fn applies(device: &Device, dtype: DType, head_dim: usize) -> bool {
-    crate::packed::applies(device, dtype) && flex_attention::decode_applies(head_dim)
+    crate::packed::applies(device, dtype) && flex::attention::decode_applies(head_dim)
 }
 
 /// `softmax(q · kᵀ · scale) · v` for one query row per sequence, `q` `[batch, heads, 1, d]`,
@@ -215,7 +215,7 @@ impl PagedOps for Flex {
         let (heads, d) = (shape[1], shape[3]);
         let (block, kv_heads) = (sizes[0], sizes[1]);
         let (qd, kd, vd) = (f32_data(&q), f32_data(&keys), f32_data(&values));
-        let out = flex_attention::paged_decode(
+        let out = flex::attention::paged_decode(
             &qd, &kd, &vd, &table, &lens, block, kv_heads, heads, d, scale,
         );
         tensor(out, &shape)

@@ -1,4 +1,4 @@
-//! The policy loss (`policy_loss_function`, MILES_SPEC §5.5): PPO clip with asymmetric
+//! The policy loss (Miles' `policy_loss_function`): PPO clip with asymmetric
 //! `eps_clip_high`, dual clip `eps_clip_c`, GSPO sequence ratio, OPSM, TIS / ICEPOP / MIS
 //! corrections, KL loss against a reference policy and the entropy bonus, aggregated with
 //! loss masks, plus Miles' metrics.
@@ -249,7 +249,7 @@ fn sequence_mean(x: Tensor<2>, mask: Tensor<2>) -> Tensor<2> {
 /// Returns `(pg_losses, clipfrac)`: `ratio = exp(−ppo_kl)`, `L1 = −ratio·A`,
 /// `L2 = −clamp(ratio, 1−eps_clip, 1+eps_clip_high)·A`, `L = max(L1, L2)`,
 /// `clipfrac = [L2 > L1]`; with `eps_clip_c`, `L = min(L, −eps_clip_c·A)` where `A < 0`.
-/// Runs the fused op ([`crate::clipped::clipped_pg_loss`]: one pass each way, a CubeCL
+/// Runs the fused op ([`crate::clipped_pg_loss`]: one pass each way, a CubeCL
 /// kernel on GPU backends) where it is registered, its plain-op twin elsewhere.
 pub fn compute_policy_loss<const D: usize>(
     ppo_kl: Tensor<D>,

@@ -1,4 +1,4 @@
-//! Loss aggregation (MILES_SPEC §5.7) and per-step metrics.
+//! Loss aggregation (Miles' `sum_of_sample_mean` / per-token loss) and per-step metrics.
 //!
 //! Batches are padded `[batch, tokens]` tensors with a float loss mask (`> 0` = trainable).
 //! The default reducer is Miles' `sum_of_sample_mean`: `Σ_samples Σ_t x·mask / max(den, 1)`

@@ -21,7 +21,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::silu;
 use rayon::prelude::*;
 
-use crate::flex_util::{as_f32, dims, f32_data, takes_fused, tensor};
+use crate::flex::tensor::{as_f32, dims, f32_data, takes_fused, tensor};
 use crate::{OpsError, Result};
 
 /// Elements per parallel task.
@@ -71,7 +71,7 @@ pub trait SwiGluOps: Backend {
 /// `σ(x)` from `exp(−|x|)`, branch-free so that loops vectorise.
 #[inline(always)]
 pub(crate) fn sigmoid(x: f32) -> f32 {
-    let e = crate::flex_attention::exp_nonpositive(-x.abs());
+    let e = crate::flex::exp::exp_nonpositive(-x.abs());
     let r = 1.0 / (1.0 + e);
     if x >= 0.0 { r } else { e * r }
 }

@@ -1,8 +1,10 @@
-//! The process-wide switch between the fused ops and their plain-op twins.
+//! The process-wide switch between the fused ops and their plain-op twins, and which devices
+//! the fused ops run on ([`runs_fused`]).
 //!
-//! Every fused op of this crate ([`crate::fused`], [`crate::clipped`], [`crate::attention`],
-//! [`crate::norm`], [`crate::swiglu`], [`crate::grouped`]) asks [`fused_ops_enabled`] before
-//! taking its fused path; when it is off, each runs its plain tensor-op form instead (the same
+//! Every fused op of this crate (the fused log-probs of [`crate::fused`],
+//! [`crate::clipped_pg_loss`], [`crate::attention()`], [`crate::rms_norm`], [`crate::rope`],
+//! [`crate::swiglu()`], the grouped matmuls, [`crate::bucket_by_expert`]) asks
+//! [`fused_ops_enabled`] (through [`runs_fused`]) before taking its fused path; when it is off, each runs its plain tensor-op form instead (the same
 //! values up to float rounding, the full intermediates in memory). It exists to measure the
 //! fused ops against the plain path in one process (the `wgpu_step` bench) and to rule the
 //! fused ops out when chasing a numerical difference.
@@ -75,6 +77,24 @@ pub fn fused_ops_enabled() -> bool {
 /// Turns the fused ops on or off for the whole process, overriding `MILES_FUSED_OPS`.
 pub fn set_fused_ops(enabled: bool) {
     SWITCH.set(enabled);
+}
+
+/// Whether the fused ops take their fused path for tensors on `device`: flex, and the CubeCL
+/// devices when the `wgpu` / `cuda` feature is on, with or without autodiff; never while
+/// [`fused_ops_enabled`] is off. Elsewhere each op runs its plain-op twin (the fused
+/// log-probs fall back to the plain path, same values with the full logits in memory).
+pub fn runs_fused(device: &burn::tensor::Device) -> bool {
+    if !fused_ops_enabled() {
+        return false;
+    }
+    let inner = device.clone().without_autodiff();
+    match inner.as_dispatch() {
+        burn::backend::DispatchDevice::Flex(_) => true,
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        burn::backend::DispatchDevice::Cube(_) => true,
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
 }
 
 #[cfg(test)]

@@ -173,7 +173,7 @@ impl RlLoop {
         }
         let train_pool = config
             .train_threads
-            .map(|threads| crate::compute_pool(threads, "miles-train").map(Arc::new))
+            .map(|threads| compute_pool(threads, "miles-train").map(Arc::new))
             .transpose()?;
         Ok(Self {
             config,
@@ -992,4 +992,26 @@ pub fn sample_perf_metrics(samples: &[Sample], rollout_time: f64, metrics: &mut 
             times.iter().copied().fold(f64::MAX, f64::min),
         );
     }
+}
+
+/// A rayon pool of `threads` threads named `name-N`, for work that must stay on its own
+/// cores (the loop's [`LoopConfig::train_threads`]). burn's CPU backend parallelises through
+/// the rayon pool it is called from, so running inside [`rayon::ThreadPool::install`] bounds
+/// its cores.
+pub fn compute_pool(threads: usize, name: &str) -> Result<rayon::ThreadPool> {
+    if threads == 0 {
+        return Err(Error::Config(format!(
+            "{name}: compute threads must be >= 1"
+        )));
+    }
+    let prefix = name.to_string();
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("{prefix}-{i}"))
+        .build()
+        .map_err(|e| {
+            Error::Task(format!(
+                "{name}: cannot start {threads} compute threads: {e}"
+            ))
+        })
 }

@@ -31,7 +31,7 @@ use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::{CausalLm, FloatDtype, ModelConfig, ModelInput, MoeDispatch, ids_tensor};
 use miles_core::{PolicyTrainer, Reward, RoutedExperts, Sample};
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 

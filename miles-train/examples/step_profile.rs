@@ -7,7 +7,7 @@
 use burn::tensor::Device;
 use miles_bridge::{CausalLm, ModelConfig};
 use miles_core::{PolicyTrainer, Reward, Sample};
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 
 fn main() {

@@ -10,7 +10,7 @@ use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::CausalLm;
 use miles_core::{PolicyTrainer, Reward, Sample};
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, LossType, LrSchedule, TrainConfig, score_log_probs};
 

@@ -12,16 +12,16 @@ use miles_bridge::{CausalLm, FloatDtype};
 use miles_core::{
     DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, TensorBytes, WeightVersion,
 };
-use miles_ops::advantages::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
-use miles_ops::kl::shaping_kl;
-use miles_ops::policy::{PolicyLoss, PolicyLossInput};
+use miles_ops::shaping_kl;
+use miles_ops::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
+use miles_ops::{PolicyLoss, PolicyLossInput};
 use miles_r3::{
     Fallthrough, FlipStats, MoeLayerInfo, MoeModel, R3Error, ReplayStage, RouterHook, RoutingReplay,
 };
 
 use crate::batch::{
-    BatchLayout, TrainItem, has_siblings, micro_batches_of, pad_rows, plan_rollout_steps,
-    plan_steps, rollout_mask_sums, rollouts_of, step_normalizer,
+    BatchLayout, TrainItem, has_siblings, pad_rows, plan_rollout_steps, plan_steps,
+    rollout_mask_sums, rollouts_of, step_normalizer,
 };
 use crate::checkpoint;
 use crate::config::{LossType, TrainConfig};
@@ -515,7 +515,7 @@ impl Actor {
             Some(_) if !per_token => rollouts_of(step_items).len() as f32,
             _ => step_normalizer(step_items, per_token),
         };
-        let micro = micro_batches_of(&self.config, step_items);
+        let micro = self.config.micro_batches(step_items);
         let mut acc = GradAccumulator::new();
         let mut metric_sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut pending: Vec<(&'static str, Tensor<1>)> = Vec::new();
@@ -596,7 +596,7 @@ impl Actor {
         let norm_sq = acc.global_norm_sq();
         let mut values: Vec<Tensor<1>> = pending.iter().map(|(_, v)| v.clone()).collect();
         values.extend(norm_sq.clone());
-        let read = miles_ops::reduce::read_scalars(&values);
+        let read = miles_ops::read_scalars(&values);
         for ((name, _), v) in pending.iter().zip(&read) {
             *metric_sums.entry(format!("train/{name}")).or_default() += v;
         }

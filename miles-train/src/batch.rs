@@ -6,7 +6,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use miles_core::{RoutedExperts, Sample};
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result, TrainConfig};
+use crate::{Error, Result};
 
 /// How the samples of one micro-batch are laid out for the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -300,16 +300,6 @@ pub(crate) fn step_normalizer(items: &[TrainItem], per_token: bool) -> f32 {
     } else {
         items.len() as f32
     }
-}
-
-/// The micro-batches of one step's `items` under `config` (fixed size or token budget).
-pub(crate) fn micro_batches_of(config: &TrainConfig, items: &[TrainItem]) -> Vec<Range<usize>> {
-    let lengths: Vec<usize> = items.iter().map(TrainItem::len).collect();
-    let budget = config
-        .use_dynamic_batch_size
-        .then_some(config.max_tokens_per_gpu)
-        .flatten();
-    plan_micro_batches(&lengths, config.micro_batch_size, budget)
 }
 
 /// Host rows right-padded with zeros to `width`, as a `[rows, width]` tensor.

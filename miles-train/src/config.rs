@@ -4,12 +4,12 @@ use std::path::PathBuf;
 
 use miles_bridge::Precision;
 use miles_bridge::lora::{ALL_LINEAR, LoraConfig, LoraForward};
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator};
+use miles_ops::PolicyLossConfig;
 use miles_ops::fused::FusedLogProbConfig;
-use miles_ops::policy::PolicyLossConfig;
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::BatchLayout;
+use crate::batch::{BatchLayout, TrainItem, plan_micro_batches};
 use crate::{Error, LrSchedule, Result};
 
 /// AdamW hyper-parameters (Megatron's `--weight-decay`, `--adam-beta1`, `--adam-beta2`,
@@ -165,6 +165,16 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// The micro-batches of one step's `items` (fixed size or token budget).
+    pub(crate) fn micro_batches(&self, items: &[TrainItem]) -> Vec<std::ops::Range<usize>> {
+        let lengths: Vec<usize> = items.iter().map(TrainItem::len).collect();
+        let budget = self
+            .use_dynamic_batch_size
+            .then_some(self.max_tokens_per_gpu)
+            .flatten();
+        plan_micro_batches(&lengths, self.micro_batch_size, budget)
+    }
+
     /// Checks every value once (the loss and estimator configs included).
     pub fn validate(&self) -> Result<()> {
         let bad = |field, value: String, reason| {

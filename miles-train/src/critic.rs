@@ -8,11 +8,11 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use miles_bridge::nn::{Linear, ParamRef, ParamVisitor};
 use miles_bridge::{CausalLm, ModelInput};
-use miles_ops::policy::value_loss;
-use miles_ops::reduce::{LossAggregation, Reducer};
+use miles_ops::value_loss;
+use miles_ops::{LossAggregation, Reducer};
 use miles_r3::RouterHook;
 
-use crate::batch::{TrainItem, micro_batches_of, pad_row, pad_rows, step_normalizer};
+use crate::batch::{TrainItem, pad_row, pad_rows, step_normalizer};
 use crate::optim::{AdamW, GradAccumulator, NamedParams};
 use crate::{Error, LrSchedule, Result, TrainConfig};
 
@@ -167,7 +167,7 @@ impl Critic {
         let mut acc = GradAccumulator::new();
         let mut loss_sum = 0.0;
         let mut clip_sum = 0.0;
-        for mb in micro_batches_of(config, step_items) {
+        for mb in config.micro_batches(step_items) {
             let idx: Vec<usize> = mb.map(|i| range.start + i).collect();
             let max_r = idx
                 .iter()

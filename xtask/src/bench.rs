@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use crate::results::{Row, render_table, rows_for};
-use crate::{cargo, workspace_root};
+use crate::workspace::{cargo, workspace_root};
 
 /// One bench target: the package that owns it and its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -432,7 +432,7 @@ fn git_head() -> String {
     let git = |args: &[&str]| {
         Command::new("git")
             .args(args)
-            .current_dir(crate::workspace_root())
+            .current_dir(workspace_root())
             .output()
             .ok()
             .filter(|o| o.status.success())

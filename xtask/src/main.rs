@@ -2,9 +2,11 @@
 //!
 //! * `test`  — the one test command: `cargo test --workspace --release` with the kernel
 //!   features on (one build of burn), kernel tests on the software Vulkan adapter.
-//! * `lint`  — the dependency rule (each crate depends only on crates below it in
-//!   [`LAYERS`]; no burn / CubeCL under miles-core, miles-tito, miles-session, miles-reward and
-//!   miles-rollout with any feature set), the library
+//! * `lint`  — no import cycle between the files of a crate ([`cycles`]: `a.rs` and `b.rs`
+//!   never use each other, directly or through other files; crates in `CYCLE_CHECK_PENDING`
+//!   are reported, not enforced), the dependency rule (each crate depends only on crates below
+//!   it in [`LAYERS`]; no burn / CubeCL under miles-core, miles-tito, miles-session,
+//!   miles-reward and miles-rollout with any feature set), the library
 //!   crates' packages (`cargo package --list` holds both licences and every file `src/`
 //!   includes) and `cargo fmt --check`: no build, seconds; `.ci/run` runs it before the tests.
 //! * `package` — every library crate built from its packaged files alone ([`package`]).
@@ -20,11 +22,12 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 
 mod bench;
+mod cycles;
 mod package;
 mod results;
+mod workspace;
 
-/// Cargo features that turn the CubeCL kernel code and its tests on.
-const KERNEL_FEATURES: &str = "miles-ops/wgpu";
+use workspace::{KERNEL_FEATURES, cargo, run, workspace_root};
 
 fn main() -> ExitCode {
     let args: Vec<String> = env::args().skip(1).collect();
@@ -58,22 +61,9 @@ fn usage() -> &'static str {
      tasks:\n  \
        test   cargo test --workspace --release --features miles-ops/wgpu (kernel tests on lavapipe)\n  \
        ci     what .ci/run runs: lint, the tests built with clippy -D warnings, the benches compiled, package\n  \
-       lint   the dependency rule, the library packages' files and cargo fmt --check (seconds; .ci/run runs it)\n  \
+       lint   no file import cycles, the dependency rule, the library packages' files and cargo fmt --check (seconds; .ci/run runs it)\n  \
        package  every library crate built from its packaged files alone (after a test build: minutes)\n  \
        bench  [--only NAME]... [--quick] [--list]: run the benches, print one table, write BENCHMARKS.md"
-}
-
-pub(crate) fn cargo() -> Command {
-    let mut command = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    command.current_dir(workspace_root());
-    command
-}
-
-pub(crate) fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."))
 }
 
 /// A private runtime folder for wgpu / Vulkan (silences their warnings when unset).
@@ -89,18 +79,6 @@ fn xdg_runtime_dir() -> Result<PathBuf, String> {
         let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
     }
     Ok(dir)
-}
-
-fn run(mut command: Command) -> Result<(), String> {
-    eprintln!("xtask: running {command:?}");
-    let status = command
-        .status()
-        .map_err(|e| format!("cannot start {command:?}: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{command:?} failed with {status}"))
-    }
 }
 
 fn test(extra: &[String]) -> Result<(), String> {
@@ -387,9 +365,10 @@ fn normalize(path: &std::path::Path) -> String {
     parts.join("/")
 }
 
-/// The checks that need no build: the dependency rule, the library crates' packages and
-/// formatting.
+/// The checks that need no build: no import cycle between the files of a crate
+/// ([`cycles`]), the dependency rule, the library crates' packages and formatting.
 fn lint() -> Result<(), String> {
+    cycles::check(&workspace_root())?;
     check_layers()?;
     check_light_crates()?;
     check_packages()?;
@@ -400,7 +379,8 @@ fn lint() -> Result<(), String> {
 
 /// What `.ci/run` runs, in one pass over one build:
 ///
-/// 1. [`lint`]: the dependency rule, the packages' file lists, `cargo fmt --check`.
+/// 1. [`lint`]: the import cycles, the dependency rule, the packages' file lists,
+///    `cargo fmt --check`.
 /// 2. The tests (README's test command, [`test`]) built with clippy as the workspace's compiler
 ///    wrapper and warnings denied: `cargo clippy --all-targets -D warnings` and the test build
 ///    are one compile of each workspace crate (lib, unit tests, bins, examples, integration

@@ -19,7 +19,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::{KERNEL_FEATURES, cargo, run, workspace_root};
+use crate::workspace::{KERNEL_FEATURES, cargo, run, workspace_root};
 
 /// Packages `crates`, unpacks them and builds them from the unpacked files.
 pub fn verify(crates: &[&str]) -> Result<(), String> {

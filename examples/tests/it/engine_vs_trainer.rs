@@ -16,7 +16,7 @@ use miles_core::{
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_examples::fixture_path;
 use miles_examples::wiring::TrainerScorer;
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, TrainConfig, score_log_probs};
 

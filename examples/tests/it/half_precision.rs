@@ -14,7 +14,7 @@ use miles_core::{
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_examples::fixture_path;
 use miles_examples::wiring::TrainerScorer;
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, TrainConfig, score_log_probs};
 
@@ -213,7 +213,7 @@ fn mixed_precision_step_keeps_f32_masters_and_tracks_the_f32_step() {
 #[tokio::test]
 async fn half_precision_on_wgpu_cpu_runs_or_is_refused() {
     const TEST: &str = "half_precision_on_wgpu_cpu_runs_or_is_refused";
-    let Some(device) = miles_ops::kernel_device::kernel_test_device(TEST) else {
+    let Some(device) = miles_ops::kernels::kernel_test_device(TEST) else {
         return;
     };
     let supports = |p: Precision| device.supports_dtype(p.dtype());

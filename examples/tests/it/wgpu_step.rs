@@ -11,7 +11,7 @@
 //! and routed experts, and log-probs, metrics and updated weights equal to float rounding
 //! (tolerances at the assertions).
 //!
-//! The wgpu device is created once per process (`miles_ops::kernel_device`), so the compiled
+//! The wgpu device is created once per process (`miles_ops::kernels`), so the compiled
 //! shaders stay cached for the whole test binary. Without an adapter the test prints a loud
 //! `!!! KERNEL TEST … NOT RUN` line, or fails under `MILES_REQUIRE_KERNEL_TESTS=1` (CI).
 
@@ -20,7 +20,7 @@ use miles_bridge::CausalLm;
 use miles_core::{NamedTensors, WeightVersion};
 use miles_examples::fixture_path;
 use miles_examples::grpo_step::{StepOutcome, StepPlan, synchronous_grpo_step};
-use miles_ops::kernel_device::kernel_test_device;
+use miles_ops::kernels::kernel_test_device;
 
 const TEST: &str = "a_grpo_step_on_wgpu_cpu_equals_the_step_on_flex";
 
@@ -104,7 +104,7 @@ async fn a_grpo_step_on_wgpu_cpu_equals_the_step_on_flex() {
         return;
     };
     // On wgpu the fused log-prob op and the clipped loss are CubeCL kernels.
-    assert!(miles_ops::fused::runs_fused(&wgpu.clone().autodiff()));
+    assert!(miles_ops::runs_fused(&wgpu.clone().autodiff()));
     let plan = StepPlan::new(512, 4, 6, 8);
     let started = std::time::Instant::now();
     let flex = step_on(&Device::flex(), &plan).await;

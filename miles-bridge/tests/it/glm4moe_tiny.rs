@@ -102,7 +102,7 @@ fn check_against_transformers(dispatch: MoeDispatch) {
 /// default dispatch, which is the device-side sparse one there.
 #[test]
 fn logits_routing_and_gradients_match_transformers_on_wgpu_auto_dispatch() {
-    let Some(device) = miles_ops::kernel_device::kernel_test_device(
+    let Some(device) = miles_ops::kernels::kernel_test_device(
         "logits_routing_and_gradients_match_transformers_on_wgpu_auto_dispatch",
     ) else {
         return;
@@ -125,9 +125,9 @@ fn logits_routing_and_gradients_match_transformers_on_wgpu_auto_dispatch() {
 /// with identical routing; and the packed inference experts the same.
 #[test]
 fn moe_block_device_sparse_matches_dense_and_flex() {
-    let Some(wgpu) = miles_ops::kernel_device::kernel_test_device(
-        "moe_block_device_sparse_matches_dense_and_flex",
-    ) else {
+    let Some(wgpu) =
+        miles_ops::kernels::kernel_test_device("moe_block_device_sparse_matches_dense_and_flex")
+    else {
         return;
     };
     // Tokens: one (a decode step), an odd batch, and enough that every expert gets rows.

@@ -6,7 +6,7 @@
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use miles_ops::OpsError;
-use miles_ops::attention::{attention, attention_reference};
+use miles_ops::{attention, attention_reference};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 

@@ -232,8 +232,8 @@ fn host_targets_give_the_same_values_and_errors() {
 
 #[test]
 fn flex_devices_take_the_fused_path() {
-    assert!(miles_ops::fused::runs_fused(&Device::flex()));
-    assert!(miles_ops::fused::runs_fused(&Device::flex().autodiff()));
+    assert!(miles_ops::runs_fused(&Device::flex()));
+    assert!(miles_ops::runs_fused(&Device::flex().autodiff()));
 }
 
 #[test]

@@ -1,9 +1,9 @@
 //! Finite-difference checks of the policy-loss gradient on flex autodiff.
 
 use burn::tensor::{Device, Tensor};
-use miles_ops::advantages::AdvantageEstimator;
-use miles_ops::kl::KlLossType;
-use miles_ops::policy::{PolicyLossConfig, PolicyLossInput};
+use miles_ops::AdvantageEstimator;
+use miles_ops::KlLossType;
+use miles_ops::{PolicyLossConfig, PolicyLossInput};
 
 const B: usize = 2;
 const T: usize = 4;

@@ -4,7 +4,7 @@
 
 use burn::tensor::{Device, Tensor};
 use miles_ops::OpsError;
-use miles_ops::grouped::{grouped_matmul, grouped_matmul_reference};
+use miles_ops::{grouped_matmul, grouped_matmul_reference};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 
@@ -80,13 +80,13 @@ fn bad_sizes_are_typed_errors() {
     ));
 }
 
-/// The inference path over weights packed once ([`miles_ops::grouped::PackedExperts`],
+/// The inference path over weights packed once ([`miles_ops::PackedExperts`],
 /// `[experts, in, out + pad]`) on plain flex against the tensor-op form on the HF-layout
 /// stack: empty groups, fewer groups than experts, one row per group, decode-sized groups;
 /// and the shape errors.
 #[test]
 fn packed_experts_forward_equals_the_reference() {
-    use miles_ops::grouped::{PackedExperts, grouped_matmul_packed};
+    use miles_ops::{PackedExperts, grouped_matmul_packed};
     let device = Device::flex();
     for (sizes, experts, m, k) in [
         (vec![3usize, 0, 5, 1], 4usize, 24usize, 16usize),
@@ -126,7 +126,7 @@ fn packed_experts_forward_equals_the_reference() {
 /// empty experts, invalid ids after the last group.
 #[test]
 fn host_buckets_are_a_stable_counting_sort() {
-    use miles_ops::bucket::HostBuckets;
+    use miles_ops::HostBuckets;
     // 3 tokens × top_k 2 over 4 experts: pairs 0..6 choose [2, 0, 2, 1, 0, 2].
     let b = HostBuckets::new(&[2, 0, 2, 1, 0, 2], 2, 4);
     assert_eq!(b.offsets, vec![0, 2, 3, 6, 6]);
@@ -146,8 +146,8 @@ fn host_buckets_are_a_stable_counting_sort() {
 #[test]
 fn flex_bucketing_and_offset_matmul_match_host_versions() {
     use burn::tensor::{Int, TensorData};
-    use miles_ops::bucket::{HostBuckets, bucket_by_expert};
-    use miles_ops::grouped::grouped_matmul_offsets;
+    use miles_ops::grouped_matmul_offsets;
+    use miles_ops::{HostBuckets, bucket_by_expert};
     let device = Device::flex().autodiff();
     let ids: Vec<i64> = vec![3, 0, 3, 1, 1, 0, 3, 3, 2, 0];
     let host = HostBuckets::new(&ids, 2, 5);

@@ -5,7 +5,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Tensor, TensorData, Tolerance};
-use miles_ops::kernel_device::kernel_test_device;
+use miles_ops::kernels::kernel_test_device;
 
 fn inputs() -> (Vec<f32>, Vec<f32>) {
     // Deterministic, non-trivial values (no RNG: flex and wgpu must see the same numbers).

@@ -10,13 +10,13 @@
 
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use miles_ops::clipped::{clipped_pg_loss, clipped_pg_loss_reference};
 use miles_ops::fused::{
     FusedLogProbConfig, RUNNING_MAX_INIT, logit_chunk_grad, logit_chunk_grad_reference,
     logit_chunk_stats, logit_chunk_stats_reference,
 };
-use miles_ops::kernel_device::kernel_test_device;
+use miles_ops::kernels::kernel_test_device;
 use miles_ops::logprobs::log_probs_and_entropy_plain;
+use miles_ops::{clipped_pg_loss, clipped_pg_loss_reference};
 
 use crate::common::lcg;
 
@@ -156,7 +156,7 @@ fn fused_op_with_kernels_matches_plain_path_with_gradients() {
     else {
         return;
     };
-    assert!(miles_ops::fused::runs_fused(&dev.clone().autodiff()));
+    assert!(miles_ops::runs_fused(&dev.clone().autodiff()));
     let kernel = fused_case(&dev, true);
     let reference = fused_case(&Device::flex(), false);
     for (i, (what, tol)) in [

@@ -14,8 +14,8 @@
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
-use miles_ops::attention::{attention, runs_fused};
-use miles_ops::kernel_device::kernel_test_device;
+use miles_ops::kernels::kernel_test_device;
+use miles_ops::{attention, runs_fused};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 

@@ -12,10 +12,10 @@
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use burn::tensor::{Device, Int, Tensor};
-use miles_ops::grouped::grouped_matmul;
-use miles_ops::kernel_device::kernel_test_device;
-use miles_ops::norm::{rms_norm, rope};
-use miles_ops::swiglu::swiglu;
+use miles_ops::grouped_matmul;
+use miles_ops::kernels::kernel_test_device;
+use miles_ops::swiglu;
+use miles_ops::{rms_norm, rope};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 
@@ -224,7 +224,7 @@ fn expert_bucketing_kernel_matches_host_twin() {
     let Some(dev) = kernel_test_device("expert_bucketing_kernel_matches_host_twin") else {
         return;
     };
-    use miles_ops::bucket::{HostBuckets, bucket_by_expert};
+    use miles_ops::{HostBuckets, bucket_by_expert};
     // (tokens, top_k, experts, ids): random with empty experts (more experts than pairs),
     // every pair on one expert, one token, top_k 1, non-multiple sizes, invalid ids.
     let all_one: Vec<i64> = vec![3; 13 * 2];
@@ -273,9 +273,7 @@ fn grouped_matmul_offsets_kernel_matches_host_sizes() {
     let Some(dev) = kernel_test_device("grouped_matmul_offsets_kernel_matches_host_sizes") else {
         return;
     };
-    use miles_ops::grouped::{
-        PackedExperts, grouped_matmul_offsets, grouped_matmul_offsets_packed,
-    };
+    use miles_ops::{PackedExperts, grouped_matmul_offsets, grouped_matmul_offsets_packed};
     let (m, k) = (24, 32);
     for (sizes, experts, tail) in [
         (&[0usize, 5, 0, 17, 3, 40][..], 6, 0),

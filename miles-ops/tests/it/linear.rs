@@ -5,7 +5,7 @@
 //! the differentiable reference path.
 
 use burn::tensor::{Device, Tensor};
-use miles_ops::linear::{linear, linear_reference, linear_t};
+use miles_ops::{linear, linear_reference, linear_t};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 

@@ -4,7 +4,7 @@
 
 use burn::tensor::{Device, Int, Tensor};
 use miles_ops::OpsError;
-use miles_ops::norm::{rms_norm, rms_norm_reference, rope, rope_reference};
+use miles_ops::{rms_norm, rms_norm_reference, rope, rope_reference};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 

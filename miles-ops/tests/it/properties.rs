@@ -1,9 +1,9 @@
 //! Property tests of the invariants Miles' formulas guarantee.
 
 use burn::tensor::{Device, Tensor};
-use miles_ops::advantages::{AdvantageConfig, AdvantageEstimator, AdvantageSample, Grouping};
-use miles_ops::corrections::TisFunction;
-use miles_ops::policy::{PolicyLossConfig, PolicyLossInput};
+use miles_ops::TisFunction;
+use miles_ops::{AdvantageConfig, AdvantageEstimator, AdvantageSample, Grouping};
+use miles_ops::{PolicyLossConfig, PolicyLossInput};
 use proptest::prelude::*;
 
 fn t2(values: &[f32], b: usize, t: usize, device: &Device) -> Tensor<2> {
@@ -115,7 +115,7 @@ proptest! {
             use_tis: true,
             use_kl_loss: true,
             kl_loss_coef: 0.1,
-            kl_loss_type: miles_ops::kl::KlLossType::LowVarKl,
+            kl_loss_type: miles_ops::KlLossType::LowVarKl,
             tis_function: TisFunction::VanillaTis,
             ..Default::default()
         }

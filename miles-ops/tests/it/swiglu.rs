@@ -3,7 +3,7 @@
 
 use burn::tensor::{Device, Tensor};
 use miles_ops::OpsError;
-use miles_ops::swiglu::{swiglu, swiglu_reference};
+use miles_ops::{swiglu, swiglu_reference};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 

@@ -7,7 +7,7 @@ use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::{BridgeError, CausalLm, ModelConfig};
 use miles_core::{PolicyTrainer, Reward, Sample, SampleStatus};
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{
     Actor, BatchLayout, Error, LossType, LrSchedule, TrainConfig, TrainItem, score_batch,
@@ -480,7 +480,7 @@ fn broken_checkpoints_and_samples_are_typed_errors_and_change_nothing() {
 
 #[test]
 fn ppo_trains_a_critic_first_and_its_value_loss_falls() {
-    use miles_ops::advantages::AdvantageEstimator;
+    use miles_ops::AdvantageEstimator;
     let mut cfg = config();
     cfg.advantage = cfg
         .advantage

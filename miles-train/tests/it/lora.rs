@@ -10,7 +10,7 @@ use burn::tensor::Device;
 use miles_bridge::checkpoint::read_safetensors_file;
 use miles_bridge::{CausalLm, FloatDtype, LoraForward, TensorMap};
 use miles_core::{NamedTensors, PolicyTrainer, Reward, Sample};
-use miles_ops::advantages::AdvantageConfig;
+use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, Error, LossType, LrSchedule, TrainConfig, score_log_probs};
 

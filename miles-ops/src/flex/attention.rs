@@ -1,4 +1,4 @@
-//! Native `Flex` kernels of [`crate::attention`]: masked softmax attention, forward and
+//! Native `Flex` kernels of [`crate::attention()`]: masked softmax attention, forward and
 //! backward, over contiguous `f32` `[batch, heads, rows, head_dim]` tensors.
 //!
 //! Work is split into rayon tasks — one per (batch, query head) forward and one per
@@ -16,7 +16,9 @@
 use burn::backend::{DType, Flex, Shape, TensorMetadata, tensor::FloatTensor};
 use rayon::prelude::*;
 
-use crate::flex_util::{f32_data, tensor};
+use super::exp::exp_nonpositive;
+use super::gemm::matmul;
+use super::tensor::{f32_data, tensor};
 
 type FlexTensor = FloatTensor<Flex>;
 
@@ -83,88 +85,6 @@ fn row_limits(mask: &[u8], dims: &Dims) -> Vec<usize> {
         .take(dims.batch * dims.rows)
         .map(|row| row.iter().rposition(|&m| m == 0).map_or(0, |j| j + 1))
         .collect()
-}
-
-/// `exp(x)` for `x ≤ 0` (Cephes' polynomial after a base-2 range reduction, within 2 ulp),
-/// written without branches or calls so that row loops vectorise.
-#[inline(always)]
-pub(crate) fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    // Written so that a NaN argument stays NaN (`f32::max` would replace it).
-    let x = if x < -87.0 { -87.0 } else { x };
-    let t = x * LOG2E + 0.5;
-    let mut n = t as i32;
-    n -= i32::from((n as f32) > t);
-    let nf = n as f32;
-    let g = x - nf * C1 - nf * C2;
-    exp_reduced(g) * f32::from_bits(((n + 127) as u32) << 23)
-}
-
-/// `exp(g)` for `|g| ≤ ln 2 / 2` (the reduced argument): Cephes' polynomial.
-#[inline(always)]
-pub(crate) fn exp_reduced(g: f32) -> f32 {
-    let z = g * g;
-    (((((1.987_569_1e-4 * g + 1.398_199_9e-3) * g + 8.333_452e-3) * g + 4.166_579_6e-2) * g
-        + 1.666_666_5e-1)
-        * g
-        + 0.5)
-        * z
-        + g
-        + 1.0
-}
-
-/// `dst[m×n] = beta·lhs[m×k]·rhs[k×n] (+ dst when `accumulate`)`, with explicit
-/// (row, column) strides, on the calling thread.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [f32],
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: &[f32],
-    (lhs_rs, lhs_cs): (usize, usize),
-    rhs: &[f32],
-    (rhs_rs, rhs_cs): (usize, usize),
-    beta: f32,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    // Bounds of every element gemm touches, checked here so the raw pointers stay inside.
-    assert!(dst.len() >= (m - 1) * dst_rs + n);
-    if k > 0 {
-        assert!(lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
-        assert!(rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
-    }
-    // SAFETY: the asserts above keep every (row, column) gemm reads or writes inside the
-    // slices; `dst` is exclusively borrowed and does not alias `lhs` / `rhs`.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            1.0,
-            beta,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
 }
 
 /// `dst[n×kk] = scale · q_rows[n×d] · keys[..kk]ᵀ` (keys `[t, d]` row-major).
@@ -864,20 +784,6 @@ pub(crate) fn dims_of(q: &Shape, k: &Shape) -> Dims {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_matches_std_on_the_softmax_range() {
-        let mut worst = 0.0f32;
-        for i in 0..=200_000 {
-            let x = -87.0 * i as f32 / 200_000.0;
-            let (ours, reference) = (exp_nonpositive(x), x.exp());
-            worst = worst.max(((ours - reference) / reference).abs());
-        }
-        assert!(worst < 4.0 * f32::EPSILON, "worst relative error {worst}");
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert!(exp_nonpositive(-1.0e30) < 1.0e-37);
-        assert!(exp_nonpositive(f32::NAN).is_nan());
-    }
 
     /// The AVX-512 softmax against the generic lane loop: the same bits, for rows of every
     /// length around the lane count, masked keys anywhere (masked scores above the max

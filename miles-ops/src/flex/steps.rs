@@ -1,6 +1,7 @@
 //! Native `Flex` implementations of the fused ops' per-row steps: one pass over contiguous
-//! `f32` rows, rows in parallel (rayon), sums accumulated in `f64`. Other dtypes or layouts
-//! fall back to the plain-op references.
+//! `f32` rows, rows in parallel (rayon), sums accumulated in `f64`. For other dtypes or
+//! layouts they return `None` and the caller (`FusedLogProbOps for Flex`) runs the plain-op
+//! references.
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{DType, Flex, TensorMetadata};
@@ -41,13 +42,12 @@ fn from_vec(data: Vec<f32>, shape: [usize; 2]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(data, shape))
 }
 
-/// Folds a `[rows, cols]` logits chunk into the running `(m, s, u)` (`[rows, 3]`).
-pub(crate) fn logit_chunk_stats(logits: FlexTensor, running: FlexTensor) -> FlexTensor {
-    let Some((state, rows, three)) = rows_f32(&running) else {
-        return crate::fused::logit_chunk_stats_reference::<Flex>(logits, running);
-    };
+/// Folds a `[rows, cols]` logits chunk into the running `(m, s, u)` (`[rows, 3]`); `None`
+/// unless both are 2-D `f32`.
+pub(crate) fn logit_chunk_stats(logits: &FlexTensor, running: &FlexTensor) -> Option<FlexTensor> {
+    let (state, rows, three) = rows_f32(running)?;
     debug_assert_eq!(three, 3);
-    let out = borrowed(&logits, |z, r, cols| {
+    let out = borrowed(logits, |z, r, cols| {
         debug_assert_eq!(r, rows);
         let mut out = vec![0f32; rows * 3];
         out.par_chunks_mut(3)
@@ -68,20 +68,15 @@ pub(crate) fn logit_chunk_stats(logits: FlexTensor, running: FlexTensor) -> Flex
             });
         out
     });
-    match out {
-        Some(out) => from_vec(out, [rows, 3]),
-        None => crate::fused::logit_chunk_stats_reference::<Flex>(logits, running),
-    }
+    out.map(|out| from_vec(out, [rows, 3]))
 }
 
 /// `−p ⊙ (g_lp + g_H·(z − E))` for a `[rows, cols]` logits chunk and `[rows, 4]`
-/// `(lse, E, g_lp, g_H)`.
-pub(crate) fn logit_chunk_grad(logits: FlexTensor, row_stats: FlexTensor) -> FlexTensor {
-    let Some((stats, _, four)) = rows_f32(&row_stats) else {
-        return crate::fused::logit_chunk_grad_reference::<Flex>(logits, row_stats);
-    };
+/// `(lse, E, g_lp, g_H)`; `None` unless both are 2-D `f32`.
+pub(crate) fn logit_chunk_grad(logits: &FlexTensor, row_stats: &FlexTensor) -> Option<FlexTensor> {
+    let (stats, _, four) = rows_f32(row_stats)?;
     debug_assert_eq!(four, 4);
-    let out = borrowed(&logits, |z, rows, cols| {
+    let out = borrowed(logits, |z, rows, cols| {
         let mut out = vec![0f32; rows * cols];
         out.par_chunks_mut(cols.max(1))
             .zip(z.par_chunks(cols.max(1)))
@@ -94,8 +89,5 @@ pub(crate) fn logit_chunk_grad(logits: FlexTensor, row_stats: FlexTensor) -> Fle
             });
         (out, rows, cols)
     });
-    match out {
-        Some((out, rows, cols)) => from_vec(out, [rows, cols]),
-        None => crate::fused::logit_chunk_grad_reference::<Flex>(logits, row_stats),
-    }
+    out.map(|(out, rows, cols)| from_vec(out, [rows, cols]))
 }

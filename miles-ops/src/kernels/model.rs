@@ -1,7 +1,7 @@
 //! CubeCL kernels of the fused model ops (feature `wgpu` or `cuda`; tested on wgpu over
 //! lavapipe by `tests/it/kernels_model.rs` against the flex ops): RMSNorm and RoPE
-//! ([`crate::norm::NormRopeOps`]), SwiGLU ([`crate::swiglu::SwiGluOps`]) and the grouped
-//! expert matmul ([`crate::grouped::GroupedMatmulOps`]), registered for burn's `CubeBackend`.
+//! ([`crate::NormRopeOps`]), SwiGLU ([`crate::SwiGluOps`]) and the grouped
+//! expert matmul ([`crate::GroupedMatmulOps`]), registered for burn's `CubeBackend`.
 //!
 //! - `rms_norm_kernel` / `rms_norm_backward_kernel`: one cube per row (grid-stride over rows),
 //!   the units stride over the row and a shared-memory tree reduction gives `Σ x²` (and

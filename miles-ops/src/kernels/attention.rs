@@ -1,4 +1,4 @@
-//! CubeCL kernels of the fused masked attention ([`crate::attention::FusedAttentionOps`];
+//! CubeCL kernels of the fused masked attention ([`crate::FusedAttentionOps`];
 //! feature `wgpu` or `cuda`; tested on wgpu over lavapipe by `tests/it/kernels_attention.rs`
 //! against the flex op), registered for burn's `CubeBackend`. Semantics are those of the flex
 //! op: `softmax(mask_fill(q·kᵀ·scale, mask, −1e30))·v` with grouped key/value heads, a fully
@@ -42,8 +42,8 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::model::{block_size, elementwise_launch};
 use crate::attention::FusedAttentionOps;
-use crate::kernels_model::{block_size, elementwise_launch};
 
 /// Most cubes launched along x (the WebGPU limit per dimension).
 const MAX_CUBES_X: usize = 65_535;
@@ -54,7 +54,7 @@ const MAX_BLOCK: u32 = 128;
 /// Below every score the passes see (finite: WGSL has no `-inf` literal).
 const LOWEST: f32 = -3.0e38;
 
-/// The masked score, as [`crate::attention::MASKED_SCORE`].
+/// The masked score, as [`crate::MASKED_SCORE`].
 const MASKED: f32 = -1.0e30;
 
 #[cube(launch)]

@@ -1,7 +1,7 @@
 //! CubeCL kernels for the fused ops (feature `wgpu` or `cuda`; tested on wgpu over lavapipe by
 //! `tests/it/kernels.rs`): the per-chunk steps of the
 //! fused log-prob + entropy op ([`crate::fused::FusedLogProbOps`]) and the clipped
-//! policy-gradient loss ([`crate::clipped::ClippedPgLossOps`]), registered for burn's
+//! policy-gradient loss ([`crate::ClippedPgLossOps`]), registered for burn's
 //! `CubeBackend` (every CubeCL runtime).
 //!
 //! - `logit_chunk_stats_kernel`: one cube per logits row (grid-stride over rows); the units

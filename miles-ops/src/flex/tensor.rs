@@ -43,5 +43,5 @@ pub(crate) fn dims(t: &FloatTensor<Flex>) -> Vec<usize> {
 /// Whether the fused ops take tensors of these dtypes on `device`: `f32` on flex and, with
 /// the `wgpu` / `cuda` feature, on CubeCL devices (with or without autodiff).
 pub(crate) fn takes_fused(dtypes: &[burn::tensor::DType], device: &burn::tensor::Device) -> bool {
-    dtypes.iter().all(|d| *d == burn::tensor::DType::F32) && crate::fused::runs_fused(device)
+    dtypes.iter().all(|d| *d == burn::tensor::DType::F32) && crate::runs_fused(device)
 }

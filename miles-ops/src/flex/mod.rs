@@ -1,0 +1,17 @@
+//! The native `Flex` side of the fused ops: row loops over contiguous `f32` data, in
+//! parallel with rayon, behind the burn backend extensions whose `Flex` implementations live
+//! with each op (`attention.rs`, `norm.rs`, `swiglu.rs`, `grouped.rs`, …).
+//!
+//! - `attention`: masked softmax attention forward and backward, and the decode step over a
+//!   paged KV pool;
+//! - `steps`: the fused log-prob op's per-chunk forward and backward steps;
+//! - `exp`: the vectorisable polynomial `exp` the row loops share;
+//! - `gemm`: one strided, bounds-checked `gemm` call on the calling thread;
+//! - `tensor`: flex tensor helpers (`f32` data, casts, shapes) and which dtypes and devices
+//!   the fused ops take.
+
+pub(crate) mod attention;
+pub(crate) mod exp;
+pub(crate) mod gemm;
+pub(crate) mod steps;
+pub(crate) mod tensor;
