@@ -1,6 +1,6 @@
 //! The token-level generation protocol and the [`InferenceEngine`] seam.
 //!
-//! Field names follow SGLang's `/generate` API (MILES_SPEC §7.1–7.2), so the embedded engine and
+//! Field names follow SGLang's `/generate` API (SGLang's `/generate` API), so the embedded engine and
 //! the SGLang HTTP client speak the same vocabulary.
 
 use std::fmt;
@@ -132,7 +132,7 @@ pub struct GenerateRequest {
     /// Return the MoE expert choices of every forwarded position.
     #[serde(default)]
     pub return_routed_experts: bool,
-    /// With addition-R3: only rows from this position on are returned (MILES_SPEC §4.3).
+    /// With addition-R3: only rows from this position on are returned (Miles' addition-R3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routed_experts_start_len: Option<usize>,
 }

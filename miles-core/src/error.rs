@@ -11,7 +11,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A [`crate::Sample`] breaks one of its invariants (MILES_SPEC §3.5 `validate()`).
+    /// A [`crate::Sample`] breaks one of its invariants (Miles' `Sample` `validate()`).
     #[error("invalid sample: {field} has {got} entries, expected {expected}")]
     SampleLength {
         /// The offending field (`loss_mask`, `rollout_log_probs`, `tokens`, ...).

@@ -1,4 +1,4 @@
-//! The MoE routing table recorded at rollout (R3, MILES_SPEC §4.1–4.2).
+//! The MoE routing table recorded at rollout (R3, Miles' routing tables).
 
 use serde::{Deserialize, Serialize};
 
@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 ///   token is never forwarded); in a [`crate::Sample`], `rows == tokens.len() − 1`.
 /// * `layers` = **all** transformer layers, dense ones included (their entries are whatever
 ///   the engine wrote, typically 0); trainers pick the MoE layers out.
-/// * `−1` marks padding rows (trainer side, MILES_SPEC §4.4).
+/// * `−1` marks padding rows (trainer side, Miles' trainer-side R3 mapping).
 ///
 /// On the wire (`meta_info.routed_experts`) it is base64 of the little-endian int32 buffer;
 /// [`RoutedExperts::from_base64`] / [`RoutedExperts::to_base64`] are that codec. In JSON it
@@ -167,7 +167,7 @@ impl RoutedExperts {
         Ok(())
     }
 
-    /// Appends the rows of `other` (the turn-by-turn merge of addition-R3, MILES_SPEC §4.3):
+    /// Appends the rows of `other` (the turn-by-turn merge of addition-R3, Miles' addition-R3):
     /// `start` is the position of `other`'s first row and must equal the rows covered so far
     /// (contiguous), and layers / top-k must agree. An empty `other` is always accepted.
     pub fn extend_from(&mut self, start: usize, other: &RoutedExperts) -> Result<()> {

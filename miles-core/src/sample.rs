@@ -1,4 +1,4 @@
-//! The training sample: one trajectory with everything the trainer needs (MILES_SPEC §3.5).
+//! The training sample: one trajectory with everything the trainer needs (Miles' `Sample`).
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};

@@ -7,8 +7,8 @@
 //! Baseline: HF transformers `generate` (greedy, KV cache, float32, 2 threads) on the **same
 //! random weights** (the bench exports its model to an HF directory first), measured in the
 //! same run just before ours by `benches/hf_generate.py` when a Python with torch is available
-//! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root; see
-//! `../shared/reference/PYTHON_REFERENCE.md`). Prefill is compared with one HF forward over the
+//! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root: a venv with torch
+//! and transformers). Prefill is compared with one HF forward over the
 //! same batch with `logits_to_keep=1`. Without such a Python the 32-sequence rows fall back to
 //! the constants (GLM-4-MoE 333 tokens/s, Qwen3-style 973 tokens/s) and the notes say
 //! so (the DeepSeek-V3-style model has no constant: its 32-sequence row then has no baseline).

@@ -1,4 +1,4 @@
-//! miles-r3: rollout routing replay (R3) for MoE training (MILES_SPEC §4).
+//! miles-r3: rollout routing replay (R3) for MoE training (Miles' rollout routing replay).
 //!
 //! This crate owns the **training side** of routing replay:
 //!

@@ -4,7 +4,7 @@ use crate::R3Error;
 
 /// The routing shape of an MoE model: its layer count, which of those layers are MoE (in
 /// order), the number of routed experts and `top_k`. Dense layers have no router and are
-/// skipped when routing tables are mapped onto the model (MILES_SPEC §4.4).
+/// skipped when routing tables are mapped onto the model (Miles' trainer-side R3 mapping).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MoeModel {
     num_layers: usize,

@@ -1,4 +1,4 @@
-//! The replay state machine (Miles' `BaseReplayManager` / `Replay`, MILES_SPEC §4.5).
+//! The replay state machine (Miles' `BaseReplayManager` / `Replay`, Miles' replay manager).
 
 use std::fmt;
 use std::str::FromStr;

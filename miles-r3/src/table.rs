@@ -395,7 +395,7 @@ pub struct BatchTokens {
 
 /// Maps the samples' rollout routing onto a training batch and onto the model's MoE layers:
 /// the replay table one trainer forward over `layout` consumes (Miles' `fill_replay_data`
-/// followed by the MoE-layer stream mapping, MILES_SPEC §4.4).
+/// followed by the MoE-layer stream mapping, Miles' trainer-side R3 mapping).
 ///
 /// Each sample placed in `layout` must carry `rollout_routed_experts` with `tokens − 1` rows,
 /// the model's top-k, and either all `model.num_layers()` layers (SGLang's form; dense layers

@@ -1,5 +1,5 @@
 //! Prompt data: JSONL and Parquet datasets read as Miles' `--prompt-data`, epochs, seeded
-//! shuffling, a resumable cursor and a buffer of returned groups (MILES_SPEC §6.1).
+//! shuffling, a resumable cursor and a buffer of returned groups (Miles' data source).
 //!
 //! [`load_dataset`] picks the format from the extension (`.jsonl`, `.json` as JSON Lines,
 //! `.parquet`; anything else is an [`Error::DatasetFile`]) and maps each row to a

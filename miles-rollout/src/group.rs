@@ -6,7 +6,7 @@ use miles_core::{Sample, SampleStatus, WeightVersion};
 use serde::{Deserialize, Serialize};
 
 /// Staleness of a group for the trainer at `current`: `current − min over samples of their
-/// oldest weight version` (MILES_SPEC §6.3). `None` when no sample carries a numeric version.
+/// oldest weight version` (Miles' staleness bound). `None` when no sample carries a numeric version.
 pub fn group_staleness(group: &[Sample], current: WeightVersion) -> Option<u64> {
     group
         .iter()

@@ -1,6 +1,6 @@
 //! The RL loops: synchronous (rollout → train → update weights) and fully asynchronous
 //! (generation keeps running while the trainer trains), with versioned weight updates,
-//! staleness control and checkpoints that carry the rollout side (MILES_SPEC §6.3–6.5).
+//! staleness control and checkpoints that carry the rollout side (Miles' fully-async loop).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -1,5 +1,5 @@
 //! The rollout manager: groups of samples per prompt, bounded concurrency, rewards, dynamic
-//! filters, over-sampling with abort of the surplus and partial rollout (MILES_SPEC §6.2).
+//! filters, over-sampling with abort of the surplus and partial rollout (Miles' rollout manager).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -54,7 +54,7 @@ pub trait SampleGenerator: Send + Sync {
 }
 
 /// Multi-turn agentic generation through a session server (Miles'
-/// `generate_hub/agentic_tool_call.generate`, MILES_SPEC §3.1): each sample opens a session,
+/// `generate_hub/agentic_tool_call.generate`, Miles' `agentic_tool_call.generate`): each sample opens a session,
 /// the user's [`Agent`] talks to it as to an OpenAI endpoint, and the session's records
 /// become the training sample (exact token ids, log-probs, routed experts; tool outputs
 /// masked out of the loss). The session server must serve the engine the manager trains

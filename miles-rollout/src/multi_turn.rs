@@ -1,4 +1,4 @@
-//! The token-level multi-turn tool loop (Miles' `multi_turn.py`, MILES_SPEC §3.6) as a
+//! The token-level multi-turn tool loop (Miles' `multi_turn.py`, Miles' `multi_turn.py`) as a
 //! [`SampleGenerator`]: no session server, the engine is called with token ids.
 //!
 //! The prompt is rendered with the tools; then, for at most `max_turns` turns: generate (the

@@ -1,4 +1,4 @@
-//! The agent driver (MILES_SPEC §3.1, Miles' `agentic_tool_call.generate`): open a session,
+//! The agent driver (Miles' `agentic_tool_call.generate`, Miles' `agentic_tool_call.generate`): open a session,
 //! let a user agent talk to it through an OpenAI-style client, collect the samples, delete the
 //! session. Failures never propagate: they become an ABORTED copy of the input sample.
 

@@ -1,4 +1,4 @@
-//! Turning session records into training samples (MILES_SPEC §3.2–3.3):
+//! Turning session records into training samples (Miles' sample assembly):
 //! [`compute_samples_from_records`] (per-turn samples with the trailing-token trim),
 //! [`truncate_samples_by_total_tokens`] and [`merge_samples`].
 
@@ -469,7 +469,7 @@ mod tests {
 
     #[test]
     fn merge_masks_observation_tokens() {
-        // Hand-computed from MILES_SPEC §3.3: tokens [1,2 | 10] then [1,2,10,3,4 | 20,21].
+        // Hand-computed from Miles' sample assembly: tokens [1,2 | 10] then [1,2,10,3,4 | 20,21].
         let a = sample(vec![1, 2, 10], 1, -0.5);
         let b = sample(vec![1, 2, 10, 3, 4, 20, 21], 2, -0.25);
         let merged = merge_samples(vec![a, b], &decode).unwrap();

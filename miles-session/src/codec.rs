@@ -1,4 +1,4 @@
-//! The samples wire codec (MILES_SPEC §3.4): what `POST /sessions/{id}/samples` returns.
+//! The samples wire codec (Miles' samples codec): what `POST /sessions/{id}/samples` returns.
 //!
 //! One safetensors blob. For sample `k`, tensor fields are stored as `"<field>.<k>"` with pinned
 //! dtypes (`tokens` I64, `loss_mask` U8, `rollout_log_probs` F64, `rollout_routed_experts` and
@@ -108,7 +108,7 @@ fn table_tensor(table: &RoutedExperts, name: &str) -> Result<TensorBytes> {
     tensor(DType::I32, table.shape().to_vec(), data, name)
 }
 
-/// Encodes a payload as Miles does (MILES_SPEC §3.4), byte for byte: the safetensors layout
+/// Encodes a payload as Miles does (Miles' samples codec), byte for byte: the safetensors layout
 /// of `safetensors.numpy.save` ([`NamedTensors::to_safetensors_bytes`]) and the
 /// `_samples_meta` JSON of Python's `json.dumps(meta, ensure_ascii=False,
 /// separators=(",", ":"))` (key order kept; floats as Python's `repr`).

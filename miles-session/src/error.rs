@@ -4,7 +4,7 @@
 /// fail.
 ///
 /// Each variant has a stable [`Error::label`] (used in `/metrics` and as the OpenAI error
-/// `code`) and an HTTP status ([`Error::status`]) following MILES_SPEC §2.1.
+/// `code`) and an HTTP status ([`Error::status`]) following Miles' session-server routes.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -44,7 +44,7 @@ pub enum Error {
         family: String,
     },
     /// Rendering or tokenizing failed, or the new token sequence does not extend the stored
-    /// one (MILES_SPEC §1.9).
+    /// one (Miles' TITO trailing-token trim).
     #[error("tokenization error: {reason}")]
     Tokenization {
         /// What was wrong.
@@ -211,7 +211,7 @@ impl Error {
         }
     }
 
-    /// The HTTP status the session server answers with (MILES_SPEC §2.1: not found 404,
+    /// The HTTP status the session server answers with (Miles' session-server routes: not found 404,
     /// validation 400, tokenization 500, upstream 502; assembly 422; engine timeout 504; and
     /// the guards of [`crate::guard`]: 401, 408, 413, 415, 429, 409, 503).
     pub fn status(&self) -> u16 {

@@ -5,7 +5,7 @@
 //! agent code and inference engines and records exactly what the model produced: for every
 //! chat turn the prompt ids (built incrementally, token-in-token-out, never re-tokenized), the
 //! output ids, their log-probs and the MoE routes. It talks to engines only through token-level
-//! `generate` ([`miles_core::InferenceEngine`]). Behaviour follows MILES_SPEC §2, §3 and §7.
+//! `generate` ([`miles_core::InferenceEngine`]). Behaviour follows Miles' session server, agentic generation and samples codec, and SGLang's HTTP API.
 //!
 //! What the crate owns:
 //!

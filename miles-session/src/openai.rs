@@ -1,5 +1,5 @@
 //! The OpenAI chat-completions request body, with the SGLang extensions Miles sends
-//! (MILES_SPEC §7.3), as one typed view shared by the session server and by miles-rollout's
+//! (SGLang's chat-completions API), as one typed view shared by the session server and by miles-rollout's
 //! SGLang-compatible server.
 //!
 //! Only the fields either server acts on are typed; unknown fields are ignored (the session

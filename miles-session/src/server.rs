@@ -1,4 +1,4 @@
-//! The session server as an [`axum::Router`] (MILES_SPEC §2): registry, three-phase locking,
+//! The session server as an [`axum::Router`] (Miles' session server): registry, three-phase locking,
 //! chat completions over a token-level [`InferenceEngine`], records, samples, metrics.
 
 use std::collections::HashMap;
@@ -221,7 +221,7 @@ impl SessionServer {
         }
     }
 
-    /// The routes of MILES_SPEC §2.1 (+ `/metrics`), behind the guards of
+    /// The routes of Miles' session-server routes (+ `/metrics`), behind the guards of
     /// [`SessionServerConfig::guard`] ([`crate::guard::harden`]). Serve it with
     /// [`crate::guard::serve`] for the connection limit and the request-head timeout. Called
     /// inside a Tokio runtime with an idle timeout set, it also starts the idle-session

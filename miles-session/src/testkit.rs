@@ -672,7 +672,7 @@ pub fn weather_tool() -> ToolSpec {
     )
 }
 
-/// A user agent for tests (MILES_SPEC §3.1's shape): offers [`weather_tool`], answers every
+/// A user agent for tests (Miles' `agentic_tool_call.generate`'s shape): offers [`weather_tool`], answers every
 /// tool call with "sunny" and asks again until the model answers in text, through a real HTTP
 /// client against `ctx.base_url`. Its metadata: `turns`, `final_answer` and
 /// `agent_metrics.total_tool_time` = 0.25. With `fail_after_first_turn` it fails ("tool

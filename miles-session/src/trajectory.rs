@@ -1,4 +1,4 @@
-//! One session's linear trajectory (MILES_SPEC §2.5) and its records (§2.6).
+//! One session's linear trajectory (as Miles keeps it) and its records.
 
 use miles_core::{Message, Role, TokenId, ToolSpec};
 use miles_tito::{ChatTokenizer, MessageMatcher, assert_append_only};
@@ -191,7 +191,7 @@ impl LinearTrajectory {
             .unwrap_or_default()
     }
 
-    /// Rollback detection: how many checkpoints survive for this request (MILES_SPEC §2.5).
+    /// Rollback detection: how many checkpoints survive for this request (Miles' linear trajectory).
     fn checkpoints_to_keep(&self, request: &[Message]) -> Result<usize> {
         let stored = &self.messages;
         if stored.is_empty() {
@@ -259,7 +259,7 @@ impl LinearTrajectory {
     }
 
     /// Phase 3: applies the prepared rollback, checks that `prompt ⊕ completion` extends the
-    /// kept prefix (all but `max_trim_tokens` of it; MILES_SPEC §1.9), then appends the
+    /// kept prefix (all but `max_trim_tokens` of it; Miles' TITO trailing-token trim), then appends the
     /// assistant turn, its checkpoint and its record. On error nothing changes.
     pub fn commit(
         &mut self,

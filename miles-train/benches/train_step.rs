@@ -10,7 +10,7 @@
 //! The baseline of each group is PyTorch CPU (transformers, 2 threads, same configs and batch,
 //! causal-LM loss): measured in the same run, just before ours, by `torch_train_step.py` when a
 //! Python with torch is available (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the
-//! workspace root; see `../shared/reference/PYTHON_REFERENCE.md`); otherwise the issue's
+//! workspace root: a venv with torch and transformers); otherwise the issue's
 //! constants measured on our machine with PyTorch 2.15, 420 tokens/s for (a) and 755 tokens/s
 //! for (b) ((c) has no constant: without PyTorch its row is skipped). Either way printed as the
 //! equivalent step time, and the note says which.

@@ -168,7 +168,7 @@ async fn moe_routed_experts_on_the_wire_match_transformers() {
     assert_eq!(output.output_ids[0], hf_id);
     assert!((output.output_log_probs[0] - hf_lp).abs() < 1e-4);
     let routed = output.routed_experts.unwrap();
-    // MILES_SPEC §4.1: prompt + output − 1 rows, every layer, top-k 2.
+    // SGLang's routed-experts layout: prompt + output − 1 rows, every layer, top-k 2.
     assert_eq!(routed.shape(), [prompt.len() + 3 - 1, 3, 2]);
     for layer in [1, 2] {
         let reference = outputs

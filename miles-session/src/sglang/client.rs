@@ -1,5 +1,4 @@
-//! An [`InferenceEngine`] that talks to an SGLang-compatible server over HTTP (MILES_SPEC
-//! §7.1–7.4): `/generate` with `input_ids`, `sampling_params`, `return_logprob`,
+//! An [`InferenceEngine`] that talks to an SGLang-compatible server over HTTP (SGLang's HTTP API): `/generate` with `input_ids`, `sampling_params`, `return_logprob`,
 //! `return_routed_experts`; pause / continue / flush / abort; `update_weights_from_disk`.
 //!
 //! Every malformed answer is an [`miles_core::Error::Engine`] of kind `Protocol`, transport
@@ -365,7 +364,7 @@ fn status_error(url: &str, response: &HttpResponse) -> miles_core::Error {
     )
 }
 
-/// Checks a `/generate` answer (MILES_SPEC §7.2) against `request` and turns it into the
+/// Checks a `/generate` answer (SGLang's `/generate` answer) against `request` and turns it into the
 /// engine's output: counts agree with each other and with the request, log-probs are
 /// log-probabilities, routed experts fit the sequence before they are decoded.
 pub(crate) fn check_generate_response(

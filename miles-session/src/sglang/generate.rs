@@ -313,7 +313,7 @@ fn finish_reason(output: &GenerateOutput) -> WireFinishReason {
     )
 }
 
-/// `meta_info` of a `/generate` answer (MILES_SPEC §7.2).
+/// `meta_info` of a `/generate` answer (SGLang's `/generate` answer).
 pub(super) fn meta_info(
     state: &AppState,
     rid: &str,

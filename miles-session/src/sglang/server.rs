@@ -1,4 +1,4 @@
-//! SGLang's HTTP protocol served over any [`InferenceEngine`] (MILES_SPEC §7): the routes the
+//! SGLang's HTTP protocol served over any [`InferenceEngine`] (SGLang's HTTP API): the routes the
 //! SGLang client of miles-session, Miles' rollout code and OpenAI-style agents call, so an
 //! embedded engine (or a [`crate::Router`] over a fleet) answers exactly as an SGLang server
 //! would.

@@ -1,4 +1,4 @@
-//! The samples wire codec against Miles' own Python codec (MILES_SPEC §3.4), byte for byte.
+//! The samples wire codec against Miles' own Python codec (Miles' samples codec), byte for byte.
 //!
 //! Fixtures (`fixtures/session/codec/`, made by `gen_codec_fixture.py` with Miles'
 //! `encode_samples` / `decode_samples_and_merge_input_sample` at radixark/miles @ 31f1ca961a94):

@@ -3,7 +3,7 @@
 //! `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "length", "length": N}
 //! | {"type": "stop", "matched": …}, "prompt_tokens", "weight_version": "default", "completion_tokens",
 //! "cached_tokens", …}}`, `/model_info` key set, `update_weights_from_disk` →
-//! `{"success": true, "message": "Succeeded to update model weights."}`) and MILES_SPEC §7,
+//! `{"success": true, "message": "Succeeded to update model weights."}`) and SGLang's HTTP API,
 //! miles-session's SGLang client against it on loopback, and the session server on top of it.
 //!
 //! The engine here is miles-session's deterministic toy engine with its byte-level ChatML
@@ -234,7 +234,7 @@ async fn routed_experts_are_base64_int32_rows_of_all_forwarded_positions() {
     .await;
     let body: Value = r.json().unwrap();
     let b64 = body["meta_info"]["routed_experts"].as_str().unwrap();
-    // MILES_SPEC §4.1: little-endian int32 [prompt + output − 1, layers, top_k], base64.
+    // SGLang's routed-experts layout: little-endian int32 [prompt + output − 1, layers, top_k], base64.
     let rows = ids.len() + reply.len() - 1;
     let table = RoutedExperts::from_base64(b64, rows, 2).unwrap();
     assert_eq!(table.shape(), [rows, 2, 2]);
