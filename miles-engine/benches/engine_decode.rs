@@ -15,7 +15,7 @@
 //! Targets (ratio = our tokens/s ÷ HF's): GLM-4-MoE ≥ 2×, Qwen3-style ≥ 1.3× and
 //! DeepSeek-V3-style ≥ 1× at 32 sequences, ≥ 1× at 1 sequence and for prefill.
 //!
-//! `cargo bench -p miles-rollout --features miles-ops/wgpu --bench engine_decode`
+//! `cargo bench -p miles-engine --features miles-ops/wgpu --bench engine_decode`
 //! (or `cargo xtask bench --only engine_decode`). `MILES_BENCH_QUICK=1`: 32 new tokens and
 //! 8 prefill prompts, for quick A/B runs. `MILES_BENCH_ONLY=glm_moe_88m` (or `qwen3_25m`,
 //! `deepseek_v3_82m`)

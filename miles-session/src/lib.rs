@@ -34,7 +34,7 @@
 //! * [`tito_adapter`]: the binary's loader of [`miles_tito::TitoChat`] (the family table's
 //!   [`miles_tito::ChatTokenizer`] over a model directory) for `--model DIR --tito FAMILY`.
 //! * [`metrics_server`]: a `/metrics` endpoint for any [`miles_core::prometheus::Registry`]
-//!   (trainer processes, `miles-rollout serve`), as a router, an async `serve` or a
+//!   (trainer processes, `miles-engine serve`), as a router, an async `serve` or a
 //!   self-contained [`metrics_server::MetricsServer`] thread.
 //! * [`testkit`]: a byte-level ChatML tokenizer, a deterministic engine and an instant engine
 //!   (tests, load tests, benchmarks, trying the binary without a model).

@@ -66,7 +66,7 @@ fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
     }
 }
 
-/// `miles-rollout serve --device wgpu-cpu` (burn's wgpu runtime on the CPU adapter) answers
+/// `miles-engine serve --device wgpu-cpu` (burn's wgpu runtime on the CPU adapter) answers
 /// greedy requests with the tokens `--device flex` gives, and log-probs equal to float
 /// rounding. Needs a Vulkan adapter (lavapipe in CI, where `MILES_REQUIRE_KERNEL_TESTS=1`
 /// makes its absence a failure).
