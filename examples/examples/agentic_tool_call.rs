@@ -40,8 +40,7 @@ use miles_examples::calculator::{
 use miles_examples::sft::{WarmStart, sft_sample, warm_start};
 use miles_examples::toy::{ToyModelSpec, write_model_dir};
 use miles_examples::wiring::{
-    FanOut, ProgressSink, SharedProgress, embedded_engine, held_out_reward, save_hf_checkpoint,
-    write_final_outputs,
+    ProgressSink, embedded_engine, held_out_reward, save_hf_checkpoint, write_final_outputs,
 };
 use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{
@@ -408,9 +407,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let trainer: SharedTrainer = Arc::new(Mutex::new(Box::new(actor) as Box<dyn PolicyTrainer>));
     let metrics_path = out.join("metrics.jsonl");
     let progress = Arc::new(ProgressSink::new(num_rollout, "eval/calculator/raw_reward"));
-    let sink: Arc<dyn MetricsSink> = Arc::new(FanOut(vec![
-        Box::new(JsonlMetricsSink::create(&metrics_path)?),
-        Box::new(SharedProgress(progress.clone())),
+    let sink: Arc<dyn MetricsSink> = Arc::new(miles_core::FanoutMetricsSink::new(vec![
+        Arc::new(JsonlMetricsSink::create(&metrics_path)?),
+        progress.clone(),
     ]));
     let data = DataSource::new(
         split.train.iter().map(MulProblem::prompt_record).collect(),

@@ -49,8 +49,7 @@ use miles_examples::args::{Args, Cli, exit_code, parse_env};
 use miles_examples::sft::{WarmStart, warm_start};
 use miles_examples::toy::{ToyModelSpec, write_model_dir};
 use miles_examples::wiring::{
-    FanOut, ProgressSink, SharedProgress, embedded_engine, held_out_reward, save_hf_checkpoint,
-    write_final_outputs,
+    ProgressSink, embedded_engine, held_out_reward, save_hf_checkpoint, write_final_outputs,
 };
 use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_rollout::{
@@ -443,21 +442,21 @@ async fn run(args: Args) -> Result<(), BoxError> {
         JsonlMetricsSink::create(&metrics_path)?
     };
     let progress = Arc::new(ProgressSink::new(num_rollout, "eval/addition/raw_reward"));
-    let mut sinks: Vec<Box<dyn MetricsSink>> = vec![
-        Box::new(jsonl),
-        Box::new(miles_examples::wiring::CurvesOnEval::new(
+    let mut sinks: Vec<Arc<dyn MetricsSink>> = vec![
+        Arc::new(jsonl),
+        Arc::new(miles_examples::wiring::CurvesOnEval::new(
             &out,
             "eval/addition/raw_reward",
         )),
-        Box::new(SharedProgress(progress.clone())),
+        progress.clone(),
     ];
     if args.flag("--use-tensorboard") {
-        sinks.push(Box::new(miles_examples::wiring::tensorboard_sink(
+        sinks.push(Arc::new(miles_examples::wiring::tensorboard_sink(
             args.get("--tensorboard-dir"),
             &out,
         )?));
     }
-    let sink: Arc<dyn MetricsSink> = Arc::new(FanOut(sinks));
+    let sink: Arc<dyn MetricsSink> = Arc::new(miles_core::FanoutMetricsSink::new(sinks));
     let data = DataSource::new(
         grpo_problems
             .iter()

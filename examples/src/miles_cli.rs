@@ -34,9 +34,7 @@ use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
 
 use crate::flags::{FlagSet, FlagValues, Parsed};
-use crate::wiring::{
-    CurvesOnEval, FanOut, ProgressSink, SharedProgress, embedded_engine, save_hf_checkpoint,
-};
+use crate::wiring::{CurvesOnEval, ProgressSink, embedded_engine, save_hf_checkpoint};
 
 /// Errors of a `miles` run (any crate's error, boxed).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -585,13 +583,13 @@ fn sinks(
         JsonlMetricsSink::create(&path)?
     };
     let progress = Arc::new(ProgressSink::new(num_rollout, eval_key));
-    let mut list: Vec<Box<dyn MetricsSink>> = vec![
-        Box::new(jsonl),
-        Box::new(CurvesOnEval::new(out, eval_key)),
-        Box::new(SharedProgress(progress.clone())),
+    let mut list: Vec<Arc<dyn MetricsSink>> = vec![
+        Arc::new(jsonl),
+        Arc::new(CurvesOnEval::new(out, eval_key)),
+        progress.clone(),
     ];
     if a.switch("--use-tensorboard") {
-        list.push(Box::new(crate::wiring::tensorboard_sink(
+        list.push(Arc::new(crate::wiring::tensorboard_sink(
             a.get("--tensorboard-dir"),
             out,
         )?));
@@ -609,8 +607,8 @@ fn sinks(
             if let Some(capacity) = buffer_capacity_groups {
                 trainer.buffer_capacity_groups.set(capacity);
             }
-            list.push(Box::new(miles_core::TrainerMetricsSink::new(trainer)));
-            list.push(Box::new(miles_core::PrometheusMetricsSink::new(
+            list.push(Arc::new(miles_core::TrainerMetricsSink::new(trainer)));
+            list.push(Arc::new(miles_core::PrometheusMetricsSink::new(
                 registry.clone(),
             )));
             let server = miles_session::metrics_server::MetricsServer::start(
@@ -622,7 +620,11 @@ fn sinks(
             Some(server)
         }
     };
-    Ok((Arc::new(FanOut(list)), progress, server))
+    Ok((
+        Arc::new(miles_core::FanoutMetricsSink::new(list)),
+        progress,
+        server,
+    ))
 }
 
 async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {

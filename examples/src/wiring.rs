@@ -33,28 +33,9 @@ impl SequenceScorer for TrainerScorer {
     }
 }
 
-/// Sends every step's metrics to several sinks.
-pub struct FanOut(pub Vec<Box<dyn MetricsSink>>);
-
-impl MetricsSink for FanOut {
-    fn log(&self, step: u64, metrics: &Metrics) -> miles_core::Result<()> {
-        for sink in &self.0 {
-            sink.log(step, metrics)?;
-        }
-        Ok(())
-    }
-
-    fn flush(&self) -> miles_core::Result<()> {
-        for sink in &self.0 {
-            sink.flush()?;
-        }
-        Ok(())
-    }
-}
-
 /// Redraws `curves.svg` from the run's `metrics.jsonl` after every step that evaluated
 /// (a metric under `eval/`), so the curves can be opened mid-run. Put it after the JSONL
-/// sink in a [`FanOut`]: that sink has written and flushed the step's line by then. A plot
+/// sink in a [`miles_core::FanoutMetricsSink`]: that sink has written and flushed the step's line by then. A plot
 /// that fails is reported and the run goes on.
 pub struct CurvesOnEval {
     jsonl: std::path::PathBuf,
@@ -158,16 +139,6 @@ impl MetricsSink for ProgressSink {
             None => println!("step {:>4}/{}: {msg}", step + 1, self.total),
         }
         Ok(())
-    }
-}
-
-/// A [`ProgressSink`] shared with the caller (to [`ProgressSink::finish`] it) while a
-/// [`FanOut`] owns a box of it.
-pub struct SharedProgress(pub Arc<ProgressSink>);
-
-impl MetricsSink for SharedProgress {
-    fn log(&self, step: u64, metrics: &Metrics) -> miles_core::Result<()> {
-        self.0.log(step, metrics)
     }
 }
 
@@ -347,9 +318,9 @@ mod tests {
     fn curves_are_redrawn_after_each_evaluating_step_only() {
         let out = std::env::temp_dir().join(format!("miles-ex-curves-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
-        let sink = FanOut(vec![
-            Box::new(JsonlMetricsSink::create(out.join("metrics.jsonl")).unwrap()),
-            Box::new(CurvesOnEval::new(&out, "eval/x/raw_reward")),
+        let sink = miles_core::FanoutMetricsSink::new(vec![
+            Arc::new(JsonlMetricsSink::create(out.join("metrics.jsonl")).unwrap()),
+            Arc::new(CurvesOnEval::new(&out, "eval/x/raw_reward")),
         ]);
         let svg = out.join("curves.svg");
         let step = |i: u64, eval: bool| {
