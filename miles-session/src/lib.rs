@@ -36,9 +36,9 @@
 //! * [`metrics_server`]: a `/metrics` endpoint for any [`miles_core::prometheus::Registry`]
 //!   (trainer processes, `miles-engine serve`), as a router, an async `serve` or a
 //!   self-contained [`metrics_server::MetricsServer`] thread.
-//! * [`testkit`]: a byte-level ChatML tokenizer, a deterministic engine and an instant engine
+//! * [`testkit`] (feature `testkit`): a byte-level ChatML tokenizer, a deterministic engine and an instant engine
 //!   (tests, load tests, benchmarks, trying the binary without a model).
-//! * [`loadgen`]: the closed-loop load generator (8-turn tool-calling sessions over HTTP) and a
+//! * [`loadgen`] (feature `testkit`): the closed-loop load generator (8-turn tool-calling sessions over HTTP) and a
 //!   handle on a server process, behind the example, the benchmark and the memory test.
 //!
 //! It never depends on burn.
@@ -78,6 +78,7 @@
 pub mod agent;
 mod api_key;
 pub mod assembly;
+#[cfg(feature = "testkit")]
 pub mod cli;
 pub mod codec;
 #[cfg(unix)]
@@ -85,12 +86,14 @@ pub mod command_agent;
 pub mod error;
 pub mod guard;
 pub mod http;
+#[cfg(feature = "testkit")]
 pub mod loadgen;
 pub mod metrics;
 pub mod metrics_server;
 pub mod openai;
 pub mod server;
 pub mod sglang;
+#[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod tito_adapter;
 pub mod trajectory;
