@@ -65,7 +65,9 @@ pub mod profile;
 
 pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
 pub use config::{
-    Architecture, Llama3RopeScaling, MlaConfig, ModelConfig, RouterKind, YarnRopeScaling,
+    ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
+    Llama3RopeScaling, MlaConfig, ModelConfig, MoeLayers, MoeSpec, PinnedField, PinnedValue,
+    RopeScalingKind, RouterKind, YarnRopeScaling,
 };
 pub use error::BridgeError;
 pub use lora::{ExpertLora, LoraAdapter, LoraConfig, LoraForward};
