@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use burn::module::Module;
-use miles_bridge::CausalLm;
+use miles_bridge::{CausalLm, score_log_probs};
 use miles_core::{
     GenerateOutput, GenerateRequest, InferenceEngine, Metrics, NamedTensors, PolicyTrainer, Reward,
     Sample, SamplingParams, WeightVersion,
@@ -17,7 +17,7 @@ use miles_core::{
 use miles_ops::advantages::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::{EmbeddedEngine, EngineConfig};
-use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig, score_log_probs};
+use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 
 use crate::Error;
 use crate::wiring::TrainerScorer;

@@ -1,5 +1,5 @@
-//! Glue between crates that must not know each other: the trainer's scoring function as the
-//! embedded engine's [`SequenceScorer`], a progress-bar metrics sink, and a fan-out sink.
+//! Glue between crates that must not know each other: the sequence scorer the trainer uses as
+//! the embedded engine's [`SequenceScorer`], a progress-bar metrics sink, and a fan-out sink.
 
 use std::io::IsTerminal;
 use std::path::Path;
@@ -12,7 +12,7 @@ use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::SequenceScorer;
 
-/// miles-train's batch-invariant scoring ([`miles_train::score_log_probs`]) as the engine's
+/// The trainer's batch-invariant scoring ([`miles_bridge::score_log_probs`]) as the engine's
 /// `recompute_logprobs_via_prefill` scorer: rollout log-probs then equal the trainer's
 /// `per_sample` log-probs bit for bit (`train/train_rollout_logprob_abs_diff` = 0).
 #[derive(Debug, Clone, Default)]
@@ -28,7 +28,7 @@ impl SequenceScorer for TrainerScorer {
         tokens: &[u32],
         response_length: usize,
     ) -> Result<Vec<f32>, String> {
-        miles_train::score_log_probs(model, tokens, response_length, &Fallthrough, &self.fused)
+        miles_bridge::score_log_probs(model, tokens, response_length, &Fallthrough, &self.fused)
             .map_err(|e| e.to_string())
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::CausalLm;
+use miles_bridge::{CausalLm, score_log_probs};
 use miles_core::{
     GenerateRequest, InferenceEngine, PolicyTrainer, Reward, Sample, SamplingParams, WeightVersion,
 };
@@ -18,7 +18,7 @@ use miles_examples::wiring::TrainerScorer;
 use miles_ops::advantages::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::{EmbeddedEngine, EngineConfig};
-use miles_train::{Actor, TrainConfig, score_log_probs};
+use miles_train::{Actor, TrainConfig};
 
 #[path = "fleet/fault_injection.rs"]
 mod fault_injection;

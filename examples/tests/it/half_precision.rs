@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device};
-use miles_bridge::{CausalLm, Precision};
+use miles_bridge::{CausalLm, Precision, score_log_probs};
 use miles_core::{
     GenerateRequest, InferenceEngine, PolicyTrainer, Reward, Sample, SamplingParams, WeightVersion,
 };
@@ -16,7 +16,7 @@ use miles_examples::wiring::TrainerScorer;
 use miles_ops::advantages::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_rollout::{EmbeddedEngine, EngineConfig};
-use miles_train::{Actor, TrainConfig, score_log_probs};
+use miles_train::{Actor, TrainConfig};
 
 fn load(name: &str, device: &Device) -> CausalLm {
     CausalLm::from_pretrained(fixture_path(format!("models/{name}")).unwrap(), device).unwrap()
