@@ -44,7 +44,8 @@
 //! check holds the table to it), filling in the HF names, the defaults transformers gives
 //! absent fields, and the attention / RoPE / MoE kinds. An architecture that only recombines
 //! what the table already describes needs nothing else; one with a new kind of layer adds
-//! the layer to [`nn`] and the kind to the row's types, which is where the model reads it.
+//! the layer to [`nn`], the kind to the row's types and the [`ModelConfig`] field the model
+//! is built from.
 //!
 //! Parameters keep their HF names and HF `[out, in]` layouts, so export is the identity on
 //! bytes for f32 checkpoints.
