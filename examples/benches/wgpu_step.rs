@@ -37,7 +37,8 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
-use miles_bridge::{CausalLm, FeedForward, ModelConfig, MoeDispatch};
+use miles_bridge::nn::{FeedForward, MoeBlock};
+use miles_bridge::{CausalLm, ModelConfig, MoeDispatch};
 use miles_core::{PolicyTrainer, Sample};
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_examples::grpo_step::{StepPlan, generate_all, samples_of};
@@ -122,7 +123,7 @@ fn train_step_secs(model: &CausalLm, plan: &StepPlan, samples: &[Sample]) -> (f6
 }
 
 /// Seconds of one forward + backward of `block` over `x` with `dispatch`.
-fn moe_layer_secs(block: &miles_bridge::MoeBlock, x: &Tensor<2>, dispatch: MoeDispatch) -> f64 {
+fn moe_layer_secs(block: &MoeBlock, x: &Tensor<2>, dispatch: MoeDispatch) -> f64 {
     let mut block = block.clone();
     block.dispatch = dispatch;
     let start = Instant::now();

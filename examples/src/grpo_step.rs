@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use burn::module::Module;
-use miles_bridge::CausalLm;
+use miles_bridge::{CausalLm, score_log_probs};
 use miles_core::{
     GenerateOutput, GenerateRequest, InferenceEngine, Metrics, NamedTensors, PolicyTrainer, Reward,
     Sample, SamplingParams, WeightVersion,
@@ -17,10 +17,10 @@ use miles_core::{
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
-use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig, score_log_probs};
+use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 
 use crate::Error;
-use crate::wiring::TrainerScorer;
+use miles_engine::TrainerScorer;
 
 /// What one step rolls out and how it trains.
 #[derive(Debug, Clone)]

@@ -19,14 +19,12 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype};
+use miles_bridge::{CausalLm, FloatDtype, score_log_probs};
 use miles_core::rng::SplitMix64;
 use miles_core::{JsonlMetricsSink, Message, Metrics, PolicyTrainer, Prompt, Role, Sample};
 use miles_r3::Fallthrough;
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
-use miles_train::{
-    Actor, BatchLayout, LossType, LrDecayStyle, LrSchedule, TrainConfig, score_log_probs,
-};
+use miles_train::{Actor, BatchLayout, LossType, LrDecayStyle, LrSchedule, TrainConfig};
 use serde_json::{Map, Value};
 
 use crate::Error;

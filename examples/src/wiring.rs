@@ -1,37 +1,12 @@
-//! Glue between crates that must not know each other: the trainer's scoring function as the
-//! embedded engine's [`SequenceScorer`], a progress-bar metrics sink, and a fan-out sink.
+//! Glue between crates that must not know each other: engines and trainers built for the
+//! examples, a progress-bar metrics sink, curves redrawn after each evaluation.
 
 use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use miles_bridge::CausalLm;
 use miles_core::{Metrics, MetricsSink, NamedTensors};
-use miles_engine::SequenceScorer;
-use miles_ops::fused::FusedLogProbConfig;
-use miles_r3::Fallthrough;
-
-/// miles-train's batch-invariant scoring ([`miles_train::score_log_probs`]) as the engine's
-/// `recompute_logprobs_via_prefill` scorer: rollout log-probs then equal the trainer's
-/// `per_sample` log-probs bit for bit (`train/train_rollout_logprob_abs_diff` = 0).
-#[derive(Debug, Clone, Default)]
-pub struct TrainerScorer {
-    /// The fused log-prob settings the trainer uses.
-    pub fused: FusedLogProbConfig,
-}
-
-impl SequenceScorer for TrainerScorer {
-    fn score(
-        &self,
-        model: &CausalLm,
-        tokens: &[u32],
-        response_length: usize,
-    ) -> Result<Vec<f32>, String> {
-        miles_train::score_log_probs(model, tokens, response_length, &Fallthrough, &self.fused)
-            .map_err(|e| e.to_string())
-    }
-}
 
 /// Redraws `curves.svg` from the run's `metrics.jsonl` after every step that evaluated
 /// (a metric under `eval/`), so the curves can be opened mid-run. Put it after the JSONL
@@ -268,7 +243,7 @@ pub fn embedded_engine_with(
         .map_err(|e| crate::Error::Tokenizer(format!("{}: {e}", path.display())))?;
     let engine = miles_engine::EmbeddedEngine::builder(model)
         .config(config)
-        .scorer(Arc::new(TrainerScorer::default()))
+        .scorer(Arc::new(miles_engine::TrainerScorer::default()))
         .detokenizer(Arc::new(tokenizer))
         .build()?;
     Ok(Arc::new(engine))

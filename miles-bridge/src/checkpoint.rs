@@ -6,153 +6,29 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
-use crate::BridgeError;
+use crate::error::BridgeError;
+use crate::host::{FloatDtype, HostTensor, TensorMap};
 
-/// Floating-point dtypes a checkpoint can be read from or written in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FloatDtype {
-    /// IEEE binary32.
-    F32,
-    /// bfloat16.
-    Bf16,
-    /// IEEE binary16.
-    F16,
-}
-
-impl FloatDtype {
-    /// Parses `f32`, `bf16` / `bfloat16` or `f16` / `float16`.
-    pub fn parse(text: &str) -> Option<Self> {
-        match text.to_ascii_lowercase().as_str() {
-            "f32" | "float32" => Some(Self::F32),
-            "bf16" | "bfloat16" => Some(Self::Bf16),
-            "f16" | "float16" => Some(Self::F16),
-            _ => None,
-        }
-    }
-
-    /// The same dtype in miles-core's vocabulary.
-    fn core(self) -> miles_core::DType {
-        match self {
-            Self::F32 => miles_core::DType::F32,
-            Self::Bf16 => miles_core::DType::BF16,
-            Self::F16 => miles_core::DType::F16,
-        }
-    }
-
-    fn safetensors(self) -> Dtype {
-        match self {
-            Self::F32 => Dtype::F32,
-            Self::Bf16 => Dtype::BF16,
-            Self::F16 => Dtype::F16,
-        }
-    }
-
-    fn from_safetensors(dtype: Dtype) -> Option<Self> {
-        match dtype {
-            Dtype::F32 => Some(Self::F32),
-            Dtype::BF16 => Some(Self::Bf16),
-            Dtype::F16 => Some(Self::F16),
-            _ => None,
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            Self::F32 => 4,
-            Self::Bf16 | Self::F16 => 2,
-        }
+/// The safetensors dtype of `dtype`.
+fn safetensors_dtype(dtype: FloatDtype) -> Dtype {
+    match dtype {
+        FloatDtype::F32 => Dtype::F32,
+        FloatDtype::Bf16 => Dtype::BF16,
+        FloatDtype::F16 => Dtype::F16,
     }
 }
 
-impl fmt::Display for FloatDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::F32 => "f32",
-            Self::Bf16 => "bf16",
-            Self::F16 => "f16",
-        })
+/// The float dtype of a safetensors dtype, if it is one this crate reads.
+fn float_dtype(dtype: Dtype) -> Option<FloatDtype> {
+    match dtype {
+        Dtype::F32 => Some(FloatDtype::F32),
+        Dtype::BF16 => Some(FloatDtype::Bf16),
+        Dtype::F16 => Some(FloatDtype::F16),
+        _ => None,
     }
 }
-
-/// One tensor on the host: little-endian bytes in `dtype`, row-major `shape`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct HostTensor {
-    /// Storage dtype.
-    pub dtype: FloatDtype,
-    /// Row-major shape.
-    pub shape: Vec<usize>,
-    /// Little-endian element bytes.
-    pub bytes: Vec<u8>,
-}
-
-impl HostTensor {
-    /// Wraps f32 values.
-    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Self {
-        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Self {
-            dtype: FloatDtype::F32,
-            shape,
-            bytes,
-        }
-    }
-
-    /// Number of elements.
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// The values widened to f32 (exact for bf16 / f16).
-    pub fn to_f32(&self) -> Vec<f32> {
-        match self.dtype {
-            FloatDtype::F32 => self
-                .bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            FloatDtype::Bf16 => self
-                .bytes
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            FloatDtype::F16 => self
-                .bytes
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-        }
-    }
-
-    /// The same values stored in `dtype` (round to nearest even when narrowing).
-    pub fn to_dtype(&self, dtype: FloatDtype) -> Self {
-        if dtype == self.dtype {
-            return self.clone();
-        }
-        let values = self.to_f32();
-        let bytes = match dtype {
-            FloatDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            FloatDtype::Bf16 => values
-                .iter()
-                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-            FloatDtype::F16 => values
-                .iter()
-                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
-                .collect(),
-        };
-        Self {
-            dtype,
-            shape: self.shape.clone(),
-            bytes,
-        }
-    }
-}
-
-/// A set of named host tensors, sorted by name.
-pub type TensorMap = BTreeMap<String, HostTensor>;
 
 fn safetensors_error(path: &Path, err: impl fmt::Display) -> BridgeError {
     BridgeError::Safetensors {
@@ -230,11 +106,9 @@ pub fn read_safetensors_file(path: &Path) -> Result<TensorMap, BridgeError> {
     let file = SafeTensors::deserialize(&bytes).map_err(|e| safetensors_error(path, e))?;
     let mut out = TensorMap::new();
     for (name, view) in file.iter() {
-        let dtype = FloatDtype::from_safetensors(view.dtype()).ok_or_else(|| {
-            BridgeError::UnsupportedDtype {
-                name: name.to_string(),
-                dtype: format!("{:?}", view.dtype()),
-            }
+        let dtype = float_dtype(view.dtype()).ok_or_else(|| BridgeError::UnsupportedDtype {
+            name: name.to_string(),
+            dtype: format!("{:?}", view.dtype()),
         })?;
         out.insert(
             name.to_string(),
@@ -250,6 +124,7 @@ pub fn read_safetensors_file(path: &Path) -> Result<TensorMap, BridgeError> {
 
 /// Name of the index file of a sharded checkpoint.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
 /// Name of a single-file checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";
 
@@ -342,7 +217,7 @@ pub fn serialize_safetensors(
         .collect();
     let mut views = Vec::with_capacity(converted.len());
     for (name, t) in &converted {
-        let view = TensorView::new(t.dtype.safetensors(), t.shape.clone(), &t.bytes)
+        let view = TensorView::new(safetensors_dtype(t.dtype), t.shape.clone(), &t.bytes)
             .map_err(|e| safetensors_error(Path::new(name), e))?;
         views.push((name.as_str(), view));
     }

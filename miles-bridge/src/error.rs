@@ -91,6 +91,16 @@ pub enum BridgeError {
         /// What is wrong.
         message: String,
     },
+    /// A sequence cannot be scored (response length out of range, a token id outside the
+    /// vocabulary, log-probs that cannot be read back).
+    #[error("cannot score the sequence: {reason}")]
+    Scoring {
+        /// What is wrong.
+        reason: String,
+    },
+    /// The fused log-prob op rejected its input.
+    #[error(transparent)]
+    Ops(#[from] miles_ops::OpsError),
     /// The router hook refused the routing request.
     #[error(transparent)]
     Router(#[from] miles_r3::R3Error),

@@ -1,29 +1,51 @@
 //! miles-bridge: the model layer of miles-rs.
 //!
 //! This crate owns the architectures RL users post-train, written once in burn and shared by
-//! the trainer and the embedded inference engine, and the bridges to HF checkpoints:
+//! the trainer and the embedded inference engine, the bridges to HF checkpoints, and the
+//! sequence scorer both of them use:
 //!
-//! - [`CausalLm`], one burn model for every [`Architecture`], keyed by HF `model_type`:
-//!   `glm4_moe` (GLM-4.5 / 4.6 / 4.7 MoE: sigmoid routing with `e_score_correction_bias`,
-//!   group-limited top-k, shared experts, dense first layers, partial RoPE), `qwen3` (qk-norm),
-//!   `qwen3_moe` (softmax routing), `llama` (Llama-3 RoPE scaling) and `qwen2` (Qwen2 /
-//!   Qwen2.5: q/k/v bias; sliding-window layers rejected), configured by
-//!   [`ModelConfig`] read from HF `config.json` (transformers-5 `rope_parameters` layout and the
-//!   older top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` layout);
-//! - one forward for training (padded or packed batches, per-token positions, routed expert
-//!   table per MoE layer) and inference ([`KvCache`] prefill + decode); every MoE layer asks a
-//!   [`miles_r3::RouterHook`] for its experts, so routing can be recorded or replayed;
-//! - import of HF safetensors (single file or sharded, f32 / bf16 / f16) and export to
-//!   HF-named safetensors in a chosen dtype, through one declarative name table
-//!   ([`names`]) that stacks / splits per-expert tensors;
+//! - the **architecture table** ([`ARCHITECTURES`], one [`ArchitectureSpec`] row per
+//!   [`Architecture`], keyed by HF `model_type`): `glm4_moe` (GLM-4.5 / 4.6 / 4.7 MoE: sigmoid
+//!   routing with `e_score_correction_bias`, group-limited top-k, shared experts, dense first
+//!   layers, partial RoPE), `qwen3` (qk-norm), `qwen3_moe` (softmax routing), `llama` (Llama-3
+//!   RoPE scaling), `qwen2` (Qwen2 / Qwen2.5: q/k/v bias; sliding-window layers rejected) and
+//!   `deepseek_v3` (DeepSeek-V3 / Moonlight / Kimi-K2: multi-head latent attention, YaRN);
+//!   each row says how that architecture's `config.json` maps onto the one [`ModelConfig`]
+//!   (defaults, ignored and pinned fields, RoPE scaling, attention kind, MoE layout), read by
+//!   [`ModelConfig::from_hf_json`] (transformers-5 `rope_parameters` layout and the older
+//!   top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` layout);
+//! - [`CausalLm`], one configurable burn model for every architecture, built from the
+//!   modules in [`nn`] (linear layers, RMSNorm, SwiGLU MLP, RoPE, grouped-query and latent
+//!   attention, the MoE block); one forward for training (padded or packed batches,
+//!   per-token positions, routed expert table per MoE layer, [`ModelInput`] →
+//!   [`ModelOutput`] / [`HiddenOutput`]) and inference (a contiguous [`KvCache`] for prefill
+//!   and decode, a [`PagedKvCache`] allocated once from a token budget); every MoE layer
+//!   asks a [`miles_r3::RouterHook`] for its experts, so routing can be recorded or replayed,
+//!   and runs its experts as [`MoeDispatch`] says;
+//! - the **sequence scorer** ([`score_response`], [`score_log_probs`]): per-token log-probs
+//!   and entropy of a response through miles-ops' fused log-prob op, the function the
+//!   trainer differentiates through and the embedded engine scores with;
+//! - import of HF safetensors (single file or sharded, f32 / bf16 / f16; [`checkpoint`]) into
+//!   [`HostTensor`]s and export to HF-named safetensors in a chosen [`FloatDtype`], through
+//!   one declarative name table ([`names`]) that stacks / splits per-expert tensors, and
+//!   TP / EP sharding ([`parallel`]);
 //! - half precision ([`Precision`], Miles' `--bf16` / `--fp16`): weights loaded into or cast
 //!   to bf16 / f16 ([`CausalLm::from_pretrained_in`], [`CausalLm::to_precision`]; a
 //!   differentiable cast on autodiff devices, for mixed-precision training), with norms,
 //!   attention softmax and router scores kept in f32;
 //! - LoRA ([`lora`]): adapters on the HF-layout linear layers and the routed experts,
-//!   attached by PEFT's `target_modules` rule, merged export for engines and PEFT adapter
-//!   import / export;
-//! - typed errors ([`BridgeError`]) naming the offending tensor or field.
+//!   attached by PEFT's `target_modules` rule ([`CausalLm::with_lora`]), merged export for
+//!   engines and PEFT adapter import / export;
+//! - an op-class profiler ([`profile`]) and typed errors ([`BridgeError`]) naming the
+//!   offending tensor or field.
+//!
+//! **Adding an architecture** is one row of the table plus its model code: add a variant to
+//! [`Architecture`] and its row to [`ARCHITECTURES`] (in the variants' order; a compile-time
+//! check holds the table to it), filling in the HF names, the defaults transformers gives
+//! absent fields, and the attention / RoPE / MoE kinds. An architecture that only recombines
+//! what the table already describes needs nothing else; one with a new kind of layer adds
+//! the layer to [`nn`], the kind to the row's types and the [`ModelConfig`] field the model
+//! is built from.
 //!
 //! Parameters keep their HF names and HF `[out, in]` layouts, so export is the identity on
 //! bytes for f32 checkpoints.
@@ -50,29 +72,36 @@
 //! assert_eq!(lp.dims(), [1, 3]);
 //! ```
 
-pub mod checkpoint;
 mod config;
 mod error;
-pub mod lora;
-pub mod mla;
+mod host;
+mod kv_cache;
+mod kv_pool;
 mod model;
+mod paged;
+mod precision;
+mod scoring;
+
+pub mod checkpoint;
+pub mod lora;
 pub mod names;
 pub mod nn;
-pub mod paged;
 pub mod parallel;
-mod precision;
 pub mod profile;
 
-pub use checkpoint::{FloatDtype, HostTensor, TensorMap};
 pub use config::{
-    Architecture, Llama3RopeScaling, MlaConfig, ModelConfig, RouterKind, YarnRopeScaling,
+    ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
+    Llama3RopeScaling, MlaConfig, ModelConfig, MoeLayers, MoeSpec, PinnedField, PinnedValue,
+    RopeScalingKind, RouterKind, YarnRopeScaling,
 };
 pub use error::BridgeError;
-pub use lora::{ExpertLora, LoraAdapter, LoraConfig, LoraForward};
-pub use model::{
-    CausalLm, DecoderLayer, DecoderModel, Experts, FeedForward, HiddenOutput, KvCache, ModelInput,
-    ModelOutput, MoeBlock, MoeDispatch, MoeRouting, PackedMoe, SelfAttention, TopkRouter,
-    ids_tensor, mtp_tensor_names, token_logprobs,
-};
+pub use host::{FloatDtype, HostTensor, TensorMap};
+pub use kv_cache::{KvCache, LayerCache};
+pub use model::causal_lm::{CausalLm, mtp_tensor_names};
+pub use model::forward::{HiddenOutput, ModelInput, ModelOutput, ids_tensor};
+pub use nn::moe::{MoeDispatch, MoeRouting};
 pub use paged::{PagedKvCache, RowId};
 pub use precision::Precision;
+pub use scoring::{
+    check_response, score_hidden_rows, score_log_probs, score_response, token_logprobs,
+};

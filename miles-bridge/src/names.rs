@@ -7,8 +7,8 @@
 //! projections; [`hf_to_internal`] stacks the per-expert HF keys and [`internal_to_hf`] splits
 //! them again, so HF → ours → HF is the identity on bytes.
 
-use crate::BridgeError;
-use crate::checkpoint::{HostTensor, TensorMap};
+use crate::error::BridgeError;
+use crate::host::{HostTensor, TensorMap};
 
 /// One stacked-expert rule: `{prefix}mlp.experts.{e}.{projection}.weight` (HF, one tensor per
 /// expert `e`) ⇄ `{prefix}mlp.experts.{projection}.weight` (ours, experts stacked on dim 0).

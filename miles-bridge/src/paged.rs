@@ -9,7 +9,7 @@
 //!
 //! Layout (see [`miles_ops::paged`]): a layer's keys are `[kv_heads · slots, width]`, row
 //! `h · slots + slot`; values alike (none for DeepSeek-V3's latent attention, whose "keys"
-//! are the compressed latent plus the rope key). [`crate::CausalLm::forward_paged`] runs a
+//! are the compressed latent plus the rope key). [`CausalLm::forward_paged`] runs a
 //! step over a set of sequences: it writes the step's keys and values into their slots, then
 //! attends straight from the pool on flex (`f32`, AVX-512F: the paged decode kernel, bit for
 //! bit what one sequence alone computes), or gathers each sequence's keys into a contiguous
@@ -18,15 +18,22 @@
 //! A one-row [`KvCache`] moves in with [`PagedKvCache::load`] (a prefill, a reused prefix)
 //! and out with [`PagedKvCache::export`] (for a prefix cache); both copy.
 
-use std::cell::OnceCell;
 use std::collections::HashMap;
 
-use burn::tensor::{Bool, DType, Device, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::module::embedding;
+use burn::tensor::{DType, Device, Int, Tensor};
 use miles_ops::paged::PageTable;
+use miles_r3::RouterHook;
 
 use crate::error::BridgeError;
-use crate::model::{CausalLm, KvCache, SelfAttention};
-use crate::nn::LayerCache;
+use crate::kv_cache::{KvCache, LayerCache};
+use crate::kv_pool::{LayerStep, PoolLayer, StepPlan, index_tensor, pool_rows};
+use crate::model::causal_lm::CausalLm;
+use crate::model::forward::{HiddenOutput, ModelOutput};
+use crate::nn::attention::KvTarget;
+use crate::nn::layer::SelfAttention;
+use crate::nn::rope::Rope;
+use crate::profile::{self, OpClass};
 
 /// A sequence's place in a [`PagedKvCache`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -36,16 +43,6 @@ pub struct RowId(usize);
 struct Row {
     blocks: Vec<u32>,
     len: usize,
-}
-
-/// One layer's pool.
-#[derive(Debug)]
-pub(crate) struct PoolLayer {
-    /// `[heads · slots, width]`; `None` only while a write holds it.
-    keys: Option<Tensor<2>>,
-    values: Option<Tensor<2>>,
-    heads: usize,
-    width: usize,
 }
 
 /// Per-layer KV pools allocated once from a token budget, shared by sequences through block
@@ -356,23 +353,21 @@ impl PagedKvCache {
             blocks.push(r.blocks.clone());
             past.push(r.len);
         }
-        Ok(StepPlan {
-            table: PageTable {
-                block: Self::BLOCK,
-                blocks,
-                lens: past.iter().map(|&p| p + seq).collect(),
-            },
+        let table = PageTable {
+            block: Self::BLOCK,
+            blocks,
+            lens: past.iter().map(|&p| p + seq).collect(),
+        };
+        Ok(StepPlan::new(
+            table,
             past,
             seq,
-            slots: self.slots,
-            device: self.device.clone(),
-            writes: Default::default(),
-            gathers: Default::default(),
-            mask: OnceCell::new(),
-        })
+            self.slots,
+            self.device.clone(),
+        ))
     }
 
-    /// Records a step's new lengths (after [`crate::CausalLm::forward_paged`] wrote them).
+    /// Records a step's new lengths (after [`CausalLm::forward_paged`] wrote them).
     pub(crate) fn commit(&mut self, rows: &[RowId], plan: &StepPlan) {
         for (row, &len) in rows.iter().zip(&plan.table.lens) {
             self.set_len(*row, len);
@@ -384,189 +379,57 @@ impl PagedKvCache {
         let dtype = self.dtype;
         self.layers
             .get_mut(l)
-            .map(|pool| LayerStep { pool, plan, dtype })
+            .map(|pool| LayerStep::new(pool, plan, dtype))
     }
 }
 
-/// Pool rows of positions `range` of sequence `b` for every head, in `(head, position)`
-/// order: the order of a `[heads, positions, width]` block of keys.
-fn pool_rows(
-    table: &PageTable,
-    b: usize,
-    range: std::ops::Range<usize>,
-    heads: usize,
-    slots: usize,
-) -> impl Iterator<Item = i32> + '_ {
-    (0..heads).flat_map(move |h| {
-        range
-            .clone()
-            .map(move |p| (h * slots + table.slot(b, p)) as i32)
-    })
-}
-
-/// An index tensor of pool rows.
-fn index_tensor(index: Vec<i32>, device: &Device) -> Tensor<1, Int> {
-    let n = index.len();
-    Tensor::from_data(TensorData::new(index, [n]), device)
-}
-
-impl PoolLayer {
-    /// Writes `keys` / `values` `[batch, heads, seq, width]` at pool rows `index` (in
-    /// `(batch, head, position)` order), in place.
-    fn write(
-        &mut self,
-        index: Tensor<1, Int>,
-        keys: Tensor<4>,
-        values: Option<Tensor<4>>,
-        dtype: DType,
-    ) {
-        let put = |pool: &mut Option<Tensor<2>>, new: Tensor<4>, index: Tensor<1, Int>| {
-            let [b, h, s, w] = new.dims();
-            let new = new.reshape([b * h * s, w]);
-            let new = if new.dtype() == dtype {
-                new
-            } else {
-                new.cast(dtype)
-            };
-            // Taken out so the pool is the only handle: burn then assigns in place.
-            if let Some(t) = pool.take() {
-                *pool = Some(t.select_assign(0, index, new, IndexingUpdateOp::Assign));
+impl CausalLm {
+    /// One inference step over sequences held in a paged KV cache ([`PagedKvCache`]):
+    /// `input_ids` `[rows.len(), seq]` are the next `seq` tokens of each of `rows`, at the
+    /// positions that follow what each row has cached. Their keys / values are written into
+    /// the rows' blocks and the rows' lengths grow by `seq`. Logits of every position and the
+    /// routing, as [`CausalLm::forward_cached`]. Errors (nothing written) for unknown or
+    /// repeated rows, rows whose blocks are full, or a cache built for another model.
+    pub fn forward_paged(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut PagedKvCache,
+        rows: &[RowId],
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        let [batch, seq] = input_ids.dims();
+        if batch == 0 || seq == 0 || batch != rows.len() {
+            return Err(BridgeError::input(format!(
+                "paged step: input {:?} for {} rows",
+                [batch, seq],
+                rows.len()
+            )));
+        }
+        if !cache.fits(self) {
+            return Err(BridgeError::input(
+                "paged step: the KV pool was built for another model",
+            ));
+        }
+        let plan = cache.plan(rows, seq)?;
+        let rope = profile::time(OpClass::Rope, || {
+            Rope::new(plan.positions(), self.config.inv_freq())
+        });
+        let hidden = profile::time(OpClass::Embed, || {
+            embedding(self.model.embed_tokens.val(), input_ids)
+        });
+        let HiddenOutput { hidden, routing } = self.decoder(hidden, hook, |l, attention, x| {
+            match cache.layer(l, &plan) {
+                Some(step) => attention.forward_kv(x, &rope, KvTarget::Paged(step)),
+                // `fits` checked the layer count.
+                None => unreachable!("a pool layer per decoder layer"),
             }
-        };
-        put(&mut self.keys, keys, index.clone());
-        if let Some(v) = values {
-            put(&mut self.values, v, index);
-        }
-    }
-}
-
-/// What one step over a set of sequences needs in every layer.
-#[derive(Debug)]
-pub(crate) struct StepPlan {
-    pub(crate) table: PageTable,
-    pub(crate) past: Vec<usize>,
-    pub(crate) seq: usize,
-    slots: usize,
-    device: Device,
-    writes: std::cell::RefCell<HashMap<usize, Tensor<1, Int>>>,
-    gathers: std::cell::RefCell<HashMap<usize, Tensor<1, Int>>>,
-    mask: OnceCell<Tensor<4, Bool>>,
-}
-
-impl StepPlan {
-    /// Positions of the step's tokens, `[batch, seq]`.
-    pub(crate) fn positions(&self) -> Tensor<2, Int> {
-        let batch = self.past.len();
-        let data: Vec<i32> = self
-            .past
-            .iter()
-            .flat_map(|&p| (p..p + self.seq).map(|x| x as i32))
-            .collect();
-        Tensor::from_data(TensorData::new(data, [batch, self.seq]), &self.device)
-    }
-
-    fn write_index(&self, heads: usize) -> Tensor<1, Int> {
-        self.writes
-            .borrow_mut()
-            .entry(heads)
-            .or_insert_with(|| {
-                // `(sequence, head, position)`: the order of the step's `[batch, heads, seq,
-                // width]` keys.
-                let index = self
-                    .past
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(b, &p)| {
-                        pool_rows(&self.table, b, p..p + self.seq, heads, self.slots)
-                    })
-                    .collect();
-                index_tensor(index, &self.device)
-            })
-            .clone()
-    }
-
-    fn gather_index(&self, heads: usize) -> Tensor<1, Int> {
-        self.gathers
-            .borrow_mut()
-            .entry(heads)
-            .or_insert_with(|| {
-                miles_ops::paged::gather_index(&self.table, heads, self.slots, &self.device)
-            })
-            .clone()
-    }
-
-    /// The longest sequence after the step.
-    fn total(&self) -> usize {
-        self.table.lens.iter().copied().max().unwrap_or(0)
-    }
-
-    /// `[batch, 1, seq, total]`, true where query `i` of a sequence must not see key `p`:
-    /// past its own position or past its length.
-    pub(crate) fn mask(&self) -> Tensor<4, Bool> {
-        self.mask
-            .get_or_init(|| {
-                let (batch, total) = (self.past.len(), self.total());
-                let mut data = Vec::with_capacity(batch * self.seq * total);
-                for &p in &self.past {
-                    for i in 0..self.seq {
-                        data.extend((0..total).map(|k| k > p + i));
-                    }
-                }
-                Tensor::from_data(
-                    TensorData::new(data, [batch, 1, self.seq, total]),
-                    &self.device,
-                )
-            })
-            .clone()
-    }
-}
-
-/// One layer of a paged step: the layer's pool and the step's plan.
-pub(crate) struct LayerStep<'a> {
-    pool: &'a mut PoolLayer,
-    plan: &'a StepPlan,
-    dtype: DType,
-}
-
-impl LayerStep<'_> {
-    /// Writes the step's keys / values `[batch, heads, seq, width]` into their slots.
-    pub(crate) fn write(&mut self, keys: Tensor<4>, values: Option<Tensor<4>>) {
-        let index = self.plan.write_index(self.pool.heads);
-        self.pool.write(index, keys, values, self.dtype);
-    }
-
-    /// The paged decode kernel's attention for `q` `[batch, heads, 1, width]` when it applies
-    /// (flex, `f32`, AVX-512F, one token per sequence, a layer with values); `None` otherwise.
-    pub(crate) fn decode(&self, q: &Tensor<4>, scale: f32) -> Option<Tensor<4>> {
-        let (keys, values) = (self.pool.keys.as_ref()?, self.pool.values.as_ref()?);
-        if self.plan.seq != 1 || !miles_ops::paged::applies(&q.device(), q.dtype(), self.pool.width)
-        {
-            return None;
-        }
-        miles_ops::paged::paged_decode(
-            q.clone(),
-            keys.clone(),
-            values.clone(),
-            self.pool.heads,
-            &self.plan.table,
-            scale,
-        )
-        .ok()
-    }
-
-    /// Every sequence's keys / values after the step, gathered into `[batch, heads, total,
-    /// width]` (positions past a sequence's length masked by [`StepPlan::mask`]).
-    pub(crate) fn gather(&self) -> Option<(Tensor<4>, Option<Tensor<4>>)> {
-        let index = self.plan.gather_index(self.pool.heads);
-        let (batch, total) = (self.plan.past.len(), self.plan.total());
-        let shape = [batch, self.pool.heads, total, self.pool.width];
-        let take = |t: &Tensor<2>| t.clone().select(0, index.clone()).reshape(shape);
-        let keys = take(self.pool.keys.as_ref()?);
-        Some((keys, self.pool.values.as_ref().map(take)))
-    }
-
-    /// See [`StepPlan::mask`].
-    pub(crate) fn mask(&self) -> Tensor<4, Bool> {
-        self.plan.mask()
+        })?;
+        cache.commit(rows, &plan);
+        let h = self.config.hidden_size;
+        let logits = self.logits(hidden.reshape([batch * seq, h]));
+        Ok(ModelOutput {
+            logits: logits.reshape([batch, seq, self.config.vocab_size]),
+            routing,
+        })
     }
 }

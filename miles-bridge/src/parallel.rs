@@ -10,8 +10,8 @@
 //! global ids in the names) and replicates every non-expert tensor. [`gather_shards`] inverts
 //! [`shard`] exactly.
 
-use crate::BridgeError;
-use crate::checkpoint::{HostTensor, TensorMap};
+use crate::error::BridgeError;
+use crate::host::{HostTensor, TensorMap};
 
 /// How one tensor is laid out across tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! One setting for both sides of the RL loop, as in Miles: the trainer's forward computes in
 //! it (master weights and AdamW state stay `f32`, see miles-train), the embedded engine holds
 //! its weights, their fused / packed copies and the KV cache in it, and the weights exported
-//! for the engines are written in it. [`CausalLm::to_precision`](crate::CausalLm::to_precision)
+//! for the engines are written in it. `CausalLm::to_precision`
 //! casts a model; what the forward keeps in `f32` regardless (RMSNorm statistics, attention
 //! scores and softmax, MoE router scores, the log-prob / loss computation) is listed there.
 //!
@@ -24,7 +24,8 @@ use std::str::FromStr;
 use burn::tensor::{DType, Device, FloatDType};
 use serde::{Deserialize, Serialize};
 
-use crate::{BridgeError, FloatDtype};
+use crate::error::BridgeError;
+use crate::host::FloatDtype;
 
 /// The dtype a model computes in (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

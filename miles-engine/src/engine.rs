@@ -23,7 +23,7 @@ use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
 use crate::config::{EngineConfig, read_eos_ids};
 use crate::error::{Error, Result};
 use crate::scheduler::Scheduler;
-use crate::step::{PrefillScorer, SequenceScorer};
+use crate::step::{SequenceScorer, TrainerScorer};
 
 /// The embedded burn inference engine (see the module docs).
 pub struct EmbeddedEngine {
@@ -59,7 +59,8 @@ impl EngineBuilder {
         self
     }
 
-    /// The scorer used by `recompute_logprobs_via_prefill` (default [`PrefillScorer`]).
+    /// The scorer used by `recompute_logprobs_via_prefill` (default [`TrainerScorer`]: the
+    /// trainer's sequence scoring).
     pub fn scorer(mut self, scorer: Arc<dyn SequenceScorer>) -> Self {
         self.scorer = scorer;
         self
@@ -135,7 +136,7 @@ impl EmbeddedEngine {
         EngineBuilder {
             model,
             config: EngineConfig::default(),
-            scorer: Arc::new(PrefillScorer),
+            scorer: Arc::new(TrainerScorer::default()),
             detokenizer: None,
         }
     }

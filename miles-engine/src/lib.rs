@@ -28,7 +28,7 @@
 //! Log-probs: per-token log-probs of the sampled tokens under the untempered distribution. With
 //! `recompute_logprobs_via_prefill` (default on) they are recomputed after the sequence ends by
 //! a [`SequenceScorer`] over the whole sequence; the default scorer,
-//! [`PrefillScorer`], is the trainer's own scoring function (`miles_bridge`'s sequence scorer,
+//! [`TrainerScorer`], is the trainer's own scoring function (`miles_bridge`'s sequence scorer,
 //! which miles-train calls), so rollout log-probs equal the trainer's bit for bit with no glue. Aborted requests keep their decode-time log-probs: a weight update ends every
 //! interrupted request at once, and a prefill per request then would stall the update (the
 //! difference is float rounding under the same weights, which TIS absorbs).
@@ -75,4 +75,4 @@ pub use command::{Detokenizer, EngineStats};
 pub use config::{DEFAULT_MAX_NEW_TOKENS, EngineConfig, eos_from_tokenizer_config, read_eos_ids};
 pub use engine::{EmbeddedEngine, EngineBuilder};
 pub use error::{Error, Result};
-pub use step::{PrefillScorer, SequenceScorer};
+pub use step::{PrefillScorer, SequenceScorer, TrainerScorer};

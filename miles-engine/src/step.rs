@@ -3,6 +3,7 @@
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use miles_bridge::{CausalLm, ModelInput, MoeDispatch};
+use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 
 /// Computes the log-probs of the last `response_length` tokens of `tokens` in one pass over
@@ -18,7 +19,32 @@ pub trait SequenceScorer: Send + Sync {
     ) -> Result<Vec<f32>, String>;
 }
 
-/// The engine's own scorer: one full forward at the sequence's length, log-softmax, gather.
+/// The default scorer: the trainer's own sequence scoring (miles-bridge's
+/// [`score_log_probs`](miles_bridge::score_log_probs), which miles-train's actor scores with),
+/// batch-invariant and with the trainer's fused log-probs. Rollout log-probs then equal the
+/// trainer's `per_sample` log-probs of the same weights bit for bit
+/// (`train/train_rollout_logprob_abs_diff` = 0) with no glue; set `fused` to the trainer's
+/// [`FusedLogProbConfig`] when it is not the default.
+#[derive(Debug, Clone, Default)]
+pub struct TrainerScorer {
+    /// The fused log-prob settings the trainer uses.
+    pub fused: FusedLogProbConfig,
+}
+
+impl SequenceScorer for TrainerScorer {
+    fn score(
+        &self,
+        model: &CausalLm,
+        tokens: &[u32],
+        response_length: usize,
+    ) -> Result<Vec<f32>, String> {
+        miles_bridge::score_log_probs(model, tokens, response_length, &Fallthrough, &self.fused)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// A plain scorer: one full forward at the sequence's length, log-softmax, gather (no fused
+/// ops; equal to the trainer's log-probs only to float rounding).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PrefillScorer;
 

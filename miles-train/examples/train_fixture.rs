@@ -8,11 +8,11 @@ use std::path::PathBuf;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::CausalLm;
+use miles_bridge::{CausalLm, score_log_probs};
 use miles_core::{PolicyTrainer, Reward, Sample};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
-use miles_train::{Actor, LossType, LrSchedule, TrainConfig, score_log_probs};
+use miles_train::{Actor, LossType, LrSchedule, TrainConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::args().nth(1).map_or_else(

@@ -8,7 +8,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::Int;
 use burn::tensor::{Device, Tensor};
-use miles_bridge::{CausalLm, FloatDtype};
+use miles_bridge::{CausalLm, FloatDtype, score_log_probs};
 use miles_core::{
     DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, TensorBytes, WeightVersion,
 };
@@ -27,7 +27,7 @@ use crate::checkpoint;
 use crate::config::{LossType, TrainConfig};
 use crate::critic::Critic;
 use crate::optim::{AdamW, GradAccumulator};
-use crate::scoring::{score_batch, score_log_probs};
+use crate::scoring::{sample_error, score_batch};
 use crate::{Error, LrSchedule, Result};
 
 /// Per-sample advantages and returns over the response tokens.
@@ -305,12 +305,8 @@ impl Actor {
                 None => Box::new(Fallthrough),
             };
             let score = |m: &CausalLm, hook: &dyn RouterHook| {
-                score_log_probs(m, &item.tokens, item.response_length, hook, &fused).map_err(|e| {
-                    match e {
-                        Error::Sample { reason, .. } => Error::Sample { index, reason },
-                        other => other,
-                    }
-                })
+                score_log_probs(m, &item.tokens, item.response_length, hook, &fused)
+                    .map_err(|e| sample_error(index, e))
             };
             if policy {
                 old.push(score(&scorer, &*hook)?);

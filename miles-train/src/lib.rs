@@ -13,8 +13,9 @@
 //!    a [`Critic`] — a value head on a copy of the transformer, trained first in every step
 //!    with the clipped value loss);
 //! 3. old log-probs scored once with the current weights (and reference log-probs from a
-//!    frozen copy when `use_kl_loss` / `kl_coef` need them) through the **scoring function**
-//!    [`score_response`] — the same code the embedded engine uses to score what it generated;
+//!    frozen copy when `use_kl_loss` / `kl_coef` need them) through miles-bridge's **sequence
+//!    scorer** ([`miles_bridge::score_response`]) — the same code the embedded engine uses to
+//!    score what it generated;
 //! 4. the rollout is split into `num_steps_per_rollout` optimizer steps of `global_batch_size`
 //!    samples, each step into micro-batches ([`plan_micro_batches`], fixed size or a token
 //!    budget), gradients accumulated over micro-batches, **global** gradient-norm clipping
@@ -87,4 +88,4 @@ pub use error::{Error, Result};
 pub use malloc::retain_freed_memory;
 pub use optim::{AdamW, GradAccumulator, NamedParams};
 pub use schedule::{LrDecayStyle, LrSchedule};
-pub use scoring::{HookFn, ScoredBatch, score_batch, score_log_probs, score_response};
+pub use scoring::{HookFn, ScoredBatch, score_batch};

@@ -1,9 +1,13 @@
-//! The scoring function: per-token log-probs (and entropy) of a sample's response under a
-//! model, through miles-ops' fused path. The trainer differentiates through it; the embedded
-//! engine calls it to score what it generated, so both sides see identical numbers.
+//! Batch scoring: log-probs (and entropy) of a micro-batch's responses under a model, per
+//! sample through miles-bridge's sequence scorer ([`score_response`], the function the
+//! embedded engine scores with, so both sides see identical numbers) or with one packed /
+//! padded forward.
 
-use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
-use miles_bridge::{CausalLm, ModelInput, MoeRouting};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use miles_bridge::{
+    BridgeError, CausalLm, ModelInput, MoeRouting, check_response, score_hidden_rows,
+    score_response,
+};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::RouterHook;
 
@@ -29,86 +33,20 @@ pub struct ScoredBatch {
     pub routing: Vec<Vec<MoeRouting>>,
 }
 
-fn ids_row(tokens: &[u32], device: &Device) -> Tensor<2, Int> {
-    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-    Tensor::from_data(TensorData::new(ids, [1, tokens.len()]), device)
+/// The trainer's error for a scoring failure of sample `index`: a sequence the scorer refuses
+/// is [`Error::Sample`], a fused-op input it rejects [`Error::Ops`], anything else
+/// [`Error::Bridge`].
+pub(crate) fn sample_error(index: usize, e: BridgeError) -> Error {
+    match e {
+        BridgeError::Scoring { reason } => Error::Sample { index, reason },
+        BridgeError::Ops(e) => Error::Ops(e),
+        other => Error::Bridge(other),
+    }
 }
 
 fn int_vec(values: Vec<i32>, device: &Device) -> Tensor<1, Int> {
     let n = values.len();
     Tensor::from_data(TensorData::new(values, [n]), device)
-}
-
-fn check_item(tokens: &[u32], response_length: usize, vocab: usize) -> Result<()> {
-    let bad = |reason: String| Error::Sample { index: 0, reason };
-    if response_length == 0 || response_length >= tokens.len() {
-        return Err(bad(format!(
-            "response_length {response_length} must be in 1..{}",
-            tokens.len()
-        )));
-    }
-    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(bad(format!(
-            "token id {t} is outside the vocabulary ({vocab})"
-        )));
-    }
-    Ok(())
-}
-
-/// The fused log-prob op's inputs in f32: a half-precision model's final hidden states and
-/// output projection are cast up (exactly) before the op, so the logits, log-softmax and
-/// entropy are computed in f32 from the compute-dtype values (Megatron casts its logits up
-/// before the cross-entropy the same way; here the logits themselves are never rounded to
-/// the compute dtype). Differentiable: the cast's backward casts the gradients back.
-fn in_f32(hidden: Tensor<2>, weight: Tensor<2>) -> (Tensor<2>, Tensor<2>) {
-    if hidden.dtype() == DType::F32 && weight.dtype() == DType::F32 {
-        return (hidden, weight);
-    }
-    (hidden.cast(FloatDType::F32), weight.cast(FloatDType::F32))
-}
-
-/// Log-probs and entropy of the last `response_length` tokens of `tokens`: entry `i` is
-/// `log p(tokens[n − R + i] | tokens[..n − R + i])`. One forward at the sequence's exact
-/// length, so the result does not depend on anything but the model, the tokens and the
-/// routing the hook returns. Differentiable when `model` lives on an autodiff device.
-pub fn score_response(
-    model: &CausalLm,
-    tokens: &[u32],
-    response_length: usize,
-    hook: &dyn RouterHook,
-    fused: &FusedLogProbConfig,
-) -> Result<(Tensor<1>, Tensor<1>, Vec<MoeRouting>)> {
-    check_item(tokens, response_length, model.config.vocab_size)?;
-    let device = model.lm_head_weight().device();
-    let n = tokens.len();
-    let out = model.forward_hidden(&ModelInput::new(ids_row(tokens, &device)), hook)?;
-    let [_, _, h] = out.hidden.dims();
-    let rows = out
-        .hidden
-        .reshape([n, h])
-        .narrow(0, n - 1 - response_length, response_length);
-    // Host targets: the fused op checks them there and reads nothing back.
-    let (rows, weight) = in_f32(rows, model.lm_head_weight());
-    let (lp, ent) = fused.forward_ids(rows, weight, &tokens[n - response_length..])?;
-    Ok((lp, ent, out.routing))
-}
-
-/// [`score_response`] read back to the host: the response log-probs as `f32`.
-pub fn score_log_probs(
-    model: &CausalLm,
-    tokens: &[u32],
-    response_length: usize,
-    hook: &dyn RouterHook,
-    fused: &FusedLogProbConfig,
-) -> Result<Vec<f32>> {
-    let (lp, _, _) = score_response(model, tokens, response_length, hook, fused)?;
-    lp.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| Error::Sample {
-            index: 0,
-            reason: format!("cannot read log-probs back: {e:?}"),
-        })
 }
 
 /// Scores a micro-batch in `layout`. `hooks` yields the router hook of each forward pass:
@@ -124,10 +62,8 @@ pub fn score_batch(
     let device = model.lm_head_weight().device();
     let vocab = model.config.vocab_size;
     for (index, item) in items.iter().enumerate() {
-        check_item(&item.tokens, item.response_length, vocab).map_err(|e| match e {
-            Error::Sample { reason, .. } => Error::Sample { index, reason },
-            other => other,
-        })?;
+        check_response(&item.tokens, item.response_length, vocab)
+            .map_err(|e| sample_error(index, e))?;
     }
     let max_r = items.iter().map(|i| i.response_length).max().unwrap_or(0);
     let mut routing = Vec::new();
@@ -137,7 +73,8 @@ pub fn score_batch(
             for item in items {
                 let hook = hooks(std::slice::from_ref(item))?;
                 let (lp, ent, r) =
-                    score_response(model, &item.tokens, item.response_length, &*hook, fused)?;
+                    score_response(model, &item.tokens, item.response_length, &*hook, fused)
+                        .map_err(|e| sample_error(0, e))?;
                 routing.push(r);
                 per_sample.push((lp, ent));
             }
@@ -164,8 +101,8 @@ pub fn score_batch(
                 offset += n;
             }
             let selected = flat.select(0, int_vec(rows, &device));
-            let (selected, weight) = in_f32(selected, model.lm_head_weight());
-            let (lp, ent) = fused.forward_ids(selected, weight, &targets)?;
+            let (lp, ent) = score_hidden_rows(model, selected, &targets, fused)
+                .map_err(|e| sample_error(0, e))?;
             let mut at = 0;
             for item in items {
                 let r = item.response_length;

@@ -9,16 +9,16 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::CausalLm;
+use miles_bridge::{CausalLm, score_log_probs};
 use miles_core::{
     GenerateRequest, InferenceEngine, PolicyTrainer, Reward, Sample, SamplingParams, WeightVersion,
 };
+use miles_engine::TrainerScorer;
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_examples::fixture_path;
-use miles_examples::wiring::TrainerScorer;
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
-use miles_train::{Actor, TrainConfig, score_log_probs};
+use miles_train::{Actor, TrainConfig};
 
 #[path = "fleet/fault_injection.rs"]
 mod fault_injection;

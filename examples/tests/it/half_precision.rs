@@ -7,16 +7,16 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device};
-use miles_bridge::{CausalLm, Precision};
+use miles_bridge::{CausalLm, Precision, score_log_probs};
 use miles_core::{
     GenerateRequest, InferenceEngine, PolicyTrainer, Reward, Sample, SamplingParams, WeightVersion,
 };
+use miles_engine::TrainerScorer;
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_examples::fixture_path;
-use miles_examples::wiring::TrainerScorer;
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
-use miles_train::{Actor, TrainConfig, score_log_probs};
+use miles_train::{Actor, TrainConfig};
 
 fn load(name: &str, device: &Device) -> CausalLm {
     CausalLm::from_pretrained(fixture_path(format!("models/{name}")).unwrap(), device).unwrap()

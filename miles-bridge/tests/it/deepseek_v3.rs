@@ -15,10 +15,10 @@ use std::path::Path;
 
 use burn::tensor::{Device, Tensor};
 use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file};
+use miles_bridge::lora::{LoraConfig, LoraForward};
 use miles_bridge::{
-    Architecture, BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, LoraConfig, LoraForward,
-    ModelConfig, ModelInput, TensorMap, ids_tensor, mtp_tensor_names, names::internal_to_hf,
-    token_logprobs,
+    Architecture, BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput,
+    TensorMap, ids_tensor, mtp_tensor_names, names::internal_to_hf, token_logprobs,
 };
 use miles_r3::Fallthrough;
 

@@ -202,9 +202,9 @@ fn moe_block_input(tokens: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
     (x, c)
 }
 
-fn moe_block(model: &CausalLm) -> &miles_bridge::MoeBlock {
+fn moe_block(model: &CausalLm) -> &miles_bridge::nn::MoeBlock {
     match &model.model.layers[1].mlp {
-        miles_bridge::FeedForward::Moe(block) => block,
+        miles_bridge::nn::FeedForward::Moe(block) => block,
         _ => panic!("layer 1 of glm4moe-tiny is an MoE layer"),
     }
 }

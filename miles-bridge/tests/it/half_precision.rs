@@ -4,9 +4,8 @@
 //! (`fixtures/models/*/reference_half.safetensors`, made by `gen_bf16_reference.py`).
 
 use burn::tensor::{DType, Device, FloatDType, Tensor};
-use miles_bridge::{
-    CausalLm, FeedForward, KvCache, ModelInput, Precision, ids_tensor, token_logprobs,
-};
+use miles_bridge::nn::FeedForward;
+use miles_bridge::{CausalLm, KvCache, ModelInput, Precision, ids_tensor, token_logprobs};
 use miles_r3::Fallthrough;
 
 use crate::common::{fixture, reference, rows_of};

@@ -7,10 +7,10 @@ use std::path::PathBuf;
 
 use burn::tensor::{Device, Tensor};
 use miles_bridge::checkpoint::read_safetensors_file;
-use miles_bridge::lora::PEFT_PREFIX;
+use miles_bridge::lora::{LoraConfig, LoraForward, PEFT_PREFIX};
 use miles_bridge::{
-    BridgeError, CausalLm, FloatDtype, HostTensor, LoraConfig, LoraForward, ModelInput, TensorMap,
-    ids_tensor, token_logprobs,
+    BridgeError, CausalLm, FloatDtype, HostTensor, ModelInput, TensorMap, ids_tensor,
+    token_logprobs,
 };
 use miles_r3::Fallthrough;
 

@@ -5,13 +5,12 @@ use std::path::PathBuf;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::{BridgeError, CausalLm, ModelConfig};
+use miles_bridge::{BridgeError, CausalLm, ModelConfig, score_log_probs, score_response};
 use miles_core::{PolicyTrainer, Reward, Sample, SampleStatus};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{
     Actor, BatchLayout, Error, LossType, LrSchedule, TrainConfig, TrainItem, score_batch,
-    score_log_probs, score_response,
 };
 
 fn fixture() -> PathBuf {

@@ -8,11 +8,12 @@ use std::path::PathBuf;
 use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::checkpoint::read_safetensors_file;
-use miles_bridge::{CausalLm, FloatDtype, LoraForward, TensorMap};
+use miles_bridge::lora::LoraForward;
+use miles_bridge::{CausalLm, FloatDtype, TensorMap, score_log_probs};
 use miles_core::{NamedTensors, PolicyTrainer, Reward, Sample};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
-use miles_train::{Actor, Error, LossType, LrSchedule, TrainConfig, score_log_probs};
+use miles_train::{Actor, Error, LossType, LrSchedule, TrainConfig};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/glm4moe-tiny")

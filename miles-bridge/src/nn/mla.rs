@@ -10,7 +10,7 @@
 //! factor) rotates `q_rot` and `k_rot`; with `rope_interleave` the rotary channels are
 //! de-interleaved first (pairs `(x0, x1), (x2, x3), …` → `x0, x2, …, x1, x3, …`), which is
 //! what transformers' interleaved rotation computes. Softmax scale:
-//! [`crate::ModelConfig::softmax_scale`].
+//! `ModelConfig::softmax_scale`.
 //!
 //! Two equivalent evaluations, both through miles-ops' fused attention op:
 //!
@@ -27,7 +27,7 @@
 //! With a cache, each call picks the evaluation with fewer multiply-adds for its shapes
 //! (a prefill expands, a one-token decode step absorbs); both agree to float rounding.
 //!
-//! The KV cache of an MLA layer ([`crate::nn::LayerCache`]) holds only the compressed latent
+//! The KV cache of an MLA layer ([`LayerCache`]) holds only the compressed latent
 //! after `kv_a_layernorm` and the rotated rope key: `keys = [c, k_rot]`,
 //! `[batch, 1, cached, kv_lora_rank + qk_rope_head_dim]`, and no separate values — per token
 //! `kv_lora_rank + qk_rope_head_dim` floats per layer instead of
@@ -36,9 +36,14 @@
 use burn::module::Module;
 use burn::tensor::{Bool, Tensor};
 
-use crate::BridgeError;
 use crate::config::MlaConfig;
-use crate::nn::{Builder, KvTarget, LayerCache, Linear, ParamVisitor, RmsNorm, Rope};
+use crate::error::BridgeError;
+use crate::kv_cache::LayerCache;
+use crate::nn::attention::{KvTarget, attend};
+use crate::nn::linear::Linear;
+use crate::nn::norm::RmsNorm;
+use crate::nn::param::{Builder, ParamVisitor};
+use crate::nn::rope::Rope;
 use crate::profile::{self, OpClass};
 
 /// transformers builds `q_a_layernorm` / `kv_a_layernorm` with the RMSNorm default eps.
@@ -353,7 +358,7 @@ impl LatentAttention {
         mask: Tensor<3, Bool>,
         scale: f32,
     ) -> Tensor<4> {
-        crate::nn::attend(q, k, v, mask, scale)
+        attend(q, k, v, mask, scale)
     }
 
     /// Per-head keys and values expanded from the latent `kv` (`[batch, 1, keys, r + rope]`);

@@ -1,0 +1,16 @@
+//! Model configuration: the architecture table ([`ARCHITECTURES`], one row per supported HF
+//! `model_type`) and [`ModelConfig`], read from HF `config.json` through it.
+
+mod architecture;
+mod hf;
+mod mla;
+mod model_config;
+mod rope;
+
+pub use architecture::{
+    ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
+    MoeLayers, MoeSpec, PinnedField, PinnedValue, RopeScalingKind, RouterKind,
+};
+pub use mla::MlaConfig;
+pub use model_config::ModelConfig;
+pub use rope::{Llama3RopeScaling, YarnRopeScaling};

@@ -1,0 +1,523 @@
+//! [`CausalLm`]: the decoder-only model shared by every [`Architecture`] — GLM-4.5 / 4.6 / 4.7
+//! MoE (`glm4_moe`), Qwen3 (`qwen3`), Qwen3-MoE (`qwen3_moe`), Llama (`llama`), Qwen2
+//! (`qwen2`) and DeepSeek-V3 (`deepseek_v3`). The architectures differ only in configuration
+//! (their rows of the architecture table): attention bias, qk-norm, partial rotary and RoPE
+//! scaling, grouped-query or latent attention, which layers are MoE, the router kind and
+//! shared experts. This file builds the model (random or from HF-named tensors), casts it,
+//! visits its parameters and exports them.
+use std::path::Path;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{Device, FloatDType, Tensor};
+
+use crate::checkpoint::{read_checkpoint_dir, write_checkpoint_dir};
+use crate::config::{Architecture, ModelConfig, RouterKind};
+use crate::error::BridgeError;
+use crate::host::{FloatDtype, HostTensor, TensorMap};
+use crate::lora::LoraConfig;
+use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
+use crate::nn::attention::{Attention, AttentionShape};
+use crate::nn::layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};
+use crate::nn::linear::{FusedLinear, Linear};
+use crate::nn::mla::LatentAttention;
+use crate::nn::mlp::Mlp;
+use crate::nn::moe::{Experts, MoeBlock, MoeDispatch, PackedMoe, TopkRouter};
+use crate::nn::norm::RmsNorm;
+use crate::nn::param::{Builder, Init, ParamRef, ParamVisitor, WeightSource};
+use crate::precision::Precision;
+
+/// A causal LM of any [`Architecture`]: [`DecoderModel`] + `lm_head` (absent when tied to
+/// the embeddings). Built by [`CausalLm::init`] (random), [`CausalLm::from_hf_tensors`] or
+/// [`CausalLm::from_pretrained`] (the registry: the architecture comes from `model_type`).
+#[derive(Module, Debug)]
+pub struct CausalLm {
+    /// `model`.
+    pub model: DecoderModel,
+    /// `lm_head` (no bias); `None` with `tie_word_embeddings`.
+    pub lm_head: Option<Linear>,
+    /// Hyper-parameters.
+    #[module(skip)]
+    pub config: ModelConfig,
+    /// The LoRA configuration when adapters are attached ([`CausalLm::with_lora`]).
+    #[module(skip)]
+    pub lora: Option<LoraConfig>,
+    /// Inference only: the output projection through [`FusedLinear`] (split over
+    /// both cores on flex), set by [`CausalLm::fuse_projections`].
+    #[module(skip)]
+    pub packed_lm_head: Option<FusedLinear>,
+}
+
+impl CausalLm {
+    /// The model's architecture.
+    pub fn architecture(&self) -> Architecture {
+        self.config.architecture
+    }
+
+    /// The output projection `[vocab, hidden]`: `lm_head.weight` (with its LoRA adapter merged
+    /// in, if any), or the embedding matrix when the embeddings are tied.
+    pub fn lm_head_weight(&self) -> Tensor<2> {
+        match &self.lm_head {
+            Some(head) => head.effective_weight(),
+            None => self.model.embed_tokens.val(),
+        }
+    }
+
+    /// Prepares the model for inference on its current weights: each attention's q / k / v
+    /// projections and each SwiGLU MLP's (dense and shared experts) gate / up projections
+    /// become one matmul over weights stacked once here ([`FusedLinear`], adapters
+    /// merged), and those, the output / down projections and `lm_head` run through
+    /// [`miles_ops::linear()`] (small matmuls split over both cores on flex). The
+    /// stacked copies do not follow later changes to the parameters: call this on a model
+    /// whose weights no longer change (the embedded engine builds its step model anew from
+    /// every weight version), never on one being trained. MoE layers get their routed
+    /// experts packed for the sparse dispatch ([`PackedMoe`]). Grouped-query attention
+    /// layers only; latent-attention layers keep their projections.
+    pub fn fuse_projections(&mut self) {
+        self.packed_lm_head = Some(FusedLinear::from_weight(self.lm_head_weight()));
+        for layer in &mut self.model.layers {
+            if let SelfAttention::Grouped(a) = &mut layer.self_attn {
+                a.fuse();
+            }
+            match &mut layer.mlp {
+                FeedForward::Dense(mlp) => mlp.fuse(),
+                FeedForward::Moe(moe) => {
+                    if let Some(shared) = &mut moe.shared_experts {
+                        shared.fuse();
+                    }
+                    moe.packed = Some(PackedMoe {
+                        gate_up: miles_ops::PackedExperts::glu(
+                            moe.experts.effective_gate_proj(),
+                            moe.experts.effective_up_proj(),
+                        ),
+                        down: miles_ops::PackedExperts::new(moe.experts.effective_down_proj()),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Sets how every MoE layer applies its routed experts (default [`MoeDispatch::Auto`]).
+    pub fn set_moe_dispatch(&mut self, dispatch: MoeDispatch) {
+        for layer in &mut self.model.layers {
+            if let FeedForward::Moe(block) = &mut layer.mlp {
+                block.dispatch = dispatch;
+            }
+        }
+    }
+
+    fn build(
+        config: &ModelConfig,
+        device: &Device,
+        source: WeightSource<'_>,
+        precision: Precision,
+    ) -> Result<Self, BridgeError> {
+        config.validate()?;
+        let c = config;
+        let mut b = Builder {
+            device: device.clone(),
+            source,
+            dtype: precision.float_dtype(),
+        };
+        let embed_tokens = b.param(
+            "model.embed_tokens.weight",
+            [c.vocab_size, c.hidden_size],
+            Init::Normal,
+        )?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        let mut moe_index = 0;
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let shape = AttentionShape {
+                hidden: c.hidden_size,
+                num_heads: c.num_attention_heads,
+                num_kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                bias: c.attention_bias,
+                qk_norm: c.use_qk_norm,
+                eps: c.rms_norm_eps,
+            };
+            let input_layernorm = RmsNorm::build(
+                &mut b,
+                &format!("{p}.input_layernorm"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )?;
+            let self_attn = match c.mla {
+                Some(mla) => SelfAttention::Latent(LatentAttention::build(
+                    &mut b,
+                    &format!("{p}.self_attn"),
+                    c.hidden_size,
+                    c.num_attention_heads,
+                    mla,
+                    c.attention_bias,
+                    c.softmax_scale(),
+                    c.rope_attention_factor(),
+                )?),
+                None => SelfAttention::Grouped(Attention::build(
+                    &mut b,
+                    &format!("{p}.self_attn"),
+                    shape,
+                )?),
+            };
+            let post_attention_layernorm = RmsNorm::build(
+                &mut b,
+                &format!("{p}.post_attention_layernorm"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )?;
+            let mlp = if c.is_moe_layer(l) {
+                let (e, h, i) = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size);
+                let gate = TopkRouter {
+                    weight: b.param(&format!("{p}.mlp.gate.weight"), [e, h], Init::Normal)?,
+                    e_score_correction_bias: match c.router {
+                        RouterKind::SigmoidGrouped => Some(
+                            b.param(
+                                &format!("{p}.mlp.gate.e_score_correction_bias"),
+                                [e],
+                                Init::Zeros,
+                            )?
+                            .set_require_grad(false),
+                        ),
+                        RouterKind::Softmax => None,
+                    },
+                };
+                let layer_prefix = format!("{p}.");
+                let stack = |b: &mut Builder<'_>, k: usize, shape| {
+                    b.param(
+                        &EXPERT_STACKS[k].internal_name(&layer_prefix),
+                        shape,
+                        Init::Normal,
+                    )
+                };
+                let experts = Experts {
+                    gate_proj: stack(&mut b, 0, [e, i, h])?,
+                    up_proj: stack(&mut b, 1, [e, i, h])?,
+                    down_proj: stack(&mut b, 2, [e, h, i])?,
+                    gate_proj_lora: None,
+                    up_proj_lora: None,
+                    down_proj_lora: None,
+                };
+                let shared_experts = if c.n_shared_experts > 0 {
+                    Some(Mlp::build(
+                        &mut b,
+                        &format!("{p}.mlp.shared_experts"),
+                        h,
+                        i * c.n_shared_experts,
+                    )?)
+                } else {
+                    None
+                };
+                let block = MoeBlock {
+                    router: c.router,
+                    gate,
+                    experts,
+                    shared_experts,
+                    layer_index: l,
+                    moe_index,
+                    top_k: c.num_experts_per_tok,
+                    n_group: c.n_group,
+                    topk_group: c.topk_group,
+                    norm_topk_prob: c.norm_topk_prob,
+                    routed_scaling_factor: c.routed_scaling_factor,
+                    dispatch: MoeDispatch::default(),
+                    packed: None,
+                };
+                moe_index += 1;
+                FeedForward::Moe(block)
+            } else {
+                FeedForward::Dense(Mlp::build(
+                    &mut b,
+                    &format!("{p}.mlp"),
+                    c.hidden_size,
+                    c.intermediate_size,
+                )?)
+            };
+            layers.push(DecoderLayer {
+                input_layernorm,
+                self_attn,
+                post_attention_layernorm,
+                mlp,
+            });
+        }
+        let norm = RmsNorm::build(&mut b, "model.norm", c.hidden_size, c.rms_norm_eps)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(Linear::build(
+                &mut b,
+                "lm_head",
+                c.hidden_size,
+                c.vocab_size,
+                false,
+            )?)
+        };
+        Ok(Self {
+            model: DecoderModel {
+                embed_tokens,
+                layers,
+                norm,
+            },
+            lm_head,
+            config: c.clone(),
+            lora: None,
+            packed_lm_head: None,
+        })
+    }
+
+    /// A randomly initialised model (normal(0, `initializer_range`) weights, unit norms,
+    /// zero biases) on `device`.
+    pub fn init(config: &ModelConfig, device: &Device) -> Result<Self, BridgeError> {
+        Self::build(
+            config,
+            device,
+            WeightSource::Random {
+                std: config.initializer_range,
+            },
+            Precision::F32,
+        )
+    }
+
+    /// Builds the model from HF-named host tensors (per-expert keys, any float dtype).
+    /// Missing, unexpected and wrongly shaped tensors are errors naming the tensor; DeepSeek-V3
+    /// multi-token-prediction layers ([`mtp_tensor_names`]) and, with `n_shared_experts = 0`,
+    /// the empty `mlp.shared_experts.*` tensors transformers saves are skipped.
+    pub fn from_hf_tensors(
+        config: &ModelConfig,
+        tensors: TensorMap,
+        device: &Device,
+    ) -> Result<Self, BridgeError> {
+        Self::from_hf_tensors_in(config, tensors, device, Precision::F32)
+    }
+
+    /// [`CausalLm::from_hf_tensors`] with the weights held in `precision`: each tensor is
+    /// converted once, from the file's dtype to the model's, as it is loaded (what
+    /// [`CausalLm::to_precision`] gives for an `f32` model, without the `f32` copy).
+    pub fn from_hf_tensors_in(
+        config: &ModelConfig,
+        tensors: TensorMap,
+        device: &Device,
+        precision: Precision,
+    ) -> Result<Self, BridgeError> {
+        let mut tensors = tensors;
+        for name in mtp_tensor_names(config, &tensors) {
+            tensors.remove(&name);
+        }
+        if config.n_shared_experts == 0 {
+            // transformers builds (and saves) a zero-width shared-expert MLP when
+            // `n_shared_experts` is 0; its empty tensors hold nothing to load.
+            tensors.retain(|name, t| !(t.numel() == 0 && name.contains(".mlp.shared_experts.")));
+        }
+        let mut internal = hf_to_internal(tensors, config.n_routed_experts)?;
+        if config.tie_word_embeddings {
+            internal.remove("lm_head.weight");
+        }
+        let model = Self::build(
+            config,
+            device,
+            WeightSource::Loaded(&mut internal),
+            precision,
+        )?;
+        if let Some(name) = internal_to_hf(internal).into_keys().next() {
+            return Err(BridgeError::UnexpectedTensor { name });
+        }
+        Ok(model)
+    }
+
+    /// Loads `dir/config.json` and its safetensors weights (single file or sharded).
+    /// DeepSeek-V3 multi-token-prediction layers ([`mtp_tensor_names`]) are skipped.
+    pub fn from_pretrained(dir: impl AsRef<Path>, device: &Device) -> Result<Self, BridgeError> {
+        Self::from_pretrained_in(dir, device, Precision::F32)
+    }
+
+    /// [`CausalLm::from_pretrained`] with the weights held in `precision` (see
+    /// [`CausalLm::from_hf_tensors_in`]).
+    pub fn from_pretrained_in(
+        dir: impl AsRef<Path>,
+        device: &Device,
+        precision: Precision,
+    ) -> Result<Self, BridgeError> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_file(dir.join("config.json"))?;
+        let tensors = read_checkpoint_dir(dir)?;
+        Self::from_hf_tensors_in(&config, tensors, device, precision)
+    }
+
+    /// The model with every parameter cast to `precision`'s dtype (GLM's
+    /// `e_score_correction_bias` stays `f32`), the inference-only fused / packed copies
+    /// dropped (build them again with [`CausalLm::fuse_projections`]).
+    ///
+    /// On an autodiff device the cast is part of the graph: gradients of a forward through
+    /// the cast model arrive on the original (`f32` master) parameters, in their dtype —
+    /// mixed-precision training. The forward of a half-precision model computes in its
+    /// dtype except where precision matters most, which stays in `f32`: RMSNorm statistics,
+    /// attention scores / softmax / weighted sum, MoE router logits, scores and weights (then
+    /// rounded to the compute dtype), and the RoPE tables (computed in `f32`, rounded like
+    /// transformers does). Logits come out in the compute dtype; scoring code casts up
+    /// (`token_logprobs` does).
+    pub fn to_precision(self, precision: Precision) -> CausalLm {
+        struct Cast(FloatDType);
+        impl ModuleMapper for Cast {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let dtype = self.0;
+                param.map(|t| t.cast(dtype))
+            }
+        }
+        if self.precision() == Some(precision) && self.packed_lm_head.is_none() {
+            return self;
+        }
+        let biases: Vec<Option<Param<Tensor<1>>>> = self
+            .model
+            .layers
+            .iter()
+            .map(|l| match &l.mlp {
+                FeedForward::Moe(m) => m.gate.e_score_correction_bias.clone(),
+                FeedForward::Dense(_) => None,
+            })
+            .collect();
+        let mut model = self.map(&mut Cast(precision.float_dtype()));
+        model.packed_lm_head = None;
+        for (layer, bias) in model.model.layers.iter_mut().zip(biases) {
+            if let SelfAttention::Grouped(a) = &mut layer.self_attn {
+                a.fused_qkv = None;
+                a.packed_o = None;
+            }
+            match &mut layer.mlp {
+                FeedForward::Dense(mlp) => mlp.unfuse(),
+                FeedForward::Moe(moe) => {
+                    moe.gate.e_score_correction_bias = bias;
+                    moe.packed = None;
+                    if let Some(shared) = &mut moe.shared_experts {
+                        shared.unfuse();
+                    }
+                }
+            }
+        }
+        model
+    }
+
+    /// The precision the model's weights are held in (that of its embeddings); `None` for
+    /// another dtype (f64).
+    pub fn precision(&self) -> Option<Precision> {
+        Precision::of_dtype(self.model.embed_tokens.val().dtype())
+    }
+
+    /// Calls `f(our name, parameter)` for every base parameter (the HF checkpoint's), in a
+    /// fixed order; LoRA adapters are visited by [`CausalLm::visit_lora_params`].
+    pub fn visit_params(&self, f: &mut ParamVisitor<'_>) {
+        f(
+            "model.embed_tokens.weight",
+            ParamRef::R2(&self.model.embed_tokens),
+        );
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            layer
+                .input_layernorm
+                .visit(&format!("{p}.input_layernorm"), f);
+            layer.self_attn.visit(&format!("{p}.self_attn"), f);
+            layer
+                .post_attention_layernorm
+                .visit(&format!("{p}.post_attention_layernorm"), f);
+            match &layer.mlp {
+                FeedForward::Dense(mlp) => mlp.visit(&format!("{p}.mlp"), f),
+                FeedForward::Moe(moe) => moe.visit(&format!("{p}.mlp"), f),
+            }
+        }
+        self.model.norm.visit("model.norm", f);
+        if let Some(head) = &self.lm_head {
+            head.visit("lm_head", f);
+        }
+    }
+
+    /// Total number of parameter elements (buffers such as `e_score_correction_bias` included).
+    pub fn num_params(&self) -> usize {
+        let mut n = 0;
+        self.visit_params(&mut |_, p| n += p.shape().iter().product::<usize>());
+        n
+    }
+
+    /// All base weights as HF-named host tensors (per-expert keys), stored in `dtype`; LoRA
+    /// adapters are not merged in (see [`CausalLm::to_hf_tensors_merged`]).
+    pub fn to_hf_tensors(&self, dtype: FloatDtype) -> Result<TensorMap, BridgeError> {
+        let mut internal = TensorMap::new();
+        let mut failure = None;
+        self.visit_params(&mut |name, p| {
+            let data = p.to_data().convert::<f32>();
+            if dtype == FloatDtype::F32 && cfg!(target_endian = "little") {
+                // f32 on a little-endian host: the tensor's bytes are already the file's.
+                internal.insert(
+                    name.to_string(),
+                    HostTensor {
+                        dtype,
+                        shape: data.shape().to_vec(),
+                        bytes: data.as_bytes().to_vec(),
+                    },
+                );
+                return;
+            }
+            match data.try_to_vec::<f32>() {
+                Ok(values) => {
+                    let host = HostTensor::from_f32(data.shape().to_vec(), &values);
+                    internal.insert(name.to_string(), host.to_dtype(dtype));
+                }
+                Err(e) => {
+                    failure.get_or_insert(BridgeError::UnsupportedDtype {
+                        name: name.to_string(),
+                        dtype: format!("{e:?}"),
+                    });
+                }
+            }
+        });
+        match failure {
+            Some(err) => Err(err),
+            None => Ok(internal_to_hf(internal)),
+        }
+    }
+
+    /// Writes `config.json` and the weights in `dtype` into `dir` (sharded when
+    /// `max_shard_bytes` is exceeded).
+    pub fn save_pretrained(
+        &self,
+        dir: impl AsRef<Path>,
+        dtype: FloatDtype,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<(), BridgeError> {
+        let dir = dir.as_ref();
+        let tensors = self.to_hf_tensors(dtype)?;
+        write_checkpoint_dir(dir, &tensors, None, max_shard_bytes)?;
+        let mut config = self.config.to_hf_json();
+        config["torch_dtype"] = serde_json::Value::String(
+            match dtype {
+                FloatDtype::F32 => "float32",
+                FloatDtype::Bf16 => "bfloat16",
+                FloatDtype::F16 => "float16",
+            }
+            .to_string(),
+        );
+        let path = dir.join("config.json");
+        let text = serde_json::to_string_pretty(&config).map_err(|e| BridgeError::Json {
+            path: path.clone(),
+            source: e,
+        })?;
+        std::fs::write(&path, text).map_err(|e| BridgeError::io(&path, e))
+    }
+}
+
+/// The checkpoint tensors of DeepSeek-V3's multi-token-prediction layers
+/// (`model.layers.{l}.*` for `num_hidden_layers <= l < num_hidden_layers +
+/// num_nextn_predict_layers`), which [`CausalLm::from_hf_tensors`] skips: they are not part of
+/// the causal LM (transformers does not load them either), are not trained and are not
+/// exported. Empty for the other architectures.
+pub fn mtp_tensor_names(config: &ModelConfig, tensors: &TensorMap) -> Vec<String> {
+    let first = config.num_hidden_layers;
+    let end = first + config.num_nextn_predict_layers;
+    tensors
+        .keys()
+        .filter(|name| {
+            name.strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|l| l.parse::<usize>().ok())
+                .is_some_and(|l| (first..end).contains(&l))
+        })
+        .cloned()
+        .collect()
+}

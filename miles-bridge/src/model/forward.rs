@@ -1,0 +1,299 @@
+//! The forward passes of [`CausalLm`]: training / scoring over padded or packed batches
+//! ([`CausalLm::forward`], [`CausalLm::forward_hidden`]) and inference with a contiguous
+//! [`KvCache`] ([`CausalLm::forward_cached`]), all through one decoder loop that asks a
+//! [`RouterHook`] for every MoE layer's experts.
+
+use burn::tensor::module::embedding;
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use miles_r3::RouterHook;
+
+use crate::error::BridgeError;
+use crate::kv_cache::KvCache;
+use crate::model::causal_lm::CausalLm;
+use crate::nn::attention::attention_mask;
+use crate::nn::layer::{FeedForward, SelfAttention};
+use crate::nn::moe::MoeRouting;
+use crate::nn::rope::Rope;
+use crate::profile::{self, OpClass};
+
+/// Input of one forward pass over a padded or packed batch.
+#[derive(Debug, Clone)]
+pub struct ModelInput {
+    /// Token ids, `[batch, seq]`.
+    pub input_ids: Tensor<2, Int>,
+    /// RoPE positions, `[batch, seq]`; default `0..seq` in every row (or, with a cache,
+    /// continuing from the cached length).
+    pub position_ids: Option<Tensor<2, Int>>,
+    /// Real-token mask, `[batch, seq]` (false = padding, never attended to).
+    pub attention_mask: Option<Tensor<2, Bool>>,
+    /// Packed-sequence segment ids, `[batch, seq]`: tokens attend only within their segment.
+    /// Not combinable with a KV cache.
+    pub segment_ids: Option<Tensor<2, Int>>,
+}
+
+impl ModelInput {
+    /// Plain causal input: every row one sequence starting at position 0.
+    pub fn new(input_ids: Tensor<2, Int>) -> Self {
+        Self {
+            input_ids,
+            position_ids: None,
+            attention_mask: None,
+            segment_ids: None,
+        }
+    }
+}
+
+/// Output of a forward pass.
+#[derive(Debug, Clone)]
+pub struct ModelOutput {
+    /// Next-token logits, `[batch, seq, vocab]`.
+    pub logits: Tensor<3>,
+    /// One entry per MoE layer, in layer order.
+    pub routing: Vec<MoeRouting>,
+}
+
+/// Output of [`CausalLm::forward_hidden`].
+#[derive(Debug, Clone)]
+pub struct HiddenOutput {
+    /// Final-norm hidden states, `[batch, seq, hidden]` (the input of `lm_head`).
+    pub hidden: Tensor<3>,
+    /// One entry per MoE layer, in layer order.
+    pub routing: Vec<MoeRouting>,
+}
+
+impl CausalLm {
+    fn check_input(&self, input: &ModelInput) -> Result<[usize; 2], BridgeError> {
+        let dims = input.input_ids.dims();
+        for (name, other) in [
+            (
+                "position_ids",
+                input.position_ids.as_ref().map(Tensor::dims),
+            ),
+            (
+                "attention_mask",
+                input.attention_mask.as_ref().map(Tensor::dims),
+            ),
+            ("segment_ids", input.segment_ids.as_ref().map(Tensor::dims)),
+        ] {
+            if let Some(other) = other
+                && other != dims
+            {
+                return Err(BridgeError::input(format!(
+                    "{name} has shape {other:?}, input_ids {dims:?}"
+                )));
+            }
+        }
+        if dims[0] == 0 || dims[1] == 0 {
+            return Err(BridgeError::input("empty batch"));
+        }
+        Ok(dims)
+    }
+
+    /// Training / scoring forward over a padded or packed batch (no cache).
+    pub fn forward(
+        &self,
+        input: &ModelInput,
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        self.run(input, None, hook)
+    }
+
+    /// Inference forward that appends to `cache` (prefill when empty, then decode steps).
+    ///
+    /// Rows may have different lengths: mark padding with `attention_mask = false` (padded
+    /// keys are never attended to, in this step or later ones). Positions default to the
+    /// number of real tokens each row has seen so far.
+    pub fn forward_cached(
+        &self,
+        input: &ModelInput,
+        cache: &mut KvCache,
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        if input.segment_ids.is_some() {
+            return Err(BridgeError::input(
+                "segment_ids cannot be used with a KV cache",
+            ));
+        }
+        self.run(input, Some(cache), hook)
+    }
+
+    /// [`CausalLm::forward_cached`] stopped before `lm_head`: the final-norm hidden states
+    /// `[batch, seq, hidden]` and the routing, for callers that need the logits of a few
+    /// positions only (an inference engine's prefill needs the last one; see
+    /// [`CausalLm::logits`]).
+    pub fn forward_cached_hidden(
+        &self,
+        input: &ModelInput,
+        cache: &mut KvCache,
+        hook: &dyn RouterHook,
+    ) -> Result<HiddenOutput, BridgeError> {
+        if input.segment_ids.is_some() {
+            return Err(BridgeError::input(
+                "segment_ids cannot be used with a KV cache",
+            ));
+        }
+        self.run_hidden(input, Some(cache), hook)
+    }
+
+    /// `lm_head` applied to final-norm hidden states `[rows, hidden]`: logits `[rows, vocab]`
+    /// (what [`CausalLm::forward`] computes for every position).
+    pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
+        profile::time(OpClass::LmHead, || {
+            if let Some(packed) = &self.packed_lm_head {
+                return packed.forward_all(hidden);
+            }
+            match &self.lm_head {
+                Some(head) => head.forward(hidden),
+                None => hidden.matmul(self.model.embed_tokens.val().transpose()),
+            }
+        })
+    }
+
+    /// Training / scoring forward that stops before `lm_head`: the final-norm hidden states
+    /// `[batch, seq, hidden]` and the routing, for callers that compute log-probs from hidden
+    /// states and [`CausalLm::lm_head_weight`] without materialising the logits (miles-ops'
+    /// fused path).
+    pub fn forward_hidden(
+        &self,
+        input: &ModelInput,
+        hook: &dyn RouterHook,
+    ) -> Result<HiddenOutput, BridgeError> {
+        self.run_hidden(input, None, hook)
+    }
+
+    fn run(
+        &self,
+        input: &ModelInput,
+        cache: Option<&mut KvCache>,
+        hook: &dyn RouterHook,
+    ) -> Result<ModelOutput, BridgeError> {
+        let HiddenOutput { hidden, routing } = self.run_hidden(input, cache, hook)?;
+        let [batch, seq, h] = hidden.dims();
+        let logits = self.logits(hidden.reshape([batch * seq, h]));
+        Ok(ModelOutput {
+            logits: logits.reshape([batch, seq, self.config.vocab_size]),
+            routing,
+        })
+    }
+
+    fn run_hidden(
+        &self,
+        input: &ModelInput,
+        mut cache: Option<&mut KvCache>,
+        hook: &dyn RouterHook,
+    ) -> Result<HiddenOutput, BridgeError> {
+        let [batch, seq] = self.check_input(input)?;
+        let device = input.input_ids.device();
+        let c = &self.config;
+        let valid = input
+            .attention_mask
+            .clone()
+            .unwrap_or_else(|| Tensor::<2, Int>::ones([batch, seq], &device).equal_elem(1));
+        let past = cache.as_ref().map_or(0, |cache| cache.len());
+        let start = match cache.as_ref().and_then(|c| c.next_position.clone()) {
+            Some(next) if next.dims()[0] != batch => {
+                return Err(BridgeError::input(format!(
+                    "cache holds {} rows, input has {batch}",
+                    next.dims()[0]
+                )));
+            }
+            Some(next) => next,
+            None => Tensor::<2, Int>::zeros([batch, 1], &device),
+        };
+        // Default positions: count of real tokens before each one (plus the cached ones).
+        let positions = match &input.position_ids {
+            Some(p) => p.clone(),
+            None => {
+                let counted = valid.clone().int().cumsum(1) - valid.clone().int();
+                counted + start.clone()
+            }
+        };
+        let key_valid = match cache.as_ref().and_then(|c| c.key_valid.clone()) {
+            Some(old) => Tensor::cat(vec![old.int(), valid.clone().int()], 1).equal_elem(1),
+            None => valid.clone(),
+        };
+        let needs_key_mask = input.attention_mask.is_some() || past > 0;
+        let (mask, rope) = profile::time(OpClass::Rope, || {
+            (
+                attention_mask(
+                    batch,
+                    seq,
+                    past,
+                    needs_key_mask.then(|| key_valid.clone()),
+                    input.segment_ids.clone(),
+                    &device,
+                ),
+                Rope::new(positions, c.inv_freq()),
+            )
+        });
+        let hidden = profile::time(OpClass::Embed, || {
+            embedding(self.model.embed_tokens.val(), input.input_ids.clone())
+        });
+        if let Some(cache) = cache.as_deref_mut()
+            && cache.layers.len() != self.model.layers.len()
+        {
+            cache.layers = vec![None; self.model.layers.len()];
+        }
+        let out = self.decoder(hidden, hook, |l, attention, x| {
+            let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
+            attention.forward(x, &rope, mask.clone(), slot)
+        })?;
+        if let Some(cache) = cache {
+            cache.next_position = Some(start + valid.int().sum_dim(1));
+            cache.key_valid = Some(key_valid);
+        }
+        Ok(out)
+    }
+
+    /// The decoder layers and the final norm over embedded `hidden` `[batch, seq, hidden]`,
+    /// with each layer's attention computed by `attention(layer index, attention, normed
+    /// input)`.
+    pub(crate) fn decoder(
+        &self,
+        mut hidden: Tensor<3>,
+        hook: &dyn RouterHook,
+        mut attention: impl FnMut(usize, &SelfAttention, Tensor<3>) -> Tensor<3>,
+    ) -> Result<HiddenOutput, BridgeError> {
+        let [batch, seq, _] = hidden.dims();
+        let c = &self.config;
+        let mut routing = Vec::new();
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            let normed = profile::time(OpClass::Norm, || {
+                layer.input_layernorm.forward(hidden.clone())
+            });
+            hidden = hidden + attention(l, &layer.self_attn, normed);
+            let normed = profile::time(OpClass::Norm, || {
+                layer
+                    .post_attention_layernorm
+                    .forward(hidden.clone())
+                    .reshape([batch * seq, c.hidden_size])
+            });
+            let mlp_out = match &layer.mlp {
+                FeedForward::Dense(mlp) => profile::time(OpClass::DenseMlp, || mlp.forward(normed)),
+                FeedForward::Moe(moe) => {
+                    let (out, r) = moe.forward(normed, hook)?;
+                    routing.push(r);
+                    out
+                }
+            };
+            hidden = hidden + mlp_out.reshape([batch, seq, c.hidden_size]);
+        }
+        Ok(HiddenOutput {
+            hidden: profile::time(OpClass::Norm, || self.model.norm.forward(hidden)),
+            routing,
+        })
+    }
+}
+
+/// Builds `[batch, seq]` id tensors from host rows of equal length.
+pub fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor<2, Int>, BridgeError> {
+    let seq = rows.first().map_or(0, Vec::len);
+    if rows.iter().any(|r| r.len() != seq) {
+        return Err(BridgeError::input("rows of different lengths"));
+    }
+    let flat: Vec<i32> = rows.iter().flatten().map(|&t| t as i32).collect();
+    Ok(Tensor::from_data(
+        TensorData::new(flat, [rows.len(), seq]),
+        device,
+    ))
+}

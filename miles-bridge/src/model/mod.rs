@@ -1,0 +1,6 @@
+//! [`CausalLm`](causal_lm::CausalLm): building, loading, casting and exporting the model
+//! (`causal_lm`), its forward passes (`forward`) and LoRA on it (`adapters`).
+
+mod adapters;
+pub(crate) mod causal_lm;
+pub(crate) mod forward;

@@ -1,0 +1,320 @@
+//! Grouped-query attention ([`Attention`]), its masks ([`attention_mask`]) and where a layer
+//! keeps its keys and values in a step (`KvTarget`: nowhere, a contiguous cache or a paged
+//! pool).
+
+use burn::module::Module;
+use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
+
+use crate::error::BridgeError;
+use crate::kv_cache::LayerCache;
+use crate::kv_pool::LayerStep;
+use crate::nn::linear::{FusedLinear, Linear};
+use crate::nn::norm::RmsNorm;
+use crate::nn::param::{Builder, ParamVisitor};
+use crate::nn::rope::Rope;
+use crate::profile::{self, OpClass};
+
+/// Builds the `[batch, 1, seq, past + seq]` mask (true = masked) for queries at cache
+/// indices `past..past+seq` over keys `0..past+seq`: causal by index, keys with
+/// `key_valid = false` hidden, and, for packed rows, keys of other segments hidden.
+pub fn attention_mask(
+    batch: usize,
+    seq: usize,
+    past: usize,
+    key_valid: Option<Tensor<2, Bool>>,
+    segment_ids: Option<Tensor<2, Int>>,
+    device: &Device,
+) -> Tensor<4, Bool> {
+    let total = past + seq;
+    let q = Tensor::<1, Int>::arange(past as i64..total as i64, device).reshape([1, seq, 1]);
+    let k = Tensor::<1, Int>::arange(0..total as i64, device).reshape([1, 1, total]);
+    let mut masked = k
+        .expand([batch, seq, total])
+        .greater(q.expand([batch, seq, total]));
+    if let Some(valid) = key_valid {
+        let hidden = valid
+            .bool_not()
+            .reshape([batch, 1, total])
+            .expand([batch, seq, total]);
+        masked = masked.bool_or(hidden);
+    }
+    if let Some(seg) = segment_ids {
+        let sq = seg
+            .clone()
+            .reshape([batch, seq, 1])
+            .expand([batch, seq, total]);
+        let sk = seg.reshape([batch, 1, total]).expand([batch, seq, total]);
+        masked = masked.bool_or(sq.equal(sk).bool_not());
+    }
+    masked.unsqueeze_dim(1)
+}
+
+/// Where an attention layer keeps this step's keys and values.
+pub(crate) enum KvTarget<'a> {
+    /// Nowhere (a training / scoring forward): `mask` `[batch, 1, seq, seq]`.
+    Plain(Tensor<4, Bool>),
+    /// Appended to a contiguous cache; `mask` `[batch, 1, seq, cached + seq]`.
+    Contiguous(Tensor<4, Bool>, &'a mut Option<LayerCache>),
+    /// Written into a paged pool (one layer's view of a paged step), which also gives the
+    /// mask.
+    Paged(LayerStep<'a>),
+}
+
+impl<'a> KvTarget<'a> {
+    /// The target of the public `forward(x, rope, mask, cache)` signatures.
+    pub(crate) fn new(mask: Tensor<4, Bool>, cache: Option<&'a mut Option<LayerCache>>) -> Self {
+        match cache {
+            Some(slot) => Self::Contiguous(mask, slot),
+            None => Self::Plain(mask),
+        }
+    }
+}
+
+/// Grouped-query self-attention with optional q/k bias, optional per-head qk RMSNorm and
+/// partial RoPE; scale `1/sqrt(head_dim)`.
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// `q_proj`.
+    pub q_proj: Linear,
+    /// `k_proj`.
+    pub k_proj: Linear,
+    /// `v_proj`.
+    pub v_proj: Linear,
+    /// `o_proj` (no bias).
+    pub o_proj: Linear,
+    /// Per-head RMSNorm of queries (`use_qk_norm`).
+    pub q_norm: Option<RmsNorm>,
+    /// Per-head RMSNorm of keys (`use_qk_norm`).
+    pub k_norm: Option<RmsNorm>,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key / value heads.
+    pub num_kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Inference only: `q_proj`, `k_proj` and `v_proj` fused ([`FusedLinear`]); `None` runs
+    /// them separately.
+    #[module(skip)]
+    pub fused_qkv: Option<FusedLinear>,
+    /// Inference only: `o_proj` through [`FusedLinear`] (split over both cores on flex).
+    #[module(skip)]
+    pub packed_o: Option<FusedLinear>,
+}
+
+/// Shape parameters of an [`Attention`] layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionShape {
+    pub hidden: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub bias: bool,
+    pub qk_norm: bool,
+    pub eps: f64,
+}
+
+impl Attention {
+    pub(crate) fn build(
+        b: &mut Builder<'_>,
+        name: &str,
+        s: AttentionShape,
+    ) -> Result<Self, BridgeError> {
+        let q_out = s.num_heads * s.head_dim;
+        let kv_out = s.num_kv_heads * s.head_dim;
+        let (q_norm, k_norm) = if s.qk_norm {
+            (
+                Some(RmsNorm::build(
+                    b,
+                    &format!("{name}.q_norm"),
+                    s.head_dim,
+                    s.eps,
+                )?),
+                Some(RmsNorm::build(
+                    b,
+                    &format!("{name}.k_norm"),
+                    s.head_dim,
+                    s.eps,
+                )?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q_proj: Linear::build(b, &format!("{name}.q_proj"), s.hidden, q_out, s.bias)?,
+            k_proj: Linear::build(b, &format!("{name}.k_proj"), s.hidden, kv_out, s.bias)?,
+            v_proj: Linear::build(b, &format!("{name}.v_proj"), s.hidden, kv_out, s.bias)?,
+            o_proj: Linear::build(b, &format!("{name}.o_proj"), q_out, s.hidden, false)?,
+            q_norm,
+            k_norm,
+            num_heads: s.num_heads,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+            fused_qkv: None,
+            packed_o: None,
+        })
+    }
+
+    /// Fuses `q_proj`, `k_proj` and `v_proj` for inference (see [`FusedLinear`]).
+    pub fn fuse(&mut self) {
+        self.fused_qkv = Some(FusedLinear::new(&[
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+        ]));
+        self.packed_o = Some(FusedLinear::new(&[&self.o_proj]));
+    }
+
+    fn heads(&self, x: Tensor<2>, batch: usize, seq: usize, heads: usize) -> Tensor<4> {
+        x.reshape([batch, seq, heads, self.head_dim])
+            .swap_dims(1, 2)
+    }
+
+    /// Attends `x` (`[batch, seq, hidden]`); `mask` is `[batch, 1, seq, cached + seq]`.
+    /// With a cache, the new keys / values are appended to it first.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: Tensor<4, Bool>,
+        cache: Option<&mut Option<LayerCache>>,
+    ) -> Tensor<3> {
+        self.forward_kv(x, rope, KvTarget::new(mask, cache))
+    }
+
+    /// [`Attention::forward`] with the keys / values kept where `target` says.
+    pub(crate) fn forward_kv(&self, x: Tensor<3>, rope: &Rope, target: KvTarget<'_>) -> Tensor<3> {
+        let [batch, seq, hidden] = x.dims();
+        let rows = x.reshape([batch * seq, hidden]);
+        let (q, k, v) = profile::time(OpClass::QkvProj, || {
+            let (q, k, v) = match &self.fused_qkv {
+                Some(fused) => {
+                    let mut parts = fused.forward(rows).into_iter();
+                    match (parts.next(), parts.next(), parts.next()) {
+                        (Some(q), Some(k), Some(v)) => (q, k, v),
+                        // Built from exactly three layers (`fuse`), so this never runs.
+                        _ => unreachable!("fused q / k / v of three layers"),
+                    }
+                }
+                None => (
+                    self.q_proj.forward(rows.clone()),
+                    self.k_proj.forward(rows.clone()),
+                    self.v_proj.forward(rows),
+                ),
+            };
+            (
+                self.heads(q, batch, seq, self.num_heads),
+                self.heads(k, batch, seq, self.num_kv_heads),
+                self.heads(v, batch, seq, self.num_kv_heads),
+            )
+        });
+        let (q, k) = profile::time(OpClass::Rope, || {
+            let (mut q, mut k) = (q, k);
+            if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+                q = qn.forward(q);
+                k = kn.forward(k);
+            }
+            (rope.apply(q), rope.apply(k))
+        });
+        let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
+        // One fused op on flex (scores never materialised between ops); the same computation
+        // with tensor ops elsewhere.
+        let attend_all = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Tensor<4, Bool>| {
+            let mask = mask.reshape([batch, seq, k.dims()[2]]);
+            profile::time(OpClass::Attention, || attend(q, k, v, mask, scale))
+        };
+        let out = match target {
+            KvTarget::Plain(mask) => attend_all(q, k, v, mask),
+            KvTarget::Contiguous(mask, slot) => {
+                // A grouped-query layer always stores its values.
+                let used = profile::time(OpClass::KvAppend, || {
+                    let past = mask.dims()[3] - seq;
+                    LayerCache::append(slot, past, k.clone(), Some(v.clone()))
+                });
+                attend_all(q, used.keys, used.values.unwrap_or(v), mask)
+            }
+            KvTarget::Paged(mut step) => {
+                profile::time(OpClass::KvAppend, || step.write(k.clone(), Some(v.clone())));
+                match profile::time(OpClass::Attention, || step.decode(&q, scale)) {
+                    Some(out) => out,
+                    None => match profile::time(OpClass::KvAppend, || step.gather()) {
+                        Some((keys, Some(values))) => attend_all(q, keys, values, step.mask()),
+                        // A grouped-query pool always has values.
+                        _ => unreachable!("a grouped-query pool without values"),
+                    },
+                }
+            }
+        };
+        profile::time(OpClass::OProj, || {
+            let out = out
+                .swap_dims(1, 2)
+                .reshape([batch * seq, self.num_heads * self.head_dim]);
+            match &self.packed_o {
+                Some(o) => o.forward_all(out),
+                None => self.o_proj.forward(out),
+            }
+            .reshape([batch, seq, hidden])
+        })
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        self.q_proj.visit(&format!("{name}.q_proj"), f);
+        self.k_proj.visit(&format!("{name}.k_proj"), f);
+        self.v_proj.visit(&format!("{name}.v_proj"), f);
+        self.o_proj.visit(&format!("{name}.o_proj"), f);
+        if let Some(n) = &self.q_norm {
+            n.visit(&format!("{name}.q_norm"), f);
+        }
+        if let Some(n) = &self.k_norm {
+            n.visit(&format!("{name}.k_norm"), f);
+        }
+    }
+}
+
+/// Masked softmax attention over `[batch, heads, seq, head_dim]` queries and the cache's keys
+/// and values: one fused op on flex (scores never materialised between ops), the same
+/// computation with tensor ops elsewhere. In half precision the scores, softmax and weighted
+/// sum run in f32 (as flash-attention kernels accumulate) and the output is rounded to the
+/// compute dtype. Shapes are ours, so the fallback on an error only re-raises burn's own
+/// shape panic.
+pub(crate) fn attend(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<3, Bool>,
+    scale: f32,
+) -> Tensor<4> {
+    let dtype = q.dtype();
+    let f32 = |t: Tensor<4>| t.cast(FloatDType::F32);
+    let (q, k, v) = if dtype == DType::F32 {
+        (q, k, v)
+    } else {
+        (f32(q), f32(k), f32(v))
+    };
+    miles_ops::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
+        .unwrap_or_else(|_| miles_ops::attention_reference(q, k, v, mask, scale))
+        .cast(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mask_is_causal_with_padding_and_segments() {
+        let device = Device::flex();
+        let seg = Tensor::<2, Int>::from_data([[0, 0, 1]], &device);
+        let m = attention_mask(1, 3, 0, None, Some(seg), &device);
+        let got = m.into_data().try_to_vec::<bool>().unwrap();
+        #[rustfmt::skip]
+        let want = [false, true, true,
+                    false, false, true,
+                    true, true, false];
+        assert_eq!(got, want);
+        let valid = Tensor::<2, Bool>::from_data([[true, false, true, true]], &device);
+        let m = attention_mask(1, 1, 3, Some(valid), None, &device);
+        assert_eq!(
+            m.into_data().try_to_vec::<bool>().unwrap(),
+            [false, true, false, false]
+        );
+    }
+}

@@ -1,0 +1,123 @@
+//! A decoder layer and the decoder: [`SelfAttention`] (grouped-query or latent),
+//! [`FeedForward`] (dense or MoE), [`DecoderLayer`] and [`DecoderModel`].
+
+use burn::module::{Module, Param};
+use burn::tensor::{Bool, Tensor};
+
+use crate::kv_cache::LayerCache;
+use crate::nn::attention::{Attention, KvTarget};
+use crate::nn::linear::Linear;
+use crate::nn::mla::LatentAttention;
+use crate::nn::mlp::Mlp;
+use crate::nn::moe::MoeBlock;
+use crate::nn::norm::RmsNorm;
+use crate::nn::param::ParamVisitor;
+use crate::nn::rope::Rope;
+
+/// The MLP of a decoder layer.
+// Layers are few and long-lived; boxing the MoE variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum FeedForward {
+    /// Dense SwiGLU (`first_k_dense_replace` first layers).
+    Dense(Mlp),
+    /// Routed + shared experts.
+    Moe(MoeBlock),
+}
+
+/// The attention of a decoder layer.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum SelfAttention {
+    /// Grouped-query attention (every architecture but DeepSeek-V3).
+    Grouped(Attention),
+    /// Multi-head latent attention (DeepSeek-V3).
+    Latent(LatentAttention),
+}
+
+impl SelfAttention {
+    /// Attends `x` (`[batch, seq, hidden]`); see [`Attention::forward`] and
+    /// [`LatentAttention::forward`].
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &Rope,
+        mask: Tensor<4, Bool>,
+        cache: Option<&mut Option<LayerCache>>,
+    ) -> Tensor<3> {
+        self.forward_kv(x, rope, KvTarget::new(mask, cache))
+    }
+
+    pub(crate) fn forward_kv(&self, x: Tensor<3>, rope: &Rope, target: KvTarget<'_>) -> Tensor<3> {
+        match self {
+            Self::Grouped(a) => a.forward_kv(x, rope, target),
+            Self::Latent(a) => a.forward_kv(x, rope, target),
+        }
+    }
+
+    /// Key / value heads and width of a cached position (see the paged KV cache), and whether
+    /// values are stored.
+    pub(crate) fn cache_shape(&self) -> (usize, usize, bool) {
+        match self {
+            Self::Grouped(a) => (a.num_kv_heads, a.head_dim, true),
+            Self::Latent(a) => (1, a.cache_width(), false),
+        }
+    }
+
+    /// Every linear layer with its name relative to `self_attn`, in a fixed order.
+    pub(crate) fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        match self {
+            Self::Grouped(a) => vec![
+                ("q_proj", &a.q_proj),
+                ("k_proj", &a.k_proj),
+                ("v_proj", &a.v_proj),
+                ("o_proj", &a.o_proj),
+            ],
+            Self::Latent(a) => a.linears(),
+        }
+    }
+
+    /// Mutable twin of [`Self::linears`] (same order).
+    pub(crate) fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        match self {
+            Self::Grouped(a) => vec![
+                ("q_proj", &mut a.q_proj),
+                ("k_proj", &mut a.k_proj),
+                ("v_proj", &mut a.v_proj),
+                ("o_proj", &mut a.o_proj),
+            ],
+            Self::Latent(a) => a.linears_mut(),
+        }
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        match self {
+            Self::Grouped(a) => a.visit(name, f),
+            Self::Latent(a) => a.visit(name, f),
+        }
+    }
+}
+
+/// One decoder layer: pre-norm attention and pre-norm MLP with residuals.
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    /// `input_layernorm`.
+    pub input_layernorm: RmsNorm,
+    /// `self_attn`.
+    pub self_attn: SelfAttention,
+    /// `post_attention_layernorm`.
+    pub post_attention_layernorm: RmsNorm,
+    /// `mlp`.
+    pub mlp: FeedForward,
+}
+
+/// `model.*`: embeddings, decoder layers, final norm.
+#[derive(Module, Debug)]
+pub struct DecoderModel {
+    /// `embed_tokens.weight`, `[vocab, hidden]`.
+    pub embed_tokens: Param<Tensor<2>>,
+    /// `layers.{i}`.
+    pub layers: Vec<DecoderLayer>,
+    /// `norm`.
+    pub norm: RmsNorm,
+}

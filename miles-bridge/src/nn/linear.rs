@@ -1,0 +1,214 @@
+//! HF-layout linear layers: [`Linear`] (`y = x Wᵀ + b`, `W: [out, in]`, optionally with a LoRA
+//! adapter) and [`FusedLinear`], several of them stacked once for inference.
+
+use burn::module::{Module, Param};
+use burn::tensor::Tensor;
+
+use crate::error::BridgeError;
+use crate::lora::{LoraAdapter, LoraForward};
+use crate::nn::param::{Builder, Init, ParamRef, ParamVisitor};
+
+/// `y = x W^T + b` with `W` in HF layout `[out, in]`, optionally with a LoRA adapter
+/// (see [`crate::lora`]).
+#[derive(Module, Debug)]
+pub struct Linear {
+    /// `[out, in]`.
+    pub weight: Param<Tensor<2>>,
+    /// `[out]`, if the layer has a bias.
+    pub bias: Option<Param<Tensor<1>>>,
+    /// LoRA adapter, if attached (`CausalLm::with_lora`).
+    pub lora: Option<LoraAdapter>,
+}
+
+impl Linear {
+    pub(crate) fn build(
+        b: &mut Builder<'_>,
+        name: &str,
+        d_in: usize,
+        d_out: usize,
+        bias: bool,
+    ) -> Result<Self, BridgeError> {
+        let weight = b.param(&format!("{name}.weight"), [d_out, d_in], Init::Normal)?;
+        let bias = if bias {
+            Some(b.param(&format!("{name}.bias"), [d_out], Init::Zeros)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            weight,
+            bias,
+            lora: None,
+        })
+    }
+
+    /// The weight the layer multiplies by: `W`, or `W + scaling·B·A` with an adapter (the
+    /// tensor `CausalLm::to_hf_tensors_merged` exports).
+    pub fn effective_weight(&self) -> Tensor<2> {
+        match &self.lora {
+            Some(lora) => self.weight.val() + lora.delta(),
+            None => self.weight.val(),
+        }
+    }
+
+    /// Applies the layer to `[tokens, in]` rows.
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let y = match &self.lora {
+            Some(lora) if lora.mode == LoraForward::Factored => {
+                let low = x.clone().matmul(lora.lora_a.val().transpose());
+                x.matmul(self.weight.val().transpose())
+                    + low.matmul(lora.lora_b.val().transpose()) * lora.scaling
+            }
+            _ => x.matmul(self.effective_weight().transpose()),
+        };
+        match &self.bias {
+            Some(bias) => y + bias.val().unsqueeze_dim(0),
+            None => y,
+        }
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        f(&format!("{name}.weight"), ParamRef::R2(&self.weight));
+        if let Some(bias) = &self.bias {
+            f(&format!("{name}.bias"), ParamRef::R1(bias));
+        }
+    }
+}
+
+/// Several linear layers reading the same input as one: their weights (adapters merged)
+/// stacked on the output axis, `[Σ out, in]`, and their biases (zeros for a layer without
+/// one). Built once per weight version for inference (`CausalLm::fuse_projections`);
+/// one matmul then replaces one per layer, and no training code ever sees it. On flex the
+/// stacked weight is packed into [`miles_ops::packed`]'s panels (`f32` on an AVX-512F CPU)
+/// or else stored transposed, `[in, Σ out]` row-major, the layout `gemm` reads fastest at
+/// decode row counts ([`miles_ops::linear_t`]).
+#[derive(Debug, Clone)]
+pub struct FusedLinear {
+    /// The stacked weight.
+    pub weight: FusedWeight,
+    /// `[Σ out]`, when any of the layers has a bias.
+    pub bias: Option<Tensor<1>>,
+    /// Output width of each fused layer, in order.
+    pub widths: Vec<usize>,
+}
+
+/// How a [`FusedLinear`] stores its stacked weight.
+#[derive(Debug, Clone)]
+pub enum FusedWeight {
+    /// `[Σ out, in]` (devices other than flex).
+    Hf(Tensor<2>),
+    /// `[in, Σ out]` contiguous (flex without the packed kernels).
+    Transposed(Tensor<2>),
+    /// Panels for the packed decode kernel (flex, `f32`, AVX-512F).
+    Packed(miles_ops::packed::PackedMatrix),
+}
+
+impl FusedLinear {
+    /// Stacks `layers` (all with the same input width).
+    pub fn new(layers: &[&Linear]) -> Self {
+        let weights: Vec<Tensor<2>> = layers.iter().map(|l| l.effective_weight()).collect();
+        let widths: Vec<usize> = weights.iter().map(|w| w.dims()[0]).collect();
+        let bias = layers.iter().any(|l| l.bias.is_some()).then(|| {
+            let parts = layers
+                .iter()
+                .zip(&widths)
+                .map(|(l, &n)| match &l.bias {
+                    Some(b) => b.val(),
+                    None => {
+                        let w = l.weight.val();
+                        Tensor::<1>::zeros([n], (&w.device(), w.dtype()))
+                    }
+                })
+                .collect();
+            Tensor::cat(parts, 0)
+        });
+        let weight = if weights.len() == 1 {
+            weights.into_iter().next().expect("one weight")
+        } else {
+            Tensor::cat(weights, 0)
+        };
+        let mut fused = Self::from_weight(weight);
+        fused.bias = bias;
+        fused.widths = widths;
+        fused
+    }
+
+    /// A gate and an up projection as one SwiGLU product: on flex with AVX-512F (`f32`, no
+    /// biases) [`FusedLinear::forward_all`] returns `silu(x · gateᵀ) ⊙ (x · upᵀ)` directly
+    /// ([`miles_ops::packed::PackedMatrix::glu`]); elsewhere the two stacked as
+    /// [`FusedLinear::new`] does ([`FusedLinear::is_glu`] tells which).
+    pub fn glu(gate: &Linear, up: &Linear) -> Self {
+        if gate.bias.is_none()
+            && up.bias.is_none()
+            && let Some(packed) =
+                miles_ops::packed::PackedMatrix::glu(gate.effective_weight(), up.effective_weight())
+        {
+            return Self {
+                widths: vec![packed.n],
+                weight: FusedWeight::Packed(packed),
+                bias: None,
+            };
+        }
+        Self::new(&[gate, up])
+    }
+
+    /// Whether [`FusedLinear::forward_all`] returns SwiGLU activations ([`FusedLinear::glu`]).
+    pub fn is_glu(&self) -> bool {
+        matches!(&self.weight, FusedWeight::Packed(p) if p.product == miles_ops::packed::Product::Glu)
+    }
+
+    /// One layer without bias over `weight` `[out, in]` (e.g. tied embeddings as `lm_head`).
+    pub fn from_weight(weight: Tensor<2>) -> Self {
+        let widths = vec![weight.dims()[0]];
+        let device = weight.device();
+        let weight = if !miles_ops::device::is_flex(&device) {
+            FusedWeight::Hf(weight)
+        } else if let Some(packed) = miles_ops::packed::PackedMatrix::new(weight.clone()) {
+            FusedWeight::Packed(packed)
+        } else {
+            // A contiguous copy of the transposed view (one per weight version), in the
+            // weight's own dtype.
+            let dtype = weight.dtype();
+            FusedWeight::Transposed(Tensor::from_data(
+                weight.transpose().into_data(),
+                (&device, dtype),
+            ))
+        };
+        Self {
+            weight,
+            bias: None,
+            widths,
+        }
+    }
+
+    /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul
+    /// (the packed kernel, or split over both cores on flex at decode row counts or when
+    /// small, [`miles_ops::linear_t`]).
+    pub fn forward_all(&self, x: Tensor<2>) -> Tensor<2> {
+        let y = match &self.weight {
+            FusedWeight::Packed(packed) => packed.matmul(x),
+            FusedWeight::Transposed(wt) => miles_ops::linear_t(x, wt.clone()),
+            FusedWeight::Hf(w) => miles_ops::linear(x, w.clone()),
+        };
+        match &self.bias {
+            Some(bias) => y + bias.clone().unsqueeze_dim(0),
+            None => y,
+        }
+    }
+
+    /// The fused layers' outputs for `[tokens, in]` rows, one `[tokens, out_i]` each.
+    pub fn forward(&self, x: Tensor<2>) -> Vec<Tensor<2>> {
+        let y = self.forward_all(x);
+        if self.widths.len() == 1 {
+            return vec![y];
+        }
+        let mut start = 0;
+        self.widths
+            .iter()
+            .map(|&n| {
+                let part = y.clone().narrow(1, start, n);
+                start += n;
+                part
+            })
+            .collect()
+    }
+}
