@@ -13,7 +13,8 @@ use miles_core::{
     InferenceEngine, NamedTensors, PauseMode, RequestId, SamplingParams, TensorBytes,
     WeightVersion,
 };
-use miles_engine::{Detokenizer, EmbeddedEngine, EngineConfig};
+use miles_engine::{Detokenizer, EmbeddedEngine, EngineConfig, PrefillScorer};
+use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 
 fn fixture(name: &str) -> PathBuf {
@@ -190,15 +191,40 @@ async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
                 assert!(out.routed_experts.is_none());
             }
         }
-        // With recompute (the default), log-probs come from one forward over the sequence and
-        // equal the full forward bit for bit.
-        let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(true)).unwrap());
+        // With recompute and the plain `PrefillScorer`, log-probs come from one forward over
+        // the sequence and equal the full forward bit for bit.
+        let engine = Arc::new(
+            EmbeddedEngine::builder(model.clone())
+                .config(config(true))
+                .scorer(Arc::new(PrefillScorer))
+                .build()
+                .unwrap(),
+        );
         let p = prompt(9, 3, vocab);
         let out = engine.generate(request(p.clone(), 16, 9)).await.unwrap();
         let tokens: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
         let (reference, _) = full_forward(&model, &tokens, 16);
         let got: Vec<f32> = out.output_log_probs.iter().map(|&x| x as f32).collect();
         assert_eq!(got, reference, "{name}: recomputed log-probs");
+        // The default scorer is the trainer's: its log-probs equal miles-bridge's sequence
+        // scoring (what miles-train's actor scores with) bit for bit, and the full forward to
+        // float rounding.
+        let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(true)).unwrap());
+        let out = engine.generate(request(p.clone(), 16, 9)).await.unwrap();
+        let tokens: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
+        let trainer = miles_bridge::score_log_probs(
+            &model,
+            &tokens,
+            16,
+            &Fallthrough,
+            &FusedLogProbConfig::default(),
+        )
+        .unwrap();
+        let got: Vec<f32> = out.output_log_probs.iter().map(|&x| x as f32).collect();
+        assert_eq!(got, trainer, "{name}: default (trainer) scorer");
+        let (reference, _) = full_forward(&model, &tokens, 16);
+        let diff = max_diff(&out.output_log_probs, &reference);
+        assert!(diff < 1e-4, "{name}: trainer scorer vs full forward differ by {diff}");
     }
 }
 
