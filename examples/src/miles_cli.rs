@@ -607,10 +607,12 @@ fn sinks(
             if let Some(capacity) = buffer_capacity_groups {
                 trainer.buffer_capacity_groups.set(capacity);
             }
-            list.push(Arc::new(miles_core::TrainerMetricsSink::new(trainer)));
-            list.push(Arc::new(miles_core::PrometheusMetricsSink::new(
-                registry.clone(),
+            list.push(Arc::new(miles_core::prometheus::TrainerMetricsSink::new(
+                trainer,
             )));
+            list.push(Arc::new(
+                miles_core::prometheus::PrometheusMetricsSink::new(registry.clone()),
+            ));
             let server = miles_session::metrics_server::MetricsServer::start(
                 std::net::SocketAddr::from(([127, 0, 0, 1], port)),
                 registry,

@@ -127,12 +127,12 @@ pub async fn spawn_session_server(
     return_routed_experts: bool,
 ) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
     let chat = miles_tito::TitoChat::load(model_dir, family)?;
-    let server = miles_session::SessionServer::new(
+    let server = miles_session::server::SessionServer::new(
         engine,
         Arc::new(chat),
-        miles_session::SessionServerConfig {
+        miles_session::server::SessionServerConfig {
             return_routed_experts,
-            ..miles_session::SessionServerConfig::default()
+            ..miles_session::server::SessionServerConfig::default()
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -148,12 +148,12 @@ pub async fn spawn_session_server(
 pub fn tensorboard_sink(
     dir: Option<&str>,
     out: &Path,
-) -> Result<miles_core::TensorBoardSink, miles_core::Error> {
+) -> Result<miles_core::tensorboard::TensorBoardSink, miles_core::Error> {
     let dir = dir
         .map(std::path::PathBuf::from)
         .or_else(|| std::env::var_os("TENSORBOARD_DIR").map(std::path::PathBuf::from))
         .unwrap_or_else(|| out.join("tensorboard"));
-    let sink = miles_core::TensorBoardSink::create(&dir)?;
+    let sink = miles_core::tensorboard::TensorBoardSink::create(&dir)?;
     println!("TensorBoard: tensorboard --logdir {}", dir.display());
     Ok(sink)
 }

@@ -15,10 +15,10 @@
 //!   protocol with SGLang's field names.
 //! * The seams: [`InferenceEngine`] (async, object-safe), [`PolicyTrainer`] (blocking),
 //!   [`RewardFn`] (async, object-safe), [`MetricsSink`] (+ [`JsonlMetricsSink`]).
-//! * Observability: [`TensorBoardSink`] (TensorBoard event files, written by hand),
+//! * Observability: [`tensorboard::TensorBoardSink`] (TensorBoard event files, written by hand),
 //!   [`FanoutMetricsSink`] (several sinks at once), and [`prometheus`]: a small registry
 //!   and text-format encoder with SGLang's engine metrics, a trainer set and
-//!   [`PrometheusMetricsSink`].
+//!   [`prometheus::PrometheusMetricsSink`].
 //! * [`python`]: Python's semantics where our text must be Python's — `repr(float)`,
 //!   `json.dumps`, `str()` / `repr()` of JSON values, truthiness, `round`, `str` methods and
 //!   `float()` — one module for every crate.
@@ -52,19 +52,19 @@
 //! ```
 
 pub mod base64;
-pub mod engine;
-pub mod error;
-pub mod message;
-pub mod metrics;
+mod engine;
+mod error;
+mod message;
+mod metrics;
 pub mod prometheus;
 pub mod python;
-pub mod reward;
+mod reward;
 pub mod rng;
-pub mod routed;
-pub mod sample;
+mod routed;
+mod sample;
 pub mod tensorboard;
-pub mod trainer;
-pub mod weights;
+mod trainer;
+mod weights;
 
 pub use engine::{
     FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, PauseMode, RequestId,
@@ -77,13 +77,11 @@ pub use message::{
 pub use metrics::{
     FanoutMetricsSink, JsonlMetricsSink, MemoryMetricsSink, Metrics, MetricsSink, metrics_line,
 };
-pub use prometheus::{PrometheusMetricsSink, TrainerMetricsSink};
 pub use reward::RewardFn;
 pub use routed::RoutedExperts;
 pub use sample::{
     PrefixCacheInfo, Prompt, Reward, Sample, SampleBuilder, SampleStatus, SpecInfo, TokenId,
 };
-pub use tensorboard::TensorBoardSink;
 pub use trainer::PolicyTrainer;
 pub use weights::{DType, NamedTensors, TensorBytes, WeightVersion};
 

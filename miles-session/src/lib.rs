@@ -29,7 +29,7 @@
 //!   kill the process group).
 //! * [`openai`]: the typed chat-completions body (with SGLang's extensions) and its mapping to
 //!   sampling parameters, shared with the SGLang-compatible server of [`sglang`].
-//! * [`sglang`]: SGLang's HTTP protocol, both ends (the client [`SglangEngine`], the server
+//! * [`sglang`]: SGLang's HTTP protocol, both ends (the client [`sglang::SglangEngine`], the server
 //!   [`sglang::sglang_router`]) and the [`sglang::Router`] over engines.
 //! * [`tito_adapter`]: the binary's loader of [`miles_tito::TitoChat`] (the family table's
 //!   [`miles_tito::ChatTokenizer`] over a model directory) for `--model DIR --tito FAMILY`.
@@ -83,7 +83,7 @@ pub mod cli;
 pub mod codec;
 #[cfg(unix)]
 pub mod command_agent;
-pub mod error;
+mod error;
 pub mod guard;
 pub mod http;
 #[cfg(feature = "testkit")]
@@ -99,5 +99,3 @@ pub mod tito_adapter;
 pub mod trajectory;
 
 pub use error::{Error, Result};
-pub use server::{SessionServer, SessionServerConfig};
-pub use sglang::{SglangConfig, SglangEngine};

@@ -1,5 +1,5 @@
 //! A `/metrics` endpoint for any process holding a [`miles_core::prometheus::Registry`]: a
-//! trainer (with [`miles_core::PrometheusMetricsSink`] and
+//! trainer (with [`miles_core::prometheus::PrometheusMetricsSink`] and
 //! [`miles_core::prometheus::TrainerMetrics`]), `miles-engine serve` (with
 //! [`miles_core::prometheus::SglangMetrics`]), or anything else.
 //!
@@ -11,7 +11,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use miles_core::{Metrics, MetricsSink, PrometheusMetricsSink, prometheus::Registry};
+//! use miles_core::prometheus::{PrometheusMetricsSink, Registry};
+//! use miles_core::{Metrics, MetricsSink};
 //! use miles_session::metrics_server::MetricsServer;
 //!
 //! let registry = Arc::new(Registry::new());

@@ -510,13 +510,14 @@ async fn agent_driver_and_sglang_client_send_the_key() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(guard::serve(listener, engine_app, GuardConfig::default()));
-    let keyed = miles_session::SglangEngine::new(
-        miles_session::SglangConfig::new(&url)
+    let keyed = miles_session::sglang::SglangEngine::new(
+        miles_session::sglang::SglangConfig::new(&url)
             .with_api_key(Some(ApiKey::new("engine-key").unwrap())),
     );
     keyed.flush_cache().await.unwrap();
     keyed.health().await.unwrap();
-    let bare = miles_session::SglangEngine::new(miles_session::SglangConfig::new(&url));
+    let bare =
+        miles_session::sglang::SglangEngine::new(miles_session::sglang::SglangConfig::new(&url));
     bare.health().await.unwrap();
     let err = bare.flush_cache().await.unwrap_err();
     assert!(
@@ -949,10 +950,10 @@ async fn hostile_engine_answers_are_typed_engine_errors() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let mut config = miles_session::SglangConfig::new(&url);
+    let mut config = miles_session::sglang::SglangConfig::new(&url);
     config.num_layers = Some(2);
     config.max_response_bytes = 1 << 20;
-    let client = miles_session::SglangEngine::new(config);
+    let client = miles_session::sglang::SglangEngine::new(config);
     let request = || {
         let mut r = GenerateRequest::new(
             vec![1, 2, 3],
@@ -1161,7 +1162,8 @@ async fn hostile_engine_answers_are_typed_engine_errors() {
 
     // Through the session server: a hostile engine answer is a 502 JSON error, nothing is
     // recorded, and the next normal answer is served.
-    let sglang = miles_session::SglangEngine::new(miles_session::SglangConfig::new(&url));
+    let sglang =
+        miles_session::sglang::SglangEngine::new(miles_session::sglang::SglangConfig::new(&url));
     let server = SessionServer::new(
         Arc::new(sglang),
         Arc::new(ByteChatml::default()),

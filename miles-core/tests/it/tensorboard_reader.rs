@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use miles_core::tensorboard::TensorBoardSink;
 use miles_core::tensorboard::read_event_file;
-use miles_core::{FanoutMetricsSink, JsonlMetricsSink, Metrics, MetricsSink, TensorBoardSink};
+use miles_core::{FanoutMetricsSink, JsonlMetricsSink, Metrics, MetricsSink};
 use serde_json::Value;
 
 /// The first Python (`MILES_TORCH_PYTHON`, then `<workspace>/.venv-ref/bin/python`) that

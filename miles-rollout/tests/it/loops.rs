@@ -629,8 +629,8 @@ impl RewardFn for MentionsLabel {
 async fn agentic_generation_goes_through_a_session_server() {
     use miles_rollout::{AgentGenerator, tito_mismatch_metrics};
     use miles_session::agent::AgentDriverConfig;
+    use miles_session::server::{SessionServer, SessionServerConfig};
     use miles_session::testkit::{ByteChatml, ToyEngine, WeatherAgent};
-    use miles_session::{SessionServer, SessionServerConfig};
 
     let engine = ToyEngine::new();
     let server = SessionServer::new(
@@ -755,8 +755,8 @@ impl RewardFn for CountingMentionsLabel {
 async fn generate_multi_samples_gives_per_turn_siblings_scored_once_per_rollout() {
     use miles_rollout::AgentGenerator;
     use miles_session::agent::AgentDriverConfig;
+    use miles_session::server::{SessionServer, SessionServerConfig};
     use miles_session::testkit::{ByteChatml, ToyEngine, WeatherAgent};
-    use miles_session::{SessionServer, SessionServerConfig};
 
     let engine = ToyEngine::new();
     let server = SessionServer::new(

@@ -244,9 +244,9 @@ async fn a_router_served_over_http_keeps_sessions_sticky() {
     let addr = listener.local_addr().unwrap();
     let app = sglang_router(router, ServerInfo::new("fleet"));
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let client = miles_session::SglangEngine::new(miles_session::SglangConfig::new(format!(
-        "http://{addr}"
-    )));
+    let client = miles_session::sglang::SglangEngine::new(
+        miles_session::sglang::SglangConfig::new(format!("http://{addr}")),
+    );
     for key in ["a", "b", "c", "d"] {
         let before = generated(&fleet);
         for _ in 0..3 {

@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use miles_core::prometheus::PrometheusMetricsSink;
 use miles_core::prometheus::{Registry, SglangMetrics, TrainerMetrics};
-use miles_core::{Metrics, MetricsSink, PrometheusMetricsSink};
+use miles_core::{Metrics, MetricsSink};
 use miles_session::metrics_server::MetricsServer;
 use serde_json::{Value, json};
 
