@@ -224,7 +224,10 @@ async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
         assert_eq!(got, trainer, "{name}: default (trainer) scorer");
         let (reference, _) = full_forward(&model, &tokens, 16);
         let diff = max_diff(&out.output_log_probs, &reference);
-        assert!(diff < 1e-4, "{name}: trainer scorer vs full forward differ by {diff}");
+        assert!(
+            diff < 1e-4,
+            "{name}: trainer scorer vs full forward differ by {diff}"
+        );
     }
 }
 
