@@ -111,6 +111,8 @@ mod native;
 mod parsers;
 mod pyfmt;
 mod template;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 mod tito;
 mod tito_chat;
 mod trajectory;

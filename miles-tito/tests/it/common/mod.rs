@@ -1,14 +1,12 @@
 //! Helpers shared by the tests: fixture model directories and a deterministic generator
-//! (`fast_encode.rs`, `fast_decode.rs`), and a byte-level ChatML [`ChatTokenizer`]
+//! (`fast_encode.rs`, `fast_decode.rs`), and the crate's byte-level ChatML test double
 //! (`comparator.rs`).
 
 use std::path::PathBuf;
 
 use miles_tito::HfChat;
 
-mod byte_chatml;
-
-pub use byte_chatml::ByteChatml;
+pub use miles_tito::testkit::ByteChatml;
 
 /// A fixture model directory under `fixtures/tokenizers/`.
 pub fn load(name: &str) -> HfChat {
