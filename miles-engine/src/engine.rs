@@ -216,9 +216,10 @@ impl EmbeddedEngine {
 }
 
 impl EmbeddedEngine {
-    /// Stops the engine now, as if its process died: requests in flight end ABORTED with what
-    /// they had generated, later calls fail with an `Unavailable` engine error and
-    /// [`InferenceEngine::health`] reports it down (a router (miles-session's `Router`) then re-creates it
+    /// Stops the engine now, as if its process died: every request not yet answered (queued,
+    /// running, or done and waiting for its log-prob recompute) ends ABORTED with what it had
+    /// generated and its decode-time log-probs, later calls fail with an `Unavailable` engine error and
+    /// [`InferenceEngine::health`] reports it down (miles-session's `Router` then re-creates it
     /// through its factory). Blocks until the scheduler thread has exited; idempotent.
     pub fn shutdown(&self) {
         let _ = self.commands.send(Cmd::Shutdown);

@@ -206,9 +206,11 @@ impl Scheduler {
             }
             self.publish_stats();
         }
-        // Shutting down: finished sequences get their answer, everything still queued ends
-        // as aborted.
-        while let Some((seq, model, version)) = self.finished.pop_front() {
+        // Shutting down, as if the process died: nothing unanswered is answered any more. Every
+        // request still queued, running or waiting for its answer (its log-prob recompute)
+        // ends aborted with what it had generated and its decode-time log-probs.
+        while let Some((mut seq, model, version)) = self.finished.pop_front() {
+            seq.finish = Some((FinishReason::Abort, None));
             self.answer(seq, &model, version);
         }
         let rest: Vec<Seq> = self
