@@ -39,7 +39,7 @@ fn main() -> ExitCode {
         "test" => test(rest),
         "ci" => ci(rest),
         "lint" => lint(),
-        "package" => package::verify(&LIBRARY_CRATES),
+        "package" => package::verify(&LAYERS),
         "bench" => bench::bench(rest),
         "help" | "--help" | "-h" => {
             println!("{}", usage());
@@ -114,7 +114,8 @@ const LIGHT_CRATES: [(&str, &[&str]); 5] = [
 
 /// The workspace's library crates from the bottom of the stack up (DESIGN.md's map): a
 /// crate's normal and build dependencies among them must come earlier in this list, and every
-/// library crate of the workspace must be in it. Only `miles-examples` and `xtask` sit above.
+/// library crate of the workspace must be in it (they are the crates a user would `cargo add`:
+/// each must build from its packaged files). Only `miles-examples` and `xtask` sit above.
 const LAYERS: [&str; 10] = [
     "miles-core",
     "miles-tito",
@@ -240,20 +241,6 @@ fn heavy_dependencies(tree: &str) -> Vec<String> {
     found
 }
 
-/// The library crates a user would `cargo add`: each must build from its packaged files.
-const LIBRARY_CRATES: [&str; 10] = [
-    "miles-core",
-    "miles-tito",
-    "miles-session",
-    "miles-reward",
-    "miles-ops",
-    "miles-bridge",
-    "miles-r3",
-    "miles-engine",
-    "miles-rollout",
-    "miles-train",
-];
-
 /// Fails when a library crate's package (`cargo package --list`) lacks a file its sources
 /// compile in (`include_str!` / `include_bytes!` in `src/`, which may not reach outside the
 /// crate) or either licence file. The cheap part of `cargo package`'s verification, which
@@ -263,7 +250,7 @@ fn check_packages() -> Result<(), String> {
         .parent()
         .ok_or("xtask has no parent folder")?
         .to_path_buf();
-    for krate in LIBRARY_CRATES {
+    for krate in LAYERS {
         let dir = root.join(krate);
         let mut list = cargo();
         list.args(["package", "--list", "--allow-dirty", "-p", krate])
@@ -415,7 +402,7 @@ fn ci(extra: &[String]) -> Result<(), String> {
         started.elapsed().as_secs()
     );
     let started = std::time::Instant::now();
-    package::verify(&LIBRARY_CRATES)?;
+    package::verify(&LAYERS)?;
     eprintln!(
         "xtask: library crates built from their packages: {} s",
         started.elapsed().as_secs()
