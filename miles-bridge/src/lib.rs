@@ -9,7 +9,9 @@
 //!   routing with `e_score_correction_bias`, group-limited top-k, shared experts, dense first
 //!   layers, partial RoPE), `qwen3` (qk-norm), `qwen3_moe` (softmax routing), `llama` (Llama-3
 //!   RoPE scaling), `qwen2` (Qwen2 / Qwen2.5: q/k/v bias; sliding-window layers rejected) and
-//!   `deepseek_v3` (DeepSeek-V3 / Moonlight / Kimi-K2: multi-head latent attention, YaRN);
+//!   `deepseek_v3` (DeepSeek-V3 / Moonlight / Kimi-K2: multi-head latent attention, YaRN),
+//!   `glm4_moe_lite` (GLM-4.7-Flash: DeepSeek-V3's latent attention with GLM's router, MoE
+//!   layers by `mlp_layer_types`);
 //!   each row says how that architecture's `config.json` maps onto the one [`ModelConfig`]
 //!   (defaults, ignored and pinned fields, RoPE scaling, attention kind, MoE layout), read by
 //!   [`ModelConfig::from_hf_json`] (transformers-5 `rope_parameters` layout and the older
@@ -91,8 +93,8 @@ pub mod profile;
 
 pub use config::{
     ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
-    Llama3RopeScaling, MlaConfig, ModelConfig, MoeLayers, MoeSpec, PinnedField, PinnedValue,
-    RopeScalingKind, RouterKind, YarnRopeScaling,
+    Llama3RopeScaling, MlaConfig, MlpLayerType, ModelConfig, MoeLayers, MoeSpec, PinnedField,
+    PinnedValue, RopeScalingKind, RouterKind, YarnRopeScaling,
 };
 pub use error::BridgeError;
 pub use host::{FloatDtype, HostTensor, TensorMap};

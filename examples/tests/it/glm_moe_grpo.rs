@@ -359,18 +359,31 @@ fn tensor_shapes(path: &Path) -> Vec<(String, Value)> {
 /// rollout routing replay on: routed experts recorded by the engine and replayed.
 #[test]
 fn the_reference_binary_trains_a_deepseek_v3_checkpoint() {
+    trains_a_latent_attention_checkpoint("dsv3-tiny", "deepseek_v3");
+}
+
+/// The same on GLM-4.7-Flash (`glm4_moe_lite`: latent attention, GLM's router, MoE layers from
+/// `mlp_layer_types`), the shapes of `fixtures/models/glm47flash-tiny`.
+#[test]
+fn the_reference_binary_trains_a_glm47_flash_checkpoint() {
+    trains_a_latent_attention_checkpoint("glm47flash-tiny", "glm4_moe_lite");
+}
+
+/// Two GRPO steps of the reference binary with `--hf-checkpoint` on a checkpoint with the
+/// shapes of `fixtures/models/<fixture>` (random weights, the served fixture's tokenizer).
+fn trains_a_latent_attention_checkpoint(fixture: &str, model_type: &str) {
     use burn::tensor::Device;
     use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
 
-    let out = fresh_dir("dsv3");
-    let model_dir = fresh_dir("dsv3-model");
+    let out = fresh_dir(fixture);
+    let model_dir = fresh_dir(&format!("{fixture}-model"));
     std::fs::create_dir_all(&model_dir).unwrap();
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
     let mut config: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures.join("models/dsv3-tiny/config.json")).unwrap(),
+        &std::fs::read_to_string(fixtures.join(format!("models/{fixture}/config.json"))).unwrap(),
     )
     .unwrap();
-    assert_eq!(config["model_type"], "deepseek_v3");
+    assert_eq!(config["model_type"], model_type);
     config["vocab_size"] = 512.into();
     std::fs::write(model_dir.join("config.json"), config.to_string()).unwrap();
     let config = ModelConfig::from_file(model_dir.join("config.json")).unwrap();

@@ -32,6 +32,9 @@ pub enum Architecture {
     /// group-limited routing, shared experts, dense first layers, YaRN RoPE); Kimi-K2's
     /// `kimi_k2` is the same architecture (an alias in its row).
     DeepseekV3,
+    /// `glm4_moe_lite`: GLM-4.7-Flash (DeepSeek-V3's latent attention with GLM-4-MoE's router
+    /// and experts; which layers are MoE is the per-layer `mlp_layer_types`).
+    Glm4MoeLite,
 }
 
 /// How a `config.json` field becomes a config value for one architecture.
@@ -105,6 +108,10 @@ pub enum MoeLayers {
     /// Every `decoder_sparse_step`-th layer not listed in `mlp_only_layers`, when there are
     /// routed experts (Qwen3-MoE).
     EverySparseStep,
+    /// The layers `mlp_layer_types` marks `sparse` (one `dense` / `sparse` entry per layer);
+    /// absent, layer 0 is dense and every later layer sparse (GLM-4.7-Flash; transformers
+    /// ignores `first_k_dense_replace` here).
+    FromLayerTypes,
 }
 
 /// A `config.json` field that holds the number of routed experts.
@@ -391,6 +398,55 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
             PinnedField {
                 key: "moe_layer_freq",
                 value: PinnedValue::Int(1),
+            },
+        ],
+    },
+    ArchitectureSpec {
+        architecture: Architecture::Glm4MoeLite,
+        model_type: "glm4_moe_lite",
+        aliases: &[],
+        hf_class: "Glm4MoeLiteForCausalLM",
+        name: "GLM-4.7-Flash",
+        rms_norm_eps: FieldRule::Read(1e-5),
+        // Read, not fixed: transformers rotates `head_dim * factor` channels of the rope key
+        // (the rotary "head"), so only 1.0 is a model it can run; `validate` rejects others.
+        partial_rotary_factor: FieldRule::Read(1.0),
+        rope_scaling: Some(RopeScalingKind::Yarn),
+        attention: AttentionKind::Latent(MlaConfig {
+            q_lora_rank: Some(768),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 192,
+            qk_rope_head_dim: 64,
+            v_head_dim: 256,
+            rope_interleave: true,
+        }),
+        attention_bias: FieldRule::Read(false),
+        use_qk_norm: FieldRule::Read(false),
+        sliding_window: false,
+        moe: MoeSpec {
+            layers: MoeLayers::FromLayerTypes,
+            router: RouterKind::SigmoidGrouped,
+            expert_count_fields: &[ExpertCountField::NRoutedExperts],
+            n_routed_experts: 64,
+            n_shared_experts: FieldRule::Read(1),
+            norm_topk_prob: true,
+            num_experts_per_tok: 4,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.8,
+            first_k_dense_replace: 1,
+        },
+        // The released checkpoint stores one multi-token-prediction layer after the decoder
+        // layers (`num_nextn_predict_layers: 1`); transformers' config has no such field.
+        num_nextn_predict_layers: FieldRule::Read(0),
+        pinned_fields: &[
+            PinnedField {
+                key: "scoring_func",
+                value: PinnedValue::Str("sigmoid"),
+            },
+            PinnedField {
+                key: "topk_method",
+                value: PinnedValue::Str("noaux_tc"),
             },
         ],
     },

@@ -8,10 +8,10 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::config::architecture::{
-    Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, RopeScalingKind,
+    Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, MoeLayers, RopeScalingKind,
 };
 use crate::config::mla::MlaConfig;
-use crate::config::model_config::ModelConfig;
+use crate::config::model_config::{MlpLayerType, ModelConfig};
 use crate::config::rope::{llama3_scaling, rope_field, rope_type, yarn_scaling};
 use crate::error::BridgeError;
 
@@ -56,6 +56,7 @@ struct RawConfig {
     decoder_sparse_step: usize,
     #[serde(default)]
     mlp_only_layers: Vec<usize>,
+    mlp_layer_types: Option<Vec<String>>,
     #[serde(default)]
     tie_word_embeddings: bool,
     #[serde(default = "default_max_pos")]
@@ -315,6 +316,25 @@ impl ModelConfig {
                 ExpertCountField::NumExperts => raw.num_experts,
             })
             .unwrap_or(moe.n_routed_experts);
+        // `mlp_layer_types` only where the architecture reads it (absent: transformers'
+        // default); the other architectures' configs ignore the field, as transformers does.
+        let mlp_layer_types = match (moe.layers, raw.mlp_layer_types.as_ref()) {
+            (MoeLayers::FromLayerTypes, Some(types)) => types
+                .iter()
+                .map(|t| {
+                    MlpLayerType::parse(t).ok_or_else(|| {
+                        BridgeError::config(
+                            "mlp_layer_types",
+                            format!("`{t}` is not a layer type (`dense` or `sparse`)"),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            (MoeLayers::FromLayerTypes, None) => {
+                MlpLayerType::default_layout(raw.num_hidden_layers)
+            }
+            _ => Vec::new(),
+        };
         let config = Self {
             architecture,
             router: moe.router,
@@ -326,6 +346,7 @@ impl ModelConfig {
                 .resolve(raw.num_nextn_predict_layers),
             decoder_sparse_step: raw.decoder_sparse_step,
             mlp_only_layers: raw.mlp_only_layers,
+            mlp_layer_types,
             vocab_size: raw.vocab_size,
             hidden_size: raw.hidden_size,
             intermediate_size: raw.intermediate_size,

@@ -12,5 +12,5 @@ pub use architecture::{
     MoeLayers, MoeSpec, PinnedField, PinnedValue, RopeScalingKind, RouterKind,
 };
 pub use mla::MlaConfig;
-pub use model_config::ModelConfig;
+pub use model_config::{MlpLayerType, ModelConfig};
 pub use rope::{Llama3RopeScaling, YarnRopeScaling};

@@ -36,6 +36,9 @@ pub struct ModelConfig {
     pub decoder_sparse_step: usize,
     /// Qwen3-MoE: layers that stay dense.
     pub mlp_only_layers: Vec<usize>,
+    /// GLM-4.7-Flash: each layer's MLP kind (`mlp_layer_types`, one entry per layer); empty
+    /// for the architectures that place MoE layers otherwise.
+    pub mlp_layer_types: Vec<MlpLayerType>,
     /// Vocabulary size.
     pub vocab_size: usize,
     /// Model width.
@@ -84,6 +87,41 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// Standard deviation of the random initialisation used by `init`.
     pub initializer_range: f64,
+}
+
+/// One entry of `mlp_layer_types`: whether a layer's MLP is dense or a mixture of experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpLayerType {
+    /// `dense`: one MLP of `intermediate_size`.
+    Dense,
+    /// `sparse`: routed experts (plus the shared ones).
+    Sparse,
+}
+
+impl MlpLayerType {
+    /// Parses the `config.json` name (`dense` / `sparse`).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "dense" => Some(Self::Dense),
+            "sparse" => Some(Self::Sparse),
+            _ => None,
+        }
+    }
+
+    /// The `config.json` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dense => "dense",
+            Self::Sparse => "sparse",
+        }
+    }
+
+    /// transformers' default when `mlp_layer_types` is absent: layer 0 dense, the rest sparse.
+    pub fn default_layout(layers: usize) -> Vec<Self> {
+        (0..layers)
+            .map(|l| if l == 0 { Self::Dense } else { Self::Sparse })
+            .collect()
+    }
 }
 
 impl ModelConfig {
@@ -163,6 +201,9 @@ impl ModelConfig {
                     && !self.mlp_only_layers.contains(&layer)
                     && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
             }
+            MoeLayers::FromLayerTypes => {
+                self.mlp_layer_types.get(layer) == Some(&MlpLayerType::Sparse)
+            }
             MoeLayers::None => false,
         }
     }
@@ -231,6 +272,18 @@ impl ModelConfig {
                 format!("head_dim * factor = {rotary} must be an even channel count"),
             ));
         }
+        if self.architecture.spec().moe.layers == MoeLayers::FromLayerTypes
+            && self.mlp_layer_types.len() != self.num_hidden_layers
+        {
+            return Err(BridgeError::config(
+                "mlp_layer_types",
+                format!(
+                    "has {} entries for {} layers (num_hidden_layers)",
+                    self.mlp_layer_types.len(),
+                    self.num_hidden_layers
+                ),
+            ));
+        }
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(BridgeError::config("rms_norm_eps", "must be positive"));
         }
@@ -245,6 +298,12 @@ impl ModelConfig {
                 if value == 0 {
                     return Err(BridgeError::config(field, "must be positive"));
                 }
+            }
+            if self.partial_rotary_factor != 1.0 {
+                return Err(BridgeError::config(
+                    "partial_rotary_factor",
+                    "latent attention rotates the whole rope key (only 1.0)",
+                ));
             }
             if self.head_dim != mla.qk_rope_head_dim {
                 return Err(BridgeError::config(
@@ -376,9 +435,16 @@ impl ModelConfig {
         if spec.moe.expert_count_fields.first() == Some(&ExpertCountField::NumExperts) {
             json["num_experts"] = self.n_routed_experts.into();
         }
-        if spec.moe.layers == MoeLayers::EverySparseStep {
-            json["decoder_sparse_step"] = self.decoder_sparse_step.into();
-            json["mlp_only_layers"] = serde_json::json!(self.mlp_only_layers);
+        match spec.moe.layers {
+            MoeLayers::EverySparseStep => {
+                json["decoder_sparse_step"] = self.decoder_sparse_step.into();
+                json["mlp_only_layers"] = serde_json::json!(self.mlp_only_layers);
+            }
+            MoeLayers::FromLayerTypes => {
+                let types: Vec<&str> = self.mlp_layer_types.iter().map(|t| t.name()).collect();
+                json["mlp_layer_types"] = serde_json::json!(types);
+            }
+            MoeLayers::FromFirstKDense | MoeLayers::None => {}
         }
         json
     }

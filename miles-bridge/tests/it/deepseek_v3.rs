@@ -36,7 +36,12 @@ fn host(t: Tensor<2>) -> Vec<f32> {
     t.into_data().try_to_vec::<f32>().unwrap()
 }
 
-fn check_grads(name: &str, model: &CausalLm, grads: &burn::tensor::Gradients, dir: &Path) {
+pub(crate) fn check_grads(
+    name: &str,
+    model: &CausalLm,
+    grads: &burn::tensor::Gradients,
+    dir: &Path,
+) {
     let mut ours = TensorMap::new();
     model.visit_params(&mut |pname, p| {
         if let Some(g) = p.grad(grads) {
@@ -72,12 +77,14 @@ fn check_grads(name: &str, model: &CausalLm, grads: &burn::tensor::Gradients, di
 /// Logits, log-probs, routed experts and gradients against transformers; then the KV cache:
 /// a 5-token prefill (expanded evaluation) and one-token decode steps (absorbed evaluation
 /// over the cached latent) give the full forward's log-probs.
-fn check(name: &str, moe_layers: &[usize]) {
+/// Logits, log-probs, routes and gradients against transformers', then the compressed-latent
+/// KV cache against the full forward, for a latent-attention checkpoint of `architecture`.
+pub(crate) fn check(name: &str, architecture: Architecture, moe_layers: &[usize]) {
     let dir = fixture(name);
     let rows = rows_of(&dir);
     let device = Device::flex().autodiff();
     let model = CausalLm::from_pretrained(&dir, &device).unwrap();
-    assert_eq!(model.architecture(), Architecture::DeepseekV3);
+    assert_eq!(model.architecture(), architecture);
     let ids = ids_tensor(&rows, &device).unwrap();
     let out = model
         .forward(&ModelInput::new(ids.clone()), &Fallthrough)
@@ -177,12 +184,12 @@ fn check(name: &str, moe_layers: &[usize]) {
 
 #[test]
 fn deepseek_v3_q_lora_yarn_matches_transformers() {
-    check("dsv3-tiny", &[1, 2]);
+    check("dsv3-tiny", Architecture::DeepseekV3, &[1, 2]);
 }
 
 #[test]
 fn deepseek_v3_no_q_lora_matches_transformers() {
-    check("dsv3-noq", &[1, 2, 3]);
+    check("dsv3-noq", Architecture::DeepseekV3, &[1, 2, 3]);
 }
 
 #[test]

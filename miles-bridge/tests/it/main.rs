@@ -5,6 +5,7 @@ mod common;
 
 mod cli;
 mod deepseek_v3;
+mod glm4_moe_lite;
 mod glm4moe_tiny;
 mod half_precision;
 mod lora;

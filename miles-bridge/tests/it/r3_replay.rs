@@ -397,6 +397,13 @@ fn deepseek_v3_replay_removes_routing_flips() {
     prove("dsv3-tiny", true);
 }
 
+/// GLM-4.7-Flash (`glm47flash-tiny`: latent attention, sigmoid routing in one group, MoE
+/// layers 1 and 3 chosen by `mlp_layer_types`).
+#[test]
+fn glm4_moe_lite_replay_removes_routing_flips() {
+    prove("glm47flash-tiny", true);
+}
+
 #[test]
 fn qwen3_moe_replay_removes_routing_flips() {
     prove("qwen3moe-tiny", false);

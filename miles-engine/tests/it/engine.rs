@@ -136,6 +136,7 @@ async fn decode_log_probs_and_routing_match_a_full_forward_moe_and_dense() {
         "qwen2-untied",
         "dsv3-tiny",
         "dsv3-noq",
+        "glm47flash-tiny",
     ] {
         let model = load(name);
         let vocab = model.config.vocab_size as u32;
@@ -799,10 +800,19 @@ async fn bad_requests_are_typed_errors() {
 /// fixtures (`fixtures/models/gen_qwen2.py`: tied + GQA and untied + MHA).
 ///
 /// The same on the DeepSeek-V3 fixtures (`gen_deepseek_v3.py`: MLA with and without
-/// `q_lora_rank`, YaRN RoPE), whose cache holds the compressed latent and rope key.
+/// `q_lora_rank`, YaRN RoPE), whose cache holds the compressed latent and rope key, and the
+/// GLM-4.7-Flash ones (`gen_glm4_moe_lite.py`: the same latent attention, GLM's router,
+/// `mlp_layer_types`).
 #[tokio::test]
-async fn qwen2_and_deepseek_v3_greedy_decode_equals_hf_generate() {
-    for name in ["qwen2-tiny", "qwen2-untied", "dsv3-tiny", "dsv3-noq"] {
+async fn qwen2_and_latent_attention_greedy_decode_equals_hf_generate() {
+    for name in [
+        "qwen2-tiny",
+        "qwen2-untied",
+        "dsv3-tiny",
+        "dsv3-noq",
+        "glm47flash-tiny",
+        "glm47flash-legacy",
+    ] {
         let dir = fixture(name);
         let text = std::fs::read_to_string(dir.join("reference_generate.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();

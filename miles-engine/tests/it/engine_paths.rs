@@ -17,9 +17,10 @@ use miles_core::{
 };
 use miles_engine::{EmbeddedEngine, EngineConfig};
 
-const ARCHITECTURES: [&str; 8] = [
+const ARCHITECTURES: [&str; 9] = [
     "dsv3-noq",
     "dsv3-tiny",
+    "glm47flash-tiny",
     "glm4moe-tiny",
     "llama-tiny",
     "qwen2-tiny",
