@@ -81,17 +81,7 @@ impl PagedKvCache {
             .filter(|&b| b <= u32::MAX as usize)
             .ok_or_else(|| BridgeError::input(format!("KV budget of {tokens} tokens")))?;
         let slots = blocks * Self::BLOCK;
-        let reference = model.lm_head_weight();
-        let (device, mut dtype) = (reference.device(), reference.dtype());
-        if let Some(SelfAttention::Grouped(a)) = model.model.layers.first().map(|l| &l.self_attn) {
-            dtype = a.k_proj.weight.val().dtype();
-        }
-        let shapes: Vec<(usize, usize, bool)> = model
-            .model
-            .layers
-            .iter()
-            .map(|layer| layer.self_attn.cache_shape())
-            .collect();
+        let (shapes, dtype, device) = Self::layout(model);
         let elem = dtype.size() as u128;
         let bytes: u128 = shapes
             .iter()
@@ -123,6 +113,34 @@ impl PagedKvCache {
             dtype,
             device,
         })
+    }
+
+    /// Each layer's cache shape (heads, width, whether it stores values), and the dtype and
+    /// device of the pools: the model's attention weights'.
+    fn layout(model: &CausalLm) -> (Vec<(usize, usize, bool)>, DType, Device) {
+        let reference = model.lm_head_weight();
+        let (device, mut dtype) = (reference.device(), reference.dtype());
+        if let Some(SelfAttention::Grouped(a)) = model.model.layers.first().map(|l| &l.self_attn) {
+            dtype = a.k_proj.weight.val().dtype();
+        }
+        let shapes = model
+            .model
+            .layers
+            .iter()
+            .map(|layer| layer.self_attn.cache_shape())
+            .collect();
+        (shapes, dtype, device)
+    }
+
+    /// Bytes one cached position takes in the pools of `model` (keys and values of every
+    /// layer, in the pools' dtype): what sizes a budget from a memory bound.
+    pub fn bytes_per_token(model: &CausalLm) -> usize {
+        let (shapes, dtype, _) = Self::layout(model);
+        shapes
+            .iter()
+            .map(|&(heads, width, values)| heads * width * (1 + usize::from(values)))
+            .sum::<usize>()
+            * dtype.size()
     }
 
     /// Whether the pools have `model`'s layers and shapes.

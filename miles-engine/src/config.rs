@@ -9,6 +9,67 @@ use serde_json::Value;
 /// SGLang's default `max_new_tokens`.
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
 
+/// The default [`EngineConfig::kv_memory_fraction`]: a pool that leaves most of the memory to
+/// the trainer beside the engine (its weights, gradients, optimizer state and activations).
+pub const DEFAULT_KV_MEMORY_FRACTION: f64 = 0.3;
+
+/// The KV budget an engine runs with, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvBudget {
+    /// Tokens the pool holds (before the per-sequence spare blocks).
+    pub tokens: usize,
+    /// Whether the memory bound, not `kv_token_budget`, set it.
+    pub limited_by_memory: bool,
+}
+
+impl KvBudget {
+    /// The budget for `config` when one cached position takes `bytes_per_token` bytes and
+    /// `available` bytes of memory are free (`None`: unknown or not the pool's memory, no
+    /// memory bound). A fraction outside (0, 1] or a bound below one 16-token block is a
+    /// configuration error naming the numbers.
+    pub fn resolve(
+        config: &EngineConfig,
+        bytes_per_token: usize,
+        available: Option<u64>,
+    ) -> crate::Result<Self> {
+        let tokens = config.kv_token_budget;
+        let (Some(fraction), Some(available)) = (config.kv_memory_fraction, available) else {
+            return Ok(Self {
+                tokens,
+                limited_by_memory: false,
+            });
+        };
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(crate::Error::Config(format!(
+                "kv_memory_fraction {fraction} must be in (0, 1]"
+            )));
+        }
+        let allowed_bytes = (available as f64 * fraction) as u64;
+        let allowed = (allowed_bytes / bytes_per_token.max(1) as u64) as usize;
+        if allowed < 16 {
+            return Err(crate::Error::Config(format!(
+                "the KV pool may take {fraction} of the {} MiB available, {} MiB, less than \
+                 one 16-token block ({bytes_per_token} bytes per token): raise the fraction \
+                 or free memory",
+                available >> 20,
+                allowed_bytes >> 20
+            )));
+        }
+        Ok(Self {
+            tokens: tokens.min(allowed),
+            limited_by_memory: allowed < tokens,
+        })
+    }
+}
+
+/// The host memory available now (Linux `/proc/meminfo` `MemAvailable`), `None` elsewhere.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Configuration of an [`EmbeddedEngine`].
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -18,8 +79,17 @@ pub struct EngineConfig {
     /// requests that do not fit wait. A request larger than the whole budget is rejected. The
     /// engine allocates its KV pool for this many tokens (plus one 16-token block per running
     /// sequence for partly used last blocks, at most doubling it) once, when it starts: size it
-    /// to the memory the cache may take (the engine logs the pool's size).
+    /// to the memory the cache may take (the engine logs the pool's size). On the CPU the
+    /// budget is also bounded by [`EngineConfig::kv_memory_fraction`].
     pub kv_token_budget: usize,
+    /// The share of the host memory available when the engine starts (Linux `MemAvailable`,
+    /// read after the weights are loaded) that the KV pool may take on the CPU, in (0, 1]:
+    /// the budget used is the smaller of `kv_token_budget` and what this share holds, as
+    /// SGLang's `--mem-fraction-static` bounds its pool (Miles passes it as
+    /// `--sglang-mem-fraction-static`; SGLang's share is of the whole GPU memory and includes
+    /// the weights, ours is of what is left after them). `None`: no bound but
+    /// `kv_token_budget`. Not applied on GPU devices, whose memory the host cannot see.
+    pub kv_memory_fraction: Option<f64>,
     /// Tokens of finished / prefilled sequences kept for prefix reuse (0 disables reuse).
     pub prefix_cache_tokens: usize,
     /// After a sequence ends (stop or length; not abort), recompute its log-probs with the
@@ -64,6 +134,7 @@ impl Default for EngineConfig {
         Self {
             max_running_requests: 32,
             kv_token_budget: 65_536,
+            kv_memory_fraction: Some(DEFAULT_KV_MEMORY_FRACTION),
             prefix_cache_tokens: 16_384,
             recompute_logprobs_via_prefill: true,
             default_max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
@@ -123,4 +194,67 @@ pub(super) fn valid_sampling(params: &miles_core::SamplingParams) -> bool {
         && params.top_p > 0.0
         && params.top_p <= 1.0
         && (0.0..=1.0).contains(&params.min_p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3-0.6B's pool: 28 layers × 8 KV heads × 128 channels × keys and values × f32.
+    const QWEN3_06B_BYTES_PER_TOKEN: usize = 28 * 8 * 128 * 2 * 4;
+
+    #[test]
+    fn the_memory_fraction_bounds_the_token_budget() {
+        let config = EngineConfig::default();
+        assert_eq!(QWEN3_06B_BYTES_PER_TOKEN, 229_376);
+        // 0.3 of 1 GiB = 322,122,547 bytes = 1,404 positions of 229,376 bytes.
+        let budget = KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, Some(1 << 30)).unwrap();
+        assert_eq!(
+            budget,
+            KvBudget {
+                tokens: 1_404,
+                limited_by_memory: true
+            }
+        );
+        // 0.3 of 64 GiB holds more than the 65,536-token budget: the budget stands.
+        let budget = KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, Some(64 << 30)).unwrap();
+        assert_eq!(
+            budget,
+            KvBudget {
+                tokens: 65_536,
+                limited_by_memory: false
+            }
+        );
+        // Unknown memory (another OS, a GPU device) or no fraction: the token budget alone.
+        for (fraction, available) in [(Some(0.3), None), (None, Some(1 << 20))] {
+            let config = EngineConfig {
+                kv_memory_fraction: fraction,
+                ..EngineConfig::default()
+            };
+            let budget = KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, available).unwrap();
+            assert_eq!(budget.tokens, 65_536);
+        }
+    }
+
+    #[test]
+    fn a_bad_fraction_or_too_little_memory_is_a_config_error() {
+        for fraction in [0.0, -0.5, 1.5, f64::NAN] {
+            let config = EngineConfig {
+                kv_memory_fraction: Some(fraction),
+                ..EngineConfig::default()
+            };
+            let err = KvBudget::resolve(&config, 1024, Some(1 << 30)).unwrap_err();
+            assert!(err.to_string().contains("kv_memory_fraction"), "{err}");
+        }
+        let err = KvBudget::resolve(
+            &EngineConfig::default(),
+            QWEN3_06B_BYTES_PER_TOKEN,
+            Some(1 << 20),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("less than one 16-token block"),
+            "{err}"
+        );
+    }
 }

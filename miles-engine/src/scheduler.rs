@@ -20,7 +20,7 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
-use crate::config::{EngineConfig, valid_sampling};
+use crate::config::{EngineConfig, KvBudget, available_memory, valid_sampling};
 use crate::sampling::sample_token;
 use crate::step::{KeepAwake, SequenceScorer, ids_row, read_step, step_model};
 use miles_core::rng::SplitMix64;
@@ -126,13 +126,30 @@ impl Scheduler {
             .count();
         let route_width = moe_layers * c.num_experts_per_tok;
         let step = step_model(&model, config.specialised_path);
+        let mut config = config;
+        let per_token = PagedKvCache::bytes_per_token(&step);
+        let device = step.lm_head_weight().device();
+        let available = miles_ops::device::is_flex(&device)
+            .then(available_memory)
+            .flatten();
+        let budget = KvBudget::resolve(&config, per_token, available)?;
+        let requested = config.kv_token_budget;
+        config.kv_token_budget = budget.tokens;
         let pool = PagedKvCache::new(&step, config.kv_token_budget, config.max_running_requests)
             .map_err(|e| crate::Error::Config(format!("KV cache: {e}")))?;
         tracing::info!(
             tokens = pool.capacity(),
             mib = pool.bytes() >> 20,
-            "KV pool allocated (kv_token_budget {} + a block per running sequence)",
-            config.kv_token_budget
+            bytes_per_token = per_token,
+            available_mib = available.map(|b| b >> 20),
+            kv_memory_fraction = config.kv_memory_fraction,
+            "KV pool allocated: {} tokens ({}; + a block per running sequence)",
+            config.kv_token_budget,
+            if budget.limited_by_memory {
+                format!("bounded by kv_memory_fraction, kv_token_budget {requested}")
+            } else {
+                "kv_token_budget".to_string()
+            }
         );
         Ok(Self {
             step: Arc::new(step),
