@@ -105,6 +105,7 @@ mod family;
 mod fastdec;
 mod fastenc;
 mod hf;
+mod loose_json;
 mod matcher;
 mod model;
 mod native;

@@ -9,6 +9,7 @@ use miles_core::{Content, Message, Role, ToolArguments, ToolCall};
 use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
+use crate::loose_json::normalized_arguments;
 
 /// Template-relevant keys compared by the matchers.
 pub const TEMPLATE_KEYS: [&str; 4] = ["role", "content", "reasoning_content", "tool_calls"];
@@ -22,23 +23,31 @@ pub enum MessageMatcher {
     Strict,
     /// Only `role` and `content` (high risk: reasoning and tool calls may silently change).
     RoleContentOnly,
+    /// What `Strict` accepts, plus tool-call arguments that are the same JSON object written
+    /// differently (key order, whitespace, `1` / `1.0`, an object or its JSON text, `""` /
+    /// `{}`); call ids, types, names, order, `content` and `reasoning_content` still compared
+    /// (Miles' `loose_tool_call`).
+    LooseToolCall,
 }
 
 impl MessageMatcher {
-    /// Parses Miles' `--session-message-matcher` names (`strict`, `role_content_only`).
+    /// Parses Miles' `--session-message-matcher` names (`strict`, `loose_tool_call`,
+    /// `role_content_only`).
     pub fn parse(name: &str) -> Result<Self> {
         match name {
             "strict" => Ok(Self::Strict),
+            "loose_tool_call" => Ok(Self::LooseToolCall),
             "role_content_only" => Ok(Self::RoleContentOnly),
             other => Err(Error::InvalidInput(format!(
-                "unknown message matcher {other:?} (supported: strict, role_content_only)"
+                "unknown message matcher {other:?} (supported: strict, loose_tool_call, \
+                 role_content_only)"
             ))),
         }
     }
 
     fn keys(self) -> &'static [&'static str] {
         match self {
-            Self::Strict => &TEMPLATE_KEYS,
+            Self::Strict | Self::LooseToolCall => &TEMPLATE_KEYS,
             Self::RoleContentOnly => &TEMPLATE_KEYS[..2],
         }
     }
@@ -54,17 +63,25 @@ impl MessageMatcher {
             Self::RoleContentOnly => true,
             Self::Strict => {
                 str_eq(&stored.reasoning_content, &replayed.reasoning_content)
-                    && calls_eq(&stored.tool_calls, &replayed.tool_calls)
+                    && calls_eq(&stored.tool_calls, &replayed.tool_calls, false)
+            }
+            Self::LooseToolCall => {
+                str_eq(&stored.reasoning_content, &replayed.reasoning_content)
+                    && calls_eq(&stored.tool_calls, &replayed.tool_calls, true)
             }
         }
     }
 
-    /// The differing keys with their normalised stored and replayed values.
+    /// The differing keys with their normalised stored and replayed values (for
+    /// `LooseToolCall`, `tool_calls` only when the loose comparison rejects them).
     pub fn diffs(self, stored: &Message, replayed: &Message) -> Vec<(&'static str, Json, Json)> {
         let a = stored.to_template_value();
         let b = replayed.to_template_value();
+        let loose_calls_match =
+            self == Self::LooseToolCall && calls_eq(&stored.tool_calls, &replayed.tool_calls, true);
         self.keys()
             .iter()
+            .filter(|key| !(loose_calls_match && **key == "tool_calls"))
             .filter_map(|key| {
                 let x = normalise(key, a.get(*key));
                 let y = normalise(key, b.get(*key));
@@ -91,7 +108,9 @@ fn str_eq(a: &Option<String>, b: &Option<String>) -> bool {
     a.as_deref().unwrap_or_default() == b.as_deref().unwrap_or_default()
 }
 
-fn calls_eq(a: &Option<Vec<ToolCall>>, b: &Option<Vec<ToolCall>>) -> bool {
+/// Tool calls compared pairwise in order; `loose`: arguments that are the same JSON object
+/// match (see `loose_json`), and arguments that are not one fall back to the raw comparison.
+fn calls_eq(a: &Option<Vec<ToolCall>>, b: &Option<Vec<ToolCall>>, loose: bool) -> bool {
     let a = a.as_deref().unwrap_or_default();
     let b = b.as_deref().unwrap_or_default();
     a.len() == b.len()
@@ -100,12 +119,25 @@ fn calls_eq(a: &Option<Vec<ToolCall>>, b: &Option<Vec<ToolCall>>) -> bool {
             x.id == y.id
                 && x.kind == y.kind
                 && x.function.name == y.function.name
-                && match (&x.function.arguments, &y.function.arguments) {
-                    (ToolArguments::Object(p), ToolArguments::Object(q)) => map_eq(p, q),
-                    (ToolArguments::Json(p), ToolArguments::Json(q)) => p == q,
-                    _ => false,
-                }
+                && (raw_arguments_eq(&x.function.arguments, &y.function.arguments)
+                    || loose && loose_arguments_eq(&x.function.arguments, &y.function.arguments))
         })
+}
+
+fn raw_arguments_eq(a: &ToolArguments, b: &ToolArguments) -> bool {
+    match (a, b) {
+        (ToolArguments::Object(p), ToolArguments::Object(q)) => map_eq(p, q),
+        (ToolArguments::Json(p), ToolArguments::Json(q)) => p == q,
+        _ => false,
+    }
+}
+
+fn loose_arguments_eq(a: &ToolArguments, b: &ToolArguments) -> bool {
+    match (normalized_arguments(a), normalized_arguments(b)) {
+        (Some(x), Some(y)) => x == y,
+        // Not a JSON object on one side: the raw values decide (already compared).
+        _ => false,
+    }
 }
 
 /// `a == b` for JSON values (objects compare as unordered maps, as serde_json's `==` does),

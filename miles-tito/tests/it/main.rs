@@ -11,6 +11,7 @@ mod fast_encode;
 mod hf_exact;
 mod hostile_templates;
 mod loss_mask_cli;
+mod matcher_cases;
 mod parsers_roundtrip;
 mod tito_reference;
 mod verify_tito;
