@@ -23,7 +23,9 @@
 //!   (pause → flush → update → resume → version check), staleness control and resumable
 //!   checkpoints;
 //! * the group-level checks: the staleness bound ([`group_staleness`],
-//!   `--max-weight-staleness`) and the dynamic-sampling filters ([`DynamicFilter`]).
+//!   `--max-weight-staleness`) and the dynamic-sampling filters ([`DynamicFilter`]);
+//! * pass@k as Miles' `--log-passrate` computes it ([`pass_rate`], [`pass_rate_of_samples`]:
+//!   the unbiased estimator averaged over complete groups).
 //!
 //! ```
 //! use miles_core::{Prompt, Sample, WeightVersion};
@@ -54,6 +56,7 @@ mod group;
 mod loops;
 mod manager;
 mod multi_turn;
+mod passrate;
 
 pub use data::{
     DEFAULT_MAX_ROW_BYTES, DataCursor, DataSource, DataSourceState, DatasetFormat, DatasetKeys,
@@ -72,3 +75,4 @@ pub use manager::{
     TITO_MISMATCH_TYPES, mask_unusable, rollout_metrics, tito_mismatch_metrics,
 };
 pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
+pub use passrate::{pass_at_k, pass_rate, pass_rate_of_samples};
