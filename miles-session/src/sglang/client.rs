@@ -23,7 +23,7 @@ use crate::guard::ApiKey;
 use crate::http::{HttpClient, HttpResponse};
 use crate::server::ROUTING_KEY_HEADER;
 
-use super::wire::{GenerateResponse, TokenLogprob, parse_weight_version};
+use super::wire::{GenerateRequestBody, GenerateResponse, TokenLogprob, parse_weight_version};
 
 /// The dtype weight versions are written in for an SGLang-compatible engine.
 ///
@@ -619,7 +619,7 @@ impl InferenceEngine for SglangEngine {
                 "empty input_ids",
             ));
         }
-        let body = serde_json::to_value(&request)?;
+        let body = serde_json::to_value(GenerateRequestBody::from(&request))?;
         let headers: Vec<(&str, &str)> = request
             .routing_key
             .as_deref()
