@@ -360,7 +360,8 @@ fn tensor_shapes(path: &Path) -> Vec<(String, Value)> {
 #[test]
 fn the_reference_binary_trains_a_deepseek_v3_checkpoint() {
     use burn::tensor::Device;
-    use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
+    use miles_bridge::{CausalLm, ModelConfig};
+    use miles_core::DType;
 
     let out = fresh_dir("dsv3");
     let model_dir = fresh_dir("dsv3-model");
@@ -376,7 +377,7 @@ fn the_reference_binary_trains_a_deepseek_v3_checkpoint() {
     let config = ModelConfig::from_file(model_dir.join("config.json")).unwrap();
     CausalLm::init(&config, &Device::flex())
         .unwrap()
-        .save_pretrained(&model_dir, FloatDtype::F32, None)
+        .save_pretrained(&model_dir, DType::F32, None)
         .unwrap();
     for file in [
         "tokenizer.json",

@@ -154,12 +154,12 @@ impl<'a> IntoIterator for &'a NamedTensors {
     }
 }
 
-impl Index<&str> for NamedTensors {
+impl<Name: AsRef<str> + ?Sized> Index<&Name> for NamedTensors {
     type Output = TensorBytes;
 
     /// The tensor `name`; panics when there is none (use [`NamedTensors::get`] for names that
     /// come from input).
-    fn index(&self, name: &str) -> &TensorBytes {
-        &self.tensors[name]
+    fn index(&self, name: &Name) -> &TensorBytes {
+        &self.tensors[name.as_ref()]
     }
 }

@@ -92,6 +92,22 @@ impl TensorBytes {
         self.data
     }
 
+    /// The slices along the first dimension (`t[0]`, `t[1]`, …), each of shape
+    /// `shape[1..]`; none for a scalar.
+    pub fn unstack(&self) -> Vec<Self> {
+        let Some((&outer, inner)) = self.shape.split_first() else {
+            return Vec::new();
+        };
+        let per = self.data.len() / outer.max(1);
+        (0..outer)
+            .map(|i| Self {
+                dtype: self.dtype,
+                shape: inner.to_vec(),
+                data: self.data[i * per..(i + 1) * per].to_vec(),
+            })
+            .collect()
+    }
+
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
@@ -297,6 +313,15 @@ pub(super) mod tests {
         assert_eq!(f64s.to_f32().unwrap(), vec![0.1f32]);
         let ids = TensorBytes::new(DType::I64, vec![1], 5i64.to_le_bytes().to_vec()).unwrap();
         assert!(ids.to_f32().is_err());
+        // Slices along dim 0 keep the dtype and the bytes.
+        let stacked = TensorBytes::new(DType::I16, vec![3, 1], vec![1, 0, 2, 0, 3, 0]).unwrap();
+        let parts = stacked.unstack();
+        assert_eq!(parts.len(), 3);
+        assert_eq!(
+            parts[2],
+            TensorBytes::new(DType::I16, vec![1], vec![3, 0]).unwrap()
+        );
+        assert!(ids.unstack()[0].shape().is_empty());
         assert_eq!(ids.clone().into_data(), 5i64.to_le_bytes().to_vec());
     }
 }

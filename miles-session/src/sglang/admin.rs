@@ -109,8 +109,7 @@ pub(super) async fn server_info(State(state): AppStateRef) -> Response {
             // weights in (`--bf16` / `--fp16`, f32 by default); SGLang clients write weight
             // updates in it.
             "dtype": match info.dtype {
-                miles_core::DType::BF16 => "bfloat16",
-                miles_core::DType::F16 => "float16",
+                dtype @ (miles_core::DType::BF16 | miles_core::DType::F16) => dtype.torch_name(),
                 _ => "float32",
             },
             "skip_tokenizer_init": info.tokenizer.is_none(),
