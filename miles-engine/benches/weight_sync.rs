@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use burn::tensor::Device;
 use miles_bridge::CausalLm;
-use miles_core::{DType, InferenceEngine, NamedTensors, TensorBytes, WeightVersion};
+use miles_core::{DType, InferenceEngine, NamedTensors, WeightVersion};
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_session::sglang::{
     Router, ServerInfo, SglangConfig, SglangEngine, WeightDtype, WeightPublisher, sglang_router,
