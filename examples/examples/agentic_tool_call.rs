@@ -30,9 +30,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use miles_bridge::{CausalLm, FloatDtype};
+use miles_bridge::CausalLm;
 use miles_core::rng::SplitMix64;
-use miles_core::{JsonlMetricsSink, MetricsSink, PolicyTrainer, SamplingParams, WeightVersion};
+use miles_core::{
+    DType, JsonlMetricsSink, MetricsSink, PolicyTrainer, SamplingParams, WeightVersion,
+};
 use miles_examples::args::{Args, Cli, exit_code, parse_env};
 use miles_examples::calculator::{
     CalculatorAgent, CalculatorReward, MulProblem, MulTask, TOOL_CALL_WORDS,
@@ -372,7 +374,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 println!("warm-start step {step:>4}/{steps}: loss {loss:.4}");
             }
         })?;
-        let weights = actor.export(FloatDtype::F32)?;
+        let weights = actor.export(DType::F32)?;
         model = actor.model().clone();
         save_hf_checkpoint(&weights, &model_dir, &out.join("warm_start"))?;
         engine.update_weights(&weights, WeightVersion(0)).await?;

@@ -38,11 +38,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use miles_bridge::{CausalLm, FloatDtype, Precision};
+use miles_bridge::{CausalLm, Precision};
 use miles_core::rng::SplitMix64;
 use miles_core::{
-    InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample, SamplingParams,
-    WeightVersion,
+    DType, InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample,
+    SamplingParams, WeightVersion,
 };
 use miles_examples::addition::{AdditionProblem, AdditionReward, AdditionTask, write_jsonl};
 use miles_examples::args::{Args, Cli, exit_code, parse_env};
@@ -384,7 +384,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 &eos_ids,
                 &args,
             )?;
-            let weights = sft.export(FloatDtype::F32)?;
+            let weights = sft.export(DType::F32)?;
             model = sft.model().clone();
             save_hf_checkpoint(&weights, &model_dir, &out.join("warm_start"))?;
             println!(

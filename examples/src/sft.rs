@@ -19,9 +19,9 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype, score_log_probs};
+use miles_bridge::{CausalLm, score_log_probs};
 use miles_core::rng::SplitMix64;
-use miles_core::{JsonlMetricsSink, Message, Metrics, PolicyTrainer, Prompt, Role, Sample};
+use miles_core::{DType, JsonlMetricsSink, Message, Metrics, PolicyTrainer, Prompt, Role, Sample};
 use miles_r3::Fallthrough;
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
 use miles_train::{Actor, BatchLayout, LossType, LrDecayStyle, LrSchedule, TrainConfig};
@@ -297,7 +297,7 @@ pub fn run_sft(
     }
     let nll_after = mean_nll(&actor.model().valid(), &samples)?;
     if let Some(dir) = &options.save {
-        actor.model().save_pretrained(dir, FloatDtype::F32, None)?;
+        actor.model().save_pretrained(dir, DType::F32, None)?;
         for name in TOKENIZER_FILES {
             let from = options.hf_checkpoint.join(name);
             // config.json too: save_pretrained wrote the fields it models; the original keeps

@@ -19,7 +19,8 @@
 use std::path::Path;
 
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
+use miles_bridge::{CausalLm, ModelConfig};
+use miles_core::DType;
 use serde_json::{Value, json};
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -362,7 +363,7 @@ pub fn write_model_dir(
     let model_config = ModelConfig::from_hf_json(&config.to_string())?;
     device.seed(seed);
     let model = CausalLm::init(&model_config, device)?;
-    model.save_pretrained(dir, FloatDtype::F32, None)?;
+    model.save_pretrained(dir, DType::F32, None)?;
     // save_pretrained wrote the config it knows; put back the full one (special-token ids,
     // the GLM-4 fields it does not model).
     write_json(&dir.join("config.json"), &config)?;

@@ -24,14 +24,6 @@ pub enum BridgeError {
         #[source]
         source: serde_json::Error,
     },
-    /// A safetensors file is malformed.
-    #[error("{path}: invalid safetensors file: {message}")]
-    Safetensors {
-        /// The file.
-        path: PathBuf,
-        /// What the safetensors parser said.
-        message: String,
-    },
     /// A config field is missing, inconsistent or unsupported.
     #[error("config field `{field}`: {message}")]
     Config {
@@ -98,6 +90,11 @@ pub enum BridgeError {
         /// What is wrong.
         reason: String,
     },
+    /// Host weights could not be read, written or converted (miles-core's safetensors codec:
+    /// a malformed or truncated file, an index naming a file outside the checkpoint, a cast
+    /// to a non-float dtype).
+    #[error(transparent)]
+    Weights(#[from] miles_core::Error),
     /// The fused log-prob op rejected its input.
     #[error(transparent)]
     Ops(#[from] miles_ops::OpsError),

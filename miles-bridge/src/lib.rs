@@ -27,10 +27,11 @@
 //! - the **sequence scorer** ([`score_response`], [`score_log_probs`]): per-token log-probs
 //!   and entropy of a response through miles-ops' fused log-prob op, the function the
 //!   trainer differentiates through and the embedded engine scores with;
-//! - import of HF safetensors (single file or sharded, f32 / bf16 / f16; [`checkpoint`]) into
-//!   [`HostTensor`]s and export to HF-named safetensors in a chosen [`FloatDtype`], through
-//!   one declarative name table ([`names`]) that stacks / splits per-expert tensors, and
-//!   TP / EP sharding ([`parallel`]);
+//! - import of HF checkpoints (single file or sharded, any float dtype) and export to
+//!   HF-named weights in a chosen dtype, as miles-core's host tensors
+//!   ([`miles_core::NamedTensors`], [`miles_core::TensorBytes`], [`miles_core::DType`]) and
+//!   its one safetensors codec, through one declarative name table ([`names`]) that stacks /
+//!   splits per-expert tensors, and TP / EP sharding ([`parallel`]);
 //! - half precision ([`Precision`], Miles' `--bf16` / `--fp16`): weights loaded into or cast
 //!   to bf16 / f16 ([`CausalLm::from_pretrained_in`], [`CausalLm::to_precision`]; a
 //!   differentiable cast on autodiff devices, for mixed-precision training), with norms,
@@ -76,7 +77,6 @@
 
 mod config;
 mod error;
-mod host;
 mod kv_cache;
 mod kv_pool;
 mod model;
@@ -84,7 +84,6 @@ mod paged;
 mod precision;
 mod scoring;
 
-pub mod checkpoint;
 pub mod lora;
 pub mod names;
 pub mod nn;
@@ -97,7 +96,6 @@ pub use config::{
     PinnedValue, RopeScalingKind, RouterKind, YarnRopeScaling,
 };
 pub use error::BridgeError;
-pub use host::{FloatDtype, HostTensor, TensorMap};
 pub use kv_cache::{KvCache, LayerCache};
 pub use model::causal_lm::{CausalLm, mtp_tensor_names};
 pub use model::forward::{HiddenOutput, ModelInput, ModelOutput, ids_tensor};

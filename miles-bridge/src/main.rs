@@ -12,11 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
-use miles_bridge::checkpoint::{read_checkpoint_dir, write_checkpoint_dir};
 use miles_bridge::parallel::shard;
-use miles_bridge::{
-    BridgeError, CausalLm, FloatDtype, ModelConfig, ModelInput, ids_tensor, token_logprobs,
-};
+use miles_bridge::{BridgeError, CausalLm, ModelConfig, ModelInput, ids_tensor, token_logprobs};
+use miles_core::{DType, NamedTensors};
 use miles_r3::Fallthrough;
 
 const USAGE: &str = "usage: miles-bridge inspect DIR | logprobs --model DIR --input FILE [--out FILE] [--device flex|wgpu[:N]|wgpu-cpu|cuda[:N]] | convert --model DIR --out DIR [--dtype f32|bf16|f16] [--tp N] [--ep N]";
@@ -65,7 +63,7 @@ fn number(flags: &BTreeMap<String, String>, key: &str) -> Result<usize, String> 
     }
 }
 
-fn err(e: BridgeError) -> String {
+fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
@@ -116,9 +114,12 @@ fn run(args: &[String]) -> Result<(), String> {
             let f = flags(rest)?;
             let dtype = match f.get("dtype") {
                 None => None,
-                Some(d) => {
-                    Some(FloatDtype::parse(d).ok_or_else(|| format!("unknown dtype `{d}`"))?)
-                }
+                Some(d) => Some(
+                    d.parse::<DType>()
+                        .ok()
+                        .filter(|d| d.is_float())
+                        .ok_or_else(|| format!("unknown dtype `{d}`"))?,
+                ),
             };
             convert(
                 Path::new(required(&f, "model")?),
@@ -134,9 +135,9 @@ fn run(args: &[String]) -> Result<(), String> {
 
 fn inspect(dir: &Path) -> Result<(), String> {
     let config = load_config(dir)?;
-    let tensors = read_checkpoint_dir(dir).map_err(err)?;
+    let tensors = NamedTensors::read_hf_checkpoint(dir).map_err(err)?;
     let params: usize = tensors.values().map(|t| t.numel()).sum();
-    let mut dtypes: Vec<String> = tensors.values().map(|t| t.dtype.to_string()).collect();
+    let mut dtypes: Vec<String> = tensors.values().map(|t| t.dtype().to_string()).collect();
     dtypes.sort();
     dtypes.dedup();
     println!(
@@ -188,7 +189,7 @@ fn inspect(dir: &Path) -> Result<(), String> {
     println!("dtype: {}", dtypes.join(", "));
     println!("tensors: {}", tensors.len());
     for (name, t) in &tensors {
-        println!("  {name} {} {:?}", t.dtype, t.shape);
+        println!("  {name} {} {:?}", t.dtype(), t.shape());
     }
     Ok(())
 }
@@ -219,7 +220,7 @@ fn logprobs(dir: &Path, input: &Path, out: Option<PathBuf>, device: &Device) -> 
         ));
     }
     let device = device.clone();
-    let tensors = read_checkpoint_dir(dir).map_err(err)?;
+    let tensors = NamedTensors::read_hf_checkpoint(dir).map_err(err)?;
     let model = CausalLm::from_hf_tensors(&config, tensors, &device).map_err(err)?;
     let seq = rows.iter().map(Vec::len).max().unwrap_or(0);
     let padded: Vec<Vec<u32>> = rows
@@ -290,12 +291,12 @@ fn logprobs(dir: &Path, input: &Path, out: Option<PathBuf>, device: &Device) -> 
 fn convert(
     dir: &Path,
     out: &Path,
-    dtype: Option<FloatDtype>,
+    dtype: Option<DType>,
     tp: usize,
     ep: usize,
 ) -> Result<(), String> {
     let config = load_config(dir)?;
-    let tensors = read_checkpoint_dir(dir).map_err(err)?;
+    let tensors = NamedTensors::read_hf_checkpoint(dir).map_err(err)?;
     // Validate by building the model on the host before writing anything.
     CausalLm::from_hf_tensors(&config, tensors.clone(), &Device::flex()).map_err(err)?;
     if config.num_key_value_heads % tp != 0 {
@@ -313,7 +314,7 @@ fn convert(
     };
     if tp == 1 && ep == 1 {
         write_config(out)?;
-        write_checkpoint_dir(out, &tensors, dtype, Some(5 << 30)).map_err(err)?;
+        tensors.write_hf_shards(out, dtype, 5 << 30).map_err(err)?;
         return Ok(());
     }
     for ep_rank in 0..ep {
@@ -322,7 +323,7 @@ fn convert(
                 shard(&tensors, tp, tp_rank, ep, ep_rank, config.n_routed_experts).map_err(err)?;
             let target = out.join(format!("tp{tp_rank:02}_ep{ep_rank:02}"));
             write_config(&target)?;
-            write_checkpoint_dir(&target, &part, dtype, Some(5 << 30)).map_err(err)?;
+            part.write_hf_shards(&target, dtype, 5 << 30).map_err(err)?;
         }
     }
     Ok(())

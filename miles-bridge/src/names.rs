@@ -7,8 +7,9 @@
 //! projections; [`hf_to_internal`] stacks the per-expert HF keys and [`internal_to_hf`] splits
 //! them again, so HF → ours → HF is the identity on bytes.
 
+use miles_core::{NamedTensors, TensorBytes};
+
 use crate::error::BridgeError;
-use crate::host::{HostTensor, TensorMap};
 
 /// One stacked-expert rule: `{prefix}mlp.experts.{e}.{projection}.weight` (HF, one tensor per
 /// expert `e`) ⇄ `{prefix}mlp.experts.{projection}.weight` (ours, experts stacked on dim 0).
@@ -57,7 +58,10 @@ impl ExpertStack {
 
 /// Turns HF-named tensors into our names: per-expert keys are stacked (expert order 0..E,
 /// all of them must be present with equal shapes and dtypes); every other key is kept.
-pub fn hf_to_internal(mut hf: TensorMap, num_experts: usize) -> Result<TensorMap, BridgeError> {
+pub fn hf_to_internal(
+    mut hf: NamedTensors,
+    num_experts: usize,
+) -> Result<NamedTensors, BridgeError> {
     let mut prefixes: Vec<(String, ExpertStack)> = Vec::new();
     for name in hf.keys() {
         for stack in EXPERT_STACKS {
@@ -69,21 +73,21 @@ pub fn hf_to_internal(mut hf: TensorMap, num_experts: usize) -> Result<TensorMap
             }
         }
     }
-    let mut out = TensorMap::new();
+    let mut out = NamedTensors::new();
     for (prefix, stack) in prefixes {
-        let mut parts: Vec<HostTensor> = Vec::with_capacity(num_experts);
+        let mut parts: Vec<TensorBytes> = Vec::with_capacity(num_experts);
         for e in 0..num_experts {
             let name = stack.hf_name(&prefix, e);
             let t = hf
                 .remove(&name)
                 .ok_or(BridgeError::MissingTensor { name: name.clone() })?;
             if let Some(first) = parts.first()
-                && (first.shape != t.shape || first.dtype != t.dtype)
+                && (first.shape() != t.shape() || first.dtype() != t.dtype())
             {
                 return Err(BridgeError::ShapeMismatch {
                     name,
-                    expected: first.shape.clone(),
-                    got: t.shape,
+                    expected: first.shape().to_vec(),
+                    got: t.shape().to_vec(),
                 });
             }
             parts.push(t);
@@ -94,20 +98,16 @@ pub fn hf_to_internal(mut hf: TensorMap, num_experts: usize) -> Result<TensorMap
             .find(|k| stack.parse(k).is_some_and(|(p, _)| p == prefix))
         {
             return Err(BridgeError::UnexpectedTensor {
-                name: extra.clone(),
+                name: extra.to_owned(),
             });
         }
         let mut shape = vec![num_experts];
-        shape.extend_from_slice(&parts[0].shape);
-        let dtype = parts[0].dtype;
-        let bytes = parts.into_iter().flat_map(|p| p.bytes).collect();
+        shape.extend_from_slice(parts[0].shape());
+        let dtype = parts[0].dtype();
+        let bytes = parts.into_iter().flat_map(TensorBytes::into_data).collect();
         out.insert(
             stack.internal_name(&prefix),
-            HostTensor {
-                dtype,
-                shape,
-                bytes,
-            },
+            TensorBytes::new(dtype, shape, bytes)?,
         );
     }
     out.append(&mut hf);
@@ -115,25 +115,16 @@ pub fn hf_to_internal(mut hf: TensorMap, num_experts: usize) -> Result<TensorMap
 }
 
 /// Inverse of [`hf_to_internal`]: splits stacked expert tensors into per-expert HF keys.
-pub fn internal_to_hf(internal: TensorMap) -> TensorMap {
-    let mut out = TensorMap::new();
+pub fn internal_to_hf(internal: NamedTensors) -> NamedTensors {
+    let mut out = NamedTensors::new();
     'names: for (name, tensor) in internal {
         for stack in EXPERT_STACKS {
             let suffix = format!("mlp.experts.{}.weight", stack.projection);
             if let Some(prefix) = name.strip_suffix(suffix.as_str())
-                && tensor.shape.len() == 3
+                && tensor.shape().len() == 3
             {
-                let experts = tensor.shape[0];
-                let per = tensor.bytes.len() / experts.max(1);
-                for e in 0..experts {
-                    out.insert(
-                        stack.hf_name(prefix, e),
-                        HostTensor {
-                            dtype: tensor.dtype,
-                            shape: tensor.shape[1..].to_vec(),
-                            bytes: tensor.bytes[e * per..(e + 1) * per].to_vec(),
-                        },
-                    );
+                for (e, part) in tensor.unstack().into_iter().enumerate() {
+                    out.insert(stack.hf_name(prefix, e), part);
                 }
                 continue 'names;
             }
@@ -147,39 +138,42 @@ pub fn internal_to_hf(internal: TensorMap) -> TensorMap {
 mod tests {
     use super::*;
 
-    fn t(v: f32) -> HostTensor {
-        HostTensor::from_f32(vec![1, 2], &[v, v + 0.5])
+    fn t(v: f32) -> TensorBytes {
+        TensorBytes::from_f32(vec![1, 2], &[v, v + 0.5]).unwrap()
     }
 
     #[test]
     fn stack_and_split_round_trip() {
-        let mut hf = TensorMap::new();
+        let mut hf = NamedTensors::new();
         for e in 0..3 {
             hf.insert(
                 format!("model.layers.1.mlp.experts.{e}.up_proj.weight"),
                 t(e as f32),
             );
         }
-        hf.insert("model.norm.weight".into(), t(9.0));
+        hf.insert("model.norm.weight", t(9.0));
         let ours = hf_to_internal(hf.clone(), 3).unwrap();
         let stacked = &ours["model.layers.1.mlp.experts.up_proj.weight"];
-        assert_eq!(stacked.shape, vec![3, 1, 2]);
-        assert_eq!(stacked.to_f32(), vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+        assert_eq!(stacked.shape(), [3, 1, 2]);
+        assert_eq!(
+            stacked.to_f32().unwrap(),
+            vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+        );
         assert_eq!(internal_to_hf(ours), hf);
     }
 
     #[test]
     fn missing_and_extra_experts_are_named() {
-        let mut hf = TensorMap::new();
-        hf.insert("model.layers.1.mlp.experts.0.up_proj.weight".into(), t(0.0));
-        hf.insert("model.layers.1.mlp.experts.2.up_proj.weight".into(), t(0.0));
+        let mut hf = NamedTensors::new();
+        hf.insert("model.layers.1.mlp.experts.0.up_proj.weight", t(0.0));
+        hf.insert("model.layers.1.mlp.experts.2.up_proj.weight", t(0.0));
         match hf_to_internal(hf.clone(), 2) {
             Err(BridgeError::MissingTensor { name }) => {
                 assert_eq!(name, "model.layers.1.mlp.experts.1.up_proj.weight")
             }
             other => panic!("{other:?}"),
         }
-        hf.insert("model.layers.1.mlp.experts.1.up_proj.weight".into(), t(0.0));
+        hf.insert("model.layers.1.mlp.experts.1.up_proj.weight", t(0.0));
         match hf_to_internal(hf, 2) {
             Err(BridgeError::UnexpectedTensor { name }) => {
                 assert_eq!(name, "model.layers.1.mlp.experts.2.up_proj.weight")

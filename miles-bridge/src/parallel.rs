@@ -10,8 +10,9 @@
 //! global ids in the names) and replicates every non-expert tensor. [`gather_shards`] inverts
 //! [`shard`] exactly.
 
+use miles_core::{NamedTensors, TensorBytes};
+
 use crate::error::BridgeError;
-use crate::host::{HostTensor, TensorMap};
 
 /// How one tensor is laid out across tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,76 +60,78 @@ pub fn expert_id(name: &str) -> Option<usize> {
     rest.split('.').next()?.parse().ok()
 }
 
-fn element_size(t: &HostTensor) -> usize {
-    t.dtype.size()
-}
-
 /// Slice `index` of `parts` equal slices of `t` along `dim`.
 fn slice(
     name: &str,
-    t: &HostTensor,
+    t: &TensorBytes,
     dim: usize,
     parts: usize,
     index: usize,
-) -> Result<HostTensor, BridgeError> {
-    let size = *t.shape.get(dim).ok_or_else(|| BridgeError::ShapeMismatch {
-        name: name.to_string(),
-        expected: vec![parts],
-        got: t.shape.clone(),
-    })?;
+) -> Result<TensorBytes, BridgeError> {
+    let size = *t
+        .shape()
+        .get(dim)
+        .ok_or_else(|| BridgeError::ShapeMismatch {
+            name: name.to_string(),
+            expected: vec![parts],
+            got: t.shape().to_vec(),
+        })?;
     if size % parts != 0 {
         return Err(BridgeError::config(
             "tp",
             format!("dim {dim} of `{name}` ({size}) is not divisible by {parts}"),
         ));
     }
-    let outer: usize = t.shape[..dim].iter().product();
-    let inner: usize = t.shape[dim + 1..].iter().product::<usize>() * element_size(t);
+    let outer: usize = t.shape()[..dim].iter().product();
+    let inner: usize = t.shape()[dim + 1..].iter().product::<usize>() * t.dtype().size();
     let chunk = size / parts;
     let mut bytes = Vec::with_capacity(outer * chunk * inner);
     for o in 0..outer {
         let base = (o * size + index * chunk) * inner;
-        bytes.extend_from_slice(&t.bytes[base..base + chunk * inner]);
+        bytes.extend_from_slice(&t.data()[base..base + chunk * inner]);
     }
-    let mut shape = t.shape.clone();
+    let mut shape = t.shape().to_vec();
     shape[dim] = chunk;
-    Ok(HostTensor {
-        dtype: t.dtype,
-        shape,
-        bytes,
-    })
+    Ok(TensorBytes::new(t.dtype(), shape, bytes)?)
 }
 
 /// Concatenates `parts` along `dim` (inverse of [`slice`]).
-fn concat(parts: &[&HostTensor], dim: usize) -> HostTensor {
+fn concat(name: &str, parts: &[&TensorBytes], dim: usize) -> Result<TensorBytes, BridgeError> {
     let first = parts[0];
-    let outer: usize = first.shape[..dim].iter().product();
-    let inner: usize = first.shape[dim + 1..].iter().product::<usize>() * element_size(first);
-    let chunk = first.shape[dim];
-    let mut bytes = Vec::with_capacity(first.bytes.len() * parts.len());
+    if let Some(other) = parts
+        .iter()
+        .find(|p| p.shape() != first.shape() || p.dtype() != first.dtype())
+    {
+        return Err(BridgeError::ShapeMismatch {
+            name: name.to_string(),
+            expected: first.shape().to_vec(),
+            got: other.shape().to_vec(),
+        });
+    }
+    let shape = first.shape();
+    let outer: usize = shape[..dim].iter().product();
+    let inner: usize = shape[dim + 1..].iter().product::<usize>() * first.dtype().size();
+    let chunk = shape[dim];
+    let mut bytes = Vec::with_capacity(first.data().len() * parts.len());
     for o in 0..outer {
         for p in parts {
-            bytes.extend_from_slice(&p.bytes[o * chunk * inner..(o + 1) * chunk * inner]);
+            bytes.extend_from_slice(&p.data()[o * chunk * inner..(o + 1) * chunk * inner]);
         }
     }
-    let mut shape = first.shape.clone();
+    let mut shape = shape.to_vec();
     shape[dim] = chunk * parts.len();
-    HostTensor {
-        dtype: first.dtype,
-        shape,
-        bytes,
-    }
+    Ok(TensorBytes::new(first.dtype(), shape, bytes)?)
 }
 
 /// The tensors that (TP rank `tp_rank` of `tp`, EP rank `ep_rank` of `ep`) holds.
 pub fn shard(
-    tensors: &TensorMap,
+    tensors: &NamedTensors,
     tp: usize,
     tp_rank: usize,
     ep: usize,
     ep_rank: usize,
     num_experts: usize,
-) -> Result<TensorMap, BridgeError> {
+) -> Result<NamedTensors, BridgeError> {
     if tp == 0 || tp_rank >= tp || ep == 0 || ep_rank >= ep {
         return Err(BridgeError::config(
             "tp/ep",
@@ -142,7 +145,7 @@ pub fn shard(
         ));
     }
     let per_rank = num_experts / ep;
-    let mut out = TensorMap::new();
+    let mut out = NamedTensors::new();
     for (name, t) in tensors {
         if let Some(e) = expert_id(name)
             && e / per_rank != ep_rank
@@ -153,14 +156,14 @@ pub fn shard(
             TpLayout::Replicated => t.clone(),
             TpLayout::Split { dim } => slice(name, t, dim, tp, tp_rank)?,
         };
-        out.insert(name.clone(), piece);
+        out.insert(name, piece);
     }
     Ok(out)
 }
 
 /// Rebuilds the full tensors from `shards[ep_rank][tp_rank]` (inverse of [`shard`]).
-pub fn gather_shards(shards: &[Vec<TensorMap>]) -> Result<TensorMap, BridgeError> {
-    let mut out = TensorMap::new();
+pub fn gather_shards(shards: &[Vec<NamedTensors>]) -> Result<NamedTensors, BridgeError> {
+    let mut out = NamedTensors::new();
     for (ep_rank, tp_shards) in shards.iter().enumerate() {
         let Some(first) = tp_shards.first() else {
             return Err(BridgeError::config("tp", "no tensor-parallel shards"));
@@ -172,17 +175,15 @@ pub fn gather_shards(shards: &[Vec<TensorMap>]) -> Result<TensorMap, BridgeError
             }
             let mut parts = Vec::with_capacity(tp_shards.len());
             for shard in tp_shards {
-                parts.push(
-                    shard
-                        .get(name)
-                        .ok_or_else(|| BridgeError::MissingTensor { name: name.clone() })?,
-                );
+                parts.push(shard.get(name).ok_or_else(|| BridgeError::MissingTensor {
+                    name: name.to_owned(),
+                })?);
             }
             let full = match tp_layout(name) {
                 TpLayout::Replicated => parts[0].clone(),
-                TpLayout::Split { dim } => concat(&parts, dim),
+                TpLayout::Split { dim } => concat(name, &parts, dim)?,
             };
-            out.insert(name.clone(), full);
+            out.insert(name, full);
         }
     }
     Ok(out)
@@ -192,31 +193,29 @@ pub fn gather_shards(shards: &[Vec<TensorMap>]) -> Result<TensorMap, BridgeError
 mod tests {
     use super::*;
 
-    fn t(shape: Vec<usize>, start: f32) -> HostTensor {
+    fn t(shape: Vec<usize>, start: f32) -> TensorBytes {
         let n: usize = shape.iter().product();
         let values: Vec<f32> = (0..n).map(|i| start + i as f32).collect();
-        HostTensor::from_f32(shape, &values)
+        TensorBytes::from_f32(shape, &values).unwrap()
     }
 
     #[test]
     fn column_and_row_splits_by_hand() {
-        let mut m = TensorMap::new();
-        m.insert(
-            "model.layers.0.self_attn.q_proj.weight".into(),
-            t(vec![4, 2], 0.0),
-        );
-        m.insert(
-            "model.layers.0.self_attn.o_proj.weight".into(),
-            t(vec![2, 4], 0.0),
-        );
-        m.insert("model.norm.weight".into(), t(vec![2], 0.0));
+        let mut m = NamedTensors::new();
+        m.insert("model.layers.0.self_attn.q_proj.weight", t(vec![4, 2], 0.0));
+        m.insert("model.layers.0.self_attn.o_proj.weight", t(vec![2, 4], 0.0));
+        m.insert("model.norm.weight", t(vec![2], 0.0));
         let r1 = shard(&m, 2, 1, 1, 0, 1).unwrap();
         assert_eq!(
-            r1["model.layers.0.self_attn.q_proj.weight"].to_f32(),
+            r1["model.layers.0.self_attn.q_proj.weight"]
+                .to_f32()
+                .unwrap(),
             vec![4.0, 5.0, 6.0, 7.0]
         );
         assert_eq!(
-            r1["model.layers.0.self_attn.o_proj.weight"].to_f32(),
+            r1["model.layers.0.self_attn.o_proj.weight"]
+                .to_f32()
+                .unwrap(),
             vec![2.0, 3.0, 6.0, 7.0]
         );
         assert_eq!(r1["model.norm.weight"], m["model.norm.weight"]);
@@ -224,7 +223,7 @@ mod tests {
 
     #[test]
     fn tp_ep_round_trip() {
-        let mut m = TensorMap::new();
+        let mut m = NamedTensors::new();
         for e in 0..4 {
             m.insert(
                 format!("model.layers.1.mlp.experts.{e}.gate_proj.weight"),
@@ -235,9 +234,9 @@ mod tests {
                 t(vec![6, 4], e as f32),
             );
         }
-        m.insert("model.layers.1.mlp.gate.weight".into(), t(vec![4, 6], 0.5));
-        m.insert("lm_head.weight".into(), t(vec![8, 6], 0.0));
-        let shards: Vec<Vec<TensorMap>> = (0..2)
+        m.insert("model.layers.1.mlp.gate.weight", t(vec![4, 6], 0.5));
+        m.insert("lm_head.weight", t(vec![8, 6], 0.0));
+        let shards: Vec<Vec<NamedTensors>> = (0..2)
             .map(|ep| {
                 (0..2)
                     .map(|tp| shard(&m, 2, tp, 2, ep, 4).unwrap())
@@ -247,8 +246,8 @@ mod tests {
         assert!(shards[1][0].contains_key("model.layers.1.mlp.experts.3.gate_proj.weight"));
         assert!(!shards[1][0].contains_key("model.layers.1.mlp.experts.1.gate_proj.weight"));
         assert_eq!(
-            shards[0][1]["model.layers.1.mlp.experts.0.gate_proj.weight"].shape,
-            vec![2, 6]
+            shards[0][1]["model.layers.1.mlp.experts.0.gate_proj.weight"].shape(),
+            [2, 6]
         );
         assert_eq!(gather_shards(&shards).unwrap(), m);
         assert!(shard(&m, 3, 0, 1, 0, 4).is_err());

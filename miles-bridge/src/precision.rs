@@ -8,12 +8,13 @@
 //! scores and softmax, MoE router scores, the log-prob / loss computation) is listed there.
 //!
 //! ```
-//! use miles_bridge::{FloatDtype, Precision};
+//! use miles_bridge::Precision;
+//! use miles_core::DType;
 //!
 //! assert_eq!(Precision::from_flags(false, false)?, Precision::F32); // the default
 //! assert_eq!(Precision::from_flags(true, false)?, Precision::Bf16); // --bf16
 //! assert!(Precision::from_flags(true, true).is_err()); // --bf16 --fp16
-//! assert_eq!("bf16".parse::<Precision>()?.checkpoint_dtype(), FloatDtype::Bf16);
+//! assert_eq!("bf16".parse::<Precision>()?.checkpoint_dtype(), DType::BF16);
 //! assert_eq!(Precision::F16.served_name(), "float16");
 //! # Ok::<(), miles_bridge::BridgeError>(())
 //! ```
@@ -25,9 +26,10 @@ use burn::tensor::{DType, Device, FloatDType};
 use serde::{Deserialize, Serialize};
 
 use crate::error::BridgeError;
-use crate::host::FloatDtype;
 
-/// The dtype a model computes in (see the module docs).
+/// The dtype a model computes in (see the module docs): a policy over the storage dtype
+/// ([`Precision::checkpoint_dtype`] is the [`miles_core::DType`] its weights are exported in),
+/// not a storage dtype itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum Precision {
     /// `f32` everywhere (no flag): what miles-rs did before this setting existed.
@@ -72,21 +74,18 @@ impl Precision {
     }
 
     /// The dtype weights are exported / published in for engines serving this precision.
-    pub fn checkpoint_dtype(self) -> FloatDtype {
+    pub fn checkpoint_dtype(self) -> miles_core::DType {
         match self {
-            Self::F32 => FloatDtype::F32,
-            Self::Bf16 => FloatDtype::Bf16,
-            Self::F16 => FloatDtype::F16,
+            Self::F32 => miles_core::DType::F32,
+            Self::Bf16 => miles_core::DType::BF16,
+            Self::F16 => miles_core::DType::F16,
         }
     }
 
-    /// SGLang's `--dtype` spelling (`/get_server_info`'s `dtype`).
+    /// SGLang's `--dtype` spelling (`/get_server_info`'s `dtype`): torch's name of
+    /// [`Precision::checkpoint_dtype`].
     pub fn served_name(self) -> &'static str {
-        match self {
-            Self::F32 => "float32",
-            Self::Bf16 => "bfloat16",
-            Self::F16 => "float16",
-        }
+        self.checkpoint_dtype().torch_name()
     }
 
     /// The precision of tensors of `dtype`, if it is one of the three float dtypes.
@@ -134,15 +133,19 @@ impl fmt::Display for Precision {
 impl FromStr for Precision {
     type Err = BridgeError;
 
-    /// `fp32` / `f32` / `float32`, `bf16` / `bfloat16`, `fp16` / `f16` / `float16`.
+    /// A float dtype's name as [`miles_core::DType`] reads it: `fp32` / `f32` / `float32`,
+    /// `bf16` / `bfloat16`, `fp16` / `f16` / `float16` / `half`.
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "fp32" | "f32" | "float32" => Ok(Self::F32),
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "fp16" | "f16" | "float16" | "half" => Ok(Self::F16),
-            other => Err(BridgeError::Config {
+        match text.parse::<miles_core::DType>() {
+            Ok(miles_core::DType::F32) => Ok(Self::F32),
+            Ok(miles_core::DType::BF16) => Ok(Self::Bf16),
+            Ok(miles_core::DType::F16) => Ok(Self::F16),
+            _ => Err(BridgeError::Config {
                 field: "precision".into(),
-                message: format!("`{other}` is not one of fp32, bf16, fp16"),
+                message: format!(
+                    "`{}` is not one of fp32, bf16, fp16",
+                    text.trim().to_ascii_lowercase()
+                ),
             }),
         }
     }

@@ -45,6 +45,17 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
+    /// A safetensors file or Hugging Face checkpoint directory that cannot be read: a header
+    /// that does not fit the file, a file whose size disagrees with its header, a tensor
+    /// that does not match its declared dtype and shape, an index that names a file outside
+    /// the directory.
+    #[error("{path}: invalid safetensors file: {reason}")]
+    Safetensors {
+        /// The file (the index, for an index's fault).
+        path: PathBuf,
+        /// What was wrong.
+        reason: String,
+    },
     /// A value that does not parse as the expected type (weight version, dtype, ...).
     #[error("cannot parse {what} from {input:?}")]
     Parse {

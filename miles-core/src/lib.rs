@@ -9,8 +9,9 @@
 //! * [`Message`], [`ToolCall`], [`ToolSpec`]: OpenAI-shaped chat messages.
 //! * [`RoutedExperts`]: the `[rows, layers, top_k]` MoE routing table with SGLang's base64
 //!   little-endian int32 codec, merge and truncation (R3).
-//! * [`WeightVersion`], [`NamedTensors`]: versioned HF-named weights, to / from safetensors
-//!   bytes.
+//! * [`WeightVersion`], [`DType`], [`TensorBytes`], [`NamedTensors`]: versioned HF-named host
+//!   tensors and the one safetensors codec (bytes, files, sharded Hugging Face checkpoint
+//!   directories) of the workspace.
 //! * [`GenerateRequest`], [`GenerateOutput`], [`SamplingParams`]: the token-level generation
 //!   protocol with SGLang's field names.
 //! * The seams: [`InferenceEngine`] (async, object-safe), [`PolicyTrainer`] (blocking),
@@ -83,7 +84,9 @@ pub use sample::{
     PrefixCacheInfo, Prompt, Reward, Sample, SampleBuilder, SampleStatus, SpecInfo, TokenId,
 };
 pub use trainer::PolicyTrainer;
-pub use weights::{DType, NamedTensors, TensorBytes, WeightVersion};
+pub use weights::{
+    DType, INDEX_FILE, MAX_HEADER_BYTES, NamedTensors, SINGLE_FILE, TensorBytes, WeightVersion,
+};
 
 /// Re-exported so implementors of the async seams use the same macro version.
 pub use async_trait::async_trait;

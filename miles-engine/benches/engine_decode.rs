@@ -35,8 +35,8 @@ use std::time::Instant;
 
 use burn::tensor::Device;
 use common::glm_moe_88m;
-use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
-use miles_core::{GenerateRequest, InferenceEngine, SamplingParams};
+use miles_bridge::{CausalLm, ModelConfig};
+use miles_core::{DType, GenerateRequest, InferenceEngine, SamplingParams};
 use miles_engine::{EmbeddedEngine, EngineConfig};
 
 const PROMPT_LEN: usize = 16;
@@ -299,7 +299,7 @@ async fn run(
     let dir =
         std::env::temp_dir().join(format!("miles-engine-decode-{name}-{}", std::process::id()));
     model
-        .save_pretrained(&dir, FloatDtype::F32, None)
+        .save_pretrained(&dir, DType::F32, None)
         .expect("export the bench model");
     let hf = measure_hf(name, &dir, sizes);
     let _ = std::fs::remove_dir_all(&dir);

@@ -23,8 +23,8 @@ use common::glm_moe_88m;
 use std::time::Instant;
 
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype};
-use miles_core::{DType, InferenceEngine, NamedTensors, TensorBytes, WeightVersion};
+use miles_bridge::CausalLm;
+use miles_core::{DType, InferenceEngine, NamedTensors, WeightVersion};
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_session::sglang::{
     Router, ServerInfo, SglangConfig, SglangEngine, WeightDtype, WeightPublisher, sglang_router,
@@ -35,14 +35,7 @@ const ROUNDS: usize = 3;
 
 /// The trainer's export: HF names, f32.
 fn export(model: &CausalLm) -> NamedTensors {
-    let mut out = NamedTensors::new();
-    for (name, t) in model.to_hf_tensors(FloatDtype::F32).expect("export") {
-        out.insert(
-            name,
-            TensorBytes::new(DType::F32, t.shape, t.bytes).expect("tensor"),
-        );
-    }
-    out
+    model.to_hf_tensors(DType::F32).expect("export")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

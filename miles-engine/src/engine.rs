@@ -9,10 +9,7 @@ use std::thread::JoinHandle;
 
 use async_trait::async_trait;
 use burn::tensor::Device;
-use miles_bridge::{
-    CausalLm, FloatDtype, HostTensor, ModelConfig, Precision, TensorMap,
-    checkpoint::read_checkpoint_dir,
-};
+use miles_bridge::{CausalLm, ModelConfig, Precision};
 use miles_core::{
     DType, EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
     NamedTensors, PauseMode, RequestId, WeightVersion,
@@ -209,7 +206,7 @@ impl EmbeddedEngine {
             .map_err(|_| CoreError::engine(EngineErrorKind::Unavailable, "the engine has stopped"))
     }
 
-    fn build_model(&self, tensors: TensorMap) -> miles_core::Result<CausalLm> {
+    fn build_model(&self, tensors: NamedTensors) -> miles_core::Result<CausalLm> {
         CausalLm::from_hf_tensors_in(&self.model_config, tensors, &self.device, self.precision)
             .map_err(|e| CoreError::engine(EngineErrorKind::WeightUpdate, e.to_string()))
     }
@@ -255,32 +252,19 @@ impl InferenceEngine for EmbeddedEngine {
         weights: &NamedTensors,
         version: WeightVersion,
     ) -> miles_core::Result<()> {
-        let mut map = TensorMap::new();
-        for (name, t) in weights.iter() {
-            let dtype = match t.dtype() {
-                DType::F32 => FloatDtype::F32,
-                DType::BF16 => FloatDtype::Bf16,
-                DType::F16 => FloatDtype::F16,
-                other => {
-                    return Err(CoreError::engine(
-                        EngineErrorKind::WeightUpdate,
-                        format!(
-                            "tensor {name}: dtype {} is not a float weight",
-                            other.name()
-                        ),
-                    ));
-                }
-            };
-            map.insert(
-                name.to_string(),
-                HostTensor {
-                    dtype,
-                    shape: t.shape().to_vec(),
-                    bytes: t.data().to_vec(),
-                },
-            );
+        if let Some((name, t)) = weights
+            .iter()
+            .find(|(_, t)| !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16))
+        {
+            return Err(CoreError::engine(
+                EngineErrorKind::WeightUpdate,
+                format!(
+                    "tensor {name}: dtype {} is not a float weight",
+                    t.dtype().name()
+                ),
+            ));
         }
-        let model = self.build_model(map)?;
+        let model = self.build_model(weights.clone())?;
         self.swap_model(model, version).await
     }
 
@@ -290,7 +274,7 @@ impl InferenceEngine for EmbeddedEngine {
         version: WeightVersion,
     ) -> miles_core::Result<()> {
         let dir: PathBuf = dir.to_path_buf();
-        let tensors = tokio::task::spawn_blocking(move || read_checkpoint_dir(&dir))
+        let tensors = tokio::task::spawn_blocking(move || NamedTensors::read_hf_checkpoint(&dir))
             .await
             .map_err(|e| CoreError::engine(EngineErrorKind::Internal, e.to_string()))?
             .map_err(|e| CoreError::engine(EngineErrorKind::WeightUpdate, e.to_string()))?;

@@ -29,8 +29,8 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype, ModelConfig, ModelInput, MoeDispatch, ids_tensor};
-use miles_core::{PolicyTrainer, Reward, RoutedExperts, Sample};
+use miles_bridge::{CausalLm, ModelConfig, ModelInput, MoeDispatch, ids_tensor};
+use miles_core::{DType, PolicyTrainer, Reward, RoutedExperts, Sample};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
@@ -313,7 +313,7 @@ fn run(name: &str, config: ModelConfig, reference_tokens_per_s: Option<f64>, ite
         );
     }
     let mut export = Vec::new();
-    for dtype in [FloatDtype::F32, FloatDtype::Bf16] {
+    for dtype in [DType::F32, DType::BF16] {
         let t = Instant::now();
         let w = actor.export(dtype).expect("export");
         export.push((dtype, t.elapsed().as_secs_f64(), w.len()));

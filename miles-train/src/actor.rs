@@ -8,10 +8,8 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::Int;
 use burn::tensor::{Device, Tensor};
-use miles_bridge::{CausalLm, FloatDtype, score_log_probs};
-use miles_core::{
-    DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, TensorBytes, WeightVersion,
-};
+use miles_bridge::{CausalLm, score_log_probs};
+use miles_core::{DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, WeightVersion};
 use miles_ops::shaping_kl;
 use miles_ops::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
 use miles_ops::{PolicyLoss, PolicyLossInput};
@@ -629,8 +627,8 @@ impl Actor {
     /// The current policy's weights as HF-named host tensors in `dtype` — with LoRA, the base
     /// weights with every adapter merged in (`W + scaling·B·A`), so an engine that knows only
     /// the base model's names samples from the trained policy.
-    pub fn export(&self, dtype: FloatDtype) -> Result<NamedTensors> {
-        named_tensors(self.model.to_hf_tensors_merged(dtype)?, dtype)
+    pub fn export(&self, dtype: DType) -> Result<NamedTensors> {
+        Ok(self.model.to_hf_tensors_merged(dtype)?)
     }
 
     /// The LoRA adapters as a PEFT adapter: tensors named
@@ -639,12 +637,12 @@ impl Actor {
     /// (SGLang's `/load_lora_adapter_from_tensors`) instead of merged weights.
     pub fn export_lora_adapter(
         &self,
-        dtype: FloatDtype,
+        dtype: DType,
     ) -> Result<Option<(NamedTensors, serde_json::Value)>> {
         let Some(config) = self.model.peft_adapter_config() else {
             return Ok(None);
         };
-        let tensors = named_tensors(self.model.lora_to_peft_tensors(dtype)?, dtype)?;
+        let tensors = self.model.lora_to_peft_tensors(dtype)?;
         Ok(Some((tensors, config)))
     }
 
@@ -695,23 +693,6 @@ impl Actor {
             self.reference = reference.or_else(|| self.reference.take());
         }
     }
-}
-
-fn named_tensors(tensors: miles_bridge::TensorMap, dtype: FloatDtype) -> Result<NamedTensors> {
-    let dt = match dtype {
-        FloatDtype::F32 => DType::F32,
-        FloatDtype::Bf16 => DType::BF16,
-        FloatDtype::F16 => DType::F16,
-    };
-    let mut out = NamedTensors::new();
-    for (name, t) in tensors {
-        let bytes = TensorBytes::new(dt, t.shape, t.bytes).map_err(|e| Error::Sample {
-            index: 0,
-            reason: format!("export of {name}: {e}"),
-        })?;
-        out.insert(name, bytes);
-    }
-    Ok(out)
 }
 
 impl PolicyTrainer for Actor {

@@ -19,10 +19,9 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file, serialize_safetensors};
+use miles_bridge::CausalLm;
 use miles_bridge::lora::{ADAPTER_WEIGHTS_FILE, LoraConfig};
-use miles_bridge::{CausalLm, FloatDtype, HostTensor, TensorMap};
-use miles_core::WeightVersion;
+use miles_core::{DType, NamedTensors, TensorBytes, WeightVersion};
 use serde::{Deserialize, Serialize};
 
 use crate::optim::AdamW;
@@ -96,17 +95,16 @@ pub(crate) fn save(
         fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
     fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    model.save_pretrained(tmp.join(MODEL_DIR), FloatDtype::F32, None)?;
+    model.save_pretrained(tmp.join(MODEL_DIR), DType::F32, None)?;
     if model.lora_config().is_some() {
-        model.save_lora_adapter(tmp.join(ADAPTER_DIR), FloatDtype::F32)?;
+        model.save_lora_adapter(tmp.join(ADAPTER_DIR), DType::F32)?;
     }
-    let mut map = TensorMap::new();
+    let mut map = NamedTensors::new();
     for (name, shape, values) in optimizer.state_tensors() {
-        map.insert(name, HostTensor::from_f32(shape, &values));
+        map.insert(name, TensorBytes::from_f32(shape, &values)?);
     }
-    let bytes = serialize_safetensors(&map, None)?;
-    let opt_path = tmp.join(OPTIMIZER_FILE);
-    fs::write(&opt_path, bytes).map_err(|e| Error::io(&opt_path, e))?;
+    map.set_metadata("format", "pt");
+    map.write_safetensors_file(&tmp.join(OPTIMIZER_FILE))?;
     let state = TrainerState {
         format_version: FORMAT,
         optimizer_step: optimizer.step_count(),
@@ -190,7 +188,7 @@ pub(crate) fn load(model: &CausalLm, optimizer: &AdamW, dir: &Path) -> Result<Re
     let device = model.lm_head_weight().device();
     let opt_config = *optimizer.config();
     let model_dir = dir.join(MODEL_DIR);
-    let tensors = read_checkpoint_dir(&model_dir)?;
+    let tensors = NamedTensors::read_hf_checkpoint(&model_dir)?;
     let loaded = CausalLm::from_hf_tensors(&config, tensors, &device).map_err(|e| {
         Error::checkpoint(&model_dir, format!("does not match the actor's model: {e}"))
     })?;
@@ -211,7 +209,7 @@ pub(crate) fn load(model: &CausalLm, optimizer: &AdamW, dir: &Path) -> Result<Re
             // The actor's own config (targets, forward, seed) decides which modules carry
             // adapters; the checkpoint must hold exactly their tensors.
             let adapter = dir.join(ADAPTER_DIR).join(ADAPTER_WEIGHTS_FILE);
-            let tensors = read_safetensors_file(&adapter)
+            let tensors = NamedTensors::from_safetensors_file(&adapter)
                 .map_err(|e| Error::checkpoint(&adapter, e.to_string()))?;
             loaded.with_lora_tensors(ours, tensors).map_err(|e| {
                 Error::checkpoint(&adapter, format!("does not match the actor: {e}"))
@@ -240,12 +238,13 @@ pub(crate) fn load(model: &CausalLm, optimizer: &AdamW, dir: &Path) -> Result<Re
         ));
     }
     let opt_path = dir.join(OPTIMIZER_FILE);
-    let host = read_safetensors_file(&opt_path)
+    let host = NamedTensors::from_safetensors_file(&opt_path)
         .map_err(|e| Error::checkpoint(&opt_path, e.to_string()))?;
     let values: BTreeMap<String, Vec<f32>> = host
         .into_iter()
-        .map(|(name, t)| (name, t.to_f32()))
-        .collect();
+        .map(|(name, t)| Ok((name, t.to_f32()?)))
+        .collect::<std::result::Result<_, miles_core::Error>>()
+        .map_err(|e| Error::checkpoint(&opt_path, e.to_string()))?;
     let mut opt = AdamW::new(opt_config);
     opt.load_state(state.optimizer_step, values, &device)
         .map_err(|e| match e {

@@ -373,7 +373,8 @@ fn the_reference_binary_trains_a_glm47_flash_checkpoint() {
 /// shapes of `fixtures/models/<fixture>` (random weights, the served fixture's tokenizer).
 fn trains_a_latent_attention_checkpoint(fixture: &str, model_type: &str) {
     use burn::tensor::Device;
-    use miles_bridge::{CausalLm, FloatDtype, ModelConfig};
+    use miles_bridge::{CausalLm, ModelConfig};
+    use miles_core::DType;
 
     let out = fresh_dir(fixture);
     let model_dir = fresh_dir(&format!("{fixture}-model"));
@@ -389,7 +390,7 @@ fn trains_a_latent_attention_checkpoint(fixture: &str, model_type: &str) {
     let config = ModelConfig::from_file(model_dir.join("config.json")).unwrap();
     CausalLm::init(&config, &Device::flex())
         .unwrap()
-        .save_pretrained(&model_dir, FloatDtype::F32, None)
+        .save_pretrained(&model_dir, DType::F32, None)
         .unwrap();
     for file in [
         "tokenizer.json",

@@ -9,10 +9,9 @@ use std::path::Path;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Device, Tensor, TensorData};
 use miles_core::rng::SplitMix64;
+use miles_core::{DType, NamedTensors, TensorBytes};
 
-use crate::checkpoint::{read_safetensors_file, serialize_safetensors};
 use crate::error::BridgeError;
-use crate::host::{FloatDtype, HostTensor, TensorMap};
 use crate::lora::{
     ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ExpertLora, LoraAdapter, LoraConfig, LoraForward,
     PEFT_PREFIX,
@@ -36,25 +35,25 @@ enum AdapterSource<'a> {
     /// PEFT init: `A` ~ Uniform(±1/√in), `B` = 0.
     Init(SplitMix64),
     /// PEFT-named host tensors (each removed when used).
-    Peft(&'a mut TensorMap),
+    Peft(&'a mut NamedTensors),
 }
 
 fn tensor_from<const D: usize>(values: Vec<f32>, shape: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
-fn take_peft(map: &mut TensorMap, name: &str, shape: &[usize]) -> Result<Vec<f32>, BridgeError> {
+fn take_peft(map: &mut NamedTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, BridgeError> {
     let t = map.remove(name).ok_or_else(|| BridgeError::MissingTensor {
         name: name.to_string(),
     })?;
-    if t.shape != shape {
+    if t.shape() != shape {
         return Err(BridgeError::ShapeMismatch {
             name: name.to_string(),
             expected: shape.to_vec(),
-            got: t.shape,
+            got: t.shape().to_vec(),
         });
     }
-    Ok(t.to_f32())
+    Ok(t.to_f32()?)
 }
 
 impl AdapterSource<'_> {
@@ -162,7 +161,7 @@ fn merged_param<const D: usize>(p: &Param<Tensor<D>>, delta: Tensor<D>) -> Param
     })
 }
 
-fn host(name: &str, data: TensorData, dtype: FloatDtype) -> Result<HostTensor, BridgeError> {
+fn host(name: &str, data: TensorData, dtype: DType) -> Result<TensorBytes, BridgeError> {
     let shape = data.shape().to_vec();
     let values =
         data.convert::<f32>()
@@ -171,7 +170,7 @@ fn host(name: &str, data: TensorData, dtype: FloatDtype) -> Result<HostTensor, B
                 name: name.to_string(),
                 dtype: format!("{e:?}"),
             })?;
-    Ok(HostTensor::from_f32(shape, &values).to_dtype(dtype))
+    Ok(TensorBytes::from_f32(shape, &values)?.cast(dtype)?)
 }
 
 impl CausalLm {
@@ -293,7 +292,9 @@ impl CausalLm {
         if let AdapterSource::Peft(map) = source
             && let Some(name) = map.keys().next()
         {
-            return Err(BridgeError::UnexpectedTensor { name: name.clone() });
+            return Err(BridgeError::UnexpectedTensor {
+                name: name.to_owned(),
+            });
         }
         self.lora = Some(config.clone());
         Ok(self.map(&mut SetRequireGrad {
@@ -318,7 +319,7 @@ impl CausalLm {
     pub fn with_lora_tensors(
         self,
         config: &LoraConfig,
-        mut tensors: TensorMap,
+        mut tensors: NamedTensors,
     ) -> Result<Self, BridgeError> {
         self.attach_lora(config, AdapterSource::Peft(&mut tensors))
     }
@@ -341,7 +342,7 @@ impl CausalLm {
             })?;
         let mut config = LoraConfig::from_peft_json(&json)?;
         config.forward = forward;
-        let tensors = read_safetensors_file(&dir.join(ADAPTER_WEIGHTS_FILE))?;
+        let tensors = NamedTensors::from_safetensors_file(&dir.join(ADAPTER_WEIGHTS_FILE))?;
         self.with_lora_tensors(&config, tensors)
     }
 
@@ -425,7 +426,7 @@ impl CausalLm {
     /// HF-named weights with every adapter merged in (`W + scaling·B·A`), in `dtype`: what an
     /// inference engine that knows only the base model's names loads. Equal to
     /// [`Self::to_hf_tensors`] when no adapter is attached. The model is not modified.
-    pub fn to_hf_tensors_merged(&self, dtype: FloatDtype) -> Result<TensorMap, BridgeError> {
+    pub fn to_hf_tensors_merged(&self, dtype: DType) -> Result<NamedTensors, BridgeError> {
         if self.lora.is_none() {
             return self.to_hf_tensors(dtype);
         }
@@ -436,8 +437,8 @@ impl CausalLm {
     /// (`base_model.model.<module>.lora_A.weight` `[r, in]` / `lora_B.weight` `[out, r]`;
     /// routed experts split into `…mlp.experts.{e}.<proj>.lora_A.weight`). Empty without
     /// adapters.
-    pub fn lora_to_peft_tensors(&self, dtype: FloatDtype) -> Result<TensorMap, BridgeError> {
-        let mut out = TensorMap::new();
+    pub fn lora_to_peft_tensors(&self, dtype: DType) -> Result<NamedTensors, BridgeError> {
+        let mut out = NamedTensors::new();
         let mut failure = None;
         self.visit_lora_params(&mut |name, p| {
             let result = (|| -> Result<(), BridgeError> {
@@ -462,11 +463,11 @@ impl CausalLm {
                         for e in 0..shape[0] {
                             let key =
                                 format!("{PEFT_PREFIX}{prefix}.{e}.{projection}.lora_{which}");
-                            let t = HostTensor::from_f32(
+                            let t = TensorBytes::from_f32(
                                 vec![shape[1], shape[2]],
                                 &values[e * per..(e + 1) * per],
-                            );
-                            out.insert(key, t.to_dtype(dtype));
+                            )?;
+                            out.insert(key, t.cast(dtype)?);
                         }
                     }
                     _ => {
@@ -501,17 +502,16 @@ impl CausalLm {
     pub fn save_lora_adapter(
         &self,
         dir: impl AsRef<Path>,
-        dtype: FloatDtype,
+        dtype: DType,
     ) -> Result<(), BridgeError> {
         let dir = dir.as_ref();
         let Some(config) = self.peft_adapter_config() else {
             return Err(BridgeError::config("lora", "the model has no adapters"));
         };
         std::fs::create_dir_all(dir).map_err(|e| BridgeError::io(dir, e))?;
-        let tensors = self.lora_to_peft_tensors(dtype)?;
-        let bytes = serialize_safetensors(&tensors, None)?;
-        let path = dir.join(ADAPTER_WEIGHTS_FILE);
-        std::fs::write(&path, bytes).map_err(|e| BridgeError::io(&path, e))?;
+        let mut tensors = self.lora_to_peft_tensors(dtype)?;
+        tensors.set_metadata("format", "pt");
+        tensors.write_safetensors_file(&dir.join(ADAPTER_WEIGHTS_FILE))?;
         let path = dir.join(ADAPTER_CONFIG_FILE);
         let text = serde_json::to_string_pretty(&config).map_err(|e| BridgeError::Json {
             path: path.clone(),

@@ -9,11 +9,10 @@ use std::path::Path;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, FloatDType, Tensor};
+use miles_core::{DType, NamedTensors, TensorBytes};
 
-use crate::checkpoint::{read_checkpoint_dir, write_checkpoint_dir};
 use crate::config::{Architecture, ModelConfig, RouterKind};
 use crate::error::BridgeError;
-use crate::host::{FloatDtype, HostTensor, TensorMap};
 use crate::lora::LoraConfig;
 use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
 use crate::nn::attention::{Attention, AttentionShape};
@@ -283,7 +282,7 @@ impl CausalLm {
     /// the empty `mlp.shared_experts.*` tensors transformers saves are skipped.
     pub fn from_hf_tensors(
         config: &ModelConfig,
-        tensors: TensorMap,
+        tensors: NamedTensors,
         device: &Device,
     ) -> Result<Self, BridgeError> {
         Self::from_hf_tensors_in(config, tensors, device, Precision::F32)
@@ -294,7 +293,7 @@ impl CausalLm {
     /// [`CausalLm::to_precision`] gives for an `f32` model, without the `f32` copy).
     pub fn from_hf_tensors_in(
         config: &ModelConfig,
-        tensors: TensorMap,
+        tensors: NamedTensors,
         device: &Device,
         precision: Precision,
     ) -> Result<Self, BridgeError> {
@@ -317,8 +316,10 @@ impl CausalLm {
             WeightSource::Loaded(&mut internal),
             precision,
         )?;
-        if let Some(name) = internal_to_hf(internal).into_keys().next() {
-            return Err(BridgeError::UnexpectedTensor { name });
+        if let Some(name) = internal_to_hf(internal).keys().next() {
+            return Err(BridgeError::UnexpectedTensor {
+                name: name.to_owned(),
+            });
         }
         Ok(model)
     }
@@ -338,7 +339,7 @@ impl CausalLm {
     ) -> Result<Self, BridgeError> {
         let dir = dir.as_ref();
         let config = ModelConfig::from_file(dir.join("config.json"))?;
-        let tensors = read_checkpoint_dir(dir)?;
+        let tensors = NamedTensors::read_hf_checkpoint(dir)?;
         Self::from_hf_tensors_in(&config, tensors, device, precision)
     }
 
@@ -437,33 +438,30 @@ impl CausalLm {
 
     /// All base weights as HF-named host tensors (per-expert keys), stored in `dtype`; LoRA
     /// adapters are not merged in (see [`CausalLm::to_hf_tensors_merged`]).
-    pub fn to_hf_tensors(&self, dtype: FloatDtype) -> Result<TensorMap, BridgeError> {
-        let mut internal = TensorMap::new();
+    pub fn to_hf_tensors(&self, dtype: DType) -> Result<NamedTensors, BridgeError> {
+        let mut internal = NamedTensors::new();
         let mut failure = None;
         self.visit_params(&mut |name, p| {
             let data = p.to_data().convert::<f32>();
-            if dtype == FloatDtype::F32 && cfg!(target_endian = "little") {
+            let shape = data.shape().to_vec();
+            let host = if dtype == DType::F32 && cfg!(target_endian = "little") {
                 // f32 on a little-endian host: the tensor's bytes are already the file's.
-                internal.insert(
-                    name.to_string(),
-                    HostTensor {
-                        dtype,
-                        shape: data.shape().to_vec(),
-                        bytes: data.as_bytes().to_vec(),
-                    },
-                );
-                return;
-            }
-            match data.try_to_vec::<f32>() {
-                Ok(values) => {
-                    let host = HostTensor::from_f32(data.shape().to_vec(), &values);
-                    internal.insert(name.to_string(), host.to_dtype(dtype));
-                }
-                Err(e) => {
-                    failure.get_or_insert(BridgeError::UnsupportedDtype {
+                TensorBytes::new(DType::F32, shape, data.as_bytes().to_vec())
+                    .map_err(BridgeError::from)
+            } else {
+                data.try_to_vec::<f32>()
+                    .map_err(|e| BridgeError::UnsupportedDtype {
                         name: name.to_string(),
                         dtype: format!("{e:?}"),
-                    });
+                    })
+                    .and_then(|values| Ok(TensorBytes::from_f32(shape, &values)?.cast(dtype)?))
+            };
+            match host {
+                Ok(host) => {
+                    internal.insert(name, host);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
                 }
             }
         });
@@ -478,21 +476,15 @@ impl CausalLm {
     pub fn save_pretrained(
         &self,
         dir: impl AsRef<Path>,
-        dtype: FloatDtype,
+        dtype: DType,
         max_shard_bytes: Option<usize>,
     ) -> Result<(), BridgeError> {
         let dir = dir.as_ref();
         let tensors = self.to_hf_tensors(dtype)?;
-        write_checkpoint_dir(dir, &tensors, None, max_shard_bytes)?;
+        let limit = max_shard_bytes.map_or(u64::MAX, |b| b as u64);
+        tensors.write_hf_shards(dir, None, limit)?;
         let mut config = self.config.to_hf_json();
-        config["torch_dtype"] = serde_json::Value::String(
-            match dtype {
-                FloatDtype::F32 => "float32",
-                FloatDtype::Bf16 => "bfloat16",
-                FloatDtype::F16 => "float16",
-            }
-            .to_string(),
-        );
+        config["torch_dtype"] = serde_json::Value::String(dtype.torch_name().to_string());
         let path = dir.join("config.json");
         let text = serde_json::to_string_pretty(&config).map_err(|e| BridgeError::Json {
             path: path.clone(),
@@ -507,7 +499,7 @@ impl CausalLm {
 /// num_nextn_predict_layers`), which [`CausalLm::from_hf_tensors`] skips: they are not part of
 /// the causal LM (transformers does not load them either), are not trained and are not
 /// exported. Empty for the other architectures.
-pub fn mtp_tensor_names(config: &ModelConfig, tensors: &TensorMap) -> Vec<String> {
+pub fn mtp_tensor_names(config: &ModelConfig, tensors: &NamedTensors) -> Vec<String> {
     let first = config.num_hidden_layers;
     let end = first + config.num_nextn_predict_layers;
     tensors
@@ -518,6 +510,6 @@ pub fn mtp_tensor_names(config: &ModelConfig, tensors: &TensorMap) -> Vec<String
                 .and_then(|l| l.parse::<usize>().ok())
                 .is_some_and(|l| (first..end).contains(&l))
         })
-        .cloned()
+        .map(str::to_owned)
         .collect()
 }

@@ -5,8 +5,9 @@
 use burn::module::Param;
 use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor, TensorData};
 
+use miles_core::NamedTensors;
+
 use crate::error::BridgeError;
-use crate::host::TensorMap;
 
 /// How a freshly initialised parameter is filled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -27,7 +28,7 @@ pub(crate) enum WeightSource<'a> {
         std: f64,
     },
     /// Tensors by our name (see [`crate::names`]); each one is removed when used.
-    Loaded(&'a mut TensorMap),
+    Loaded(&'a mut NamedTensors),
 }
 
 /// Creates parameters by name on one device.
@@ -71,15 +72,19 @@ impl Builder<'_> {
                 let host = map.remove(name).ok_or_else(|| BridgeError::MissingTensor {
                     name: name.to_string(),
                 })?;
-                if host.shape != shape {
+                if host.shape() != shape {
                     return Err(BridgeError::ShapeMismatch {
                         name: name.to_string(),
                         expected: shape.to_vec(),
-                        got: host.shape,
+                        got: host.shape().to_vec(),
                     });
                 }
                 // One conversion from the file's dtype to the model's.
-                Tensor::<D>::from_data(TensorData::new(host.to_f32(), shape), (&self.device, dtype))
+                let values = host.to_f32().map_err(|_| BridgeError::UnsupportedDtype {
+                    name: name.to_string(),
+                    dtype: host.dtype().name().to_string(),
+                })?;
+                Tensor::<D>::from_data(TensorData::new(values, shape), (&self.device, dtype))
             }
         };
         Ok(Param::from_tensor(tensor))

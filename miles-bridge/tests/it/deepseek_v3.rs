@@ -14,12 +14,12 @@ use crate::common::{fixture, reference, rows_of};
 use std::path::Path;
 
 use burn::tensor::{Device, Tensor};
-use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file};
 use miles_bridge::lora::{LoraConfig, LoraForward};
 use miles_bridge::{
-    Architecture, BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput,
-    TensorMap, ids_tensor, mtp_tensor_names, names::internal_to_hf, token_logprobs,
+    Architecture, BridgeError, CausalLm, KvCache, ModelConfig, ModelInput, ids_tensor,
+    mtp_tensor_names, names::internal_to_hf, token_logprobs,
 };
+use miles_core::{DType, NamedTensors, TensorBytes};
 use miles_r3::Fallthrough;
 
 const FIXTURES: [&str; 2] = ["dsv3-tiny", "dsv3-noq"];
@@ -36,19 +36,14 @@ fn host(t: Tensor<2>) -> Vec<f32> {
     t.into_data().try_to_vec::<f32>().unwrap()
 }
 
-pub(crate) fn check_grads(
-    name: &str,
-    model: &CausalLm,
-    grads: &burn::tensor::Gradients,
-    dir: &Path,
-) {
-    let mut ours = TensorMap::new();
+fn check_grads(name: &str, model: &CausalLm, grads: &burn::tensor::Gradients, dir: &Path) {
+    let mut ours = NamedTensors::new();
     model.visit_params(&mut |pname, p| {
         if let Some(g) = p.grad(grads) {
             let values = g.try_to_vec::<f32>().unwrap();
             ours.insert(
                 pname.to_string(),
-                HostTensor::from_f32(g.shape().to_vec(), &values),
+                TensorBytes::from_f32(g.shape().to_vec(), &values).unwrap(),
             );
         }
     });
@@ -62,9 +57,9 @@ pub(crate) fn check_grads(
     let mut worst = 0.0f64;
     for (pname, (shape, want)) in &ref_grads {
         let got = &ours[pname];
-        assert_eq!(&got.shape, shape, "{pname}");
+        assert_eq!(got.shape(), &shape[..], "{pname}");
         let bound = 1e-4 * want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        let diff = max_abs_diff(&got.to_f32(), want);
+        let diff = max_abs_diff(&got.to_f32().unwrap(), want);
         assert!(
             diff <= bound,
             "{name}: grad of {pname}: {diff:.3e} > {bound:.3e}"
@@ -264,21 +259,21 @@ fn deepseek_v3_export_round_trip_is_bit_identical() {
         let dir = fixture(name);
         let device = Device::flex();
         let model = CausalLm::from_pretrained(&dir, &device).unwrap();
-        let original = read_safetensors_file(&dir.join("model.safetensors")).unwrap();
-        let exported = model.to_hf_tensors(FloatDtype::F32).unwrap();
+        let original = NamedTensors::read_hf_checkpoint(&dir).unwrap();
+        let exported = model.to_hf_tensors(DType::F32).unwrap();
         assert!(exported.contains_key("model.layers.1.self_attn.kv_b_proj.weight"));
         assert!(exported.contains_key("model.layers.2.mlp.gate.e_score_correction_bias"));
         assert_eq!(exported, original, "{name}");
         let out = std::env::temp_dir().join(format!("miles-bridge-{name}-{}", std::process::id()));
         // Small shards: the import reads the sharded index.
         model
-            .save_pretrained(&out, FloatDtype::Bf16, Some(64 << 10))
+            .save_pretrained(&out, DType::BF16, Some(64 << 10))
             .unwrap();
         assert!(out.join("model.safetensors.index.json").exists());
         let back = CausalLm::from_pretrained(&out, &device).unwrap();
         assert_eq!(back.config, model.config);
-        let saved = read_checkpoint_dir(&out).unwrap();
-        assert_eq!(back.to_hf_tensors(FloatDtype::Bf16).unwrap(), saved);
+        let saved = NamedTensors::read_hf_checkpoint(&out).unwrap();
+        assert_eq!(back.to_hf_tensors(DType::BF16).unwrap(), saved);
         std::fs::remove_dir_all(&out).ok();
     }
 }
@@ -290,7 +285,7 @@ fn deepseek_v3_mtp_layers_are_skipped() {
     let dir = fixture("dsv3-tiny");
     let device = Device::flex();
     let config = ModelConfig::from_file(dir.join("config.json")).unwrap();
-    let tensors = read_checkpoint_dir(&dir).unwrap();
+    let tensors = NamedTensors::read_hf_checkpoint(&dir).unwrap();
     let mut with_mtp = tensors.clone();
     for (name, t) in &tensors {
         if let Some(rest) = name.strip_prefix("model.layers.2.") {
@@ -298,21 +293,21 @@ fn deepseek_v3_mtp_layers_are_skipped() {
         }
     }
     with_mtp.insert(
-        "model.layers.3.eh_proj.weight".into(),
-        HostTensor::from_f32(vec![64, 128], &vec![0.0; 64 * 128]),
+        "model.layers.3.eh_proj.weight",
+        TensorBytes::from_f32(vec![64, 128], &vec![0.0; 64 * 128]).unwrap(),
     );
     let skipped = mtp_tensor_names(&config, &with_mtp);
     assert_eq!(skipped.len(), with_mtp.len() - tensors.len());
     let plain = CausalLm::from_hf_tensors(&config, tensors.clone(), &device).unwrap();
     let mtp = CausalLm::from_hf_tensors(&config, with_mtp, &device).unwrap();
     assert_eq!(
-        mtp.to_hf_tensors(FloatDtype::F32).unwrap(),
-        plain.to_hf_tensors(FloatDtype::F32).unwrap()
+        mtp.to_hf_tensors(DType::F32).unwrap(),
+        plain.to_hf_tensors(DType::F32).unwrap()
     );
     let mut beyond = tensors;
     beyond.insert(
-        "model.layers.4.eh_proj.weight".into(),
-        HostTensor::from_f32(vec![2], &[0.0, 0.0]),
+        "model.layers.4.eh_proj.weight",
+        TensorBytes::from_f32(vec![2], &[0.0, 0.0]).unwrap(),
     );
     assert!(matches!(
         CausalLm::from_hf_tensors(&config, beyond, &device),
@@ -452,13 +447,13 @@ fn deepseek_v3_lora_on_latent_attention_projections() {
     let m = base().with_lora(&megatron).unwrap();
     assert_eq!(m.lora_modules().len(), 3 * 4);
     // Perturbed adapters (B != 0).
-    let mut tensors = fresh.lora_to_peft_tensors(FloatDtype::F32).unwrap();
+    let mut tensors = fresh.lora_to_peft_tensors(DType::F32).unwrap();
     for (name, t) in tensors.iter_mut() {
         if name.contains("lora_B") {
             let values: Vec<f32> = (0..t.numel())
                 .map(|i| 0.05 * ((i * 7 % 13) as f32 - 6.0) / 6.0)
                 .collect();
-            *t = HostTensor::from_f32(t.shape.clone(), &values);
+            *t = TensorBytes::from_f32(t.shape().to_vec(), &values).unwrap();
         }
     }
     let adapted = base()
@@ -477,7 +472,7 @@ fn deepseek_v3_lora_on_latent_attention_projections() {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
     assert!(d > 1e-2, "adapters must matter: {d}");
-    let merged = adapted.to_hf_tensors_merged(FloatDtype::F32).unwrap();
+    let merged = adapted.to_hf_tensors_merged(DType::F32).unwrap();
     let engine = CausalLm::from_hf_tensors(&adapted.config, merged, &device).unwrap();
     assert_eq!(
         logits(&engine),

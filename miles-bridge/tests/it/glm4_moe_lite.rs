@@ -13,8 +13,8 @@ use crate::common::fixture;
 use crate::deepseek_v3::check;
 
 use burn::tensor::Device;
-use miles_bridge::checkpoint::read_safetensors_file;
-use miles_bridge::{Architecture, BridgeError, CausalLm, FloatDtype, MlpLayerType, ModelConfig};
+use miles_bridge::{Architecture, BridgeError, CausalLm, MlpLayerType, ModelConfig};
+use miles_core::{DType, NamedTensors};
 
 #[test]
 fn glm4_moe_lite_matches_transformers() {
@@ -145,14 +145,14 @@ fn glm4_moe_lite_export_round_trip_is_bit_identical() {
         let dir = fixture(name);
         let device = Device::flex();
         let model = CausalLm::from_pretrained(&dir, &device).unwrap();
-        let original = read_safetensors_file(&dir.join("model.safetensors")).unwrap();
-        let exported = model.to_hf_tensors(FloatDtype::F32).unwrap();
+        let original = NamedTensors::read_hf_checkpoint(&dir).unwrap();
+        let exported = model.to_hf_tensors(DType::F32).unwrap();
         assert_eq!(exported, original, "{name}");
         let out = std::env::temp_dir().join(format!("miles-bridge-{name}-{}", std::process::id()));
-        model.save_pretrained(&out, FloatDtype::F32, None).unwrap();
+        model.save_pretrained(&out, DType::F32, None).unwrap();
         let back = CausalLm::from_pretrained(&out, &device).unwrap();
         assert_eq!(back.config, model.config);
-        assert_eq!(back.to_hf_tensors(FloatDtype::F32).unwrap(), original);
+        assert_eq!(back.to_hf_tensors(DType::F32).unwrap(), original);
         std::fs::remove_dir_all(&out).ok();
     }
 }

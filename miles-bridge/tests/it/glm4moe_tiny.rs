@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file, serialize_safetensors};
 use miles_bridge::{
-    BridgeError, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput, MoeDispatch,
-    TensorMap, ids_tensor, names::internal_to_hf, token_logprobs,
+    BridgeError, CausalLm, KvCache, ModelConfig, ModelInput, MoeDispatch, ids_tensor,
+    names::internal_to_hf, token_logprobs,
 };
+use miles_core::{DType, NamedTensors, TensorBytes};
 use miles_r3::{Fallthrough, MoeLayerInfo, R3Error, RouterHook};
 use safetensors::SafeTensors;
 
@@ -352,13 +352,13 @@ fn check_against_transformers_on(device: &Device, dispatch: MoeDispatch) {
 
     let loss = lp.mean().neg();
     let grads = loss.backward();
-    let mut ours = TensorMap::new();
+    let mut ours = NamedTensors::new();
     model.visit_params(&mut |name, p| {
         if let Some(g) = p.grad(&grads) {
             let values = g.try_to_vec::<f32>().unwrap();
             ours.insert(
                 name.to_string(),
-                HostTensor::from_f32(g.shape().to_vec(), &values),
+                TensorBytes::from_f32(g.shape().to_vec(), &values).unwrap(),
             );
         }
     });
@@ -372,9 +372,9 @@ fn check_against_transformers_on(device: &Device, dispatch: MoeDispatch) {
     let mut worst = (0.0f64, String::new());
     for (name, (shape, want)) in &reference_grads {
         let got = &ours[name];
-        assert_eq!(&got.shape, shape, "{name}");
+        assert_eq!(got.shape(), &shape[..], "{name}");
         let bound = 1e-4 * want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        let diff = max_abs_diff(&got.to_f32(), want);
+        let diff = max_abs_diff(&got.to_f32().unwrap(), want);
         assert!(
             diff <= bound,
             "grad of {name}: max diff {diff:.3e} > {bound:.3e}"
@@ -396,13 +396,21 @@ fn both_config_layouts_load_the_same_model() {
     assert_eq!(new, old);
     assert_eq!(new.rotary_dim(), 8);
     let device = Device::flex();
-    let a =
-        CausalLm::from_hf_tensors(&new, read_checkpoint_dir(&fixture()).unwrap(), &device).unwrap();
-    let b =
-        CausalLm::from_hf_tensors(&old, read_checkpoint_dir(&fixture()).unwrap(), &device).unwrap();
+    let a = CausalLm::from_hf_tensors(
+        &new,
+        NamedTensors::read_hf_checkpoint(&fixture()).unwrap(),
+        &device,
+    )
+    .unwrap();
+    let b = CausalLm::from_hf_tensors(
+        &old,
+        NamedTensors::read_hf_checkpoint(&fixture()).unwrap(),
+        &device,
+    )
+    .unwrap();
     assert_eq!(
-        a.to_hf_tensors(FloatDtype::F32).unwrap(),
-        b.to_hf_tensors(FloatDtype::F32).unwrap()
+        a.to_hf_tensors(DType::F32).unwrap(),
+        b.to_hf_tensors(DType::F32).unwrap()
     );
     let ids = ids_tensor(&inputs(), &device).unwrap();
     let la = a
@@ -420,11 +428,11 @@ fn both_config_layouts_load_the_same_model() {
 fn export_round_trip_is_bit_identical() {
     let device = Device::flex();
     let model = load(&device);
-    let original = read_safetensors_file(&fixture().join("model.safetensors")).unwrap();
-    let exported = model.to_hf_tensors(FloatDtype::F32).unwrap();
+    let original = NamedTensors::read_hf_checkpoint(&fixture()).unwrap();
+    let exported = model.to_hf_tensors(DType::F32).unwrap();
     assert_eq!(exported, original);
     // The serialised file equals the fixture byte for byte.
-    let bytes = serialize_safetensors(&exported, None).unwrap();
+    let bytes = exported.to_safetensors_bytes();
     let fixture_bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
     let (a, b) = (
         SafeTensors::deserialize(&bytes).unwrap(),
@@ -435,13 +443,13 @@ fn export_round_trip_is_bit_identical() {
     }
 
     // bf16 / f16 exports re-import and re-export identically (sharded on disk).
-    for dtype in [FloatDtype::Bf16, FloatDtype::F16] {
+    for dtype in [DType::BF16, DType::F16] {
         let dir = std::env::temp_dir().join(format!("miles-bridge-{dtype}-{}", std::process::id()));
         model.save_pretrained(&dir, dtype, Some(300_000)).unwrap();
         assert!(dir.join("model.safetensors.index.json").is_file());
         let back = CausalLm::from_pretrained(&dir, &device).unwrap();
-        let first = read_checkpoint_dir(&dir).unwrap();
-        assert!(first.values().all(|t| t.dtype == dtype));
+        let first = NamedTensors::read_hf_checkpoint(&dir).unwrap();
+        assert!(first.values().all(|t| t.dtype() == dtype));
         assert_eq!(back.to_hf_tensors(dtype).unwrap(), first);
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -557,7 +565,7 @@ fn packed_rows_equal_separate_rows() {
 fn import_errors_name_the_tensor() {
     let device = Device::flex();
     let config = ModelConfig::from_file(fixture().join("config.json")).unwrap();
-    let full = read_checkpoint_dir(&fixture()).unwrap();
+    let full = NamedTensors::read_hf_checkpoint(&fixture()).unwrap();
 
     let mut missing = full.clone();
     missing.remove("model.layers.2.mlp.experts.5.down_proj.weight");
@@ -576,8 +584,8 @@ fn import_errors_name_the_tensor() {
 
     let mut extra = full.clone();
     extra.insert(
-        "model.layers.0.mlp.bogus.weight".into(),
-        HostTensor::from_f32(vec![1], &[0.0]),
+        "model.layers.0.mlp.bogus.weight",
+        TensorBytes::from_f32(vec![1], &[0.0]).unwrap(),
     );
     assert!(matches!(
         CausalLm::from_hf_tensors(&config, extra, &device),
@@ -586,8 +594,8 @@ fn import_errors_name_the_tensor() {
 
     let mut wrong = full;
     wrong.insert(
-        "model.norm.weight".into(),
-        HostTensor::from_f32(vec![63], &[1.0; 63]),
+        "model.norm.weight",
+        TensorBytes::from_f32(vec![63], &[1.0; 63]).unwrap(),
     );
     assert!(matches!(
         CausalLm::from_hf_tensors(&config, wrong, &device),

@@ -6,12 +6,9 @@
 use std::path::PathBuf;
 
 use burn::tensor::{Device, Tensor};
-use miles_bridge::checkpoint::read_safetensors_file;
 use miles_bridge::lora::{LoraConfig, LoraForward, PEFT_PREFIX};
-use miles_bridge::{
-    BridgeError, CausalLm, FloatDtype, HostTensor, ModelInput, TensorMap, ids_tensor,
-    token_logprobs,
-};
+use miles_bridge::{BridgeError, CausalLm, ModelInput, ids_tensor, token_logprobs};
+use miles_core::{DType, NamedTensors, TensorBytes};
 use miles_r3::Fallthrough;
 
 fn root() -> PathBuf {
@@ -29,8 +26,8 @@ fn inputs(name: &str) -> Vec<Vec<u32>> {
     serde_json::from_value(v["input_ids"].clone()).unwrap()
 }
 
-fn reference(name: &str) -> TensorMap {
-    read_safetensors_file(
+fn reference(name: &str) -> NamedTensors {
+    NamedTensors::from_safetensors_file(
         &root()
             .join("lora")
             .join(name)
@@ -65,15 +62,15 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// `model`'s adapters with every `lora_B` replaced by deterministic non-zero values, as PEFT
 /// tensors (so adapters actually change the output).
-fn perturbed_adapters(model: &CausalLm) -> TensorMap {
-    let mut tensors = model.lora_to_peft_tensors(FloatDtype::F32).unwrap();
+fn perturbed_adapters(model: &CausalLm) -> NamedTensors {
+    let mut tensors = model.lora_to_peft_tensors(DType::F32).unwrap();
     for (i, (name, t)) in tensors.iter_mut().enumerate() {
         if name.contains("lora_B") {
             let n = t.numel();
             let values: Vec<f32> = (0..n)
                 .map(|j| (((j * 7919 + i * 104_729) % 1000) as f32 / 1000.0 - 0.5) * 0.2)
                 .collect();
-            *t = HostTensor::from_f32(t.shape.clone(), &values);
+            *t = TensorBytes::from_f32(t.shape().to_vec(), &values).unwrap();
         }
     }
     tensors
@@ -104,7 +101,7 @@ fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
             );
             let lp = logprobs(&model, &rows);
             let got = lp.clone().into_data().try_to_vec::<f32>().unwrap();
-            let d = max_diff(&got, &want["token_logprobs"].to_f32());
+            let d = max_diff(&got, &want["token_logprobs"].to_f32().unwrap());
             assert!(
                 d <= 1e-4,
                 "{name} {mode:?}: log-probs differ from PEFT by {d}"
@@ -115,7 +112,7 @@ fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
                 .into_data()
                 .try_to_vec::<f32>()
                 .unwrap();
-            assert!(max_diff(&plain, &want["token_logprobs"].to_f32()) > 1e-2);
+            assert!(max_diff(&plain, &want["token_logprobs"].to_f32().unwrap()) > 1e-2);
 
             let grads = lp.mean().neg().backward();
             let mut seen = 0;
@@ -123,7 +120,9 @@ fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
             model.visit_lora_params(&mut |pname, p| {
                 let g = p.grad(&grads).expect("adapter without gradient");
                 let g = g.convert::<f32>().try_to_vec::<f32>().unwrap();
-                let w = want[&format!("grad.{PEFT_PREFIX}{pname}")].to_f32();
+                let w = want[&format!("grad.{PEFT_PREFIX}{pname}")]
+                    .to_f32()
+                    .unwrap();
                 let bound = 1e-4 * w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
                 let d = max_diff(&g, &w);
                 assert!(
@@ -150,7 +149,7 @@ fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
             // The merged export (engine weights) gives PEFT's merge_and_unload log-probs.
             let merged = CausalLm::from_hf_tensors(
                 &model.config,
-                model.to_hf_tensors_merged(FloatDtype::F32).unwrap(),
+                model.to_hf_tensors_merged(DType::F32).unwrap(),
                 &Device::flex(),
             )
             .unwrap();
@@ -158,7 +157,7 @@ fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
                 .into_data()
                 .try_to_vec::<f32>()
                 .unwrap();
-            let d = max_diff(&got, &want["merged_token_logprobs"].to_f32());
+            let d = max_diff(&got, &want["merged_token_logprobs"].to_f32().unwrap());
             assert!(
                 d <= 1e-4,
                 "{name}: merged log-probs differ from PEFT by {d}"
@@ -203,8 +202,8 @@ fn fresh_adapters_leave_the_forward_bit_identical() {
         // Seeded: the same config gives the same adapters.
         let again = base("glm4moe-tiny", &device).with_lora(&config).unwrap();
         assert_eq!(
-            again.lora_to_peft_tensors(FloatDtype::F32).unwrap(),
-            model.lora_to_peft_tensors(FloatDtype::F32).unwrap()
+            again.lora_to_peft_tensors(DType::F32).unwrap(),
+            model.lora_to_peft_tensors(DType::F32).unwrap()
         );
     }
 }
@@ -227,11 +226,11 @@ fn lora_forward_equals_merged_weight_forward() {
         let plain = logits(&base("glm4moe-tiny", &device), &rows);
         assert!(max_diff(&with_lora, &plain) > 1e-2, "adapters must matter");
 
-        let exported = model.to_hf_tensors_merged(FloatDtype::F32).unwrap();
+        let exported = model.to_hf_tensors_merged(DType::F32).unwrap();
         assert_eq!(
             exported.keys().collect::<Vec<_>>(),
             base("glm4moe-tiny", &device)
-                .to_hf_tensors(FloatDtype::F32)
+                .to_hf_tensors(DType::F32)
                 .unwrap()
                 .keys()
                 .collect::<Vec<_>>(),
@@ -251,18 +250,22 @@ fn lora_forward_equals_merged_weight_forward() {
         }
         // Merged weight = W + (alpha / r) · B · A, checked by hand on one layer.
         let w = base("glm4moe-tiny", &device)
-            .to_hf_tensors(FloatDtype::F32)
+            .to_hf_tensors(DType::F32)
             .unwrap();
-        let peft = model.lora_to_peft_tensors(FloatDtype::F32).unwrap();
-        let m = model.to_hf_tensors_merged(FloatDtype::F32).unwrap();
+        let peft = model.lora_to_peft_tensors(DType::F32).unwrap();
+        let m = model.to_hf_tensors_merged(DType::F32).unwrap();
         let key = "model.layers.1.mlp.experts.5.down_proj";
         let (w0, a, b) = (
-            w[&format!("{key}.weight")].to_f32(),
-            peft[&format!("{PEFT_PREFIX}{key}.lora_A.weight")].to_f32(),
-            peft[&format!("{PEFT_PREFIX}{key}.lora_B.weight")].to_f32(),
+            w[&format!("{key}.weight")].to_f32().unwrap(),
+            peft[&format!("{PEFT_PREFIX}{key}.lora_A.weight")]
+                .to_f32()
+                .unwrap(),
+            peft[&format!("{PEFT_PREFIX}{key}.lora_B.weight")]
+                .to_f32()
+                .unwrap(),
         );
         let (d_out, d_in, r) = (64, 32, 4);
-        let got = m[&format!("{key}.weight")].to_f32();
+        let got = m[&format!("{key}.weight")].to_f32().unwrap();
         for o in 0..d_out {
             for i in 0..d_in {
                 let ba: f64 = (0..r)
@@ -289,12 +292,9 @@ fn peft_export_round_trips_through_an_adapter_directory() {
     let model = base("glm4moe-tiny", &device)
         .with_lora_tensors(&config, tensors.clone())
         .unwrap();
-    assert_eq!(
-        model.lora_to_peft_tensors(FloatDtype::F32).unwrap(),
-        tensors
-    );
+    assert_eq!(model.lora_to_peft_tensors(DType::F32).unwrap(), tensors);
     let dir = std::env::temp_dir().join(format!("miles-lora-{}", std::process::id()));
-    model.save_lora_adapter(&dir, FloatDtype::F32).unwrap();
+    model.save_lora_adapter(&dir, DType::F32).unwrap();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
             .unwrap();
@@ -308,7 +308,7 @@ fn peft_export_round_trips_through_an_adapter_directory() {
     let back = base("glm4moe-tiny", &device)
         .load_lora_adapter(&dir, LoraForward::Merged)
         .unwrap();
-    assert_eq!(back.lora_to_peft_tensors(FloatDtype::F32).unwrap(), tensors);
+    assert_eq!(back.lora_to_peft_tensors(DType::F32).unwrap(), tensors);
     let rows = inputs("glm4moe-tiny");
     assert_eq!(logits(&back, &rows), logits(&model, &rows));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -322,17 +322,23 @@ fn bad_targets_and_adapter_tensors_are_typed_errors() {
 
     let config = LoraConfig::new(4, 8.0, &["q_proj"]);
     let fresh = base("qwen3-tiny", &device).with_lora(&config).unwrap();
-    let mut tensors = fresh.lora_to_peft_tensors(FloatDtype::F32).unwrap();
+    let mut tensors = fresh.lora_to_peft_tensors(DType::F32).unwrap();
     let key = format!("{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight");
     let removed = tensors.remove(&key).unwrap();
     let err = base("qwen3-tiny", &device).with_lora_tensors(&config, tensors.clone());
     assert!(matches!(err, Err(BridgeError::MissingTensor { name }) if name == key));
-    tensors.insert(key.clone(), HostTensor::from_f32(vec![4, 4], &[0.0; 16]));
+    tensors.insert(
+        key.clone(),
+        TensorBytes::from_f32(vec![4, 4], &[0.0; 16]).unwrap(),
+    );
     let err = base("qwen3-tiny", &device).with_lora_tensors(&config, tensors.clone());
     assert!(matches!(err, Err(BridgeError::ShapeMismatch { name, .. }) if name == key));
     tensors.insert(key, removed);
     let extra = format!("{PEFT_PREFIX}model.layers.0.self_attn.k_proj.lora_A.weight");
-    tensors.insert(extra.clone(), HostTensor::from_f32(vec![1], &[0.0]));
+    tensors.insert(
+        extra.clone(),
+        TensorBytes::from_f32(vec![1], &[0.0]).unwrap(),
+    );
     let err = base("qwen3-tiny", &device).with_lora_tensors(&config, tensors);
     assert!(matches!(err, Err(BridgeError::UnexpectedTensor { name }) if name == extra));
 

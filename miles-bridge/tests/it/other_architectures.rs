@@ -8,11 +8,11 @@
 use crate::common::{fixture, reference, rows_of};
 
 use burn::tensor::Device;
-use miles_bridge::checkpoint::{read_checkpoint_dir, read_safetensors_file};
 use miles_bridge::{
-    Architecture, CausalLm, FloatDtype, HostTensor, KvCache, ModelConfig, ModelInput, TensorMap,
-    ids_tensor, names::internal_to_hf, token_logprobs,
+    Architecture, CausalLm, KvCache, ModelConfig, ModelInput, ids_tensor, names::internal_to_hf,
+    token_logprobs,
 };
+use miles_core::{DType, NamedTensors, TensorBytes};
 use miles_r3::Fallthrough;
 
 fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
@@ -78,13 +78,13 @@ fn check(name: &str, architecture: Architecture, moe_layers: &[usize]) {
     }
 
     let grads = lp.mean().neg().backward();
-    let mut ours = TensorMap::new();
+    let mut ours = NamedTensors::new();
     model.visit_params(&mut |pname, p| {
         if let Some(g) = p.grad(&grads) {
             let values = g.try_to_vec::<f32>().unwrap();
             ours.insert(
                 pname.to_string(),
-                HostTensor::from_f32(g.shape().to_vec(), &values),
+                TensorBytes::from_f32(g.shape().to_vec(), &values).unwrap(),
             );
         }
     });
@@ -97,9 +97,9 @@ fn check(name: &str, architecture: Architecture, moe_layers: &[usize]) {
     let mut worst = 0.0f64;
     for (pname, (shape, want)) in &ref_grads {
         let got = &ours[pname];
-        assert_eq!(&got.shape, shape, "{pname}");
+        assert_eq!(got.shape(), &shape[..], "{pname}");
         let bound = 1e-4 * want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        let diff = max_abs_diff(&got.to_f32(), want);
+        let diff = max_abs_diff(&got.to_f32().unwrap(), want);
         assert!(
             diff <= bound,
             "{name}: grad of {pname}: {diff:.3e} > {bound:.3e}"
@@ -228,8 +228,8 @@ fn qwen2_export_round_trip_is_bit_identical() {
         let dir = fixture(name);
         let device = Device::flex();
         let model = CausalLm::from_pretrained(&dir, &device).unwrap();
-        let original = read_safetensors_file(&dir.join("model.safetensors")).unwrap();
-        let exported = model.to_hf_tensors(FloatDtype::F32).unwrap();
+        let original = NamedTensors::read_hf_checkpoint(&dir).unwrap();
+        let exported = model.to_hf_tensors(DType::F32).unwrap();
         assert_eq!(
             exported.contains_key("lm_head.weight"),
             !model.config.tie_word_embeddings
@@ -237,15 +237,15 @@ fn qwen2_export_round_trip_is_bit_identical() {
         assert!(exported.contains_key("model.layers.0.self_attn.k_proj.bias"));
         assert_eq!(exported, original, "{name}");
         let out = std::env::temp_dir().join(format!("miles-bridge-{name}-{}", std::process::id()));
-        model.save_pretrained(&out, FloatDtype::Bf16, None).unwrap();
+        model.save_pretrained(&out, DType::BF16, None).unwrap();
         let back = CausalLm::from_pretrained(&out, &device).unwrap();
         assert_eq!(back.config, model.config);
         assert_eq!(
             ModelConfig::from_file(out.join("config.json")).unwrap(),
             model.config
         );
-        let saved = read_checkpoint_dir(&out).unwrap();
-        assert_eq!(back.to_hf_tensors(FloatDtype::Bf16).unwrap(), saved);
+        let saved = NamedTensors::read_hf_checkpoint(&out).unwrap();
+        assert_eq!(back.to_hf_tensors(DType::BF16).unwrap(), saved);
         std::fs::remove_dir_all(&out).ok();
     }
 }

@@ -11,10 +11,8 @@
 use std::path::PathBuf;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use miles_bridge::{
-    CausalLm, FloatDtype, HostTensor, ModelInput, ModelOutput, ids_tensor, token_logprobs,
-};
-use miles_core::{Prompt, RoutedExperts, Sample};
+use miles_bridge::{CausalLm, ModelInput, ModelOutput, ids_tensor, token_logprobs};
+use miles_core::{DType, Prompt, RoutedExperts, Sample, TensorBytes};
 use miles_r3::{
     BatchLayout, Fallthrough, FlipStats, MoeModel, ReplayStage, ReplayTable, RouterHook,
     RoutingReplay, replay_table_for_batch,
@@ -186,14 +184,15 @@ fn perturbed(
     f: impl Fn(&str, f32, &mut Lcg) -> f32,
 ) -> CausalLm {
     let mut rng = Lcg(42);
-    let mut tensors = model.to_hf_tensors(FloatDtype::F32).unwrap();
+    let mut tensors = model.to_hf_tensors(DType::F32).unwrap();
     for (name, tensor) in tensors.iter_mut() {
         let values: Vec<f32> = tensor
             .to_f32()
+            .unwrap()
             .into_iter()
-            .map(|v| f(name.as_str(), v, &mut rng))
+            .map(|v| f(name, v, &mut rng))
             .collect();
-        *tensor = HostTensor::from_f32(tensor.shape.clone(), &values);
+        *tensor = TensorBytes::from_f32(tensor.shape().to_vec(), &values).unwrap();
     }
     CausalLm::from_hf_tensors(&model.config, tensors, device).unwrap()
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use miles_bridge::{CausalLm, FloatDtype, ModelInput, token_logprobs};
+use miles_bridge::{CausalLm, ModelInput, token_logprobs};
 use miles_core::{
     DType, EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, GenerateRequest,
     InferenceEngine, NamedTensors, PauseMode, RequestId, SamplingParams, TensorBytes,
@@ -258,11 +258,11 @@ async fn continuous_batching_gives_the_same_tokens_as_one_at_a_time() {
 
 fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
     let mut out = NamedTensors::new();
-    for (name, t) in model.to_hf_tensors(FloatDtype::F32).unwrap() {
-        let values: Vec<f32> = t.to_f32().iter().map(|v| v * factor).collect();
+    for (name, t) in model.to_hf_tensors(DType::F32).unwrap() {
+        let values: Vec<f32> = t.to_f32().unwrap().iter().map(|v| v * factor).collect();
         out.insert(
             name,
-            TensorBytes::from_f32(t.shape.clone(), &values).unwrap(),
+            TensorBytes::from_f32(t.shape().to_vec(), &values).unwrap(),
         );
     }
     out
@@ -280,20 +280,8 @@ async fn update_under_load(recompute: bool) {
     let model = load("glm4moe-tiny");
     let vocab = model.config.vocab_size as u32;
     let new_weights = scaled_weights(&model, 1.05);
-    let updated = {
-        let mut map = miles_bridge::TensorMap::new();
-        for (name, t) in new_weights.iter() {
-            map.insert(
-                name.to_string(),
-                miles_bridge::HostTensor {
-                    dtype: FloatDtype::F32,
-                    shape: t.shape().to_vec(),
-                    bytes: t.data().to_vec(),
-                },
-            );
-        }
-        CausalLm::from_hf_tensors(&model.config, map, &Device::flex()).unwrap()
-    };
+    let updated =
+        CausalLm::from_hf_tensors(&model.config, new_weights.clone(), &Device::flex()).unwrap();
     let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(recompute)).unwrap());
     let mut handles = Vec::new();
     for i in 0..16u32 {

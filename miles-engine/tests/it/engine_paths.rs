@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, FloatDtype, HostTensor};
+use miles_bridge::CausalLm;
 use miles_core::{
-    GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors, SamplingParams, TensorBytes,
-    WeightVersion,
+    DType, GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors, SamplingParams,
+    TensorBytes, WeightVersion,
 };
 use miles_engine::{EmbeddedEngine, EngineConfig};
 
@@ -118,11 +118,11 @@ async fn the_specialised_path_equals_the_generic_one_on_every_architecture() {
 
 fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
     let mut out = NamedTensors::new();
-    for (name, t) in model.to_hf_tensors(FloatDtype::F32).expect("export") {
-        let values: Vec<f32> = t.to_f32().iter().map(|v| v * factor).collect();
+    for (name, t) in model.to_hf_tensors(DType::F32).expect("export") {
+        let values: Vec<f32> = t.to_f32().unwrap().iter().map(|v| v * factor).collect();
         out.insert(
             name,
-            TensorBytes::from_f32(t.shape.clone(), &values).expect("tensor"),
+            TensorBytes::from_f32(t.shape().to_vec(), &values).expect("tensor"),
         );
     }
     out
@@ -144,12 +144,12 @@ async fn a_weight_update_reaches_the_specialised_path() {
         let new_model = CausalLm::from_hf_tensors(
             &model.config,
             model
-                .to_hf_tensors(FloatDtype::F32)
+                .to_hf_tensors(DType::F32)
                 .expect("export")
                 .into_iter()
                 .map(|(n, t)| {
-                    let v: Vec<f32> = t.to_f32().iter().map(|v| v * 1.7).collect();
-                    (n, HostTensor::from_f32(t.shape.clone(), &v))
+                    let v: Vec<f32> = t.to_f32().unwrap().iter().map(|v| v * 1.7).collect();
+                    (n, TensorBytes::from_f32(t.shape().to_vec(), &v).unwrap())
                 })
                 .collect(),
             &Device::flex(),

@@ -10,9 +10,9 @@ use axum::response::{IntoResponse, Response};
 use miles_core::{GenerateRequest, PauseMode, RequestId, SamplingParams, WeightVersion};
 use serde_json::{Value, json};
 
-use super::generate::bool_field;
 use super::info::ServerInfo;
 use super::state::{ApiError, ApiResult, AppState, AppStateRef, json_response, read_json};
+use super::wire::flag;
 
 pub(super) async fn list_models(State(state): AppStateRef) -> Response {
     let mut model = json!({
@@ -109,8 +109,7 @@ pub(super) async fn server_info(State(state): AppStateRef) -> Response {
             // weights in (`--bf16` / `--fp16`, f32 by default); SGLang clients write weight
             // updates in it.
             "dtype": match info.dtype {
-                miles_core::DType::BF16 => "bfloat16",
-                miles_core::DType::F16 => "float16",
+                dtype @ (miles_core::DType::BF16 | miles_core::DType::F16) => dtype.torch_name(),
                 _ => "float32",
             },
             "skip_tokenizer_init": info.tokenizer.is_none(),
@@ -169,7 +168,7 @@ pub(super) async fn continue_generation(State(state): AppStateRef) -> Response {
 pub(super) async fn abort_request(State(state): AppStateRef, request: Request) -> Response {
     let result = async {
         let body = read_json(&state, request, false).await?;
-        let abort_all = bool_field(&body, "abort_all")?;
+        let abort_all = flag(body.get("abort_all"), "abort_all").map_err(ApiError::bad_request)?;
         match body.get("rid") {
             _ if abort_all => state.engine.abort_all().await,
             Some(Value::String(rid)) if !rid.is_empty() => {
@@ -297,7 +296,9 @@ pub(super) async fn update_weights_from_disk(
             }
         };
         let model_path = confined_weights_path(&state.info, model_path)?;
-        if bool_field(&body, "abort_all_requests")? {
+        if flag(body.get("abort_all_requests"), "abort_all_requests")
+            .map_err(ApiError::bad_request)?
+        {
             state
                 .engine
                 .abort_all()

@@ -23,9 +23,11 @@ use crate::guard::ApiKey;
 use crate::http::{HttpClient, HttpResponse};
 use crate::server::ROUTING_KEY_HEADER;
 
-use super::wire::{GenerateResponse, TokenLogprob, parse_weight_version};
+use super::wire::{GenerateRequestBody, GenerateResponse, TokenLogprob, parse_weight_version};
 
-/// The dtype weight versions are written in for an SGLang-compatible engine.
+/// The dtype weight versions are written in for an SGLang-compatible engine: a policy (ask
+/// the engine, keep the export's, or cast), not a storage dtype; the dtype it picks is a
+/// [`DType`], the workspace's one storage dtype.
 ///
 /// SGLang loads `update_weights_from_disk` checkpoints into the dtype it serves (its
 /// `--dtype`, `bfloat16` for most LLM checkpoints), so writing f32 only doubles the bytes
@@ -50,9 +52,8 @@ impl WeightDtype {
     /// (`bfloat16`, `auto`, unknown) → BF16, the dtype of the checkpoints SGLang serves by
     /// default.
     pub fn from_served(dtype: &str) -> DType {
-        match dtype.trim().to_ascii_lowercase().as_str() {
-            "float32" | "float" | "fp32" => DType::F32,
-            "float16" | "half" | "fp16" => DType::F16,
+        match dtype.parse::<DType>() {
+            Ok(float @ (DType::F32 | DType::F16)) => float,
             _ => DType::BF16,
         }
     }
@@ -619,7 +620,7 @@ impl InferenceEngine for SglangEngine {
                 "empty input_ids",
             ));
         }
-        let body = serde_json::to_value(&request)?;
+        let body = serde_json::to_value(GenerateRequestBody::from(&request))?;
         let headers: Vec<(&str, &str)> = request
             .routing_key
             .as_deref()

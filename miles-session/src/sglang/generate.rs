@@ -17,7 +17,10 @@ use tokio::task::JoinSet;
 
 use super::info::ServerInfo;
 use super::state::{ApiError, ApiResult, AppState, AppStateRef, json_response, read_json};
-use super::wire::{GenerateResponse, MetaInfo, TokenLogprob, WireFinishReason, WireWeightVersion};
+use super::wire::{
+    GenerateRequestBody, GenerateResponse, MetaInfo, OneOrBatch, TokenLogprob, WireFinishReason,
+    WireWeightVersion,
+};
 
 // ---------------------------------------------------------------------------------------------
 // /generate
@@ -54,40 +57,13 @@ pub(super) struct OutputOptions {
     pub(super) return_text_in_logprobs: bool,
 }
 
-pub(super) fn bool_field(body: &Value, key: &str) -> ApiResult<bool> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(other) => Err(ApiError::bad_request(format!(
-            "{key} must be a boolean, got {other}"
-        ))),
-    }
-}
-
-pub(super) fn token_ids(value: &Value, what: &str) -> ApiResult<Vec<TokenId>> {
-    let Value::Array(items) = value else {
-        return Err(ApiError::bad_request(format!(
-            "{what} must be a list of ints"
-        )));
-    };
-    items
-        .iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|x| TokenId::try_from(x).ok())
-                .ok_or_else(|| ApiError::bad_request(format!("{what} holds {v}, not a token id")))
-        })
-        .collect()
-}
-
-/// The prompts of a `/generate` body and whether it was a batch.
+/// The prompts of a `/generate` body as token ids (text tokenized with the server's
+/// tokenizer), checked against the vocabulary and the context, and whether it was a batch.
 pub(super) fn parse_prompts(
     state: &AppState,
-    body: &Value,
+    body: &GenerateRequestBody,
 ) -> ApiResult<(Vec<Vec<TokenId>>, bool)> {
-    let input_ids = body.get("input_ids").filter(|v| !v.is_null());
-    let text = body.get("text").filter(|v| !v.is_null());
-    let (prompts, batched) = match (input_ids, text) {
+    let (prompts, batched) = match (&body.input_ids, &body.text) {
         (Some(_), Some(_)) => {
             return Err(ApiError::bad_request(
                 "either text or input_ids should be provided, not both",
@@ -98,44 +74,25 @@ pub(super) fn parse_prompts(
                 "either text or input_ids should be provided",
             ));
         }
-        (Some(ids), None) => match ids {
-            Value::Array(items) if items.first().is_some_and(Value::is_array) => (
-                items
-                    .iter()
-                    .enumerate()
-                    .map(|(i, v)| token_ids(v, &format!("input_ids[{i}]")))
-                    .collect::<ApiResult<Vec<_>>>()?,
-                true,
-            ),
-            other => (vec![token_ids(other, "input_ids")?], false),
-        },
+        (Some(OneOrBatch::One(ids)), None) => (vec![ids.clone()], false),
+        (Some(OneOrBatch::Batch(batch)), None) => (batch.clone(), true),
         (None, Some(text)) => {
             let tokenizer = state.info.tokenizer.as_ref().ok_or_else(|| {
                 ApiError::bad_request(
                     "this server has no tokenizer: send input_ids (start it with a tokenizer for text)",
                 )
             })?;
-            let encode = |t: &str| {
+            let encode = |t: &String| {
                 tokenizer
                     .encode(t)
                     .map_err(|e| ApiError::bad_request(format!("cannot tokenize text: {e}")))
             };
             match text {
-                Value::String(s) => (vec![encode(s)?], false),
-                Value::Array(items) => (
-                    items
-                        .iter()
-                        .map(|v| {
-                            v.as_str()
-                                .ok_or_else(|| {
-                                    ApiError::bad_request("text must be a string or strings")
-                                })
-                                .and_then(encode)
-                        })
-                        .collect::<ApiResult<Vec<_>>>()?,
+                OneOrBatch::One(s) => (vec![encode(s)?], false),
+                OneOrBatch::Batch(items) => (
+                    items.iter().map(encode).collect::<ApiResult<Vec<_>>>()?,
                     true,
                 ),
-                _ => return Err(ApiError::bad_request("text must be a string or strings")),
             }
         }
     };
@@ -269,17 +226,6 @@ pub(super) fn check_limits(
         ));
     }
     Ok(())
-}
-
-pub(super) fn parse_sampling(value: Option<&Value>) -> ApiResult<SamplingParams> {
-    match value {
-        None | Some(Value::Null) => Ok(SamplingParams::default()),
-        Some(v @ Value::Object(_)) => serde_json::from_value(v.clone())
-            .map_err(|e| ApiError::bad_request(format!("invalid sampling_params: {e}"))),
-        Some(other) => Err(ApiError::bad_request(format!(
-            "sampling_params must be an object, got {other}"
-        ))),
-    }
 }
 
 /// `max_new_tokens` of one prompt: the request's (SGLang's default when unset), checked
@@ -467,7 +413,7 @@ pub(super) async fn generate(State(state): AppStateRef, request: Request) -> Res
     let headers = request.headers().clone();
     let result = async {
         let body = read_json(&state, request, false).await?;
-        generate_inner(&state, &headers, &body).await
+        generate_inner(&state, &headers, body).await
     }
     .await;
     json_response(result)
@@ -476,47 +422,31 @@ pub(super) async fn generate(State(state): AppStateRef, request: Request) -> Res
 pub(super) async fn generate_inner(
     state: &AppState,
     headers: &HeaderMap,
-    body: &Value,
+    body: Value,
 ) -> ApiResult<Value> {
-    if bool_field(body, "stream")? {
+    let body: GenerateRequestBody =
+        serde_json::from_value(body).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if body.stream {
         return Err(ApiError::bad_request(
             "stream is not supported by this server; send stream: false",
         ));
     }
-    let mut params = parse_sampling(body.get("sampling_params"))?;
+    let mut params = body.sampling_params.clone();
     verify_sampling(&params)?;
-    let prompt_count = match body.get("input_ids").or_else(|| body.get("text")) {
-        Some(Value::Array(items))
-            if items.first().is_some_and(|v| v.is_array() || v.is_string()) =>
-        {
-            items.len()
-        }
-        _ => 1,
-    };
-    check_limits(&state.info, &params, prompt_count)?;
-    let (prompts, batched) = parse_prompts(state, body)?;
+    check_limits(&state.info, &params, body.prompt_count())?;
+    let (prompts, batched) = parse_prompts(state, &body)?;
     let options = OutputOptions {
-        return_logprob: bool_field(body, "return_logprob")?,
-        return_text_in_logprobs: bool_field(body, "return_text_in_logprobs")?,
+        return_logprob: body.return_logprob,
+        return_text_in_logprobs: body.return_text_in_logprobs,
     };
-    let return_routed_experts = bool_field(body, "return_routed_experts")?;
-    let routed_experts_start_len = match body.get("routed_experts_start_len") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_u64().ok_or_else(|| {
-            ApiError::bad_request("routed_experts_start_len must be a non-negative int")
-        })? as usize),
-    };
-    let rids: Vec<Option<String>> = match body.get("rid") {
-        None | Some(Value::Null) => vec![None; prompts.len()],
-        Some(Value::String(s)) if !batched => vec![Some(s.clone())],
-        Some(Value::Array(ids)) if batched && ids.len() == prompts.len() => ids
-            .iter()
-            .map(|v| {
-                v.as_str()
-                    .map(|s| Some(s.to_owned()))
-                    .ok_or_else(|| ApiError::bad_request("rid must be a string"))
-            })
-            .collect::<ApiResult<_>>()?,
+    let return_routed_experts = body.return_routed_experts;
+    let routed_experts_start_len = body.routed_experts_start_len;
+    let rids: Vec<Option<String>> = match body.rid {
+        None => vec![None; prompts.len()],
+        Some(OneOrBatch::One(s)) if !batched => vec![Some(s)],
+        Some(OneOrBatch::Batch(ids)) if batched && ids.len() == prompts.len() => {
+            ids.into_iter().map(Some).collect()
+        }
         Some(_) => {
             return Err(ApiError::bad_request(
                 "rid must be a string (a list of one per prompt for a batch)",

@@ -11,9 +11,10 @@
 //! * the [`Router`]: itself an `InferenceEngine` over several engines (sticky routing keys,
 //!   least outstanding requests, failover, health checks with re-creation and weight catch-up).
 //!
-//! Client and server read and write the same `/generate` answer type ([`GenerateResponse`]);
-//! the request is miles-core's [`GenerateRequest`](miles_core::GenerateRequest) on the
-//! client side, SGLang's looser body (text or ids, batches, `n`) on the server side.
+//! Client and server read and write the same `/generate` types: the request body
+//! ([`GenerateRequestBody`], SGLang's `GenerateReqInput`: text or ids, batches, `n`; the
+//! client writes it from miles-core's [`GenerateRequest`](miles_core::GenerateRequest)) and
+//! the answer ([`GenerateResponse`]).
 
 mod admin;
 mod chat;
@@ -31,4 +32,7 @@ pub use info::{DEFAULT_MAX_NEW_TOKENS, ServerInfo, load_chat_tokenizer};
 pub use router::{EngineFactory, MAX_ROUTING_KEYS, Router};
 pub use serve::serve;
 pub use server::sglang_router;
-pub use wire::{GenerateResponse, MetaInfo, TokenLogprob, WireFinishReason, WireWeightVersion};
+pub use wire::{
+    GenerateRequestBody, GenerateResponse, MetaInfo, OneOrBatch, TokenLogprob, WireFinishReason,
+    WireWeightVersion,
+};

@@ -1,6 +1,11 @@
-//! SGLang's `/generate` answer as types: what the server writes and the client reads, so the two
-//! ends cannot drift apart. The request side is miles-core's
-//! [`GenerateRequest`](miles_core::GenerateRequest), serialised as SGLang's body.
+//! SGLang's `/generate` request and answer as types: the client writes the request
+//! ([`GenerateRequestBody`], SGLang's `GenerateReqInput`) and reads the answer
+//! ([`GenerateResponse`]), the server reads the one and writes the other, so the two ends
+//! cannot drift apart.
+//!
+//! The request is read with the server's messages: each malformed field is an error naming
+//! the field and what it must be (`return_logprob must be a boolean, got "yes"`,
+//! `input_ids[1] holds -2, not a token id`), which the server answers as a 400.
 //!
 //! Reading is strict about shapes and lenient only where SGLang itself varies: a finish reason
 //! is an object (`{"type": "stop", "matched": …}`) or a bare string, a weight version a string
@@ -8,9 +13,269 @@
 //! other and with the request is checked by the client ([`GenerateResponse`] carries no such
 //! promise).
 
-use miles_core::{FinishReason, TokenId, WeightVersion};
-use serde::{Deserialize, Serialize};
+use miles_core::{FinishReason, GenerateRequest, SamplingParams, TokenId, WeightVersion};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
+
+/// One item, or a batch of them: SGLang's `Union[T, List[T]]` fields (`text`, `input_ids`,
+/// `rid`). Written as the item or as a list.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum OneOrBatch<T> {
+    /// One prompt (or its id).
+    One(T),
+    /// A batch, one per prompt.
+    Batch(Vec<T>),
+}
+
+impl<T> OneOrBatch<T> {
+    /// How many items: 1 for `One`, the batch's length otherwise.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::One(_) => 1,
+            Self::Batch(items) => items.len(),
+        }
+    }
+
+    /// True for an empty batch.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// SGLang's `/generate` body (`GenerateReqInput`), the fields this server honours: the
+/// prompt as `text` or `input_ids` (one, or a batch), `sampling_params` (with `n`), `rid`,
+/// `return_logprob`, `return_text_in_logprobs`, `return_routed_experts`,
+/// `routed_experts_start_len` and `stream` (which this server refuses). Other keys SGLang
+/// accepts are ignored. Absent and `null` fields take SGLang's defaults.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct GenerateRequestBody {
+    /// The prompt as text: one string, or a batch of strings (tokenized by the server).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "read::text"
+    )]
+    pub text: Option<OneOrBatch<String>>,
+    /// The prompt as token ids: one list, or a batch of lists.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "read::input_ids"
+    )]
+    pub input_ids: Option<OneOrBatch<Vec<TokenId>>>,
+    /// How to sample (SGLang's `sampling_params`, `n` included).
+    #[serde(default, deserialize_with = "read::sampling_params")]
+    pub sampling_params: SamplingParams,
+    /// The request id: one, or one per prompt of a batch.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "read::rid"
+    )]
+    pub rid: Option<OneOrBatch<String>>,
+    /// Return the log-prob of every generated token.
+    #[serde(default, deserialize_with = "read::return_logprob")]
+    pub return_logprob: bool,
+    /// Return each generated token's text beside its log-prob.
+    #[serde(
+        default,
+        skip_serializing_if = "is_false",
+        deserialize_with = "read::return_text_in_logprobs"
+    )]
+    pub return_text_in_logprobs: bool,
+    /// Return the MoE expert choices of every forwarded position.
+    #[serde(default, deserialize_with = "read::return_routed_experts")]
+    pub return_routed_experts: bool,
+    /// Only routing rows from this position on (Miles' addition-R3).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "read::routed_experts_start_len"
+    )]
+    pub routed_experts_start_len: Option<usize>,
+    /// Stream the answer (refused by this server).
+    #[serde(
+        default,
+        skip_serializing_if = "is_false",
+        deserialize_with = "read::stream"
+    )]
+    pub stream: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !*value
+}
+
+impl GenerateRequestBody {
+    /// How many prompts the body carries, for the limits checked before the prompts are
+    /// read: a batch's length (at least 1), else 1.
+    pub fn prompt_count(&self) -> usize {
+        match (&self.input_ids, &self.text) {
+            (Some(OneOrBatch::Batch(items)), _) => items.len().max(1),
+            (None, Some(OneOrBatch::Batch(items))) => items.len().max(1),
+            _ => 1,
+        }
+    }
+}
+
+impl From<&GenerateRequest> for GenerateRequestBody {
+    /// The body the client sends for one token-id request (the routing key travels as a
+    /// header, not in the body).
+    fn from(request: &GenerateRequest) -> Self {
+        Self {
+            input_ids: Some(OneOrBatch::One(request.input_ids.clone())),
+            sampling_params: request.sampling_params.clone(),
+            rid: request
+                .request_id
+                .as_ref()
+                .map(|id| OneOrBatch::One(id.0.clone())),
+            return_logprob: request.return_logprob,
+            return_routed_experts: request.return_routed_experts,
+            routed_experts_start_len: request.routed_experts_start_len,
+            ..Self::default()
+        }
+    }
+}
+
+/// A boolean flag of a request body: absent or `null` is `false`.
+pub(super) fn flag(value: Option<&Value>, key: &str) -> Result<bool, String> {
+    match value {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(format!("{key} must be a boolean, got {other}")),
+    }
+}
+
+/// The readers of [`GenerateRequestBody`]'s fields, each with the server's message.
+mod read {
+    use super::*;
+
+    /// A token-id list named `what` in messages.
+    fn token_ids(value: &Value, what: &str) -> Result<Vec<TokenId>, String> {
+        let Value::Array(items) = value else {
+            return Err(format!("{what} must be a list of ints"));
+        };
+        items
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|x| TokenId::try_from(x).ok())
+                    .ok_or_else(|| format!("{what} holds {v}, not a token id"))
+            })
+            .collect()
+    }
+
+    /// One string, or a batch of strings; `message` for anything else.
+    fn strings(value: Value, message: &str) -> Result<OneOrBatch<String>, String> {
+        match value {
+            Value::String(s) => Ok(OneOrBatch::One(s)),
+            Value::Array(items) => items
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s),
+                    _ => Err(message.to_owned()),
+                })
+                .collect::<Result<_, _>>()
+                .map(OneOrBatch::Batch),
+            _ => Err(message.to_owned()),
+        }
+    }
+
+    /// The field's value, `None` when it is `null`.
+    fn present<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+        Ok(Option::<Value>::deserialize(deserializer)?.filter(|v| !v.is_null()))
+    }
+
+    pub(super) fn input_ids<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<OneOrBatch<Vec<TokenId>>>, D::Error> {
+        let Some(ids) = present(deserializer)? else {
+            return Ok(None);
+        };
+        let read = match &ids {
+            Value::Array(items) if items.first().is_some_and(Value::is_array) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| token_ids(v, &format!("input_ids[{i}]")))
+                .collect::<Result<_, _>>()
+                .map(OneOrBatch::Batch),
+            other => token_ids(other, "input_ids").map(OneOrBatch::One),
+        };
+        read.map(Some).map_err(D::Error::custom)
+    }
+
+    pub(super) fn text<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<OneOrBatch<String>>, D::Error> {
+        present(deserializer)?
+            .map(|text| strings(text, "text must be a string or strings"))
+            .transpose()
+            .map_err(D::Error::custom)
+    }
+
+    pub(super) fn rid<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<OneOrBatch<String>>, D::Error> {
+        let read = match present(deserializer)? {
+            None => Ok(None),
+            Some(Value::Array(items)) => {
+                strings(Value::Array(items), "rid must be a string").map(Some)
+            }
+            Some(other) => strings(
+                other,
+                "rid must be a string (a list of one per prompt for a batch)",
+            )
+            .map(Some),
+        };
+        read.map_err(D::Error::custom)
+    }
+
+    pub(super) fn sampling_params<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<SamplingParams, D::Error> {
+        match present(deserializer)? {
+            None => Ok(SamplingParams::default()),
+            Some(v @ Value::Object(_)) => serde_json::from_value(v)
+                .map_err(|e| D::Error::custom(format!("invalid sampling_params: {e}"))),
+            Some(other) => Err(D::Error::custom(format!(
+                "sampling_params must be an object, got {other}"
+            ))),
+        }
+    }
+
+    pub(super) fn routed_experts_start_len<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<usize>, D::Error> {
+        present(deserializer)?
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| {
+                        D::Error::custom("routed_experts_start_len must be a non-negative int")
+                    })
+            })
+            .transpose()
+    }
+
+    /// The reader of the boolean field `$key`.
+    macro_rules! flags {
+        ($($key:ident),*) => {$(
+            pub(super) fn $key<'de, D: Deserializer<'de>>(deserializer: D) -> Result<bool, D::Error> {
+                let value = Option::<Value>::deserialize(deserializer)?;
+                flag(value.as_ref(), stringify!($key)).map_err(D::Error::custom)
+            }
+        )*};
+    }
+
+    flags!(
+        return_logprob,
+        return_text_in_logprobs,
+        return_routed_experts,
+        stream
+    );
+}
 
 /// One `/generate` answer (one per prompt and sample of a request).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -288,6 +553,95 @@ mod tests {
             serde_json::to_value(&abort).unwrap(),
             json!({"type": "abort", "message": "Abort before completion"})
         );
+    }
+
+    #[test]
+    fn the_client_body_is_sglangs() {
+        let mut request = GenerateRequest::new(
+            vec![1, 2],
+            SamplingParams {
+                max_new_tokens: Some(4),
+                ..SamplingParams::default()
+            },
+        );
+        request.request_id = Some(miles_core::RequestId::new("r7"));
+        request.routed_experts_start_len = Some(1);
+        let body = serde_json::to_value(GenerateRequestBody::from(&request)).unwrap();
+        // SGLang's GenerateReqInput field names; miles-core's request serialises the same way.
+        assert_eq!(body, serde_json::to_value(&request).unwrap());
+        assert_eq!(body["input_ids"], json!([1, 2]));
+        assert_eq!(body["rid"], "r7");
+        assert_eq!(body["return_routed_experts"], false);
+        assert!(body.get("stream").is_none() && body.get("text").is_none());
+        let back: GenerateRequestBody = serde_json::from_value(body).unwrap();
+        assert_eq!(back, GenerateRequestBody::from(&request));
+    }
+
+    #[test]
+    fn request_bodies_read_as_sglang_reads_them() {
+        let body: GenerateRequestBody = serde_json::from_value(json!({
+            "text": ["a", "b"], "rid": ["x", "y"], "return_logprob": null,
+            "sampling_params": null, "stream": false, "image_data": "ignored",
+        }))
+        .unwrap();
+        assert_eq!(
+            body.text,
+            Some(OneOrBatch::Batch(vec!["a".into(), "b".into()]))
+        );
+        assert_eq!(body.prompt_count(), 2);
+        assert!(!body.return_logprob);
+        assert_eq!(body.sampling_params, SamplingParams::default());
+        let body: GenerateRequestBody =
+            serde_json::from_value(json!({"input_ids": [[1], [2, 3], [4]]})).unwrap();
+        assert_eq!(body.prompt_count(), 3);
+        assert_eq!(
+            body.input_ids,
+            Some(OneOrBatch::Batch(vec![vec![1], vec![2, 3], vec![4]]))
+        );
+        let body: GenerateRequestBody = serde_json::from_value(json!({"input_ids": []})).unwrap();
+        assert_eq!(body.input_ids, Some(OneOrBatch::One(vec![])));
+        for (bad, message) in [
+            (
+                json!({"input_ids": "abc"}),
+                "input_ids must be a list of ints",
+            ),
+            (
+                json!({"input_ids": [1, -2]}),
+                "input_ids holds -2, not a token id",
+            ),
+            (
+                json!({"input_ids": [[1], [true]]}),
+                "input_ids[1] holds true, not a token id",
+            ),
+            (json!({"text": 3}), "text must be a string or strings"),
+            (
+                json!({"rid": 5}),
+                "rid must be a string (a list of one per prompt for a batch)",
+            ),
+            (json!({"rid": ["a", 5]}), "rid must be a string"),
+            (
+                json!({"return_logprob": "yes"}),
+                "return_logprob must be a boolean, got \"yes\"",
+            ),
+            (json!({"stream": 1}), "stream must be a boolean, got 1"),
+            (
+                json!({"sampling_params": [1]}),
+                "sampling_params must be an object, got [1]",
+            ),
+            (
+                json!({"sampling_params": {"max_new_tokens": "many"}}),
+                "invalid sampling_params: invalid type: string \"many\"",
+            ),
+            (
+                json!({"routed_experts_start_len": -1}),
+                "routed_experts_start_len must be a non-negative int",
+            ),
+        ] {
+            let err = serde_json::from_value::<GenerateRequestBody>(bad.clone())
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with(message), "{bad}: {err}");
+        }
     }
 
     #[test]

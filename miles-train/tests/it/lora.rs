@@ -7,10 +7,9 @@ use std::path::PathBuf;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::checkpoint::read_safetensors_file;
 use miles_bridge::lora::LoraForward;
-use miles_bridge::{CausalLm, FloatDtype, TensorMap, score_log_probs};
-use miles_core::{NamedTensors, PolicyTrainer, Reward, Sample};
+use miles_bridge::{CausalLm, score_log_probs};
+use miles_core::{DType, NamedTensors, PolicyTrainer, Reward, Sample};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, Error, LossType, LrSchedule, TrainConfig};
@@ -67,29 +66,18 @@ fn mean(v: &[f32]) -> f64 {
     v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64
 }
 
-fn base_tensors(a: &Actor) -> TensorMap {
-    a.model().to_hf_tensors(FloatDtype::F32).unwrap()
+fn base_tensors(a: &Actor) -> NamedTensors {
+    a.model().to_hf_tensors(DType::F32).unwrap()
 }
 
 fn engine(weights: &NamedTensors, like: &CausalLm) -> CausalLm {
-    let mut map = TensorMap::new();
-    for (name, t) in weights.iter() {
-        map.insert(
-            name.to_string(),
-            miles_bridge::HostTensor {
-                dtype: FloatDtype::F32,
-                shape: t.shape().to_vec(),
-                bytes: t.data().to_vec(),
-            },
-        );
-    }
-    CausalLm::from_hf_tensors(&like.config, map, &Device::flex()).unwrap()
+    CausalLm::from_hf_tensors(&like.config, weights.clone(), &Device::flex()).unwrap()
 }
 
 #[test]
 fn sft_and_grpo_with_lora_move_only_the_adapters() {
     let batch = samples();
-    let initial = model().to_hf_tensors(FloatDtype::F32).unwrap();
+    let initial = model().to_hf_tensors(DType::F32).unwrap();
 
     // SFT on a fixed batch: the loss falls; the base weights stay bit-identical.
     let mut sft = Actor::new(
@@ -151,7 +139,7 @@ fn sft_and_grpo_with_lora_move_only_the_adapters() {
     // Optimizer state exists for the adapters only.
     let dir = std::env::temp_dir().join(format!("miles-lora-state-{}", std::process::id()));
     actor.save_checkpoint(&dir).unwrap();
-    let state = read_safetensors_file(&dir.join("optimizer.safetensors")).unwrap();
+    let state = NamedTensors::from_safetensors_file(&dir.join("optimizer.safetensors")).unwrap();
     assert_eq!(
         state.len(),
         27 * 2 * 2,
@@ -182,8 +170,8 @@ fn exported_merged_weights_reproduce_the_lora_policy() {
         for version in 0..2 {
             let weights = actor.export_weights().unwrap();
             let names: Vec<&str> = weights.iter().map(|(n, _)| n).collect();
-            let base = model().to_hf_tensors(FloatDtype::F32).unwrap();
-            assert_eq!(names, base.keys().map(String::as_str).collect::<Vec<_>>());
+            let base = model().to_hf_tensors(DType::F32).unwrap();
+            assert_eq!(names, base.keys().collect::<Vec<_>>());
             let engine = engine(&weights, actor.model());
             let policy = actor.model().valid();
             for s in &mut rollout {
@@ -204,7 +192,7 @@ fn exported_merged_weights_reproduce_the_lora_policy() {
             }
         }
         // The PEFT export names every adapter tensor.
-        let (tensors, json) = actor.export_lora_adapter(FloatDtype::F32).unwrap().unwrap();
+        let (tensors, json) = actor.export_lora_adapter(DType::F32).unwrap().unwrap();
         assert_eq!(json["r"], 4);
         assert!(
             tensors
@@ -262,11 +250,7 @@ fn lora_checkpoint_resume_is_bit_identical() {
     let mut first = Actor::new(model(), config()).unwrap();
     first.train(0, &batch).unwrap();
     first.save_checkpoint(&ckpt).unwrap();
-    let saved_adapter = first
-        .export_lora_adapter(FloatDtype::F32)
-        .unwrap()
-        .unwrap()
-        .0;
+    let saved_adapter = first.export_lora_adapter(DType::F32).unwrap().unwrap().0;
     drop(first);
     // The adapter directory is a PEFT adapter the bridge (and PEFT) loads.
     let peft = CausalLm::from_pretrained(ckpt.join("model"), &Device::flex())
@@ -279,25 +263,13 @@ fn lora_checkpoint_resume_is_bit_identical() {
     resumed.load_checkpoint(&ckpt).unwrap();
     assert_eq!(resumed.step_count(), 1);
     assert_eq!(
-        resumed
-            .export_lora_adapter(FloatDtype::F32)
-            .unwrap()
-            .unwrap()
-            .0,
+        resumed.export_lora_adapter(DType::F32).unwrap().unwrap().0,
         saved_adapter,
         "adapters restored bit for bit"
     );
     resumed.train(1, &batch).unwrap();
-    let a = straight
-        .export_lora_adapter(FloatDtype::F32)
-        .unwrap()
-        .unwrap()
-        .0;
-    let b = resumed
-        .export_lora_adapter(FloatDtype::F32)
-        .unwrap()
-        .unwrap()
-        .0;
+    let a = straight.export_lora_adapter(DType::F32).unwrap().unwrap().0;
+    let b = resumed.export_lora_adapter(DType::F32).unwrap().unwrap().0;
     assert_eq!(a, b, "adapters differ after resume");
     assert_eq!(
         straight.export_weights().unwrap(),

@@ -119,7 +119,8 @@ pub fn rows_of(dir: &Path) -> Vec<Vec<u32>> {
 /// Returns the worst log-prob difference.
 pub fn assert_matches_reference(dir: &Path, moe_layers: &[usize], tol: f64) -> f64 {
     use burn::tensor::Tensor;
-    use miles_bridge::{FloatDtype, checkpoint::read_checkpoint_dir, token_logprobs};
+    use miles_bridge::token_logprobs;
+    use miles_core::{DType, NamedTensors};
     let name = dir.display();
     let rows = rows_of(dir);
     let device = Device::flex();
@@ -210,8 +211,8 @@ pub fn assert_matches_reference(dir: &Path, moe_layers: &[usize], tol: f64) -> f
     );
     // The export equals the checkpoint, but for the empty shared-expert tensors transformers
     // saves with `n_shared_experts = 0` (skipped on import, not written).
-    let exported = model.to_hf_tensors(FloatDtype::F32).unwrap();
-    let mut checkpoint = read_checkpoint_dir(dir).unwrap();
+    let exported = model.to_hf_tensors(DType::F32).unwrap();
+    let mut checkpoint = NamedTensors::read_hf_checkpoint(dir).unwrap();
     checkpoint.retain(|_, t| t.numel() > 0);
     assert_eq!(exported, checkpoint, "{name}: export = checkpoint");
     d_lp
