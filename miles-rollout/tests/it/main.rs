@@ -5,5 +5,6 @@ mod common;
 
 mod data_formats;
 mod loops;
+mod response_text;
 mod router;
 mod router_http;
