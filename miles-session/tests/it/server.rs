@@ -362,8 +362,15 @@ async fn tool_calling_conversation_records_exact_tokens() {
         assert_eq!(turn.status, SampleStatus::Completed);
     }
     assert_eq!(turns[1].tokens, acc);
+    // The messages only with `save_debug_trajectory_data` (Miles' flag); a lifecycle segment
+    // per turn, the second knowing when the first ended.
     assert!(!turns[0].metadata.contains_key("messages"));
-    assert!(turns[1].metadata.contains_key("messages"));
+    assert!(!turns[1].metadata.contains_key("messages"));
+    assert_eq!(turns[1].metadata["lifecycle"]["turn"], json!(2));
+    assert_eq!(
+        turns[1].metadata["lifecycle"]["prev_t1"],
+        turns[0].metadata["lifecycle"]["t1"]
+    );
     // Through Miles' codec too.
     let r = h
         .http
