@@ -967,3 +967,34 @@ async fn multi_turn_tool_loop_appends_tool_outputs_with_tito_and_masks_them() {
     assert_eq!(s.response_length, 5);
     assert_eq!(engine.weight_version().await.unwrap().0, 7);
 }
+
+/// Every engine down: the samples' engine calls fail, the failures are counted as `engine`,
+/// and the rollout ends with a clear error naming the engine's answer instead of training on
+/// nothing or regenerating forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_engine_stops_the_rollout_with_its_error() {
+    let engine = TabularEngine::new(Duration::from_millis(0));
+    engine.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+    let manager = manager(
+        &engine,
+        rollout_config(4, 8),
+        Arc::new(BuiltinReward::ExactMatch),
+    );
+    let mut data = DataSource::new(prompts(), 4, false, 0).unwrap();
+    let error = manager.generate_rollout(0, &mut data).await.unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(error, miles_rollout::Error::TooManyFailures(_)),
+        "{message}"
+    );
+    assert!(
+        message.contains("16 samples in a row failed") && message.contains("connection refused"),
+        "{message}"
+    );
+    let mut metrics = miles_core::Metrics::new();
+    manager.failures().take_metrics(&mut metrics);
+    assert!(
+        metrics["rollout/failed_samples/engine"] >= 16.0,
+        "{metrics:?}"
+    );
+}
