@@ -128,7 +128,13 @@ async fn every_rule_that_reads_the_text_rewards_a_correct_answer_that_stops_clea
         Arc::new(RmHubReward::new(Some(RmType::from_rm_type(name).unwrap())))
     };
     // (rule, the model's answer, the label, the reward key of a dict reward).
-    let cases: [(Arc<dyn RewardFn>, &str, &str, Option<&str>); 7] = [
+    type Case = (
+        Arc<dyn RewardFn>,
+        &'static str,
+        &'static str,
+        Option<&'static str>,
+    );
+    let cases: [Case; 7] = [
         (Arc::new(BuiltinReward::ExactMatch), "135", "135", None),
         (
             Arc::new(BuiltinReward::NumericMatch { tolerance: 0.0 }),
