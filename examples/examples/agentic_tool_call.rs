@@ -251,9 +251,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
         seed,
         miles_bridge::Precision::F32,
     )?;
-    let server_url =
-        miles_examples::wiring::spawn_session_server(engine.clone(), &model_dir, "qwen3", use_r3)
-            .await?;
+    let server_url = miles_examples::wiring::spawn_session_server(
+        engine.clone(),
+        &model_dir,
+        "qwen3",
+        use_r3,
+        Default::default(),
+    )
+    .await?;
     println!("session server on {server_url}");
 
     // 3. Data, reward, the agent as the rollout's sample generator.

@@ -342,9 +342,18 @@ async fn agent_generator(
         }
         return Ok(None);
     };
-    let url =
-        crate::wiring::spawn_session_server(engine.clone(), &c.hf, a.required("--tito")?, use_r3)
-            .await?;
+    // Miles applies --apply-chat-template-kwargs to every render of the session server.
+    let kwargs: Map<String, Value> =
+        serde_json::from_str(a.required("--apply-chat-template-kwargs")?)
+            .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
+    let url = crate::wiring::spawn_session_server(
+        engine.clone(),
+        &c.hf,
+        a.required("--tito")?,
+        use_r3,
+        kwargs,
+    )
+    .await?;
     println!("session server on {url}; agent: {cmd}");
     let mut config = CommandAgentConfig::shell(cmd);
     config.timeout = match a.parse_required::<f64>("--agent-timeout-s")? {

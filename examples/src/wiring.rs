@@ -125,6 +125,7 @@ pub async fn spawn_session_server(
     model_dir: &Path,
     family: &str,
     return_routed_experts: bool,
+    chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
     let chat = miles_tito::TitoChat::load(model_dir, family)?;
     let server = miles_session::server::SessionServer::new(
@@ -132,6 +133,7 @@ pub async fn spawn_session_server(
         Arc::new(chat),
         miles_session::server::SessionServerConfig {
             return_routed_experts,
+            chat_template_kwargs,
             ..miles_session::server::SessionServerConfig::default()
         },
     );

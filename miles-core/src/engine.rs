@@ -34,7 +34,12 @@ impl fmt::Display for RequestId {
 }
 
 /// Sampling parameters with SGLang's names and defaults (`temperature` 1, `top_p` 1, `top_k`
-/// −1 = off, `min_p` 0). Optional fields are omitted from the wire form when unset.
+/// −1 = off, `min_p` 0, `skip_special_tokens` on, `spaces_between_special_tokens` on,
+/// `no_stop_trim` off: the output text skips special tokens and the matched stop, as SGLang's
+/// `/generate` answers). Optional fields are omitted from the wire form when unset.
+///
+/// The text switches only change the text ([`output_text`]); the generated ids, their
+/// log-probs and loss masks always include the stop token.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
@@ -58,9 +63,10 @@ pub struct SamplingParams {
     /// Stop token ids.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stop_token_ids: Vec<TokenId>,
-    /// Drop special tokens when detokenising the output text.
+    /// Drop special tokens when detokenising the output text (SGLang's default: on).
     pub skip_special_tokens: bool,
-    /// Keep the matched stop token / string in the output (Miles sends `true`).
+    /// Keep the matched stop token / string in the output text (SGLang's default: off; the
+    /// ids keep the stop token either way).
     pub no_stop_trim: bool,
     /// Insert spaces between special tokens when detokenising.
     pub spaces_between_special_tokens: bool,
@@ -101,9 +107,9 @@ impl Default for SamplingParams {
             min_new_tokens: 0,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
-            skip_special_tokens: false,
-            no_stop_trim: true,
-            spaces_between_special_tokens: false,
+            skip_special_tokens: true,
+            no_stop_trim: false,
+            spaces_between_special_tokens: true,
             sampling_seed: None,
             n: 1,
             frequency_penalty: 0.0,
@@ -181,7 +187,7 @@ pub struct GenerateOutput {
     /// The request's id, if it had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<RequestId>,
-    /// Generated token ids (stop token included when `no_stop_trim`).
+    /// Generated token ids (the matched stop token included, whatever `no_stop_trim` says).
     pub output_ids: Vec<TokenId>,
     /// Log-prob of each generated token under the generating weights (empty unless asked).
     #[serde(default)]
@@ -202,6 +208,54 @@ pub struct GenerateOutput {
     /// Prompt tokens served from the prefix cache.
     #[serde(default)]
     pub cached_tokens: usize,
+}
+
+/// The text SGLang's detokenizer gives for generated ids (its `trim_matched_stop` and
+/// `skip_special_tokens`): unless `params.no_stop_trim`, a stop *token* that ended generation
+/// (`matched_stop` a number) is left out of the decoded ids, and the text is cut before the
+/// first occurrence of a stop *string* that ended it. `decode(ids, skip_special_tokens)` is
+/// the tokenizer's decode. As in SGLang, a falsy `matched` (token id 0, an empty string) trims
+/// nothing. The ids themselves are never changed.
+///
+/// ```
+/// use miles_core::{SamplingParams, output_text};
+/// use serde_json::json;
+/// let decode = |ids: &[u32], skip: bool| {
+///     ids.iter()
+///         .filter(|&&id| !(skip && id == 9))
+///         .map(|id| if *id == 9 { "<eos>".to_string() } else { id.to_string() })
+///         .collect::<String>()
+/// };
+/// let params = SamplingParams::default();
+/// assert_eq!(output_text(&[1, 3, 5, 9], Some(&json!(9)), &params, decode), "135");
+/// let keep = SamplingParams { no_stop_trim: true, skip_special_tokens: false, ..params.clone() };
+/// assert_eq!(output_text(&[1, 3, 5, 9], Some(&json!(9)), &keep, decode), "135<eos>");
+/// assert_eq!(output_text(&[1, 3, 5], Some(&json!("35")), &params, decode), "1");
+/// ```
+pub fn output_text(
+    output_ids: &[TokenId],
+    matched_stop: Option<&Value>,
+    params: &SamplingParams,
+    decode: impl FnOnce(&[TokenId], bool) -> String,
+) -> String {
+    let trim = !params.no_stop_trim;
+    let mut ids = output_ids;
+    if trim
+        && let Some(Value::Number(n)) = matched_stop
+        && n.as_u64() != Some(0)
+        && let Some((_, head)) = ids.split_last()
+    {
+        ids = head;
+    }
+    let mut text = decode(ids, params.skip_special_tokens);
+    if trim
+        && let Some(Value::String(stop)) = matched_stop
+        && !stop.is_empty()
+        && let Some(at) = text.find(stop.as_str())
+    {
+        text.truncate(at);
+    }
+    text
 }
 
 /// What happens to in-flight requests when generation is paused (SGLang's `pause_generation`
@@ -263,6 +317,73 @@ mod tests {
     use serde_json::json;
 
     #[test]
+    fn absent_text_switches_take_sglang_defaults() {
+        // SGLang's SamplingParams: skip_special_tokens=True, spaces_between_special_tokens=True,
+        // no_stop_trim=False.
+        let p: SamplingParams = serde_json::from_value(json!({"temperature": 0})).unwrap();
+        assert!(p.skip_special_tokens && p.spaces_between_special_tokens && !p.no_stop_trim);
+    }
+
+    #[test]
+    fn output_text_trims_like_sglang_detokenizer() {
+        let decode = |ids: &[u32], skip: bool| -> String {
+            ids.iter()
+                .filter(|&&id| !(skip && id >= 100))
+                .map(|&id| match id {
+                    100 => "<|im_end|>".to_string(),
+                    101 => "<|endoftext|>".to_string(),
+                    n => char::from(b'a' + n as u8).to_string(),
+                })
+                .collect()
+        };
+        let sglang = SamplingParams::default();
+        let miles = SamplingParams {
+            skip_special_tokens: false,
+            no_stop_trim: true,
+            ..SamplingParams::default()
+        };
+        let no_skip = SamplingParams {
+            skip_special_tokens: false,
+            ..SamplingParams::default()
+        };
+        // EOS matched: dropped by the trim, and by the skip.
+        assert_eq!(
+            output_text(&[0, 1, 100], Some(&json!(100)), &sglang, decode),
+            "ab"
+        );
+        assert_eq!(
+            output_text(&[0, 1, 100], Some(&json!(100)), &no_skip, decode),
+            "ab"
+        );
+        assert_eq!(
+            output_text(&[0, 1, 100], Some(&json!(100)), &miles, decode),
+            "ab<|im_end|>"
+        );
+        // A non-special stop token is trimmed too; a special one in the middle only skipped.
+        assert_eq!(
+            output_text(&[0, 101, 2, 3], Some(&json!(3)), &sglang, decode),
+            "ac"
+        );
+        assert_eq!(
+            output_text(&[0, 101, 2, 3], Some(&json!(3)), &no_skip, decode),
+            "a<|endoftext|>c"
+        );
+        // A stop string cuts the text at its first occurrence.
+        assert_eq!(
+            output_text(&[0, 1, 2, 1], Some(&json!("b")), &sglang, decode),
+            "a"
+        );
+        assert_eq!(
+            output_text(&[0, 1, 2, 1], Some(&json!("b")), &miles, decode),
+            "abcb"
+        );
+        // Length / abort: nothing trimmed; token id 0 is falsy in Python, so not trimmed.
+        assert_eq!(output_text(&[0, 1], None, &sglang, decode), "ab");
+        assert_eq!(output_text(&[1, 0], Some(&json!(0)), &sglang, decode), "ba");
+        assert_eq!(output_text(&[], Some(&json!(7)), &sglang, decode), "");
+    }
+
+    #[test]
     fn request_wire_form_uses_sglang_names() {
         let mut params = SamplingParams {
             max_new_tokens: Some(16),
@@ -282,8 +403,8 @@ mod tests {
                 "sampling_params": {
                     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                     "max_new_tokens": 16, "stop_token_ids": [2],
-                    "skip_special_tokens": false, "no_stop_trim": true,
-                    "spaces_between_special_tokens": false, "sampling_seed": 7
+                    "skip_special_tokens": true, "no_stop_trim": false,
+                    "spaces_between_special_tokens": true, "sampling_seed": 7
                 },
                 "rid": "r1",
                 "return_logprob": true,

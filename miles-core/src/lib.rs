@@ -69,7 +69,7 @@ mod weights;
 
 pub use engine::{
     FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, PauseMode, RequestId,
-    SamplingParams,
+    SamplingParams, output_text,
 };
 pub use error::{EngineErrorKind, Error, Result};
 pub use message::{

@@ -22,16 +22,20 @@ pub enum Role {
     Assistant,
     /// The result of a tool call.
     Tool,
+    /// Instructions from the application developer (current OpenAI clients send it in place
+    /// of `system`; SGLang accepts it). Rendered as the chat template renders it.
+    Developer,
 }
 
 impl Role {
-    /// The role's wire name (`"system"`, `"user"`, `"assistant"`, `"tool"`).
+    /// The role's wire name (`"system"`, `"user"`, `"assistant"`, `"tool"`, `"developer"`).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::System => "system",
             Self::User => "user",
             Self::Assistant => "assistant",
             Self::Tool => "tool",
+            Self::Developer => "developer",
         }
     }
 }

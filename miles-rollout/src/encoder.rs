@@ -103,4 +103,11 @@ impl PromptEncoder for ChatPromptEncoder {
             None => String::new(),
         }
     }
+
+    fn decode_text(&self, tokens: &[TokenId], skip_special_tokens: bool) -> String {
+        match self.chat.tokenizer() {
+            Some(t) => miles_tito::decode_text(t, tokens, skip_special_tokens).unwrap_or_default(),
+            None => String::new(),
+        }
+    }
 }

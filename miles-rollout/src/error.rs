@@ -36,6 +36,10 @@ pub enum Error {
     /// A background task died.
     #[error("rollout task failed: {0}")]
     Task(String),
+    /// Failures dominate the run ([`crate::FailurePolicy`]): the message names the last
+    /// failure (the agent's command line) and its agent's last stderr lines.
+    #[error("{0}")]
+    TooManyFailures(String),
 }
 
 /// A dataset row that cannot be used: which file, which row, which key and what is wrong.

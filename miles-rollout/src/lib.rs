@@ -52,6 +52,7 @@ pub mod checkpoint;
 mod data;
 mod encoder;
 mod error;
+mod failures;
 mod group;
 mod loops;
 mod manager;
@@ -65,6 +66,9 @@ pub use data::{
 };
 pub use encoder::ChatPromptEncoder;
 pub use error::{Error, Result, RowError, RowErrorKind};
+pub use failures::{
+    FAILURE_RETRIES_KEY, FailurePolicy, FailureTracker, failure_kind, retry_failed_group,
+};
 pub use group::{DynamicFilter, FilterVerdict, group_staleness, within_staleness};
 pub use loops::{
     EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,

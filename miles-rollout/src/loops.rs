@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 
 use crate::data::{DataSource, DataSourceState};
 use crate::error::{Error, Result};
+use crate::failures::retry_failed_group;
 use crate::manager::{RolloutManager, mask_unusable, rollout_metrics};
 use crate::{FilterVerdict, group_staleness};
 
@@ -529,6 +530,7 @@ impl RlLoop {
             let mut staleness = Vec::new();
             while groups.len() < batch_size {
                 let Some(group) = receiver.recv().await else {
+                    self.manager.failures().check()?;
                     return Err(Error::Task("the generation worker stopped".into()));
                 };
                 in_flight.finished(&group);
@@ -588,6 +590,7 @@ impl RlLoop {
                 "rollout/fully_async/queue_size".into(),
                 receiver.len() as f64,
             );
+            self.manager.failures().take_metrics(&mut metrics);
             let samples: Vec<Sample> = groups.into_iter().flatten().collect();
             // Generation overlaps training: the throughput over the time the trainer waited
             // is not the engines' throughput. The sample-side figures are logged here, the
@@ -794,7 +797,32 @@ async fn generation_worker(
         let Some(joined) = tasks.join_next().await else {
             continue;
         };
-        let Ok(mut group) = joined else { continue };
+        let Ok(group) = joined else { continue };
+        if manager.failures().check().is_err() {
+            // Failures dominate: stop generating; the steps report the error.
+            taken.finished(&group);
+            return;
+        }
+        // A group with a FAILED sample: generated again (up to the bound) or dropped. (The
+        // in-flight registry knows a group by its first sample.)
+        let head: Vec<Sample> = group.iter().take(1).cloned().collect();
+        let mut group = match retry_failed_group(group, &manager.config().failure) {
+            Ok(group) => group,
+            Err(retry) => {
+                taken.finished(&head);
+                match retry {
+                    Some(retry) => {
+                        manager.failures().group_regenerated();
+                        let mut source = data.lock().await;
+                        if source.add_groups(vec![retry]).is_err() {
+                            return;
+                        }
+                    }
+                    None => manager.failures().group_dropped(),
+                }
+                continue;
+            }
+        };
         if group
             .iter()
             .any(|s| s.status == miles_core::SampleStatus::Aborted)

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use miles_core::{
     FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Metrics, RequestId, RewardFn,
-    Sample, SampleStatus, SamplingParams, TokenId, async_trait,
+    Sample, SampleStatus, SamplingParams, TokenId, async_trait, output_text,
 };
 use miles_session::agent::{Agent, AgentDriverConfig};
 use miles_session::http::HttpClient;
@@ -18,6 +18,7 @@ use tokio::task::JoinSet;
 
 use crate::data::DataSource;
 use crate::error::{Error, Result};
+use crate::failures::{FailurePolicy, FailureTracker, retry_failed_group};
 use crate::{DynamicFilter, FilterVerdict};
 
 /// Turns a sample's prompt into token ids and response tokens back into text. miles-tito's
@@ -29,6 +30,13 @@ pub trait PromptEncoder: Send + Sync {
 
     /// Decodes response tokens.
     fn decode(&self, tokens: &[TokenId]) -> String;
+
+    /// Decodes response tokens, special tokens left out when `skip_special_tokens` (the
+    /// response text as SGLang gives it). Default: [`PromptEncoder::decode`].
+    fn decode_text(&self, tokens: &[TokenId], skip_special_tokens: bool) -> String {
+        let _ = skip_special_tokens;
+        self.decode(tokens)
+    }
 }
 
 /// How one sample is generated, in place of the manager's single engine call (Miles'
@@ -143,6 +151,9 @@ pub struct RolloutConfig {
     pub partial_rollout: bool,
     /// Ask engines for routed experts (`--use-rollout-routing-replay`).
     pub return_routed_experts: bool,
+    /// Failed samples (agents, rewards, engine errors): group regeneration bound and when the
+    /// run stops (miles-rs' own; Miles has none).
+    pub failure: FailurePolicy,
 }
 
 impl Default for RolloutConfig {
@@ -160,6 +171,7 @@ impl Default for RolloutConfig {
             reward_key: None,
             partial_rollout: false,
             return_routed_experts: false,
+            failure: FailurePolicy::default(),
         }
     }
 }
@@ -180,6 +192,7 @@ impl RolloutConfig {
                 "over_sampling_batch_size must be >= 1".into(),
             ));
         }
+        self.failure.validate()?;
         Ok(self)
     }
 }
@@ -210,6 +223,7 @@ pub struct RolloutManager {
     generator: Option<Arc<dyn SampleGenerator>>,
     permits: Arc<Semaphore>,
     next_request: Arc<AtomicU64>,
+    failures: Arc<FailureTracker>,
 }
 
 impl RolloutManager {
@@ -223,6 +237,7 @@ impl RolloutManager {
         let config = config.validate()?;
         Ok(Self {
             permits: Arc::new(Semaphore::new(config.max_concurrency)),
+            failures: Arc::new(FailureTracker::new(config.failure.clone())),
             config,
             engine,
             encoder,
@@ -250,6 +265,11 @@ impl RolloutManager {
         &self.engine
     }
 
+    /// The failure counts and the stop rule of this manager's runs.
+    pub fn failures(&self) -> &FailureTracker {
+        &self.failures
+    }
+
     fn group_worker(&self) -> GroupWorker {
         GroupWorker {
             config: Arc::new(self.config.clone()),
@@ -259,11 +279,14 @@ impl RolloutManager {
             generator: self.generator.clone(),
             permits: self.permits.clone(),
             next_request: self.next_request.clone(),
+            failures: self.failures.clone(),
         }
     }
 
     /// Generates, scores and filters groups until `rollout_batch_size` groups are kept, then
-    /// aborts the surplus in flight. With `partial_rollout`, aborted groups that generated
+    /// aborts the surplus in flight. A group with a FAILED sample is generated again up to
+    /// [`FailurePolicy::max_group_retries`] times, then dropped; when failures dominate
+    /// ([`FailurePolicy`]) the rollout ends with [`Error::TooManyFailures`]. With `partial_rollout`, aborted groups that generated
     /// something go back to `data` (tagged `metadata.start_rollout_id = rollout_id`) to be
     /// resumed; otherwise they are dropped.
     pub async fn generate_rollout(
@@ -286,13 +309,22 @@ impl RolloutManager {
                     in_flight.spawn(async move { worker.run_group(group).await });
                 }
             }
-            match in_flight.join_next().await {
-                Some(Ok(mut group)) => match self.verdict(&group) {
-                    FilterVerdict::Keep => {
-                        mask_unusable(&mut group);
-                        kept.push(group);
+            let joined = in_flight.join_next().await;
+            self.failures.check()?;
+            match joined {
+                Some(Ok(group)) => match retry_failed_group(group, &self.config.failure) {
+                    Ok(mut group) => match self.verdict(&group) {
+                        FilterVerdict::Keep => {
+                            mask_unusable(&mut group);
+                            kept.push(group);
+                        }
+                        FilterVerdict::Drop { reason } => *drops.entry(reason).or_default() += 1,
+                    },
+                    Err(Some(retry)) => {
+                        self.failures.group_regenerated();
+                        data.add_groups(vec![retry])?;
                     }
-                    FilterVerdict::Drop { reason } => *drops.entry(reason).or_default() += 1,
+                    Err(None) => self.failures.group_dropped(),
                 },
                 Some(Err(join_error)) => {
                     failed_tasks += 1;
@@ -335,6 +367,7 @@ impl RolloutManager {
             );
         }
         metrics.insert("rollout/aborted_groups".into(), leftovers as f64);
+        self.failures.take_metrics(&mut metrics);
         metrics.insert("rollout/partial_groups_recycled".into(), recycled as f64);
         Ok(RolloutBatch {
             groups: kept,
@@ -370,6 +403,7 @@ struct GroupWorker {
     generator: Option<Arc<dyn SampleGenerator>>,
     permits: Arc<Semaphore>,
     next_request: Arc<AtomicU64>,
+    failures: Arc<FailureTracker>,
 }
 
 impl GroupWorker {
@@ -408,6 +442,9 @@ impl GroupWorker {
                     failed
                         .metadata
                         .insert("failure".into(), Value::from("generation task panicked"));
+                    failed
+                        .metadata
+                        .insert("failure_kind".into(), Value::from("panic"));
                     vec![failed]
                 })
             })
@@ -434,12 +471,17 @@ impl GroupWorker {
                             sample
                                 .metadata
                                 .insert("failure".into(), Value::from(format!("reward: {error}")));
+                            sample
+                                .metadata
+                                .insert("failure_kind".into(), Value::from("reward"));
                         }
                     }
                 }
             }
         }
-        rollouts.into_iter().flatten().collect()
+        let out: Vec<Sample> = rollouts.into_iter().flatten().collect();
+        self.failures.record(&out);
+        out
     }
 
     async fn run_sample(&self, mut sample: Sample) -> Vec<Sample> {
@@ -494,7 +536,7 @@ impl GroupWorker {
             return Ok(());
         }
         let sampling = self.sampling_for(sample, budget);
-        let mut request = GenerateRequest::new(sample.tokens.clone(), sampling);
+        let mut request = GenerateRequest::new(sample.tokens.clone(), sampling.clone());
         request.request_id = Some(RequestId::new(format!(
             "rollout-{}",
             self.next_request.fetch_add(1, Ordering::Relaxed)
@@ -511,8 +553,15 @@ impl GroupWorker {
                 return Ok(());
             }
         };
+        let matched = output.matched_stop.clone();
         apply_output(sample, output)?;
-        sample.response = self.encoder.decode(sample.response_tokens());
+        // SGLang's text: special tokens skipped and the matched stop trimmed unless asked.
+        sample.response = output_text(
+            sample.response_tokens(),
+            matched.as_ref(),
+            &sampling,
+            |ids, skip| self.encoder.decode_text(ids, skip),
+        );
         Ok(())
     }
 }

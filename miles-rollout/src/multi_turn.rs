@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use miles_core::{
     GenerateRequest, InferenceEngine, Message, Prompt, Role, Sample, SampleStatus, SamplingParams,
-    ToolSpec, async_trait,
+    ToolSpec, async_trait, output_text,
 };
 use miles_tito::ChatTokenizer;
 use serde_json::{Map, Value};
@@ -79,7 +79,14 @@ impl MultiTurnGenerator {
         self
     }
 
-    async fn run(&self, sample: &mut Sample, sampling: &SamplingParams) -> Result<(), String> {
+    /// Runs the turns; `matched` ends as the stop that ended the last model turn (`None` when
+    /// the sample ends on tool messages), for the response text.
+    async fn run(
+        &self,
+        sample: &mut Sample,
+        sampling: &SamplingParams,
+        matched: &mut Option<Value>,
+    ) -> Result<(), String> {
         let kwargs = self
             .chat
             .resolve_kwargs(&self.kwargs)
@@ -127,6 +134,7 @@ impl MultiTurnGenerator {
                 }
             };
             let generated = output.output_ids.clone();
+            matched.clone_from(&output.matched_stop);
             apply_output(sample, output).map_err(|e| e.to_string())?;
             if sample.status != SampleStatus::Completed {
                 // Aborted or cut at the token limit: the loop ends here.
@@ -139,6 +147,7 @@ impl MultiTurnGenerator {
             if parsed.tool_calls.is_empty() {
                 return Ok(());
             }
+            *matched = None;
             let old = messages.clone();
             messages.push(parsed.to_message());
             for (i, call) in parsed.tool_calls.iter().enumerate() {
@@ -195,13 +204,20 @@ impl MultiTurnGenerator {
 #[async_trait]
 impl SampleGenerator for MultiTurnGenerator {
     async fn generate(&self, mut sample: Sample, sampling: SamplingParams) -> Sample {
-        if let Err(reason) = self.run(&mut sample, &sampling).await {
+        let mut matched = None;
+        if let Err(reason) = self.run(&mut sample, &sampling, &mut matched).await {
             sample.status = SampleStatus::Failed;
             sample
                 .metadata
                 .insert("failure".into(), Value::from(reason));
         }
-        sample.response = self.chat.decode(sample.response_tokens());
+        // SGLang's text: special tokens skipped, the final stop trimmed (unless asked).
+        sample.response = output_text(
+            sample.response_tokens(),
+            matched.as_ref(),
+            &sampling,
+            |ids, skip| self.chat.decode_text(ids, skip),
+        );
         sample
     }
 }

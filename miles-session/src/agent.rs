@@ -1,6 +1,8 @@
 //! The agent driver (Miles' `agentic_tool_call.generate`, Miles' `agentic_tool_call.generate`): open a session,
 //! let a user agent talk to it through an OpenAI-style client, collect the samples, delete the
-//! session. Failures never propagate: they become an ABORTED copy of the input sample.
+//! session. Failures never propagate: they become a FAILED copy of the input sample, with
+//! `metadata.failure` (what happened), `metadata.failure_kind` (an [`AgentFailureKind`] label)
+//! and, for a subprocess agent, `metadata.agent_stderr_tail`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,13 +54,106 @@ impl AgentContext {
 /// its `RewardFn`: use [`AgentReward`] there to keep the agent's reward.
 pub const AGENT_REWARD_KEY: &str = "agent_reward";
 
+/// What kind of failure ended an agent run: the sample's `metadata.failure_kind` and the
+/// label of the rollout's `rollout/failed_samples/<kind>` metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum AgentFailureKind {
+    /// The agent's command could not be started.
+    Spawn,
+    /// The agent's process exited with a non-zero code.
+    Exit,
+    /// The agent's process was killed by a signal.
+    Signal,
+    /// The agent ran past its time limit.
+    Timeout,
+    /// The agent's output broke the protocol (unparsable stdout, too much of it, a bad reward).
+    BadOutput,
+    /// An in-process agent returned an error.
+    Error,
+    /// The session server could not open a session.
+    SessionCreate,
+    /// The session's samples could not be collected.
+    Collect,
+    /// The agent ended without a single model call: the session was left unfinished.
+    EmptySession,
+}
+
+impl AgentFailureKind {
+    /// The stable label (`exit`, `signal`, `timeout`, `bad_output`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Spawn => "spawn",
+            Self::Exit => "exit",
+            Self::Signal => "signal",
+            Self::Timeout => "timeout",
+            Self::BadOutput => "bad_output",
+            Self::Error => "error",
+            Self::SessionCreate => "session_create",
+            Self::Collect => "collect",
+            Self::EmptySession => "empty_session",
+        }
+    }
+}
+
+/// Why an agent run failed: its kind, a message, and the tail of the agent's stderr (empty for
+/// in-process agents).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentFailure {
+    /// What kind of failure.
+    pub kind: AgentFailureKind,
+    /// What happened (`agent command "python3 agent.py" exited with code 3`, …).
+    pub message: String,
+    /// The last bytes the agent wrote to stderr (lossy UTF-8).
+    pub stderr_tail: String,
+}
+
+impl AgentFailure {
+    /// A failure of `kind`.
+    pub fn new(kind: AgentFailureKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            stderr_tail: String::new(),
+        }
+    }
+
+    /// With the agent's stderr tail.
+    pub fn with_stderr_tail(mut self, tail: impl Into<String>) -> Self {
+        self.stderr_tail = tail.into();
+        self
+    }
+}
+
+impl From<String> for AgentFailure {
+    fn from(message: String) -> Self {
+        Self::new(AgentFailureKind::Error, message)
+    }
+}
+
+impl std::fmt::Display for AgentFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// A user agent: drives a conversation against `ctx.base_url` and returns its own metadata
 /// (merged into the sample's; `agent_metrics.total_tool_time` becomes `non_generation_time`;
 /// [`AGENT_REWARD_KEY`] becomes the sample's reward).
 #[async_trait]
 pub trait Agent: Send + Sync {
-    /// Runs the agent. An error is logged and turns the sample ABORTED.
+    /// Runs the agent. An error turns the sample FAILED (kind [`AgentFailureKind::Error`]).
     async fn run(&self, ctx: AgentContext) -> std::result::Result<Map<String, Value>, String>;
+
+    /// [`Agent::run`] with the failure's kind and stderr tail, which the driver records;
+    /// agents that know why they failed (a subprocess) override it. Default: `run`'s error
+    /// as [`AgentFailureKind::Error`].
+    async fn run_classified(
+        &self,
+        ctx: AgentContext,
+    ) -> std::result::Result<Map<String, Value>, AgentFailure> {
+        self.run(ctx).await.map_err(AgentFailure::from)
+    }
 }
 
 /// Settings of [`generate`].
@@ -72,7 +167,7 @@ pub struct AgentDriverConfig {
     pub agent_timeout: Option<Duration>,
     /// Timeout of session create / samples / delete calls (Miles: 120 s).
     pub http_timeout: Duration,
-    /// ABORT the sample when the agent fails or times out (default). `false` keeps Miles'
+    /// FAIL the sample when the agent fails or times out (default). `false` keeps Miles'
     /// behaviour: log and train on whatever the session recorded.
     pub abort_on_agent_error: bool,
     /// The session server's API key (sent by the driver, handed to the agent).
@@ -142,16 +237,29 @@ pub fn request_kwargs(params: &SamplingParams) -> Map<String, Value> {
     m
 }
 
-fn aborted(sample: &Sample, reason: &str) -> Sample {
+/// A FAILED copy of `sample` saying why (`failure`, `failure_kind`, `agent_stderr_tail`).
+fn failed(sample: &Sample, failure: AgentFailure) -> Sample {
     let mut out = sample.clone();
-    out.status = SampleStatus::Aborted;
-    out.metadata.insert("abort_reason".into(), json!(reason));
+    out.status = SampleStatus::Failed;
+    out.metadata
+        .insert("failure".into(), json!(failure.message));
+    out.metadata
+        .insert("failure_kind".into(), json!(failure.kind.as_str()));
+    if !failure.stderr_tail.is_empty() {
+        out.metadata
+            .insert("agent_stderr_tail".into(), json!(failure.stderr_tail));
+    }
     out
+}
+
+fn failure(kind: AgentFailureKind, message: String) -> AgentFailure {
+    AgentFailure::new(kind, message)
 }
 
 /// Runs `agent` on `sample` through the session server and returns the assembled (merged)
 /// sample; any failure (server unreachable, agent error or timeout, empty session,
-/// undecodable samples) gives an ABORTED copy of `sample` with `metadata.abort_reason`. The
+/// undecodable samples) gives a FAILED copy of `sample` with `metadata.failure` and
+/// `metadata.failure_kind`. The
 /// session is always deleted. [`AgentDriverConfig::generate_multi_samples`] does not apply
 /// here (see [`generate_samples`]).
 pub async fn generate(
@@ -164,7 +272,13 @@ pub async fn generate(
     let mut samples = drive(agent, sample, sampling, config, http, false).await;
     match samples.pop() {
         Some(out) if samples.is_empty() => out,
-        _ => aborted(sample, "collect failed: expected one sample"),
+        _ => failed(
+            sample,
+            failure(
+                AgentFailureKind::Collect,
+                "collect failed: expected one sample".into(),
+            ),
+        ),
     }
 }
 
@@ -173,7 +287,7 @@ pub async fn generate(
 /// context before it as prompt), response, loss mask, log-probs and routed experts, all with
 /// `rollout_id` = the input's `rollout_id`, else its `index`. The agent's reward and metadata
 /// go on every sibling, the session metadata on the last one (as Miles did). A failure is one
-/// ABORTED copy of `sample`.
+/// FAILED copy of `sample`.
 pub async fn generate_samples(
     agent: &dyn Agent,
     sample: &Sample,
@@ -213,8 +327,14 @@ async fn drive(
     let session_id = match create_session(http, server).await {
         Ok(id) => id,
         Err(e) => {
-            tracing::warn!(%e, "agentic generate: cannot create a session");
-            return one(aborted(sample, &format!("session create failed: {e}")));
+            tracing::debug!(%e, "agentic generate: cannot create a session");
+            return one(failed(
+                sample,
+                failure(
+                    AgentFailureKind::SessionCreate,
+                    format!("session create failed: {e}"),
+                ),
+            ));
         }
     };
     let base_url = format!("{server}/sessions/{session_id}");
@@ -237,11 +357,14 @@ async fn drive(
         metadata,
         api_key: config.api_key.clone(),
     };
-    let run = agent.run(ctx);
+    let run = agent.run_classified(ctx);
     let agent_result = match config.agent_timeout {
         Some(limit) => match tokio::time::timeout(limit, run).await {
             Ok(r) => r,
-            Err(_) => Err(format!("agent timed out after {} s", limit.as_secs_f64())),
+            Err(_) => Err(failure(
+                AgentFailureKind::Timeout,
+                format!("agent timed out after {} s", limit.as_secs_f64()),
+            )),
         },
         None => run.await,
     };
@@ -262,19 +385,29 @@ async fn drive(
     let mut agent_metadata = match agent_result {
         Ok(m) => m,
         Err(e) => {
-            tracing::warn!(error = %e, session = session_id, "agent failed");
+            // Logged (rate-limited, with the stderr tail) by whoever counts the failures.
+            tracing::debug!(error = %e, session = session_id, "agent failed");
             if config.abort_on_agent_error {
-                return one(aborted(sample, &format!("agent failed: {e}")));
+                let message = format!("agent failed: {}", e.message);
+                return one(failed(sample, AgentFailure { message, ..e }));
             }
             Map::new()
         }
     };
     let (mut outs, session_metadata) = match collected {
         Ok(Some(v)) => v,
-        Ok(None) => return one(aborted(sample, "empty session")),
+        Ok(None) => {
+            return one(failed(
+                sample,
+                failure(AgentFailureKind::EmptySession, "empty session".into()),
+            ));
+        }
         Err(e) => {
-            tracing::warn!(%e, session = session_id, "agentic generate: collecting samples failed");
-            return one(aborted(sample, &format!("collect failed: {e}")));
+            tracing::debug!(%e, session = session_id, "agentic generate: collecting samples failed");
+            return one(failed(
+                sample,
+                failure(AgentFailureKind::Collect, format!("collect failed: {e}")),
+            ));
         }
     };
     let reward = match agent_metadata.remove(AGENT_REWARD_KEY) {
@@ -282,10 +415,13 @@ async fn drive(
         Some(value) => match serde_json::from_value::<Reward>(value) {
             Ok(reward) => Some(reward),
             Err(_) => {
-                tracing::warn!(session = session_id, "agent returned an invalid reward");
-                return one(aborted(
+                tracing::debug!(session = session_id, "agent returned an invalid reward");
+                return one(failed(
                     sample,
-                    &format!("agent failed: {AGENT_REWARD_KEY} must be a number or an object"),
+                    failure(
+                        AgentFailureKind::BadOutput,
+                        format!("agent failed: {AGENT_REWARD_KEY} must be a number or an object"),
+                    ),
                 ));
             }
         },

@@ -3,7 +3,7 @@
 //! [`truncate_samples_by_total_tokens`] and [`merge_samples`].
 
 use miles_core::{RoutedExperts, Sample, SampleStatus, TokenId};
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 
 use crate::error::{Error, Result};
 use crate::trajectory::SessionRecord;
@@ -30,6 +30,12 @@ pub struct RecordTurn {
     pub prompt_tokens: u64,
     /// `meta_info.routed_experts` (base64 int32), with `routed_experts_num_layers`.
     pub routed_experts: Option<(String, usize)>,
+    /// The record's commit time (seconds since the Unix epoch).
+    pub timestamp: f64,
+    /// When its request arrived.
+    pub request_timestamp: Option<f64>,
+    /// `meta_info.e2e_latency`: the engine's time for the turn, when reported.
+    pub e2e_latency: Option<f64>,
 }
 
 fn ids_from(value: &Value, what: &str) -> Result<Vec<TokenId>> {
@@ -135,7 +141,31 @@ impl RecordTurn {
             finish_reason,
             weight_version,
             routed_experts,
+            timestamp: record.timestamp,
+            request_timestamp: record.request_timestamp,
+            e2e_latency: meta.get("e2e_latency").and_then(Value::as_f64),
         })
+    }
+
+    /// Miles' `attach_lifecycle_metadata`: the turn's timing segment, `{"t0", "t1", "turn"}`
+    /// (`t1` the commit time, `t0` = `t1 − e2e_latency` or null), with `req_ts` (the request's
+    /// arrival) and `prev_t1` (the previous turn's commit) when known. `turn` is 1-based.
+    pub fn lifecycle(&self, previous: Option<&RecordTurn>, turn: usize) -> Value {
+        let mut segment = Map::new();
+        segment.insert(
+            "t0".into(),
+            self.e2e_latency
+                .map_or(Value::Null, |l| json!(self.timestamp - l)),
+        );
+        segment.insert("t1".into(), json!(self.timestamp));
+        segment.insert("turn".into(), json!(turn));
+        if let Some(t) = self.request_timestamp {
+            segment.insert("req_ts".into(), json!(t));
+        }
+        if let Some(previous) = previous {
+            segment.insert("prev_t1".into(), json!(previous.timestamp));
+        }
+        Value::Object(segment)
     }
 }
 
@@ -220,6 +250,10 @@ pub fn compute_samples_from_turns(
         }
         sample.prefix_cache_info.cached_tokens += turn.cached_tokens;
         sample.prefix_cache_info.total_prompt_tokens += turn.prompt_tokens;
+        sample.metadata.insert(
+            "lifecycle".into(),
+            turn.lifecycle(i.checked_sub(1).map(|p| &turns[p]), i + 1),
+        );
         sample.validate()?;
         sample.strip_last_output_tokens(trim, decode)?;
         samples.push(sample);
@@ -362,8 +396,16 @@ fn merge_pair(a: Sample, b: Sample, decode: Decode<'_>) -> Result<Sample> {
     if let Some(v) = concat("opd_student_top_logprobs", Some(Value::Array(vec![]))) {
         metadata.insert("opd_student_top_logprobs".into(), v);
     }
-    if let Some(v) = concat("lifecycle", None) {
-        metadata.insert("lifecycle".into(), v);
+    // Miles' `_pop_lifecycle`: a turn's segment (an object) or a merged list, concatenated.
+    let segments = |v: Option<&Value>| match v {
+        None => Vec::new(),
+        Some(Value::Array(list)) => list.clone(),
+        Some(one) => vec![one.clone()],
+    };
+    let mut lifecycle = segments(a.metadata.get("lifecycle"));
+    lifecycle.extend(segments(b.metadata.get("lifecycle")));
+    if !lifecycle.is_empty() {
+        metadata.insert("lifecycle".into(), Value::Array(lifecycle));
     }
 
     let obs_tokens = &b.tokens[a.tokens.len()..a.tokens.len() + obs_len];

@@ -256,6 +256,7 @@ impl CliArgs {
             session_idle_timeout: self.session_idle_timeout,
             max_records_per_session: self.max_records_per_session,
             max_tokens_per_session: self.max_tokens_per_session,
+            ..SessionServerConfig::default()
         }
     }
 

@@ -40,8 +40,10 @@
 //! `reward` (a number, or an object of named components) becomes [`miles_core::Sample::reward`]
 //! (through [`crate::agent::AGENT_REWARD_KEY`]). Empty stdout is a success without either.
 //!
-//! The sample is ABORTED, with `metadata.abort_reason` saying why and the tail of the agent's
-//! stderr, when the command cannot start, exits non-zero, dies of a signal, runs past
+//! The sample is FAILED, with `metadata.failure` saying why (the command line quoted),
+//! `metadata.failure_kind` ([`crate::agent::AgentFailureKind`]: `spawn`, `exit`, `signal`,
+//! `timeout`, `bad_output`) and `metadata.agent_stderr_tail` the tail of the agent's stderr,
+//! when the command cannot start, exits non-zero, dies of a signal, runs past
 //! [`CommandAgentConfig::timeout`] (the group gets SIGTERM, then SIGKILL after
 //! [`CommandAgentConfig::kill_grace`]), prints more than
 //! [`CommandAgentConfig::max_stdout_bytes`] (killed at once) or prints a last line that is not
@@ -80,7 +82,7 @@ use serde_json::{Map, Value, json};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin};
 
-use crate::agent::{AGENT_REWARD_KEY, Agent, AgentContext};
+use crate::agent::{AGENT_REWARD_KEY, Agent, AgentContext, AgentFailure, AgentFailureKind};
 use crate::error::{Error, Result};
 
 /// `OPENAI_API_KEY` when the session server has no key.
@@ -388,10 +390,44 @@ impl CommandAgent {
     /// Runs the command once for `ctx` and reads its output; every failure is an
     /// [`Error::AgentCommand`].
     pub async fn run_command(&self, ctx: &AgentContext) -> Result<AgentOutput> {
+        self.run_once(ctx).await.map_err(|f| Error::AgentCommand {
+            failure: f
+                .message
+                .strip_prefix("agent command ")
+                .unwrap_or(&f.message)
+                .to_owned(),
+            stderr_tail: f.stderr_tail,
+        })
+    }
+
+    /// The command line as the operator wrote it (`sh -c LINE` shows `LINE`).
+    pub fn command_line(&self) -> String {
         let c = &self.config;
+        match c.args.as_slice() {
+            [flag, line] if c.program == "sh" && flag == "-c" => line.clone(),
+            args => std::iter::once(c.program.as_str())
+                .chain(args.iter().map(String::as_str))
+                .collect::<Vec<_>>()
+                .join(" "),
+        }
+    }
+
+    /// [`CommandAgent::run_command`] with the failure classified.
+    async fn run_once(&self, ctx: &AgentContext) -> std::result::Result<AgentOutput, AgentFailure> {
+        let c = &self.config;
+        let command_line = self.command_line();
+        let failure = |kind: AgentFailureKind, what: String, tail: Vec<u8>| {
+            AgentFailure::new(kind, format!("agent command {command_line:?} {what}"))
+                .with_stderr_tail(String::from_utf8_lossy(&tail).into_owned())
+        };
         let session_url = ctx.base_url.trim_end_matches('/');
-        let input = serde_json::to_vec(&Self::stdin_payload(ctx))
-            .map_err(|e| failure(format!("cannot encode its input: {e}"), Vec::new()))?;
+        let input = serde_json::to_vec(&Self::stdin_payload(ctx)).map_err(|e| {
+            failure(
+                AgentFailureKind::Spawn,
+                format!("cannot encode its input: {e}"),
+                Vec::new(),
+            )
+        })?;
         let mut command = tokio::process::Command::new(&c.program);
         command
             .args(&c.args)
@@ -414,9 +450,13 @@ impl CommandAgent {
         if let Some(dir) = &c.working_dir {
             command.current_dir(dir);
         }
-        let mut child = command
-            .spawn()
-            .map_err(|e| failure(format!("could not start {:?}: {e}", c.program), Vec::new()))?;
+        let mut child = command.spawn().map_err(|e| {
+            failure(
+                AgentFailureKind::Spawn,
+                format!("could not start {:?}: {e}", c.program),
+                Vec::new(),
+            )
+        })?;
         // The child leads its own group (pgid = pid). A task of its own supervises it, so that
         // when this future is dropped (the driver's timeout) the guard below kills the group
         // and the task still reaps the leader and closes the pipes.
@@ -436,22 +476,41 @@ impl CommandAgent {
         let mut on_drop = ProcessGroup(pgid);
         let joined = supervisor.await;
         on_drop.0 = None;
-        let (end, stdout, tail) =
-            joined.map_err(|e| failure(format!("supervision failed: {e}"), Vec::new()))?;
+        let (end, stdout, tail) = joined.map_err(|e| {
+            failure(
+                AgentFailureKind::Spawn,
+                format!("supervision failed: {e}"),
+                Vec::new(),
+            )
+        })?;
         match end {
             End::Exited(status) => match (status.code(), status.signal()) {
                 (Some(0), _) => {}
-                (Some(code), _) => return Err(failure(format!("exited with code {code}"), tail)),
+                (Some(code), _) => {
+                    return Err(failure(
+                        AgentFailureKind::Exit,
+                        format!("exited with code {code}"),
+                        tail,
+                    ));
+                }
                 (None, Some(signal)) => {
                     return Err(failure(
+                        AgentFailureKind::Signal,
                         format!("was killed by signal {signal} ({})", signal_name(signal)),
                         tail,
                     ));
                 }
-                (None, None) => return Err(failure(format!("ended with {status}"), tail)),
+                (None, None) => {
+                    return Err(failure(
+                        AgentFailureKind::Exit,
+                        format!("ended with {status}"),
+                        tail,
+                    ));
+                }
             },
             End::TimedOut(limit) => {
                 return Err(failure(
+                    AgentFailureKind::Timeout,
                     format!(
                         "timed out after {} s (process group killed)",
                         limit.as_secs_f64()
@@ -461,6 +520,7 @@ impl CommandAgent {
             }
             End::StdoutTooLarge => {
                 return Err(failure(
+                    AgentFailureKind::BadOutput,
                     format!(
                         "printed more than {} bytes on stdout (killed; log to stderr)",
                         c.max_stdout_bytes
@@ -468,9 +528,16 @@ impl CommandAgent {
                     tail,
                 ));
             }
-            End::Wait(e) => return Err(failure(format!("could not be waited for: {e}"), tail)),
+            End::Wait(e) => {
+                return Err(failure(
+                    AgentFailureKind::Signal,
+                    format!("could not be waited for: {e}"),
+                    tail,
+                ));
+            }
         }
-        AgentOutput::parse(&stdout).map_err(|reason| failure(reason, tail))
+        AgentOutput::parse(&stdout)
+            .map_err(|reason| failure(AgentFailureKind::BadOutput, reason, tail))
     }
 }
 
@@ -484,12 +551,17 @@ impl Agent for CommandAgent {
         }
         Ok(metadata)
     }
-}
 
-fn failure(what: String, stderr_tail: Vec<u8>) -> Error {
-    Error::AgentCommand {
-        failure: what,
-        stderr_tail: String::from_utf8_lossy(&stderr_tail).into_owned(),
+    async fn run_classified(
+        &self,
+        ctx: AgentContext,
+    ) -> std::result::Result<Map<String, Value>, AgentFailure> {
+        let output = self.run_once(&ctx).await?;
+        let mut metadata = output.metadata;
+        if let Some(reward) = output.reward {
+            metadata.insert(AGENT_REWARD_KEY.into(), reward);
+        }
+        Ok(metadata)
     }
 }
 

@@ -7,8 +7,9 @@
 //! * [`harden`] wraps an [`axum::Router`] in one middleware that, per request and in this
 //!   order: lets the [`GuardConfig::open_paths`] (`/health`) through untouched; checks
 //!   `Authorization: Bearer <key>` against [`GuardConfig::api_key`] in constant time (401);
-//!   bounds the requests in progress (503 + `Retry-After`); rejects a body that is not
-//!   `application/json` (415), larger than [`GuardConfig::max_body_bytes`] (413, from
+//!   bounds the requests in progress (503 + `Retry-After`); rejects a body sent with an
+//!   explicit non-JSON `Content-Type` (415; a body without one is read as JSON, as FastAPI —
+//!   Miles' and SGLang's servers — does), larger than [`GuardConfig::max_body_bytes`] (413, from
 //!   `Content-Length` before reading, or while reading) or slower than
 //!   [`GuardConfig::body_timeout`] (408); then bounds the handler by
 //!   [`GuardConfig::request_timeout`] (504). The body reaches the handler fully buffered.
@@ -87,8 +88,8 @@ pub struct GuardConfig {
     pub api_key: Option<ApiKey>,
     /// Paths served without authentication, concurrency limit or body checks (exact match).
     pub open_paths: Vec<String>,
-    /// Non-empty bodies must be `application/json` (or `…+json`); an empty body may omit
-    /// the content type.
+    /// A body sent with a `Content-Type` must be `application/json` (or `…+json`); a body
+    /// without one is taken as JSON (as FastAPI does).
     pub require_json: bool,
     /// Largest request body (413 above it).
     pub max_body_bytes: usize,
@@ -352,11 +353,6 @@ async fn guard(State(state): State<Arc<GuardState>>, request: Request, next: Nex
             }
         }
     };
-    if config.require_json && content_type.is_none() && !bytes.is_empty() {
-        return state.reject(Error::UnsupportedMediaType {
-            content_type: String::new(),
-        });
-    }
     let request = Request::from_parts(parts, Body::from(bytes));
     let path = request.uri().path().to_owned();
     match config.request_timeout {

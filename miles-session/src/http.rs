@@ -112,7 +112,8 @@ impl HttpClient {
         self.timeout
     }
 
-    /// Sends a request and reads the whole response, within the client's timeout.
+    /// Sends a request and reads the whole response, within the client's timeout. `body`
+    /// is `(content type, bytes)`; an empty content type sends the body without one.
     pub async fn send(
         &self,
         method: Method,
@@ -153,7 +154,10 @@ impl HttpClient {
         }
         let payload = match body {
             Some((content_type, bytes)) => {
-                builder = builder.header(CONTENT_TYPE, content_type);
+                // An empty content type sends none (a body as python-requests' `data=` sends it).
+                if !content_type.is_empty() {
+                    builder = builder.header(CONTENT_TYPE, content_type);
+                }
                 Bytes::from(bytes)
             }
             None => Bytes::new(),

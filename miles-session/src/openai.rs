@@ -349,7 +349,9 @@ pub fn sse_response(body: &Value) -> axum::response::Response {
     let headers = response.headers_mut();
     headers.insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
+        // With the charset, as FastAPI's StreamingResponse sends it: python-requests decodes
+        // the stream as UTF-8 instead of ISO-8859-1.
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     headers.insert("x-accel-buffering", HeaderValue::from_static("no"));

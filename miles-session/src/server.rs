@@ -70,6 +70,13 @@ pub struct SessionServerConfig {
     /// Most tokens in a session's trajectory (prompt + completion): prompts at or over it are
     /// rejected with 400 and `max_new_tokens` is capped to what is left, like the context.
     pub max_tokens_per_session: Option<usize>,
+    /// Chat-template kwargs applied to every render (Miles' `--apply-chat-template-kwargs`,
+    /// e.g. `{"enable_thinking": false}`); a request's `chat_template_kwargs` are merged over
+    /// them. Default: none.
+    pub chat_template_kwargs: Map<String, Value>,
+    /// Put the conversation (`metadata.messages`) on the last sample of a session, as Miles
+    /// does with `--save-debug-trajectory-data`. Default: off.
+    pub save_debug_trajectory_data: bool,
 }
 
 impl Default for SessionServerConfig {
@@ -88,6 +95,8 @@ impl Default for SessionServerConfig {
             session_idle_timeout: Some(Duration::from_secs(3600)),
             max_records_per_session: Some(4096),
             max_tokens_per_session: Some(1 << 20),
+            chat_template_kwargs: Map::new(),
+            save_debug_trajectory_data: false,
         }
     }
 }
@@ -416,15 +425,25 @@ async fn delete_session(State(state): AppStateRef, Path(id): Path<String>) -> Re
     respond(&state, result)
 }
 
-/// The effective template kwargs of a request body (`chat_template_kwargs` must be an object).
-fn request_kwargs(tokenizer: &dyn ChatTokenizer, body: &Value) -> Result<Map<String, Value>> {
+/// The effective template kwargs of a request body: the server's
+/// [`SessionServerConfig::chat_template_kwargs`], the request's `chat_template_kwargs` (an
+/// object) merged over them, then the family's forced ones.
+fn request_kwargs(
+    tokenizer: &dyn ChatTokenizer,
+    base: &Map<String, Value>,
+    body: &Value,
+) -> Result<Map<String, Value>> {
+    let mut merged = base.clone();
     match body.get("chat_template_kwargs") {
-        None | Some(Value::Null) => Ok(tokenizer.resolve_kwargs(&Map::new())?),
-        Some(Value::Object(map)) => Ok(tokenizer.resolve_kwargs(map)?),
-        Some(other) => Err(Error::InvalidBody {
-            reason: format!("chat_template_kwargs must be an object, got {other}"),
-        }),
+        None | Some(Value::Null) => {}
+        Some(Value::Object(map)) => merged.extend(map.clone()),
+        Some(other) => {
+            return Err(Error::InvalidBody {
+                reason: format!("chat_template_kwargs must be an object, got {other}"),
+            });
+        }
     }
+    Ok(tokenizer.resolve_kwargs(&merged)?)
 }
 
 fn mismatches(state: &AppState, trajectory: &LinearTrajectory) -> Option<Vec<Mismatch>> {
@@ -432,7 +451,12 @@ fn mismatches(state: &AppState, trajectory: &LinearTrajectory) -> Option<Vec<Mis
         return None;
     }
     let last_request = trajectory.records().last().map(|r| &r.request)?;
-    let kwargs = request_kwargs(state.tokenizer.as_ref(), last_request).ok()?;
+    let kwargs = request_kwargs(
+        state.tokenizer.as_ref(),
+        &state.config.chat_template_kwargs,
+        last_request,
+    )
+    .ok()?;
     match state.tokenizer.render(
         trajectory.messages(),
         &trajectory.last_tools(),
@@ -552,7 +576,11 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
             reason: "only n=1 is supported in a session".into(),
         });
     }
-    let kwargs = request_kwargs(state.tokenizer.as_ref(), &body)?;
+    let kwargs = request_kwargs(
+        state.tokenizer.as_ref(),
+        &state.config.chat_template_kwargs,
+        &body,
+    )?;
     let Value::Object(map) = &mut body else {
         unreachable!("checked above")
     };
@@ -625,6 +653,7 @@ fn completion_body(
     prompt_len: usize,
     output: &GenerateOutput,
     tools: &[ToolSpec],
+    kwargs: &Map<String, Value>,
 ) -> Result<(Value, Message)> {
     if output.output_log_probs.len() != output.output_ids.len() {
         return Err(Error::upstream(format!(
@@ -634,12 +663,8 @@ fn completion_body(
         )));
     }
     let tok = state.tokenizer.as_ref();
-    let kwargs = request
-        .chat_template_kwargs
-        .as_ref()
-        .and_then(Value::as_object);
-    let mut parsed =
-        tok.parse_assistant_with_kwargs(&output.output_ids, tools, kwargs.unwrap_or(&Map::new()))?;
+    // The parser sees the kwargs the prompt was rendered with (the server's and the request's).
+    let mut parsed = tok.parse_assistant_with_kwargs(&output.output_ids, tools, kwargs)?;
     if output.finish_reason == FinishReason::Stop
         && let Some(Value::String(stop)) = &output.matched_stop
         && let Some(stripped) = parsed.content.strip_suffix(stop.as_str())
@@ -951,7 +976,16 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
         };
     let engine_time = engine_started.elapsed();
     state.metrics.engine_latency.observe(engine_time);
-    let (body, assistant) = completion_body(state, &chat.request, prompt_len, &output, &tools)?;
+    let (mut body, assistant) = completion_body(
+        state,
+        &chat.request,
+        prompt_len,
+        &output,
+        &tools,
+        &chat.kwargs,
+    )?;
+    // SGLang reports the engine's time; Miles' per-turn lifecycle starts the turn there.
+    body["choices"][0]["meta_info"]["e2e_latency"] = json!(engine_time.as_secs_f64());
     let record_body = chat.record_body;
     let client_bytes = client_json(state.tokenizer.as_ref(), &body)?;
 
@@ -1038,7 +1072,9 @@ fn assemble(
     per_turn: bool,
 ) -> Result<SamplesPayload> {
     let tok = state.tokenizer.as_ref();
-    let decode = |ids: &[u32]| tok.decode(ids);
+    // The samples' text as SGLang's detokenizer gives it: special tokens (the end of turn)
+    // skipped; the ids keep them.
+    let decode = |ids: &[u32]| tok.decode_text(ids, true);
     let session_metadata = session_metadata(state, trajectory);
     if trajectory.records().is_empty() {
         return Ok(SamplesPayload {
@@ -1064,16 +1100,22 @@ fn assemble(
             });
         }
     }
-    let messages = json!(trajectory.messages());
+    // Miles attaches the conversation only with --save-debug-trajectory-data.
+    let messages = state
+        .config
+        .save_debug_trajectory_data
+        .then(|| json!(trajectory.messages()));
     let samples = if per_turn {
         let mut samples = samples;
-        if let Some(last) = samples.last_mut() {
+        if let (Some(last), Some(messages)) = (samples.last_mut(), messages) {
             last.metadata.insert("messages".into(), messages);
         }
         samples
     } else {
         let mut merged = merge_samples(samples, &decode)?;
-        merged.metadata.insert("messages".into(), messages);
+        if let Some(messages) = messages {
+            merged.metadata.insert("messages".into(), messages);
+        }
         vec![merged]
     };
     Ok(SamplesPayload {

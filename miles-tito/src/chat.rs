@@ -70,6 +70,14 @@ pub trait ChatTokenizer: Send + Sync {
     /// Decodes ids to text, special tokens included.
     fn decode(&self, ids: &[TokenId]) -> String;
 
+    /// Decodes ids to text, special tokens left out when `skip_special_tokens` (SGLang's
+    /// response text). Default: [`ChatTokenizer::decode`] (an implementation without special
+    /// tokens).
+    fn decode_text(&self, ids: &[TokenId], skip_special_tokens: bool) -> String {
+        let _ = skip_special_tokens;
+        self.decode(ids)
+    }
+
     /// Decodes one id (the `token` of OpenAI `logprobs.content`); implementations may cache.
     fn decode_token(&self, id: TokenId) -> std::sync::Arc<str> {
         self.decode(&[id]).into()

@@ -12,6 +12,18 @@ pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
         .map_err(|e| Error::Tokenizer(e.to_string()))
 }
 
+/// `tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)`: the response text as
+/// SGLang's detokenizer makes it (with `true`, every added token marked special is left out).
+pub fn decode_text(
+    tokenizer: &Tokenizer,
+    ids: &[u32],
+    skip_special_tokens: bool,
+) -> Result<String> {
+    tokenizer
+        .decode(ids, skip_special_tokens)
+        .map_err(|e| Error::Tokenizer(e.to_string()))
+}
+
 /// Decodes ids keeping special tokens (what Miles' verifier and comparator do).
 pub fn decode(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
     tokenizer

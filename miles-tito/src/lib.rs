@@ -130,7 +130,7 @@ pub use family::{
 };
 pub use fastdec::FastDecoder;
 pub use fastenc::FastEncoder;
-pub use hf::{decode, encode};
+pub use hf::{decode, decode_text, encode};
 pub use matcher::{MessageMatcher, TEMPLATE_KEYS, assert_append_only};
 pub use model::{HfChat, Rendered, SPECIAL_TOKEN_ATTRIBUTES};
 pub use parsers::{OutputParser, ParsedAssistant, ReasoningParser, ToolCallParser};

@@ -91,7 +91,7 @@ impl ByteChatml {
         }
         for (i, m) in rest.iter().enumerate() {
             match m.role {
-                Role::System | Role::User => {
+                Role::System | Role::User | Role::Developer => {
                     out.push_str(&format!(
                         "<|im_start|>{}\n{}<|im_end|>\n",
                         m.role.as_str(),
@@ -228,6 +228,20 @@ impl ChatTokenizer for ByteChatml {
             reasoning_content: reasoning,
             tool_calls,
         })
+    }
+
+    fn decode_text(&self, ids: &[TokenId], skip_special_tokens: bool) -> String {
+        if !skip_special_tokens {
+            return ChatTokenizer::decode(self, ids);
+        }
+        // As in Qwen3's tokenizer, only the turn markers are special; `<think>`,
+        // `<tool_call>`, `<tool_response>` and their closers stay in the text.
+        let plain: Vec<TokenId> = ids
+            .iter()
+            .copied()
+            .filter(|&id| id != IM_START && id != IM_END)
+            .collect();
+        ChatTokenizer::decode(self, &plain)
     }
 
     fn decode(&self, ids: &[TokenId]) -> String {

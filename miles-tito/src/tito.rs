@@ -394,6 +394,16 @@ impl TitoTokenizer {
         }
     }
 
+    /// Decodes ids, leaving special tokens out when `skip_special_tokens` (the response text
+    /// as SGLang gives it).
+    pub fn decode_text(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        if skip_special_tokens {
+            hf::decode_text(&self.tokenizer, ids, true)
+        } else {
+            self.decode(ids)
+        }
+    }
+
     /// Decodes ids, keeping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match &self.fast_decoder {

@@ -202,6 +202,16 @@ impl ChatTokenizer for TitoChat {
         self.parser.for_kwargs(kwargs).parse(&text, tools)
     }
 
+    fn decode_text(&self, ids: &[TokenId], skip_special_tokens: bool) -> String {
+        match self.tito.decode_text(ids, skip_special_tokens) {
+            Ok(text) => text,
+            Err(error) => {
+                tracing::warn!(%error, "decoding ids failed");
+                String::new()
+            }
+        }
+    }
+
     fn decode(&self, ids: &[TokenId]) -> String {
         match self.tito.decode(ids) {
             Ok(text) => text,

@@ -143,7 +143,7 @@ impl RewardFn for FlakyReward {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reward_failures_mark_samples_failed_and_filters_drop_flat_groups() {
+async fn reward_failures_regenerate_their_groups_and_filters_drop_flat_groups() {
     let engine = TabularEngine::new(Duration::from_millis(0));
     let mut config = rollout_config(4, 6);
     config.dynamic_filters = vec![DynamicFilter::CheckRewardNonzeroStd];
@@ -162,7 +162,8 @@ async fn reward_failures_mark_samples_failed_and_filters_drop_flat_groups() {
         "a uniform policy gives many all-zero groups: {:?}",
         batch.metrics
     );
-    let mut failed = 0;
+    // A group with a failed reward is generated again (up to the bound) or dropped: no kept
+    // group holds one, and the failures are counted by kind.
     for group in &batch.groups {
         let rewards: Vec<f64> = group
             .iter()
@@ -170,20 +171,18 @@ async fn reward_failures_mark_samples_failed_and_filters_drop_flat_groups() {
             .collect();
         assert!(rewards.iter().any(|&r| r != rewards[0]), "flat group kept");
         for s in group {
-            if s.response == "5" {
-                failed += 1;
-                assert_eq!(s.status, SampleStatus::Failed);
-                assert!(s.remove_sample);
-                assert!(
-                    s.metadata["failure"]
-                        .as_str()
-                        .unwrap()
-                        .contains("checker crashed")
-                );
-            }
+            assert_ne!(s.response, "5");
+            assert_ne!(s.status, SampleStatus::Failed);
         }
     }
-    assert!(failed > 0, "seeded sampling produces some 5s");
+    let failed = batch.metrics["rollout/failed_samples/reward"];
+    assert!(failed > 0.0, "seeded sampling produces some 5s");
+    assert_eq!(batch.metrics["rollout/failed_samples"], failed);
+    assert!(
+        batch.metrics["rollout/failed_groups_regenerated"]
+            + batch.metrics["rollout/failed_groups_dropped"]
+            > 0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -674,11 +673,11 @@ async fn agentic_generation_goes_through_a_session_server() {
         let prompts = prompts.clone();
         async move {
             let mut data = DataSource::new(prompts, 2, false, 0).unwrap();
-            manager.generate_rollout(0, &mut data).await.unwrap()
+            manager.generate_rollout(0, &mut data).await
         }
     };
 
-    let batch = run(false).await;
+    let batch = run(false).await.unwrap();
     assert_eq!(batch.groups.len(), 2);
 
     let rewards: Vec<f64> = batch
@@ -719,24 +718,18 @@ async fn agentic_generation_goes_through_a_session_server() {
         0.0
     );
 
-    // A failing agent: every sample ABORTED (a copy of the input), kept in its group for the
-    // statistics but never trained on; no reward is computed for it.
-    let batch = run(true).await;
-    for s in batch.samples() {
-        assert_eq!(s.status, SampleStatus::Aborted);
-        assert!(s.remove_sample);
-        assert!(s.reward.is_none());
-        assert!(
-            s.metadata["abort_reason"]
-                .as_str()
-                .unwrap()
-                .contains("tool crashed")
-        );
-    }
+    // A failing agent: every sample FAILED, its group generated again twice then dropped,
+    // never trained on; after 16 failures in a row the rollout stops with an error naming the
+    // failure.
+    let error = run(true).await.unwrap_err();
     assert!(
-        !batch
-            .metrics
-            .contains_key("rollout/tito_session_mismatch_rate/v1")
+        matches!(error, miles_rollout::Error::TooManyFailures(_)),
+        "{error:?}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("16 samples in a row failed") && message.contains("tool crashed"),
+        "{message}"
     );
 }
 
@@ -907,11 +900,30 @@ async fn multi_turn_tool_loop_appends_tool_outputs_with_tito_and_masks_them() {
     s.validate().unwrap();
     assert!(s.response.contains("<tool_call>"));
     assert!(s.response.contains("sunny"));
+    // SGLang's text: special tokens (the turns' `<|im_end|>`, the tool message's markers)
+    // skipped, the final stop trimmed; the ids keep them all.
     assert!(
-        s.response.ends_with("The weather is sunny.<|im_end|>"),
+        s.response.ends_with("The weather is sunny."),
         "{}",
         s.response
     );
+    assert!(!s.response.contains("<|im_end|>"), "{}", s.response);
+    let kept = generator
+        .generate(
+            ask("Paris"),
+            SamplingParams {
+                skip_special_tokens: false,
+                no_stop_trim: true,
+                ..sampling.clone()
+            },
+        )
+        .await;
+    assert!(
+        kept.response.ends_with("The weather is sunny.<|im_end|>"),
+        "{}",
+        kept.response
+    );
+    assert_eq!(kept.tokens, s.tokens);
     // Loss mask: 1 on the model's ids, 0 on the tool message between the turns; log-prob 0
     // there; the engine's log-probs on the model's ids.
     let mask = s.loss_mask.as_ref().unwrap();
@@ -954,4 +966,35 @@ async fn multi_turn_tool_loop_appends_tool_outputs_with_tito_and_masks_them() {
     assert_eq!(s.status, SampleStatus::Truncated);
     assert_eq!(s.response_length, 5);
     assert_eq!(engine.weight_version().await.unwrap().0, 7);
+}
+
+/// Every engine down: the samples' engine calls fail, the failures are counted as `engine`,
+/// and the rollout ends with a clear error naming the engine's answer instead of training on
+/// nothing or regenerating forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_engine_stops_the_rollout_with_its_error() {
+    let engine = TabularEngine::new(Duration::from_millis(0));
+    engine.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+    let manager = manager(
+        &engine,
+        rollout_config(4, 8),
+        Arc::new(BuiltinReward::ExactMatch),
+    );
+    let mut data = DataSource::new(prompts(), 4, false, 0).unwrap();
+    let error = manager.generate_rollout(0, &mut data).await.unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(error, miles_rollout::Error::TooManyFailures(_)),
+        "{message}"
+    );
+    assert!(
+        message.contains("16 samples in a row failed") && message.contains("connection refused"),
+        "{message}"
+    );
+    let mut metrics = miles_core::Metrics::new();
+    manager.failures().take_metrics(&mut metrics);
+    assert!(
+        metrics["rollout/failed_samples/engine"] >= 16.0,
+        "{metrics:?}"
+    );
 }

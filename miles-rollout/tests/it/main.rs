@@ -6,5 +6,6 @@ mod common;
 mod data_formats;
 mod loops;
 mod passrate;
+mod response_text;
 mod router;
 mod router_http;

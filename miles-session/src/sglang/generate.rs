@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use miles_core::{
     EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, RequestId,
-    SamplingParams, TokenId,
+    SamplingParams, TokenId, output_text,
 };
 use serde_json::Value;
 use tokio::task::JoinSet;
@@ -488,11 +488,16 @@ pub(super) async fn generate_inner(
     let mut answers = Vec::with_capacity(outputs.len());
     for (output, rid) in outputs.iter().zip(&ids) {
         let answer = GenerateResponse {
-            text: state
-                .info
-                .tokenizer
-                .as_ref()
-                .map(|tokenizer| tokenizer.decode(&output.output_ids)),
+            // SGLang's text: special tokens skipped and the matched stop trimmed unless the
+            // request says otherwise; `output_ids` keep the stop token.
+            text: state.info.tokenizer.as_ref().map(|tokenizer| {
+                output_text(
+                    &output.output_ids,
+                    output.matched_stop.as_ref(),
+                    &params,
+                    |ids, skip| tokenizer.decode_text(ids, skip),
+                )
+            }),
             output_ids: Some(output.output_ids.clone()),
             meta_info: meta_info(state, rid, output, options, latency)?,
         };

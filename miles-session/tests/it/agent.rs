@@ -90,7 +90,7 @@ async fn agent_conversation_becomes_one_merged_sample() {
         out.status,
         SampleStatus::Completed,
         "{:?}",
-        out.metadata.get("abort_reason")
+        out.metadata.get("failure")
     );
     assert_eq!(
         (out.group_index, out.index, out.label.as_deref()),
@@ -103,11 +103,14 @@ async fn agent_conversation_becomes_one_merged_sample() {
     let acc: Vec<u32> =
         serde_json::from_value(out.metadata["accumulated_token_ids"].clone()).unwrap();
     assert_eq!(out.tokens, acc);
+    // SGLang's text: the final `<|im_end|>` (special) is skipped; the ids keep it.
     assert!(
-        out.response.ends_with("The weather is sunny.<|im_end|>"),
+        out.response.ends_with("The weather is sunny."),
         "{}",
         out.response
     );
+    assert!(!out.response.contains("<|im_end|>"), "{}", out.response);
+    assert_eq!(out.tokens.last(), Some(&miles_session::testkit::IM_END));
     let mask = out.loss_mask.clone().unwrap();
     assert_eq!(mask.len(), out.response_length);
     assert_eq!((mask[0], *mask.last().unwrap()), (1, 1));
@@ -116,7 +119,7 @@ async fn agent_conversation_becomes_one_merged_sample() {
 }
 
 #[tokio::test]
-async fn failures_become_aborted_samples_and_sessions_are_deleted() {
+async fn failures_become_failed_samples_and_sessions_are_deleted() {
     let (url, server) = setup().await;
     let http = HttpClient::new(Duration::from_secs(10));
     let params = SamplingParams::default();
@@ -128,9 +131,9 @@ async fn failures_become_aborted_samples_and_sessions_are_deleted() {
         fail_after_first_turn: true,
     };
     let out = generate(&failing, &input, &params, &config, &http).await;
-    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(out.status, SampleStatus::Failed);
     assert!(
-        out.metadata["abort_reason"]
+        out.metadata["failure"]
             .as_str()
             .unwrap()
             .contains("tool crashed")
@@ -138,17 +141,17 @@ async fn failures_become_aborted_samples_and_sessions_are_deleted() {
     assert_eq!(out.tokens, input.tokens);
 
     let out = generate(&SleepyAgent, &input, &params, &config, &http).await;
-    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(out.status, SampleStatus::Failed);
     assert!(
-        out.metadata["abort_reason"]
+        out.metadata["failure"]
             .as_str()
             .unwrap()
             .contains("timed out")
     );
 
     let out = generate(&IdleAgent, &input, &params, &config, &http).await;
-    assert_eq!(out.status, SampleStatus::Aborted);
-    assert_eq!(out.metadata["abort_reason"], json!("empty session"));
+    assert_eq!(out.status, SampleStatus::Failed);
+    assert_eq!(out.metadata["failure"], json!("empty session"));
     assert_eq!(server.sessions_open(), 0);
 
     // Miles' behaviour on request: a failed agent's recorded turns are still trained on.
@@ -163,7 +166,7 @@ async fn failures_become_aborted_samples_and_sessions_are_deleted() {
     drop(closed);
     let dead = AgentDriverConfig::new(format!("http://127.0.0.1:{port}"));
     let out = generate(&IdleAgent, &input, &params, &dead, &http).await;
-    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(out.status, SampleStatus::Failed);
     assert_eq!(server.sessions_open(), 0);
 }
 
@@ -206,9 +209,9 @@ async fn an_agent_reward_becomes_the_sample_reward() {
 
     for bad in [json!("high"), json!(null), json!([1.0])] {
         let out = generate(&RewardingAgent(bad), &input, &params, &config, &http).await;
-        assert_eq!(out.status, SampleStatus::Aborted);
+        assert_eq!(out.status, SampleStatus::Failed);
         assert_eq!(
-            out.metadata["abort_reason"],
+            out.metadata["failure"],
             json!("agent failed: agent_reward must be a number or an object")
         );
         assert_eq!(out.reward, None);
@@ -274,10 +277,14 @@ async fn generate_multi_samples_gives_one_sample_per_turn_with_one_rollout_id() 
         );
         assert_eq!(s.weight_versions, vec!["7"]);
     }
-    // Session metadata (the accumulated ids, the messages) only on the last sibling.
+    // Session metadata (the accumulated ids) only on the last sibling; the messages only with
+    // `save_debug_trajectory_data` (Miles' `--save-debug-trajectory-data`); a lifecycle
+    // segment per turn.
     assert!(!first.metadata.contains_key("accumulated_token_ids"));
     assert!(last.metadata.contains_key("accumulated_token_ids"));
-    assert!(last.metadata.contains_key("messages"));
+    assert!(!last.metadata.contains_key("messages"));
+    assert_eq!(first.metadata["lifecycle"]["turn"], json!(1));
+    assert_eq!(last.metadata["lifecycle"]["turn"], json!(2));
     // The turns tile the merged sample: turn 0, the tool observation (masked), turn 1.
     assert_eq!(last.tokens, merged.tokens);
     assert!(last.tokens.starts_with(&first.tokens));

@@ -88,7 +88,7 @@ async fn python_agent_with_a_tool_call_becomes_one_rewarded_sample() {
         out.status,
         SampleStatus::Completed,
         "{:?}",
-        out.metadata.get("abort_reason")
+        out.metadata.get("failure")
     );
     assert_eq!(out.reward, Some(Reward::Scalar(1.0)));
     assert_eq!(out.metadata["turns"], json!(2), "agent metadata merged");
@@ -159,12 +159,19 @@ async fn run(url: &str, agent: &CommandAgent, input: &Sample) -> (Sample, String
     )
     .await;
     let took = start.elapsed();
-    let reason = out
-        .metadata
-        .get("abort_reason")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_owned();
+    let text = |key: &str| {
+        out.metadata
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    // What failed, then (for a subprocess) the tail of its stderr.
+    let mut reason = text("failure");
+    let tail = text("agent_stderr_tail");
+    if !tail.is_empty() {
+        reason = format!("{reason}; stderr tail: {tail}");
+    }
     (out, reason, took)
 }
 
@@ -173,8 +180,8 @@ fn shell(line: &str) -> CommandAgent {
         .unwrap()
 }
 
-fn assert_aborted(out: &Sample, input: &Sample, reason: &str, expected: &[&str]) {
-    assert_eq!(out.status, SampleStatus::Aborted, "{reason}");
+fn assert_failed(out: &Sample, input: &Sample, reason: &str, expected: &[&str]) {
+    assert_eq!(out.status, SampleStatus::Failed, "{reason}");
     for part in expected {
         assert!(reason.contains(part), "{reason:?} lacks {part:?}");
     }
@@ -216,7 +223,7 @@ async fn assert_gone(pid: i32, what: &str) {
 }
 
 #[tokio::test]
-async fn failing_agents_give_aborted_samples_with_reasons() {
+async fn failing_agents_give_failed_samples_with_reasons() {
     let (url, server) = toy_server().await;
     let input = toy_sample();
 
@@ -227,30 +234,37 @@ async fn failing_agents_give_aborted_samples_with_reasons() {
         &input,
     )
     .await;
-    assert_aborted(
+    assert_failed(
         &out,
         &input,
         &reason,
         &[
-            "agent failed: agent command exited with code 3",
+            "agent failed: agent command \"echo 'tool crashed: boom' >&2; exit 3\" exited with code 3",
             "tool crashed: boom",
         ],
+    );
+    assert_eq!(out.metadata["failure_kind"], json!("exit"));
+    assert_eq!(
+        out.metadata["agent_stderr_tail"],
+        json!("tool crashed: boom\n")
     );
 
     // Death by a signal.
     let (out, reason, _) = run(&url, &shell("kill -SEGV $$"), &input).await;
-    assert_aborted(&out, &input, &reason, &["killed by signal 11 (SIGSEGV)"]);
+    assert_failed(&out, &input, &reason, &["killed by signal 11 (SIGSEGV)"]);
+    assert_eq!(out.metadata["failure_kind"], json!("signal"));
 
     // Garbage on the last line of stdout.
     let (out, reason, _) = run(&url, &shell("echo '{\"reward\": 1'"), &input).await;
-    assert_aborted(
+    assert_failed(
         &out,
         &input,
         &reason,
         &["the last line of stdout is not JSON"],
     );
+    assert_eq!(out.metadata["failure_kind"], json!("bad_output"));
     let (out, reason, _) = run(&url, &shell("echo '{\"reward\": \"high\"}'"), &input).await;
-    assert_aborted(
+    assert_failed(
         &out,
         &input,
         &reason,
@@ -265,7 +279,7 @@ async fn failing_agents_give_aborted_samples_with_reasons() {
     )
     .unwrap();
     let (out, reason, took) = run(&url, &agent, &input).await;
-    assert_aborted(
+    assert_failed(
         &out,
         &input,
         &reason,
@@ -275,7 +289,7 @@ async fn failing_agents_give_aborted_samples_with_reasons() {
 
     // Command not found, with and without a shell.
     let (out, reason, _) = run(&url, &shell("definitely-not-an-agent-7f3a --x"), &input).await;
-    assert_aborted(
+    assert_failed(
         &out,
         &input,
         &reason,
@@ -287,7 +301,7 @@ async fn failing_agents_give_aborted_samples_with_reasons() {
     ))
     .unwrap();
     let (out, reason, _) = run(&url, &agent, &input).await;
-    assert_aborted(
+    assert_failed(
         &out,
         &input,
         &reason,
@@ -300,12 +314,12 @@ async fn failing_agents_give_aborted_samples_with_reasons() {
     big.metadata
         .insert("document".into(), json!("x".repeat(4 << 20)));
     let (out, reason, took) = run(&url, &shell("sleep 0.2"), &big).await;
-    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(out.status, SampleStatus::Failed);
     assert_eq!(reason, "empty session");
     assert!(took < Duration::from_secs(10), "{took:?}");
     // The same, closing stdin at once and failing.
     let (out, reason, _) = run(&url, &shell("exec 0<&-; echo closed >&2; exit 4"), &big).await;
-    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(out.status, SampleStatus::Failed);
     assert!(
         reason.contains("exited with code 4") && reason.contains("closed"),
         "{reason}"
@@ -315,7 +329,7 @@ async fn failing_agents_give_aborted_samples_with_reasons() {
     let (out, reason, _) = run(&url, &shell("echo '{\"reward\": 1.0}'"), &input).await;
     assert_eq!(
         (out.status, reason.as_str()),
-        (SampleStatus::Aborted, "empty session")
+        (SampleStatus::Failed, "empty session")
     );
 
     assert_eq!(server.sessions_open(), 0, "every session deleted");
@@ -341,7 +355,7 @@ async fn timeouts_kill_the_whole_process_group() {
     ))
     .unwrap();
     let (out, reason, took) = run(&url, &agent, &input).await;
-    assert_aborted(
+    assert_failed(
         &out,
         &input,
         &reason,
@@ -359,7 +373,8 @@ async fn timeouts_kill_the_whole_process_group() {
     ))
     .unwrap();
     let (out, reason, took) = run(&url, &agent, &input).await;
-    assert_aborted(&out, &input, &reason, &["timed out after 0.5 s"]);
+    assert_failed(&out, &input, &reason, &["timed out after 0.5 s"]);
+    assert_eq!(out.metadata["failure_kind"], json!("timeout"));
     assert!(
         took >= Duration::from_millis(1200),
         "killed before the grace: {took:?}"
@@ -381,7 +396,7 @@ async fn timeouts_kill_the_whole_process_group() {
     driver.agent_timeout = Some(Duration::from_millis(500));
     let http = HttpClient::new(Duration::from_secs(10));
     let out = generate(&agent, &input, &SamplingParams::default(), &driver, &http).await;
-    assert_eq!(out.status, SampleStatus::Aborted);
+    assert_eq!(out.status, SampleStatus::Failed);
     assert_gone(read_pid(&dir.join("dropped.child")), "the agent's child").await;
     // Killed and reaped (no zombie) although its future was dropped.
     assert_gone(read_pid(&dir.join("dropped.leader")), "agent").await;

@@ -8,6 +8,7 @@ mod command_agent;
 mod common;
 mod fuzz_routes;
 mod prometheus_scrape;
+mod response_text;
 mod server;
 mod sglang;
 mod sglang_fuzz_routes;

@@ -287,7 +287,14 @@ async fn tool_calling_conversation_records_exact_tokens() {
     assert_eq!(sample.rollout_log_probs, Some(lps));
     assert_eq!(sample.status, SampleStatus::Completed);
     assert_eq!(sample.weight_versions, vec!["7", "7"]);
-    assert_eq!(sample.response, format!("{OUT1}\n{TOOL_BLOCK}{OUT2}"));
+    // The text as SGLang decodes it: the turn markers (special tokens) skipped; the tokens
+    // keep them.
+    assert_eq!(
+        sample.response,
+        format!("{OUT1}\n{TOOL_BLOCK}{OUT2}")
+            .replace("<|im_end|>", "")
+            .replace("<|im_start|>", "")
+    );
     assert_eq!(
         sample.prefix_cache_info.total_prompt_tokens as usize,
         seen.input_ids.len() + seen2.input_ids.len()
@@ -355,8 +362,15 @@ async fn tool_calling_conversation_records_exact_tokens() {
         assert_eq!(turn.status, SampleStatus::Completed);
     }
     assert_eq!(turns[1].tokens, acc);
+    // The messages only with `save_debug_trajectory_data` (Miles' flag); a lifecycle segment
+    // per turn, the second knowing when the first ended.
     assert!(!turns[0].metadata.contains_key("messages"));
-    assert!(turns[1].metadata.contains_key("messages"));
+    assert!(!turns[1].metadata.contains_key("messages"));
+    assert_eq!(turns[1].metadata["lifecycle"]["turn"], json!(2));
+    assert_eq!(
+        turns[1].metadata["lifecycle"]["prev_t1"],
+        turns[0].metadata["lifecycle"]["t1"]
+    );
     // Through Miles' codec too.
     let r = h
         .http
@@ -570,7 +584,10 @@ async fn stream_is_one_chunk_then_done() {
     let body = json!({"messages": [{"role": "user", "content": "hello"}], "stream": true, "stream_options": {"include_usage": true}});
     let r = h.chat(&id, &body).await;
     assert_eq!(r.status, 200);
-    assert_eq!(r.headers["content-type"], "text/event-stream");
+    assert_eq!(
+        r.headers["content-type"],
+        "text/event-stream; charset=utf-8"
+    );
     assert_eq!(r.headers["cache-control"], "no-cache");
     assert_eq!(r.headers["x-accel-buffering"], "no");
     let text = r.text();

@@ -250,7 +250,7 @@ async fn generate_round_trips_ids_logprobs_and_routes() {
     assert_eq!(body["return_routed_experts"], json!(true));
     assert_eq!(body["rid"], json!("r-1"));
     assert_eq!(body["sampling_params"]["max_new_tokens"], json!(64));
-    assert_eq!(body["sampling_params"]["no_stop_trim"], json!(true));
+    assert_eq!(body["sampling_params"]["no_stop_trim"], json!(false));
     assert_eq!(body["input_ids"], json!(request.input_ids));
 }
 
