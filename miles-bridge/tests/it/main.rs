@@ -3,7 +3,6 @@
 
 mod common;
 
-mod cli;
 mod deepseek_v3;
 mod glm4moe_tiny;
 mod half_precision;

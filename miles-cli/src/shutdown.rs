@@ -1,0 +1,94 @@
+//! A clean stop on SIGINT / SIGTERM: [`signal`] resolves with the exit status the signal asks
+//! for (130 / 143, as a shell reports a process killed by it), and [`InFlight`] lets a server
+//! stop accepting, then wait for the requests it holds up to a deadline.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// Exit status after SIGINT (128 + 2).
+pub const EXIT_SIGINT: u8 = 130;
+/// Exit status after SIGTERM (128 + 15).
+pub const EXIT_SIGTERM: u8 = 143;
+
+/// Waits for SIGINT or SIGTERM and returns the exit status for it. On a platform without
+/// these signals (or when the handlers cannot be installed) it waits for Ctrl-C alone.
+pub async fn signal() -> u8 {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) {
+            (Ok(mut int), Ok(mut term)) => {
+                return tokio::select! {
+                    _ = int.recv() => EXIT_SIGINT,
+                    _ = term.recv() => EXIT_SIGTERM,
+                };
+            }
+            (Err(error), _) | (_, Err(error)) => {
+                tracing::warn!(%error, "cannot install the SIGINT / SIGTERM handlers");
+            }
+        }
+    }
+    match tokio::signal::ctrl_c().await {
+        Ok(()) => EXIT_SIGINT,
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// Counts the requests a server is answering (a middleware around its router).
+#[derive(Debug, Clone, Default)]
+pub struct InFlight {
+    count: Arc<AtomicUsize>,
+}
+
+struct Held(Arc<AtomicUsize>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl InFlight {
+    /// A counter at zero.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests being answered now.
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// `router` with every request counted from its arrival until its response is handed
+    /// back.
+    pub fn track(&self, router: axum::Router) -> axum::Router {
+        let count = self.count.clone();
+        router.layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let count = count.clone();
+                async move {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let _held = Held(count);
+                    next.run(request).await
+                }
+            },
+        ))
+    }
+
+    /// Waits until no request is in flight or `deadline` has passed; returns how many were
+    /// still in flight then.
+    pub async fn drain(&self, deadline: Duration) -> usize {
+        let until = Instant::now() + deadline;
+        loop {
+            let left = self.count();
+            if left == 0 || Instant::now() >= until {
+                return left;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}

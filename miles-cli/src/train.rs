@@ -1,0 +1,911 @@
+//! `miles train`, `train-async`, `sft` and `eval`: RL post-training of an HF checkpoint on a prompt file with a reward,
+//! from one command, with Miles' flag names (`train.py` / `train_async.py`).
+//!
+//! ```text
+//! miles train        --hf-checkpoint DIR --prompt-data train.jsonl --rm-type math ...   # synchronous loop
+//! miles train-async  --config run.toml --num-rollout 200                             # fully asynchronous
+//! miles sft          --hf-checkpoint DIR --prompt-data conversations.jsonl --save-hf out/sft
+//! miles eval         --hf-checkpoint DIR --eval-prompt-data aime aime.jsonl --rm-type math
+//! ```
+//!
+//! Every flag maps onto a field of a library config type ([`miles_rollout::RolloutConfig`],
+//! [`miles_rollout::LoopConfig`], [`miles_train::TrainConfig`], …), so a Rust user gets the same
+//! run without the CLI. [`crate::args::TrainArgs`] lists them; COMPATIBILITY.md has the table
+//! against Miles.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use miles_bridge::{CausalLm, Precision};
+use miles_core::{
+    InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, RewardFn, SamplingParams,
+};
+use miles_ops::device::DeviceSpec;
+use miles_ops::{AdvantageConfig, AdvantageEstimator};
+use miles_reward::{BuiltinReward, RemoteReward, RmHubReward, RmType};
+use miles_rollout::{
+    AgentGenerator, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter, EvalSet, LoopConfig,
+    PromptRecord, RlLoop, RolloutConfig, RolloutManager, SharedTrainer,
+};
+use miles_rollout::{DatasetOptions, PromptDataPath, load_dataset};
+use miles_session::agent::{AgentDriverConfig, AgentReward};
+use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
+use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
+use serde_json::{Map, Value, json};
+
+use crate::args::TrainArgs;
+use crate::wiring::{CurvesOnEval, ProgressSink, embedded_engine, save_hf_checkpoint};
+
+/// Errors of a `miles` run (any crate's error, boxed).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a run ended with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The run's summary (also written to `OUTPUT/summary.json` / `eval.json`).
+    pub summary: Value,
+    /// The exit status a signal asked for (130 SIGINT, 143 SIGTERM) when the run was stopped
+    /// early (after writing its checkpoint), `None` when it ran to the end.
+    pub stopped_by: Option<u8>,
+}
+
+impl Outcome {
+    fn finished(summary: Value) -> Self {
+        Self {
+            summary,
+            stopped_by: None,
+        }
+    }
+}
+
+/// Runs `train`, `train-async`, `sft` or `eval` with `args`.
+pub async fn run(command: TrainCommand, args: &TrainArgs) -> Result<Outcome, BoxError> {
+    if args.metrics.use_wandb {
+        return Err("--use-wandb: the wandb format is not written here; use --use-tensorboard and upload with `wandb sync --sync-tensorboard DIR`".into());
+    }
+    match command {
+        TrainCommand::Train => train(args, false).await,
+        TrainCommand::TrainAsync => train(args, true).await,
+        TrainCommand::Sft => sft(args).map(Outcome::finished),
+        TrainCommand::Eval => eval(args).await.map(Outcome::finished),
+    }
+}
+
+/// A stop signal for the loop that turns `true` on the first SIGINT / SIGTERM, and the exit
+/// status that signal asks for (0 until then). A second signal ends the process at once.
+fn stop_on_signal() -> (
+    tokio::sync::watch::Receiver<bool>,
+    Arc<std::sync::atomic::AtomicU8>,
+) {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let code = Arc::new(std::sync::atomic::AtomicU8::new(0));
+    let seen = code.clone();
+    tokio::spawn(async move {
+        let first = crate::shutdown::signal().await;
+        seen.store(first, std::sync::atomic::Ordering::SeqCst);
+        tracing::warn!(
+            "stopping: finishing the step in training, then writing a checkpoint (signal again to quit at once)"
+        );
+        let _ = tx.send(true);
+        let second = crate::shutdown::signal().await;
+        std::process::exit(i32::from(second));
+    });
+    (rx, code)
+}
+
+/// The subcommands that take [`TrainArgs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainCommand {
+    /// The synchronous loop.
+    Train,
+    /// The fully asynchronous loop.
+    TrainAsync,
+    /// Supervised fine-tuning.
+    Sft,
+    /// Evaluation only.
+    Eval,
+}
+
+/// What every subcommand loads first.
+struct Common {
+    hf: PathBuf,
+    out: PathBuf,
+    device: burn::tensor::Device,
+    rollout_device: burn::tensor::Device,
+    precision: Precision,
+    seed: u64,
+    encoder: Arc<ChatPromptEncoder>,
+    eos_ids: Vec<u32>,
+}
+
+fn common(a: &TrainArgs) -> Result<Common, BoxError> {
+    let hf = hf_checkpoint(a)?;
+    let out = a.model.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| format!("--output-dir {}: {e}", out.display()))?;
+    let device = device(&a.model.device, "--device")?;
+    let precision = Precision::from_flags(a.model.bf16, a.model.fp16)?;
+    let rollout_device = match a.model.rollout_device.as_deref() {
+        Some(s) => device_of(s, "--rollout-device")?,
+        None => device.clone(),
+    };
+    let kwargs: Map<String, Value> =
+        serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
+            .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
+    let encoder = Arc::new(
+        ChatPromptEncoder::load(&hf)?
+            .with_kwargs(kwargs)
+            .with_raw_text(!a.data.apply_chat_template),
+    );
+    let mut eos_ids = miles_engine::read_eos_ids(&hf);
+    if eos_ids.is_empty() {
+        // A config without `eos_token_id`: the tokenizer config's end-of-turn token.
+        eos_ids.extend(miles_engine::eos_from_tokenizer_config(&hf));
+    }
+    Ok(Common {
+        eos_ids,
+        hf,
+        out,
+        device,
+        rollout_device,
+        precision,
+        seed: a.model.seed,
+        encoder,
+    })
+}
+
+/// `--hf-checkpoint`: a directory, or a hub id found in the local Hugging Face cache.
+fn hf_checkpoint(a: &TrainArgs) -> Result<PathBuf, BoxError> {
+    let spec = a
+        .model
+        .hf_checkpoint
+        .as_deref()
+        .ok_or("--hf-checkpoint is required")?;
+    Ok(crate::hub::resolve(spec, "--hf-checkpoint")?)
+}
+
+fn device_of(spec: &str, flag: &str) -> Result<burn::tensor::Device, BoxError> {
+    let spec: DeviceSpec = spec.parse().map_err(|e| format!("{flag} {spec}: {e}"))?;
+    Ok(spec.init().map_err(|e| format!("{flag}: {e}"))?)
+}
+
+fn device(spec: &str, flag: &str) -> Result<burn::tensor::Device, BoxError> {
+    device_of(spec, flag)
+}
+
+fn dataset_keys(a: &TrainArgs) -> DatasetKeys {
+    DatasetKeys {
+        input_key: a.data.input_key.clone(),
+        label_key: a.data.label_key.clone(),
+        metadata_key: a.data.metadata_key.clone(),
+        tool_key: a.data.tool_key.clone(),
+    }
+}
+
+/// Reads a prompt file (JSONL or Parquet, with an optional `@[a:b]` row slice); with
+/// `--skip-bad-rows` prints how many rows were skipped and why the first were.
+fn load_prompts(
+    a: &TrainArgs,
+    path: &str,
+    keys: &DatasetKeys,
+) -> Result<Vec<PromptRecord>, BoxError> {
+    let source: PromptDataPath = path.parse()?;
+    let options = DatasetOptions {
+        keys: keys.clone(),
+        skip_bad_rows: a.data.skip_bad_rows,
+        max_row_bytes: a.data.max_row_bytes,
+    };
+    let loaded = load_dataset(&source, &options)?;
+    if loaded.skipped.count > 0 {
+        println!("{path}: {}", loaded.skipped);
+    }
+    if loaded.records.is_empty() {
+        return Err(format!("{path}: no prompts").into());
+    }
+    Ok(loaded.records)
+}
+
+/// The reward of `--rm-type` / `--rm-url` (Miles' rm_hub, per-sample `metadata["rm_type"]`
+/// first), and with `--agent-cmd` the agent's own reward first.
+fn reward(a: &TrainArgs, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
+    let rm_type = a.reward.rm_type.as_deref();
+    let remote = a
+        .reward
+        .rm_url
+        .as_deref()
+        .map(|url| RemoteReward::new(url, std::time::Duration::from_secs(60)));
+    let rule: Option<Arc<dyn RewardFn>> = match rm_type {
+        Some("exact_match") => Some(Arc::new(BuiltinReward::ExactMatch)),
+        Some("numeric_match") => Some(Arc::new(BuiltinReward::NumericMatch { tolerance: 1e-6 })),
+        None if remote.is_none() => None,
+        _ => {
+            let global = rm_type
+                .map(RmType::from_rm_type)
+                .transpose()
+                .map_err(|e| format!("--rm-type: {e}"))?;
+            let mut hub = RmHubReward::new(global).with_seed(seed);
+            if let Some(remote) = remote {
+                hub = hub.with_remote(Arc::new(remote));
+            }
+            Some(Arc::new(hub))
+        }
+    };
+    Ok(match (a.agent.agent_cmd.as_deref(), rule) {
+        (Some(_), Some(rule)) => Arc::new(AgentReward::new().with_fallback(rule)),
+        (Some(_), None) => Arc::new(AgentReward::new()),
+        (None, Some(rule)) => rule,
+        (None, None) => {
+            return Err(
+                "--rm-type (or --rm-url, or an --agent-cmd that prints rewards) is required".into(),
+            );
+        }
+    })
+}
+
+/// With `--agent-cmd`: a session server over `engine` on loopback (TITO family `--tito`) and
+/// the agent as the rollout's sample generator.
+async fn agent_generator(
+    a: &TrainArgs,
+    c: &Common,
+    engine: &Arc<dyn InferenceEngine>,
+    use_r3: bool,
+) -> Result<Option<Arc<AgentGenerator>>, BoxError> {
+    let Some(cmd) = a.agent.agent_cmd.as_deref() else {
+        if a.rollout.generate_multi_samples {
+            return Err("--generate-multi-samples needs --agent-cmd (per-turn samples come from the session server)".into());
+        }
+        return Ok(None);
+    };
+    let url =
+        crate::wiring::spawn_session_server(engine.clone(), &c.hf, a.agent.tito.as_str(), use_r3)
+            .await?;
+    println!("session server on {url}; agent: {cmd}");
+    let mut config = CommandAgentConfig::shell(cmd);
+    config.timeout = match a.agent.agent_timeout_s {
+        t if t > 0.0 && t.is_finite() => Some(std::time::Duration::from_secs_f64(t)),
+        _ => None,
+    };
+    let agent = Arc::new(CommandAgent::new(config)?);
+    Ok(Some(Arc::new(AgentGenerator::new(
+        agent,
+        AgentDriverConfig::new(url).with_generate_multi_samples(a.rollout.generate_multi_samples),
+    ))))
+}
+
+fn sampling(a: &TrainArgs, eos_ids: &[u32]) -> SamplingParams {
+    let mut stop_token_ids = eos_ids.to_vec();
+    stop_token_ids.extend(&a.rollout.rollout_stop_token_ids);
+    SamplingParams {
+        temperature: a.rollout.rollout_temperature,
+        top_p: a.rollout.rollout_top_p,
+        top_k: a.rollout.rollout_top_k,
+        stop: a.rollout.rollout_stop.clone(),
+        stop_token_ids,
+        ..SamplingParams::default()
+    }
+}
+
+/// The engines: the embedded one on `model`, or a router over `--engine-url` servers.
+fn engines(
+    a: &TrainArgs,
+    c: &Common,
+    num_layers: Option<usize>,
+) -> Result<Arc<dyn InferenceEngine>, BoxError> {
+    let urls = &a.rollout.engine_url;
+    if urls.is_empty() {
+        let model = CausalLm::from_pretrained(&c.hf, &c.rollout_device)?;
+        return Ok(embedded_engine(
+            model,
+            &c.hf,
+            c.eos_ids.clone(),
+            a.rollout.max_running_requests,
+            c.seed,
+            c.precision,
+        )?);
+    }
+    Ok(crate::wiring::sglang_fleet(
+        urls,
+        &c.out.join("weights"),
+        num_layers,
+    )?)
+}
+
+fn rollout_config(a: &TrainArgs, c: &Common, use_r3: bool) -> Result<RolloutConfig, BoxError> {
+    let filters = match a.rollout.dynamic_sampling_filter_path.as_deref() {
+        None => Vec::new(),
+        Some(path) => {
+            let name = path.rsplit(['.', ':']).next().unwrap_or(path);
+            let filter: DynamicFilter = serde_json::from_value(json!(name)).map_err(|_| {
+                format!("--dynamic-sampling-filter-path {path:?}: expected check_reward_nonzero_std or check_no_aborted")
+            })?;
+            vec![filter]
+        }
+    };
+    Ok(RolloutConfig {
+        n_samples_per_prompt: a.rollout.n_samples_per_prompt,
+        rollout_batch_size: a
+            .rollout
+            .rollout_batch_size
+            .ok_or("--rollout-batch-size is required")?,
+        over_sampling_batch_size: a.rollout.over_sampling_batch_size,
+        sampling: sampling(a, &c.eos_ids),
+        rollout_max_response_len: a.rollout.rollout_max_response_len,
+        rollout_max_context_len: a.rollout.rollout_max_context_len,
+        rollout_seed: Some(a.rollout.rollout_seed),
+        dynamic_filters: filters,
+        reward_key: a.reward.reward_key.as_deref().map(str::to_owned),
+        partial_rollout: a.rollout.partial_rollout,
+        return_routed_experts: use_r3,
+        ..RolloutConfig::default()
+    })
+}
+
+/// The `--eval-prompt-data` sets, each with its own manager (evaluation sampling).
+fn eval_sets(
+    a: &TrainArgs,
+    c: &Common,
+    base: &RolloutConfig,
+    engine: &Arc<dyn InferenceEngine>,
+    reward: &Arc<dyn RewardFn>,
+    generator: Option<&Arc<AgentGenerator>>,
+) -> Result<Vec<EvalSet>, BoxError> {
+    let pairs = &a.eval.eval_prompt_data;
+    if !pairs.len().is_multiple_of(2) {
+        return Err("--eval-prompt-data takes NAME PATH pairs".into());
+    }
+    let mut keys = dataset_keys(a);
+    if let Some(k) = a.eval.eval_input_key.as_deref() {
+        keys.input_key = k.to_owned();
+    }
+    if let Some(k) = a.eval.eval_label_key.as_deref() {
+        keys.label_key = Some(k.to_owned());
+    }
+    if let Some(k) = a.eval.eval_tool_key.as_deref() {
+        keys.tool_key = k.to_owned();
+    }
+    let mut sampling = base.sampling.clone();
+    if let Some(t) = a.eval.eval_temperature {
+        sampling.temperature = t;
+    }
+    if let Some(p) = a.eval.eval_top_p {
+        sampling.top_p = p;
+    }
+    if let Some(k) = a.eval.eval_top_k {
+        sampling.top_k = k;
+    }
+    let mut manager = RolloutManager::new(
+        RolloutConfig {
+            n_samples_per_prompt: a.eval.n_samples_per_eval_prompt,
+            sampling,
+            rollout_max_response_len: a
+                .eval
+                .eval_max_response_len
+                .unwrap_or(base.rollout_max_response_len),
+            rollout_seed: Some(c.seed ^ 0xE7A1),
+            return_routed_experts: false,
+            dynamic_filters: Vec::new(),
+            partial_rollout: false,
+            ..base.clone()
+        },
+        engine.clone(),
+        c.encoder.clone(),
+        reward.clone(),
+    )?;
+    if let Some(generator) = generator {
+        // Evaluation scores whole conversations: one merged sample per session.
+        manager = manager.with_generator(Arc::new(generator.with_generate_multi_samples(false)));
+    }
+    let manager = Arc::new(manager);
+    pairs
+        .chunks(2)
+        .map(|pair| {
+            Ok(EvalSet {
+                name: pair[0].clone(),
+                prompts: load_prompts(a, &pair[1], &keys)?,
+                manager: manager.clone(),
+            })
+        })
+        .collect()
+}
+
+fn train_config(a: &TrainArgs, n: usize, use_r3: bool, seed: u64) -> Result<TrainConfig, BoxError> {
+    let estimator: AdvantageEstimator = a
+        .train
+        .advantage_estimator
+        .parse()
+        .map_err(|e| format!("--advantage-estimator: {e}"))?;
+    let mut lr_schedule = LrSchedule {
+        lr: a.train.lr,
+        min_lr: a.train.min_lr,
+        lr_warmup_iters: a.train.lr_warmup_iters,
+        lr_decay_iters: a.train.lr_decay_iters,
+        ..LrSchedule::default()
+    };
+    let style = a.train.lr_decay_style.as_str();
+    lr_schedule.lr_decay_style = serde_json::from_value(json!(style))
+        .map_err(|_| format!("--lr-decay-style {style:?}: expected constant, linear or cosine"))?;
+    let mut config = TrainConfig {
+        lr_schedule,
+        clip_grad: a.train.clip_grad,
+        global_batch_size: a.train.global_batch_size,
+        num_steps_per_rollout: a.train.num_steps_per_rollout,
+        micro_batch_size: a.train.micro_batch_size,
+        layout: a
+            .train
+            .batch_layout
+            .parse::<BatchLayout>()
+            .map_err(|e| format!("--batch-layout: {e}"))?,
+        advantage: AdvantageConfig {
+            advantage_estimator: estimator,
+            kl_coef: a.train.kl_coef,
+            ..AdvantageConfig::default()
+        }
+        .with_n_samples_per_prompt(n),
+        reward_key: a.reward.reward_key.as_deref().map(str::to_owned),
+        use_routing_replay: use_r3,
+        lora_rank: a.lora.lora_rank,
+        lora_alpha: a.lora.lora_alpha,
+        target_modules: a.lora.target_modules.as_deref().map(str::to_owned),
+        seed,
+        ..TrainConfig::default()
+    };
+    if a.train.optimizer != "adam" {
+        return Err(format!(
+            "--optimizer {}: only adam (AdamW) is built in",
+            a.train.optimizer
+        )
+        .into());
+    }
+    config.optimizer.weight_decay = a.train.weight_decay;
+    config.optimizer.adam_beta1 = a.train.adam_beta1;
+    config.optimizer.adam_beta2 = a.train.adam_beta2;
+    config.optimizer.adam_eps = a.train.adam_eps;
+    config.use_dynamic_batch_size = a.train.use_dynamic_batch_size;
+    config.max_tokens_per_gpu = a.train.max_tokens_per_gpu;
+    let p = &mut config.policy_loss;
+    p.advantage_estimator = estimator;
+    p.eps_clip = a.train.eps_clip;
+    p.eps_clip_high = a.train.eps_clip_high;
+    p.use_kl_loss = a.train.use_kl_loss;
+    p.kl_loss_coef = a.train.kl_loss_coef;
+    p.kl_loss_type = a
+        .train
+        .kl_loss_type
+        .parse()
+        .map_err(|e| format!("--kl-loss-type: {e}"))?;
+    p.entropy_coef = a.train.entropy_coef;
+    p.use_tis = a.train.use_tis;
+    p.tis_clip = a.train.tis_clip;
+    config.validate()?;
+    Ok(config)
+}
+
+/// What [`sinks`] returns: the fan-out sink, the progress bar, the metrics server.
+type Sinks = (
+    Arc<dyn MetricsSink>,
+    Arc<ProgressSink>,
+    Option<miles_session::metrics_server::MetricsServer>,
+);
+
+/// The metrics sinks of a training run: JSONL, curves after each evaluation, progress,
+/// TensorBoard and Prometheus when asked. Returns the sink, the progress bar and the metrics
+/// server (kept alive by the caller).
+fn sinks(
+    a: &TrainArgs,
+    out: &Path,
+    resume: bool,
+    num_rollout: u64,
+    eval_key: &str,
+    buffer_capacity_groups: Option<f64>,
+) -> Result<Sinks, BoxError> {
+    let path = out.join("metrics.jsonl");
+    let jsonl = if resume {
+        JsonlMetricsSink::append(&path)?
+    } else {
+        JsonlMetricsSink::create(&path)?
+    };
+    let progress = Arc::new(ProgressSink::new(num_rollout, eval_key));
+    let mut list: Vec<Arc<dyn MetricsSink>> = vec![
+        Arc::new(jsonl),
+        Arc::new(CurvesOnEval::new(out, eval_key)),
+        progress.clone(),
+    ];
+    if a.metrics.use_tensorboard {
+        list.push(Arc::new(crate::wiring::tensorboard_sink(
+            a.metrics.tensorboard_dir.as_deref(),
+            out,
+        )?));
+    }
+    let port: Option<u16> = match a.metrics.metrics_port {
+        Some(p) => Some(p),
+        None if a.metrics.use_prometheus => Some(a.metrics.prometheus_port),
+        None => None,
+    };
+    let server = match port {
+        None => None,
+        Some(port) => {
+            let registry = Arc::new(miles_core::prometheus::Registry::new());
+            let trainer = miles_core::prometheus::TrainerMetrics::register(&registry)?;
+            if let Some(capacity) = buffer_capacity_groups {
+                trainer.buffer_capacity_groups.set(capacity);
+            }
+            list.push(Arc::new(miles_core::prometheus::TrainerMetricsSink::new(
+                trainer,
+            )));
+            list.push(Arc::new(
+                miles_core::prometheus::PrometheusMetricsSink::new(registry.clone()),
+            ));
+            let server = miles_session::metrics_server::MetricsServer::start(
+                std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                registry,
+            )?;
+            println!("metrics: http://{}/metrics", server.local_addr());
+            std::fs::write(out.join("metrics_addr"), server.local_addr().to_string())?;
+            Some(server)
+        }
+    };
+    Ok((
+        Arc::new(miles_core::FanoutMetricsSink::new(list)),
+        progress,
+        server,
+    ))
+}
+
+async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
+    let started = Instant::now();
+    let c = common(a)?;
+    let keys = dataset_keys(a);
+    let prompts = load_prompts(
+        a,
+        a.data
+            .prompt_data
+            .as_deref()
+            .ok_or("--prompt-data is required")?,
+        &keys,
+    )?;
+    let use_r3 = a.train.use_rollout_routing_replay;
+    let model = CausalLm::from_pretrained(&c.hf, &c.device.clone().autodiff())?;
+    if use_r3 && !model.config.has_moe() {
+        return Err("--use-rollout-routing-replay needs an MoE model".into());
+    }
+    let moe_layers = (0..model.config.num_hidden_layers)
+        .filter(|&l| model.config.is_moe_layer(l))
+        .count();
+    let reward = reward(a, c.seed)?;
+    let engine = engines(
+        a,
+        &c,
+        Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0),
+    )?;
+    let generator = agent_generator(a, &c, &engine, use_r3).await?;
+    let rollout = rollout_config(a, &c, use_r3)?;
+    let n = rollout.n_samples_per_prompt;
+    let num_rollout: u64 = match (a.rollout.num_rollout, a.data.num_epoch) {
+        (Some(n), _) => n,
+        (None, Some(epochs)) => {
+            (epochs * prompts.len() as u64 / rollout.rollout_batch_size as u64).max(1)
+        }
+        (None, None) => return Err("--num-rollout or --num-epoch is required".into()),
+    };
+    let evals = eval_sets(a, &c, &rollout, &engine, &reward, generator.as_ref())?;
+    let eval_key = evals.first().map_or("eval/raw_reward".to_string(), |s| {
+        format!("eval/{}/raw_reward", s.name)
+    });
+    let mut manager = RolloutManager::new(
+        rollout.clone(),
+        engine.clone(),
+        c.encoder.clone(),
+        reward.clone(),
+    )?;
+    if let Some(generator) = &generator {
+        manager = manager.with_generator(generator.clone());
+    }
+    let manager = Arc::new(manager);
+    let mut config = train_config(a, n, use_r3, c.seed)?;
+    config.precision = c.precision;
+    let mut actor = Actor::new(model, config)?;
+    if let Some(dir) = a.model.ref_load.as_deref() {
+        let dir = crate::hub::resolve(dir, "--ref-load")?;
+        actor = actor.with_reference(CausalLm::from_pretrained(&dir, &c.device)?)?;
+    }
+    let mut boxed: Box<dyn PolicyTrainer> = Box::new(actor);
+    if let Some(template) = a.rollout.save_debug_rollout_data.as_deref() {
+        boxed = Box::new(DebugRolloutDump {
+            inner: boxed,
+            template: template.to_owned(),
+        });
+    }
+    let trainer: SharedTrainer = Arc::new(Mutex::new(boxed));
+
+    let save = a
+        .model
+        .save
+        .clone()
+        .unwrap_or_else(|| c.out.join("checkpoints"));
+    let resume = match a.model.load.as_deref() {
+        None => false,
+        Some(load)
+            if Path::new(load) == save
+                || std::fs::canonicalize(load)
+                    .is_ok_and(|l| std::fs::canonicalize(&save).is_ok_and(|s| s == l)) =>
+        {
+            true
+        }
+        Some(load) if a.model.save.as_deref().is_none() => {
+            return Err(format!(
+                "--load {load}: give --save {load} too (checkpoints continue where they are read)"
+            )
+            .into());
+        }
+        Some(load) => {
+            return Err(format!(
+                "--load {load} differs from --save {}: resuming writes to the directory it reads",
+                save.display()
+            )
+            .into());
+        }
+    };
+    let defaults = LoopConfig::default();
+    // The fully async loop's buffer holds this many groups (Miles' formula).
+    let capacity = asynchronous.then(|| {
+        (defaults.async_data_buffer_capacity_factor * rollout.rollout_batch_size as f64).floor()
+    });
+    let (sink, progress, metrics_server) =
+        sinks(a, &c.out, resume, num_rollout, &eval_key, capacity)?;
+    let loop_config = LoopConfig {
+        num_rollout,
+        update_weights_interval: a.rollout.update_weights_interval,
+        max_weight_staleness: a.rollout.max_weight_staleness,
+        save_interval: a.model.save_interval,
+        save: Some(save.clone()),
+        keep_checkpoints: a.model.keep_checkpoints,
+        ..defaults
+    };
+    let eval_interval: Option<u64> = a.eval.eval_interval;
+    let data = DataSource::new(prompts, n, a.data.rollout_shuffle, c.seed)?;
+    let (stop, signal) = stop_on_signal();
+    let mut rl =
+        RlLoop::new(loop_config, manager, trainer.clone(), sink.clone(), data)?.with_stop(stop);
+    if !evals.is_empty() {
+        rl = rl.with_eval(evals, eval_interval.unwrap_or(num_rollout.max(1)));
+    }
+    let mut summary = json!({"command": if asynchronous { "train-async" } else { "train" }});
+    if resume {
+        let step = rl.resume().await?;
+        for note in rl.resume_notes() {
+            println!("resume: {note}");
+        }
+        println!("resumed at step {step} from {}", save.display());
+        summary["resumed_at"] = json!(step);
+    } else if eval_interval.is_some() && !a.eval.skip_eval_before_train {
+        let before = rl.evaluate().await?;
+        sink.log(0, &before)?;
+        summary["eval_before"] = json!(before);
+    }
+    println!(
+        "{}: {num_rollout} rollouts × {} prompts × {n} samples",
+        if asynchronous { "train-async" } else { "train" },
+        rollout.rollout_batch_size
+    );
+    let t = Instant::now();
+    if asynchronous {
+        rl.run_async().await?;
+    } else {
+        rl.run_sync().await?;
+    }
+    progress.finish();
+    sink.flush()?;
+    summary["train_seconds"] = json!(t.elapsed().as_secs_f64());
+    if rl.stopped() {
+        // A user's SIGINT / SIGTERM: the loop wrote its checkpoint; no final evaluation or
+        // export, so the stop stays prompt.
+        let code = signal.load(std::sync::atomic::Ordering::SeqCst);
+        summary["stopped_at"] = json!(rl.next_rollout_id());
+        summary["stopped_by_signal"] = json!(code);
+        summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
+        std::fs::write(
+            c.out.join("summary.json"),
+            serde_json::to_string_pretty(&summary)?,
+        )?;
+        if let Some(server) = metrics_server {
+            server.stop()?;
+        }
+        tracing::info!(
+            step = rl.next_rollout_id(),
+            checkpoints = %save.display(),
+            "stopped by a signal; resume with --load {} --save {}",
+            save.display(),
+            save.display()
+        );
+        return Ok(Outcome {
+            summary,
+            stopped_by: Some(code),
+        });
+    }
+    let after = rl.evaluate().await?;
+    if !after.is_empty() {
+        sink.log(num_rollout, &after)?;
+        summary["eval_after"] = json!(after);
+    }
+    let (weights, version) = {
+        let guard = trainer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (guard.export_weights()?, guard.weight_version())
+    };
+    let final_dir = a
+        .model
+        .save_hf
+        .clone()
+        .unwrap_or_else(|| c.out.join("final"));
+    save_hf_checkpoint(&weights, &c.hf, &final_dir)?;
+    let mut plot = crate::plot::PlotSpec::reward_kl_entropy();
+    plot.panels[0].metrics.push(eval_key.clone());
+    crate::plot::plot_metrics_file(
+        &c.out.join("metrics.jsonl"),
+        &c.out.join("curves.svg"),
+        &plot,
+    )?;
+    summary["weight_version"] = json!(version.0);
+    summary["final_checkpoint"] = json!(final_dir);
+    summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
+    std::fs::write(
+        c.out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
+    if let Some(server) = metrics_server {
+        server.stop()?;
+    }
+    println!(
+        "done in {:.0} s: weight version {}; wrote {}/{{metrics.jsonl, curves.svg, summary.json}} and {}",
+        started.elapsed().as_secs_f64(),
+        version.0,
+        c.out.display(),
+        final_dir.display()
+    );
+    Ok(Outcome::finished(summary))
+}
+
+async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
+    let c = common(a)?;
+    let reward = reward(a, c.seed)?;
+    let engine = engines(a, &c, None)?;
+    let generator = agent_generator(a, &c, &engine, false).await?;
+    let base = RolloutConfig {
+        rollout_batch_size: 1,
+        ..rollout_config_for_eval(a, &c)?
+    };
+    let sets = eval_sets(a, &c, &base, &engine, &reward, generator.as_ref())?;
+    if sets.is_empty() {
+        return Err("eval needs --eval-prompt-data NAME PATH [NAME PATH ...]".into());
+    }
+    let mut rows = Map::new();
+    for set in sets {
+        let name = set.name.clone();
+        let metrics = set.evaluate().await?;
+        for (k, v) in &metrics {
+            println!("{k}: {v:.4}");
+        }
+        rows.insert(name, json!(metrics));
+    }
+    let summary = json!({"command": "eval", "hf_checkpoint": c.hf, "eval": rows});
+    std::fs::write(
+        c.out.join("eval.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
+    Ok(summary)
+}
+
+/// The rollout settings evaluation inherits (no `--rollout-batch-size` needed).
+fn rollout_config_for_eval(a: &TrainArgs, c: &Common) -> Result<RolloutConfig, BoxError> {
+    Ok(RolloutConfig {
+        reward_key: a.reward.reward_key.as_deref().map(str::to_owned),
+        sampling: sampling(a, &c.eos_ids),
+        rollout_max_response_len: a.rollout.rollout_max_response_len,
+        rollout_max_context_len: a.rollout.rollout_max_context_len,
+        rollout_seed: Some(a.rollout.rollout_seed),
+        ..RolloutConfig::default()
+    })
+}
+
+fn sft(a: &TrainArgs) -> Result<Value, BoxError> {
+    if Precision::from_flags(a.model.bf16, a.model.fp16)?.is_half() {
+        return Err("sft trains in f32 only: drop --bf16 / --fp16".into());
+    }
+    let hf = hf_checkpoint(a)?;
+    let out = a.model.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| format!("--output-dir {}: {e}", out.display()))?;
+    let data = PathBuf::from(
+        a.data
+            .prompt_data
+            .as_deref()
+            .ok_or("--prompt-data is required")?,
+    );
+    let mut options = crate::sft::SftOptions::new(&hf, &data);
+    options.family =
+        miles_tito::TitoFamily::parse(a.agent.tito.as_str()).map_err(|e| format!("--tito: {e}"))?;
+    options.kwargs = serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
+        .map_err(|e| format!("--apply-chat-template-kwargs: {e}"))?;
+    options.epochs = a
+        .data
+        .num_epoch
+        .map_or(Ok(1), usize::try_from)
+        .map_err(|_| "--num-epoch is too large")?;
+    options.global_batch_size = a.train.global_batch_size.unwrap_or(8);
+    options.lr = a.train.lr;
+    options.clip_grad = a.train.clip_grad;
+    options.seed = a.model.seed;
+    let save = a.model.save_hf.clone().unwrap_or_else(|| out.join("final"));
+    options.save = Some(save.clone());
+    options.metrics = Some(out.join("metrics.jsonl"));
+    let report = crate::sft::run_sft(&options, |step, metrics| {
+        if let Some(loss) = metrics.get("train/loss") {
+            println!("sft step {step}: loss {loss:.4}");
+        }
+    })?;
+    println!(
+        "sft: {} conversations, {} steps; NLL per trained token {:.4} → {:.4}; wrote {}",
+        report.conversations,
+        report.steps,
+        report.nll_before,
+        report.nll_after,
+        save.display()
+    );
+    let summary = json!({
+        "command": "sft",
+        "conversations": report.conversations,
+        "trained_tokens": report.trained_tokens,
+        "steps": report.steps,
+        "nll_before": report.nll_before,
+        "nll_after": report.nll_after,
+        "final_checkpoint": save,
+    });
+    std::fs::write(
+        out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
+    Ok(summary)
+}
+
+/// `--save-debug-rollout-data`: writes the samples of every rollout the trainer gets (as
+/// JSON) before training on them.
+struct DebugRolloutDump {
+    inner: Box<dyn PolicyTrainer>,
+    template: String,
+}
+
+impl PolicyTrainer for DebugRolloutDump {
+    fn train(
+        &mut self,
+        rollout_id: u64,
+        samples: &[miles_core::Sample],
+    ) -> miles_core::Result<miles_core::Metrics> {
+        let path = self
+            .template
+            .replace("{rollout_id}", &rollout_id.to_string());
+        let write = || -> std::io::Result<()> {
+            if let Some(dir) = Path::new(&path).parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(&path, serde_json::to_vec(samples)?)
+        };
+        write().map_err(|e| miles_core::Error::io(&path, e))?;
+        self.inner.train(rollout_id, samples)
+    }
+
+    fn export_weights(&self) -> miles_core::Result<miles_core::NamedTensors> {
+        self.inner.export_weights()
+    }
+
+    fn weight_version(&self) -> miles_core::WeightVersion {
+        self.inner.weight_version()
+    }
+
+    fn save_checkpoint(&self, dir: &Path) -> miles_core::Result<()> {
+        self.inner.save_checkpoint(dir)
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path) -> miles_core::Result<()> {
+        self.inner.load_checkpoint(dir)
+    }
+}
