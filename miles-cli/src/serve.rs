@@ -12,7 +12,7 @@ use miles_session::guard::ApiKey;
 use miles_session::sglang::sglang_router;
 
 use crate::args::ServeArgs;
-use crate::shutdown::{InFlight, signal};
+use crate::shutdown::{InFlight, Signals};
 
 /// The engine server's options from the command line (`--model` resolved, `--api-key` else
 /// `$MILES_API_KEY`).
@@ -82,6 +82,8 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
     let guard = options.guard_config(&info);
     let drain = Duration::from_secs_f64(args.shutdown_timeout_s);
     runtime.block_on(async move {
+        // Before the listening line: a signal from then on is a clean stop.
+        let mut signals = Signals::install();
         let listener = tokio::net::TcpListener::bind((options.host.as_str(), options.port))
             .await
             .map_err(|e| format!("cannot bind {}:{}: {e}", options.host, options.port))?;
@@ -105,7 +107,7 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
             &guard,
         ));
         miles_session::guard::serve_with_shutdown(listener, app, guard, async {
-            let code = signal().await;
+            let code = signals.recv().await;
             tracing::info!(code, "stopping: no new connections; draining requests in flight");
         })
         .await

@@ -9,7 +9,7 @@ use miles_session::cli::CliArgs;
 use miles_session::guard::ApiKey;
 
 use crate::args::SessionArgs;
-use crate::shutdown::{InFlight, signal};
+use crate::shutdown::{InFlight, Signals};
 
 /// The session server's options from the command line (`--api-key`, else `$MILES_API_KEY`;
 /// `0` turns a limit off).
@@ -87,13 +87,15 @@ pub fn run(args: &SessionArgs) -> Result<(), String> {
     let drain = Duration::from_secs_f64(args.shutdown_timeout_s);
     // The accept loop runs on a worker too (its allocations are collected like the rest).
     let served = runtime.spawn(async move {
+        // Before the listening line: a signal from then on is a clean stop.
+        let mut signals = Signals::install();
         let listener = miles_session::cli::bind(&options)
             .await
             .map_err(|e| e.to_string())?;
         let in_flight = InFlight::new();
         let app = in_flight.track(server.router());
         miles_session::guard::serve_with_shutdown(listener, app, options.guard_config(), async {
-            let code = signal().await;
+            let code = signals.recv().await;
             tracing::info!(
                 code,
                 "stopping: no new connections; draining requests in flight"

@@ -1,4 +1,4 @@
-//! A clean stop on SIGINT / SIGTERM: [`signal`] resolves with the exit status the signal asks
+//! A clean stop on SIGINT / SIGTERM: [`Signals`] resolves with the exit status the signal asks
 //! for (130 / 143, as a shell reports a process killed by it), and [`InFlight`] lets a server
 //! stop accepting, then wait for the requests it holds up to a deadline.
 
@@ -11,30 +11,53 @@ pub const EXIT_SIGINT: u8 = 130;
 /// Exit status after SIGTERM (128 + 15).
 pub const EXIT_SIGTERM: u8 = 143;
 
-/// Waits for SIGINT or SIGTERM and returns the exit status for it. On a platform without
-/// these signals (or when the handlers cannot be installed) it waits for Ctrl-C alone.
-pub async fn signal() -> u8 {
+/// The SIGINT / SIGTERM handlers, installed when this is made (so a signal that arrives
+/// before anything awaits it is not lost, and no longer kills the process).
+#[derive(Debug)]
+pub struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match (
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::terminate()),
-        ) {
-            (Ok(mut int), Ok(mut term)) => {
-                return tokio::select! {
-                    _ = int.recv() => EXIT_SIGINT,
-                    _ = term.recv() => EXIT_SIGTERM,
-                };
-            }
-            (Err(error), _) | (_, Err(error)) => {
-                tracing::warn!(%error, "cannot install the SIGINT / SIGTERM handlers");
+    handlers: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    /// Installs the handlers (inside a tokio runtime). Where they cannot be installed, a
+    /// warning says so and [`Signals::recv`] waits for Ctrl-C alone.
+    pub fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            match (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) {
+                (Ok(int), Ok(term)) => Self {
+                    handlers: Some((int, term)),
+                },
+                (Err(error), _) | (_, Err(error)) => {
+                    tracing::warn!(%error, "cannot install the SIGINT / SIGTERM handlers");
+                    Self { handlers: None }
+                }
             }
         }
+        #[cfg(not(unix))]
+        {
+            Self {}
+        }
     }
-    match tokio::signal::ctrl_c().await {
-        Ok(()) => EXIT_SIGINT,
-        Err(_) => std::future::pending().await,
+
+    /// Waits for the next SIGINT or SIGTERM and returns the exit status for it.
+    pub async fn recv(&mut self) -> u8 {
+        #[cfg(unix)]
+        if let Some((int, term)) = &mut self.handlers {
+            return tokio::select! {
+                _ = int.recv() => EXIT_SIGINT,
+                _ = term.recv() => EXIT_SIGTERM,
+            };
+        }
+        match tokio::signal::ctrl_c().await {
+            Ok(()) => EXIT_SIGINT,
+            Err(_) => std::future::pending().await,
+        }
     }
 }
 

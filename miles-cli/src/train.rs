@@ -81,14 +81,15 @@ fn stop_on_signal() -> (
     let (tx, rx) = tokio::sync::watch::channel(false);
     let code = Arc::new(std::sync::atomic::AtomicU8::new(0));
     let seen = code.clone();
+    let mut signals = crate::shutdown::Signals::install();
     tokio::spawn(async move {
-        let first = crate::shutdown::signal().await;
+        let first = signals.recv().await;
         seen.store(first, std::sync::atomic::Ordering::SeqCst);
         tracing::warn!(
             "stopping: finishing the step in training, then writing a checkpoint (signal again to quit at once)"
         );
         let _ = tx.send(true);
-        let second = crate::shutdown::signal().await;
+        let second = signals.recv().await;
         std::process::exit(i32::from(second));
     });
     (rx, code)
