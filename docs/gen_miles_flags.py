@@ -2,7 +2,7 @@
 Megatron flags Miles' scripts pass), with what `miles` (miles-cli/src/args.rs) does with it, and
 the table of the flags `miles` accepts and ignores (miles-cli/src/miles_flags.rs).
 
-    python3 docs/gen_miles_flags.py /path/to/radixark-miles/miles/utils/arguments.py
+    python3 docs/gen_miles_flags.py /path/to/radixark-miles/miles/utils/arguments.py && cargo fmt
 
 The FSDP backend's flags (the fields of `FSDPArgs`, `miles/backends/fsdp_utils/arguments.py`,
 found beside it) are listed too. Flags under Miles' `--sglang-` / `--eval-sglang-` prefixes
@@ -58,7 +58,7 @@ LIBRARY = {
 }
 # Miles' flags whose function `miles` covers under another name.
 RENAMED_EXTRA = {
-    "--tito-model": "--tito (the session server's TITO family)",
+    "--tito-model": "--tito (the session server's TITO family; alias accepted)",
     "--custom-agent-function-path": "--agent-cmd (a subprocess agent in any language)",
     "--rollout-num-gpus": "--device / --rollout-device",
 }
@@ -140,12 +140,13 @@ if fsdp_path.exists():
 
 
 def status(flag, group):
-    if flag in ours:
-        return "supported", ""
-    if flag in RENAMED:
+    # Miles' spellings we accept as aliases of a flag of ours stay "renamed".
+    if flag in RENAMED and flag != "--prometheus-port":
         return "renamed", RENAMED[flag]
     if flag in RENAMED_EXTRA:
         return "renamed", RENAMED_EXTRA[flag]
+    if flag in ours:
+        return "supported", ""
     if group == "add_on_policy_distillation_arguments":
         return "not supported yet", "on-policy distillation"
     if flag in LIBRARY and LIBRARY[flag]:
