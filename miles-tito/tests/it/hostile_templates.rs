@@ -1,9 +1,8 @@
 //! Chat templates are untrusted input: a template that loops (practically) forever, recurses
 //! without end or writes gigabytes fails fast with a typed `RenderLimit` error, in the library
-//! and in the `miles-tito` CLI (exit code 2), and the same template object keeps working for
+//! (and in `miles tito`, exit code 2: miles-cli's tests), and the same template object keeps working for
 //! well-behaved calls.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use miles_tito::{ChatTemplate, Error, RenderArgs, RenderLimits};

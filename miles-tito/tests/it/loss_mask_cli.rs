@@ -1,5 +1,5 @@
 //! Session replay and loss masks checked against HF transformers' render, Miles'
-//! trailing-trim vectors, and the CLI contract.
+//! trailing-trim vectors (the `miles tito` contract is tested in miles-cli).
 
 use std::path::PathBuf;
 
