@@ -207,7 +207,7 @@ fn config_tokens(
         }
         let Some(arg) = sub
             .get_arguments()
-            .find(|a| names(a).iter().any(|n| *n == name))
+            .find(|a| names(a).contains(&name))
         else {
             let flag = format!("--{name}");
             if NOT_APPLICABLE.iter().any(|(n, _)| *n == flag) {
