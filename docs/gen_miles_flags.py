@@ -1,7 +1,12 @@
 """Writes docs/miles-flags.md: every flag of Miles' `miles/utils/arguments.py` (and the
-Megatron flags Miles' scripts pass), with what `miles` (examples/src/miles_cli.rs) does with it.
+Megatron flags Miles' scripts pass), with what `miles` (miles-cli/src/args.rs) does with it, and
+the table of the flags `miles` accepts and ignores (miles-cli/src/miles_flags.rs).
 
-    python3 docs/gen_miles_flags.py /path/to/radixark-miles/miles/utils/arguments.py
+    python3 docs/gen_miles_flags.py /path/to/radixark-miles/miles/utils/arguments.py && cargo fmt
+
+The FSDP backend's flags (the fields of `FSDPArgs`, `miles/backends/fsdp_utils/arguments.py`,
+found beside it) are listed too. Flags under Miles' `--sglang-` / `--eval-sglang-` prefixes
+(SGLang's server arguments, passed through) are not listed: `miles` ignores them by prefix.
 
 Miles commit used for the checked-in table: 31f1ca961a94 (2026-08-21).
 """
@@ -11,9 +16,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 miles_args = Path(sys.argv[1]).read_text()
-ours_src = (ROOT / "examples/src/miles_cli.rs").read_text()
-body = ours_src[ours_src.index("pub fn flag_set()"):ours_src.index("pub async fn run(")]
-ours = set(re.findall(r'"(--[a-z0-9-]+)"', body))
+ours_src = (ROOT / "miles-cli/src/args.rs").read_text()
+body = ours_src[ours_src.index("pub struct TrainArgs"):ours_src.index("pub struct ServeArgs")]
+ours = {"--" + f.replace("_", "-") for f in re.findall(r"pub (\w+): ", body)
+        if f not in ("model", "data", "rollout", "train", "lora", "eval", "reward", "agent", "metrics")}
+ours |= {"--" + a for a in re.findall(r'alias = "([a-z0-9-]+)"', body)}
 
 # Megatron / torch flags Miles' example scripts pass (not in arguments.py).
 MEGATRON = ["--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-style", "--lr-decay-iters",
@@ -51,7 +58,7 @@ LIBRARY = {
 }
 # Miles' flags whose function `miles` covers under another name.
 RENAMED_EXTRA = {
-    "--tito-model": "--tito (the session server's TITO family)",
+    "--tito-model": "--tito (the session server's TITO family; alias accepted)",
     "--custom-agent-function-path": "--agent-cmd (a subprocess agent in any language)",
     "--rollout-num-gpus": "--device / --rollout-device",
 }
@@ -59,13 +66,21 @@ RENAMED = {
     "--tb-project-name": "--tensorboard-dir (alias accepted)",
     "--prometheus-port": "--metrics-port (Miles' spelling accepted with --use-prometheus)",
 }
+# Flags whose function does not exist in one process with one trainer (the rest of their
+# group is handled by the group rule below).
+NOT_APPLICABLE = {
+    "--balance-data": "balances prompts across data-parallel ranks; one trainer here",
+    "--train-backend": "Megatron or FSDP; one burn trainer here",
+    "--update-weight-buffer-size": "the bucket size of the NCCL weight broadcast; weights go to engines as files here",
+    "--train-env-vars": "environment of the Ray train actors; one process here",
+}
+FSDP_REASON = "not applicable: an FSDP backend setting (torch memory, attention kernel, profiling); the burn trainer has its own"
 GROUP_REASON = {
     "add_cluster_arguments": "not applicable: Ray / GPU placement of actor, critic and engines; one process here (devices: --device / --rollout-device)",
     "add_debug_arguments": "not applicable: Miles' debugging / dumping hooks",
     "add_ci_arguments": "not applicable: Miles' own CI switches",
     "add_wandb_arguments": "not built in: write --use-tensorboard files and `wandb sync --sync-tensorboard`",
     "add_mlflow_arguments": "not built in: MLflow logging",
-    "add_on_policy_distillation_arguments": "not supported yet: on-policy distillation",
     "add_rollout_buffer_arguments": "not applicable: Miles' external rollout-buffer service",
     "add_fault_tolerance_arguments": "not applicable: Ray actor restarts; engines here are health-checked and re-created by the Router",
     "add_custom_megatron_plugins_arguments": "not applicable: Megatron plugins",
@@ -81,8 +96,18 @@ PYTHON_PATH = re.compile(r"-path$|-function-path$|-hook-path$")
 groups = [(m.start(), m.group(1)) for m in re.finditer(r"def (add_\w+_arguments)\(parser", miles_args)]
 rows = []
 seen = set()
+arity = {}
 for m in re.finditer(r'add_argument\(\s*((?:"--[\w-]+"\s*,\s*)+)', miles_args):
     names = re.findall(r'"(--[\w-]+)"', m.group(1))
+    # The call's own keywords: up to the next add_argument.
+    call = miles_args[m.end():miles_args.find("add_argument(", m.end())]
+    if re.search(r'action\s*=\s*"store_(true|false)"', call):
+        kind = "Switch"
+    elif re.search(r'nargs\s*=\s*"[+*]"', call):
+        kind = "Values"
+    else:
+        kind = "Value"
+    arity.setdefault(names[0], kind)
     group = None
     for pos, g in groups:
         if pos < m.start():
@@ -91,38 +116,63 @@ for m in re.finditer(r'add_argument\(\s*((?:"--[\w-]+"\s*,\s*)+)', miles_args):
         continue
     seen.add(names[0])
     rows.append((names[0], group))
+MEGATRON_SWITCHES = {"--bf16", "--fp16", "--sequence-parallel", "--use-dynamic-batch-size"}
 for f in MEGATRON:
+    arity.setdefault(f, "Switch" if f in MEGATRON_SWITCHES else "Value")
     if f not in seen:
         rows.append((f, "megatron"))
         seen.add(f)
+# The FSDP backend's dataclass fields (bools are BooleanOptionalAction: --x / --no-x).
+fsdp_path = Path(sys.argv[1]).resolve().parent.parent / "backends/fsdp_utils/arguments.py"
+if fsdp_path.exists():
+    fsdp = fsdp_path.read_text()
+    body = fsdp[fsdp.index("class FSDPArgs"):fsdp.index("def build_fsdp_parser")]
+    for name, typ in re.findall(r"^    (\w+): ([^=\n]+?)\s*=", body, re.M):
+        if name == "config":
+            continue
+        flag = "--" + name.replace("_", "-")
+        forms = [flag, "--no-" + name.replace("_", "-")] if typ.strip() == "bool" else [flag]
+        for f in forms:
+            arity.setdefault(f, "Switch" if typ.strip() == "bool" else "Value")
+            if f not in seen:
+                rows.append((f, "fsdp"))
+                seen.add(f)
 
 
 def status(flag, group):
-    if flag in ours:
-        return "supported", ""
-    if flag in RENAMED:
+    # Miles' spellings we accept as aliases of a flag of ours stay "renamed".
+    if flag in RENAMED and flag != "--prometheus-port":
         return "renamed", RENAMED[flag]
     if flag in RENAMED_EXTRA:
         return "renamed", RENAMED_EXTRA[flag]
+    if flag in ours:
+        return "supported", ""
+    if group == "add_on_policy_distillation_arguments":
+        return "not supported yet", "on-policy distillation"
     if flag in LIBRARY and LIBRARY[flag]:
         return "library only", f"`{LIBRARY[flag]}`; not on the command line yet"
     if flag == "--dynamic-sampling-filter-path":
         return "supported", "built-in filter names"
+    if flag in NOT_APPLICABLE:
+        return "not applicable", "not applicable: " + NOT_APPLICABLE[flag]
+    if group == "fsdp":
+        return "not applicable", FSDP_REASON
     if PYTHON_PATH.search(flag):
         return "not applicable", "a Python import path: implement the Rust trait (`RewardFn`, `SampleGenerator`, `Agent`), or use --agent-cmd / --rm-url"
     if group in GROUP_REASON:
         return "not applicable", GROUP_REASON[group]
-    if flag in ("--bf16", "--fp16"):
-        return "not supported yet", "f32 only (bf16 is an open issue)"
     return "not supported yet", f"Miles group `{group}`"
 
 
 out = ["# Miles' flags in `miles`", "",
        "Generated by `docs/gen_miles_flags.py` from Miles' `miles/utils/arguments.py` (commit",
-       "31f1ca961a94) plus the Megatron flags Miles' scripts pass. *supported*: same name and",
+       "31f1ca961a94) plus the Megatron flags Miles' scripts pass and the FSDP backend's. *supported*: same name and",
        "meaning; *renamed*: ours in the note (Miles' name accepted where said); *library only*: a",
        "field of a config type, not a flag yet; *not applicable*: what it configures does not exist",
-       "here, with the reason.", "",
+       "here, with the reason: `miles train` / `train-async` / `sft` / `eval` accept these and name",
+       "them in one warning, as they do every flag under Miles' `--sglang-` / `--eval-sglang-`",
+       "prefixes (SGLang's server arguments: configure the SGLang servers of `--engine-url`",
+       "yourself). The FSDP backend's flags (`FSDPArgs`) are listed too.", "",
        "| Miles flag | status | note |", "|---|---|---|"]
 counts = {}
 for flag, group in rows:
@@ -136,4 +186,30 @@ HISTORICAL = {"--generate-multi-samples": "Miles' flag until b05a4f2a0 (2026-07-
 out += ["Flags of `miles` that Miles does not have: "
         + ", ".join(f"`{f}`" + (f" ({HISTORICAL[f]})" if f in HISTORICAL else "") for f in extra) + "."]
 (ROOT / "docs/miles-flags.md").write_text("\n".join(out) + "\n")
+
+# The flags `miles` accepts with one warning and ignores: the not-applicable rows.
+rs = ["//! Miles' flags that configure what does not exist here (Ray placement, Megatron",
+      "//! parallelism, Miles' debugging hooks, …): `miles` accepts them with one warning naming them,",
+      "//! so a Miles launch script runs. Generated by `docs/gen_miles_flags.py` (the \"not applicable\"",
+      "//! rows of docs/miles-flags.md) from Miles' `miles/utils/arguments.py` at 31f1ca961a94.",
+      "",
+      "/// How many values a Miles flag takes.",
+      "#[derive(Debug, Clone, Copy, PartialEq, Eq)]",
+      "pub enum Arity {",
+      "    /// None (`store_true` / `store_false`).",
+      "    Switch,",
+      "    /// One.",
+      "    Value,",
+      "    /// Every value up to the next flag (`nargs=\"+\"` / `\"*\"`).",
+      "    Values,",
+      "}",
+      "",
+      "/// The not-applicable flags and what each takes.",
+      "pub const NOT_APPLICABLE: &[(&str, Arity)] = &["]
+for flag, group in rows:
+    st, _ = status(flag, group)
+    if st == "not applicable":
+        rs.append(f'    ("{flag}", Arity::{arity.get(flag, "Value")}),')
+rs += ["];", ""]
+(ROOT / "miles-cli/src/miles_flags.rs").write_text("\n".join(rs))
 print(counts, len(rows))

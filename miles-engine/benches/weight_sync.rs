@@ -1,5 +1,5 @@
 //! Weight sync to a fleet: export an 88 M GLM-4-MoE's weights and push them to 4
-//! `miles-engine serve`-equivalent servers on loopback (SGLang's `update_weights_from_disk`),
+//! `miles serve`-equivalent servers on loopback (SGLang's `update_weights_from_disk`),
 //! as the RL loops do after each step.
 //!
 //! * baseline (before): each engine writes its own copy of the version and the engines are

@@ -35,7 +35,7 @@
 //! difference is float rounding under the same weights, which TIS absorbs).
 //!
 //! Serve it over SGLang's HTTP protocol with miles-session's `sglang_router` (the
-//! `miles-engine serve --model DIR` binary does), put several behind miles-session's `Router`,
+//! `miles serve --model DIR` command does), put several behind miles-session's `Router`,
 //! or drive it from miles-rollout's RL loops: it is just an `InferenceEngine`.
 //!
 //! ```
@@ -63,13 +63,13 @@
 //! assert_eq!(output.output_log_probs.len(), 4);
 //! ```
 
-pub mod cli;
 mod command;
 mod config;
 mod engine;
 mod error;
 mod sampling;
 mod scheduler;
+pub mod serve;
 mod step;
 
 pub use command::{Detokenizer, EngineStats};

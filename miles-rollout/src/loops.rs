@@ -10,7 +10,7 @@ use miles_core::{
     InferenceEngine, Metrics, MetricsSink, PauseMode, PolicyTrainer, Sample, WeightVersion,
 };
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::data::{DataSource, DataSourceState};
 use crate::error::{Error, Result};
@@ -151,6 +151,19 @@ pub struct RlLoop {
     eval_interval: Option<u64>,
     train_pool: Option<Arc<rayon::ThreadPool>>,
     resume_notes: Vec<String>,
+    stop: Option<watch::Receiver<bool>>,
+    stopped: bool,
+}
+
+/// Resolves once `stop` holds `true`; never without a stop signal (or once its sender is gone
+/// without having asked to stop).
+async fn stop_requested(stop: Option<watch::Receiver<bool>>) {
+    if let Some(mut stop) = stop
+        && stop.wait_for(|asked| *asked).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending::<()>().await;
 }
 
 impl RlLoop {
@@ -187,6 +200,8 @@ impl RlLoop {
             eval_interval: None,
             train_pool,
             resume_notes: Vec::new(),
+            stop: None,
+            stopped: false,
         })
     }
 
@@ -196,6 +211,40 @@ impl RlLoop {
         self.evals = sets;
         self.eval_interval = (eval_interval > 0).then_some(eval_interval);
         self
+    }
+
+    /// Stops the loop early when `stop` turns `true` (a user's SIGINT / SIGTERM): generation in
+    /// progress is dropped (its prompts go back to the data source), a step being trained
+    /// finishes, a checkpoint of the last finished step is written when `save` is set (unless
+    /// that step's checkpoint exists), and [`RlLoop::run_sync`] / [`RlLoop::run_async`]
+    /// return `Ok`; [`RlLoop::stopped`] then says so. A later [`RlLoop::resume`] continues
+    /// from that checkpoint.
+    pub fn with_stop(mut self, stop: watch::Receiver<bool>) -> Self {
+        self.stop = Some(stop);
+        self
+    }
+
+    /// Whether the last run ended early on the stop signal of [`RlLoop::with_stop`].
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    fn stop_asked(&self) -> bool {
+        self.stop.as_ref().is_some_and(|stop| *stop.borrow())
+    }
+
+    /// After a stop: the checkpoint of the last finished step, if there is one and it is not
+    /// written yet.
+    async fn save_on_stop(&self) -> Result<()> {
+        let (Some(root), Some(last)) = (&self.config.save, self.next_rollout_id.checked_sub(1))
+        else {
+            return Ok(());
+        };
+        if root.join(format!("iter_{last:07}")).exists() {
+            return Ok(());
+        }
+        tracing::info!(step = last, "stopped: writing a checkpoint");
+        self.save_checkpoint(last, self.data.state()).await
     }
 
     /// Runs every eval set now and returns their metrics.
@@ -292,14 +341,27 @@ impl RlLoop {
     /// The synchronous loop: for each step, generate a batch, train on it, then (every
     /// `update_weights_interval` steps) push the new weights to the engines.
     pub async fn run_sync(&mut self) -> Result<()> {
+        self.stopped = false;
         self.eval_before_training().await?;
         while self.next_rollout_id < self.config.num_rollout {
+            if self.stop_asked() {
+                self.stopped = true;
+                break;
+            }
             let rollout_id = self.next_rollout_id;
             let started = Instant::now();
-            let batch = self
-                .manager
-                .generate_rollout(rollout_id, &mut self.data)
-                .await?;
+            let before = self.data.state();
+            let stop = self.stop.clone();
+            let generated = tokio::select! {
+                batch = self.manager.generate_rollout(rollout_id, &mut self.data) => Some(batch?),
+                () = stop_requested(stop) => None,
+            };
+            let Some(batch) = generated else {
+                // Generation stopped: its prompts are taken again after a resume.
+                self.data.restore(before)?;
+                self.stopped = true;
+                break;
+            };
             let rollout_time = started.elapsed().as_secs_f64();
             let mut metrics = batch.metrics.clone();
             metrics.insert("perf/rollout_time".into(), rollout_time);
@@ -318,6 +380,9 @@ impl RlLoop {
             self.metrics.log(rollout_id, &metrics)?;
             self.next_rollout_id += 1;
             self.maybe_save(rollout_id).await?;
+        }
+        if self.stopped {
+            self.save_on_stop().await?;
         }
         Ok(())
     }
@@ -508,7 +573,11 @@ impl RlLoop {
             .into_inner();
         source.add_groups(leftover)?;
         self.data = source;
-        outcome.and(settled)
+        outcome.and(settled)?;
+        if self.stopped {
+            self.save_on_stop().await?;
+        }
+        Ok(())
     }
 
     async fn async_steps(
@@ -521,7 +590,12 @@ impl RlLoop {
         in_flight: &InFlight,
     ) -> Result<()> {
         let overlap = self.config.overlap_weight_updates;
+        self.stopped = false;
         while self.next_rollout_id < self.config.num_rollout {
+            if self.stop_asked() {
+                self.stopped = true;
+                return Ok(());
+            }
             let rollout_id = self.next_rollout_id;
             let started = Instant::now();
             let current = lock(&self.trainer)?.weight_version();
@@ -529,7 +603,18 @@ impl RlLoop {
             let mut stale = 0u64;
             let mut staleness = Vec::new();
             while groups.len() < batch_size {
-                let Some(group) = receiver.recv().await else {
+                let stop = self.stop.clone();
+                let received = tokio::select! {
+                    group = receiver.recv() => Some(group),
+                    () = stop_requested(stop) => None,
+                };
+                let Some(received) = received else {
+                    // Stopped while waiting: the groups already here are kept for a resume.
+                    data.lock().await.add_groups(std::mem::take(&mut groups))?;
+                    self.stopped = true;
+                    return Ok(());
+                };
+                let Some(group) = received else {
                     self.manager.failures().check()?;
                     return Err(Error::Task("the generation worker stopped".into()));
                 };

@@ -5,7 +5,7 @@
 //! the server's resident memory before and after and its CPU time per turn.
 //!
 //! ```text
-//! miles-session --engine-url instant --model fixtures/tokenizers/qwen3 --tito qwen3 --port 30010 &
+//! miles session --engine-url instant --model fixtures/tokenizers/qwen3 --tito qwen3 --port 30010 &
 //! cargo run --release -p miles-session --example session_loadgen -- \
 //!     --url http://127.0.0.1:30010 --sessions 64 --turns 8 --total-sessions 640 --server-pid $!
 //! ```

@@ -1,7 +1,7 @@
 //! # miles-session
 //!
 //! The OpenAI-compatible **session server** of miles-rs, as a library (an [`axum::Router`]
-//! builder, [`server::SessionServer`]) plus the thin `miles-session` binary. It sits between
+//! builder, [`server::SessionServer`]), served by `miles session` (miles-cli). It sits between
 //! agent code and inference engines and records exactly what the model produced: for every
 //! chat turn the prompt ids (built incrementally, token-in-token-out, never re-tokenized), the
 //! output ids, their log-probs and the MoE routes. It talks to engines only through token-level
@@ -31,13 +31,13 @@
 //!   sampling parameters, shared with the SGLang-compatible server of [`sglang`].
 //! * [`sglang`]: SGLang's HTTP protocol, both ends (the client [`sglang::SglangEngine`], the server
 //!   [`sglang::sglang_router`]) and the [`sglang::Router`] over engines.
-//! * [`tito_adapter`]: the binary's loader of [`miles_tito::TitoChat`] (the family table's
+//! * [`tito_adapter`]: the loader `miles session` uses for [`miles_tito::TitoChat`] (the family table's
 //!   [`miles_tito::ChatTokenizer`] over a model directory) for `--model DIR --tito FAMILY`.
 //! * [`metrics_server`]: a `/metrics` endpoint for any [`miles_core::prometheus::Registry`]
-//!   (trainer processes, `miles-engine serve`), as a router, an async `serve` or a
+//!   (trainer processes, `miles serve`), as a router, an async `serve` or a
 //!   self-contained [`metrics_server::MetricsServer`] thread.
 //! * [`testkit`] (feature `testkit`): a byte-level ChatML tokenizer, a deterministic engine and an instant engine
-//!   (tests, load tests, benchmarks, trying the binary without a model).
+//!   (tests, load tests, benchmarks, trying `miles session` without a model).
 //! * [`loadgen`] (feature `testkit`): the closed-loop load generator (8-turn tool-calling sessions over HTTP) and a
 //!   handle on a server process, behind the example, the benchmark and the memory test.
 //!

@@ -1,6 +1,6 @@
 //! A `/metrics` endpoint for any process holding a [`miles_core::prometheus::Registry`]: a
 //! trainer (with [`miles_core::prometheus::PrometheusMetricsSink`] and
-//! [`miles_core::prometheus::TrainerMetrics`]), `miles-engine serve` (with
+//! [`miles_core::prometheus::TrainerMetrics`]), `miles serve` (with
 //! [`miles_core::prometheus::SglangMetrics`]), or anything else.
 //!
 //! * [`router`]: the axum route alone, to merge into a server that already exists.

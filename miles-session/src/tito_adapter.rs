@@ -1,6 +1,6 @@
-//! The miles-tito loader of the binary: [`load_tokenizer`] builds miles-tito's
+//! The miles-tito loader of `miles session`: [`load_tokenizer`] builds miles-tito's
 //! [`TitoChat`] (the [`ChatTokenizer`] of a TITO family over a model directory) and has the
-//! shape of [`crate::cli::TokenizerLoader`], so the binary serves `--model DIR --tito FAMILY`
+//! shape of [`crate::cli::TokenizerLoader`], so `miles session` serves `--model DIR --tito FAMILY`
 //! for every family of miles-tito's table.
 
 use std::path::Path;

@@ -35,7 +35,7 @@ use miles_core::{Message, ToolCall};
 use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
 use serde_json::{Map, Value, json};
 
-/// The session server's allocator (`miles-session` binary), so the step is measured as the
+/// The session server's allocator (`miles session`), so the step is measured as the
 /// server runs it.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -44,7 +44,7 @@ const WORDS: [&str; 24] = [
     "morning",
 ];
 
-/// The session server's allocator (`miles-session` binary), so the step is measured as the
+/// The session server's allocator (`miles session`), so the step is measured as the
 /// server runs it.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

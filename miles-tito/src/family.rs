@@ -695,7 +695,7 @@ mod tests {
 
     #[test]
     fn model_types_alone_pick_the_family() {
-        // What `miles-engine serve` chose from config.json before the table existed.
+        // What `miles serve` chose from config.json before the table existed.
         let cases = [
             (Some("qwen3"), TitoFamily::Qwen3),
             (Some("qwen3_moe"), TitoFamily::Qwen3),

@@ -81,7 +81,7 @@
 //!   [`Mismatch`] / [`MismatchType`] / [`MismatchMetric`]: the token-sequence comparator and
 //!   session mismatch metric; [`verify()`] ([`VerifyTarget`], [`VerifyReport`],
 //!   [`CaseResult`], [`Trajectory`], [`ThinkingMode`], [`parse_trajectories`]): the
-//!   chat-template verifier, also exposed by the `miles-tito` binary (`render`,
+//!   chat-template verifier, also exposed by `miles tito` (miles-cli: `render`,
 //!   `incremental`, `verify`).
 //!
 //! The crate depends on tokenizers, minijinja and serde only: no burn, no async runtime.
@@ -142,5 +142,6 @@ pub use trajectory::{
     merge_turn_samples, turn_samples,
 };
 pub use verify::{
-    CaseResult, ThinkingMode, Trajectory, VerifyReport, VerifyTarget, parse_trajectories, verify,
+    CaseResult, DEFAULT_TRAJECTORIES, ThinkingMode, Trajectory, VerifyReport, VerifyTarget,
+    parse_trajectories, verify,
 };

@@ -44,6 +44,11 @@ struct TrajectoryFile {
     trajectories: Vec<Trajectory>,
 }
 
+/// Miles' verifier trajectories (`verify_chat_template_trajectories.json`, the copy this crate
+/// ships): what `miles tito verify` runs when no trajectories file is given.
+pub const DEFAULT_TRAJECTORIES: &str =
+    include_str!("../data/verify_chat_template_trajectories.json");
+
 /// Parses a trajectories file (`{"trajectories": [...]}` as in
 /// `verify_chat_template_trajectories.json`, or a bare list).
 pub fn parse_trajectories(text: &str) -> Result<Vec<Trajectory>> {

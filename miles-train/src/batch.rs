@@ -98,10 +98,21 @@ impl TrainItem {
             Some(v) if v.is_finite() => v as f32,
             Some(v) => return Err(bad(format!("reward {v} is not finite"))),
             None if require_reward => {
-                return Err(bad(format!(
-                    "no scalar reward{}",
-                    reward_key.map_or(String::new(), |k| format!(" under key {k:?}"))
-                )));
+                return Err(bad(match (&sample.reward, reward_key) {
+                    (Some(miles_core::Reward::Map(map)), None) => format!(
+                        "the reward is a dict with keys [{}]: name the one to train on with \
+                         --reward-key KEY (TrainConfig::reward_key)",
+                        map.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                    (Some(miles_core::Reward::Map(map)), Some(key)) => format!(
+                        "the reward dict has no number under --reward-key {key:?}; its keys: [{}]",
+                        map.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                    _ => format!(
+                        "no scalar reward{}",
+                        reward_key.map_or(String::new(), |k| format!(" under key {k:?}"))
+                    ),
+                }));
             }
             None => 0.0,
         };
@@ -463,6 +474,42 @@ mod tests {
         assert_eq!(
             TrainItem::from_sample(0, &s, None, false).unwrap().reward,
             0.0
+        );
+    }
+
+    #[test]
+    fn a_dict_reward_without_a_key_names_the_keys_and_the_flag() {
+        // Miles' dapo rule returns {score, acc, pred}.
+        let reward: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(r#"{"score": 1.0, "acc": true, "pred": "42"}"#).unwrap();
+        let s = Sample {
+            tokens: vec![1, 2, 3, 4],
+            response_length: 2,
+            reward: Some(Reward::Map(reward)),
+            ..Sample::default()
+        };
+        let err = TrainItem::from_sample(0, &s, None, true)
+            .unwrap_err()
+            .to_string();
+        // (Key order follows serde_json's map: sorted, or insertion order with
+        // `preserve_order`.)
+        assert!(err.contains("the reward is a dict with keys ["), "{err}");
+        for key in ["score", "acc", "pred"] {
+            assert!(err.contains(key), "{key}: {err}");
+        }
+        assert!(err.contains("--reward-key KEY"), "{err}");
+        let err = TrainItem::from_sample(0, &s, Some("acc"), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no number under --reward-key \"acc\""),
+            "{err}"
+        );
+        assert_eq!(
+            TrainItem::from_sample(0, &s, Some("score"), true)
+                .unwrap()
+                .reward,
+            1.0
         );
     }
 }

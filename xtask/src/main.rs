@@ -115,8 +115,9 @@ const LIGHT_CRATES: [(&str, &[&str]); 5] = [
 /// The workspace's library crates from the bottom of the stack up (DESIGN.md's map): a
 /// crate's normal and build dependencies among them must come earlier in this list, and every
 /// library crate of the workspace must be in it (they are the crates a user would `cargo add`:
-/// each must build from its packaged files). Only `miles-examples` and `xtask` sit above.
-const LAYERS: [&str; 10] = [
+/// each must build from its packaged files). `miles-cli` (the `miles` binary over all of them)
+/// is the top layer; only `miles-examples` and `xtask` sit above.
+const LAYERS: [&str; 11] = [
     "miles-core",
     "miles-tito",
     "miles-session",
@@ -127,6 +128,7 @@ const LAYERS: [&str; 10] = [
     "miles-engine",
     "miles-train",
     "miles-rollout",
+    "miles-cli",
 ];
 
 /// Workspace members outside [`LAYERS`]: they may depend on any crate.

@@ -1,7 +1,7 @@
 //! The RL examples end to end, as a user runs them: the reference binary for a few GRPO steps
 //! at tiny size (reward, loss and version bookkeeping), a run of it killed mid-way (SIGKILL)
 //! then resumed with `--resume` (it finishes every step exactly once), the same binary on an
-//! HF checkpoint directory (`--hf-checkpoint`: a Qwen3 and a DeepSeek-V3) and rolling out on a `miles-engine serve`
+//! HF checkpoint directory (`--hf-checkpoint`: a Qwen3 and a DeepSeek-V3) and rolling out on a `miles serve`
 //! process (`--engine-url`), and the agentic example (GRPO through a session server, TITO
 //! mismatch rate 0).
 //!
@@ -421,7 +421,7 @@ fn trains_a_latent_attention_checkpoint(fixture: &str, model_type: &str) {
     let _ = std::fs::remove_dir_all(&model_dir);
 }
 
-/// `--engine-url`: the reference binary rolls out on a `miles-engine serve` process over
+/// `--engine-url`: the reference binary rolls out on a `miles serve` process over
 /// loopback and pushes each new version to it through `update_weights_from_disk`.
 #[test]
 fn the_reference_binary_rolls_out_on_a_served_engine() {
@@ -429,12 +429,12 @@ fn the_reference_binary_rolls_out_on_a_served_engine() {
     let out = fresh_dir("served");
     std::fs::create_dir_all(&out).unwrap();
     let exe = std::env::current_exe().unwrap();
-    let server_bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("miles-engine");
-    assert!(server_bin.exists(), "{} missing", server_bin.display());
+    let server_bin = exe.parent().and_then(Path::parent).unwrap().join("miles");
+    assert!(
+        server_bin.exists(),
+        "{} missing (built by `cargo test --workspace`)",
+        server_bin.display()
+    );
     let mut server = Command::new(server_bin)
         .args(["serve", "--port", "0", "--model"])
         .arg(served_fixture())

@@ -1,5 +1,5 @@
-//! The integration tests of the examples package (the example binaries, the `miles` CLI,
-//! cross-crate checks), one module per former test file, built as one test binary: one compile
+//! The integration tests of the examples package (the example binaries, cross-crate
+//! checks; the `miles` command's tests are miles-cli's), one module per former test file, built as one test binary: one compile
 //! of the dependencies' generic code and one link instead of one per file. The example binaries
 //! they run sit next to this one (`cargo test` builds the examples first).
 
@@ -8,6 +8,5 @@ mod engine_vs_trainer;
 mod glm_moe_grpo;
 mod grpo_learns;
 mod half_precision;
-mod miles_cli;
 mod toolkit;
 mod wgpu_step;

@@ -3,7 +3,6 @@
 
 mod common;
 
-mod cli;
 mod deepseek_v3;
 mod glm4_moe_lite;
 mod glm4moe_tiny;

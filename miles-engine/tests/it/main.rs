@@ -1,11 +1,10 @@
 //! The integration tests of miles-engine, built as one test binary (one compile of burn's
 //! generic code and one link): the engine against the model's own forward pass and HF, its
 //! paths (specialised, precision, devices), and the engine served over SGLang's HTTP protocol
-//! (in-process and as the `miles-engine` binary, including failover under a router and
-//! hostile input).
+//! (in-process, including hostile input; the `miles serve` process
+//! and its failover under a router are tested in miles-cli).
 
 mod engine;
 mod engine_paths;
 mod serve_embedded;
-mod serve_failover;
 mod serve_hardening;

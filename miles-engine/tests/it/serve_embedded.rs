@@ -11,7 +11,7 @@ use miles_core::{
     FinishReason, GenerateRequest, InferenceEngine, NamedTensors, Sample, SampleStatus,
     SamplingParams, TokenId, WeightVersion,
 };
-use miles_engine::cli::{self, Command};
+use miles_engine::serve::{ServeOptions, server_info};
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_session::http::HttpClient;
 use miles_session::server::{SessionServer, SessionServerConfig};
@@ -26,19 +26,13 @@ fn fixture(path: &str) -> PathBuf {
         .join(path)
 }
 
-/// Serves `dir` with the embedded engine on loopback, as `miles-engine serve` would.
+/// Serves `dir` with the embedded engine on loopback, as `miles serve` would.
 async fn serve(dir: &Path) -> String {
-    let Command::Serve(args) = cli::parse_args([
-        "serve".to_owned(),
-        "--model".to_owned(),
-        dir.to_string_lossy().into_owned(),
-        "--weights-root".to_owned(),
-        fixture("models").to_string_lossy().into_owned(),
-    ])
-    .unwrap() else {
-        panic!("serve expected");
+    let args = ServeOptions {
+        weights_root: Some(fixture("models")),
+        ..ServeOptions::new(dir)
     };
-    let info = cli::server_info(&args).unwrap();
+    let info = server_info(&args).unwrap();
     let engine = EmbeddedEngine::from_pretrained(
         dir,
         &burn::tensor::Device::flex(),

@@ -1,4 +1,4 @@
-//! `miles-engine serve` against hostile input, on a real server over loopback with the
+//! `miles serve` against hostile input, on a real server over loopback with the
 //! embedded engine and the real tiny Qwen3 checkpoint of `fixtures/`: every bad request is a
 //! 4xx with an OpenAI-shaped JSON error, and the server serves a normal request afterwards.
 //! The file-system route (`update_weights_from_disk`) reads only under `--weights-root`, and a
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::Method;
-use miles_engine::cli::{self, Command};
+use miles_engine::serve::{ServeOptions, attach_metrics, server_info};
 use miles_engine::{EmbeddedEngine, EngineConfig};
 use miles_session::http::HttpClient;
 use miles_session::sglang::sglang_router;
@@ -21,32 +21,25 @@ fn fixture(path: &str) -> PathBuf {
         .join(path)
 }
 
-/// Starts `miles-engine serve` (library form of the binary) with `flags` after `--model`.
-async fn serve(flags: &[String]) -> String {
-    serve_with(flags, false).await
+/// Starts `miles serve`'s server (its library form) with the options `set` changes.
+async fn serve(set: impl FnOnce(&mut ServeOptions)) -> String {
+    serve_with(set, false).await
 }
 
 /// [`serve`], optionally behind the binary's HTTP guard (`--api-key`, JSON bodies,
 /// connection limit and request-head timeout), as `main` serves it.
-async fn serve_with(flags: &[String], guarded: bool) -> String {
+async fn serve_with(set: impl FnOnce(&mut ServeOptions), guarded: bool) -> String {
     let dir = fixture("serve/qwen3-tiny-chat");
-    let mut args = vec![
-        "serve".to_owned(),
-        "--model".to_owned(),
-        dir.to_string_lossy().into_owned(),
-    ];
-    args.extend_from_slice(flags);
-    let Command::Serve(args) = cli::parse_args(args).unwrap() else {
-        panic!("serve expected");
-    };
-    let mut info = cli::server_info(&args).unwrap();
+    let mut args = ServeOptions::new(&dir);
+    set(&mut args);
+    let mut info = server_info(&args).unwrap();
     let engine = EmbeddedEngine::from_pretrained(
         &dir,
         &burn::tensor::Device::flex(),
         EngineConfig::default(),
     )
     .unwrap();
-    cli::attach_metrics(&args, &engine, &mut info).unwrap();
+    attach_metrics(&args, &engine, &mut info).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let guard = args.guard_config(&info);
@@ -96,12 +89,10 @@ fn assert_error(status: u16, body: &Value, expected: u16, needle: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_limits_are_typed_errors_and_the_server_survives() {
-    let base = serve(&[
-        "--max-n".into(),
-        "8".into(),
-        "--max-request-bytes".into(),
-        "8192".into(),
-    ])
+    let base = serve(|o| {
+        o.max_n = Some(8);
+        o.max_request_bytes = Some(8192);
+    })
     .await;
     let ids = json!([1, 2, 3]);
     // The crash: n = 10^12 (was an allocation abort).
@@ -211,7 +202,7 @@ async fn version(base: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_weights_from_disk_is_confined_and_failures_keep_the_last_version() {
     // Without --weights-root the route is disabled.
-    let closed = serve(&[]).await;
+    let closed = serve(|_| {}).await;
     let (status, body) = update(&closed, &fixture("models/qwen3-tiny"), 1).await;
     assert_eq!(status, 403, "{body}");
     assert_eq!(body["success"], json!(false));
@@ -222,7 +213,7 @@ async fn update_weights_from_disk_is_confined_and_failures_keep_the_last_version
     let outside = scratch("outside");
     copy_checkpoint(&root.join("good"));
     copy_checkpoint(&outside.join("ckpt"));
-    let base = serve(&["--weights-root".into(), root.to_string_lossy().into_owned()]).await;
+    let base = serve(|o| o.weights_root = Some(root.clone())).await;
 
     // A good checkpoint under the root loads (absolute or relative to the root).
     let (status, body) = update(&base, &root.join("good"), 1).await;
@@ -323,14 +314,11 @@ async fn update_weights_from_disk_is_confined_and_failures_keep_the_last_version
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_key_json_bodies_and_slow_clients_on_the_rollout_server() {
     let base = serve_with(
-        &[
-            "--api-key".into(),
-            "s3cret-key".into(),
-            "--header-read-timeout-s".into(),
-            "1".into(),
-            "--max-connections".into(),
-            "4".into(),
-        ],
+        |o| {
+            o.api_key = Some(miles_session::guard::ApiKey::new("s3cret-key").unwrap());
+            o.header_read_timeout_s = Some(1.0);
+            o.max_connections = Some(4);
+        },
         true,
     )
     .await;
@@ -439,11 +427,11 @@ fn sample(text: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enable_metrics_serves_sglang_engine_metrics() {
     // Off by default: 404 with a JSON error.
-    let plain = serve(&[]).await;
+    let plain = serve(|_| {}).await;
     let r = http().get(&format!("{plain}/metrics")).await.unwrap();
     assert_eq!(r.status.as_u16(), 404);
 
-    let base = serve(&["--enable-metrics".into()]).await;
+    let base = serve(|o| o.enable_metrics = true).await;
     for max_new in [3, 5] {
         let (status, body) = post(
             &base,

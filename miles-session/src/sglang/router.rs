@@ -4,7 +4,7 @@
 //! to the current weights); a request is retried on another engine only when that is safe.
 //!
 //! Engines may be in-process or remote: [`Router::over_http`] builds a router over SGLang
-//! servers (the [`SglangEngine`] client, e.g. `miles-engine serve` processes), and
+//! servers (the [`SglangEngine`] client, e.g. `miles serve` processes), and
 //! [`Router::spawn_health_checker`] runs [`Router::check_health`] periodically, the way Miles'
 //! router polls `/health` every `--rollout-health-check-interval` seconds.
 //!

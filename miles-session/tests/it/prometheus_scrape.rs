@@ -85,7 +85,7 @@ fn prometheus_parser_reads_the_metrics_endpoint() {
     };
     let registry = Arc::new(Registry::new());
 
-    // An engine server's view (miles-engine serve).
+    // An engine server's view (miles serve).
     let sglang = SglangMetrics::register(&registry, "Qwen/Qwen3-0.6B").unwrap();
     sglang.num_running_reqs.set(3.0);
     sglang.num_queue_reqs.set(1.0);

@@ -1,4 +1,4 @@
-//! Property fuzz of every route of `miles-engine serve`'s SGLang protocol on loopback, behind
+//! Property fuzz of every route of `miles serve`'s SGLang protocol on loopback, behind
 //! the binary's guard: random bodies (JSON of any shape, `/generate` and chat bodies with
 //! hostile field values, raw bytes, wrong content types) on every route. No answer is a 5xx
 //! except the toy engine's declared failures, every 4xx carries a JSON error body, nothing

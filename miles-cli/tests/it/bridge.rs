@@ -1,6 +1,6 @@
-//! The `miles-bridge` binary on the glm4moe-tiny fixture (and the other architectures'):
-//! `logprobs` output against the transformers reference, `inspect`, `convert` (dtype, TP/EP)
-//! and one-line errors with exit 2.
+//! `miles bridge` on the glm4moe-tiny fixture (and the other architectures'): `logprobs`
+//! output against the transformers reference, `inspect`, `convert` (dtype, TP/EP), one-line
+//! errors with exit 1 and usage mistakes with exit 2.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -8,7 +8,9 @@ use std::process::Command;
 use safetensors::SafeTensors;
 
 fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_miles-bridge"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_miles"));
+    command.arg("bridge");
+    command
 }
 
 fn fixture() -> PathBuf {
@@ -117,7 +119,7 @@ fn inspect_and_convert() {
 }
 
 #[test]
-fn bad_input_is_one_line_and_exit_2() {
+fn bad_input_is_one_line_and_exit_1_usage_mistakes_exit_2() {
     for args in [
         vec!["inspect", "/nonexistent/model"],
         vec![
@@ -127,13 +129,17 @@ fn bad_input_is_one_line_and_exit_2() {
             "--input",
             "/nonexistent/in.json",
         ],
-        vec!["frobnicate"],
     ] {
         let out = bin().args(&args).output().unwrap();
-        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
         let err = String::from_utf8(out.stderr).unwrap();
         assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains("/nonexistent/"), "names the path: {err}");
     }
+    let out = bin().arg("inspekt").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("'inspect'"), "did you mean: {err}");
 }
 
 /// A checkpoint folder of `fixtures/models`.
@@ -143,7 +149,7 @@ fn model(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Runs `miles-bridge logprobs` on `dir`'s `reference_inputs.json`; the JSON it wrote.
+/// Runs `miles bridge logprobs` on `dir`'s `reference_inputs.json`; the JSON it wrote.
 fn run_logprobs(dir: &Path, tag: &str) -> serde_json::Value {
     let out_file = temp(&format!("{tag}-lp.json"));
     let out = bin()
@@ -280,7 +286,7 @@ fn missing_or_unknown_model_type_is_refused() {
         std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
         std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
         let out = bin().arg("inspect").arg(&dir).output().unwrap();
-        assert_eq!(out.status.code(), Some(2), "{case}");
+        assert_eq!(out.status.code(), Some(1), "{case}");
         let err = String::from_utf8(out.stderr).unwrap();
         assert!(
             err.contains("glm4_moe, qwen3, qwen3_moe, llama, qwen2"),
@@ -335,7 +341,7 @@ fn logprobs_on_wgpu_cpu_match_reference() {
         .arg(fixture().join("reference_inputs.json"))
         .output()
         .unwrap();
-    assert_eq!(bad.status.code(), Some(2));
+    assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown device"));
 }
 

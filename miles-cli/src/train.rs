@@ -1,4 +1,4 @@
-//! The `miles` command: RL post-training of an HF checkpoint on a prompt file with a reward,
+//! `miles train`, `train-async`, `sft` and `eval`: RL post-training of an HF checkpoint on a prompt file with a reward,
 //! from one command, with Miles' flag names (`train.py` / `train_async.py`).
 //!
 //! ```text
@@ -10,7 +10,8 @@
 //!
 //! Every flag maps onto a field of a library config type ([`miles_rollout::RolloutConfig`],
 //! [`miles_rollout::LoopConfig`], [`miles_train::TrainConfig`], …), so a Rust user gets the same
-//! run without the CLI. [`flag_set`] lists them; COMPATIBILITY.md has the table against Miles.
+//! run without the CLI. [`crate::args::TrainArgs`] lists them; COMPATIBILITY.md has the table
+//! against Miles.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -33,184 +34,78 @@ use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
 
-use crate::flags::{FlagSet, FlagValues, Parsed};
+use crate::args::TrainArgs;
 use crate::wiring::{CurvesOnEval, ProgressSink, embedded_engine, save_hf_checkpoint};
 
 /// Errors of a `miles` run (any crate's error, boxed).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The subcommands and what each does.
-pub const SUBCOMMANDS: [(&str, &str); 4] = [
-    (
-        "train",
-        "RL with the synchronous loop (rollout → train → weight update), as train.py",
-    ),
-    (
-        "train-async",
-        "RL with the fully asynchronous loop (generation overlaps training), as train_async.py",
-    ),
-    (
-        "sft",
-        "supervised fine-tuning on conversations (loss on assistant tokens)",
-    ),
-    (
-        "eval",
-        "evaluate a checkpoint on --eval-prompt-data sets, no training",
-    ),
-];
-
-const ABOUT: &str = "miles: RL post-training of an HF checkpoint on your prompts with your \
-reward, with Miles' flag names. Subcommands: train (synchronous loop), train-async (fully \
-asynchronous), sft, eval. Flags may also come from --config FILE (TOML, keys = flag names).";
-
-/// Every flag of `miles`, grouped as Miles' argument groups are.
-pub fn flag_set() -> FlagSet {
-    FlagSet::new("miles <train|train-async|sft|eval>", ABOUT)
-        .group("Model and checkpoints")
-        .value("--hf-checkpoint", "DIR", None, "the HF model directory to train (config.json, safetensors, tokenizer, chat template)")
-        .value("--ref-load", "DIR", None, "the reference model for KL terms (default: the initial policy)")
-        .value("--load", "DIR", None, "resume from the latest valid checkpoint in DIR (a previous run's --save)")
-        .value("--save", "DIR", None, "checkpoint directory (default: OUTPUT/checkpoints)")
-        .value("--save-interval", "N", None, "checkpoint every N rollouts (default: never, but the final weights are always written)")
-        .value("--keep-checkpoints", "N", None, "keep only the newest N checkpoints")
-        .value("--save-hf", "DIR", None, "where the final HF checkpoint goes (default: OUTPUT/final)")
-        .value("--output-dir", "DIR", Some("runs/miles"), "metrics.jsonl, curves.svg, summary.json and the defaults above")
-        .value("--device", "DEV", Some("flex"), "flex | wgpu[:N] | wgpu-cpu | cuda[:N] (trainer, and engine unless --rollout-device)")
-        .value("--rollout-device", "DEV", None, "device of the embedded engine (default: --device)")
-        .switch("--bf16", "mixed precision in bfloat16: the trainer's forward computes in bf16 on f32 master weights and AdamW state, the embedded engine holds its weights and KV cache in bf16, weights are exported in bf16 (Megatron's --bf16)")
-        .switch("--fp16", "the same in float16 (Megatron's --fp16; no loss scaling; not with --bf16)")
-        .value("--seed", "N", Some("1234"), "seed of initialisation and shuffling")
-        .group("Data")
-        .value("--prompt-data", "FILE", None, "training prompts: JSONL (.jsonl / .json) or Parquet (.parquet); FILE@[a:b] takes rows a..b")
-        .value("--input-key", "KEY", Some("input"), "the prompt: a string or a list of chat messages")
-        .value("--label-key", "KEY", None, "the reference answer")
-        .value("--tool-key", "KEY", Some("tools"), "the tool list of a prompt")
-        .value("--metadata-key", "KEY", Some("metadata"), "an object merged into the sample's metadata")
-        .switch("--apply-chat-template", "render prompts with the checkpoint's chat template (else string prompts are tokenized as they are)")
-        .value("--apply-chat-template-kwargs", "JSON", Some("{}"), "extra chat-template kwargs, e.g. {\"enable_thinking\": false}")
-        .switch("--rollout-shuffle", "shuffle the prompts each epoch")
-        .value("--num-epoch", "N", None, "passes over the prompts (sets --num-rollout when that is not given)")
-        .switch("--skip-bad-rows", "skip (and count) prompt rows that cannot be used instead of failing on the first")
-        .value("--max-row-bytes", "N", Some("16777216"), "largest prompt row in bytes")
-        .group("Rollout")
-        .value("--num-rollout", "N", None, "training steps (rollouts)")
-        .value("--rollout-batch-size", "N", None, "prompts per rollout (required)")
-        .value("--n-samples-per-prompt", "N", Some("1"), "samples per prompt (the GRPO group)")
-        .value("--rollout-max-response-len", "N", Some("1024"), "response token limit")
-        .value("--rollout-max-context-len", "N", None, "prompt + response token limit")
-        .value("--rollout-temperature", "T", Some("1.0"), "sampling temperature")
-        .value("--rollout-top-p", "P", Some("1.0"), "nucleus sampling")
-        .value("--rollout-top-k", "K", Some("-1"), "top-k sampling (-1: off)")
-        .nargs("--rollout-stop", "TEXT", "stop strings")
-        .nargs("--rollout-stop-token-ids", "ID", "stop token ids (besides the model's EOS)")
-        .value("--rollout-seed", "N", Some("42"), "sampling seed (sample i uses seed + i)")
-        .value("--over-sampling-batch-size", "N", None, "prompts fetched at a time when dynamic sampling drops groups")
-        .switch("--partial-rollout", "keep aborted partial generations and resume them")
-        .value("--save-debug-rollout-data", "PATH", None, "write each rollout's training samples as a JSON array to PATH ({rollout_id} is replaced by the rollout id)")
-        .switch("--generate-multi-samples", "with --agent-cmd: one training sample per turn instead of one merged sample per session; the rollout's reward goes to every turn, advantages are normalised per rollout, each rollout's loss is one token-weighted mean and --global-batch-size counts rollouts")
-        .value("--dynamic-sampling-filter-path", "NAME", None, "check_reward_nonzero_std | check_no_aborted (Miles' filter_hub names; a dotted path's last part)")
-        .value("--max-weight-staleness", "N", None, "regenerate samples older than N weight versions")
-        .value("--update-weights-interval", "N", Some("1"), "push weights to the engines every N steps")
-        .repeat("--engine-url", "URL", "roll out on this SGLang-compatible server (repeatable; a router spreads the load; weight updates go through --output-dir/weights, which the servers must see)")
-        .value("--max-running-requests", "N", Some("64"), "embedded engine: sequences decoded together")
-        .group("Training")
-        .value("--global-batch-size", "N", None, "samples per optimizer step (default: the whole rollout)")
-        .value("--micro-batch-size", "N", Some("1"), "samples per micro-batch")
-        .value("--num-steps-per-rollout", "N", None, "optimizer steps per rollout (instead of --global-batch-size)")
-        .value("--lr", "LR", Some("1e-6"), "peak learning rate (AdamW)")
-        .value("--min-lr", "LR", Some("0.0"), "final learning rate of a decaying schedule")
-        .value("--lr-warmup-iters", "N", Some("0"), "optimizer steps of linear warm-up")
-        .value("--lr-decay-style", "NAME", Some("constant"), "constant | linear | cosine")
-        .value("--lr-decay-iters", "N", None, "optimizer steps of the decay")
-        .value("--clip-grad", "X", Some("1.0"), "global gradient-norm clip (0: off)")
-        .value("--weight-decay", "X", None, "AdamW weight decay")
-        .value("--advantage-estimator", "NAME", Some("grpo"), "grpo | gspo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo")
-        .value("--eps-clip", "X", Some("0.2"), "PPO clip (low side)")
-        .value("--eps-clip-high", "X", None, "PPO clip (high side; default: --eps-clip)")
-        .switch("--use-kl-loss", "KL loss to the reference model")
-        .value("--kl-loss-coef", "X", Some("0.0"), "KL loss weight")
-        .value("--kl-loss-type", "NAME", Some("k1"), "k1 | k2 | k3 | low_var_kl")
-        .value("--entropy-coef", "X", Some("0.0"), "entropy bonus weight")
-        .switch("--use-tis", "truncated importance sampling on the rollout / trainer mismatch")
-        .value("--tis-clip", "X", Some("2.0"), "TIS upper clip")
-        .switch("--use-rollout-routing-replay", "record routed experts at rollout and replay them in training (R3; MoE models)")
-        .value("--batch-layout", "NAME", Some("padded"), "padded | packed | per_sample micro-batches (equal up to float rounding)")
-        .group("LoRA")
-        .value("--lora-rank", "N", Some("0"), "LoRA rank (0: full fine-tuning)")
-        .value("--lora-alpha", "X", Some("16"), "LoRA alpha")
-        .value("--target-modules", "LIST", None, "comma-separated module names, or all-linear")
-        .group("Evaluation")
-        .nargs("--eval-prompt-data", "NAME PATH", "evaluation sets as name / file pairs")
-        .value("--eval-interval", "N", None, "evaluate every N rollouts (and before training)")
-        .value("--n-samples-per-eval-prompt", "N", Some("1"), "samples per evaluation prompt")
-        .switch("--skip-eval-before-train", "do not evaluate before the first rollout")
-        .value("--eval-temperature", "T", None, "evaluation temperature (default: the rollout's)")
-        .value("--eval-top-p", "P", None, "evaluation nucleus sampling (default: the rollout's)")
-        .value("--eval-top-k", "K", None, "evaluation top-k (default: the rollout's)")
-        .value("--eval-input-key", "KEY", None, "the evaluation sets' prompt key (default: --input-key)")
-        .value("--eval-label-key", "KEY", None, "the evaluation sets' label key (default: --label-key)")
-        .value("--eval-tool-key", "KEY", None, "the evaluation sets' tool key (default: --tool-key)")
-        .value("--eval-max-response-len", "N", None, "evaluation response limit (default: the rollout's)")
-        .group("Reward")
-        .value("--rm-type", "NAME", None, "Miles' rm_hub rule: math | dapo | deepscaler | gemma_math | f1 | gpqa | random | deterministic_random | remote_rm, each also as boxed_NAME; or exact_match | numeric_match. A sample's metadata rm_type overrides it")
-        .value("--rm-url", "URL", None, "reward-model server for remote_rm")
-        .group("Agents")
-        .value("--agent-cmd", "CMD", None, "an agent in any language, run with sh -c once per sample against an in-process session server (OPENAI_BASE_URL, OPENAI_API_KEY; the sample as JSON on stdin; optional {\"reward\": …, \"metadata\": …} as the last stdout line)")
-        .value("--agent-timeout-s", "S", Some("3600"), "an agent's wall-clock limit (0: none); past it the sample is ABORTED")
-        .switch("--use-session-server", "implied by --agent-cmd (the session server records exact tokens, log-probs and routed experts)")
-        .value("--reward-key", "KEY", None, "which entry of a dict reward to train on")
-        .group("Chat template")
-        .value("--tito", "FAMILY", Some("default"), "the TITO family of the session server (--agent-cmd) and of sft's tokenization: default | qwen3 | glm47 | …")
-        .group("Logging and metrics")
-        .switch("--use-tensorboard", "write TensorBoard event files (step = rollout id)")
-        .value("--tensorboard-dir", "DIR", None, "TensorBoard directory (default: $TENSORBOARD_DIR, else OUTPUT/tensorboard)")
-        .alias("--tb-project-name")
-        .switch("--use-wandb", "not built in: use --use-tensorboard and `wandb sync --sync-tensorboard DIR`")
-        .value("--metrics-port", "PORT", None, "serve Prometheus /metrics of the trainer on 127.0.0.1:PORT (0: any free port)")
-        .switch("--use-prometheus", "serve /metrics on --prometheus-port (Miles' spelling of --metrics-port)")
-        .value("--prometheus-port", "PORT", Some("9090"), "the port of --use-prometheus")
+/// What a run ended with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The run's summary (also written to `OUTPUT/summary.json` / `eval.json`).
+    pub summary: Value,
+    /// The exit status a signal asked for (130 SIGINT, 143 SIGTERM) when the run was stopped
+    /// early (after writing its checkpoint), `None` when it ran to the end.
+    pub stopped_by: Option<u8>,
 }
 
-/// Runs `miles` on `argv` (without the program name). Returns the run's summary.
-pub async fn run(argv: Vec<String>) -> Result<Value, BoxError> {
-    let Some((command, rest)) = argv.split_first() else {
-        println!("{}", usage());
-        return Ok(Value::Null);
-    };
-    if command == "--help" || command == "-h" || command == "help" {
-        println!("{}", usage());
-        return Ok(Value::Null);
-    }
-    let Some(&(name, _)) = SUBCOMMANDS.iter().find(|(n, _)| n == command) else {
-        let names: Vec<&str> = SUBCOMMANDS.iter().map(|(n, _)| *n).collect();
-        return Err(format!("unknown subcommand {command:?}: expected one of {names:?}").into());
-    };
-    let args = match flag_set().parse(rest.iter().cloned())? {
-        Parsed::Help(text) => {
-            println!("{text}");
-            return Ok(Value::Null);
+impl Outcome {
+    fn finished(summary: Value) -> Self {
+        Self {
+            summary,
+            stopped_by: None,
         }
-        Parsed::Args(a) => a,
-    };
-    if args.switch("--use-wandb") {
+    }
+}
+
+/// Runs `train`, `train-async`, `sft` or `eval` with `args`.
+pub async fn run(command: TrainCommand, args: &TrainArgs) -> Result<Outcome, BoxError> {
+    if args.metrics.use_wandb {
         return Err("--use-wandb: the wandb format is not written here; use --use-tensorboard and upload with `wandb sync --sync-tensorboard DIR`".into());
     }
-    match name {
-        "train" => train(&args, false).await,
-        "train-async" => train(&args, true).await,
-        "sft" => sft(&args),
-        _ => eval(&args).await,
+    match command {
+        TrainCommand::Train => train(args, false).await,
+        TrainCommand::TrainAsync => train(args, true).await,
+        TrainCommand::Sft => sft(args).map(Outcome::finished),
+        TrainCommand::Eval => eval(args).await.map(Outcome::finished),
     }
 }
 
-fn usage() -> String {
-    let mut out = format!(
-        "{ABOUT}\n\nUsage: miles <SUBCOMMAND> [FLAGS]   (miles <SUBCOMMAND> --help lists the flags)\n\nSubcommands:\n"
-    );
-    for (name, what) in SUBCOMMANDS {
-        out.push_str(&format!("  {name:12} {what}\n"));
-    }
-    out
+/// A stop signal for the loop that turns `true` on the first SIGINT / SIGTERM, and the exit
+/// status that signal asks for (0 until then). A second signal ends the process at once.
+fn stop_on_signal() -> (
+    tokio::sync::watch::Receiver<bool>,
+    Arc<std::sync::atomic::AtomicU8>,
+) {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let code = Arc::new(std::sync::atomic::AtomicU8::new(0));
+    let seen = code.clone();
+    let mut signals = crate::shutdown::Signals::install();
+    tokio::spawn(async move {
+        let first = signals.recv().await;
+        seen.store(first, std::sync::atomic::Ordering::SeqCst);
+        tracing::warn!(
+            "stopping: finishing the step in training, then writing a checkpoint (signal again to quit at once)"
+        );
+        let _ = tx.send(true);
+        let second = signals.recv().await;
+        std::process::exit(i32::from(second));
+    });
+    (rx, code)
+}
+
+/// The subcommands that take [`TrainArgs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainCommand {
+    /// The synchronous loop.
+    Train,
+    /// The fully asynchronous loop.
+    TrainAsync,
+    /// Supervised fine-tuning.
+    Sft,
+    /// Evaluation only.
+    Eval,
 }
 
 /// What every subcommand loads first.
@@ -225,24 +120,23 @@ struct Common {
     eos_ids: Vec<u32>,
 }
 
-fn common(a: &FlagValues) -> Result<Common, BoxError> {
-    let hf = PathBuf::from(a.required("--hf-checkpoint")?);
-    let out = PathBuf::from(a.required("--output-dir")?);
-    std::fs::create_dir_all(&out)?;
-    let spec: DeviceSpec = a.required("--device")?.parse()?;
-    let device = spec.init()?;
-    let precision = Precision::from_flags(a.switch("--bf16"), a.switch("--fp16"))?;
-    let rollout_device = match a.get("--rollout-device") {
-        Some(s) => s.parse::<DeviceSpec>()?.init()?,
+fn common(a: &TrainArgs) -> Result<Common, BoxError> {
+    let hf = hf_checkpoint(a)?;
+    let out = a.model.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| format!("--output-dir {}: {e}", out.display()))?;
+    let device = device(&a.model.device, "--device")?;
+    let precision = Precision::from_flags(a.model.bf16, a.model.fp16)?;
+    let rollout_device = match a.model.rollout_device.as_deref() {
+        Some(s) => device_of(s, "--rollout-device")?,
         None => device.clone(),
     };
     let kwargs: Map<String, Value> =
-        serde_json::from_str(a.required("--apply-chat-template-kwargs")?)
+        serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
             .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
     let encoder = Arc::new(
         ChatPromptEncoder::load(&hf)?
             .with_kwargs(kwargs)
-            .with_raw_text(!a.switch("--apply-chat-template")),
+            .with_raw_text(!a.data.apply_chat_template),
     );
     let mut eos_ids = miles_engine::read_eos_ids(&hf);
     if eos_ids.is_empty() {
@@ -256,32 +150,51 @@ fn common(a: &FlagValues) -> Result<Common, BoxError> {
         device,
         rollout_device,
         precision,
-        seed: a.parse_required("--seed")?,
+        seed: a.model.seed,
         encoder,
     })
 }
 
-fn dataset_keys(a: &FlagValues) -> Result<DatasetKeys, BoxError> {
-    Ok(DatasetKeys {
-        input_key: a.required("--input-key")?.to_owned(),
-        label_key: a.get("--label-key").map(str::to_owned),
-        metadata_key: a.required("--metadata-key")?.to_owned(),
-        tool_key: a.required("--tool-key")?.to_owned(),
-    })
+/// `--hf-checkpoint`: a directory, or a hub id found in the local Hugging Face cache.
+fn hf_checkpoint(a: &TrainArgs) -> Result<PathBuf, BoxError> {
+    let spec = a
+        .model
+        .hf_checkpoint
+        .as_deref()
+        .ok_or("--hf-checkpoint is required")?;
+    Ok(crate::hub::resolve(spec, "--hf-checkpoint")?)
+}
+
+fn device_of(spec: &str, flag: &str) -> Result<burn::tensor::Device, BoxError> {
+    let spec: DeviceSpec = spec.parse().map_err(|e| format!("{flag} {spec}: {e}"))?;
+    Ok(spec.init().map_err(|e| format!("{flag}: {e}"))?)
+}
+
+fn device(spec: &str, flag: &str) -> Result<burn::tensor::Device, BoxError> {
+    device_of(spec, flag)
+}
+
+fn dataset_keys(a: &TrainArgs) -> DatasetKeys {
+    DatasetKeys {
+        input_key: a.data.input_key.clone(),
+        label_key: a.data.label_key.clone(),
+        metadata_key: a.data.metadata_key.clone(),
+        tool_key: a.data.tool_key.clone(),
+    }
 }
 
 /// Reads a prompt file (JSONL or Parquet, with an optional `@[a:b]` row slice); with
 /// `--skip-bad-rows` prints how many rows were skipped and why the first were.
 fn load_prompts(
-    a: &FlagValues,
+    a: &TrainArgs,
     path: &str,
     keys: &DatasetKeys,
 ) -> Result<Vec<PromptRecord>, BoxError> {
     let source: PromptDataPath = path.parse()?;
     let options = DatasetOptions {
         keys: keys.clone(),
-        skip_bad_rows: a.switch("--skip-bad-rows"),
-        max_row_bytes: a.parse_required("--max-row-bytes")?,
+        skip_bad_rows: a.data.skip_bad_rows,
+        max_row_bytes: a.data.max_row_bytes,
     };
     let loaded = load_dataset(&source, &options)?;
     if loaded.skipped.count > 0 {
@@ -295,10 +208,12 @@ fn load_prompts(
 
 /// The reward of `--rm-type` / `--rm-url` (Miles' rm_hub, per-sample `metadata["rm_type"]`
 /// first), and with `--agent-cmd` the agent's own reward first.
-fn reward(a: &FlagValues, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
-    let rm_type = a.get("--rm-type");
+fn reward(a: &TrainArgs, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
+    let rm_type = a.reward.rm_type.as_deref();
     let remote = a
-        .get("--rm-url")
+        .reward
+        .rm_url
+        .as_deref()
         .map(|url| RemoteReward::new(url, std::time::Duration::from_secs(60)));
     let rule: Option<Arc<dyn RewardFn>> = match rm_type {
         Some("exact_match") => Some(Arc::new(BuiltinReward::ExactMatch)),
@@ -316,7 +231,7 @@ fn reward(a: &FlagValues, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
             Some(Arc::new(hub))
         }
     };
-    Ok(match (a.get("--agent-cmd"), rule) {
+    Ok(match (a.agent.agent_cmd.as_deref(), rule) {
         (Some(_), Some(rule)) => Arc::new(AgentReward::new().with_fallback(rule)),
         (Some(_), None) => Arc::new(AgentReward::new()),
         (None, Some(rule)) => rule,
@@ -331,75 +246,68 @@ fn reward(a: &FlagValues, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
 /// With `--agent-cmd`: a session server over `engine` on loopback (TITO family `--tito`) and
 /// the agent as the rollout's sample generator.
 async fn agent_generator(
-    a: &FlagValues,
+    a: &TrainArgs,
     c: &Common,
     engine: &Arc<dyn InferenceEngine>,
     use_r3: bool,
 ) -> Result<Option<Arc<AgentGenerator>>, BoxError> {
-    let Some(cmd) = a.get("--agent-cmd") else {
-        if a.switch("--generate-multi-samples") {
+    let Some(cmd) = a.agent.agent_cmd.as_deref() else {
+        if a.rollout.generate_multi_samples {
             return Err("--generate-multi-samples needs --agent-cmd (per-turn samples come from the session server)".into());
         }
         return Ok(None);
     };
     // Miles applies --apply-chat-template-kwargs to every render of the session server.
-    let kwargs: Map<String, Value> =
-        serde_json::from_str(a.required("--apply-chat-template-kwargs")?)
-            .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
+    let kwargs: Map<String, Value> = serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
+        .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
     let url = crate::wiring::spawn_session_server(
         engine.clone(),
         &c.hf,
-        a.required("--tito")?,
+        a.agent.tito.as_str(),
         use_r3,
         kwargs,
     )
     .await?;
     println!("session server on {url}; agent: {cmd}");
     let mut config = CommandAgentConfig::shell(cmd);
-    config.timeout = match a.parse_required::<f64>("--agent-timeout-s")? {
+    config.timeout = match a.agent.agent_timeout_s {
         t if t > 0.0 && t.is_finite() => Some(std::time::Duration::from_secs_f64(t)),
         _ => None,
     };
     let agent = Arc::new(CommandAgent::new(config)?);
     Ok(Some(Arc::new(AgentGenerator::new(
         agent,
-        AgentDriverConfig::new(url)
-            .with_generate_multi_samples(a.switch("--generate-multi-samples")),
+        AgentDriverConfig::new(url).with_generate_multi_samples(a.rollout.generate_multi_samples),
     ))))
 }
 
-fn sampling(a: &FlagValues, eos_ids: &[u32]) -> Result<SamplingParams, BoxError> {
+fn sampling(a: &TrainArgs, eos_ids: &[u32]) -> SamplingParams {
     let mut stop_token_ids = eos_ids.to_vec();
-    for id in a.all("--rollout-stop-token-ids") {
-        stop_token_ids.push(
-            id.parse()
-                .map_err(|e| format!("--rollout-stop-token-ids {id:?}: {e}"))?,
-        );
-    }
-    Ok(SamplingParams {
-        temperature: a.parse_required("--rollout-temperature")?,
-        top_p: a.parse_required("--rollout-top-p")?,
-        top_k: a.parse_required("--rollout-top-k")?,
-        stop: a.all("--rollout-stop").to_vec(),
+    stop_token_ids.extend(&a.rollout.rollout_stop_token_ids);
+    SamplingParams {
+        temperature: a.rollout.rollout_temperature,
+        top_p: a.rollout.rollout_top_p,
+        top_k: a.rollout.rollout_top_k,
+        stop: a.rollout.rollout_stop.clone(),
         stop_token_ids,
         ..SamplingParams::default()
-    })
+    }
 }
 
 /// The engines: the embedded one on `model`, or a router over `--engine-url` servers.
 fn engines(
-    a: &FlagValues,
+    a: &TrainArgs,
     c: &Common,
     num_layers: Option<usize>,
 ) -> Result<Arc<dyn InferenceEngine>, BoxError> {
-    let urls = a.all("--engine-url");
+    let urls = &a.rollout.engine_url;
     if urls.is_empty() {
         let model = CausalLm::from_pretrained(&c.hf, &c.rollout_device)?;
         return Ok(embedded_engine(
             model,
             &c.hf,
             c.eos_ids.clone(),
-            a.parse_required("--max-running-requests")?,
+            a.rollout.max_running_requests,
             c.seed,
             c.precision,
         )?);
@@ -411,8 +319,8 @@ fn engines(
     )?)
 }
 
-fn rollout_config(a: &FlagValues, c: &Common, use_r3: bool) -> Result<RolloutConfig, BoxError> {
-    let filters = match a.get("--dynamic-sampling-filter-path") {
+fn rollout_config(a: &TrainArgs, c: &Common, use_r3: bool) -> Result<RolloutConfig, BoxError> {
+    let filters = match a.rollout.dynamic_sampling_filter_path.as_deref() {
         None => Vec::new(),
         Some(path) => {
             let name = path.rsplit(['.', ':']).next().unwrap_or(path);
@@ -423,18 +331,19 @@ fn rollout_config(a: &FlagValues, c: &Common, use_r3: bool) -> Result<RolloutCon
         }
     };
     Ok(RolloutConfig {
-        n_samples_per_prompt: a.parse_required("--n-samples-per-prompt")?,
+        n_samples_per_prompt: a.rollout.n_samples_per_prompt,
         rollout_batch_size: a
-            .parse("--rollout-batch-size")?
+            .rollout
+            .rollout_batch_size
             .ok_or("--rollout-batch-size is required")?,
-        over_sampling_batch_size: a.parse("--over-sampling-batch-size")?,
-        sampling: sampling(a, &c.eos_ids)?,
-        rollout_max_response_len: a.parse_required("--rollout-max-response-len")?,
-        rollout_max_context_len: a.parse("--rollout-max-context-len")?,
-        rollout_seed: Some(a.parse_required("--rollout-seed")?),
+        over_sampling_batch_size: a.rollout.over_sampling_batch_size,
+        sampling: sampling(a, &c.eos_ids),
+        rollout_max_response_len: a.rollout.rollout_max_response_len,
+        rollout_max_context_len: a.rollout.rollout_max_context_len,
+        rollout_seed: Some(a.rollout.rollout_seed),
         dynamic_filters: filters,
-        reward_key: a.get("--reward-key").map(str::to_owned),
-        partial_rollout: a.switch("--partial-rollout"),
+        reward_key: a.reward.reward_key.as_deref().map(str::to_owned),
+        partial_rollout: a.rollout.partial_rollout,
         return_routed_experts: use_r3,
         ..RolloutConfig::default()
     })
@@ -442,43 +351,44 @@ fn rollout_config(a: &FlagValues, c: &Common, use_r3: bool) -> Result<RolloutCon
 
 /// The `--eval-prompt-data` sets, each with its own manager (evaluation sampling).
 fn eval_sets(
-    a: &FlagValues,
+    a: &TrainArgs,
     c: &Common,
     base: &RolloutConfig,
     engine: &Arc<dyn InferenceEngine>,
     reward: &Arc<dyn RewardFn>,
     generator: Option<&Arc<AgentGenerator>>,
 ) -> Result<Vec<EvalSet>, BoxError> {
-    let pairs = a.all("--eval-prompt-data");
+    let pairs = &a.eval.eval_prompt_data;
     if !pairs.len().is_multiple_of(2) {
         return Err("--eval-prompt-data takes NAME PATH pairs".into());
     }
-    let mut keys = dataset_keys(a)?;
-    if let Some(k) = a.get("--eval-input-key") {
+    let mut keys = dataset_keys(a);
+    if let Some(k) = a.eval.eval_input_key.as_deref() {
         keys.input_key = k.to_owned();
     }
-    if let Some(k) = a.get("--eval-label-key") {
+    if let Some(k) = a.eval.eval_label_key.as_deref() {
         keys.label_key = Some(k.to_owned());
     }
-    if let Some(k) = a.get("--eval-tool-key") {
+    if let Some(k) = a.eval.eval_tool_key.as_deref() {
         keys.tool_key = k.to_owned();
     }
     let mut sampling = base.sampling.clone();
-    if let Some(t) = a.parse("--eval-temperature")? {
+    if let Some(t) = a.eval.eval_temperature {
         sampling.temperature = t;
     }
-    if let Some(p) = a.parse("--eval-top-p")? {
+    if let Some(p) = a.eval.eval_top_p {
         sampling.top_p = p;
     }
-    if let Some(k) = a.parse("--eval-top-k")? {
+    if let Some(k) = a.eval.eval_top_k {
         sampling.top_k = k;
     }
     let mut manager = RolloutManager::new(
         RolloutConfig {
-            n_samples_per_prompt: a.parse_required("--n-samples-per-eval-prompt")?,
+            n_samples_per_prompt: a.eval.n_samples_per_eval_prompt,
             sampling,
             rollout_max_response_len: a
-                .parse("--eval-max-response-len")?
+                .eval
+                .eval_max_response_len
                 .unwrap_or(base.rollout_max_response_len),
             rollout_seed: Some(c.seed ^ 0xE7A1),
             return_routed_experts: false,
@@ -507,62 +417,74 @@ fn eval_sets(
         .collect()
 }
 
-fn train_config(
-    a: &FlagValues,
-    n: usize,
-    use_r3: bool,
-    seed: u64,
-) -> Result<TrainConfig, BoxError> {
+fn train_config(a: &TrainArgs, n: usize, use_r3: bool, seed: u64) -> Result<TrainConfig, BoxError> {
     let estimator: AdvantageEstimator = a
-        .required("--advantage-estimator")?
+        .train
+        .advantage_estimator
         .parse()
         .map_err(|e| format!("--advantage-estimator: {e}"))?;
     let mut lr_schedule = LrSchedule {
-        lr: a.parse_required("--lr")?,
-        min_lr: a.parse_required("--min-lr")?,
-        lr_warmup_iters: a.parse_required("--lr-warmup-iters")?,
-        lr_decay_iters: a.parse("--lr-decay-iters")?,
+        lr: a.train.lr,
+        min_lr: a.train.min_lr,
+        lr_warmup_iters: a.train.lr_warmup_iters,
+        lr_decay_iters: a.train.lr_decay_iters,
         ..LrSchedule::default()
     };
-    let style = a.required("--lr-decay-style")?;
+    let style = a.train.lr_decay_style.as_str();
     lr_schedule.lr_decay_style = serde_json::from_value(json!(style))
         .map_err(|_| format!("--lr-decay-style {style:?}: expected constant, linear or cosine"))?;
     let mut config = TrainConfig {
         lr_schedule,
-        clip_grad: a.parse_required("--clip-grad")?,
-        global_batch_size: a.parse("--global-batch-size")?,
-        num_steps_per_rollout: a.parse("--num-steps-per-rollout")?,
-        micro_batch_size: a.parse_required("--micro-batch-size")?,
-        layout: a.parse_required::<BatchLayout>("--batch-layout")?,
+        clip_grad: a.train.clip_grad,
+        global_batch_size: a.train.global_batch_size,
+        num_steps_per_rollout: a.train.num_steps_per_rollout,
+        micro_batch_size: a.train.micro_batch_size,
+        layout: a
+            .train
+            .batch_layout
+            .parse::<BatchLayout>()
+            .map_err(|e| format!("--batch-layout: {e}"))?,
         advantage: AdvantageConfig {
             advantage_estimator: estimator,
+            kl_coef: a.train.kl_coef,
             ..AdvantageConfig::default()
         }
         .with_n_samples_per_prompt(n),
-        reward_key: a.get("--reward-key").map(str::to_owned),
+        reward_key: a.reward.reward_key.as_deref().map(str::to_owned),
         use_routing_replay: use_r3,
-        lora_rank: a.parse_required("--lora-rank")?,
-        lora_alpha: a.parse_required("--lora-alpha")?,
-        target_modules: a.get("--target-modules").map(str::to_owned),
+        lora_rank: a.lora.lora_rank,
+        lora_alpha: a.lora.lora_alpha,
+        target_modules: a.lora.target_modules.as_deref().map(str::to_owned),
         seed,
         ..TrainConfig::default()
     };
-    if let Some(wd) = a.parse("--weight-decay")? {
-        config.optimizer.weight_decay = wd;
+    if a.train.optimizer != "adam" {
+        return Err(format!(
+            "--optimizer {}: only adam (AdamW) is built in",
+            a.train.optimizer
+        )
+        .into());
     }
+    config.optimizer.weight_decay = a.train.weight_decay;
+    config.optimizer.adam_beta1 = a.train.adam_beta1;
+    config.optimizer.adam_beta2 = a.train.adam_beta2;
+    config.optimizer.adam_eps = a.train.adam_eps;
+    config.use_dynamic_batch_size = a.train.use_dynamic_batch_size;
+    config.max_tokens_per_gpu = a.train.max_tokens_per_gpu;
     let p = &mut config.policy_loss;
     p.advantage_estimator = estimator;
-    p.eps_clip = a.parse_required("--eps-clip")?;
-    p.eps_clip_high = a.parse("--eps-clip-high")?;
-    p.use_kl_loss = a.switch("--use-kl-loss");
-    p.kl_loss_coef = a.parse_required("--kl-loss-coef")?;
+    p.eps_clip = a.train.eps_clip;
+    p.eps_clip_high = a.train.eps_clip_high;
+    p.use_kl_loss = a.train.use_kl_loss;
+    p.kl_loss_coef = a.train.kl_loss_coef;
     p.kl_loss_type = a
-        .required("--kl-loss-type")?
+        .train
+        .kl_loss_type
         .parse()
         .map_err(|e| format!("--kl-loss-type: {e}"))?;
-    p.entropy_coef = a.parse_required("--entropy-coef")?;
-    p.use_tis = a.switch("--use-tis");
-    p.tis_clip = a.parse_required("--tis-clip")?;
+    p.entropy_coef = a.train.entropy_coef;
+    p.use_tis = a.train.use_tis;
+    p.tis_clip = a.train.tis_clip;
     config.validate()?;
     Ok(config)
 }
@@ -578,7 +500,7 @@ type Sinks = (
 /// TensorBoard and Prometheus when asked. Returns the sink, the progress bar and the metrics
 /// server (kept alive by the caller).
 fn sinks(
-    a: &FlagValues,
+    a: &TrainArgs,
     out: &Path,
     resume: bool,
     num_rollout: u64,
@@ -597,15 +519,15 @@ fn sinks(
         Arc::new(CurvesOnEval::new(out, eval_key)),
         progress.clone(),
     ];
-    if a.switch("--use-tensorboard") {
+    if a.metrics.use_tensorboard {
         list.push(Arc::new(crate::wiring::tensorboard_sink(
-            a.get("--tensorboard-dir"),
+            a.metrics.tensorboard_dir.as_deref(),
             out,
         )?));
     }
-    let port: Option<u16> = match a.parse("--metrics-port")? {
+    let port: Option<u16> = match a.metrics.metrics_port {
         Some(p) => Some(p),
-        None if a.switch("--use-prometheus") => Some(a.parse_required("--prometheus-port")?),
+        None if a.metrics.use_prometheus => Some(a.metrics.prometheus_port),
         None => None,
     };
     let server = match port {
@@ -638,12 +560,19 @@ fn sinks(
     ))
 }
 
-async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
+async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     let started = Instant::now();
     let c = common(a)?;
-    let keys = dataset_keys(a)?;
-    let prompts = load_prompts(a, a.required("--prompt-data")?, &keys)?;
-    let use_r3 = a.switch("--use-rollout-routing-replay");
+    let keys = dataset_keys(a);
+    let prompts = load_prompts(
+        a,
+        a.data
+            .prompt_data
+            .as_deref()
+            .ok_or("--prompt-data is required")?,
+        &keys,
+    )?;
+    let use_r3 = a.train.use_rollout_routing_replay;
     let model = CausalLm::from_pretrained(&c.hf, &c.device.clone().autodiff())?;
     if use_r3 && !model.config.has_moe() {
         return Err("--use-rollout-routing-replay needs an MoE model".into());
@@ -660,10 +589,7 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
     let generator = agent_generator(a, &c, &engine, use_r3).await?;
     let rollout = rollout_config(a, &c, use_r3)?;
     let n = rollout.n_samples_per_prompt;
-    let num_rollout: u64 = match (
-        a.parse::<u64>("--num-rollout")?,
-        a.parse::<u64>("--num-epoch")?,
-    ) {
+    let num_rollout: u64 = match (a.rollout.num_rollout, a.data.num_epoch) {
         (Some(n), _) => n,
         (None, Some(epochs)) => {
             (epochs * prompts.len() as u64 / rollout.rollout_batch_size as u64).max(1)
@@ -687,11 +613,12 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
     let mut config = train_config(a, n, use_r3, c.seed)?;
     config.precision = c.precision;
     let mut actor = Actor::new(model, config)?;
-    if let Some(dir) = a.get("--ref-load") {
-        actor = actor.with_reference(CausalLm::from_pretrained(dir, &c.device)?)?;
+    if let Some(dir) = a.model.ref_load.as_deref() {
+        let dir = crate::hub::resolve(dir, "--ref-load")?;
+        actor = actor.with_reference(CausalLm::from_pretrained(&dir, &c.device)?)?;
     }
     let mut boxed: Box<dyn PolicyTrainer> = Box::new(actor);
-    if let Some(template) = a.get("--save-debug-rollout-data") {
+    if let Some(template) = a.rollout.save_debug_rollout_data.as_deref() {
         boxed = Box::new(DebugRolloutDump {
             inner: boxed,
             template: template.to_owned(),
@@ -700,10 +627,11 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
     let trainer: SharedTrainer = Arc::new(Mutex::new(boxed));
 
     let save = a
-        .get("--save")
-        .map(PathBuf::from)
+        .model
+        .save
+        .clone()
         .unwrap_or_else(|| c.out.join("checkpoints"));
-    let resume = match a.get("--load") {
+    let resume = match a.model.load.as_deref() {
         None => false,
         Some(load)
             if Path::new(load) == save
@@ -712,7 +640,7 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         {
             true
         }
-        Some(load) if a.get("--save").is_none() => {
+        Some(load) if a.model.save.as_deref().is_none() => {
             return Err(format!(
                 "--load {load}: give --save {load} too (checkpoints continue where they are read)"
             )
@@ -735,16 +663,18 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         sinks(a, &c.out, resume, num_rollout, &eval_key, capacity)?;
     let loop_config = LoopConfig {
         num_rollout,
-        update_weights_interval: a.parse_required("--update-weights-interval")?,
-        max_weight_staleness: a.parse("--max-weight-staleness")?,
-        save_interval: a.parse("--save-interval")?,
+        update_weights_interval: a.rollout.update_weights_interval,
+        max_weight_staleness: a.rollout.max_weight_staleness,
+        save_interval: a.model.save_interval,
         save: Some(save.clone()),
-        keep_checkpoints: a.parse("--keep-checkpoints")?,
+        keep_checkpoints: a.model.keep_checkpoints,
         ..defaults
     };
-    let eval_interval: Option<u64> = a.parse("--eval-interval")?;
-    let data = DataSource::new(prompts, n, a.switch("--rollout-shuffle"), c.seed)?;
-    let mut rl = RlLoop::new(loop_config, manager, trainer.clone(), sink.clone(), data)?;
+    let eval_interval: Option<u64> = a.eval.eval_interval;
+    let data = DataSource::new(prompts, n, a.data.rollout_shuffle, c.seed)?;
+    let (stop, signal) = stop_on_signal();
+    let mut rl =
+        RlLoop::new(loop_config, manager, trainer.clone(), sink.clone(), data)?.with_stop(stop);
     if !evals.is_empty() {
         rl = rl.with_eval(evals, eval_interval.unwrap_or(num_rollout.max(1)));
     }
@@ -756,7 +686,7 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         }
         println!("resumed at step {step} from {}", save.display());
         summary["resumed_at"] = json!(step);
-    } else if eval_interval.is_some() && !a.switch("--skip-eval-before-train") {
+    } else if eval_interval.is_some() && !a.eval.skip_eval_before_train {
         let before = rl.evaluate().await?;
         sink.log(0, &before)?;
         summary["eval_before"] = json!(before);
@@ -775,6 +705,32 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
     progress.finish();
     sink.flush()?;
     summary["train_seconds"] = json!(t.elapsed().as_secs_f64());
+    if rl.stopped() {
+        // A user's SIGINT / SIGTERM: the loop wrote its checkpoint; no final evaluation or
+        // export, so the stop stays prompt.
+        let code = signal.load(std::sync::atomic::Ordering::SeqCst);
+        summary["stopped_at"] = json!(rl.next_rollout_id());
+        summary["stopped_by_signal"] = json!(code);
+        summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
+        std::fs::write(
+            c.out.join("summary.json"),
+            serde_json::to_string_pretty(&summary)?,
+        )?;
+        if let Some(server) = metrics_server {
+            server.stop()?;
+        }
+        tracing::info!(
+            step = rl.next_rollout_id(),
+            checkpoints = %save.display(),
+            "stopped by a signal; resume with --load {} --save {}",
+            save.display(),
+            save.display()
+        );
+        return Ok(Outcome {
+            summary,
+            stopped_by: Some(code),
+        });
+    }
     let after = rl.evaluate().await?;
     if !after.is_empty() {
         sink.log(num_rollout, &after)?;
@@ -787,8 +743,9 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         (guard.export_weights()?, guard.weight_version())
     };
     let final_dir = a
-        .get("--save-hf")
-        .map(PathBuf::from)
+        .model
+        .save_hf
+        .clone()
         .unwrap_or_else(|| c.out.join("final"));
     save_hf_checkpoint(&weights, &c.hf, &final_dir)?;
     let mut plot = crate::plot::PlotSpec::reward_kl_entropy();
@@ -815,10 +772,10 @@ async fn train(a: &FlagValues, asynchronous: bool) -> Result<Value, BoxError> {
         c.out.display(),
         final_dir.display()
     );
-    Ok(summary)
+    Ok(Outcome::finished(summary))
 }
 
-async fn eval(a: &FlagValues) -> Result<Value, BoxError> {
+async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
     let c = common(a)?;
     let reward = reward(a, c.seed)?;
     let engine = engines(a, &c, None)?;
@@ -849,39 +806,45 @@ async fn eval(a: &FlagValues) -> Result<Value, BoxError> {
 }
 
 /// The rollout settings evaluation inherits (no `--rollout-batch-size` needed).
-fn rollout_config_for_eval(a: &FlagValues, c: &Common) -> Result<RolloutConfig, BoxError> {
+fn rollout_config_for_eval(a: &TrainArgs, c: &Common) -> Result<RolloutConfig, BoxError> {
     Ok(RolloutConfig {
-        reward_key: a.get("--reward-key").map(str::to_owned),
-        sampling: sampling(a, &c.eos_ids)?,
-        rollout_max_response_len: a.parse_required("--rollout-max-response-len")?,
-        rollout_max_context_len: a.parse("--rollout-max-context-len")?,
-        rollout_seed: Some(a.parse_required("--rollout-seed")?),
+        reward_key: a.reward.reward_key.as_deref().map(str::to_owned),
+        sampling: sampling(a, &c.eos_ids),
+        rollout_max_response_len: a.rollout.rollout_max_response_len,
+        rollout_max_context_len: a.rollout.rollout_max_context_len,
+        rollout_seed: Some(a.rollout.rollout_seed),
         ..RolloutConfig::default()
     })
 }
 
-fn sft(a: &FlagValues) -> Result<Value, BoxError> {
-    if Precision::from_flags(a.switch("--bf16"), a.switch("--fp16"))?.is_half() {
+fn sft(a: &TrainArgs) -> Result<Value, BoxError> {
+    if Precision::from_flags(a.model.bf16, a.model.fp16)?.is_half() {
         return Err("sft trains in f32 only: drop --bf16 / --fp16".into());
     }
-    let hf = PathBuf::from(a.required("--hf-checkpoint")?);
-    let out = PathBuf::from(a.required("--output-dir")?);
-    std::fs::create_dir_all(&out)?;
-    let data = PathBuf::from(a.required("--prompt-data")?);
+    let hf = hf_checkpoint(a)?;
+    let out = a.model.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|e| format!("--output-dir {}: {e}", out.display()))?;
+    let data = PathBuf::from(
+        a.data
+            .prompt_data
+            .as_deref()
+            .ok_or("--prompt-data is required")?,
+    );
     let mut options = crate::sft::SftOptions::new(&hf, &data);
     options.family =
-        miles_tito::TitoFamily::parse(a.required("--tito")?).map_err(|e| format!("--tito: {e}"))?;
-    options.kwargs = serde_json::from_str(a.required("--apply-chat-template-kwargs")?)
+        miles_tito::TitoFamily::parse(a.agent.tito.as_str()).map_err(|e| format!("--tito: {e}"))?;
+    options.kwargs = serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
         .map_err(|e| format!("--apply-chat-template-kwargs: {e}"))?;
-    options.epochs = a.parse("--num-epoch")?.unwrap_or(1);
-    options.global_batch_size = a.parse("--global-batch-size")?.unwrap_or(8);
-    options.lr = a.parse_required("--lr")?;
-    options.clip_grad = a.parse_required("--clip-grad")?;
-    options.seed = a.parse_required("--seed")?;
-    let save = a
-        .get("--save-hf")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| out.join("final"));
+    options.epochs = a
+        .data
+        .num_epoch
+        .map_or(Ok(1), usize::try_from)
+        .map_err(|_| "--num-epoch is too large")?;
+    options.global_batch_size = a.train.global_batch_size.unwrap_or(8);
+    options.lr = a.train.lr;
+    options.clip_grad = a.train.clip_grad;
+    options.seed = a.model.seed;
+    let save = a.model.save_hf.clone().unwrap_or_else(|| out.join("final"));
     options.save = Some(save.clone());
     options.metrics = Some(out.join("metrics.jsonl"));
     let report = crate::sft::run_sft(&options, |step, metrics| {

@@ -1,4 +1,4 @@
-//! Session-server load benchmark (issue 4, point 6): the `miles-session` binary in its own
+//! Session-server load benchmark (issue 4, point 6): `miles session` in its own
 //! process, serving the real Qwen3 tokenizer with the `qwen3` TITO family in front of the
 //! [`miles_session::testkit::InstantEngine`] (pre-tokenized replies, no engine cost), driven
 //! over loopback by the closed-loop load generator of [`miles_session::loadgen`] running in
@@ -75,12 +75,13 @@ fn drive(
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --benches` runs this too: keep that short.
     let quick = !std::env::args().any(|a| a == "--bench");
-    let binary = Path::new(env!("CARGO_BIN_EXE_miles-session"));
+    let binary = Path::new(env!("CARGO_BIN_EXE_miles"));
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
     let model = model.to_string_lossy();
     let server = ServerProcess::spawn(
         binary,
         &[
+            "session",
             "--engine-url",
             "instant",
             "--model",
@@ -91,7 +92,7 @@ fn main() {
             "0",
         ],
     )
-    .expect("start the miles-session binary");
+    .expect("start miles session");
     let pid = server.pid();
     std::thread::sleep(Duration::from_millis(200));
     let rss_start = rss_kib(pid);

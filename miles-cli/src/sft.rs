@@ -27,7 +27,7 @@ use miles_tito::{HfChat, TitoFamily, TitoTokenizer};
 use miles_train::{Actor, BatchLayout, LossType, LrDecayStyle, LrSchedule, TrainConfig};
 use serde_json::{Map, Value};
 
-use crate::Error;
+use crate::error::Error;
 
 /// One conversation of an SFT file.
 #[derive(Debug, Clone, PartialEq)]
@@ -323,7 +323,8 @@ mod tests {
     use super::*;
 
     fn qwen3() -> TitoTokenizer {
-        let dir = crate::fixture_path("tokenizers/qwen3").unwrap();
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
         let chat = HfChat::load(dir).unwrap();
         TitoTokenizer::new(&chat, TitoFamily::Qwen3, Map::new()).unwrap()
     }

@@ -1,4 +1,4 @@
-//! Killing a `miles-engine serve` process under load loses no request silently: the router
+//! Killing a `miles serve` process under load loses no request silently: the router
 //! (over miles-session's SGLang client) re-runs every request the dead server held on the
 //! other one, or reports it ABORTED; the dead server leaves the rotation and is re-admitted
 //! once it is restarted.
@@ -32,14 +32,14 @@ impl Drop for Server {
     }
 }
 
-/// Starts `miles-engine serve` on `port` (0: any) and waits for its `listening on` line.
+/// Starts `miles serve` on `port` (0: any) and waits for its `listening on` line.
 fn start(port: u16) -> Server {
     start_with(port, &[]).unwrap_or_else(|line| panic!("unexpected first line {line:?}"))
 }
 
 /// [`start`] with extra flags; `Err(first line)` when the server did not come up.
 fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_miles-engine"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_miles"))
         .args(["serve", "--model"])
         .arg(model_dir())
         .args(["--port", &port.to_string()])
@@ -47,7 +47,7 @@ fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .expect("start miles-engine serve");
+        .expect("start miles serve");
     let stdout = child.stdout.take().expect("piped stdout");
     let mut line = String::new();
     BufReader::new(stdout)
@@ -66,7 +66,7 @@ fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
     }
 }
 
-/// `miles-engine serve --device wgpu-cpu` (burn's wgpu runtime on the CPU adapter) answers
+/// `miles serve --device wgpu-cpu` (burn's wgpu runtime on the CPU adapter) answers
 /// greedy requests with the tokens `--device flex` gives, and log-probs equal to float
 /// rounding. Needs a Vulkan adapter (lavapipe in CI, where `MILES_REQUIRE_KERNEL_TESTS=1`
 /// makes its absence a failure).

@@ -7,7 +7,7 @@
 //! `train/train_rollout_kl`) and entropy (`train/entropy_loss`).
 //!
 //! ```
-//! use miles_examples::plot::{PlotSpec, read_metrics, render_svg};
+//! use miles_cli::plot::{PlotSpec, read_metrics, render_svg};
 //!
 //! let jsonl = "{\"step\":1,\"rollout/raw_reward\":0.1,\"train/ppo_kl\":0.0}\n\
 //!              {\"step\":2,\"rollout/raw_reward\":0.4,\"train/ppo_kl\":null}\n";
@@ -16,7 +16,7 @@
 //! assert_eq!(metrics.series("train/ppo_kl"), [(1.0, 0.0)]); // null is skipped
 //! let svg = render_svg(&metrics, &PlotSpec::reward_kl_entropy())?;
 //! assert!(svg.starts_with("<svg") && svg.contains("reward"));
-//! # Ok::<(), miles_examples::Error>(())
+//! # Ok::<(), miles_cli::Error>(())
 //! ```
 
 use std::collections::BTreeMap;
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 use serde_json::Value;
 
-use crate::Error;
+use crate::error::Error;
 
 /// Every metric of a run: name → `(step, value)` points in file order.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -37,14 +37,15 @@ impl MetricsSink for CurvesOnEval {
         if metrics.keys().any(|k| k.starts_with("eval/"))
             && let Err(error) = crate::plot::plot_metrics_file(&self.jsonl, &self.svg, &self.spec)
         {
-            eprintln!("curves.svg not updated: {error}");
+            tracing::warn!(%error, "curves.svg not updated");
         }
         Ok(())
     }
 }
 
 /// A progress bar over training steps in an interactive terminal, plain lines otherwise. Each
-/// step shows the rollout reward, the held-out reward when evaluated, and the step times.
+/// step shows the rollout reward, the held-out reward when evaluated, and the step times. Log
+/// lines of [`crate::logging`] suspend the bar while they are written.
 pub struct ProgressSink {
     bar: Option<ProgressBar>,
     total: u64,
@@ -64,6 +65,8 @@ impl ProgressSink {
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
                 .progress_chars("=> "),
             );
+            // Log lines are written with the bar suspended (miles-cli's subscriber).
+            crate::logging::set_progress_bar(bar.clone());
             bar
         });
         Self {
@@ -78,6 +81,7 @@ impl ProgressSink {
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {
             bar.finish();
+            crate::logging::clear_progress_bar();
         }
     }
 }
@@ -197,15 +201,15 @@ pub fn save_hf_checkpoint(
     weights: &NamedTensors,
     model_dir: &Path,
     dir: &Path,
-) -> Result<(), crate::Error> {
-    std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
+) -> Result<(), crate::error::Error> {
+    std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
     let file = dir.join("model.safetensors");
     std::fs::write(&file, weights.to_safetensors_bytes())
-        .map_err(|e| crate::Error::io(&file, e))?;
+        .map_err(|e| crate::error::Error::io(&file, e))?;
     for name in crate::sft::TOKENIZER_FILES {
         let from = model_dir.join(name);
         if from.exists() {
-            std::fs::copy(&from, dir.join(name)).map_err(|e| crate::Error::io(&from, e))?;
+            std::fs::copy(&from, dir.join(name)).map_err(|e| crate::error::Error::io(&from, e))?;
         }
     }
     Ok(())
@@ -222,7 +226,7 @@ pub fn embedded_engine(
     max_running_requests: usize,
     seed: u64,
     precision: miles_bridge::Precision,
-) -> Result<Arc<dyn miles_core::InferenceEngine>, crate::Error> {
+) -> Result<Arc<dyn miles_core::InferenceEngine>, crate::error::Error> {
     let config = miles_engine::EngineConfig {
         max_running_requests,
         eos_token_ids,
@@ -239,10 +243,10 @@ pub fn embedded_engine_with(
     model: miles_bridge::CausalLm,
     model_dir: &Path,
     config: miles_engine::EngineConfig,
-) -> Result<Arc<miles_engine::EmbeddedEngine>, crate::Error> {
+) -> Result<Arc<miles_engine::EmbeddedEngine>, crate::error::Error> {
     let path = model_dir.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&path)
-        .map_err(|e| crate::Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        .map_err(|e| crate::error::Error::Tokenizer(format!("{}: {e}", path.display())))?;
     let engine = miles_engine::EmbeddedEngine::builder(model)
         .config(config)
         .scorer(Arc::new(miles_engine::TrainerScorer::default()))
@@ -272,7 +276,7 @@ pub fn write_final_outputs(
     model_dir: &Path,
     out: &Path,
     eval_key: &str,
-) -> Result<u64, crate::Error> {
+) -> Result<u64, crate::error::Error> {
     let (weights, version) = {
         let guard = trainer
             .lock()

@@ -1,4 +1,4 @@
-//! Bounded loopback load test of the `miles-session` binary (issue 4, point 6): the server runs
+//! Bounded loopback load test of `miles session` (issue 4, point 6): the server runs
 //! in its own process with the real Qwen3 tokenizer (`qwen3` family) and the instant engine,
 //! this test drives 1,000 sessions of 8 tool-calling turns each through it (64 at a time,
 //! every session created, driven and deleted) and checks that every turn succeeded, that no
@@ -13,11 +13,12 @@ use miles_session::http::HttpClient;
 use miles_session::loadgen::{LoadConfig, ServerProcess, rss_kib, run};
 
 fn server() -> ServerProcess {
-    let binary = Path::new(env!("CARGO_BIN_EXE_miles-session"));
+    let binary = Path::new(env!("CARGO_BIN_EXE_miles"));
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/qwen3");
     ServerProcess::spawn(
         binary,
         &[
+            "session",
             "--engine-url",
             "instant",
             "--model",
@@ -28,7 +29,7 @@ fn server() -> ServerProcess {
             "0",
         ],
     )
-    .expect("start the miles-session binary")
+    .expect("start miles session")
 }
 
 fn open_sessions(rt: &tokio::runtime::Runtime, url: &str) -> u64 {

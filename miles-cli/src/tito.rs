@@ -1,20 +1,21 @@
-//! `miles-tito`: render chat templates, replay TITO sessions and verify templates from the
-//! command line.
+//! `miles tito`: render chat templates, replay TITO sessions, verify templates and check a
+//! model directory from the command line.
 //!
 //! ```text
-//! miles-tito render --model DIR [--template FILE] [--tito FAMILY] --messages FILE [--tools FILE] [--kwargs JSON] [--add-generation-prompt]
-//! miles-tito incremental --model DIR --tito FAMILY --messages FILE [--tools FILE] [--kwargs JSON]
-//! miles-tito verify --model DIR [--template FILE] [--tito FAMILY] [--thinking on|off|both] [--kwargs JSON] [--trajectories FILE]
+//! miles tito render --model DIR [--template FILE] [--tito FAMILY] --messages FILE [--tools FILE] [--kwargs JSON] [--add-generation-prompt]
+//! miles tito incremental --model DIR --tito FAMILY --messages FILE [--tools FILE] [--kwargs JSON]
+//! miles tito verify --model DIR [--template FILE] [--tito FAMILY] [--thinking on|off|both] [--kwargs JSON] [--trajectories FILE]
+//! miles tito check --model DIR [--tito FAMILY] [--template FILE] [--thinking on|off|both] [--kwargs JSON]
 //! ```
 //!
 //! For a DeepSeek checkpoint (`config.json` `model_type` `deepseek_v32` / `deepseek_v4`) or
 //! `--tito deepseekv32|deepseekv4`, `render` uses the DeepSeek encoder through Miles' bridge
 //! (messages as sent, so `developer` and V4's `latest_reminder` / `task` work too).
 //!
-//! Exit codes: 0 success (verify: all cases pass), 1 verify found failures, 2 bad arguments,
-//! unreadable files or any other error (one line on stderr).
+//! Exit codes: 0 success (verify / check: all cases pass), 1 verify / check found failures,
+//! 2 bad arguments, unreadable files or any other error (one line on stderr).
 
-use std::collections::BTreeMap;
+use std::path::Path;
 use std::process::ExitCode;
 
 use miles_core::Message;
@@ -24,86 +25,42 @@ use miles_tito::{
 };
 use serde_json::{Map, Value as Json, json};
 
-const USAGE: &str = "usage:
-  miles-tito render --model DIR [--template FILE] [--tito FAMILY] --messages FILE [--tools FILE] [--kwargs JSON] [--add-generation-prompt]
-  miles-tito incremental --model DIR --tito FAMILY --messages FILE [--tools FILE] [--kwargs JSON]
-  miles-tito verify --model DIR [--template FILE] [--tito FAMILY] [--thinking on|off|both] [--kwargs JSON] [--trajectories FILE]";
+use crate::args::{TitoCommand, TitoModel};
+use crate::template_check::{CheckOptions, check_model_dir};
 
-const DEFAULT_TRAJECTORIES: &str =
-    include_str!("../../data/verify_chat_template_trajectories.json");
-
-struct Args {
-    command: String,
-    values: BTreeMap<String, String>,
-    flags: Vec<String>,
+/// What the `tito` subcommands read, whichever they are.
+struct Args<'a> {
+    command: &'static str,
+    model: &'a TitoModel,
+    tito: Option<&'a str>,
+    messages: Option<&'a Path>,
+    tools: Option<&'a Path>,
+    thinking: Option<&'a str>,
+    trajectories: Option<&'a Path>,
+    add_generation_prompt: bool,
 }
 
-fn parse_args(argv: &[String]) -> Result<Args, String> {
-    let Some((command, rest)) = argv.split_first() else {
-        return Err("missing command".into());
-    };
-    let (value_opts, flag_opts): (&[&str], &[&str]) = match command.as_str() {
-        "render" => (
-            &[
-                "--model",
-                "--template",
-                "--tito",
-                "--messages",
-                "--tools",
-                "--kwargs",
-            ],
-            &["--add-generation-prompt"],
-        ),
-        "incremental" => (
-            &["--model", "--tito", "--messages", "--tools", "--kwargs"],
-            &[],
-        ),
-        "verify" => (
-            &[
-                "--model",
-                "--template",
-                "--tito",
-                "--thinking",
-                "--kwargs",
-                "--trajectories",
-            ],
-            &[],
-        ),
-        "-h" | "--help" | "help" => return Err(String::new()),
-        other => return Err(format!("unknown command {other:?}")),
-    };
-    let mut values = BTreeMap::new();
-    let mut flags = Vec::new();
-    let mut iter = rest.iter();
-    while let Some(arg) = iter.next() {
-        if flag_opts.contains(&arg.as_str()) {
-            flags.push(arg.clone());
-        } else if value_opts.contains(&arg.as_str()) {
-            let Some(value) = iter.next() else {
-                return Err(format!("{arg} needs a value"));
-            };
-            if values.insert(arg.clone(), value.clone()).is_some() {
-                return Err(format!("{arg} given twice"));
-            }
-        } else {
-            return Err(format!("unknown argument {arg:?} for {command}"));
-        }
-    }
-    Ok(Args {
-        command: command.clone(),
-        values,
-        flags,
-    })
-}
-
-impl Args {
+impl Args<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        self.values.get(key).map(String::as_str)
+        fn path(p: Option<&Path>) -> Option<&str> {
+            p.and_then(Path::to_str)
+        }
+        match key {
+            "--model" => self.model.model.to_str(),
+            "--template" => path(self.model.template.as_deref()),
+            "--kwargs" => self.model.kwargs.as_deref(),
+            "--tito" => self.tito,
+            "--messages" => path(self.messages),
+            "--tools" => path(self.tools),
+            "--thinking" => self.thinking,
+            "--trajectories" => path(self.trajectories),
+            _ => None,
+        }
     }
 
     fn require(&self, key: &str) -> Result<&str, String> {
         self.get(key)
-            .ok_or_else(|| format!("{} needs {key}", self.command))
+            .ok_or_else(|| format!("{} needs {key} (a UTF-8 path)", self.command))
     }
 }
 
@@ -119,7 +76,7 @@ fn read_json_array(path: &str, what: &str) -> Result<Vec<Json>, String> {
     }
 }
 
-fn kwargs(args: &Args) -> Result<Map<String, Json>, String> {
+fn kwargs(args: &Args<'_>) -> Result<Map<String, Json>, String> {
     match args.get("--kwargs") {
         None => Ok(Map::new()),
         Some(text) => match serde_json::from_str::<Json>(text) {
@@ -140,7 +97,7 @@ fn typed_messages(values: &[Json]) -> Result<Vec<Message>, String> {
         .collect()
 }
 
-fn load(args: &Args) -> Result<HfChat, String> {
+fn load(args: &Args<'_>) -> Result<HfChat, String> {
     let chat = HfChat::load(args.require("--model")?).map_err(|e| e.to_string())?;
     match args.get("--template") {
         Some(path) => chat
@@ -150,13 +107,13 @@ fn load(args: &Args) -> Result<HfChat, String> {
     }
 }
 
-fn family(args: &Args) -> Result<Option<TitoFamily>, String> {
+fn family(args: &Args<'_>) -> Result<Option<TitoFamily>, String> {
     args.get("--tito")
         .map(|name| TitoFamily::parse(name).map_err(|e| e.to_string()))
         .transpose()
 }
 
-fn tito(args: &Args, chat: &HfChat, family: TitoFamily) -> Result<TitoTokenizer, String> {
+fn tito(args: &Args<'_>, chat: &HfChat, family: TitoFamily) -> Result<TitoTokenizer, String> {
     let kwargs = kwargs(args)?;
     let result = if args.get("--template").is_some() {
         let template = chat.template(false).map_err(|e| e.to_string())?.clone();
@@ -167,14 +124,14 @@ fn tito(args: &Args, chat: &HfChat, family: TitoFamily) -> Result<TitoTokenizer,
     result.map_err(|e| e.to_string())
 }
 
-fn cmd_render(args: &Args) -> Result<ExitCode, String> {
+fn cmd_render(args: &Args<'_>) -> Result<ExitCode, String> {
     let chat = load(args)?;
     let messages = read_json_array(args.require("--messages")?, "messages")?;
     let tools = args
         .get("--tools")
         .map(|p| read_json_array(p, "tools"))
         .transpose()?;
-    let add_generation_prompt = args.flags.iter().any(|f| f == "--add-generation-prompt");
+    let add_generation_prompt = args.add_generation_prompt;
     let out = match family(args)? {
         None => {
             let rendered = chat
@@ -250,7 +207,7 @@ fn cmd_render(args: &Args) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn cmd_incremental(args: &Args) -> Result<ExitCode, String> {
+fn cmd_incremental(args: &Args<'_>) -> Result<ExitCode, String> {
     let chat = load(args)?;
     let family = family(args)?.ok_or("incremental needs --tito")?;
     let tito = tito(args, &chat, family)?;
@@ -271,13 +228,13 @@ fn cmd_incremental(args: &Args) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn cmd_verify(args: &Args) -> Result<ExitCode, String> {
+fn cmd_verify(args: &Args<'_>) -> Result<ExitCode, String> {
     let chat = load(args)?;
     let thinking =
         ThinkingMode::parse(args.get("--thinking").unwrap_or("on")).map_err(|e| e.to_string())?;
     let trajectories = match args.get("--trajectories") {
         Some(path) => parse_trajectories(&read(path)?),
-        None => parse_trajectories(DEFAULT_TRAJECTORIES),
+        None => parse_trajectories(miles_tito::DEFAULT_TRAJECTORIES),
     }
     .map_err(|e| e.to_string())?;
     let source = args
@@ -330,29 +287,94 @@ fn cmd_verify(args: &Args) -> Result<ExitCode, String> {
     })
 }
 
-fn main() -> ExitCode {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let args = match parse_args(&argv) {
-        Ok(args) => args,
-        Err(message) if message.is_empty() => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(message) => {
-            eprintln!("error: {message} (see miles-tito --help)");
-            return ExitCode::from(2);
-        }
-    };
-    let result = match args.command.as_str() {
-        "render" => cmd_render(&args),
-        "incremental" => cmd_incremental(&args),
-        _ => cmd_verify(&args),
-    };
-    match result {
-        Ok(code) => code,
-        Err(message) => {
-            eprintln!("error: {}", message.replace('\n', " "));
-            ExitCode::from(2)
+/// The arguments of `command` with only the model given.
+fn base<'a>(command: &'static str, model: &'a TitoModel) -> Args<'a> {
+    Args {
+        command,
+        model,
+        tito: None,
+        messages: None,
+        tools: None,
+        thinking: None,
+        trajectories: None,
+        add_generation_prompt: false,
+    }
+}
+
+/// Runs `miles tito COMMAND`: the exit status (0, or 1 when verification found failures),
+/// or the error as one line.
+pub fn run(command: &TitoCommand) -> Result<ExitCode, String> {
+    match command {
+        TitoCommand::Render {
+            model,
+            tito,
+            messages,
+            tools,
+            add_generation_prompt,
+        } => cmd_render(&Args {
+            tito: tito.as_deref(),
+            messages: Some(messages),
+            tools: tools.as_deref(),
+            add_generation_prompt: *add_generation_prompt,
+            ..base("render", model)
+        }),
+        TitoCommand::Incremental {
+            model,
+            tito,
+            messages,
+            tools,
+        } => cmd_incremental(&Args {
+            tito: Some(tito),
+            messages: Some(messages),
+            tools: tools.as_deref(),
+            ..base("incremental", model)
+        }),
+        TitoCommand::Verify {
+            model,
+            tito,
+            thinking,
+            trajectories,
+        } => cmd_verify(&Args {
+            tito: tito.as_deref(),
+            thinking: Some(thinking),
+            trajectories: trajectories.as_deref(),
+            ..base("verify", model)
+        }),
+        TitoCommand::Check {
+            model,
+            tito,
+            thinking,
+            trajectories,
+        } => cmd_check(model, tito.as_deref(), thinking, trajectories.as_deref()),
+    }
+}
+
+/// `tito check`: tokenizer checks plus the verifier in raw and TITO mode.
+fn cmd_check(
+    model: &TitoModel,
+    tito: Option<&str>,
+    thinking: &str,
+    trajectories: Option<&Path>,
+) -> Result<ExitCode, String> {
+    let mut options = CheckOptions::new(&model.model);
+    options.family = tito
+        .map(TitoFamily::parse)
+        .transpose()
+        .map_err(|e| format!("--tito: {e}"))?;
+    options.template = model.template.clone();
+    options.thinking = ThinkingMode::parse(thinking).map_err(|e| format!("--thinking: {e}"))?;
+    options.trajectories = trajectories.map(Path::to_path_buf);
+    if let Some(text) = &model.kwargs {
+        match serde_json::from_str::<Json>(text) {
+            Ok(Json::Object(map)) => options.kwargs = map,
+            _ => return Err("--kwargs must be a JSON object".into()),
         }
     }
+    let check = check_model_dir(&options).map_err(|e| e.to_string())?;
+    print!("{}", check.render());
+    Ok(if check.tito_safe() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }

@@ -22,11 +22,10 @@ use miles_tito::{
 };
 use serde_json::{Map, Value};
 
-use crate::Error;
+use crate::error::Error;
 
 /// Miles' verifier trajectories (the copy miles-tito ships).
-pub const DEFAULT_TRAJECTORIES: &str =
-    include_str!("../../miles-tito/data/verify_chat_template_trajectories.json");
+pub use miles_tito::DEFAULT_TRAJECTORIES;
 
 /// What to check.
 #[derive(Debug, Clone)]
@@ -265,7 +264,7 @@ pub fn check_model_dir(options: &CheckOptions) -> Result<TemplateCheck, Error> {
             what: "--tito family for this check",
             reason: format!(
                 "{family} renders with the DeepSeek encoder, not a Jinja template; verify it \
-                 with `miles-tito verify --model DIR --tito {family}`"
+                 with `miles tito verify --model DIR --tito {family}`"
             ),
         });
     }
@@ -316,7 +315,12 @@ pub fn check_model_dir(options: &CheckOptions) -> Result<TemplateCheck, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fixture_path;
+
+    fn fixture_path(relative: &str) -> Result<PathBuf, std::convert::Infallible> {
+        Ok(Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures")
+            .join(relative))
+    }
 
     #[test]
     fn a_deepseek_family_is_refused_with_the_command_that_checks_it() {
@@ -328,7 +332,7 @@ mod tests {
         match check_model_dir(&options) {
             Err(Error::Invalid { reason, .. }) => {
                 assert!(
-                    reason.contains("miles-tito verify --model DIR --tito deepseekv32"),
+                    reason.contains("miles tito verify --model DIR --tito deepseekv32"),
                     "{reason}"
                 );
             }

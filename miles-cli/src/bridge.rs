@@ -1,15 +1,13 @@
-//! `miles-bridge` command line: inspect, score and convert HF checkpoints.
+//! `miles bridge`: inspect, score and convert HF checkpoints.
 //!
 //! ```text
-//! miles-bridge inspect DIR
-//! miles-bridge logprobs --model DIR --input FILE [--out FILE] [--device DEV]
-//! miles-bridge convert --model DIR --out DIR [--dtype f32|bf16|f16] [--tp N] [--ep N]
+//! miles bridge inspect DIR
+//! miles bridge logprobs --model DIR --input FILE [--out FILE] [--device DEV]
+//! miles bridge convert --model DIR --out DIR [--dtype f32|bf16|f16] [--tp N] [--ep N]
 //! ```
-//! Errors print one line to stderr and exit with status 2.
+//! Errors are one line naming the file or flag at fault.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use miles_bridge::parallel::shard;
@@ -17,51 +15,7 @@ use miles_bridge::{BridgeError, CausalLm, ModelConfig, ModelInput, ids_tensor, t
 use miles_core::{DType, NamedTensors};
 use miles_r3::Fallthrough;
 
-const USAGE: &str = "usage: miles-bridge inspect DIR | logprobs --model DIR --input FILE [--out FILE] [--device flex|wgpu[:N]|wgpu-cpu|cuda[:N]] | convert --model DIR --out DIR [--dtype f32|bf16|f16] [--tp N] [--ep N]";
-
-fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("miles-bridge: {}", message.replace('\n', " "));
-            ExitCode::from(2)
-        }
-    }
-}
-
-fn flags(args: &[String]) -> Result<BTreeMap<String, String>, String> {
-    let mut out = BTreeMap::new();
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let key = flag
-            .strip_prefix("--")
-            .ok_or_else(|| format!("unexpected argument `{flag}`; {USAGE}"))?;
-        let value = it
-            .next()
-            .ok_or_else(|| format!("flag --{key} needs a value"))?;
-        out.insert(key.to_string(), value.clone());
-    }
-    Ok(out)
-}
-
-fn required<'a>(flags: &'a BTreeMap<String, String>, key: &str) -> Result<&'a str, String> {
-    flags
-        .get(key)
-        .map(String::as_str)
-        .ok_or_else(|| format!("missing --{key}; {USAGE}"))
-}
-
-fn number(flags: &BTreeMap<String, String>, key: &str) -> Result<usize, String> {
-    match flags.get(key) {
-        None => Ok(1),
-        Some(v) => v
-            .parse()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| format!("--{key} must be a positive integer")),
-    }
-}
+use crate::args::BridgeCommand;
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -87,49 +41,38 @@ fn load_config(dir: &Path) -> Result<ModelConfig, String> {
     ModelConfig::from_hf_json(&text).map_err(|e| format!("{}: {}", path.display(), err(e)))
 }
 
-fn run(args: &[String]) -> Result<(), String> {
-    let Some((command, rest)) = args.split_first() else {
-        return Err(USAGE.to_string());
-    };
-    match command.as_str() {
-        "inspect" => {
-            let [dir] = rest else {
-                return Err(USAGE.to_string());
-            };
-            inspect(Path::new(dir))
-        }
-        "logprobs" => {
-            let f = flags(rest)?;
+/// Runs `miles bridge COMMAND`; the error is one line for the user.
+pub fn run(command: &BridgeCommand) -> Result<(), String> {
+    match command {
+        BridgeCommand::Inspect { dir } => inspect(dir),
+        BridgeCommand::Logprobs {
+            model,
+            input,
+            out,
+            device,
+        } => {
             let device =
-                miles_ops::device::parse_device(f.get("device").map_or("flex", String::as_str))
-                    .map_err(|e| format!("--device: {e}"))?;
-            logprobs(
-                Path::new(required(&f, "model")?),
-                Path::new(required(&f, "input")?),
-                f.get("out").map(PathBuf::from),
-                &device,
-            )
+                miles_ops::device::parse_device(device).map_err(|e| format!("--device: {e}"))?;
+            logprobs(model, input, out.clone(), &device)
         }
-        "convert" => {
-            let f = flags(rest)?;
-            let dtype = match f.get("dtype") {
+        BridgeCommand::Convert {
+            model,
+            out,
+            dtype,
+            tp,
+            ep,
+        } => {
+            let dtype = match dtype {
                 None => None,
                 Some(d) => Some(
                     d.parse::<DType>()
                         .ok()
                         .filter(|d| d.is_float())
-                        .ok_or_else(|| format!("unknown dtype `{d}`"))?,
+                        .ok_or_else(|| format!("--dtype: unknown dtype `{d}` (f32, bf16, f16)"))?,
                 ),
             };
-            convert(
-                Path::new(required(&f, "model")?),
-                Path::new(required(&f, "out")?),
-                dtype,
-                number(&f, "tp")?,
-                number(&f, "ep")?,
-            )
+            convert(model, out, dtype, *tp, *ep)
         }
-        _ => Err(USAGE.to_string()),
     }
 }
 
