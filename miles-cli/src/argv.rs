@@ -205,10 +205,7 @@ fn config_tokens(
                 format!("--config {shown}: a config file cannot name another (key {key})"),
             ));
         }
-        let Some(arg) = sub
-            .get_arguments()
-            .find(|a| names(a).contains(&name))
-        else {
+        let Some(arg) = sub.get_arguments().find(|a| names(a).contains(&name)) else {
             let flag = format!("--{name}");
             if NOT_APPLICABLE.iter().any(|(n, _)| *n == flag) {
                 ignored.push(flag);

@@ -258,8 +258,9 @@ async fn agent_generator(
         return Ok(None);
     };
     // Miles applies --apply-chat-template-kwargs to every render of the session server.
-    let kwargs: Map<String, Value> = serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
-        .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
+    let kwargs: Map<String, Value> =
+        serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
+            .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
     let url = crate::wiring::spawn_session_server(
         engine.clone(),
         &c.hf,
