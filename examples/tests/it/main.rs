@@ -3,7 +3,6 @@
 //! of the dependencies' generic code and one link instead of one per file. The example binaries
 //! they run sit next to this one (`cargo test` builds the examples first).
 
-mod agent_failures;
 mod engine_vs_trainer;
 mod glm_moe_grpo;
 mod grpo_learns;

@@ -2,6 +2,7 @@
 //! module per subcommand family), built as one test binary: one compile and one link of the
 //! dependencies instead of one per file.
 
+mod agent_failures;
 mod bridge;
 mod cli;
 mod serve_failover;
