@@ -978,10 +978,12 @@ fn a_miles_launch_script_is_accepted() {
     assert_eq!(out.status.code(), Some(1), "not a usage error: {err}");
     let warnings: Vec<&str> = err.lines().filter(|l| l.contains("WARN")).collect();
     assert_eq!(warnings.len(), 1, "{err}");
+    // --sglang-mem-fraction-static sizes the embedded engine's KV pool: read, not ignored.
+    assert!(!warnings[0].contains("--sglang-mem-fraction-static"), "{err}");
     for flag in [
         "--balance-data",
         "--rollout-num-gpus-per-engine",
-        "--sglang-mem-fraction-static",
+        "--sglang-attention-backend",
         "--train-backend",
         "--gradient-checkpointing",
         "--train-env-vars",
