@@ -172,7 +172,8 @@ out = ["# Miles' flags in `miles`", "",
        "here, with the reason: `miles train` / `train-async` / `sft` / `eval` accept these and name",
        "them in one warning, as they do every flag under Miles' `--sglang-` / `--eval-sglang-`",
        "prefixes (SGLang's server arguments: configure the SGLang servers of `--engine-url`",
-       "yourself). The FSDP backend's flags (`FSDPArgs`) are listed too.", "",
+       "yourself) but `--sglang-mem-fraction-static`, the share of memory the embedded engine's",
+       "KV pool may take. The FSDP backend's flags (`FSDPArgs`) are listed too.", "",
        "| Miles flag | status | note |", "|---|---|---|"]
 counts = {}
 for flag, group in rows:

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use miles_engine::EngineConfig;
+use miles_engine::{DEFAULT_KV_MEMORY_FRACTION, EngineConfig};
 use miles_ops::{AdvantageConfig, PolicyLossConfig};
 use miles_rollout::{DatasetKeys, DatasetOptions, LoopConfig, RolloutConfig};
 use miles_session::server::SessionServerConfig;
@@ -318,6 +318,10 @@ pub struct RolloutArgs {
     /// Embedded engine: sequences decoded together
     #[arg(long, value_name = "N", default_value_t = EngineConfig::default().max_running_requests)]
     pub max_running_requests: usize,
+    /// Embedded engine: the share of the memory available once the weights are loaded that
+    /// its KV pool may take, on the CPU (SGLang's --mem-fraction-static, as Miles passes it)
+    #[arg(long, value_name = "F", default_value_t = DEFAULT_KV_MEMORY_FRACTION)]
+    pub sglang_mem_fraction_static: f64,
 }
 
 /// Training.
@@ -561,6 +565,11 @@ pub struct ServeArgs {
     /// KV-cache budget in tokens
     #[arg(long, value_name = "TOKENS", default_value_t = EngineConfig::default().kv_token_budget)]
     pub kv_token_budget: usize,
+    /// The share of the memory available once the weights are loaded that the KV pool may
+    /// take, on the CPU (SGLang's --mem-fraction-static; the smaller of this and
+    /// --kv-token-budget sizes the pool)
+    #[arg(long, value_name = "F", default_value_t = DEFAULT_KV_MEMORY_FRACTION)]
+    pub mem_fraction_static: f64,
     /// Seed for requests without sampling_seed
     #[arg(long, value_name = "N", default_value_t = EngineConfig::default().seed)]
     pub seed: u64,

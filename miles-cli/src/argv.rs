@@ -15,6 +15,9 @@ pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 /// Miles' prefixes for SGLang's own server arguments (`--sglang-mem-fraction-static 0.7`).
 pub const SGLANG_PREFIXES: [&str; 2] = ["--sglang-", "--eval-sglang-"];
 
+/// The SGLang server arguments the embedded engine reads (kept for clap, not ignored).
+pub const SGLANG_READ: [&str; 1] = ["--sglang-mem-fraction-static"];
+
 /// The subcommands that take Miles' training flags (and `--config`).
 const TRAINING: [&str; 4] = ["train", "train-async", "sft", "eval"];
 
@@ -101,10 +104,9 @@ fn strip_not_applicable(args: &[String]) -> (Vec<String>, Vec<String>) {
             .or_else(|| {
                 // SGLang's server arguments, passed through by Miles under its prefixes: their
                 // values run up to the next flag.
-                SGLANG_PREFIXES
-                    .iter()
-                    .any(|p| name.starts_with(p))
-                    .then(|| (name.to_owned(), Arity::Values))
+                (SGLANG_PREFIXES.iter().any(|p| name.starts_with(p))
+                    && !SGLANG_READ.contains(&name))
+                .then(|| (name.to_owned(), Arity::Values))
             });
         let Some((flag, arity)) = found else {
             kept.push(arg.clone());
@@ -357,17 +359,20 @@ mod tests {
                 "train",
                 "--lr",
                 "1e-5",
+                "--sglang-mem-fraction-static",
+                "0.7",
                 "--n-samples-per-prompt",
                 "8"
             ])
         );
+        // The KV pool's memory share is read (the embedded engine's); SGLang's other
+        // arguments are ignored.
         assert_eq!(
             e.ignored,
             [
                 "--colocate",
                 "--actor-num-nodes",
                 "--tensor-model-parallel-size",
-                "--sglang-mem-fraction-static",
                 "--sglang-enable-dp-attention",
             ]
         );

@@ -12,8 +12,10 @@ use tracing_subscriber::fmt::MakeWriter;
 
 use crate::args::LogFormat;
 
-/// The filter when neither `--log-level` nor `RUST_LOG` is given.
-pub const DEFAULT_FILTER: &str = "warn,miles_cli=info";
+/// The filter when neither `--log-level` nor `RUST_LOG` is given: warnings, the CLI's own
+/// progress lines, and the embedded engine's one start-up line (its KV pool's size and which
+/// bound set it).
+pub const DEFAULT_FILTER: &str = "warn,miles_cli=info,miles_engine=info";
 
 /// The progress bar on screen, if any (log lines suspend it while they are written).
 static BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);

@@ -31,6 +31,7 @@ pub fn options(args: &ServeArgs) -> Result<ServeOptions, String> {
         served_model_name: args.served_model_name.clone(),
         max_running_requests: Some(args.max_running_requests),
         kv_token_budget: Some(args.kv_token_budget),
+        mem_fraction_static: Some(args.mem_fraction_static),
         seed: Some(args.seed),
         recompute_logprobs: !args.no_recompute_logprobs,
         max_n: usize_of(args.max_n),
@@ -61,6 +62,7 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
             .max_running_requests
             .unwrap_or(defaults.max_running_requests),
         kv_token_budget: options.kv_token_budget.unwrap_or(defaults.kv_token_budget),
+        kv_memory_fraction: options.mem_fraction_static.or(defaults.kv_memory_fraction),
         seed: options.seed.unwrap_or(defaults.seed),
         recompute_logprobs_via_prefill: options.recompute_logprobs,
         precision: match options.dtype {

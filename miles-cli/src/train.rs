@@ -304,14 +304,15 @@ fn engines(
     let urls = &a.rollout.engine_url;
     if urls.is_empty() {
         let model = CausalLm::from_pretrained(&c.hf, &c.rollout_device)?;
-        return Ok(embedded_engine(
-            model,
-            &c.hf,
-            c.eos_ids.clone(),
-            a.rollout.max_running_requests,
-            c.seed,
-            c.precision,
-        )?);
+        let config = miles_engine::EngineConfig {
+            max_running_requests: a.rollout.max_running_requests,
+            kv_memory_fraction: Some(a.rollout.sglang_mem_fraction_static),
+            eos_token_ids: c.eos_ids.clone(),
+            seed: c.seed,
+            precision: c.precision,
+            ..miles_engine::EngineConfig::default()
+        };
+        return Ok(crate::wiring::embedded_engine_with(model, &c.hf, config)?);
     }
     Ok(crate::wiring::sglang_fleet(
         urls,

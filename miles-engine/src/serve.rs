@@ -32,6 +32,9 @@ pub struct ServeOptions {
     pub max_running_requests: Option<usize>,
     /// Engine: KV-cache budget in tokens.
     pub kv_token_budget: Option<usize>,
+    /// Engine: the share of the memory available after the weights load that the KV pool may
+    /// take (SGLang's `--mem-fraction-static`; `None`: the engine's default).
+    pub mem_fraction_static: Option<f64>,
     /// Engine: seed for unseeded requests.
     pub seed: Option<u64>,
     /// Engine: recompute log-probs with a prefill pass after each sequence (Miles'
@@ -98,6 +101,7 @@ impl Default for ServeOptions {
             served_model_name: None,
             max_running_requests: None,
             kv_token_budget: None,
+            mem_fraction_static: None,
             seed: None,
             recompute_logprobs: true,
             max_n: None,

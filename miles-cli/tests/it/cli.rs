@@ -149,9 +149,26 @@ fn train_sync_reports_what_a_user_reads() {
     let mut cmd = miles();
     cmd.arg("train")
         .args(train_flags(&model, &train, &held_out, &out))
+        .args(["--sglang-mem-fraction-static", "0.25"])
         .arg("--config")
         .arg(&config);
-    run(&mut cmd);
+    let output = run(&mut cmd);
+    // The embedded engine's start-up line gives its KV pool and the bound that set it; Miles'
+    // --sglang-mem-fraction-static is read, not ignored.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let pool = stderr
+        .lines()
+        .find(|l| l.contains("KV pool allocated: "))
+        .unwrap_or_else(|| panic!("no KV pool line:\n{stderr}"));
+    assert!(pool.contains("kv_memory_fraction=0.25"), "{pool}");
+    let tokens: usize = pool
+        .split("KV pool allocated: ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{pool}"));
+    assert!((16..=65_536).contains(&tokens), "{pool}");
+    assert!(!stderr.contains("--sglang-mem-fraction-static"), "{stderr}");
     let summary = json_file(&out.join("summary.json"));
     assert_eq!(summary["command"], "train");
     assert_eq!(summary["weight_version"], 3, "{summary}");
@@ -978,10 +995,15 @@ fn a_miles_launch_script_is_accepted() {
     assert_eq!(out.status.code(), Some(1), "not a usage error: {err}");
     let warnings: Vec<&str> = err.lines().filter(|l| l.contains("WARN")).collect();
     assert_eq!(warnings.len(), 1, "{err}");
+    // --sglang-mem-fraction-static sizes the embedded engine's KV pool: read, not ignored.
+    assert!(
+        !warnings[0].contains("--sglang-mem-fraction-static"),
+        "{err}"
+    );
     for flag in [
         "--balance-data",
         "--rollout-num-gpus-per-engine",
-        "--sglang-mem-fraction-static",
+        "--sglang-attention-backend",
         "--train-backend",
         "--gradient-checkpointing",
         "--train-env-vars",
