@@ -35,7 +35,7 @@ use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
 
 use crate::args::TrainArgs;
-use crate::wiring::{CurvesOnEval, ProgressSink, embedded_engine, save_hf_checkpoint};
+use crate::wiring::{CurvesOnEval, ProgressSink, save_hf_checkpoint};
 
 /// Errors of a `miles` run (any crate's error, boxed).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
