@@ -496,7 +496,7 @@ pub struct AgentArgs {
     /// {"reward": …, "metadata": …} as the last stdout line)
     #[arg(long, value_name = "CMD")]
     pub agent_cmd: Option<String>,
-    /// An agent's wall-clock limit (0: none); past it the sample is ABORTED
+    /// An agent's wall-clock limit (0: none); past it the sample is FAILED (kind `timeout`)
     #[arg(long, value_name = "S", default_value_t = 3600.0)]
     pub agent_timeout_s: f64,
     /// Implied by --agent-cmd (the session server records exact tokens, log-probs and routed

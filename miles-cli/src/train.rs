@@ -562,6 +562,23 @@ fn sinks(
     ))
 }
 
+/// The end of a run, finished or stopped by a signal: `summary.json` written into `out`, the
+/// metrics server (if any) stopped.
+fn close_run(
+    out: &Path,
+    summary: &Value,
+    metrics_server: Option<miles_session::metrics_server::MetricsServer>,
+) -> Result<(), BoxError> {
+    std::fs::write(
+        out.join("summary.json"),
+        serde_json::to_string_pretty(summary)?,
+    )?;
+    if let Some(server) = metrics_server {
+        server.stop()?;
+    }
+    Ok(())
+}
+
 async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     let started = Instant::now();
     let c = common(a)?;
@@ -714,13 +731,7 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         summary["stopped_at"] = json!(rl.next_rollout_id());
         summary["stopped_by_signal"] = json!(code);
         summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
-        std::fs::write(
-            c.out.join("summary.json"),
-            serde_json::to_string_pretty(&summary)?,
-        )?;
-        if let Some(server) = metrics_server {
-            server.stop()?;
-        }
+        close_run(&c.out, &summary, metrics_server)?;
         tracing::info!(
             step = rl.next_rollout_id(),
             checkpoints = %save.display(),
@@ -760,13 +771,7 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     summary["weight_version"] = json!(version.0);
     summary["final_checkpoint"] = json!(final_dir);
     summary["total_seconds"] = json!(started.elapsed().as_secs_f64());
-    std::fs::write(
-        c.out.join("summary.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
-    if let Some(server) = metrics_server {
-        server.stop()?;
-    }
+    close_run(&c.out, &summary, metrics_server)?;
     println!(
         "done in {:.0} s: weight version {}; wrote {}/{{metrics.jsonl, curves.svg, summary.json}} and {}",
         started.elapsed().as_secs_f64(),
