@@ -181,7 +181,8 @@ for flag, group in rows:
     counts[st] = counts.get(st, 0) + 1
     out.append(f"| `{flag}` | {st} | {note} |")
 out += ["", "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
-extra = sorted(ours - seen - {"--config"})
+# `--sglang-*` flags are SGLang's server arguments, which Miles passes through (not listed above).
+extra = sorted(f for f in ours - seen - {"--config"} if not f.startswith("--sglang-"))
 # Flags Miles had before the commit above and removed.
 HISTORICAL = {"--generate-multi-samples": "Miles' flag until b05a4f2a0 (2026-07-29)"}
 out += ["Flags of `miles` that Miles does not have: "

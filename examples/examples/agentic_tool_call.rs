@@ -255,8 +255,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
         engine.clone(),
         &model_dir,
         "qwen3",
-        use_r3,
-        Default::default(),
+        miles_session::server::SessionServerConfig {
+            return_routed_experts: use_r3,
+            ..Default::default()
+        },
     )
     .await?;
     println!("session server on {server_url}");

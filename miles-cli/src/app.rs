@@ -85,6 +85,10 @@ pub fn run(argv: Vec<String>) -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => failed(&e),
         },
+        Command::Router(args) => match crate::router::run(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => failed(&e),
+        },
         Command::Bridge { command } => match crate::bridge::run(command) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => failed(&e),

@@ -80,6 +80,9 @@ pub enum Command {
     Serve(ServeArgs),
     /// The OpenAI-compatible session server in front of an SGLang-compatible engine
     Session(SessionArgs),
+    /// SGLang's HTTP protocol in front of several SGLang-compatible servers (least
+    /// outstanding requests, health checks, failover)
+    Router(RouterArgs),
     /// Inspect, convert and score HF checkpoints
     Bridge {
         /// What to do.
@@ -512,6 +515,37 @@ pub struct AgentArgs {
         alias = "tito-model"
     )]
     pub tito: String,
+    /// How the session server compares a request's history with the recorded one (rollback
+    /// detection, append-only check): strict | loose_tool_call (tool-call arguments that are
+    /// the same JSON written differently match) | role_content_only (high risk: reasoning and
+    /// tool calls are not compared)
+    #[arg(long, value_name = "NAME", default_value = "strict", value_parser = message_matcher_name)]
+    pub session_message_matcher: String,
+    /// A group holding a failed sample (agent, reward or engine failure) is generated again at
+    /// most N times, then dropped and counted
+    #[arg(long, value_name = "N", default_value_t = failure_defaults().max_group_retries)]
+    pub max_group_retries: u32,
+    /// Stop the run after N failed samples in a row (0: never)
+    #[arg(long, value_name = "N", default_value_t = failure_defaults().max_consecutive_failures)]
+    pub max_consecutive_failures: usize,
+    /// Stop the run when more than this share of the last --failure-window finished samples
+    /// failed (1: never)
+    #[arg(long, value_name = "F", default_value_t = failure_defaults().max_failure_ratio)]
+    pub max_failure_ratio: f64,
+    /// The window of --max-failure-ratio, in finished samples
+    #[arg(long, value_name = "N", default_value_t = failure_defaults().failure_window)]
+    pub failure_window: usize,
+}
+
+fn failure_defaults() -> miles_rollout::FailurePolicy {
+    miles_rollout::FailurePolicy::default()
+}
+
+/// Checks a `--session-message-matcher` name (miles-tito's parser, Miles' names).
+fn message_matcher_name(text: &str) -> Result<String, String> {
+    miles_tito::MessageMatcher::parse(text)
+        .map(|_| text.to_owned())
+        .map_err(|e| e.to_string())
 }
 
 /// Logging and metrics.
@@ -536,6 +570,11 @@ pub struct MetricsArgs {
     /// The port of --use-prometheus
     #[arg(long, value_name = "PORT", default_value_t = 9090)]
     pub prometheus_port: u16,
+    /// Log pass@k (k = 1, 2, 4, … up to the group size; unbiased estimator, a sample passes
+    /// with reward exactly 1): `passrate/pass@k` per rollout, `eval/NAME-pass@k` per
+    /// evaluation set
+    #[arg(long)]
+    pub log_passrate: bool,
 }
 
 /// `miles serve`: the embedded engine behind SGLang's HTTP protocol.
@@ -614,6 +653,55 @@ pub struct ServeArgs {
     /// The same in float16 (Miles' --fp16)
     #[arg(long)]
     pub fp16: bool,
+    /// Seconds in-flight requests get to finish after SIGINT / SIGTERM
+    #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = positive_seconds)]
+    pub shutdown_timeout_s: f64,
+}
+
+/// `miles router`: one SGLang-compatible address over several engines.
+#[derive(Debug, Clone, Args)]
+pub struct RouterArgs {
+    /// An SGLang-compatible server's base URL (repeatable; `miles serve` or SGLang)
+    #[arg(long, value_name = "URL", required = true, num_args = 1.., alias = "worker-urls")]
+    pub engine_url: Vec<String>,
+    /// HF checkpoint directory (or a hub id in the local cache) whose config and tokenizer
+    /// the router reads, for text prompts, chat and /get_model_info (default: token ids only)
+    #[arg(long, value_name = "DIR", alias = "model-path")]
+    pub model: Option<String>,
+    /// Tokenizer directory (default: --model)
+    #[arg(long, value_name = "DIR", alias = "tokenizer-path")]
+    pub tokenizer: Option<PathBuf>,
+    /// Chat family of miles-tito (default: from config.json model_type)
+    #[arg(long, value_name = "FAMILY", alias = "tito-model")]
+    pub tito: Option<String>,
+    /// Model name in OpenAI answers (default: the model path)
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
+    /// Address to bind
+    #[arg(long, default_value = "127.0.0.1", alias = "sglang-router-ip")]
+    pub host: String,
+    /// Port to bind (0: any free port)
+    #[arg(long, default_value_t = 30000, alias = "sglang-router-port")]
+    pub port: u16,
+    /// Every route but /health needs `Authorization: Bearer KEY` (default: $MILES_API_KEY)
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// The engines' --api-key, sent with every call to them
+    #[arg(long, value_name = "KEY")]
+    pub engine_api_key: Option<String>,
+    /// MoE layers of the model (needed to pass routed experts through)
+    #[arg(long, value_name = "N")]
+    pub num_layers: Option<usize>,
+    /// The only directory /update_weights_from_disk may name (without it that route is
+    /// disabled: 403); the engines must see the same path
+    #[arg(long, value_name = "DIR")]
+    pub weights_root: Option<PathBuf>,
+    /// Seconds between health checks of the engines out of rotation
+    #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = positive_seconds)]
+    pub rollout_health_check_interval: f64,
+    /// Seconds a /generate call to an engine may take
+    #[arg(long, value_name = "S", default_value_t = 600.0, value_parser = positive_seconds)]
+    pub miles_router_timeout: f64,
     /// Seconds in-flight requests get to finish after SIGINT / SIGTERM
     #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = positive_seconds)]
     pub shutdown_timeout_s: f64,
@@ -704,6 +792,10 @@ pub struct SessionArgs {
     #[arg(long, value_name = "N",
           default_value_t = SessionServerConfig::default().guard.max_concurrent_requests.unwrap_or(0))]
     pub max_concurrent_requests: usize,
+    /// How a request's history is compared with the recorded one: strict |
+    /// loose_tool_call | role_content_only (Miles' --session-message-matcher)
+    #[arg(long, value_name = "NAME", default_value = "strict", value_parser = message_matcher_name)]
+    pub session_message_matcher: String,
     /// Seconds in-flight requests get to finish after SIGINT / SIGTERM
     #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = positive_seconds)]
     pub shutdown_timeout_s: f64,

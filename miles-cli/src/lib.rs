@@ -10,6 +10,7 @@
 //! miles eval         --hf-checkpoint DIR --eval-prompt-data aime aime.jsonl --rm-type math
 //! miles serve        --model DIR --port 30000        # the embedded engine behind SGLang's protocol
 //! miles session      --engine-url URL --model DIR --tito qwen3   # the session server
+//! miles router       --engine-url URL1 --engine-url URL2 --model DIR   # one address over several engines
 //! miles bridge       inspect DIR | convert ... | logprobs ...
 //! miles tito         render ... | incremental ... | verify ... | check ...
 //! miles completions  bash
@@ -45,6 +46,7 @@ pub mod hub;
 pub mod logging;
 pub mod miles_flags;
 pub mod plot;
+pub mod router;
 pub mod serve;
 pub mod session;
 pub mod sft;

@@ -79,7 +79,6 @@ pub const NOT_APPLICABLE: &[(&str, Arity)] = &[
     ("--disable-wandb-random-suffix", Arity::Switch),
     ("--wandb-always-use-train-step", Arity::Switch),
     ("--log-multi-turn", Arity::Switch),
-    ("--log-passrate", Arity::Switch),
     ("--log-reward-category", Arity::Value),
     ("--log-correct-samples", Arity::Switch),
     ("--wandb-run-id", Arity::Value),

@@ -54,6 +54,8 @@ pub fn options(args: &SessionArgs) -> Result<CliArgs, String> {
         header_read_timeout: seconds(args.header_read_timeout_s),
         max_connections: count(args.max_connections),
         max_concurrent_requests: count(args.max_concurrent_requests),
+        message_matcher: miles_tito::MessageMatcher::parse(&args.session_message_matcher)
+            .map_err(|e| format!("--session-message-matcher: {e}"))?,
     })
 }
 
@@ -191,7 +193,16 @@ mod tests {
         assert_eq!(guard.header_read_timeout, None);
         assert_eq!(guard.max_connections, Some(9));
         assert_eq!(guard.max_concurrent_requests, None);
+        assert_eq!(config.message_matcher, miles_tito::MessageMatcher::Strict);
+        let loose =
+            parse("--engine-url toy --tito byte_chatml --session-message-matcher loose_tool_call")
+                .unwrap();
+        assert_eq!(
+            loose.server_config().message_matcher,
+            miles_tito::MessageMatcher::LooseToolCall
+        );
         for bad in [
+            "--session-message-matcher loose",
             "--max-n 0",
             "--max-request-bytes 0",
             "--api-key clé",

@@ -31,6 +31,8 @@ use miles_rollout::{
 use miles_rollout::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_session::agent::{AgentDriverConfig, AgentReward};
 use miles_session::command_agent::{CommandAgent, CommandAgentConfig};
+use miles_session::server::SessionServerConfig;
+use miles_tito::MessageMatcher;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
 use serde_json::{Map, Value, json};
 
@@ -261,12 +263,18 @@ async fn agent_generator(
     let kwargs: Map<String, Value> =
         serde_json::from_str(a.data.apply_chat_template_kwargs.as_str())
             .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
+    let message_matcher = MessageMatcher::parse(&a.agent.session_message_matcher)
+        .map_err(|e| format!("--session-message-matcher: {e}"))?;
     let url = crate::wiring::spawn_session_server(
         engine.clone(),
         &c.hf,
         a.agent.tito.as_str(),
-        use_r3,
-        kwargs,
+        SessionServerConfig {
+            return_routed_experts: use_r3,
+            chat_template_kwargs: kwargs,
+            message_matcher,
+            ..SessionServerConfig::default()
+        },
     )
     .await?;
     println!("session server on {url}; agent: {cmd}");
@@ -347,8 +355,26 @@ fn rollout_config(a: &TrainArgs, c: &Common, use_r3: bool) -> Result<RolloutConf
         reward_key: a.reward.reward_key.as_deref().map(str::to_owned),
         partial_rollout: a.rollout.partial_rollout,
         return_routed_experts: use_r3,
+        failure: failure_policy(a)?,
+        log_passrate: a.metrics.log_passrate,
         ..RolloutConfig::default()
     })
+}
+
+/// `--max-group-retries`, `--max-consecutive-failures`, `--max-failure-ratio`,
+/// `--failure-window`, checked by the library.
+fn failure_policy(a: &TrainArgs) -> Result<miles_rollout::FailurePolicy, BoxError> {
+    let policy = miles_rollout::FailurePolicy {
+        max_group_retries: a.agent.max_group_retries,
+        max_consecutive_failures: a.agent.max_consecutive_failures,
+        max_failure_ratio: a.agent.max_failure_ratio,
+        failure_window: a.agent.failure_window,
+        ..miles_rollout::FailurePolicy::default()
+    };
+    policy.validate().map_err(|e| {
+        format!("--max-failure-ratio / --failure-window / --max-consecutive-failures: {e}")
+    })?;
+    Ok(policy)
 }
 
 /// The `--eval-prompt-data` sets, each with its own manager (evaluation sampling).
@@ -820,6 +846,7 @@ fn rollout_config_for_eval(a: &TrainArgs, c: &Common) -> Result<RolloutConfig, B
         rollout_max_response_len: a.rollout.rollout_max_response_len,
         rollout_max_context_len: a.rollout.rollout_max_context_len,
         rollout_seed: Some(a.rollout.rollout_seed),
+        log_passrate: a.metrics.log_passrate,
         ..RolloutConfig::default()
     })
 }

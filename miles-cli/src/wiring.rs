@@ -122,25 +122,16 @@ impl MetricsSink for ProgressSink {
 }
 
 /// Serves a session server over `engine` on 127.0.0.1 (an ephemeral port) with the TITO
-/// `family` of `model_dir`, recording routed experts when `return_routed_experts`; returns its
-/// base URL. The server runs until the process ends.
+/// `family` of `model_dir` and `config` (routed experts, chat-template kwargs, the message
+/// matcher, limits); returns its base URL. The server runs until the process ends.
 pub async fn spawn_session_server(
     engine: Arc<dyn miles_core::InferenceEngine>,
     model_dir: &Path,
     family: &str,
-    return_routed_experts: bool,
-    chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    config: miles_session::server::SessionServerConfig,
 ) -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
     let chat = miles_tito::TitoChat::load(model_dir, family)?;
-    let server = miles_session::server::SessionServer::new(
-        engine,
-        Arc::new(chat),
-        miles_session::server::SessionServerConfig {
-            return_routed_experts,
-            chat_template_kwargs,
-            ..miles_session::server::SessionServerConfig::default()
-        },
-    );
+    let server = miles_session::server::SessionServer::new(engine, Arc::new(chat), config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let app = server.router();

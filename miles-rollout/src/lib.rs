@@ -76,7 +76,7 @@ pub use loops::{
 };
 pub use manager::{
     AgentGenerator, PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager, SampleGenerator,
-    TITO_MISMATCH_TYPES, mask_unusable, rollout_metrics, tito_mismatch_metrics,
+    TITO_MISMATCH_TYPES, mask_unusable, passrate_metrics, rollout_metrics, tito_mismatch_metrics,
 };
 pub use multi_turn::{MultiTurnGenerator, ToolExecutor};
 pub use passrate::{pass_at_k, pass_rate, pass_rate_of_samples};

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch};
 use crate::data::{DataSource, DataSourceState};
 use crate::error::{Error, Result};
 use crate::failures::retry_failed_group;
-use crate::manager::{RolloutManager, mask_unusable, rollout_metrics};
+use crate::manager::{RolloutManager, mask_unusable, passrate_metrics, rollout_metrics};
 use crate::{FilterVerdict, group_staleness};
 
 /// What to do with groups that are too stale to train on
@@ -125,14 +125,21 @@ impl EvalSet {
         while let Some(joined) = tasks.join_next().await {
             groups.push(joined.map_err(|e| Error::Task(format!("eval task failed: {e}")))?);
         }
-        let reward_key = self.manager.config().reward_key.as_deref();
-        Ok(rollout_metrics(&groups, reward_key)
+        let config = self.manager.config();
+        let mut metrics: Metrics = rollout_metrics(&groups, config.reward_key.as_deref())
             .into_iter()
             .filter_map(|(key, value)| {
                 key.strip_prefix("rollout/")
                     .map(|rest| (format!("eval/{}/{rest}", self.name), value))
             })
-            .collect())
+            .collect();
+        // Miles' eval keys: `eval/<name>-pass@k`.
+        for (key, value) in passrate_metrics(config, &groups) {
+            if let Some(k) = key.strip_prefix("passrate/") {
+                metrics.insert(format!("eval/{}-{k}", self.name), value);
+            }
+        }
+        Ok(metrics)
     }
 }
 
@@ -638,6 +645,7 @@ impl RlLoop {
             }
             let wait_time = started.elapsed().as_secs_f64();
             let mut metrics = rollout_metrics(&groups, self.manager.config().reward_key.as_deref());
+            metrics.extend(passrate_metrics(self.manager.config(), &groups));
             metrics.insert("perf/rollout_wait_time".into(), wait_time);
             metrics.insert("perf/train_wait_time".into(), wait_time);
             metrics.insert(

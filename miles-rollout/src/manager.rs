@@ -151,6 +151,10 @@ pub struct RolloutConfig {
     pub partial_rollout: bool,
     /// Ask engines for routed experts (`--use-rollout-routing-replay`).
     pub return_routed_experts: bool,
+    /// Log pass@k over each rollout's complete groups (`passrate/pass@k`) and each evaluation
+    /// set (`eval/<name>-pass@k`), k = 1, 2, 4, … up to the group size (Miles'
+    /// `--log-passrate`; a sample passes when its reward is exactly 1).
+    pub log_passrate: bool,
     /// Failed samples (agents, rewards, engine errors): group regeneration bound and when the
     /// run stops (miles-rs' own; Miles has none).
     pub failure: FailurePolicy,
@@ -172,6 +176,7 @@ impl Default for RolloutConfig {
             partial_rollout: false,
             return_routed_experts: false,
             failure: FailurePolicy::default(),
+            log_passrate: false,
         }
     }
 }
@@ -360,6 +365,7 @@ impl RolloutManager {
         }
         kept.sort_by_key(|g| g.first().and_then(|s| s.index).unwrap_or(u64::MAX));
         let mut metrics = rollout_metrics(&kept, self.config.reward_key.as_deref());
+        metrics.extend(passrate_metrics(&self.config, &kept));
         for (reason, count) in drops {
             metrics.insert(
                 format!("rollout/dynamic_filter/drop_{reason}"),
@@ -661,6 +667,23 @@ pub fn rollout_metrics(groups: &[Vec<Sample>], reward_key: Option<&str>) -> Metr
     metrics.insert("rollout/samples".into(), samples.len() as f64);
     metrics.extend(tito_mismatch_metrics(&samples));
     metrics
+}
+
+/// `passrate/pass@k` over `groups` when the config asks for it (`--log-passrate`, Miles'
+/// `_compute_passrate_from_samples`: complete groups only); empty otherwise.
+pub fn passrate_metrics(config: &RolloutConfig, groups: &[Vec<Sample>]) -> Metrics {
+    if !config.log_passrate {
+        return Metrics::new();
+    }
+    let samples: Vec<Sample> = groups.iter().flatten().cloned().collect();
+    crate::passrate::pass_rate_of_samples(
+        &samples,
+        config.n_samples_per_prompt,
+        config.reward_key.as_deref(),
+    )
+    .into_iter()
+    .map(|(k, v)| (format!("passrate/{k}"), v))
+    .collect()
 }
 
 /// The mismatch types a session server reports, in Miles' order. All but `assistant_text`

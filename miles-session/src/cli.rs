@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use miles_core::InferenceEngine;
-use miles_tito::ChatTokenizer;
+use miles_tito::{ChatTokenizer, MessageMatcher};
 
 use crate::error::{Error, Result};
 use crate::guard::{ApiKey, GuardConfig};
@@ -78,6 +78,8 @@ pub struct CliArgs {
     pub max_connections: Option<usize>,
     /// Most requests in progress at once.
     pub max_concurrent_requests: Option<usize>,
+    /// How a request's history is compared with the stored one (`--session-message-matcher`).
+    pub message_matcher: MessageMatcher,
 }
 
 impl CliArgs {
@@ -101,6 +103,7 @@ impl CliArgs {
             session_idle_timeout: self.session_idle_timeout,
             max_records_per_session: self.max_records_per_session,
             max_tokens_per_session: self.max_tokens_per_session,
+            message_matcher: self.message_matcher,
             ..SessionServerConfig::default()
         }
     }

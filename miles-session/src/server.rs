@@ -16,7 +16,7 @@ use miles_core::{
     FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, Message, RequestId, Sample,
     SamplingParams, ToolArguments, ToolSpec,
 };
-use miles_tito::{ChatTokenizer, Mismatch};
+use miles_tito::{ChatTokenizer, MessageMatcher, Mismatch};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::Mutex;
@@ -77,6 +77,10 @@ pub struct SessionServerConfig {
     /// Put the conversation (`metadata.messages`) on the last sample of a session, as Miles
     /// does with `--save-debug-trajectory-data`. Default: off.
     pub save_debug_trajectory_data: bool,
+    /// How a request's history is compared with the stored one (Miles'
+    /// `--session-message-matcher`: `strict`, `loose_tool_call`, `role_content_only`), for
+    /// rollback detection and the append-only check. Default: strict.
+    pub message_matcher: MessageMatcher,
 }
 
 impl Default for SessionServerConfig {
@@ -97,6 +101,7 @@ impl Default for SessionServerConfig {
             max_tokens_per_session: Some(1 << 20),
             chat_template_kwargs: Map::new(),
             save_debug_trajectory_data: false,
+            message_matcher: MessageMatcher::Strict,
         }
     }
 }
@@ -950,6 +955,7 @@ async fn chat_turn(state: &AppState, id: &str, request: Request) -> Result<(Resp
                 &tools,
                 &chat.kwargs,
                 state.tokenizer.as_ref(),
+                state.config.message_matcher,
             )
             .map_err(template_rejection)?
     };

@@ -191,8 +191,9 @@ impl LinearTrajectory {
             .unwrap_or_default()
     }
 
-    /// Rollback detection: how many checkpoints survive for this request (Miles' linear trajectory).
-    fn checkpoints_to_keep(&self, request: &[Message]) -> Result<usize> {
+    /// Rollback detection: how many checkpoints survive for this request (Miles' linear
+    /// trajectory), comparing stored and requested messages with `matcher`.
+    fn checkpoints_to_keep(&self, request: &[Message], matcher: MessageMatcher) -> Result<usize> {
         let stored = &self.messages;
         if stored.is_empty() {
             return Ok(0);
@@ -200,7 +201,7 @@ impl LinearTrajectory {
         let match_len = stored
             .iter()
             .zip(request)
-            .take_while(|(a, b)| MessageMatcher::Strict.matches(a, b))
+            .take_while(|(a, b)| matcher.matches(a, b))
             .count();
         if match_len >= stored.len() {
             return Ok(self.num_assistant());
@@ -230,26 +231,39 @@ impl LinearTrajectory {
         }
     }
 
-    /// Phase 1: computes the prompt ids for `request` (rollback detection, append-only
-    /// validation with the family's roles, incremental tokenization). Changes nothing.
+    /// Phase 1: computes the prompt ids for `request` (rollback detection and append-only
+    /// validation under `matcher` — Miles' `--session-message-matcher` — with the family's
+    /// roles, then incremental tokenization). Changes nothing.
+    ///
+    /// The tokenizer sees the effective history, as Miles builds it: the stored messages
+    /// verbatim for the matched prefix (a replay a loose matcher accepted is not re-rendered)
+    /// and the request's messages after it.
     pub fn prepare(
         &self,
         request: &[Message],
         tools: &[ToolSpec],
         kwargs: &Map<String, Value>,
         tokenizer: &dyn ChatTokenizer,
+        matcher: MessageMatcher,
     ) -> Result<PreparedTurn> {
         if request.is_empty() {
             return Err(Error::validation("messages must not be empty"));
         }
-        let keep = self.checkpoints_to_keep(request)?;
+        let keep = self.checkpoints_to_keep(request, matcher)?;
         let prompt_ids = if keep == 0 {
             tokenizer.render(request, tools, true, kwargs)?
         } else {
             let stored = self.kept_messages(keep);
-            validate_append(stored, request, tokenizer.allowed_append_roles())?;
-            // Validated: the tokenizer reads the stored messages and the appended tail.
-            tokenizer.merge_tokens(stored, request, &self.checkpoints[keep - 1], tools, kwargs)?
+            validate_append(stored, request, tokenizer.allowed_append_roles(), matcher)?;
+            let mut effective = stored.to_vec();
+            effective.extend_from_slice(&request[stored.len()..]);
+            tokenizer.merge_tokens(
+                stored,
+                &effective,
+                &self.checkpoints[keep - 1],
+                tools,
+                kwargs,
+            )?
         };
         Ok(PreparedTurn {
             prompt_ids,
@@ -315,10 +329,16 @@ impl LinearTrajectory {
     }
 }
 
-/// miles-tito's strict append-only validation of `request` against the `stored` history with
-/// the family's appendable roles; a failure is this crate's 400 with Miles' session wording.
-fn validate_append(stored: &[Message], request: &[Message], allowed: &[Role]) -> Result<()> {
-    assert_append_only(stored, request, allowed, MessageMatcher::Strict).map_err(|e| match e {
+/// miles-tito's append-only validation of `request` against the `stored` history under
+/// `matcher` with the family's appendable roles; a failure is this crate's 400 with Miles'
+/// session wording.
+fn validate_append(
+    stored: &[Message],
+    request: &[Message],
+    allowed: &[Role],
+    matcher: MessageMatcher,
+) -> Result<()> {
+    assert_append_only(stored, request, allowed, matcher).map_err(|e| match e {
         miles_tito::Error::MessageValidation { reason, .. } => Error::validation(format!(
             "{reason}; the selected TITO fixed template does not support appending this role"
         )),
@@ -333,7 +353,9 @@ mod tests {
 
     #[test]
     fn append_only_errors_name_index_and_role() {
-        let assert_append_only = validate_append;
+        let assert_append_only = |s: &[Message], r: &[Message], a: &[Role]| {
+            validate_append(s, r, a, MessageMatcher::Strict)
+        };
         let stored = vec![
             Message::system("s"),
             Message::user("u"),

@@ -229,6 +229,7 @@ fn train_sync_reports_what_a_user_reads() {
         held_out.to_str().unwrap(),
         "--n-samples-per-eval-prompt",
         "3",
+        "--log-passrate",
         "--output-dir",
         eval_out.to_str().unwrap(),
     ]));
@@ -238,6 +239,13 @@ fn train_sync_reports_what_a_user_reads() {
         .as_f64()
         .unwrap();
     assert!((0.0..=1.0).contains(&r));
+    // --log-passrate (Miles' keys `eval/NAME-pass@k`, k = 1, 2 for groups of 3): with 0 / 1
+    // rewards pass@1 is the mean reward; pass@2 = mean over prompts of 1 - C(3-c, 2) / C(3, 2).
+    let pass1 = eval["eval"]["sums"]["eval/sums-pass@1"].as_f64().unwrap();
+    let pass2 = eval["eval"]["sums"]["eval/sums-pass@2"].as_f64().unwrap();
+    assert!((pass1 - r).abs() < 1e-12, "{eval}");
+    assert!(pass2 >= pass1 && pass2 <= 1.0, "{eval}");
+    assert_eq!(eval["eval"]["sums"].get("eval/sums-pass@4"), None, "{eval}");
     // A Parquet set in DAPO-Math's schema (message-list prompts, the label in a struct) and
     // the same rows as JSONL, scored with Miles' `dapo` rule.
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/data");
@@ -885,14 +893,26 @@ fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::
 
 #[test]
 fn train_stops_on_sigint_with_a_checkpoint_and_resumes() {
-    let dir = scratch("stop");
+    stops_with_a_checkpoint_and_resumes("train", libc::SIGINT, 130);
+}
+
+#[test]
+fn train_async_stops_on_sigterm_with_a_checkpoint_and_resumes() {
+    stops_with_a_checkpoint_and_resumes("train-async", libc::SIGTERM, 143);
+}
+
+/// `miles COMMAND` gets `signal` once a step is trained: it exits with `code` within a
+/// bounded time, after the last finished step's checkpoint, its metrics and TensorBoard
+/// files; `--load` resumes at the next step.
+fn stops_with_a_checkpoint_and_resumes(command: &str, signal: i32, code: i32) {
+    let dir = scratch(&format!("stop-{command}"));
     let (model, train, held_out) = setup(&dir);
     let out = dir.join("run");
     let save = dir.join("ckpt");
     let flags = train_flags(&model, &train, &held_out, &out);
     let log = std::fs::File::create(dir.join("stderr.log")).unwrap();
     let mut child = miles()
-        .arg("train")
+        .arg(command)
         .args(&flags)
         .args(["--num-rollout", "50", "--use-tensorboard"])
         .arg("--save")
@@ -921,13 +941,13 @@ fn train_stops_on_sigint_with_a_checkpoint_and_resumes() {
     }
     let pid = i32::try_from(child.id()).unwrap();
     // SAFETY: kill(2) with a child's pid and a valid signal number.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
     let status = wait_exit(&mut child, Duration::from_secs(600));
     let stderr = std::fs::read_to_string(dir.join("stderr.log")).unwrap();
-    assert_eq!(status.code(), Some(130), "{stderr}");
+    assert_eq!(status.code(), Some(code), "{stderr}");
     assert!(stderr.contains("stopping"), "{stderr}");
     let summary = json_file(&out.join("summary.json"));
-    assert_eq!(summary["stopped_by_signal"], 130, "{summary}");
+    assert_eq!(summary["stopped_by_signal"], code, "{summary}");
     let steps = summary["stopped_at"].as_u64().unwrap();
     assert!((1..50).contains(&steps), "{summary}");
     // The checkpoint of the last finished step, the metrics of every finished step flushed.
@@ -945,7 +965,7 @@ fn train_stops_on_sigint_with_a_checkpoint_and_resumes() {
     // --load resumes at the step after it and runs to the end.
     let total = (steps + 1).to_string();
     let resumed = run(miles()
-        .arg("train")
+        .arg(command)
         .args(&flags)
         .args(["--num-rollout", &total])
         .arg("--load")

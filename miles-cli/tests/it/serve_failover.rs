@@ -187,3 +187,164 @@ async fn killing_a_server_under_load_loses_no_request() {
     drop(restarted);
     drop(b);
 }
+
+/// Waits for `child` to exit, at most `limit` (then kills it and fails).
+fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let until = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            panic!("still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `miles router` on its own, over two `miles serve` processes: it answers as the servers do
+/// (text and ids), lists its workers, keeps answering when one server is SIGKILLed, and
+/// stops with status 0 on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn miles_router_serves_over_two_servers_and_routes_around_a_dead_one() {
+    let [mut a, b] = tokio::task::spawn_blocking(|| [start(0), start(0)])
+        .await
+        .unwrap();
+    let mut router = Command::new(env!("CARGO_BIN_EXE_miles"))
+        .args(["router", "--engine-url", &a.url, "--engine-url", &b.url])
+        .arg("--model")
+        .arg(model_dir())
+        .args(["--port", "0", "--rollout-health-check-interval", "0.2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start miles router");
+    let mut line = String::new();
+    BufReader::new(router.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("no listening line: {line:?}"))
+        .to_owned();
+    assert!(line.contains("routing over 2 engine(s)"), "{line}");
+
+    let client = miles_session::http::HttpClient::new(Duration::from_secs(60));
+    let workers: serde_json::Value = client
+        .get(&format!("{url}/list_workers"))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(workers["urls"], serde_json::json!([a.url, b.url]));
+
+    // Greedy answers through the router equal the server's own, for text and for ids.
+    let bodies = [
+        serde_json::json!({"text": "The weather in Paris",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6}}),
+        serde_json::json!({"input_ids": [381, 280, 12, 490, 64],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "return_logprob": true}),
+    ];
+    let mut direct = Vec::new();
+    for body in &bodies {
+        let answer = client
+            .post_json(&format!("{}/generate", b.url), body, &[])
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        direct.push(answer.json::<serde_json::Value>().unwrap());
+    }
+    let through = |body: serde_json::Value| {
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            let answer = client
+                .post_json(&format!("{url}/generate"), &body, &[])
+                .await
+                .unwrap();
+            assert_eq!(answer.status, 200, "{}", answer.text());
+            answer.json::<serde_json::Value>().unwrap()
+        }
+    };
+    for (body, expected) in bodies.iter().zip(&direct) {
+        let got = through(body.clone()).await;
+        assert_eq!(got["text"], expected["text"]);
+        assert_eq!(
+            got["meta_info"]["completion_tokens"],
+            expected["meta_info"]["completion_tokens"]
+        );
+        assert_eq!(
+            got["meta_info"]["output_token_logprobs"],
+            expected["meta_info"]["output_token_logprobs"]
+        );
+    }
+
+    // SIGKILL one server: every later request is answered by the other.
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    for _ in 0..4 {
+        let got = through(bodies[1].clone()).await;
+        assert_eq!(got["text"], direct[1]["text"]);
+    }
+    let workers: serde_json::Value = client
+        .get(&format!("{url}/list_workers"))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(workers["healthy"], serde_json::json!([b.url]));
+
+    let pid = i32::try_from(router.id()).unwrap();
+    // SAFETY: kill(2) with a child's pid and a valid signal number.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let status = wait_exit(&mut router, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0));
+    drop(b);
+}
+
+/// SIGTERM to `miles serve` with a request in flight (its body still arriving): the server
+/// stops accepting, answers that request in full and exits 0.
+#[test]
+fn miles_serve_drains_the_request_in_flight_on_sigterm() {
+    use std::io::{Read, Write};
+    let mut server = start_with(0, &["--shutdown-timeout-s", "60"]).unwrap();
+    let addr: std::net::SocketAddr = server.url.trim_start_matches("http://").parse().unwrap();
+    let body = br#"{"input_ids": [381, 280, 12, 490], "sampling_params": {"temperature": 0, "max_new_tokens": 16}}"#;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(&body[..10]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = i32::try_from(server.child.id()).unwrap();
+    // SAFETY: kill(2) with a child's pid and a valid signal number.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        server.child.try_wait().unwrap().is_none(),
+        "exited with a request in flight"
+    );
+    stream.write_all(&body[10..]).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let json: serde_json::Value =
+        serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap_or(""))
+            .unwrap_or_else(|e| panic!("{e}: {answer}"));
+    assert_eq!(json["meta_info"]["completion_tokens"], 16, "{json}");
+    let status = wait_exit(&mut server.child, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "still accepting after the stop"
+    );
+}

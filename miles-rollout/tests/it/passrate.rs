@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use miles_core::{Prompt, Sample};
-use miles_rollout::{pass_at_k, pass_rate, pass_rate_of_samples};
+use miles_rollout::{RolloutConfig, pass_at_k, pass_rate, pass_rate_of_samples, passrate_metrics};
 use serde_json::Value;
 
 #[test]
@@ -65,4 +65,23 @@ fn samples_are_grouped_by_index_and_incomplete_groups_left_out() {
     assert_eq!(got["pass@1"], 0.25);
     assert_eq!(got["pass@2"], 0.5);
     assert!(pass_rate_of_samples(&samples, 1, None).is_empty());
+}
+
+#[test]
+fn rollout_metrics_carry_passrate_only_when_asked() {
+    // Groups of two: {1, 0} and {0, 0}, as a rollout's kept groups.
+    let groups = vec![
+        vec![sample(7, 1.0), sample(7, 0.0)],
+        vec![sample(2, 0.0), sample(2, 0.0)],
+    ];
+    let mut config = RolloutConfig {
+        n_samples_per_prompt: 2,
+        ..RolloutConfig::default()
+    };
+    assert!(passrate_metrics(&config, &groups).is_empty());
+    config.log_passrate = true;
+    let got = passrate_metrics(&config, &groups);
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got["passrate/pass@1"], 0.25);
+    assert_eq!(got["passrate/pass@2"], 0.5);
 }

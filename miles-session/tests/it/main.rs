@@ -7,6 +7,7 @@ mod codec_interop;
 mod command_agent;
 mod common;
 mod fuzz_routes;
+mod message_matcher;
 mod prometheus_scrape;
 mod response_text;
 mod server;

@@ -4,7 +4,7 @@
 use miles_core::{Message, TokenId};
 use miles_session::testkit::ByteChatml;
 use miles_session::trajectory::{LinearTrajectory, SessionRecord};
-use miles_tito::ChatTokenizer;
+use miles_tito::{ChatTokenizer, MessageMatcher};
 use proptest::prelude::*;
 use serde_json::{Map, json};
 
@@ -33,7 +33,9 @@ proptest! {
         let mut trajectory = LinearTrajectory::new();
         for (user, reply, reasoning, as_system) in turns {
             messages.push(if as_system { Message::system(user) } else { Message::user(user) });
-            let prepared = trajectory.prepare(&messages, &[], &kwargs, &tok).unwrap();
+            let prepared = trajectory
+                .prepare(&messages, &[], &kwargs, &tok, MessageMatcher::Strict)
+                .unwrap();
             prop_assert_eq!(tok.decode(&prepared.prompt_ids), tok.render_text(&messages, &[], true, &kwargs));
             let assistant = Message::assistant(reply.clone()).with_reasoning(reasoning.clone());
             let output: Vec<TokenId> = tok.encode(&format!("<think>\n{reasoning}\n</think>\n\n{reply}<|im_end|>"));
