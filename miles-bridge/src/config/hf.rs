@@ -200,7 +200,9 @@ fn reject_sliding_window(json: &Value, layers: usize) -> Result<(), BridgeError>
 /// Splits a vision-language `config.json` (a row's `MultimodalLayout` `model_type`, e.g.
 /// Qwen3.5's `qwen3_5`) into its text config — `text_config`, with the row's text
 /// `model_type` and the wrapper's `tie_word_embeddings` (transformers ties by the top-level
-/// config, default false) — and the rest, kept for export. Other configs pass unchanged.
+/// config, default false) — and the whole file, kept for export (its `text_config` cut down
+/// to the fields this crate does not read once the config is built). Other configs pass
+/// unchanged.
 fn split_multimodal(json: Value) -> Result<(Value, Option<Value>), BridgeError> {
     let arch = json
         .get("model_type")
@@ -210,10 +212,7 @@ fn split_multimodal(json: Value) -> Result<(Value, Option<Value>), BridgeError> 
         return Ok((json, None));
     };
     let mut wrapper = json;
-    let text = wrapper
-        .as_object_mut()
-        .and_then(|m| m.remove("text_config"))
-        .filter(Value::is_object);
+    let text = wrapper.get("text_config").cloned().filter(Value::is_object);
     let Some(mut text) = text else {
         return Err(BridgeError::config(
             "text_config",
@@ -225,6 +224,13 @@ fn split_multimodal(json: Value) -> Result<(Value, Option<Value>), BridgeError> 
     };
     text["model_type"] = arch.model_type().into();
     // The stored dtype describes the file, and `save_pretrained` writes its own.
+    if let Some(t) = wrapper
+        .get_mut("text_config")
+        .and_then(Value::as_object_mut)
+    {
+        t.remove("dtype");
+        t.remove("torch_dtype");
+    }
     if let Some(map) = wrapper.as_object_mut() {
         map.remove("dtype");
         map.remove("torch_dtype");
@@ -491,7 +497,45 @@ impl ModelConfig {
             multimodal,
         };
         config.validate()?;
-        Ok(config)
+        Ok(config.keeping_unread_text_fields())
+    }
+
+    /// A vision-language config keeps, of its source `text_config`, only the fields
+    /// [`ModelConfig::to_hf_json`] does not write (and of `rope_parameters` the keys it does
+    /// not write, e.g. Qwen3.5's `mrope_section`), so an export writes them back unchanged
+    /// and reads back as the same config.
+    fn keeping_unread_text_fields(mut self) -> Self {
+        let Some(wrapper) = self.multimodal.take() else {
+            return self;
+        };
+        let written = Self {
+            multimodal: None,
+            ..self.clone()
+        }
+        .to_hf_json();
+        let mut wrapper = wrapper;
+        if let (Some(text), Some(written)) = (
+            wrapper
+                .get_mut("text_config")
+                .and_then(Value::as_object_mut),
+            written.as_object(),
+        ) {
+            for (key, value) in written {
+                let rest = match (text.remove(key), value) {
+                    (Some(Value::Object(mut kept)), Value::Object(ours)) => {
+                        kept.retain(|k, _| !ours.contains_key(k));
+                        (!kept.is_empty()).then_some(Value::Object(kept))
+                    }
+                    _ => None,
+                };
+                if let Some(rest) = rest {
+                    text.insert(key.clone(), rest);
+                }
+            }
+            text.remove("model_type");
+        }
+        self.multimodal = Some(wrapper);
+        self
     }
 
     /// Reads and parses `path` (a `config.json`).

@@ -98,8 +98,9 @@ pub struct ModelConfig {
     /// Qwen3.5-MoE: width of the gated shared expert (`shared_expert_intermediate_size`).
     pub shared_expert_intermediate_size: usize,
     /// A vision-language checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`): its
-    /// `config.json` without `text_config` (vision config, special token ids, ...), written
-    /// back around the text config on export. `None`: a text-only checkpoint.
+    /// `config.json` (vision config, special token ids, ...; of `text_config` only the fields
+    /// this crate does not read, such as `rope_parameters.mrope_section`), written back around
+    /// the text config on export. `None`: a text-only checkpoint.
     pub multimodal: Option<Value>,
 }
 
@@ -551,11 +552,27 @@ impl ModelConfig {
         }
         match (&self.multimodal, spec.multimodal) {
             (Some(wrapper), Some(layout)) => {
-                let mut text = json;
-                text["model_type"] = spec.model_type.into();
-                if let Some(map) = text.as_object_mut() {
-                    map.remove("architectures");
+                // The fields of the source `text_config` this crate does not read (M-RoPE
+                // sections, MTP settings, ...) come back around the ones it writes.
+                let mut text = wrapper
+                    .get("text_config")
+                    .filter(|t| t.is_object())
+                    .cloned()
+                    .unwrap_or_else(|| serde_json::json!({}));
+                if let (Some(text), Some(ours)) = (text.as_object_mut(), json.as_object()) {
+                    for (key, value) in ours {
+                        match (text.get_mut(key), value) {
+                            (Some(Value::Object(kept)), Value::Object(new)) => {
+                                kept.extend(new.clone());
+                            }
+                            _ => {
+                                text.insert(key.clone(), value.clone());
+                            }
+                        }
+                    }
+                    text.remove("architectures");
                 }
+                text["model_type"] = spec.model_type.into();
                 let mut outer = wrapper.clone();
                 outer["architectures"] = serde_json::json!([layout.hf_class]);
                 outer["model_type"] = layout.model_type.into();

@@ -320,6 +320,16 @@ fn qwen3_5_export_round_trip_is_bit_identical() {
         assert_eq!(written["model_type"], source["model_type"], "{name}");
         assert_eq!(written["architectures"], source["architectures"], "{name}");
         assert_eq!(written["vision_config"], source["vision_config"], "{name}");
+        // Every field of the source text config comes back with its value (transformers'
+        // own `text_config` fields, the ones this crate does not read included).
+        if let Some(text) = source["text_config"].as_object() {
+            for (key, value) in text.iter().filter(|(k, _)| k.as_str() != "dtype") {
+                assert_eq!(
+                    &written["text_config"][key], value,
+                    "{name}: text_config.{key}"
+                );
+            }
+        }
         std::fs::remove_dir_all(&out).ok();
     }
 }
@@ -369,7 +379,27 @@ fn qwen3_5_config_is_read_as_transformers_reads_it() {
         (4, 128, 16, 32)
     );
     assert_eq!(bare.partial_rotary_factor, 0.25);
-    for c in [tiny, moe, text, bare] {
+    // A release-style `rope_parameters` (M-RoPE sections, unused for text) and fields this
+    // crate does not read are written back unchanged.
+    let mut release: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("qwen35-tiny").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    release["text_config"]["rope_parameters"]["mrope_section"] = serde_json::json!([11, 11, 10]);
+    release["text_config"]["rope_parameters"]["mrope_interleaved"] = true.into();
+    release["text_config"]["mtp_num_hidden_layers"] = 1.into();
+    let release = ModelConfig::from_hf_json(&release.to_string()).unwrap();
+    let out = release.to_hf_json();
+    assert_eq!(
+        out["text_config"]["rope_parameters"]["mrope_section"],
+        serde_json::json!([11, 11, 10])
+    );
+    assert_eq!(
+        out["text_config"]["rope_parameters"]["partial_rotary_factor"],
+        0.25
+    );
+    assert_eq!(out["text_config"]["mtp_num_hidden_layers"], 1);
+    for c in [tiny, moe, text, bare, release] {
         let back = ModelConfig::from_hf_json(&c.to_hf_json().to_string()).unwrap();
         assert_eq!(back, c);
     }
