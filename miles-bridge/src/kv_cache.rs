@@ -5,6 +5,7 @@
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 use crate::error::BridgeError;
+use crate::nn::gated_delta::LinearState;
 
 /// Keys and values of one attention layer kept across decoding steps.
 ///
@@ -110,6 +111,9 @@ pub struct KvCache {
     pub(crate) key_valid: Option<Tensor<2, Bool>>,
     /// `[rows, 1]`: the position each row's next token takes.
     pub(crate) next_position: Option<Tensor<2, Int>>,
+    /// Per decoder layer, the conv and recurrent state of a Gated DeltaNet layer (Qwen3.5);
+    /// `None` for attention layers and until filled.
+    pub(crate) linear: Vec<Option<LinearState>>,
 }
 
 impl KvCache {
@@ -137,6 +141,12 @@ impl KvCache {
             .get(layer)
             .and_then(Option::as_ref)
             .map(|l| l.narrowed(self.len()))
+    }
+
+    /// The conv and recurrent state of linear-attention layer `layer` (Qwen3.5's Gated
+    /// DeltaNet), if it has been filled.
+    pub fn linear_state(&self, layer: usize) -> Option<&LinearState> {
+        self.linear.get(layer).and_then(Option::as_ref)
     }
 
     /// Number of rows (sequences) the cache holds; 0 when empty.
@@ -167,6 +177,7 @@ impl KvCache {
                 TensorData::new(vec![len as i32], [1, 1]),
                 device,
             )),
+            linear: Vec::new(),
         }
     }
 
@@ -206,6 +217,11 @@ impl KvCache {
                 .next_position
                 .as_ref()
                 .map(|p| p.clone().select(0, index.clone())),
+            linear: self
+                .linear
+                .iter()
+                .map(|s| s.as_ref().map(|s| s.select(index.clone())))
+                .collect(),
         })
     }
 
@@ -226,6 +242,7 @@ impl KvCache {
         let mut next = Vec::with_capacity(parts.len());
         let mut per_layer: Vec<(Vec<Tensor<4>>, Vec<Option<Tensor<4>>>)> =
             (0..layers).map(|_| (Vec::new(), Vec::new())).collect();
+        let mut linear: Vec<Vec<LinearState>> = (0..layers).map(|_| Vec::new()).collect();
         for part in parts {
             let used = part.len();
             let pad = total - used;
@@ -249,7 +266,16 @@ impl KvCache {
                     1,
                 )
             });
+            for (l, state) in part.linear.into_iter().enumerate() {
+                if let (Some(state), Some(states)) = (state, linear.get_mut(l)) {
+                    states.push(state);
+                }
+            }
             for (l, slot) in part.layers.into_iter().enumerate() {
+                // A linear-attention layer has no keys (its state is joined above).
+                if slot.is_none() && !linear[l].is_empty() {
+                    continue;
+                }
                 let slot = slot
                     .ok_or_else(|| BridgeError::input("cache with a missing layer"))?
                     .narrowed(used);
@@ -265,10 +291,24 @@ impl KvCache {
                 per_layer[l].1.push(slot.values.map(padded));
             }
         }
+        let joined = valid.len();
+        if linear
+            .iter()
+            .any(|states| !states.is_empty() && states.len() != joined)
+        {
+            return Err(BridgeError::input("caches of different models"));
+        }
         Ok(KvCache {
+            linear: linear
+                .into_iter()
+                .map(|states| (!states.is_empty()).then(|| LinearState::cat(states)))
+                .collect(),
             layers: per_layer
                 .into_iter()
                 .map(|(k, v)| {
+                    if k.is_empty() {
+                        return None;
+                    }
                     // Latent-attention layers store no values.
                     let values = v
                         .into_iter()
@@ -342,12 +382,15 @@ impl KvCache {
                 .equal_elem(1),
             ),
             next_position: self.next_position.clone(),
+            linear: self.linear.clone(),
         }
     }
 
     /// Keeps the first `len` key columns (for reusing a cached prefix of a prompt). Positions
     /// continue from the number of real keys kept, which is right for caches whose rows were
-    /// filled from position 0 (every prefix cache).
+    /// filled from position 0 (every prefix cache). A recurrent state cannot be cut back:
+    /// for a model with linear-attention layers (Qwen3.5) any shorter prefix is an empty
+    /// cache (nothing reusable).
     pub fn truncate(&self, len: usize) -> KvCache {
         let Some(valid) = &self.key_valid else {
             return KvCache::new();
@@ -355,7 +398,7 @@ impl KvCache {
         if len >= self.len() {
             return self.clone();
         }
-        if len == 0 {
+        if len == 0 || self.linear.iter().any(Option::is_some) {
             return KvCache::new();
         }
         let valid = valid.clone().narrow(1, 0, len);
@@ -373,6 +416,7 @@ impl KvCache {
                 .collect(),
             next_position: Some(valid.clone().int().sum_dim(1).reshape([rows, 1])),
             key_valid: Some(same_bool(valid)),
+            linear: Vec::new(),
         }
     }
 }

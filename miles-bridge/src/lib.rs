@@ -11,7 +11,9 @@
 //!   RoPE scaling), `qwen2` (Qwen2 / Qwen2.5: q/k/v bias; sliding-window layers rejected) and
 //!   `deepseek_v3` (DeepSeek-V3 / Moonlight / Kimi-K2: multi-head latent attention, YaRN),
 //!   `glm4_moe_lite` (GLM-4.7-Flash: DeepSeek-V3's latent attention with GLM's router, MoE
-//!   layers by `mlp_layer_types`);
+//!   layers by `mlp_layer_types`), `qwen3_5` / `qwen3_5_moe` (Qwen3.5: Gated DeltaNet
+//!   linear-attention layers and gated full attention by `layer_types`, the releases'
+//!   vision-language layout read through `text_config` with the vision tower carried through);
 //!   each row says how that architecture's `config.json` maps onto the one [`ModelConfig`]
 //!   (defaults, ignored and pinned fields, RoPE scaling, attention kind, MoE layout), read by
 //!   [`ModelConfig::from_hf_json`] (transformers-5 `rope_parameters` layout and the older
@@ -92,8 +94,9 @@ pub mod profile;
 
 pub use config::{
     ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
-    Llama3RopeScaling, MlaConfig, MlpLayerType, ModelConfig, MoeLayers, MoeSpec, PinnedField,
-    PinnedValue, RopeScalingKind, RouterKind, YarnRopeScaling,
+    LayerType, LinearAttentionConfig, Llama3RopeScaling, MlaConfig, MlpLayerType, ModelConfig,
+    MoeLayers, MoeSpec, MultimodalLayout, PinnedField, PinnedValue, RopeScalingKind, RouterKind,
+    SharedExpertKind, YarnRopeScaling,
 };
 pub use error::BridgeError;
 pub use kv_cache::{KvCache, LayerCache};

@@ -75,6 +75,13 @@ impl PagedKvCache {
                 "a paged KV cache needs a positive token budget and row count",
             ));
         }
+        if model.config.linear_attention.is_some() {
+            return Err(BridgeError::input(format!(
+                "a paged KV cache holds no linear-attention state: {} layers keep a conv and \
+                 a recurrent state per sequence; decode with `CausalLm::forward_cached`",
+                model.config.architecture.spec().name
+            )));
+        }
         let needed = tokens.div_ceil(Self::BLOCK);
         let blocks = needed
             .checked_add(rows.min(needed))

@@ -48,11 +48,15 @@ pub enum OpClass {
     Sampling,
     /// Batch KV-cache bookkeeping between steps (joining, dropping and compacting rows).
     KvManage,
+    /// Gated DeltaNet: the causal depthwise conv (and its SiLU) of linear-attention layers.
+    LinearConv,
+    /// Gated DeltaNet: the delta rule (chunked or recurrent), L2 norms, decay and β.
+    DeltaRule,
 }
 
 impl OpClass {
     /// Every class, in report order.
-    pub const ALL: [OpClass; 15] = [
+    pub const ALL: [OpClass; 17] = [
         OpClass::Embed,
         OpClass::Norm,
         OpClass::QkvProj,
@@ -68,6 +72,8 @@ impl OpClass {
         OpClass::Readback,
         OpClass::Sampling,
         OpClass::KvManage,
+        OpClass::LinearConv,
+        OpClass::DeltaRule,
     ];
 
     /// Short name used in reports.
@@ -88,6 +94,8 @@ impl OpClass {
             OpClass::Readback => "readback",
             OpClass::Sampling => "sampling",
             OpClass::KvManage => "kv_manage",
+            OpClass::LinearConv => "linear_conv",
+            OpClass::DeltaRule => "delta_rule",
         }
     }
 

@@ -10,6 +10,7 @@
 //! and its row in [`ARCHITECTURES`], plus model code for whatever the existing building blocks
 //! do not cover yet.
 
+use crate::config::linear::LinearAttentionConfig;
 use crate::config::mla::MlaConfig;
 use crate::error::BridgeError;
 
@@ -35,6 +36,14 @@ pub enum Architecture {
     /// `glm4_moe_lite`: GLM-4.7-Flash (DeepSeek-V3's latent attention with GLM-4-MoE's router
     /// and experts; which layers are MoE is the per-layer `mlp_layer_types`).
     Glm4MoeLite,
+    /// `qwen3_5`: Qwen3.5 / 3.6 dense (Gated DeltaNet linear-attention layers between gated
+    /// full-attention layers, zero-centred RMSNorm); `Qwen3_5ForConditionalGeneration`
+    /// checkpoints (`model_type: qwen3_5`, vision tower carried through) and text-only
+    /// `Qwen3_5ForCausalLM` ones (`qwen3_5_text`).
+    Qwen3_5,
+    /// `qwen3_5_moe`: Qwen3.5 / 3.6 MoE (the same hybrid layers, every MLP routed experts plus
+    /// a shared expert behind a sigmoid gate).
+    Qwen3_5Moe,
 }
 
 /// How a `config.json` field becomes a config value for one architecture.
@@ -112,6 +121,31 @@ pub enum MoeLayers {
     /// absent, layer 0 is dense and every later layer sparse (GLM-4.7-Flash; transformers
     /// ignores `first_k_dense_replace` here).
     FromLayerTypes,
+    /// Every layer (Qwen3.5-MoE).
+    All,
+}
+
+/// How an MoE layer's shared experts join the routed ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedExpertKind {
+    /// `mlp.shared_experts`: `n_shared_experts` experts of `moe_intermediate_size` as one MLP,
+    /// added to the routed output (GLM, DeepSeek).
+    Summed,
+    /// `mlp.shared_expert` of `shared_expert_intermediate_size`, scaled by
+    /// `sigmoid(mlp.shared_expert_gate(x))` before it is added (Qwen3.5-MoE).
+    Gated,
+}
+
+/// The checkpoint layout of a vision-language release whose text model is this
+/// architecture: `model_type` and class of the wrapper, the text config under `text_config`,
+/// the text model's weights under `model.language_model.*` and the rest (`model.visual.*`)
+/// carried through untouched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MultimodalLayout {
+    /// The wrapper's `model_type` (`qwen3_5`).
+    pub model_type: &'static str,
+    /// The wrapper's class (`Qwen3_5ForConditionalGeneration`).
+    pub hf_class: &'static str,
 }
 
 /// A `config.json` field that holds the number of routed experts.
@@ -148,6 +182,8 @@ pub struct MoeSpec {
     pub routed_scaling_factor: f64,
     /// `first_k_dense_replace` when absent.
     pub first_k_dense_replace: usize,
+    /// How the shared experts are added.
+    pub shared_expert: SharedExpertKind,
 }
 
 impl MoeSpec {
@@ -164,6 +200,7 @@ impl MoeSpec {
         topk_group: 1,
         routed_scaling_factor: 1.0,
         first_k_dense_replace: 1,
+        shared_expert: SharedExpertKind::Summed,
     };
 }
 
@@ -241,6 +278,18 @@ pub struct ArchitectureSpec {
     pub num_nextn_predict_layers: FieldRule<usize>,
     /// Fields that must hold the reference value.
     pub pinned_fields: &'static [PinnedField],
+    /// Hybrid linear attention: `layer_types` (`linear_attention` / `full_attention`, absent:
+    /// every `full_attention_interval`-th layer full, default 4) and the Gated DeltaNet shapes
+    /// absent fields take (`None`: every layer is full attention).
+    pub linear_attention: Option<LinearAttentionConfig>,
+    /// Whether full attention is gated: `q_proj` gives each head's queries and as many gate
+    /// channels, the attention output is multiplied by their sigmoid before `o_proj`.
+    pub attention_output_gate: bool,
+    /// Whether every RMSNorm of the decoder (not the linear layers' gated norm) scales by
+    /// `1 + weight` (zero-centred weights, Qwen3.5) instead of `weight`.
+    pub norm_unit_offset: bool,
+    /// The vision-language release layout, when the architecture has one.
+    pub multimodal: Option<MultimodalLayout>,
 }
 
 /// The architecture table, one row per [`Architecture`] variant, in the variants' order.
@@ -268,6 +317,10 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         },
         num_nextn_predict_layers: FieldRule::Fixed(0),
         pinned_fields: &[],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen3,
@@ -285,6 +338,10 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         moe: MoeSpec::DENSE,
         num_nextn_predict_layers: FieldRule::Fixed(0),
         pinned_fields: &[],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen3Moe,
@@ -307,6 +364,10 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         },
         num_nextn_predict_layers: FieldRule::Fixed(0),
         pinned_fields: &[],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
     },
     ArchitectureSpec {
         architecture: Architecture::Llama,
@@ -324,6 +385,10 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         moe: MoeSpec::DENSE,
         num_nextn_predict_layers: FieldRule::Fixed(0),
         pinned_fields: &[],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen2,
@@ -343,6 +408,10 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         moe: MoeSpec::DENSE,
         num_nextn_predict_layers: FieldRule::Fixed(0),
         pinned_fields: &[],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
     },
     ArchitectureSpec {
         architecture: Architecture::DeepseekV3,
@@ -382,6 +451,7 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
             topk_group: 4,
             routed_scaling_factor: 2.5,
             first_k_dense_replace: 3,
+            shared_expert: SharedExpertKind::Summed,
         },
         num_nextn_predict_layers: FieldRule::Read(1),
         // DeepSeek's original `config.json` fields: sigmoid scoring, `noaux_tc` top-k, every
@@ -400,6 +470,10 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
                 value: PinnedValue::Int(1),
             },
         ],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
     },
     ArchitectureSpec {
         architecture: Architecture::Glm4MoeLite,
@@ -435,6 +509,7 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
             topk_group: 1,
             routed_scaling_factor: 1.8,
             first_k_dense_replace: 1,
+            shared_expert: SharedExpertKind::Summed,
         },
         // The released checkpoint stores one multi-token-prediction layer after the decoder
         // layers (`num_nextn_predict_layers: 1`); transformers' config has no such field.
@@ -449,8 +524,80 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
                 value: PinnedValue::Str("noaux_tc"),
             },
         ],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
+    },
+    ArchitectureSpec {
+        architecture: Architecture::Qwen3_5,
+        model_type: "qwen3_5_text",
+        aliases: &[],
+        hf_class: "Qwen3_5ForCausalLM",
+        name: "Qwen3.5",
+        rms_norm_eps: FieldRule::Read(1e-6),
+        partial_rotary_factor: FieldRule::Read(0.25),
+        rope_scaling: None,
+        attention: AttentionKind::Grouped,
+        attention_bias: FieldRule::Read(false),
+        use_qk_norm: FieldRule::Fixed(true),
+        sliding_window: false,
+        moe: MoeSpec::DENSE,
+        // Released checkpoints store MTP layers under `mtp.*` (carried through untouched).
+        num_nextn_predict_layers: FieldRule::Fixed(0),
+        pinned_fields: &[],
+        linear_attention: Some(QWEN3_5_LINEAR),
+        attention_output_gate: true,
+        norm_unit_offset: true,
+        multimodal: Some(MultimodalLayout {
+            model_type: "qwen3_5",
+            hf_class: "Qwen3_5ForConditionalGeneration",
+        }),
+    },
+    ArchitectureSpec {
+        architecture: Architecture::Qwen3_5Moe,
+        model_type: "qwen3_5_moe_text",
+        aliases: &[],
+        hf_class: "Qwen3_5MoeForCausalLM",
+        name: "Qwen3.5-MoE",
+        rms_norm_eps: FieldRule::Read(1e-6),
+        partial_rotary_factor: FieldRule::Read(0.25),
+        rope_scaling: None,
+        attention: AttentionKind::Grouped,
+        attention_bias: FieldRule::Read(false),
+        use_qk_norm: FieldRule::Fixed(true),
+        sliding_window: false,
+        moe: MoeSpec {
+            layers: MoeLayers::All,
+            router: RouterKind::Softmax,
+            expert_count_fields: &[ExpertCountField::NumExperts],
+            n_routed_experts: 256,
+            n_shared_experts: FieldRule::Fixed(1),
+            norm_topk_prob: true,
+            num_experts_per_tok: 8,
+            shared_expert: SharedExpertKind::Gated,
+            ..MoeSpec::DENSE
+        },
+        num_nextn_predict_layers: FieldRule::Fixed(0),
+        pinned_fields: &[],
+        linear_attention: Some(QWEN3_5_LINEAR),
+        attention_output_gate: true,
+        norm_unit_offset: true,
+        multimodal: Some(MultimodalLayout {
+            model_type: "qwen3_5_moe",
+            hf_class: "Qwen3_5MoeForConditionalGeneration",
+        }),
     },
 ];
+
+/// transformers 5.24's Gated DeltaNet defaults (`Qwen3_5TextConfig`).
+const QWEN3_5_LINEAR: LinearAttentionConfig = LinearAttentionConfig {
+    conv_kernel_dim: 4,
+    key_head_dim: 128,
+    value_head_dim: 128,
+    num_key_heads: 16,
+    num_value_heads: 32,
+};
 
 // Row `i` is the row of the variant with discriminant `i`, so `spec` is an index.
 const _: () = {
@@ -491,8 +638,21 @@ impl Architecture {
                     .iter()
                     .flat_map(|row| row.aliases.iter().copied()),
             )
+            .chain(
+                ARCHITECTURES
+                    .iter()
+                    .filter_map(|row| row.multimodal.map(|m| m.model_type)),
+            )
             .collect::<Vec<_>>()
             .join(", ")
+    }
+
+    /// The row whose vision-language layout has `model_type` (`qwen3_5`), if any.
+    pub fn from_multimodal_model_type(model_type: &str) -> Option<Self> {
+        ARCHITECTURES
+            .iter()
+            .find(|row| row.multimodal.is_some_and(|m| m.model_type == model_type))
+            .map(|row| row.architecture)
     }
 
     /// Looks an architecture up by HF `model_type` (or one of a row's aliases); an unknown one
@@ -507,6 +667,7 @@ impl Architecture {
                     .find(|row| row.aliases.contains(&model_type))
             })
             .map(|row| row.architecture)
+            .or_else(|| Self::from_multimodal_model_type(model_type))
             .ok_or_else(|| BridgeError::UnsupportedArchitecture {
                 model_type: model_type.to_string(),
                 supported: Self::supported_model_types(),

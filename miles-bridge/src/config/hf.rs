@@ -10,8 +10,9 @@ use serde_json::Value;
 use crate::config::architecture::{
     Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, MoeLayers, RopeScalingKind,
 };
+use crate::config::linear::LinearAttentionConfig;
 use crate::config::mla::MlaConfig;
-use crate::config::model_config::{MlpLayerType, ModelConfig};
+use crate::config::model_config::{LayerType, MlpLayerType, ModelConfig};
 use crate::config::rope::{llama3_scaling, rope_field, rope_type, yarn_scaling};
 use crate::error::BridgeError;
 
@@ -73,6 +74,14 @@ struct RawConfig {
     #[serde(alias = "num_mtp_layers")]
     num_nextn_predict_layers: Option<usize>,
     original_max_position_embeddings: Option<f64>,
+    linear_conv_kernel_dim: Option<usize>,
+    linear_key_head_dim: Option<usize>,
+    linear_value_head_dim: Option<usize>,
+    linear_num_key_heads: Option<usize>,
+    linear_num_value_heads: Option<usize>,
+    full_attention_interval: Option<usize>,
+    #[serde(default)]
+    shared_expert_intermediate_size: usize,
 }
 
 fn one() -> usize {
@@ -188,14 +197,93 @@ fn reject_sliding_window(json: &Value, layers: usize) -> Result<(), BridgeError>
     Ok(())
 }
 
+/// Splits a vision-language `config.json` (a row's `MultimodalLayout` `model_type`, e.g.
+/// Qwen3.5's `qwen3_5`) into its text config — `text_config`, with the row's text
+/// `model_type` and the wrapper's `tie_word_embeddings` (transformers ties by the top-level
+/// config, default false) — and the whole file, kept for export (its `text_config` cut down
+/// to the fields this crate does not read once the config is built). Other configs pass
+/// unchanged.
+fn split_multimodal(json: Value) -> Result<(Value, Option<Value>), BridgeError> {
+    let arch = json
+        .get("model_type")
+        .and_then(Value::as_str)
+        .and_then(Architecture::from_multimodal_model_type);
+    let Some(arch) = arch else {
+        return Ok((json, None));
+    };
+    let mut wrapper = json;
+    let text = wrapper.get("text_config").cloned().filter(Value::is_object);
+    let Some(mut text) = text else {
+        return Err(BridgeError::config(
+            "text_config",
+            format!(
+                "missing: a `{}` config holds its text model's config there",
+                arch.spec().multimodal.map_or("", |m| m.model_type)
+            ),
+        ));
+    };
+    text["model_type"] = arch.model_type().into();
+    // The stored dtype describes the file, and `save_pretrained` writes its own.
+    if let Some(t) = wrapper
+        .get_mut("text_config")
+        .and_then(Value::as_object_mut)
+    {
+        t.remove("dtype");
+        t.remove("torch_dtype");
+    }
+    if let Some(map) = wrapper.as_object_mut() {
+        map.remove("dtype");
+        map.remove("torch_dtype");
+    }
+    text["tie_word_embeddings"] = match wrapper.get("tie_word_embeddings") {
+        Some(Value::Bool(b)) => Value::Bool(*b),
+        _ => Value::Bool(false),
+    };
+    Ok((text, Some(wrapper)))
+}
+
+/// `layer_types` as the row reads it: the explicit list (one `linear_attention` /
+/// `full_attention` per layer), else every `full_attention_interval`-th layer (default 4)
+/// full attention.
+fn linear_layer_types(
+    json: &Value,
+    layers: usize,
+    interval: Option<usize>,
+) -> Result<Vec<LayerType>, BridgeError> {
+    let Some(types) = json.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok(LayerType::interval_layout(layers, interval.unwrap_or(4)));
+    };
+    let types = types
+        .as_array()
+        .ok_or_else(|| BridgeError::config("layer_types", "must be a list of layer type names"))?;
+    types
+        .iter()
+        .enumerate()
+        .map(|(layer, kind)| {
+            kind.as_str().and_then(LayerType::parse).ok_or_else(|| {
+                BridgeError::config(
+                    "layer_types",
+                    format!(
+                        "layer {layer} has unsupported type {kind} (`linear_attention` or \
+                         `full_attention`)"
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
 impl ModelConfig {
     /// Parses an HF `config.json` text, choosing the architecture by `model_type` in the
     /// architecture table and reading the fields as its row says, and validates it. A missing
     /// `model_type` is [`BridgeError::MissingModelType`], an unknown one
-    /// [`BridgeError::UnsupportedArchitecture`]; both name the supported types.
+    /// [`BridgeError::UnsupportedArchitecture`]; both name the supported types. A
+    /// vision-language config (Qwen3.5's `qwen3_5` / `qwen3_5_moe`) is read through its
+    /// `text_config`; the rest is kept in [`ModelConfig::multimodal`].
     pub fn from_hf_json(text: &str) -> Result<Self, BridgeError> {
         let json: Value = serde_json::from_str(text)
             .map_err(|e| BridgeError::config("config.json", e.to_string()))?;
+        let (json, multimodal) = split_multimodal(json)?;
         let raw: RawConfig = serde_json::from_value(json.clone())
             .map_err(|e| BridgeError::config("config.json", e.to_string()))?;
         let Some(model_type) = raw.model_type.as_deref() else {
@@ -335,6 +423,19 @@ impl ModelConfig {
             }
             _ => Vec::new(),
         };
+        let (layer_types, linear_attention) = match spec.linear_attention {
+            None => (Vec::new(), None),
+            Some(d) => (
+                linear_layer_types(&json, raw.num_hidden_layers, raw.full_attention_interval)?,
+                Some(LinearAttentionConfig {
+                    conv_kernel_dim: raw.linear_conv_kernel_dim.unwrap_or(d.conv_kernel_dim),
+                    key_head_dim: raw.linear_key_head_dim.unwrap_or(d.key_head_dim),
+                    value_head_dim: raw.linear_value_head_dim.unwrap_or(d.value_head_dim),
+                    num_key_heads: raw.linear_num_key_heads.unwrap_or(d.num_key_heads),
+                    num_value_heads: raw.linear_num_value_heads.unwrap_or(d.num_value_heads),
+                }),
+            ),
+        };
         let config = Self {
             architecture,
             router: moe.router,
@@ -390,9 +491,51 @@ impl ModelConfig {
             tie_word_embeddings: raw.tie_word_embeddings,
             max_position_embeddings: raw.max_position_embeddings,
             initializer_range: raw.initializer_range,
+            layer_types,
+            linear_attention,
+            shared_expert_intermediate_size: raw.shared_expert_intermediate_size,
+            multimodal,
         };
         config.validate()?;
-        Ok(config)
+        Ok(config.keeping_unread_text_fields())
+    }
+
+    /// A vision-language config keeps, of its source `text_config`, only the fields
+    /// [`ModelConfig::to_hf_json`] does not write (and of `rope_parameters` the keys it does
+    /// not write, e.g. Qwen3.5's `mrope_section`), so an export writes them back unchanged
+    /// and reads back as the same config.
+    fn keeping_unread_text_fields(mut self) -> Self {
+        let Some(wrapper) = self.multimodal.take() else {
+            return self;
+        };
+        let written = Self {
+            multimodal: None,
+            ..self.clone()
+        }
+        .to_hf_json();
+        let mut wrapper = wrapper;
+        if let (Some(text), Some(written)) = (
+            wrapper
+                .get_mut("text_config")
+                .and_then(Value::as_object_mut),
+            written.as_object(),
+        ) {
+            for (key, value) in written {
+                let rest = match (text.remove(key), value) {
+                    (Some(Value::Object(mut kept)), Value::Object(ours)) => {
+                        kept.retain(|k, _| !ours.contains_key(k));
+                        (!kept.is_empty()).then_some(Value::Object(kept))
+                    }
+                    _ => None,
+                };
+                if let Some(rest) = rest {
+                    text.insert(key.clone(), rest);
+                }
+            }
+            text.remove("model_type");
+        }
+        self.multimodal = Some(wrapper);
+        self
     }
 
     /// Reads and parses `path` (a `config.json`).

@@ -3,14 +3,17 @@
 
 mod architecture;
 mod hf;
+mod linear;
 mod mla;
 mod model_config;
 mod rope;
 
 pub use architecture::{
     ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
-    MoeLayers, MoeSpec, PinnedField, PinnedValue, RopeScalingKind, RouterKind,
+    MoeLayers, MoeSpec, MultimodalLayout, PinnedField, PinnedValue, RopeScalingKind, RouterKind,
+    SharedExpertKind,
 };
+pub use linear::LinearAttentionConfig;
 pub use mla::MlaConfig;
-pub use model_config::{MlpLayerType, ModelConfig};
+pub use model_config::{LayerType, MlpLayerType, ModelConfig};
 pub use rope::{Llama3RopeScaling, YarnRopeScaling};

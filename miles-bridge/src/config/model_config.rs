@@ -4,7 +4,10 @@
 
 use serde_json::Value;
 
-use crate::config::architecture::{Architecture, ExpertCountField, MoeLayers, RouterKind};
+use crate::config::architecture::{
+    Architecture, ExpertCountField, MoeLayers, RouterKind, SharedExpertKind,
+};
+use crate::config::linear::LinearAttentionConfig;
 use crate::config::mla::MlaConfig;
 use crate::config::rope::{Llama3RopeScaling, YarnRopeScaling, yarn_mscale};
 use crate::error::BridgeError;
@@ -87,6 +90,60 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// Standard deviation of the random initialisation used by `init`.
     pub initializer_range: f64,
+    /// Qwen3.5: each layer's token mixer (`layer_types`); empty for the architectures whose
+    /// layers are all full attention.
+    pub layer_types: Vec<LayerType>,
+    /// Qwen3.5: the Gated DeltaNet shapes (`linear_*` fields); `None` without linear layers.
+    pub linear_attention: Option<LinearAttentionConfig>,
+    /// Qwen3.5-MoE: width of the gated shared expert (`shared_expert_intermediate_size`).
+    pub shared_expert_intermediate_size: usize,
+    /// A vision-language checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`): its
+    /// `config.json` (vision config, special token ids, ...; of `text_config` only the fields
+    /// this crate does not read, such as `rope_parameters.mrope_section`), written back around
+    /// the text config on export. `None`: a text-only checkpoint.
+    pub multimodal: Option<Value>,
+}
+
+/// One entry of `layer_types`: a layer's token mixer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerType {
+    /// `full_attention`: (gated) softmax attention with a KV cache.
+    FullAttention,
+    /// `linear_attention`: a Gated DeltaNet layer with a conv and a recurrent state.
+    LinearAttention,
+}
+
+impl LayerType {
+    /// Parses the `config.json` name.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "full_attention" => Some(Self::FullAttention),
+            "linear_attention" => Some(Self::LinearAttention),
+            _ => None,
+        }
+    }
+
+    /// The `config.json` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::FullAttention => "full_attention",
+            Self::LinearAttention => "linear_attention",
+        }
+    }
+
+    /// transformers' layout when `layer_types` is absent: every `interval`-th layer full
+    /// attention, the others linear.
+    pub fn interval_layout(layers: usize, interval: usize) -> Vec<Self> {
+        (0..layers)
+            .map(|l| {
+                if (l + 1).is_multiple_of(interval.max(1)) {
+                    Self::FullAttention
+                } else {
+                    Self::LinearAttention
+                }
+            })
+            .collect()
+    }
 }
 
 /// One entry of `mlp_layer_types`: whether a layer's MLP is dense or a mixture of experts.
@@ -204,8 +261,14 @@ impl ModelConfig {
             MoeLayers::FromLayerTypes => {
                 self.mlp_layer_types.get(layer) == Some(&MlpLayerType::Sparse)
             }
+            MoeLayers::All => self.n_routed_experts > 0,
             MoeLayers::None => false,
         }
+    }
+
+    /// Whether layer `layer` is a Gated DeltaNet linear-attention layer.
+    pub fn is_linear_layer(&self, layer: usize) -> bool {
+        self.layer_types.get(layer) == Some(&LayerType::LinearAttention)
     }
 
     /// Whether any layer is an MoE layer.
@@ -283,6 +346,35 @@ impl ModelConfig {
                     self.num_hidden_layers
                 ),
             ));
+        }
+        if let Some(lin) = self.linear_attention {
+            if self.layer_types.len() != self.num_hidden_layers {
+                return Err(BridgeError::config(
+                    "layer_types",
+                    format!(
+                        "has {} entries for {} layers (num_hidden_layers)",
+                        self.layer_types.len(),
+                        self.num_hidden_layers
+                    ),
+                ));
+            }
+            for (field, value) in [
+                ("linear_conv_kernel_dim", lin.conv_kernel_dim),
+                ("linear_key_head_dim", lin.key_head_dim),
+                ("linear_value_head_dim", lin.value_head_dim),
+                ("linear_num_key_heads", lin.num_key_heads),
+                ("linear_num_value_heads", lin.num_value_heads),
+            ] {
+                if value == 0 {
+                    return Err(BridgeError::config(field, "must be positive"));
+                }
+            }
+            if !lin.num_value_heads.is_multiple_of(lin.num_key_heads) {
+                return Err(BridgeError::config(
+                    "linear_num_value_heads",
+                    "must be a multiple of linear_num_key_heads",
+                ));
+            }
         }
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(BridgeError::config("rms_norm_eps", "must be positive"));
@@ -444,8 +536,51 @@ impl ModelConfig {
                 let types: Vec<&str> = self.mlp_layer_types.iter().map(|t| t.name()).collect();
                 json["mlp_layer_types"] = serde_json::json!(types);
             }
-            MoeLayers::FromFirstKDense | MoeLayers::None => {}
+            MoeLayers::FromFirstKDense | MoeLayers::All | MoeLayers::None => {}
         }
-        json
+        if let Some(lin) = self.linear_attention {
+            let types: Vec<&str> = self.layer_types.iter().map(|t| t.name()).collect();
+            json["layer_types"] = serde_json::json!(types);
+            json["linear_conv_kernel_dim"] = lin.conv_kernel_dim.into();
+            json["linear_key_head_dim"] = lin.key_head_dim.into();
+            json["linear_value_head_dim"] = lin.value_head_dim.into();
+            json["linear_num_key_heads"] = lin.num_key_heads.into();
+            json["linear_num_value_heads"] = lin.num_value_heads.into();
+        }
+        if spec.moe.shared_expert == SharedExpertKind::Gated {
+            json["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size.into();
+        }
+        match (&self.multimodal, spec.multimodal) {
+            (Some(wrapper), Some(layout)) => {
+                // The fields of the source `text_config` this crate does not read (M-RoPE
+                // sections, MTP settings, ...) come back around the ones it writes.
+                let mut text = wrapper
+                    .get("text_config")
+                    .filter(|t| t.is_object())
+                    .cloned()
+                    .unwrap_or_else(|| serde_json::json!({}));
+                if let (Some(text), Some(ours)) = (text.as_object_mut(), json.as_object()) {
+                    for (key, value) in ours {
+                        match (text.get_mut(key), value) {
+                            (Some(Value::Object(kept)), Value::Object(new)) => {
+                                kept.extend(new.clone());
+                            }
+                            _ => {
+                                text.insert(key.clone(), value.clone());
+                            }
+                        }
+                    }
+                    text.remove("architectures");
+                }
+                text["model_type"] = spec.model_type.into();
+                let mut outer = wrapper.clone();
+                outer["architectures"] = serde_json::json!([layout.hf_class]);
+                outer["model_type"] = layout.model_type.into();
+                outer["tie_word_embeddings"] = self.tie_word_embeddings.into();
+                outer["text_config"] = text;
+                outer
+            }
+            _ => json,
+        }
     }
 }

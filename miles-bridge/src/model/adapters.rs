@@ -180,15 +180,16 @@ impl CausalLm {
         let mut out = Vec::new();
         for (l, layer) in self.model.layers.iter().enumerate() {
             let p = format!("model.layers.{l}");
+            let attn = layer.self_attn.hf_name();
             for (n, lin) in layer.self_attn.linears() {
-                out.push((format!("{p}.self_attn.{n}"), lin));
+                out.push((format!("{p}.{attn}.{n}"), lin));
             }
             let mlp = match &layer.mlp {
                 FeedForward::Dense(m) => Some((format!("{p}.mlp"), m)),
                 FeedForward::Moe(moe) => moe
                     .shared_experts
                     .as_ref()
-                    .map(|m| (format!("{p}.mlp.shared_experts"), m)),
+                    .map(|m| (format!("{p}.mlp.{}", moe.shared_name), m)),
             };
             if let Some((q, m)) = mlp {
                 for (n, lin) in [
@@ -211,15 +212,18 @@ impl CausalLm {
         let mut out = Vec::new();
         for (l, layer) in self.model.layers.iter_mut().enumerate() {
             let p = format!("model.layers.{l}");
+            let attn = layer.self_attn.hf_name();
             for (n, lin) in layer.self_attn.linears_mut() {
-                out.push((format!("{p}.self_attn.{n}"), lin));
+                out.push((format!("{p}.{attn}.{n}"), lin));
             }
             let mlp = match &mut layer.mlp {
                 FeedForward::Dense(m) => Some((format!("{p}.mlp"), m)),
-                FeedForward::Moe(moe) => moe
-                    .shared_experts
-                    .as_mut()
-                    .map(|m| (format!("{p}.mlp.shared_experts"), m)),
+                FeedForward::Moe(moe) => {
+                    let name = moe.shared_name;
+                    moe.shared_experts
+                        .as_mut()
+                        .map(|m| (format!("{p}.mlp.{name}"), m))
+                }
             };
             if let Some((q, m)) = mlp {
                 out.push((format!("{q}.gate_proj"), &mut m.gate_proj));

@@ -1,6 +1,7 @@
 //! [`CausalLm`]: the decoder-only model shared by every [`Architecture`] — GLM-4.5 / 4.6 / 4.7
 //! MoE (`glm4_moe`), Qwen3 (`qwen3`), Qwen3-MoE (`qwen3_moe`), Llama (`llama`), Qwen2
-//! (`qwen2`) and DeepSeek-V3 (`deepseek_v3`). The architectures differ only in configuration
+//! (`qwen2`), DeepSeek-V3 (`deepseek_v3`), GLM-4.7-Flash (`glm4_moe_lite`) and Qwen3.5
+//! (`qwen3_5`, `qwen3_5_moe`). The architectures differ only in configuration
 //! (their rows of the architecture table): attention bias, qk-norm, partial rotary and RoPE
 //! scaling, grouped-query or latent attention, which layers are MoE, the router kind and
 //! shared experts. This file builds the model (random or from HF-named tensors), casts it,
@@ -11,11 +12,12 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, FloatDType, Tensor};
 use miles_core::{DType, NamedTensors, TensorBytes};
 
-use crate::config::{Architecture, ModelConfig, RouterKind};
+use crate::config::{Architecture, ModelConfig, RouterKind, SharedExpertKind};
 use crate::error::BridgeError;
 use crate::lora::LoraConfig;
 use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
 use crate::nn::attention::{Attention, AttentionShape};
+use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};
 use crate::nn::linear::{FusedLinear, Linear};
 use crate::nn::mla::LatentAttention;
@@ -44,6 +46,40 @@ pub struct CausalLm {
     /// both cores on flex), set by [`CausalLm::fuse_projections`].
     #[module(skip)]
     pub packed_lm_head: Option<FusedLinear>,
+    /// Checkpoint tensors that are not part of the text model, carried through untouched
+    /// and written back byte for byte by [`CausalLm::to_hf_tensors`]: a vision-language
+    /// checkpoint's vision tower (`model.visual.*`) and, for Qwen3.5, the
+    /// multi-token-prediction layers (`mtp.*`), under their checkpoint names.
+    #[module(skip)]
+    pub passthrough: NamedTensors,
+}
+
+/// The prefix of the text model's weights in a vision-language checkpoint.
+const LANGUAGE_MODEL: &str = "model.language_model.";
+
+/// Splits checkpoint tensors into the text model's (renamed to `model.*` for a
+/// vision-language checkpoint) and the ones carried through ([`CausalLm::passthrough`]).
+fn split_passthrough(config: &ModelConfig, tensors: NamedTensors) -> (NamedTensors, NamedTensors) {
+    let multimodal = config.multimodal.is_some();
+    let hybrid = config.linear_attention.is_some();
+    let mut text = NamedTensors::new();
+    let mut carried = NamedTensors::new();
+    for (name, tensor) in tensors {
+        if multimodal {
+            if let Some(rest) = name.strip_prefix(LANGUAGE_MODEL) {
+                text.insert(format!("model.{rest}"), tensor);
+            } else if name == "lm_head.weight" {
+                text.insert(name, tensor);
+            } else {
+                carried.insert(name, tensor);
+            }
+        } else if hybrid && name.starts_with("mtp.") {
+            carried.insert(name, tensor);
+        } else {
+            text.insert(name, tensor);
+        }
+    }
+    (text, carried)
 }
 
 impl CausalLm {
@@ -112,6 +148,8 @@ impl CausalLm {
     ) -> Result<Self, BridgeError> {
         config.validate()?;
         let c = config;
+        let spec = c.architecture.spec();
+        let offset = spec.norm_unit_offset;
         let mut b = Builder {
             device: device.clone(),
             source,
@@ -134,15 +172,27 @@ impl CausalLm {
                 bias: c.attention_bias,
                 qk_norm: c.use_qk_norm,
                 eps: c.rms_norm_eps,
+                output_gate: spec.attention_output_gate,
+                norm_unit_offset: offset,
             };
-            let input_layernorm = RmsNorm::build(
+            let input_layernorm = RmsNorm::build_with(
                 &mut b,
                 &format!("{p}.input_layernorm"),
                 c.hidden_size,
                 c.rms_norm_eps,
+                offset,
             )?;
-            let self_attn = match c.mla {
-                Some(mla) => SelfAttention::Latent(LatentAttention::build(
+            let self_attn = match (c.mla, c.linear_attention) {
+                (_, Some(lin)) if c.is_linear_layer(l) => {
+                    SelfAttention::Linear(GatedDeltaNet::build(
+                        &mut b,
+                        &format!("{p}.linear_attn"),
+                        c.hidden_size,
+                        lin,
+                        c.rms_norm_eps,
+                    )?)
+                }
+                (Some(mla), _) => SelfAttention::Latent(LatentAttention::build(
                     &mut b,
                     &format!("{p}.self_attn"),
                     c.hidden_size,
@@ -152,17 +202,18 @@ impl CausalLm {
                     c.softmax_scale(),
                     c.rope_attention_factor(),
                 )?),
-                None => SelfAttention::Grouped(Attention::build(
+                (None, _) => SelfAttention::Grouped(Attention::build(
                     &mut b,
                     &format!("{p}.self_attn"),
                     shape,
                 )?),
             };
-            let post_attention_layernorm = RmsNorm::build(
+            let post_attention_layernorm = RmsNorm::build_with(
                 &mut b,
                 &format!("{p}.post_attention_layernorm"),
                 c.hidden_size,
                 c.rms_norm_eps,
+                offset,
             )?;
             let mlp = if c.is_moe_layer(l) {
                 let (e, h, i) = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size);
@@ -196,21 +247,43 @@ impl CausalLm {
                     up_proj_lora: None,
                     down_proj_lora: None,
                 };
-                let shared_experts = if c.n_shared_experts > 0 {
-                    Some(Mlp::build(
-                        &mut b,
-                        &format!("{p}.mlp.shared_experts"),
-                        h,
-                        i * c.n_shared_experts,
-                    )?)
-                } else {
-                    None
+                let (shared_experts, shared_expert_gate, shared_name) = match spec.moe.shared_expert
+                {
+                    SharedExpertKind::Gated => (
+                        Some(Mlp::build(
+                            &mut b,
+                            &format!("{p}.mlp.shared_expert"),
+                            h,
+                            c.shared_expert_intermediate_size,
+                        )?),
+                        Some(Linear::build(
+                            &mut b,
+                            &format!("{p}.mlp.shared_expert_gate"),
+                            h,
+                            1,
+                            false,
+                        )?),
+                        "shared_expert",
+                    ),
+                    SharedExpertKind::Summed if c.n_shared_experts > 0 => (
+                        Some(Mlp::build(
+                            &mut b,
+                            &format!("{p}.mlp.shared_experts"),
+                            h,
+                            i * c.n_shared_experts,
+                        )?),
+                        None,
+                        "shared_experts",
+                    ),
+                    SharedExpertKind::Summed => (None, None, "shared_experts"),
                 };
                 let block = MoeBlock {
                     router: c.router,
                     gate,
                     experts,
                     shared_experts,
+                    shared_expert_gate,
+                    shared_name,
                     layer_index: l,
                     moe_index,
                     top_k: c.num_experts_per_tok,
@@ -238,7 +311,8 @@ impl CausalLm {
                 mlp,
             });
         }
-        let norm = RmsNorm::build(&mut b, "model.norm", c.hidden_size, c.rms_norm_eps)?;
+        let norm =
+            RmsNorm::build_with(&mut b, "model.norm", c.hidden_size, c.rms_norm_eps, offset)?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
@@ -260,6 +334,7 @@ impl CausalLm {
             config: c.clone(),
             lora: None,
             packed_lm_head: None,
+            passthrough: NamedTensors::new(),
         })
     }
 
@@ -297,7 +372,7 @@ impl CausalLm {
         device: &Device,
         precision: Precision,
     ) -> Result<Self, BridgeError> {
-        let mut tensors = tensors;
+        let (mut tensors, passthrough) = split_passthrough(config, tensors);
         for name in mtp_tensor_names(config, &tensors) {
             tensors.remove(&name);
         }
@@ -310,17 +385,20 @@ impl CausalLm {
         if config.tie_word_embeddings {
             internal.remove("lm_head.weight");
         }
-        let model = Self::build(
+        let mut model = Self::build(
             config,
             device,
             WeightSource::Loaded(&mut internal),
             precision,
         )?;
         if let Some(name) = internal_to_hf(internal).keys().next() {
-            return Err(BridgeError::UnexpectedTensor {
-                name: name.to_owned(),
-            });
+            let name = match config.multimodal {
+                Some(_) => name.replacen("model.", LANGUAGE_MODEL, 1),
+                None => name.to_owned(),
+            };
+            return Err(BridgeError::UnexpectedTensor { name });
         }
+        model.passthrough = passthrough;
         Ok(model)
     }
 
@@ -414,7 +492,9 @@ impl CausalLm {
             layer
                 .input_layernorm
                 .visit(&format!("{p}.input_layernorm"), f);
-            layer.self_attn.visit(&format!("{p}.self_attn"), f);
+            layer
+                .self_attn
+                .visit(&format!("{p}.{}", layer.self_attn.hf_name()), f);
             layer
                 .post_attention_layernorm
                 .visit(&format!("{p}.post_attention_layernorm"), f);
@@ -467,8 +547,25 @@ impl CausalLm {
         });
         match failure {
             Some(err) => Err(err),
-            None => Ok(internal_to_hf(internal)),
+            None => Ok(self.with_checkpoint_names(internal_to_hf(internal))),
         }
+    }
+
+    /// Our HF-named tensors under the checkpoint's names (`model.language_model.*` for a
+    /// vision-language checkpoint), with the carried-through tensors added back.
+    pub(crate) fn with_checkpoint_names(&self, tensors: NamedTensors) -> NamedTensors {
+        let mut out: NamedTensors = match self.config.multimodal {
+            Some(_) => tensors
+                .into_iter()
+                .map(|(name, t)| match name.strip_prefix("model.") {
+                    Some(rest) => (format!("{LANGUAGE_MODEL}{rest}"), t),
+                    None => (name, t),
+                })
+                .collect(),
+            None => tensors,
+        };
+        out.extend(self.passthrough.clone());
+        out
     }
 
     /// Writes `config.json` and the weights in `dtype` into `dir` (sharded when

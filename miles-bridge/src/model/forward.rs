@@ -11,6 +11,7 @@ use crate::error::BridgeError;
 use crate::kv_cache::KvCache;
 use crate::model::causal_lm::CausalLm;
 use crate::nn::attention::attention_mask;
+use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::layer::{FeedForward, SelfAttention};
 use crate::nn::moe::MoeRouting;
 use crate::nn::rope::Rope;
@@ -229,12 +230,33 @@ impl CausalLm {
         let hidden = profile::time(OpClass::Embed, || {
             embedding(self.model.embed_tokens.val(), input.input_ids.clone())
         });
-        if let Some(cache) = cache.as_deref_mut()
-            && cache.layers.len() != self.model.layers.len()
-        {
-            cache.layers = vec![None; self.model.layers.len()];
+        let layers = self.model.layers.len();
+        if let Some(cache) = cache.as_deref_mut() {
+            if cache.layers.len() != layers {
+                cache.layers = vec![None; layers];
+            }
+            if cache.linear.len() != layers {
+                cache.linear = vec![None; layers];
+            }
         }
+        // Linear-attention layers: padding zeroed as transformers does, packed segments run
+        // one by one (each from a zero state).
+        let hybrid = c.linear_attention.is_some();
+        let linear_valid = input.attention_mask.clone().filter(|_| hybrid);
+        let segments = match &input.segment_ids {
+            Some(seg) if hybrid => Some(segment_runs(seg)?),
+            _ => None,
+        };
         let out = self.decoder(hidden, hook, |l, attention, x| {
+            if let SelfAttention::Linear(linear) = attention {
+                return match (&segments, cache.as_deref_mut()) {
+                    (Some(runs), _) => linear_by_segments(linear, x, runs),
+                    (None, Some(c)) => {
+                        linear.forward(x, linear_valid.clone(), Some(&mut c.linear[l]))
+                    }
+                    (None, None) => linear.forward(x, linear_valid.clone(), None),
+                };
+            }
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
             attention.forward(x, &rope, mask.clone(), slot)
         })?;
@@ -283,6 +305,56 @@ impl CausalLm {
             routing,
         })
     }
+}
+
+/// Each row's runs of equal segment ids, as `(start, len)`.
+fn segment_runs(segment_ids: &Tensor<2, Int>) -> Result<Vec<Vec<(usize, usize)>>, BridgeError> {
+    let [rows, seq] = segment_ids.dims();
+    let ids = segment_ids
+        .clone()
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .map_err(|e| BridgeError::input(format!("segment_ids: {e:?}")))?;
+    Ok((0..rows)
+        .map(|r| {
+            let row = &ids[r * seq..(r + 1) * seq];
+            let mut runs = Vec::new();
+            let mut start = 0;
+            for t in 1..=seq {
+                if t == seq || row[t] != row[start] {
+                    runs.push((start, t - start));
+                    start = t;
+                }
+            }
+            runs
+        })
+        .collect())
+}
+
+/// A linear-attention layer over packed rows: every segment on its own (the conv and the
+/// recurrent state start from zero at each segment), as separate sequences would be.
+fn linear_by_segments(
+    layer: &GatedDeltaNet,
+    x: Tensor<3>,
+    runs: &[Vec<(usize, usize)>],
+) -> Tensor<3> {
+    if runs.iter().all(|r| r.len() == 1) {
+        return layer.forward(x, None, None);
+    }
+    let rows = runs
+        .iter()
+        .enumerate()
+        .map(|(r, row_runs)| {
+            let row = x.clone().narrow(0, r, 1);
+            let parts = row_runs
+                .iter()
+                .map(|&(start, len)| layer.forward(row.clone().narrow(1, start, len), None, None))
+                .collect();
+            Tensor::cat(parts, 1)
+        })
+        .collect();
+    Tensor::cat(rows, 0)
 }
 
 /// Builds `[batch, seq]` id tensors from host rows of equal length.

@@ -92,6 +92,9 @@ pub struct Attention {
     pub num_kv_heads: usize,
     /// Channels per head.
     pub head_dim: usize,
+    /// Qwen3.5's output gate: `q_proj` gives, per head, the queries then as many gate
+    /// channels; the attention output is multiplied by their sigmoid before `o_proj`.
+    pub output_gate: bool,
     /// Inference only: `q_proj`, `k_proj` and `v_proj` fused ([`FusedLinear`]); `None` runs
     /// them separately.
     #[module(skip)]
@@ -111,6 +114,10 @@ pub(crate) struct AttentionShape {
     pub bias: bool,
     pub qk_norm: bool,
     pub eps: f64,
+    /// Gated output (`q_proj` twice as wide).
+    pub output_gate: bool,
+    /// Zero-centred q / k norms (`1 + weight`).
+    pub norm_unit_offset: bool,
 }
 
 impl Attention {
@@ -122,25 +129,22 @@ impl Attention {
         let q_out = s.num_heads * s.head_dim;
         let kv_out = s.num_kv_heads * s.head_dim;
         let (q_norm, k_norm) = if s.qk_norm {
-            (
-                Some(RmsNorm::build(
+            let norm = |b: &mut Builder<'_>, which: &str| {
+                RmsNorm::build_with(
                     b,
-                    &format!("{name}.q_norm"),
+                    &format!("{name}.{which}"),
                     s.head_dim,
                     s.eps,
-                )?),
-                Some(RmsNorm::build(
-                    b,
-                    &format!("{name}.k_norm"),
-                    s.head_dim,
-                    s.eps,
-                )?),
-            )
+                    s.norm_unit_offset,
+                )
+            };
+            (Some(norm(b, "q_norm")?), Some(norm(b, "k_norm")?))
         } else {
             (None, None)
         };
+        let q_width = if s.output_gate { 2 * q_out } else { q_out };
         Ok(Self {
-            q_proj: Linear::build(b, &format!("{name}.q_proj"), s.hidden, q_out, s.bias)?,
+            q_proj: Linear::build(b, &format!("{name}.q_proj"), s.hidden, q_width, s.bias)?,
             k_proj: Linear::build(b, &format!("{name}.k_proj"), s.hidden, kv_out, s.bias)?,
             v_proj: Linear::build(b, &format!("{name}.v_proj"), s.hidden, kv_out, s.bias)?,
             o_proj: Linear::build(b, &format!("{name}.o_proj"), q_out, s.hidden, false)?,
@@ -149,6 +153,7 @@ impl Attention {
             num_heads: s.num_heads,
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
+            output_gate: s.output_gate,
             fused_qkv: None,
             packed_o: None,
         })
@@ -185,7 +190,7 @@ impl Attention {
     pub(crate) fn forward_kv(&self, x: Tensor<3>, rope: &Rope, target: KvTarget<'_>) -> Tensor<3> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
-        let (q, k, v) = profile::time(OpClass::QkvProj, || {
+        let ((q, k, v), gate) = profile::time(OpClass::QkvProj, || {
             let (q, k, v) = match &self.fused_qkv {
                 Some(fused) => {
                     let mut parts = fused.forward(rows).into_iter();
@@ -201,10 +206,30 @@ impl Attention {
                     self.v_proj.forward(rows),
                 ),
             };
+            // With the output gate each head's `q_proj` channels are its queries then its
+            // gate channels.
+            let (q, gate) = if self.output_gate {
+                let both = q.reshape([batch * seq, self.num_heads, 2 * self.head_dim]);
+                let hd = self.head_dim;
+                (
+                    both.clone()
+                        .narrow(2, 0, hd)
+                        .reshape([batch * seq, self.num_heads * hd]),
+                    Some(
+                        both.narrow(2, hd, hd)
+                            .reshape([batch * seq, self.num_heads * hd]),
+                    ),
+                )
+            } else {
+                (q, None)
+            };
             (
-                self.heads(q, batch, seq, self.num_heads),
-                self.heads(k, batch, seq, self.num_kv_heads),
-                self.heads(v, batch, seq, self.num_kv_heads),
+                (
+                    self.heads(q, batch, seq, self.num_heads),
+                    self.heads(k, batch, seq, self.num_kv_heads),
+                    self.heads(v, batch, seq, self.num_kv_heads),
+                ),
+                gate,
             )
         });
         let (q, k) = profile::time(OpClass::Rope, || {
@@ -245,9 +270,12 @@ impl Attention {
             }
         };
         profile::time(OpClass::OProj, || {
-            let out = out
+            let mut out = out
                 .swap_dims(1, 2)
                 .reshape([batch * seq, self.num_heads * self.head_dim]);
+            if let Some(gate) = gate {
+                out = out * burn::tensor::activation::sigmoid(gate);
+            }
             match &self.packed_o {
                 Some(o) => o.forward_all(out),
                 None => self.o_proj.forward(out),

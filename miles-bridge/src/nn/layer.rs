@@ -6,6 +6,7 @@ use burn::tensor::{Bool, Tensor};
 
 use crate::kv_cache::LayerCache;
 use crate::nn::attention::{Attention, KvTarget};
+use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::linear::Linear;
 use crate::nn::mla::LatentAttention;
 use crate::nn::mlp::Mlp;
@@ -33,6 +34,9 @@ pub enum SelfAttention {
     Grouped(Attention),
     /// Multi-head latent attention (DeepSeek-V3).
     Latent(LatentAttention),
+    /// Qwen3.5's Gated DeltaNet linear attention (`linear_attn`): no KV cache, a conv and a
+    /// recurrent state instead ([`crate::KvCache`] keeps them beside the full layers' keys).
+    Linear(GatedDeltaNet),
 }
 
 impl SelfAttention {
@@ -49,9 +53,22 @@ impl SelfAttention {
     }
 
     pub(crate) fn forward_kv(&self, x: Tensor<3>, rope: &Rope, target: KvTarget<'_>) -> Tensor<3> {
+        match (self, target) {
+            (Self::Grouped(a), target) => a.forward_kv(x, rope, target),
+            (Self::Latent(a), target) => a.forward_kv(x, rope, target),
+            (Self::Linear(a), KvTarget::Plain(_)) => a.forward(x, None, None),
+            // `CausalLm::forward_cached` hands linear layers their state, and the paged
+            // forward refuses models with linear layers, before any layer runs.
+            (Self::Linear(_), _) => unreachable!("a linear-attention layer given a KV target"),
+        }
+    }
+
+    /// The module's HF name in its decoder layer: `self_attn`, or `linear_attn` for a
+    /// Gated DeltaNet layer.
+    pub fn hf_name(&self) -> &'static str {
         match self {
-            Self::Grouped(a) => a.forward_kv(x, rope, target),
-            Self::Latent(a) => a.forward_kv(x, rope, target),
+            Self::Linear(_) => "linear_attn",
+            _ => "self_attn",
         }
     }
 
@@ -61,6 +78,8 @@ impl SelfAttention {
         match self {
             Self::Grouped(a) => (a.num_kv_heads, a.head_dim, true),
             Self::Latent(a) => (1, a.cache_width(), false),
+            // No keys: the paged pool refuses models with linear layers.
+            Self::Linear(_) => (0, 0, false),
         }
     }
 
@@ -74,6 +93,7 @@ impl SelfAttention {
                 ("o_proj", &a.o_proj),
             ],
             Self::Latent(a) => a.linears(),
+            Self::Linear(a) => a.linears(),
         }
     }
 
@@ -87,6 +107,7 @@ impl SelfAttention {
                 ("o_proj", &mut a.o_proj),
             ],
             Self::Latent(a) => a.linears_mut(),
+            Self::Linear(a) => a.linears_mut(),
         }
     }
 
@@ -94,6 +115,7 @@ impl SelfAttention {
         match self {
             Self::Grouped(a) => a.visit(name, f),
             Self::Latent(a) => a.visit(name, f),
+            Self::Linear(a) => a.visit(name, f),
         }
     }
 }
@@ -103,7 +125,7 @@ impl SelfAttention {
 pub struct DecoderLayer {
     /// `input_layernorm`.
     pub input_layernorm: RmsNorm,
-    /// `self_attn`.
+    /// `self_attn` (`linear_attn` for a [`SelfAttention::Linear`] layer).
     pub self_attn: SelfAttention,
     /// `post_attention_layernorm`.
     pub post_attention_layernorm: RmsNorm,

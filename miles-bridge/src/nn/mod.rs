@@ -6,6 +6,7 @@
 //! export, optimizers and gradient checks walk the parameters with.
 
 pub(crate) mod attention;
+pub(crate) mod gated_delta;
 pub(crate) mod layer;
 pub(crate) mod linear;
 pub(crate) mod mla;
@@ -16,6 +17,7 @@ pub(crate) mod param;
 pub(crate) mod rope;
 
 pub use attention::{Attention, attention_mask};
+pub use gated_delta::{DELTA_CHUNK, GatedDeltaNet, LinearState};
 pub use layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};
 pub use linear::{FusedLinear, FusedWeight, Linear};
 pub use mla::LatentAttention;

@@ -9,7 +9,9 @@
 //! `norm_topk_prob` (`w / (sum w + 1e-20)`) and multiplied by `routed_scaling_factor`; output
 //! `sum_k w_k Expert_k(x) + SharedExperts(x)`. Layers `< first_k_dense_replace` are dense.
 //! Qwen3-MoE routing: `p = softmax(logits)`, top-k of `p` chosen by the hook, `w = p[chosen]`,
-//! renormalised (`w / sum w`) when `norm_topk_prob`; no shared experts.
+//! renormalised (`w / sum w`) when `norm_topk_prob`; no shared experts. Qwen3.5-MoE routes
+//! like Qwen3-MoE (always renormalised) and adds one shared expert (`mlp.shared_expert`)
+//! scaled by `sigmoid(mlp.shared_expert_gate(x))`.
 //!
 //! Expert dispatch ([`MoeDispatch`]; `Auto`, the default, is `Sparse` on flex for batches of
 //! at least 256 tokens, `Sparse` at every batch size on CubeCL devices (`wgpu`, `cuda`), and
@@ -33,6 +35,7 @@ use crate::config::RouterKind;
 use crate::error::BridgeError;
 use crate::lora::ExpertLora;
 use crate::names::EXPERT_STACKS;
+use crate::nn::linear::Linear;
 use crate::nn::mlp::{Mlp, swiglu};
 use crate::nn::param::{ParamRef, ParamVisitor};
 use crate::profile::{self, OpClass};
@@ -94,8 +97,16 @@ pub struct MoeBlock {
     pub gate: TopkRouter,
     /// `mlp.experts.*`.
     pub experts: Experts,
-    /// `mlp.shared_experts` (absent when `n_shared_experts = 0`).
+    /// `mlp.shared_experts` (absent when `n_shared_experts = 0`); Qwen3.5-MoE's
+    /// `mlp.shared_expert` (see [`MoeBlock::shared_name`]).
     pub shared_experts: Option<Mlp>,
+    /// Qwen3.5-MoE: `mlp.shared_expert_gate` (`[1, hidden]`), the shared expert's output is
+    /// scaled by its sigmoid.
+    pub shared_expert_gate: Option<Linear>,
+    /// The shared experts' module name under `mlp` (`shared_experts`, Qwen3.5-MoE's
+    /// `shared_expert`).
+    #[module(skip)]
+    pub shared_name: &'static str,
     /// How experts are scored.
     #[module(skip)]
     pub router: RouterKind,
@@ -291,7 +302,14 @@ impl MoeBlock {
             }
         })?;
         if let Some(shared) = &self.shared_experts {
-            out = out + profile::time(OpClass::SharedExperts, || shared.forward(x));
+            out = out
+                + profile::time(OpClass::SharedExperts, || {
+                    let y = shared.forward(x.clone());
+                    match &self.shared_expert_gate {
+                        Some(gate) => y * sigmoid(gate.forward(x)),
+                        None => y,
+                    }
+                });
         }
         Ok((
             out,
@@ -531,7 +549,10 @@ impl MoeBlock {
             f(&stack.internal_name(layer_prefix), ParamRef::R3(param));
         }
         if let Some(shared) = &self.shared_experts {
-            shared.visit(&format!("{name}.shared_experts"), f);
+            shared.visit(&format!("{name}.{}", self.shared_name), f);
+        }
+        if let Some(gate) = &self.shared_expert_gate {
+            gate.visit(&format!("{name}.shared_expert_gate"), f);
         }
     }
 }

@@ -10,4 +10,5 @@ mod half_precision;
 mod lora;
 mod other_architectures;
 mod paged;
+mod qwen3_5;
 mod r3_replay;

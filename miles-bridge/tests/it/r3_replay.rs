@@ -403,6 +403,13 @@ fn glm4_moe_lite_replay_removes_routing_flips() {
     prove("glm47flash-tiny", true);
 }
 
+/// Qwen3.5-MoE (`qwen35moe-tiny`: softmax routing, a gated shared expert, Gated DeltaNet
+/// layers that restart at every packed segment).
+#[test]
+fn qwen3_5_moe_replay_removes_routing_flips() {
+    prove("qwen35moe-tiny", false);
+}
+
 #[test]
 fn qwen3_moe_replay_removes_routing_flips() {
     prove("qwen3moe-tiny", false);

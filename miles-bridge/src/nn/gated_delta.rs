@@ -1,0 +1,511 @@
+//! Qwen3.5's linear attention: the Gated DeltaNet layer ([`GatedDeltaNet`]) and the state it
+//! carries between decoding steps ([`LinearState`]).
+//!
+//! Per token `t` and value head `h` (transformers 5.24's `Qwen3_5GatedDeltaNet`): the fused
+//! `in_proj_qkv` output goes through a causal depthwise conv1d (`linear_conv_kernel_dim` taps,
+//! no bias) and SiLU, and splits into queries, keys (`linear_num_key_heads`, each shared by
+//! `linear_num_value_heads / linear_num_key_heads` consecutive value heads) and values; q and
+//! k are L2-normalised (`x / sqrt(Σx² + 1e-6)`) and q scaled by `key_head_dim^-1/2`;
+//! `β = sigmoid(in_proj_b x)`, the decay `g = -exp(A_log) · softplus(in_proj_a x + dt_bias)`.
+//! The state `S` (`[key_head_dim, value_head_dim]` per head) follows the gated delta rule
+//! `S ← e^g S;  S ← S + k (β (v − kᵀS))ᵀ`, the output is `qᵀS`; it goes through an RMSNorm
+//! (plain weight, `rms_norm_eps`) gated by `silu(in_proj_z x)` and `out_proj`.
+//!
+//! Two evaluations of the same rule: the **chunked** form for training and prefill (the
+//! sequence cut into chunks of at most 64 tokens; within a chunk the delta-rule updates
+//! become one unit-lower-triangular system, inverted by blocks with batched matmuls, so the
+//! whole pass is differentiable tensor ops; the chunks are scanned in order) and the
+//! **recurrent** form, one token at a time, for decode. Both run in f32 whatever the model's
+//! precision, as transformers does.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{sigmoid, silu, softplus};
+use burn::tensor::{Bool, DType, FloatDType, Tensor, TensorData};
+
+use crate::config::LinearAttentionConfig;
+use crate::error::BridgeError;
+use crate::nn::linear::Linear;
+use crate::nn::norm::RmsNorm;
+use crate::nn::param::{Builder, Init, ParamRef, ParamVisitor};
+use crate::profile::{self, OpClass};
+
+/// The longest chunk of the chunked form (transformers' `chunk_size`); shorter sequences use
+/// the next power of two at or above their length.
+pub const DELTA_CHUNK: usize = 64;
+
+/// What a Gated DeltaNet layer keeps between decoding steps, for a batch of rows.
+#[derive(Debug, Clone)]
+pub struct LinearState {
+    /// The conv's window: the last `linear_conv_kernel_dim - 1` inputs of `in_proj_qkv`,
+    /// `[batch, kernel - 1, conv_dim]` (zeros before the first token).
+    pub conv: Tensor<3>,
+    /// The delta-rule state `S`, `[batch, value_heads, key_head_dim, value_head_dim]`, f32.
+    pub recurrent: Tensor<4>,
+}
+
+impl LinearState {
+    /// The state of the given rows (`index`: row numbers), in that order.
+    pub(crate) fn select(&self, index: Tensor<1, burn::tensor::Int>) -> Self {
+        Self {
+            conv: self.conv.clone().select(0, index.clone()),
+            recurrent: self.recurrent.clone().select(0, index),
+        }
+    }
+
+    /// Rows of several states stacked.
+    pub(crate) fn cat(parts: Vec<Self>) -> Self {
+        let (conv, recurrent): (Vec<_>, Vec<_>) =
+            parts.into_iter().map(|s| (s.conv, s.recurrent)).unzip();
+        Self {
+            conv: Tensor::cat(conv, 0),
+            recurrent: Tensor::cat(recurrent, 0),
+        }
+    }
+}
+
+/// Qwen3.5's Gated DeltaNet linear-attention layer (`linear_attn`), with HF's parameter names
+/// and layouts (see the module docs for the computation).
+#[derive(Module, Debug)]
+pub struct GatedDeltaNet {
+    /// `in_proj_qkv`: `[2·key_dim + value_dim, hidden]`, rows q, k, v.
+    pub in_proj_qkv: Linear,
+    /// `in_proj_z`: the output gate, `[value_dim, hidden]`.
+    pub in_proj_z: Linear,
+    /// `in_proj_b`: β before its sigmoid, `[value_heads, hidden]`.
+    pub in_proj_b: Linear,
+    /// `in_proj_a`: the decay's input, `[value_heads, hidden]`.
+    pub in_proj_a: Linear,
+    /// `conv1d.weight`: `[conv_dim, 1, kernel]` (depthwise, no bias).
+    pub conv1d: Param<Tensor<3>>,
+    /// `dt_bias`, `[value_heads]`.
+    pub dt_bias: Param<Tensor<1>>,
+    /// `A_log`, `[value_heads]`.
+    pub a_log: Param<Tensor<1>>,
+    /// `norm`: the gated RMSNorm over each head's `value_head_dim` channels (plain weight).
+    pub norm: RmsNorm,
+    /// `out_proj`: `[hidden, value_dim]`.
+    pub out_proj: Linear,
+    /// `linear_num_key_heads`.
+    pub num_key_heads: usize,
+    /// `linear_num_value_heads`.
+    pub num_value_heads: usize,
+    /// `linear_key_head_dim`.
+    pub key_head_dim: usize,
+    /// `linear_value_head_dim`.
+    pub value_head_dim: usize,
+    /// `linear_conv_kernel_dim`.
+    pub kernel: usize,
+}
+
+impl GatedDeltaNet {
+    pub(crate) fn build(
+        b: &mut Builder<'_>,
+        name: &str,
+        hidden: usize,
+        c: LinearAttentionConfig,
+        eps: f64,
+    ) -> Result<Self, BridgeError> {
+        let key_dim = c.num_key_heads * c.key_head_dim;
+        let value_dim = c.num_value_heads * c.value_head_dim;
+        let conv_dim = c.conv_dim();
+        let lin = |b: &mut Builder<'_>, part: &str, out: usize| {
+            Linear::build(b, &format!("{name}.{part}"), hidden, out, false)
+        };
+        Ok(Self {
+            in_proj_qkv: lin(b, "in_proj_qkv", 2 * key_dim + value_dim)?,
+            in_proj_z: lin(b, "in_proj_z", value_dim)?,
+            in_proj_b: lin(b, "in_proj_b", c.num_value_heads)?,
+            in_proj_a: lin(b, "in_proj_a", c.num_value_heads)?,
+            conv1d: b.param(
+                &format!("{name}.conv1d.weight"),
+                [conv_dim, 1, c.conv_kernel_dim],
+                Init::Normal,
+            )?,
+            dt_bias: b.param(&format!("{name}.dt_bias"), [c.num_value_heads], Init::Ones)?,
+            a_log: b.param(&format!("{name}.A_log"), [c.num_value_heads], Init::Zeros)?,
+            norm: RmsNorm::build(b, &format!("{name}.norm"), c.value_head_dim, eps)?,
+            out_proj: Linear::build(b, &format!("{name}.out_proj"), value_dim, hidden, false)?,
+            num_key_heads: c.num_key_heads,
+            num_value_heads: c.num_value_heads,
+            key_head_dim: c.key_head_dim,
+            value_head_dim: c.value_head_dim,
+            kernel: c.conv_kernel_dim,
+        })
+    }
+
+    fn conv_dim(&self) -> usize {
+        2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+    }
+
+    /// The layer over `x` (`[batch, seq, hidden]`). `valid` (`[batch, seq]`, false =
+    /// padding) zeroes padded inputs as transformers does, which leaves a state that starts
+    /// at zero untouched by left padding. With `state`, the step starts from the state in it
+    /// (zeros when empty) and leaves the state after its last token there; a one-token step
+    /// runs the recurrent form and keeps the state of rows whose token is padding unchanged.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        valid: Option<Tensor<2, Bool>>,
+        state: Option<&mut Option<LinearState>>,
+    ) -> Tensor<3> {
+        let [batch, seq, hidden] = x.dims();
+        let dtype = x.dtype();
+        let device = x.device();
+        let x = match &valid {
+            Some(v) => x * v.clone().float().cast(dtype).unsqueeze_dim::<3>(2),
+            None => x,
+        };
+        let rows = x.reshape([batch * seq, hidden]);
+        let (nk, nv, dk, dv) = (
+            self.num_key_heads,
+            self.num_value_heads,
+            self.key_head_dim,
+            self.value_head_dim,
+        );
+        let conv_dim = self.conv_dim();
+        let (qkv, z, b, a) = profile::time(OpClass::QkvProj, || {
+            (
+                self.in_proj_qkv
+                    .forward(rows.clone())
+                    .reshape([batch, seq, conv_dim]),
+                self.in_proj_z.forward(rows.clone()),
+                self.in_proj_b.forward(rows.clone()),
+                self.in_proj_a.forward(rows),
+            )
+        });
+        let previous = state.as_ref().and_then(|s| s.as_ref()).cloned();
+        let (mixed, conv_window) = profile::time(OpClass::LinearConv, || {
+            let past = match &previous {
+                Some(s) => s.conv.clone(),
+                None => Tensor::<3>::zeros([batch, self.kernel - 1, conv_dim], (&device, dtype)),
+            };
+            let padded = Tensor::cat(vec![past, qkv], 1);
+            let weight = self.conv1d.val().reshape([conv_dim, self.kernel]);
+            let mut out = padded.clone().narrow(1, 0, seq)
+                * weight.clone().narrow(1, 0, 1).reshape([1, 1, conv_dim]);
+            for j in 1..self.kernel {
+                out = out
+                    + padded.clone().narrow(1, j, seq)
+                        * weight.clone().narrow(1, j, 1).reshape([1, 1, conv_dim]);
+            }
+            (silu(out), padded.narrow(1, seq, self.kernel - 1))
+        });
+        let f32 = FloatDType::F32;
+        let key_dim = nk * dk;
+        let heads = |t: Tensor<3>, h: usize, d: usize| -> Tensor<4> {
+            t.cast(f32).reshape([batch, seq, h, d])
+        };
+        let q = heads(mixed.clone().narrow(2, 0, key_dim), nk, dk);
+        let k = heads(mixed.clone().narrow(2, key_dim, key_dim), nk, dk);
+        let v = heads(mixed.narrow(2, 2 * key_dim, nv * dv), nv, dv);
+        // Each key head serves `nv / nk` consecutive value heads.
+        let spread = |t: Tensor<4>| -> Tensor<4> {
+            if nv == nk {
+                return t;
+            }
+            t.reshape([batch, seq, nk, 1, dk])
+                .expand([batch, seq, nk, nv / nk, dk])
+                .reshape([batch, seq, nv, dk])
+        };
+        let l2 = |t: Tensor<4>| -> Tensor<4> {
+            let inv = (t.clone().square().sum_dim(3) + 1e-6).sqrt().recip();
+            t * inv
+        };
+        let scale = (dk as f64).powf(-0.5);
+        let q = (l2(spread(q)) * scale).swap_dims(1, 2);
+        let k = l2(spread(k)).swap_dims(1, 2);
+        let v = v.swap_dims(1, 2);
+        let per_head =
+            |t: Tensor<2>| -> Tensor<3> { t.cast(f32).reshape([batch, seq, nv]).swap_dims(1, 2) };
+        let beta = sigmoid(per_head(b));
+        let decay = {
+            let a = per_head(a) + self.dt_bias.val().cast(f32).reshape([1, nv, 1]);
+            softplus(a, 1.0) * self.a_log.val().cast(f32).exp().reshape([1, nv, 1]).neg()
+        };
+        let initial = previous.as_ref().map(|s| s.recurrent.clone());
+        let (out, last) = profile::time(OpClass::DeltaRule, || {
+            if seq == 1 && initial.is_some() {
+                delta_rule_recurrent(q, k, v, decay, beta, initial)
+            } else {
+                delta_rule_chunked(q, k, v, decay, beta, initial)
+            }
+        });
+        if let Some(slot) = state {
+            let mut next = LinearState {
+                conv: conv_window,
+                recurrent: last,
+            };
+            // A padded token of a decode step leaves its row's state as it was.
+            if let (Some(valid), Some(old), 1) = (&valid, &previous, seq) {
+                let keep = valid.clone().bool_not();
+                let (conv_dims, state_dims) = (old.conv.dims(), old.recurrent.dims());
+                next.conv = next.conv.mask_where(
+                    keep.clone().reshape([batch, 1, 1]).expand(conv_dims),
+                    old.conv.clone(),
+                );
+                next.recurrent = next.recurrent.mask_where(
+                    keep.reshape([batch, 1, 1, 1]).expand(state_dims),
+                    old.recurrent.clone(),
+                );
+            }
+            *slot = Some(next);
+        }
+        // `[batch, heads, seq, dv]` → per (token, head) rows for the gated norm.
+        let out = out
+            .swap_dims(1, 2)
+            .cast(dtype)
+            .reshape([batch * seq * nv, dv]);
+        let gate = z.reshape([batch * seq * nv, dv]);
+        profile::time(OpClass::OProj, || {
+            let normed = if dtype == DType::F32 {
+                self.norm.forward(out) * silu(gate)
+            } else {
+                // transformers: the norm's output in the compute dtype times the weight, then
+                // the gate in f32, rounded once.
+                (self.norm.forward(out).cast(f32) * silu(gate.cast(f32))).cast(dtype)
+            };
+            self.out_proj
+                .forward(normed.reshape([batch * seq, nv * dv]))
+                .reshape([batch, seq, hidden])
+        })
+    }
+
+    /// Every linear layer with its name relative to `linear_attn`, in a fixed order.
+    pub(crate) fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        vec![
+            ("in_proj_qkv", &self.in_proj_qkv),
+            ("in_proj_z", &self.in_proj_z),
+            ("in_proj_b", &self.in_proj_b),
+            ("in_proj_a", &self.in_proj_a),
+            ("out_proj", &self.out_proj),
+        ]
+    }
+
+    /// Mutable twin of [`Self::linears`] (same order).
+    pub(crate) fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        vec![
+            ("in_proj_qkv", &mut self.in_proj_qkv),
+            ("in_proj_z", &mut self.in_proj_z),
+            ("in_proj_b", &mut self.in_proj_b),
+            ("in_proj_a", &mut self.in_proj_a),
+            ("out_proj", &mut self.out_proj),
+        ]
+    }
+
+    pub(crate) fn visit(&self, name: &str, f: &mut ParamVisitor<'_>) {
+        f(&format!("{name}.A_log"), ParamRef::R1(&self.a_log));
+        f(&format!("{name}.conv1d.weight"), ParamRef::R3(&self.conv1d));
+        f(&format!("{name}.dt_bias"), ParamRef::R1(&self.dt_bias));
+        self.in_proj_a.visit(&format!("{name}.in_proj_a"), f);
+        self.in_proj_b.visit(&format!("{name}.in_proj_b"), f);
+        self.in_proj_qkv.visit(&format!("{name}.in_proj_qkv"), f);
+        self.in_proj_z.visit(&format!("{name}.in_proj_z"), f);
+        self.norm.visit(&format!("{name}.norm"), f);
+        self.out_proj.visit(&format!("{name}.out_proj"), f);
+    }
+}
+
+/// A `[n, n]` bool mask, true where `keep(row, column)`, on `device`.
+fn mask2(
+    n: usize,
+    device: &burn::tensor::Device,
+    keep: impl Fn(usize, usize) -> bool,
+) -> Tensor<2, Bool> {
+    let values: Vec<bool> = (0..n * n).map(|i| keep(i / n, i % n)).collect();
+    Tensor::from_data(TensorData::new(values, [n, n]), device)
+}
+
+/// `(I + L)⁻¹` for strictly lower-triangular `l` (`[g, c, c]`, `c` a power of two), by
+/// doubling blocks: the inverse of `[[A, 0], [B, D]]` is `[[A⁻¹, 0], [−D⁻¹ B A⁻¹, D⁻¹]]`,
+/// all blocks of one size at once (`log2 c` rounds of two batched matmuls) — forward
+/// substitution regrouped, differentiable tensor ops.
+pub(crate) fn unit_lower_inverse(l: Tensor<3>) -> Tensor<3> {
+    let [g, c, _] = l.dims();
+    let device = l.device();
+    // Inverses of the 1×1 diagonal blocks.
+    let mut inv = Tensor::<4>::ones([g, c, 1, 1], &device);
+    let mut s = 1;
+    while s < c {
+        let n = c / (2 * s);
+        // The 2s×2s diagonal blocks of `l`, `[g, n, 2s, 2s]`.
+        let eye = mask2(n, &device, |i, j| i == j)
+            .float()
+            .reshape([1, n, 1, n, 1]);
+        let diag: Tensor<4> = (l.clone().reshape([g, n, 2 * s, n, 2 * s]) * eye)
+            .sum_dim(3)
+            .reshape([g, n, 2 * s, 2 * s]);
+        let lower = diag.narrow(2, s, s).narrow(3, 0, s);
+        let pairs = inv.reshape([g, n, 2, s * s]);
+        let a_inv = pairs.clone().narrow(2, 0, 1).reshape([g, n, s, s]);
+        let d_inv = pairs.narrow(2, 1, 1).reshape([g, n, s, s]);
+        let corner = d_inv.clone().matmul(lower).matmul(a_inv.clone()).neg();
+        let top = Tensor::cat(vec![a_inv, Tensor::zeros([g, n, s, s], &device)], 3);
+        let bottom = Tensor::cat(vec![corner, d_inv], 3);
+        inv = Tensor::cat(vec![top, bottom], 2);
+        s *= 2;
+    }
+    inv.reshape([g, c, c])
+}
+
+/// The chunk length for a sequence of `seq` tokens.
+fn chunk_len(seq: usize) -> usize {
+    seq.next_power_of_two().min(DELTA_CHUNK)
+}
+
+/// The gated delta rule over whole sequences, chunked: `q`, `k` `[b, h, t, dk]`, `v`
+/// `[b, h, t, dv]`, `decay` (log space) and `beta` `[b, h, t]`, all f32; from `initial`
+/// (`[b, h, dk, dv]`, zeros when `None`). Returns the outputs `[b, h, t, dv]` and the state
+/// after the last token.
+pub(crate) fn delta_rule_chunked(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    decay: Tensor<3>,
+    beta: Tensor<3>,
+    initial: Option<Tensor<4>>,
+) -> (Tensor<4>, Tensor<4>) {
+    let [b, h, t, dk] = q.dims();
+    let dv = v.dims()[3];
+    let device = q.device();
+    let c = chunk_len(t);
+    let pad = (c - t % c) % c;
+    let n = (t + pad) / c;
+    let padded4 = |x: Tensor<4>| -> Tensor<4> {
+        if pad == 0 {
+            return x;
+        }
+        let [b, h, _, d] = x.dims();
+        Tensor::cat(vec![x, Tensor::zeros([b, h, pad, d], &device)], 2)
+    };
+    let padded3 = |x: Tensor<3>| -> Tensor<3> {
+        if pad == 0 {
+            return x;
+        }
+        Tensor::cat(vec![x, Tensor::zeros([b, h, pad], &device)], 2)
+    };
+    let chunks = |x: Tensor<4>, d: usize| padded4(x).reshape([b, h, n, c, d]);
+    let beta = padded3(beta).reshape([b, h, n, c, 1]);
+    let (q, k, v) = (chunks(q, dk), chunks(k, dk), chunks(v, dv));
+    let cum = padded3(decay).reshape([b, h, n, c]).cumsum(3);
+    let k_beta = k.clone() * beta.clone();
+    let v_beta = v * beta;
+    // decay_ij = exp(cum_i − cum_j) for j ≤ i, 0 above the diagonal.
+    let above = mask2(c, &device, |i, j| j > i)
+        .reshape([1, 1, 1, c, c])
+        .expand([b, h, n, c, c]);
+    let pairwise = (cum.clone().unsqueeze_dim::<5>(4) - cum.clone().unsqueeze_dim::<5>(3))
+        .mask_fill(above, f32::NEG_INFINITY)
+        .exp();
+    let on_or_above = mask2(c, &device, |i, j| j >= i)
+        .reshape([1, 1, 1, c, c])
+        .expand([b, h, n, c, c]);
+    let system = (k_beta.clone().matmul(k.clone().swap_dims(3, 4)) * pairwise.clone())
+        .mask_fill(on_or_above, 0.0);
+    let solve = unit_lower_inverse(system.reshape([b * h * n, c, c])).reshape([b, h, n, c, c]);
+    let cum_exp = cum.clone().exp().unsqueeze_dim::<5>(4);
+    let new_values = solve.clone().matmul(v_beta);
+    let k_cumdecay = solve.matmul(k_beta * cum_exp.clone());
+    let intra = q.clone().matmul(k.clone().swap_dims(3, 4)) * pairwise;
+    let last = cum.clone().narrow(3, c - 1, 1);
+    let q_decayed = q * cum_exp;
+    let k_decayed = k * (last.clone() - cum).exp().unsqueeze_dim::<5>(4);
+    let chunk_decay = last.exp().reshape([b, h, n, 1, 1]);
+    let mut state = initial.unwrap_or_else(|| Tensor::zeros([b, h, dk, dv], &device));
+    let mut outs = Vec::with_capacity(n);
+    let at = |x: &Tensor<5>, i: usize, d: usize| x.clone().narrow(2, i, 1).reshape([b, h, c, d]);
+    for i in 0..n {
+        let v_new = at(&new_values, i, dv) - at(&k_cumdecay, i, dk).matmul(state.clone());
+        outs.push(
+            at(&q_decayed, i, dk).matmul(state.clone()) + at(&intra, i, c).matmul(v_new.clone()),
+        );
+        state = state * chunk_decay.clone().narrow(2, i, 1).reshape([b, h, 1, 1])
+            + at(&k_decayed, i, dk).swap_dims(2, 3).matmul(v_new);
+    }
+    let out = Tensor::cat(outs, 2);
+    let out = if pad == 0 { out } else { out.narrow(2, 0, t) };
+    (out, state)
+}
+
+/// The gated delta rule token by token (the recurrent form; same arguments and results as
+/// [`delta_rule_chunked`]).
+pub(crate) fn delta_rule_recurrent(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    decay: Tensor<3>,
+    beta: Tensor<3>,
+    initial: Option<Tensor<4>>,
+) -> (Tensor<4>, Tensor<4>) {
+    let [b, h, t, dk] = q.dims();
+    let dv = v.dims()[3];
+    let mut state = initial.unwrap_or_else(|| Tensor::zeros([b, h, dk, dv], &q.device()));
+    let mut outs = Vec::with_capacity(t);
+    for i in 0..t {
+        let q_t = q.clone().narrow(2, i, 1);
+        let k_t = k.clone().narrow(2, i, 1);
+        let v_t = v.clone().narrow(2, i, 1);
+        let g_t = decay.clone().narrow(2, i, 1).exp().reshape([b, h, 1, 1]);
+        let beta_t = beta.clone().narrow(2, i, 1).reshape([b, h, 1, 1]);
+        state = state * g_t;
+        let delta = (v_t - k_t.clone().matmul(state.clone())) * beta_t;
+        state = state + k_t.swap_dims(2, 3).matmul(delta);
+        outs.push(q_t.matmul(state.clone()));
+    }
+    (Tensor::cat(outs, 2), state)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Distribution};
+
+    use super::*;
+
+    fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn block_inverse_inverts_unit_lower_triangular_matrices() {
+        let device = Device::flex();
+        let c = 8;
+        let l = Tensor::<3>::random([2, c, c], Distribution::Normal(0.0, 0.5), &device).mask_fill(
+            mask2(c, &device, |i, j| j >= i)
+                .unsqueeze_dim::<3>(0)
+                .expand([2, c, c]),
+            0.0,
+        );
+        let eye = mask2(c, &device, |i, j| i == j)
+            .float()
+            .unsqueeze_dim::<3>(0);
+        let product = (eye.clone() + l.clone()).matmul(unit_lower_inverse(l));
+        let diff = host(product - eye).iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(diff < 1e-5, "{diff}");
+    }
+
+    #[test]
+    fn chunked_and_recurrent_forms_agree_over_several_chunks() {
+        let device = Device::flex();
+        let (b, h, t, dk, dv) = (2, 3, 150, 8, 6);
+        let normal =
+            |shape: [usize; 4]| Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        let unit = |x: Tensor<4>| x.clone() / x.square().sum_dim(3).sqrt();
+        let q = unit(normal([b, h, t, dk])) * (dk as f64).powf(-0.5);
+        let k = unit(normal([b, h, t, dk]));
+        let v = normal([b, h, t, dv]);
+        let decay = Tensor::<3>::random([b, h, t], Distribution::Uniform(-0.3, 0.0), &device);
+        let beta = Tensor::<3>::random([b, h, t], Distribution::Uniform(0.0, 1.0), &device);
+        let init = normal([b, h, dk, dv]) * 0.1;
+        let (oc, sc) = delta_rule_chunked(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            decay.clone(),
+            beta.clone(),
+            Some(init.clone()),
+        );
+        let (or, sr) = delta_rule_recurrent(q, k, v, decay, beta, Some(init));
+        let d_out = host(oc - or).iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d_state = host(sc - sr).iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(d_out < 1e-4 && d_state < 1e-4, "{d_out} {d_state}");
+    }
+}
