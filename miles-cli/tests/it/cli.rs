@@ -810,6 +810,32 @@ fn mistakes_are_usage_errors_naming_the_fix() {
 }
 
 #[test]
+fn a_dict_reward_without_reward_key_names_its_keys_and_the_flag() {
+    // Miles' dapo rule returns {score, acc, pred}: training needs --reward-key to pick one.
+    let dir = scratch("dict-reward");
+    let (model, train, held_out) = setup(&dir);
+    let flags: Vec<String> = train_flags(&model, &train, &held_out, &dir.join("run"))
+        .into_iter()
+        .map(|f| if f == "math" { "dapo".to_owned() } else { f })
+        .collect();
+    let out = miles()
+        .arg("train")
+        .args(&flags)
+        .args(["--num-rollout", "1", "--skip-eval-before-train"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let last = err.lines().last().unwrap_or("");
+    assert!(last.starts_with("error: "), "{err}");
+    assert!(last.contains("--reward-key"), "{last}");
+    for key in ["score", "acc", "pred"] {
+        assert!(last.contains(key), "{key} not named: {last}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn help_and_version_exit_0_on_stdout() {
     for args in [
         &["--help"][..],
