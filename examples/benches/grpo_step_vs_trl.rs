@@ -4,7 +4,8 @@
 //! reward, group size, batch sizes, response length, learning rate and steps.
 //!
 //! The shape is RL's: 32 prompts × 8 samples, ≤ 8 new tokens, one optimizer step of 256
-//! samples per rollout, lr 1e-4, no KL, no reference model; the reference task's prompts
+//! samples per rollout in one micro-batch (TRL's `per_device_train_batch_size` 256; miles
+//! `--micro-batch-size 256 --batch-layout padded`), lr 1e-4, no KL, no reference model; the reference task's prompts
 //! (`data/train.jsonl` of `glm_moe_grpo`: two-digit additions, chat template with
 //! `enable_thinking: false`) and an exact-match reward (miles' `--rm-type exact_match`; the
 //! Python twin in `trl_grpo_step.py`). Models:
@@ -171,6 +172,9 @@ fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
 
+/// Mean seconds per step, peak RSS (MiB) and the mean of each phase's `perf/…` figure.
+type MilesRun = (f64, f64, Vec<(String, f64)>);
+
 /// One `miles train` / `train-async` run: mean seconds per step (first left out), peak RSS
 /// and the mean of the phases' `perf/…` figures over the same steps.
 fn run_miles(
@@ -180,7 +184,7 @@ fn run_miles(
     data: &Path,
     work: &Path,
     steps: usize,
-) -> Result<(f64, f64, Vec<(String, f64)>), BoxError> {
+) -> Result<MilesRun, BoxError> {
     let out = work.join(subcommand);
     let _ = std::fs::remove_dir_all(&out);
     let rss = work.join(format!("{subcommand}.rss"));
@@ -192,6 +196,7 @@ fn run_miles(
         .arg(data)
         .args(["--apply-chat-template", "--apply-chat-template-kwargs"])
         .arg(r#"{"enable_thinking": false}"#)
+        .args(["--input-key", "input", "--label-key", "label"])
         .args(["--rm-type", "exact_match"])
         .args(["--num-rollout", &steps.to_string()])
         .args(["--rollout-batch-size", &PROMPTS.to_string()])
@@ -199,6 +204,9 @@ fn run_miles(
         .args(["--global-batch-size", &(PROMPTS * GROUP).to_string()])
         .args(["--rollout-max-response-len", &MAX_NEW.to_string()])
         .args(["--max-running-requests", &(PROMPTS * GROUP).to_string()])
+        // TRL's batch: the whole step in one padded micro-batch (per_device_train_batch_size).
+        .args(["--micro-batch-size", &(PROMPTS * GROUP).to_string()])
+        .args(["--batch-layout", "padded"])
         .args(["--lr", LR, "--lr-warmup-iters", "0", "--weight-decay", "0"])
         .args(["--clip-grad", "1.0", "--log-level", "warn"])
         .arg("--output-dir")
@@ -367,7 +375,7 @@ fn main() -> Result<(), BoxError> {
                 "xtask-result: grpo_step_vs_trl_{name}_{label} ours={ours:.3}s baseline={base:.3}s \
                  target=<=0.333 note=miles {} s/step vs TRL GRPOTrainer {} s/step over {rounds} \
                  rounds ({steps} steps each, first left out); {PROMPTS}x{GROUP} samples, <= {MAX_NEW} \
-                 new tokens, lr {LR}, one optimizer step per rollout; ratio < 1 is faster; {cpu}",
+                 new tokens, lr {LR}, one optimizer step per rollout in one padded micro-batch; ratio < 1 is faster; {cpu}",
                 list(secs, "s"),
                 list(&trl, "s"),
             );
