@@ -376,8 +376,8 @@ fn main() -> Result<(), BoxError> {
                  target=<=0.333 note=miles {} s/step vs TRL GRPOTrainer {} s/step over {rounds} \
                  rounds ({steps} steps each, first left out); {PROMPTS}x{GROUP} samples, <= {MAX_NEW} \
                  new tokens, lr {LR}, one optimizer step per rollout in one padded micro-batch; ratio < 1 is faster; {cpu}",
-                list(secs, "s"),
-                list(&trl, "s"),
+                list(secs, ""),
+                list(&trl, ""),
             );
             println!(
                 "xtask-result: grpo_step_vs_trl_{name}_{label}_peak_rss ours={:.0}MiB \
