@@ -343,6 +343,37 @@ fn one_step_takes_the_old_log_probs_from_the_training_forward() {
 }
 
 #[test]
+fn exact_rollout_log_probs_are_needed_only_where_the_trainer_compares_per_sample() {
+    // 256 samples per rollout. Per-sample layout: always (the training forward or the old
+    // forward is the engine's scoring function). Padded, one step, no correction: never.
+    let base = TrainConfig::default();
+    assert!(base.needs_exact_rollout_log_probs(256));
+    let padded = TrainConfig {
+        layout: BatchLayout::Padded,
+        ..TrainConfig::default()
+    };
+    assert!(!padded.needs_exact_rollout_log_probs(256));
+    let mut tis = padded.clone();
+    tis.policy_loss.use_tis = true;
+    assert!(tis.needs_exact_rollout_log_probs(256));
+    let mut shaped = padded.clone();
+    shaped.advantage.kl_coef = 0.1;
+    assert!(shaped.needs_exact_rollout_log_probs(256));
+    // Two optimizer steps per rollout: the actor runs its own (per-sample) old forward.
+    let two_steps = TrainConfig {
+        global_batch_size: Some(128),
+        ..padded.clone()
+    };
+    assert!(two_steps.needs_exact_rollout_log_probs(256));
+    assert!(!two_steps.needs_exact_rollout_log_probs(128));
+    let sft = TrainConfig {
+        loss_type: LossType::SftLoss,
+        ..TrainConfig::default()
+    };
+    assert!(!sft.needs_exact_rollout_log_probs(256));
+}
+
+#[test]
 fn micro_batches_and_steps_accumulate_like_one_batch() {
     // One step over 4 samples in micro-batches of 1 equals micro-batches of 4 (same gradient
     // up to float rounding), and two steps of 2 take two optimizer steps.
