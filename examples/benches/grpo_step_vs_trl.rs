@@ -5,8 +5,10 @@
 //!
 //! The shape is RL's: 32 prompts × 8 samples, ≤ 8 new tokens, one optimizer step of 256
 //! samples per rollout in one micro-batch (TRL's `per_device_train_batch_size` 256; miles
-//! `--micro-batch-size 256 --batch-layout padded`), lr 1e-4, no KL, no reference model; the reference task's prompts
-//! (`data/train.jsonl` of `glm_moe_grpo`: two-digit additions, chat template with
+//! `--micro-batch-size 256 --batch-layout padded`: the training forward then gives the old
+//! log-probs and the engine does not re-score), lr 1e-4, no KL, no reference model; the
+//! reference task's prompts (`data/train.jsonl` of `glm_moe_grpo`: two-digit additions,
+//! chat template with
 //! `enable_thinking: false`) and an exact-match reward (miles' `--rm-type exact_match`; the
 //! Python twin in `trl_grpo_step.py`). Models:
 //! * `reference`: the reference run's warm-started tiny GLM-4-MoE (`glm_moe_grpo --num-rollout
