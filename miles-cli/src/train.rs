@@ -303,11 +303,15 @@ fn sampling(a: &TrainArgs, eos_ids: &[u32]) -> SamplingParams {
     }
 }
 
-/// The engines: the embedded one on `model`, or a router over `--engine-url` servers.
+/// The engines: the embedded one on `model`, or a router over `--engine-url` servers. The
+/// embedded engine re-scores finished sequences (`recompute_logprobs_via_prefill`) only when
+/// `recompute` (the trainer compares rollout log-probs with its per-sample scoring:
+/// `TrainConfig::needs_exact_rollout_log_probs`).
 fn engines(
     a: &TrainArgs,
     c: &Common,
     num_layers: Option<usize>,
+    recompute: bool,
 ) -> Result<Arc<dyn InferenceEngine>, BoxError> {
     let urls = &a.rollout.engine_url;
     if urls.is_empty() {
@@ -318,6 +322,7 @@ fn engines(
             eos_token_ids: c.eos_ids.clone(),
             seed: c.seed,
             precision: c.precision,
+            recompute_logprobs_via_prefill: recompute,
             ..miles_engine::EngineConfig::default()
         };
         return Ok(crate::wiring::embedded_engine_with(model, &c.hf, config)?);
@@ -626,14 +631,17 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         .filter(|&l| model.config.is_moe_layer(l))
         .count();
     let reward = reward(a, c.seed)?;
+    let rollout = rollout_config(a, &c, use_r3)?;
+    let n = rollout.n_samples_per_prompt;
+    let recompute = train_config(a, n, use_r3, c.seed)?
+        .needs_exact_rollout_log_probs(rollout.rollout_batch_size * n);
     let engine = engines(
         a,
         &c,
         Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0),
+        recompute,
     )?;
     let generator = agent_generator(a, &c, &engine, use_r3).await?;
-    let rollout = rollout_config(a, &c, use_r3)?;
-    let n = rollout.n_samples_per_prompt;
     let num_rollout: u64 = match (a.rollout.num_rollout, a.data.num_epoch) {
         (Some(n), _) => n,
         (None, Some(epochs)) => {
@@ -811,7 +819,7 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
 async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
     let c = common(a)?;
     let reward = reward(a, c.seed)?;
-    let engine = engines(a, &c, None)?;
+    let engine = engines(a, &c, None, true)?;
     let generator = agent_generator(a, &c, &engine, false).await?;
     let base = RolloutConfig {
         rollout_batch_size: 1,

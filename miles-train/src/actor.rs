@@ -31,6 +31,28 @@ use crate::{Error, LrSchedule, Result};
 /// Per-sample advantages and returns over the response tokens.
 type AdvantagesAndReturns = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// Where a [`Actor::train_items`] call takes the old-policy log-probs of its policy loss from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OldLogProbs {
+    /// Not needed (SFT loss).
+    Zeros,
+    /// A forward pass of its own over every sample before training (the general case).
+    Forward,
+    /// The rollout's log-probs (`use_rollout_logprobs` without mismatch metrics).
+    Rollout,
+    /// The training forward's own log-probs, detached (one optimizer step on the trainer's
+    /// weights: they are the old policy's).
+    TrainingForward,
+}
+
+/// Seconds spent in each phase of the optimizer steps of one call.
+#[derive(Debug, Clone, Copy, Default)]
+struct PhaseTimes {
+    forward: f64,
+    backward: f64,
+    optimizer: f64,
+}
+
 /// What one optimizer step reported.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepReport {
@@ -42,6 +64,33 @@ pub struct StepReport {
 
 /// The policy trainer: a miles-bridge model on an autodiff device, AdamW, the configured loss
 /// and advantage estimator, and an optional frozen reference model.
+///
+/// # Old-policy log-probs
+///
+/// The policy loss compares the trained log-probs with the old policy's (the weights before a
+/// [`Actor::train_items`] call). They come from, first match wins (Miles' rules, its
+/// `--use-rollout-logprobs` and `--skip-actor-forward-only`, the latter taken whenever it
+/// applies):
+///
+/// 1. **A forward of their own** over every sample before training (per sample, batch-invariant,
+///    the function the embedded engine re-scores with) when a metric or correction compares
+///    them with the rollout's (`get_mismatch_metrics`, `use_tis`; then
+///    `train/train_rollout_logprob_abs_diff` is that forward against the rollout) or KL reward
+///    shaping needs them before training (`kl_coef ≠ 0`).
+/// 2. **The rollout's** with `use_rollout_logprobs` (every sample carrying them): no forward;
+///    `train_rollout_logprob_abs_diff` and `train_rollout_kl` are then 0, as in Miles.
+/// 3. **The training forward's own, detached**, when the call takes one optimizer step: the
+///    weights of that forward are the old policy's, so no second forward is needed (TRL's
+///    `GRPOTrainer` does the same). The importance ratio is exactly 1, `ppo_kl` and
+///    `pg_clipfrac` exactly 0, and `train_rollout_logprob_abs_diff` compares the training
+///    forward with the rollout: with the default [`BatchLayout::PerSample`] the training
+///    forward is the engine's scoring function, so against an embedded engine's re-scored
+///    log-probs it stays 0 bit for bit on flex (whose autodiff and inference forwards agree
+///    bit for bit; tested); with `padded` / `packed` it shows their float rounding.
+/// 4. Otherwise (several optimizer steps per call): a forward of their own, as in 1.
+///
+/// `perf/log_probs_time` is that forward's time (0 when skipped); `perf/actor_forward_time`,
+/// `perf/actor_backward_time` and `perf/optimizer_time` split the optimizer steps.
 pub struct Actor {
     config: TrainConfig,
     model: CausalLm,
@@ -277,10 +326,28 @@ impl Actor {
         let fused = self.config.fused;
         let policy = self.config.loss_type == LossType::PolicyLoss;
 
+        let steps = if siblings {
+            plan_rollout_steps(
+                items,
+                self.config.global_batch_size,
+                self.config.num_steps_per_rollout,
+            )?
+        } else {
+            plan_steps(
+                n,
+                self.config.global_batch_size,
+                self.config.num_steps_per_rollout,
+            )
+        };
+        let old_source = if policy {
+            self.old_log_prob_source(items, steps.len())
+        } else {
+            OldLogProbs::Zeros
+        };
+
         // Old (trainer-scored) and reference log-probs, with the weights before this call, in
         // the compute precision (the engine's recompute scores the same way).
         let precision = self.config.precision;
-        let scorer = self.model.valid().to_precision(precision);
         let reference = self
             .reference
             .as_ref()
@@ -289,36 +356,65 @@ impl Actor {
         let mut old = Vec::with_capacity(n);
         let mut refs = Vec::new();
         let mut flips = FlipStats::new();
-        for (index, item) in items.iter().enumerate() {
-            let replay = match &self.moe {
-                Some(moe) if self.config.use_routing_replay => {
-                    let replay = replay_for(moe, &[item], BatchLayout::PerSample)?;
-                    replay.set_compare(true)?;
-                    Some(replay)
+        let old_started = Instant::now();
+        match old_source {
+            OldLogProbs::Zeros | OldLogProbs::TrainingForward => {
+                old.extend(items.iter().map(|i| vec![0.0; i.response_length]));
+            }
+            OldLogProbs::Rollout => old.extend(
+                items
+                    .iter()
+                    .map(|i| i.rollout_log_probs.clone().unwrap_or_default()),
+            ),
+            OldLogProbs::Forward => {
+                let scorer = self.model.valid().to_precision(precision);
+                for (index, item) in items.iter().enumerate() {
+                    let replay = match &self.moe {
+                        Some(moe) if self.config.use_routing_replay => {
+                            let replay = replay_for(moe, &[item], BatchLayout::PerSample)?;
+                            replay.set_compare(true)?;
+                            Some(replay)
+                        }
+                        _ => None,
+                    };
+                    let hook: Box<dyn RouterHook> = match &replay {
+                        Some(r) => Box::new(SharedReplay(Arc::clone(r))),
+                        None => Box::new(Fallthrough),
+                    };
+                    old.push(
+                        score_log_probs(
+                            &scorer,
+                            &item.tokens,
+                            item.response_length,
+                            &*hook,
+                            &fused,
+                        )
+                        .map_err(|e| sample_error(index, e))?,
+                    );
+                    if let Some(replay) = &replay {
+                        flips.merge(&replay.take_flip_stats()?);
+                    }
                 }
-                _ => None,
-            };
-            let hook: Box<dyn RouterHook> = match &replay {
-                Some(r) => Box::new(SharedReplay(Arc::clone(r))),
-                None => Box::new(Fallthrough),
-            };
-            let score = |m: &CausalLm, hook: &dyn RouterHook| {
-                score_log_probs(m, &item.tokens, item.response_length, hook, &fused)
-                    .map_err(|e| sample_error(index, e))
-            };
-            if policy {
-                old.push(score(&scorer, &*hook)?);
-            } else {
-                old.push(vec![0.0; item.response_length]);
-            }
-            if let Some(replay) = &replay {
-                flips.merge(&replay.take_flip_stats()?);
-            }
-            if let Some(reference) = &reference {
-                // The reference policy routes on its own (Miles: fallthrough stage).
-                refs.push(score(reference, &Fallthrough)?);
             }
         }
+        let old_secs = old_started.elapsed().as_secs_f64();
+        let ref_started = Instant::now();
+        if let Some(reference) = &reference {
+            for (index, item) in items.iter().enumerate() {
+                // The reference policy routes on its own (Miles: fallthrough stage).
+                refs.push(
+                    score_log_probs(
+                        reference,
+                        &item.tokens,
+                        item.response_length,
+                        &Fallthrough,
+                        &fused,
+                    )
+                    .map_err(|e| sample_error(index, e))?,
+                );
+            }
+        }
+        let ref_secs = ref_started.elapsed().as_secs_f64();
 
         // Critic values (ppo), then rewards → advantages, as Miles' actor computes them.
         let config = &self.config;
@@ -346,21 +442,9 @@ impl Actor {
 
         let scoring_secs = started.elapsed().as_secs_f64();
         let device = self.device();
-        let steps = if siblings {
-            plan_rollout_steps(
-                items,
-                self.config.global_batch_size,
-                self.config.num_steps_per_rollout,
-            )?
-        } else {
-            plan_steps(
-                n,
-                self.config.global_batch_size,
-                self.config.num_steps_per_rollout,
-            )
-        };
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut tokens_trained = 0usize;
+        let mut times = PhaseTimes::default();
         for step in &steps {
             let critic_metrics = match (&mut self.critic, &values) {
                 (Some(critic), Some(values)) => {
@@ -382,10 +466,12 @@ impl Actor {
                 items,
                 step.clone(),
                 &old,
+                old_source == OldLogProbs::TrainingForward,
                 &refs,
                 &advantages,
                 mask_sums.as_deref(),
                 &device,
+                (&mut times, &mut flips),
             )?;
             report.metrics.extend(critic_metrics);
             tokens_trained += items[step.clone()]
@@ -404,7 +490,8 @@ impl Actor {
         for (k, v) in sums {
             out.insert(k, v / steps.len() as f64);
         }
-        // Rollout-vs-trainer routing flips, measured on the old-log-prob pass (R3).
+        // Rollout-vs-trainer routing flips, measured on the pass that scores the old log-probs
+        // (R3): their own forward, or the training forward when it gives them.
         out.extend(flips.to_metrics());
         self.rollouts_trained += 1;
         self.version = self.version.next();
@@ -416,7 +503,17 @@ impl Actor {
         }
         let secs = started.elapsed().as_secs_f64();
         out.insert("perf/train_time".into(), secs);
-        out.insert("perf/log_probs_time".into(), scoring_secs);
+        out.insert("perf/log_probs_time".into(), old_secs);
+        if reference.is_some() {
+            out.insert("perf/ref_log_probs_time".into(), ref_secs);
+        }
+        out.insert(
+            "perf/advantages_time".into(),
+            scoring_secs - old_secs - ref_secs,
+        );
+        out.insert("perf/actor_forward_time".into(), times.forward);
+        out.insert("perf/actor_backward_time".into(), times.backward);
+        out.insert("perf/optimizer_time".into(), times.optimizer);
         out.insert(
             "perf/step_time".into(),
             (secs - scoring_secs) / steps.len() as f64,
@@ -427,6 +524,28 @@ impl Actor {
         );
         out.insert("train/steps".into(), steps.len() as f64);
         Ok(out)
+    }
+
+    /// Where this call's old log-probs come from (see the type-level docs of [`Actor`]):
+    /// the rollout's with `use_rollout_logprobs`, the training forward's with one optimizer
+    /// step, else a forward of their own. A metric or correction that compares the trainer's
+    /// old log-probs with the rollout's (`get_mismatch_metrics`, `use_tis`) or a KL reward
+    /// shaping (`kl_coef`, which needs them before training) keeps the forward.
+    fn old_log_prob_source(&self, items: &[TrainItem], steps: usize) -> OldLogProbs {
+        let p = &self.config.policy_loss;
+        if p.get_mismatch_metrics || p.use_tis || self.config.advantage.kl_coef != 0.0 {
+            return OldLogProbs::Forward;
+        }
+        if p.use_rollout_logprobs {
+            if items.iter().all(|i| i.rollout_log_probs.is_some()) {
+                return OldLogProbs::Rollout;
+            }
+            return OldLogProbs::Forward;
+        }
+        if steps == 1 {
+            return OldLogProbs::TrainingForward;
+        }
+        OldLogProbs::Forward
     }
 
     fn compute_advantages(
@@ -497,10 +616,12 @@ impl Actor {
         items: &[TrainItem],
         range: std::ops::Range<usize>,
         old: &[Vec<f32>],
+        old_from_forward: bool,
         refs: &[Vec<f32>],
         advantages: &[Vec<f32>],
         mask_sums: Option<&[f32]>,
         device: &Device,
+        (times, flips): (&mut PhaseTimes, &mut FlipStats),
     ) -> Result<StepReport> {
         let step_items = &items[range.clone()];
         let per_token = self.config.policy_loss.calculate_per_token_loss;
@@ -522,14 +643,31 @@ impl Actor {
             // Mixed precision: the forward runs on the f32 master weights cast to the compute
             // dtype (a graph op, cast anew per micro-batch so every backward owns its casts);
             // gradients arrive in f32 on the masters, which `acc` reads.
+            let forward_started = Instant::now();
             let compute = self.model.clone().to_precision(self.config.precision);
+            // When this forward also gives the old log-probs, it is where the rollout's
+            // routing is compared with the trainer's (R3 flip statistics).
+            let mut replays: Vec<Arc<RoutingReplay>> = Vec::new();
+            let config = &self.config;
+            let moe = self.moe.as_ref();
             let scored = score_batch(
                 &compute,
                 &refs_mb,
-                self.config.layout,
-                &mut |its| hook_for(&self.config, self.moe.as_ref(), its, self.config.layout),
-                &self.config.fused,
+                config.layout,
+                &mut |its| match moe {
+                    Some(moe) if config.use_routing_replay && old_from_forward => {
+                        let replay = replay_for(moe, its, config.layout)?;
+                        replay.set_compare(true)?;
+                        replays.push(Arc::clone(&replay));
+                        Ok(Box::new(SharedReplay(replay)) as Box<dyn RouterHook>)
+                    }
+                    _ => hook_for(config, moe, its, config.layout),
+                },
+                &config.fused,
             )?;
+            for replay in &replays {
+                flips.merge(&replay.take_flip_stats()?);
+            }
             let mask = pad2(refs_mb.iter().map(|i| i.loss_mask.as_slice()).collect());
             let (loss, metrics) = match self.config.loss_type {
                 LossType::SftLoss => {
@@ -544,9 +682,16 @@ impl Actor {
                     (loss, vec![("loss", value.clone()), ("sft_loss", value)])
                 }
                 LossType::PolicyLoss => {
+                    // One optimizer step on the trainer's weights: this forward's log-probs
+                    // are the old policy's (detached in the loss).
+                    let old_mb = if old_from_forward {
+                        scored.log_probs.clone().detach()
+                    } else {
+                        pad2(idx.iter().map(|&i| old[i].as_slice()).collect())
+                    };
                     let mut input = PolicyLossInput::new(
                         scored.log_probs,
-                        pad2(idx.iter().map(|&i| old[i].as_slice()).collect()),
+                        old_mb,
                         pad2(idx.iter().map(|&i| advantages[i].as_slice()).collect()),
                         mask,
                     )
@@ -583,9 +728,13 @@ impl Actor {
             // Kept on the device: the step reads every micro-batch's metrics and the
             // gradient norm back in one read.
             pending.extend(metrics);
+            times.forward += forward_started.elapsed().as_secs_f64();
+            let backward_started = Instant::now();
             let grads = loss.backward();
             acc.accumulate(&self.model, &grads);
+            times.backward += backward_started.elapsed().as_secs_f64();
         }
+        let optimizer_started = Instant::now();
         acc.retain_trainable(|name| self.config.is_frozen(name));
         let norm_sq = acc.global_norm_sq();
         let mut values: Vec<Tensor<1>> = pending.iter().map(|(_, v)| v.clone()).collect();
@@ -616,6 +765,7 @@ impl Actor {
         let lr = self.schedule.lr_at(self.optimizer.step_count());
         let model = self.model.clone();
         self.model = self.optimizer.step(model, acc, lr);
+        times.optimizer += optimizer_started.elapsed().as_secs_f64();
         metrics.insert("train/grad_norm".into(), grad_norm);
         metrics.insert("train/lr".into(), lr);
         Ok(StepReport {

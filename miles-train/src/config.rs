@@ -9,7 +9,7 @@ use miles_ops::fused::FusedLogProbConfig;
 use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{BatchLayout, TrainItem, plan_micro_batches};
+use crate::batch::{BatchLayout, TrainItem, plan_micro_batches, plan_steps};
 use crate::{Error, LrSchedule, Result};
 
 /// AdamW hyper-parameters (Megatron's `--weight-decay`, `--adam-beta1`, `--adam-beta2`,
@@ -289,5 +289,31 @@ impl TrainConfig {
     /// Whether reference-model log-probs are needed (KL loss or KL reward shaping).
     pub fn needs_ref(&self) -> bool {
         self.policy_loss.use_kl_loss || self.advantage.kl_coef != 0.0
+    }
+
+    /// Whether training on rollouts of `samples_per_rollout` samples compares the rollout's
+    /// log-probs with a per-sample scoring of the trainer's (the function the embedded engine
+    /// re-scores with), so that re-scored rollout log-probs make them equal bit for bit: with
+    /// the per-sample layout, with TIS / mismatch metrics / `use_rollout_logprobs`, or
+    /// whenever the actor runs its own old-log-prob forward (`kl_coef`, several optimizer
+    /// steps per rollout; see [`crate::Actor`]). Otherwise (a `padded` / `packed` training
+    /// forward gives the old log-probs) the rollout's log-probs only feed
+    /// `train_rollout_logprob_abs_diff`, which shows the layouts' float rounding either way, and
+    /// an engine's per-sequence re-scoring (`recompute_logprobs_via_prefill`) buys nothing.
+    pub fn needs_exact_rollout_log_probs(&self, samples_per_rollout: usize) -> bool {
+        let p = &self.policy_loss;
+        self.loss_type == LossType::PolicyLoss
+            && (self.layout == BatchLayout::PerSample
+                || p.use_tis
+                || p.get_mismatch_metrics
+                || p.use_rollout_logprobs
+                || self.advantage.kl_coef != 0.0
+                || plan_steps(
+                    samples_per_rollout,
+                    self.global_batch_size,
+                    self.num_steps_per_rollout,
+                )
+                .len()
+                    > 1)
     }
 }

@@ -273,6 +273,107 @@ fn zero_mismatch(m: CausalLm) {
 }
 
 #[test]
+fn one_step_takes_the_old_log_probs_from_the_training_forward() {
+    // One optimizer step per call: the old log-probs are the training forward's own
+    // (detached), with no forward of their own. With the per-sample layout that forward is
+    // the scoring function bit for bit, so the step equals the one that scores the old
+    // log-probs first (forced here by asking for the mismatch metrics): same loss, gradient
+    // norm and weights, a ratio of exactly 1, and zero train/rollout mismatch. With R3 too.
+    let base = model();
+    let mut batch = samples();
+    for s in &mut batch {
+        let lp = score_log_probs(
+            &base.valid(),
+            &s.tokens,
+            s.response_length,
+            &Fallthrough,
+            &Default::default(),
+        )
+        .unwrap();
+        s.rollout_log_probs = Some(lp.iter().map(|&v| f64::from(v)).collect());
+        s.rollout_routed_experts = Some(own_routing(&base, s));
+    }
+    for use_routing_replay in [false, true] {
+        let skip = TrainConfig {
+            use_routing_replay,
+            ..config()
+        };
+        let mut forward = skip.clone();
+        forward.policy_loss.get_mismatch_metrics = true;
+        let mut a = Actor::new(model(), skip).unwrap();
+        let ma = a.train(0, &batch).unwrap();
+        let mut b = Actor::new(model(), forward).unwrap();
+        let mb = b.train(0, &batch).unwrap();
+        for key in [
+            "train/loss",
+            "train/pg_loss",
+            "train/grad_norm",
+            "train/ppo_kl",
+            "train/pg_clipfrac",
+            "train/train_rollout_logprob_abs_diff",
+        ] {
+            assert_eq!(ma[key], mb[key], "{key} (R3 {use_routing_replay})");
+        }
+        assert_eq!(ma["train/ppo_kl"], 0.0);
+        assert_eq!(ma["train/train_rollout_logprob_abs_diff"], 0.0);
+        if use_routing_replay {
+            assert_eq!(ma["r3/flip_rate"], mb["r3/flip_rate"]);
+        }
+        // The mismatch metrics come only with the forward that was asked for.
+        assert!(mb.contains_key("train/tis") && !ma.contains_key("train/tis"));
+        let wa = a.export(miles_core::DType::F32).unwrap();
+        let wb = b.export(miles_core::DType::F32).unwrap();
+        assert_eq!(wa, wb, "weights after the step (R3 {use_routing_replay})");
+    }
+
+    // use_rollout_logprobs: the rollout's log-probs are the old ones (here shifted by 0.25, so
+    // ppo_kl = −0.25 on every token), and the train/rollout mismatch is 0 as in Miles.
+    let mut shifted = batch.clone();
+    for s in &mut shifted {
+        for v in s.rollout_log_probs.as_mut().unwrap() {
+            *v -= 0.25;
+        }
+    }
+    let mut cfg = config();
+    cfg.policy_loss.use_rollout_logprobs = true;
+    let mut actor = Actor::new(model(), cfg).unwrap();
+    let m = actor.train(0, &shifted).unwrap();
+    assert_eq!(m["train/train_rollout_logprob_abs_diff"], 0.0);
+    assert!((m["train/ppo_kl"] + 0.25).abs() < 1e-5, "{m:?}");
+}
+
+#[test]
+fn exact_rollout_log_probs_are_needed_only_where_the_trainer_compares_per_sample() {
+    // 256 samples per rollout. Per-sample layout: always (the training forward or the old
+    // forward is the engine's scoring function). Padded, one step, no correction: never.
+    let base = TrainConfig::default();
+    assert!(base.needs_exact_rollout_log_probs(256));
+    let padded = TrainConfig {
+        layout: BatchLayout::Padded,
+        ..TrainConfig::default()
+    };
+    assert!(!padded.needs_exact_rollout_log_probs(256));
+    let mut tis = padded.clone();
+    tis.policy_loss.use_tis = true;
+    assert!(tis.needs_exact_rollout_log_probs(256));
+    let mut shaped = padded.clone();
+    shaped.advantage.kl_coef = 0.1;
+    assert!(shaped.needs_exact_rollout_log_probs(256));
+    // Two optimizer steps per rollout: the actor runs its own (per-sample) old forward.
+    let two_steps = TrainConfig {
+        global_batch_size: Some(128),
+        ..padded.clone()
+    };
+    assert!(two_steps.needs_exact_rollout_log_probs(256));
+    assert!(!two_steps.needs_exact_rollout_log_probs(128));
+    let sft = TrainConfig {
+        loss_type: LossType::SftLoss,
+        ..TrainConfig::default()
+    };
+    assert!(!sft.needs_exact_rollout_log_probs(256));
+}
+
+#[test]
 fn micro_batches_and_steps_accumulate_like_one_batch() {
     // One step over 4 samples in micro-batches of 1 equals micro-batches of 4 (same gradient
     // up to float rounding), and two steps of 2 take two optimizer steps.

@@ -1,0 +1,395 @@
+//! The loop a user runs, side by side with TRL: seconds per GRPO step and peak RSS of
+//! `miles train` (sync) and `miles train-async` against TRL's `GRPOTrainer` (CPU, its HF
+//! `generate` rollouts), in the same run, on the same HF checkpoint directory, prompts,
+//! reward, group size, batch sizes, response length, learning rate and steps.
+//!
+//! The shape is RL's: 32 prompts × 8 samples, ≤ 8 new tokens, one optimizer step of 256
+//! samples per rollout in one micro-batch (TRL's `per_device_train_batch_size` 256; miles
+//! `--micro-batch-size 256 --batch-layout padded`: the training forward then gives the old
+//! log-probs and the engine does not re-score), lr 1e-4, no KL, no reference model; the
+//! reference task's prompts (`data/train.jsonl` of `glm_moe_grpo`: two-digit additions,
+//! chat template with
+//! `enable_thinking: false`) and an exact-match reward (miles' `--rm-type exact_match`; the
+//! Python twin in `trl_grpo_step.py`). Models:
+//! * `reference`: the reference run's warm-started tiny GLM-4-MoE (`glm_moe_grpo --num-rollout
+//!   0` writes it, with the prompts; its answers are short, so most responses stop early);
+//! * `glm_moe_88m`: the GLM-4-MoE of the `train_step` / `engine_decode` benches (88 M
+//!   parameters, vocabulary 32,000, random weights, the toy tokenizer and chat template): every
+//!   response runs to the 8-token limit.
+//!
+//! Each configuration runs as its own process (`/usr/bin/time` gives its peak RSS); a step's
+//! time is the loop's `perf/step_time` (rollout + training + weight update) for miles and
+//! `on_step_begin` → `on_step_end` (generation + scoring + training) for TRL, the first step
+//! (warm-up) left out. The three run in turn, twice (`MILES_BENCH_ROUNDS`), and the rows give
+//! the mean of the rounds with every round's figure in the note (the spread, never only the
+//! best).
+//!
+//! Needs: the `miles` binary and the `glm_moe_grpo` example, built in the same target dir
+//! (`cargo build --release --bin miles --example glm_moe_grpo`; or `MILES_BIN`,
+//! `MILES_GRPO_EXAMPLE`), and a Python with torch, transformers and trl
+//! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root). Without them the
+//! rows are skipped with a note. `MILES_BENCH_ONLY=reference` (or `glm_moe_88m`) runs one
+//! model; `MILES_BENCH_STEPS` (default 3) sets the steps of each run; `MILES_BENCH_QUICK=1`:
+//! 2 steps, one round. Work files go to `target/grpo_step_vs_trl/`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use burn::tensor::Device;
+use miles_bridge::{CausalLm, ModelConfig};
+use miles_core::DType;
+use miles_examples::toy::{ToyModelSpec, write_model_dir};
+
+type BoxError = Box<dyn std::error::Error>;
+
+const PROMPTS: usize = 32;
+const GROUP: usize = 8;
+const MAX_NEW: usize = 8;
+const LR: &str = "1e-4";
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// `target/release` of this bench (its executable lives in `target/release/deps`).
+fn profile_dir() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    Some(exe.parent()?.parent()?.to_path_buf())
+}
+
+fn found(var: &str, default: Option<PathBuf>) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .or(default)
+        .filter(|p| p.exists())
+}
+
+fn python() -> Option<PathBuf> {
+    found(
+        "MILES_TORCH_PYTHON",
+        Some(workspace_root().join(".venv-ref/bin/python")),
+    )
+}
+
+/// The 88 M GLM-4-MoE of the train_step / engine_decode benches, written with the toy
+/// tokenizer and chat template (vocabulary padded to 32,000 ids, random weights).
+fn write_88m(dir: &Path) -> Result<(), BoxError> {
+    if dir.join("model.safetensors").exists() {
+        return Ok(());
+    }
+    let spec = ToyModelSpec {
+        hidden_size: 512,
+        num_hidden_layers: 8,
+        num_attention_heads: 8,
+        num_key_value_heads: 4,
+        head_dim: 64,
+        intermediate_size: 1408,
+        moe_intermediate_size: 256,
+        n_routed_experts: 16,
+        num_experts_per_tok: 4,
+        n_shared_experts: 1,
+        max_position_embeddings: 2048,
+        ..ToyModelSpec::default()
+    };
+    let device = Device::flex();
+    // The toy directory (tokenizer, chat template, special ids), then the model again at the
+    // benches' vocabulary.
+    let info = write_model_dir(dir, &spec, 7, &device)?;
+    let config = spec.config_json(32_000, info.eos_token_id, info.pad_token_id);
+    let model_config = ModelConfig::from_hf_json(&config.to_string())?;
+    device.seed(7);
+    let model = CausalLm::init(&model_config, &device)?;
+    model.save_pretrained(dir, DType::F32, None)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    println!(
+        "wrote {}: GLM-4-MoE, {:.1} M parameters",
+        dir.display(),
+        model.num_params() as f64 / 1e6
+    );
+    Ok(())
+}
+
+/// The reference run's warm-start and prompts (`glm_moe_grpo --num-rollout 0`).
+fn write_reference(example: &Path, out: &Path) -> Result<(), BoxError> {
+    if out.join("warm_start/model.safetensors").exists() {
+        return Ok(());
+    }
+    let status = Command::new(example)
+        .args(["--num-rollout", "0", "--output-dir"])
+        .arg(out)
+        .status()?;
+    if !status.success() {
+        return Err(format!("{} --num-rollout 0 failed: {status}", example.display()).into());
+    }
+    Ok(())
+}
+
+/// Runs `cmd` under `/usr/bin/time`; returns its stdout and peak RSS (MiB).
+fn run_measured(mut cmd: Command, rss_file: &Path) -> Result<(String, f64), BoxError> {
+    let out = cmd.output()?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .rev()
+                .take(20)
+                .collect::<Vec<_>>()
+                .join("\n")
+        )
+        .into());
+    }
+    let kib: f64 = std::fs::read_to_string(rss_file)?
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().parse().ok())
+        .ok_or("no peak RSS from /usr/bin/time")?;
+    Ok((
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        kib / 1024.0,
+    ))
+}
+
+fn timed(program: &Path, rss_file: &Path) -> Command {
+    let mut cmd = Command::new("/usr/bin/time");
+    cmd.arg("-f").arg("%M").arg("-o").arg(rss_file).arg(program);
+    cmd
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Mean seconds per step, peak RSS (MiB) and the mean of each phase's `perf/…` figure.
+type MilesRun = (f64, f64, Vec<(String, f64)>);
+
+/// One `miles train` / `train-async` run: mean seconds per step (first left out), peak RSS
+/// and the mean of the phases' `perf/…` figures over the same steps.
+fn run_miles(
+    miles: &Path,
+    subcommand: &str,
+    model: &Path,
+    data: &Path,
+    work: &Path,
+    steps: usize,
+) -> Result<MilesRun, BoxError> {
+    let out = work.join(subcommand);
+    let _ = std::fs::remove_dir_all(&out);
+    let rss = work.join(format!("{subcommand}.rss"));
+    let mut cmd = timed(miles, &rss);
+    cmd.arg(subcommand)
+        .arg("--hf-checkpoint")
+        .arg(model)
+        .arg("--prompt-data")
+        .arg(data)
+        .args(["--apply-chat-template", "--apply-chat-template-kwargs"])
+        .arg(r#"{"enable_thinking": false}"#)
+        .args(["--input-key", "input", "--label-key", "label"])
+        .args(["--rm-type", "exact_match"])
+        .args(["--num-rollout", &steps.to_string()])
+        .args(["--rollout-batch-size", &PROMPTS.to_string()])
+        .args(["--n-samples-per-prompt", &GROUP.to_string()])
+        .args(["--global-batch-size", &(PROMPTS * GROUP).to_string()])
+        .args(["--rollout-max-response-len", &MAX_NEW.to_string()])
+        .args(["--max-running-requests", &(PROMPTS * GROUP).to_string()])
+        // TRL's batch: the whole step in one padded micro-batch (per_device_train_batch_size).
+        .args(["--micro-batch-size", &(PROMPTS * GROUP).to_string()])
+        .args(["--batch-layout", "padded"])
+        .args(["--lr", LR, "--lr-warmup-iters", "0", "--weight-decay", "0"])
+        .args(["--clip-grad", "1.0", "--log-level", "warn"])
+        .arg("--output-dir")
+        .arg(&out);
+    let (_, peak) = run_measured(cmd, &rss)?;
+    let text = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let records: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|v: &serde_json::Value| v.get("perf/step_time").is_some())
+        .collect();
+    let measured = &records[records.len().min(1)..];
+    if measured.is_empty() {
+        return Err(format!("{subcommand}: fewer than 2 steps in metrics.jsonl").into());
+    }
+    let get = |key: &str| -> f64 {
+        mean(
+            &measured
+                .iter()
+                .filter_map(|r| r.get(key).and_then(serde_json::Value::as_f64))
+                .collect::<Vec<_>>(),
+        )
+    };
+    let phases = [
+        "perf/rollout_time",
+        "perf/rollout_wait_time",
+        "perf/log_probs_time",
+        "perf/actor_forward_time",
+        "perf/actor_backward_time",
+        "perf/optimizer_time",
+        "perf/update_weights_time",
+    ]
+    .iter()
+    .filter(|k| measured.iter().any(|r| r.get(**k).is_some()))
+    .map(|k| (k.trim_start_matches("perf/").to_string(), get(k)))
+    .collect();
+    Ok((get("perf/step_time"), peak, phases))
+}
+
+/// One TRL run: mean seconds per step (first left out) and peak RSS.
+fn run_trl(
+    python: &Path,
+    model: &Path,
+    data: &Path,
+    work: &Path,
+    steps: usize,
+) -> Result<(f64, f64), BoxError> {
+    let rss = work.join("trl.rss");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/trl_grpo_step.py");
+    let mut cmd = timed(python, &rss);
+    cmd.arg(script)
+        .arg("--model")
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .args(["--prompts", &PROMPTS.to_string()])
+        .args(["--group", &GROUP.to_string()])
+        .args(["--max-new-tokens", &MAX_NEW.to_string()])
+        .args(["--lr", LR, "--steps", &steps.to_string(), "--threads", "2"])
+        .arg("--output-dir")
+        .arg(work.join("trl"));
+    let (stdout, peak) = run_measured(cmd, &rss)?;
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .ok_or("no result line from trl_grpo_step.py")?;
+    let v: serde_json::Value = serde_json::from_str(line)?;
+    let secs: Vec<f64> = v["step_seconds"]
+        .as_array()
+        .ok_or("no step_seconds")?
+        .iter()
+        .filter_map(serde_json::Value::as_f64)
+        .collect();
+    let measured = &secs[secs.len().min(1)..];
+    if measured.is_empty() {
+        return Err("trl: fewer than 2 steps".into());
+    }
+    Ok((mean(measured), peak))
+}
+
+fn list(v: &[f64], unit: &str) -> String {
+    v.iter()
+        .map(|x| format!("{x:.3}{unit}"))
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+fn main() -> Result<(), BoxError> {
+    let quick = std::env::var("MILES_BENCH_QUICK").is_ok_and(|v| v == "1");
+    let steps = env_usize("MILES_BENCH_STEPS", if quick { 2 } else { 3 }).max(2);
+    let rounds = env_usize("MILES_BENCH_ROUNDS", if quick { 1 } else { 2 }).max(1);
+    let only = std::env::var("MILES_BENCH_ONLY").ok();
+    let profile = profile_dir();
+    let miles = found("MILES_BIN", profile.as_ref().map(|p| p.join("miles")));
+    let example = found(
+        "MILES_GRPO_EXAMPLE",
+        profile.as_ref().map(|p| p.join("examples/glm_moe_grpo")),
+    );
+    let (Some(miles), Some(example), Some(python)) = (miles, example, python()) else {
+        println!(
+            "grpo_step_vs_trl: skipped: needs the miles binary and the glm_moe_grpo example \
+             (cargo build --release --bin miles --example glm_moe_grpo) and MILES_TORCH_PYTHON \
+             (torch, transformers, trl)"
+        );
+        return Ok(());
+    };
+    let work = profile
+        .as_ref()
+        .and_then(|p| p.parent())
+        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
+        .join("grpo_step_vs_trl");
+    std::fs::create_dir_all(&work)?;
+    let reference = work.join("reference");
+    let big = work.join("glm_moe_88m");
+    let data = reference.join("data/train.jsonl");
+    write_reference(&example, &reference)?;
+    let models: Vec<(&str, PathBuf)> = vec![
+        ("reference", reference.join("warm_start")),
+        ("glm_moe_88m", big.clone()),
+    ];
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    for (name, model) in models {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
+        if name == "glm_moe_88m" {
+            write_88m(&big)?;
+        }
+        let dir = work.join(format!("runs_{name}"));
+        std::fs::create_dir_all(&dir)?;
+        let (mut trl, mut sync, mut asyn) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut trl_rss, mut sync_rss, mut async_rss) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let (t, r) = run_trl(&python, &model, &data, &dir, steps)?;
+            println!("{name} round {round}: TRL {t:.3} s/step, {r:.0} MiB");
+            trl.push(t);
+            trl_rss.push(r);
+            for (sub, secs, rss) in [
+                ("train", &mut sync, &mut sync_rss),
+                ("train-async", &mut asyn, &mut async_rss),
+            ] {
+                let (s, r, phases) = run_miles(&miles, sub, &model, &data, &dir, steps)?;
+                let phases: Vec<String> =
+                    phases.iter().map(|(k, v)| format!("{k} {v:.3}s")).collect();
+                println!(
+                    "{name} round {round}: miles {sub} {s:.3} s/step, {r:.0} MiB ({})",
+                    phases.join(", ")
+                );
+                secs.push(s);
+                rss.push(r);
+            }
+        }
+        let base = mean(&trl);
+        for (label, secs, rss) in [("sync", &sync, &sync_rss), ("async", &asyn, &async_rss)] {
+            let ours = mean(secs);
+            println!(
+                "xtask-result: grpo_step_vs_trl_{name}_{label} ours={ours:.3}s baseline={base:.3}s \
+                 target=<=0.333 note=miles {} s/step vs TRL GRPOTrainer {} s/step over {rounds} \
+                 rounds ({steps} steps each, first left out); {PROMPTS}x{GROUP} samples, <= {MAX_NEW} \
+                 new tokens, lr {LR}, one optimizer step per rollout in one padded micro-batch; ratio < 1 is faster; {cpu}",
+                list(secs, ""),
+                list(&trl, ""),
+            );
+            println!(
+                "xtask-result: grpo_step_vs_trl_{name}_{label}_peak_rss ours={:.0}MiB \
+                 baseline={:.0}MiB target=<=1 note=peak RSS of the process, miles {} vs TRL {}",
+                mean(rss),
+                mean(&trl_rss),
+                list(rss, "MiB"),
+                list(&trl_rss, "MiB"),
+            );
+        }
+    }
+    Ok(())
+}
