@@ -290,50 +290,6 @@ pub fn write_final_outputs(
     Ok(version.0)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use miles_core::JsonlMetricsSink;
-
-    #[test]
-    fn curves_are_redrawn_after_each_evaluating_step_only() {
-        let out = std::env::temp_dir().join(format!("miles-ex-curves-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&out);
-        let sink = miles_core::FanoutMetricsSink::new(vec![
-            Arc::new(JsonlMetricsSink::create(out.join("metrics.jsonl")).unwrap()),
-            Arc::new(CurvesOnEval::new(&out, "eval/x/raw_reward")),
-        ]);
-        let svg = out.join("curves.svg");
-        let step = |i: u64, eval: bool| {
-            let mut m = Metrics::new();
-            m.insert("rollout/raw_reward".into(), 0.1 * i as f64);
-            if eval {
-                m.insert("eval/x/raw_reward".into(), 0.2 * i as f64);
-            }
-            sink.log(i, &m).unwrap();
-        };
-        step(0, false);
-        step(1, false);
-        assert!(!svg.exists(), "no evaluation yet");
-        step(2, true);
-        let first = std::fs::read_to_string(&svg).unwrap();
-        assert!(
-            first.starts_with("<svg"),
-            "{}",
-            &first[..first.len().min(80)]
-        );
-        step(3, false);
-        assert_eq!(std::fs::read_to_string(&svg).unwrap(), first, "not redrawn");
-        step(4, true);
-        assert_ne!(
-            std::fs::read_to_string(&svg).unwrap(),
-            first,
-            "redrawn with step 4"
-        );
-        std::fs::remove_dir_all(&out).ok();
-    }
-}
-
 /// The trainer's on-policy-distillation settings from the flags, with Miles' argument checks
 /// (`--opd-type` required with `--use-opd`; top-k and teacher URLs only with `sglang`; no OPD
 /// flag without `--use-opd`).
@@ -416,4 +372,48 @@ pub(crate) fn opd_teacher(
         );
     }
     Ok(Some(Arc::new(OpdTeacher::new(config))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use miles_core::JsonlMetricsSink;
+
+    #[test]
+    fn curves_are_redrawn_after_each_evaluating_step_only() {
+        let out = std::env::temp_dir().join(format!("miles-ex-curves-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let sink = miles_core::FanoutMetricsSink::new(vec![
+            Arc::new(JsonlMetricsSink::create(out.join("metrics.jsonl")).unwrap()),
+            Arc::new(CurvesOnEval::new(&out, "eval/x/raw_reward")),
+        ]);
+        let svg = out.join("curves.svg");
+        let step = |i: u64, eval: bool| {
+            let mut m = Metrics::new();
+            m.insert("rollout/raw_reward".into(), 0.1 * i as f64);
+            if eval {
+                m.insert("eval/x/raw_reward".into(), 0.2 * i as f64);
+            }
+            sink.log(i, &m).unwrap();
+        };
+        step(0, false);
+        step(1, false);
+        assert!(!svg.exists(), "no evaluation yet");
+        step(2, true);
+        let first = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            first.starts_with("<svg"),
+            "{}",
+            &first[..first.len().min(80)]
+        );
+        step(3, false);
+        assert_eq!(std::fs::read_to_string(&svg).unwrap(), first, "not redrawn");
+        step(4, true);
+        assert_ne!(
+            std::fs::read_to_string(&svg).unwrap(),
+            first,
+            "redrawn with step 4"
+        );
+        std::fs::remove_dir_all(&out).ok();
+    }
 }

@@ -109,8 +109,10 @@ fn teacher_routing_and_url_parsing_match_miles() {
             rm_url: case["rm_url"].as_str().map(String::from),
             ..OpdTeacherConfig::default()
         };
-        let mut s = Sample::default();
-        s.metadata = case["metadata"].as_object().unwrap().clone();
+        let s = Sample {
+            metadata: case["metadata"].as_object().unwrap().clone(),
+            ..Sample::default()
+        };
         match case.get("error") {
             Some(e) => assert_eq!(
                 config.teacher_url_for(&s).unwrap_err().to_string(),
