@@ -19,7 +19,8 @@ miles_args = Path(sys.argv[1]).read_text()
 ours_src = (ROOT / "miles-cli/src/args.rs").read_text()
 body = ours_src[ours_src.index("pub struct TrainArgs"):ours_src.index("pub struct ServeArgs")]
 ours = {"--" + f.replace("_", "-") for f in re.findall(r"pub (\w+): ", body)
-        if f not in ("model", "data", "rollout", "train", "lora", "eval", "reward", "agent", "metrics")}
+        if f not in ("model", "data", "rollout", "train", "lora", "eval", "reward", "agent", "opd",
+                     "metrics")}
 ours |= {"--" + a for a in re.findall(r'alias = "([a-z0-9-]+)"', body)}
 
 # Megatron / torch flags Miles' example scripts pass (not in arguments.py).
@@ -145,10 +146,16 @@ def status(flag, group):
         return "renamed", RENAMED[flag]
     if flag in RENAMED_EXTRA:
         return "renamed", RENAMED_EXTRA[flag]
+    if flag == "--skip-actor-forward-only":
+        return "automatic", ("the actor skips its old-log-prob forward whenever a call takes one "
+                             "optimizer step and neither `--use-tis`, `--get-mismatch-metrics` nor "
+                             "`--kl-coef` needs it (docs of `miles_train::Actor`); the flag is accepted and changes nothing")
     if flag in ours:
         return "supported", ""
-    if group == "add_on_policy_distillation_arguments":
-        return "not supported yet", "on-policy distillation"
+    if flag == "--opd-topk-per-position":
+        return "not supported yet", "needs a patched SGLang (`token_ids_logprob_positions`)"
+    if flag == "--opd-teacher-ckpt-step":
+        return "not supported yet", "an HF checkpoint has no step: point `--opd-teacher-load` at it"
     if flag in LIBRARY and LIBRARY[flag]:
         return "library only", f"`{LIBRARY[flag]}`; not on the command line yet"
     if flag == "--dynamic-sampling-filter-path":

@@ -156,6 +156,9 @@ pub struct TrainArgs {
     /// Agents.
     #[command(flatten)]
     pub agent: AgentArgs,
+    /// On-policy distillation.
+    #[command(flatten)]
+    pub opd: OpdArgs,
     /// Logging and metrics.
     #[command(flatten)]
     pub metrics: MetricsArgs,
@@ -411,6 +414,20 @@ pub struct TrainingArgs {
     /// TIS upper clip
     #[arg(long, value_name = "X", default_value_t = policy_defaults().tis_clip)]
     pub tis_clip: f32,
+    /// The PPO ratio's old log-probs are the rollout's (the trainer runs no old-log-prob
+    /// forward unless --get-mismatch-metrics asks for it)
+    #[arg(long)]
+    pub use_rollout_logprobs: bool,
+    /// Log the rollout / trainer log-prob mismatch (train_rollout_logprob_abs_diff, …) even
+    /// when the trainer's old log-probs would not need their own forward
+    #[arg(long)]
+    pub get_mismatch_metrics: bool,
+    /// Accepted for Miles' scripts and changes nothing: the actor skips its old-log-prob
+    /// forward by itself whenever that forward would only recompute the training forward's
+    /// log-probs (one optimizer step per rollout, no --use-tis / --get-mismatch-metrics /
+    /// --kl-coef)
+    #[arg(long)]
+    pub skip_actor_forward_only: bool,
     /// Record routed experts at rollout and replay them in training (R3; MoE models)
     #[arg(long)]
     pub use_rollout_routing_replay: bool,
@@ -488,6 +505,56 @@ pub struct RewardArgs {
     /// Which entry of a dict reward to train on
     #[arg(long, value_name = "KEY")]
     pub reward_key: Option<String>,
+}
+
+/// On-policy distillation (Miles' `add_on_policy_distillation_arguments`).
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "On-policy distillation")]
+pub struct OpdArgs {
+    /// Enable on-policy distillation (OPD). Must specify --opd-type when enabled.
+    #[arg(long)]
+    pub use_opd: bool,
+    /// Type of on-policy distillation. 'sglang': Teacher log-probs are obtained from external
+    /// SGLang server during rollout. 'megatron': Teacher model is loaded via --opd-teacher-load
+    /// and forwarded during training (here: an HF checkpoint scored by the trainer)
+    #[arg(long, value_name = "TYPE", value_parser = ["sglang", "megatron"])]
+    pub opd_type: Option<String>,
+    /// On-policy distillation KL penalty coefficient. Default is 1.0.
+    #[arg(
+        long,
+        value_name = "C",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
+    pub opd_kl_coef: f64,
+    /// Number of top-k tokens to use for the re-think OPD token-level reward. Set to 0 to use
+    /// sampled-token OPD.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub opd_log_prob_top_k: usize,
+    /// Token set strategy for top-k OPD.
+    #[arg(long, value_name = "S", default_value = "only-student",
+          value_parser = ["only-student", "only-teacher", "intersection", "union", "xor"])]
+    pub opd_top_k_strategy: String,
+    /// Weighting scheme for top-k OPD token rewards.
+    #[arg(long, value_name = "M", default_value = "student_p",
+          value_parser = ["student_p", "teacher_p", "none"])]
+    pub opd_reward_weight_mode: String,
+    /// Multi-teacher routing map for --opd-type=sglang, e.g. --opd-teacher-urls
+    /// math=http://h1:30001/generate code=http://h2:30002/generate. Each sample is routed to
+    /// the teacher named by sample.metadata[--opd-teacher-key]; the reserved name 'default' is
+    /// the fallback for samples with a missing or unknown name. When unset, all samples are
+    /// scored by the single teacher at --rm-url (original behavior).
+    #[arg(long, value_name = "NAME=URL", num_args = 1..)]
+    pub opd_teacher_urls: Vec<String>,
+    /// Sample metadata key holding the teacher name used for --opd-teacher-urls routing.
+    /// Populated from the dataset's metadata column (see --metadata-key).
+    #[arg(long, value_name = "KEY", default_value = "opd_teacher")]
+    pub opd_teacher_key: String,
+    /// The checkpoint for OPD teacher model. Required when --opd-type=megatron. The teacher
+    /// model should have the same architecture as policy/ref model (here: an HF checkpoint
+    /// directory or hub id with the policy's vocabulary).
+    #[arg(long, value_name = "DIR")]
+    pub opd_teacher_load: Option<String>,
 }
 
 /// Agents.

@@ -212,10 +212,13 @@ fn load_prompts(
 /// first), and with `--agent-cmd` the agent's own reward first.
 fn reward(a: &TrainArgs, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
     let rm_type = a.reward.rm_type.as_deref();
+    // With OPD on a teacher server, --rm-url is the teacher (Miles' OPD reward function).
+    let opd_sglang = a.opd.use_opd && a.opd.opd_type.as_deref() == Some("sglang");
     let remote = a
         .reward
         .rm_url
         .as_deref()
+        .filter(|_| !opd_sglang)
         .map(|url| RemoteReward::new(url, std::time::Duration::from_secs(60)));
     let rule: Option<Arc<dyn RewardFn>> = match rm_type {
         Some("exact_match") => Some(Arc::new(BuiltinReward::ExactMatch)),
@@ -237,6 +240,8 @@ fn reward(a: &TrainArgs, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
         (Some(_), Some(rule)) => Arc::new(AgentReward::new().with_fallback(rule)),
         (Some(_), None) => Arc::new(AgentReward::new()),
         (None, Some(rule)) => rule,
+        // Distillation alone: task reward 0, the teacher's reverse KL is the signal.
+        (None, None) if a.opd.use_opd => Arc::new(miles_rollout::opd::DistillationOnlyReward),
         (None, None) => {
             return Err(
                 "--rm-type (or --rm-url, or an --agent-cmd that prints rewards) is required".into(),
@@ -518,6 +523,8 @@ fn train_config(a: &TrainArgs, n: usize, use_r3: bool, seed: u64) -> Result<Trai
     p.entropy_coef = a.train.entropy_coef;
     p.use_tis = a.train.use_tis;
     p.tis_clip = a.train.tis_clip;
+    p.use_rollout_logprobs = a.train.use_rollout_logprobs;
+    p.get_mismatch_metrics = a.train.get_mismatch_metrics;
     config.validate()?;
     Ok(config)
 }
@@ -662,10 +669,19 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     if let Some(generator) = &generator {
         manager = manager.with_generator(generator.clone());
     }
+    if let Some(teacher) = crate::wiring::opd_teacher(a)? {
+        manager = manager.with_opd_teacher(teacher);
+    }
     let manager = Arc::new(manager);
     let mut config = train_config(a, n, use_r3, c.seed)?;
     config.precision = c.precision;
+    config.opd = crate::wiring::opd_config(&a.opd)?;
+    let local_teacher = config.opd.local_teacher();
     let mut actor = Actor::new(model, config)?;
+    if let Some(dir) = a.opd.opd_teacher_load.as_deref().filter(|_| local_teacher) {
+        let dir = crate::hub::resolve(dir, "--opd-teacher-load")?;
+        actor = actor.with_teacher(CausalLm::from_pretrained(&dir, &c.device)?)?;
+    }
     if let Some(dir) = a.model.ref_load.as_deref() {
         let dir = crate::hub::resolve(dir, "--ref-load")?;
         actor = actor.with_reference(CausalLm::from_pretrained(&dir, &c.device)?)?;

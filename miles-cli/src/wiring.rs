@@ -281,6 +281,90 @@ pub fn write_final_outputs(
     Ok(version.0)
 }
 
+/// The trainer's on-policy-distillation settings from the flags, with Miles' argument checks
+/// (`--opd-type` required with `--use-opd`; top-k and teacher URLs only with `sglang`; no OPD
+/// flag without `--use-opd`).
+pub(crate) fn opd_config(a: &crate::args::OpdArgs) -> Result<miles_train::OpdConfig, String> {
+    let opd_type = match (a.use_opd, a.opd_type.as_deref()) {
+        (true, None) => {
+            return Err(
+                "--opd-type must be specified when --use-opd is enabled. Choose \
+                        'sglang' or 'megatron'."
+                    .into(),
+            );
+        }
+        (_, Some(t)) => t
+            .parse::<miles_train::OpdType>()
+            .map_err(|e| format!("--opd-type: {e}"))?,
+        (false, None) => miles_train::OpdType::Sglang,
+    };
+    if a.use_opd && a.opd_log_prob_top_k > 0 && opd_type != miles_train::OpdType::Sglang {
+        return Err(
+            "--opd-log-prob-top-k is currently supported only with --opd-type=sglang.".into(),
+        );
+    }
+    if !a.opd_teacher_urls.is_empty() {
+        if !a.use_opd {
+            return Err(
+                "--opd-teacher-urls is set but --use-opd is not enabled. Please add \
+                        --use-opd flag."
+                    .into(),
+            );
+        }
+        if opd_type != miles_train::OpdType::Sglang {
+            return Err("--opd-teacher-urls is only supported with --opd-type=sglang.".into());
+        }
+        miles_rollout::opd::parse_teacher_urls(&a.opd_teacher_urls).map_err(|e| e.to_string())?;
+    }
+    let config = miles_train::OpdConfig {
+        use_opd: a.use_opd,
+        opd_type,
+        opd_kl_coef: a.opd_kl_coef,
+        opd_teacher_load: a.opd_teacher_load.as_deref().map(Into::into),
+    };
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+/// The rollout's teacher scorer with `--use-opd --opd-type sglang` (teacher at `--rm-url` or
+/// routed by `--opd-teacher-urls`; the student scored at the first `--engine-url` for the
+/// strategies that need it); `None` otherwise.
+pub(crate) fn opd_teacher(
+    a: &crate::args::TrainArgs,
+) -> Result<Option<Arc<miles_rollout::opd::OpdTeacher>>, String> {
+    use miles_rollout::opd::{OpdTeacher, OpdTeacherConfig};
+    let o = &a.opd;
+    if !o.use_opd || o.opd_type.as_deref() != Some("sglang") {
+        return Ok(None);
+    }
+    let config = OpdTeacherConfig {
+        top_k: o.opd_log_prob_top_k,
+        strategy: o.opd_top_k_strategy.parse().map_err(|e| format!("{e}"))?,
+        weight_mode: o
+            .opd_reward_weight_mode
+            .parse()
+            .map_err(|e| format!("{e}"))?,
+        teacher_urls: miles_rollout::opd::parse_teacher_urls(&o.opd_teacher_urls)
+            .map_err(|e| e.to_string())?,
+        teacher_key: o.opd_teacher_key.clone(),
+        rm_url: a.reward.rm_url.clone(),
+        student_url: a
+            .rollout
+            .engine_url
+            .first()
+            .map(|u| format!("{}/generate", u.trim_end_matches('/'))),
+        ..OpdTeacherConfig::default()
+    };
+    if config.teacher_urls.is_empty() && config.rm_url.is_none() {
+        return Err(
+            "--use-opd --opd-type sglang needs the teacher's /generate URL: --rm-url or \
+                    --opd-teacher-urls"
+                .into(),
+        );
+    }
+    Ok(Some(Arc::new(OpdTeacher::new(config))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -272,6 +272,38 @@ pub enum PauseMode {
     Retract,
 }
 
+/// A request for the log-probs of a sequence's own tokens, without generating (SGLang's
+/// `/generate` with `max_new_tokens = 0`, `return_logprob` and `logprob_start_len`): what an
+/// on-policy-distillation teacher answers.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct InputLogprobRequest {
+    /// The sequence (at least one token).
+    pub input_ids: Vec<TokenId>,
+    /// Also the `k` most likely tokens at each position (SGLang's `top_logprobs_num`; 0: none).
+    #[serde(default)]
+    pub top_logprobs_num: usize,
+    /// Also the log-probs of these token ids at each position (SGLang's `token_ids_logprob`).
+    #[serde(default)]
+    pub token_ids_logprob: Vec<TokenId>,
+}
+
+/// The answer to an [`InputLogprobRequest`]: for every position `p ≥ 1` of the input, the
+/// distribution of `input_ids[p]` given `input_ids[..p]` (SGLang's first, placeholder position
+/// has none). Every vector has `input_ids.len() − 1` entries.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct InputLogprobs {
+    /// `log p(input_ids[p] | input_ids[..p])`.
+    pub token_logprobs: Vec<f64>,
+    /// The `top_logprobs_num` most likely `(token id, log-prob)` pairs, most likely first
+    /// (empty lists when not asked).
+    pub top_logprobs: Vec<Vec<(TokenId, f64)>>,
+    /// `(token id, log-prob)` of each id of `token_ids_logprob`, in the request's order (empty
+    /// lists when not asked).
+    pub token_ids_logprobs: Vec<Vec<(TokenId, f64)>>,
+    /// The weight version that scored the input.
+    pub weight_version: WeightVersion,
+}
+
 /// A token-in-token-out inference engine: the embedded burn engine, a remote SGLang server, or
 /// a router over many. Object-safe, used as `Arc<dyn InferenceEngine>`.
 ///
@@ -309,6 +341,16 @@ pub trait InferenceEngine: Send + Sync {
 
     /// The version of the weights currently loaded.
     async fn weight_version(&self) -> Result<WeightVersion>;
+
+    /// Scores a sequence's own tokens without generating (see [`InputLogprobRequest`]). The
+    /// default answers an `invalid_request` engine error: engines that can score override it.
+    async fn input_logprobs(&self, request: InputLogprobRequest) -> Result<InputLogprobs> {
+        let _ = request;
+        Err(crate::Error::engine(
+            crate::EngineErrorKind::InvalidRequest,
+            "this engine does not score input tokens (input log-probs)",
+        ))
+    }
 }
 
 #[cfg(test)]

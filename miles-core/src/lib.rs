@@ -68,8 +68,8 @@ mod trainer;
 mod weights;
 
 pub use engine::{
-    FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, PauseMode, RequestId,
-    SamplingParams, output_text,
+    FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, InputLogprobRequest,
+    InputLogprobs, PauseMode, RequestId, SamplingParams, output_text,
 };
 pub use error::{EngineErrorKind, Error, Result};
 pub use message::{

@@ -149,6 +149,9 @@ pub struct Sample {
     pub rollout_indexer_topk: Option<RoutedExperts>,
     /// Log-probs of the response tokens under a teacher (on-policy distillation).
     pub teacher_log_probs: Option<Vec<f64>>,
+    /// Per-token reverse-KL estimate precomputed at rollout (on-policy distillation with
+    /// `--opd-log-prob-top-k > 0`; Miles' `opd_reverse_kl`).
+    pub opd_reverse_kl: Option<Vec<f64>>,
     /// When true the trainer zeroes this sample's loss mask.
     pub remove_sample: bool,
     /// Lifecycle status.
@@ -183,6 +186,7 @@ impl Default for Sample {
             rollout_routed_experts: None,
             rollout_indexer_topk: None,
             teacher_log_probs: None,
+            opd_reverse_kl: None,
             remove_sample: false,
             status: SampleStatus::Pending,
             metadata: Map::new(),
@@ -214,7 +218,7 @@ impl Sample {
                 got: self.tokens.len(),
             });
         }
-        let per_token: [(&'static str, Option<usize>); 3] = [
+        let per_token: [(&'static str, Option<usize>); 4] = [
             ("loss_mask", self.loss_mask.as_ref().map(Vec::len)),
             (
                 "rollout_log_probs",
@@ -224,6 +228,7 @@ impl Sample {
                 "teacher_log_probs",
                 self.teacher_log_probs.as_ref().map(Vec::len),
             ),
+            ("opd_reverse_kl", self.opd_reverse_kl.as_ref().map(Vec::len)),
         ];
         for (field, len) in per_token {
             if let Some(got) = len
@@ -341,6 +346,9 @@ impl Sample {
         if let Some(teacher) = &mut self.teacher_log_probs {
             teacher.extend(std::iter::repeat_n(0.0, tokens.len()));
         }
+        if let Some(kl) = &mut self.opd_reverse_kl {
+            kl.extend(std::iter::repeat_n(0.0, tokens.len()));
+        }
         Ok(())
     }
 
@@ -386,6 +394,9 @@ impl Sample {
         if let Some(lp) = &mut self.teacher_log_probs {
             lp.truncate(len);
         }
+        if let Some(kl) = &mut self.opd_reverse_kl {
+            kl.truncate(len);
+        }
         for table in [
             &mut self.rollout_routed_experts,
             &mut self.rollout_indexer_topk,
@@ -416,6 +427,7 @@ impl Sample {
         self.rollout_routed_experts = None;
         self.rollout_indexer_topk = None;
         self.teacher_log_probs = None;
+        self.opd_reverse_kl = None;
         self.spec_info = SpecInfo::default();
         self.prefix_cache_info = PrefixCacheInfo::default();
         self.non_generation_time = 0.0;
@@ -526,6 +538,8 @@ struct SampleWire {
     rollout_indexer_topk: Option<RoutedExperts>,
     #[serde(skip_serializing_if = "Option::is_none")]
     teacher_log_probs: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    opd_reverse_kl: Option<Vec<f64>>,
     remove_sample: bool,
     status: SampleStatus,
     metadata: Map<String, Value>,
@@ -560,6 +574,7 @@ impl From<Sample> for SampleWire {
             rollout_routed_experts: s.rollout_routed_experts,
             rollout_indexer_topk: s.rollout_indexer_topk,
             teacher_log_probs: s.teacher_log_probs,
+            opd_reverse_kl: s.opd_reverse_kl,
             remove_sample: s.remove_sample,
             status: s.status,
             metadata: s.metadata,
@@ -591,6 +606,7 @@ impl TryFrom<SampleWire> for Sample {
             rollout_routed_experts: w.rollout_routed_experts,
             rollout_indexer_topk: w.rollout_indexer_topk,
             teacher_log_probs: w.teacher_log_probs,
+            opd_reverse_kl: w.opd_reverse_kl,
             remove_sample: w.remove_sample,
             status: w.status,
             metadata: w.metadata,

@@ -5,7 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use miles_bridge::CausalLm;
-use miles_core::{GenerateOutput, GenerateRequest, PauseMode, RequestId, WeightVersion};
+use miles_core::{
+    GenerateOutput, GenerateRequest, InputLogprobRequest, InputLogprobs, PauseMode, RequestId,
+    WeightVersion,
+};
 use tokio::sync::oneshot;
 
 /// Turns output ids into text, for stop strings.
@@ -47,6 +50,10 @@ pub(crate) enum Cmd {
     Resume,
     Flush(oneshot::Sender<()>),
     Update(Box<CausalLm>, WeightVersion, oneshot::Sender<()>),
+    InputLogprobs(
+        Box<InputLogprobRequest>,
+        oneshot::Sender<miles_core::Result<InputLogprobs>>,
+    ),
     Shutdown,
 }
 

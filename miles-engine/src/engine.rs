@@ -12,7 +12,7 @@ use burn::tensor::Device;
 use miles_bridge::{CausalLm, ModelConfig, Precision};
 use miles_core::{
     DType, EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
-    NamedTensors, PauseMode, RequestId, WeightVersion,
+    InputLogprobRequest, InputLogprobs, NamedTensors, PauseMode, RequestId, WeightVersion,
 };
 use tokio::sync::oneshot;
 
@@ -239,6 +239,20 @@ impl InferenceEngine for EmbeddedEngine {
     async fn generate(&self, request: GenerateRequest) -> miles_core::Result<GenerateOutput> {
         let (tx, rx) = oneshot::channel();
         self.send(Cmd::Generate(Box::new(Pending { request, reply: tx })))?;
+        rx.await.map_err(|_| {
+            CoreError::engine(
+                EngineErrorKind::Unavailable,
+                "the engine stopped mid-request",
+            )
+        })?
+    }
+
+    async fn input_logprobs(
+        &self,
+        request: InputLogprobRequest,
+    ) -> miles_core::Result<InputLogprobs> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::InputLogprobs(Box::new(request), tx))?;
         rx.await.map_err(|_| {
             CoreError::engine(
                 EngineErrorKind::Unavailable,

@@ -67,6 +67,7 @@ mod command;
 mod config;
 mod engine;
 mod error;
+mod input_scoring;
 mod sampling;
 mod scheduler;
 pub mod serve;

@@ -300,6 +300,17 @@ impl Scheduler {
                 let _ = reply.send(());
             }
             Cmd::Update(model, version, reply) => self.updates.push_back((model, version, reply)),
+            Cmd::InputLogprobs(request, reply) => {
+                // Scored between steps on the current weights (an update waits its turn).
+                let version = WeightVersion(self.shared.version.load(Ordering::SeqCst));
+                let out = crate::input_scoring::input_logprobs(
+                    &self.model,
+                    &*self.scorer,
+                    &request,
+                    version,
+                );
+                let _ = reply.send(out);
+            }
             Cmd::Shutdown => return false,
         }
         true

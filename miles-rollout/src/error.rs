@@ -36,6 +36,9 @@ pub enum Error {
     /// A background task died.
     #[error("rollout task failed: {0}")]
     Task(String),
+    /// On-policy distillation: a teacher answer that cannot be used, a missing input.
+    #[error("on-policy distillation: {0}")]
+    Opd(String),
     /// Failures dominate the run ([`crate::FailurePolicy`]): the message names the last
     /// failure (the agent's command line) and its agent's last stderr lines.
     #[error("{0}")]

@@ -24,6 +24,10 @@
 //!   checkpoints;
 //! * the group-level checks: the staleness bound ([`group_staleness`],
 //!   `--max-weight-staleness`) and the dynamic-sampling filters ([`DynamicFilter`]);
+//! * on-policy distillation with an SGLang-compatible teacher ([`opd::OpdTeacher`], Miles'
+//!   `--use-opd --opd-type sglang`: teacher log-probs or the top-k reverse KL per sample,
+//!   teachers routed by `--opd-teacher-urls`), plugged in with
+//!   [`RolloutManager::with_opd_teacher`];
 //! * pass@k as Miles' `--log-passrate` computes it ([`pass_rate`], [`pass_rate_of_samples`]:
 //!   the unbiased estimator averaged over complete groups).
 //!
@@ -57,6 +61,7 @@ mod group;
 mod loops;
 mod manager;
 mod multi_turn;
+pub mod opd;
 mod passrate;
 
 pub use data::{

@@ -19,6 +19,7 @@ use tokio::task::JoinSet;
 use crate::data::DataSource;
 use crate::error::{Error, Result};
 use crate::failures::{FailurePolicy, FailureTracker, retry_failed_group};
+use crate::opd::OpdTeacher;
 use crate::{DynamicFilter, FilterVerdict};
 
 /// Turns a sample's prompt into token ids and response tokens back into text. miles-tito's
@@ -226,6 +227,7 @@ pub struct RolloutManager {
     encoder: Arc<dyn PromptEncoder>,
     reward: Arc<dyn RewardFn>,
     generator: Option<Arc<dyn SampleGenerator>>,
+    teacher: Option<Arc<OpdTeacher>>,
     permits: Arc<Semaphore>,
     next_request: Arc<AtomicU64>,
     failures: Arc<FailureTracker>,
@@ -248,6 +250,7 @@ impl RolloutManager {
             encoder,
             reward,
             generator: None,
+            teacher: None,
             next_request: Arc::new(AtomicU64::new(0)),
         })
     }
@@ -257,6 +260,13 @@ impl RolloutManager {
     /// manager's; the engine is still what weight updates and `abort_all` go to.
     pub fn with_generator(mut self, generator: Arc<dyn SampleGenerator>) -> Self {
         self.generator = Some(generator);
+        self
+    }
+
+    /// Scores every sample with an on-policy-distillation teacher after its reward (Miles'
+    /// `--use-opd --opd-type sglang`): per-turn siblings each on their own tokens.
+    pub fn with_opd_teacher(mut self, teacher: Arc<OpdTeacher>) -> Self {
+        self.teacher = Some(teacher);
         self
     }
 
@@ -282,6 +292,7 @@ impl RolloutManager {
             encoder: self.encoder.clone(),
             reward: self.reward.clone(),
             generator: self.generator.clone(),
+            teacher: self.teacher.clone(),
             permits: self.permits.clone(),
             next_request: self.next_request.clone(),
             failures: self.failures.clone(),
@@ -407,6 +418,7 @@ struct GroupWorker {
     encoder: Arc<dyn PromptEncoder>,
     reward: Arc<dyn RewardFn>,
     generator: Option<Arc<dyn SampleGenerator>>,
+    teacher: Option<Arc<OpdTeacher>>,
     permits: Arc<Semaphore>,
     next_request: Arc<AtomicU64>,
     failures: Arc<FailureTracker>,
@@ -481,6 +493,14 @@ impl GroupWorker {
                                 .metadata
                                 .insert("failure_kind".into(), Value::from("reward"));
                         }
+                    }
+                }
+            }
+            // On-policy distillation: the teacher scores every rewarded sample.
+            if let Some(teacher) = &self.teacher {
+                for &i in &scored {
+                    if rollouts[i].iter().all(|s| s.status != SampleStatus::Failed) {
+                        teacher.score_all(&mut rollouts[i]).await;
                     }
                 }
             }

@@ -542,6 +542,7 @@ async fn collect(
     base.prefix_cache_info = Default::default();
     base.spec_info = Default::default();
     base.teacher_log_probs = None;
+    base.opd_reverse_kl = None;
     let payload = decode_samples(&r.body, &base)?;
     if payload.empty_reason.is_some() {
         return Ok(None);

@@ -429,6 +429,16 @@ fn merge_pair(a: Sample, b: Sample, decode: Decode<'_>) -> Result<Sample> {
     } else {
         None
     };
+    let opd_reverse_kl = if a.opd_reverse_kl.is_some() || b.opd_reverse_kl.is_some() {
+        Some(per_token(
+            a.opd_reverse_kl.clone(),
+            b.opd_reverse_kl.clone(),
+            la,
+            lb,
+        ))
+    } else {
+        None
+    };
     let mut weight_versions = a.weight_versions.clone();
     weight_versions.extend(b.weight_versions.iter().cloned());
     let mut spec_info = a.spec_info;
@@ -451,6 +461,7 @@ fn merge_pair(a: Sample, b: Sample, decode: Decode<'_>) -> Result<Sample> {
             lb,
         )),
         teacher_log_probs: teacher,
+        opd_reverse_kl,
         weight_versions,
         spec_info,
         prefix_cache_info: prefix,

@@ -244,12 +244,13 @@ fn check_input_defaults(input: &Sample) -> Result<()> {
         || input.prefix_cache_info != PrefixCacheInfo::default()
         || input.spec_info != Default::default()
         || input.teacher_log_probs.is_some()
+        || input.opd_reverse_kl.is_some()
         || input.metadata.contains_key(OPD_STUDENT_TOP_LOGPROBS_KEY)
     {
         return Err(codec_err(
             "input",
             "input sample must have default weight_versions, prefix_cache_info, spec_info, \
-             no teacher log-probs and no metadata.opd_student_top_logprobs",
+             no teacher log-probs / opd_reverse_kl and no metadata.opd_student_top_logprobs",
         ));
     }
     Ok(())
@@ -259,7 +260,7 @@ fn check_input_defaults(input: &Sample) -> Result<()> {
 /// encoded sample onto a copy of `input`: wire fields replace the input's, `metadata` is
 /// merged key by key (keys the input had keep their position), a null-marked `tokens` becomes
 /// empty. When there is at least one sample, `input` must have Miles' defaults (no
-/// weight_versions, prefix-cache or speculative counters, teacher log-probs or
+/// weight_versions, prefix-cache or speculative counters, teacher log-probs, `opd_reverse_kl` or
 /// `metadata.opd_student_top_logprobs`).
 ///
 /// Rejected with [`Error::Codec`], as by Miles: an invalid container; a missing

@@ -24,12 +24,14 @@ use crate::batch::{
 use crate::checkpoint;
 use crate::config::{LossType, TrainConfig};
 use crate::critic::Critic;
+use crate::opd;
 use crate::optim::{AdamW, GradAccumulator};
 use crate::scoring::{sample_error, score_batch};
 use crate::{Error, LrSchedule, Result};
 
-/// Per-sample advantages and returns over the response tokens.
-type AdvantagesAndReturns = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+/// Per-sample advantages and returns over the response tokens, and the OPD reverse KL (with
+/// `use_opd`).
+type AdvantagesAndReturns = (Vec<Vec<f32>>, Vec<Vec<f32>>, Option<Vec<Vec<f32>>>);
 
 /// Where a [`Actor::train_items`] call takes the old-policy log-probs of its policy loss from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +78,8 @@ pub struct StepReport {
 ///    the function the embedded engine re-scores with) when a metric or correction compares
 ///    them with the rollout's (`get_mismatch_metrics`, `use_tis`; then
 ///    `train/train_rollout_logprob_abs_diff` is that forward against the rollout) or KL reward
-///    shaping needs them before training (`kl_coef ≠ 0`).
+///    shaping (`kl_coef ≠ 0`) or on-policy distillation's sampled-token reverse KL (`use_opd`
+///    without a precomputed top-k KL) needs them before training.
 /// 2. **The rollout's** with `use_rollout_logprobs` (every sample carrying them): no forward;
 ///    `train_rollout_logprob_abs_diff` and `train_rollout_kl` are then 0, as in Miles.
 /// 3. **The training forward's own, detached**, when the call takes one optimizer step: the
@@ -95,6 +98,7 @@ pub struct Actor {
     config: TrainConfig,
     model: CausalLm,
     reference: Option<CausalLm>,
+    teacher: Option<CausalLm>,
     critic: Option<Critic>,
     moe: Option<MoeModel>,
     optimizer: AdamW,
@@ -243,6 +247,7 @@ impl Actor {
             config,
             model,
             reference,
+            teacher: None,
             critic: None,
             moe,
             version: WeightVersion(0),
@@ -353,8 +358,14 @@ impl Actor {
             .as_ref()
             .filter(|_| policy)
             .map(|r| r.clone().to_precision(precision));
+        let teacher = self
+            .teacher
+            .as_ref()
+            .filter(|_| policy)
+            .map(|t| t.clone().to_precision(precision));
         let mut old = Vec::with_capacity(n);
         let mut refs = Vec::new();
+        let mut teacher_lps = Vec::new();
         let mut flips = FlipStats::new();
         let old_started = Instant::now();
         match old_source {
@@ -414,6 +425,21 @@ impl Actor {
                 );
             }
         }
+        if let Some(teacher) = &teacher {
+            for (index, item) in items.iter().enumerate() {
+                // OPD's local teacher (Miles' `--opd-type megatron`) routes on its own.
+                teacher_lps.push(
+                    score_log_probs(
+                        teacher,
+                        &item.tokens,
+                        item.response_length,
+                        &Fallthrough,
+                        &fused,
+                    )
+                    .map_err(|e| sample_error(index, e))?,
+                );
+            }
+        }
         let ref_secs = ref_started.elapsed().as_secs_f64();
 
         // Critic values (ppo), then rewards → advantages, as Miles' actor computes them.
@@ -433,11 +459,11 @@ impl Actor {
             }
             _ => None,
         };
-        let (advantages, returns) = if policy {
-            self.compute_advantages(items, &old, &refs, values.as_deref())?
+        let (advantages, returns, opd_kl) = if policy {
+            self.compute_advantages(items, &old, &refs, &teacher_lps, values.as_deref())?
         } else {
             let zeros: Vec<Vec<f32>> = items.iter().map(|i| vec![0.0; i.response_length]).collect();
-            (zeros.clone(), zeros)
+            (zeros.clone(), zeros, None)
         };
 
         let scoring_secs = started.elapsed().as_secs_f64();
@@ -474,6 +500,12 @@ impl Actor {
                 (&mut times, &mut flips),
             )?;
             report.metrics.extend(critic_metrics);
+            if let Some(kl) = &opd_kl {
+                let per_token = self.config.policy_loss.calculate_per_token_loss;
+                let value =
+                    opd::step_reverse_kl(items, kl, step.clone(), per_token, mask_sums.as_deref());
+                report.metrics.insert("train/opd_reverse_kl".into(), value);
+            }
             tokens_trained += items[step.clone()]
                 .iter()
                 .map(TrainItem::len)
@@ -493,6 +525,9 @@ impl Actor {
         // Rollout-vs-trainer routing flips, measured on the pass that scores the old log-probs
         // (R3): their own forward, or the training forward when it gives them.
         out.extend(flips.to_metrics());
+        if let Some(kl) = &opd_kl {
+            out.extend(opd::rollout_metrics(items, kl, &teacher_lps));
+        }
         self.rollouts_trained += 1;
         self.version = self.version.next();
         if let Some(k) = self.config.ref_update_interval
@@ -533,7 +568,16 @@ impl Actor {
     /// shaping (`kl_coef`, which needs them before training) keeps the forward.
     fn old_log_prob_source(&self, items: &[TrainItem], steps: usize) -> OldLogProbs {
         let p = &self.config.policy_loss;
-        if p.get_mismatch_metrics || p.use_tis || self.config.advantage.kl_coef != 0.0 {
+        // OPD's sampled-token reverse KL reads the student's old log-probs before training
+        // (the rollout's with use_rollout_logprobs, below); a precomputed top-k KL does not.
+        let opd_reads_old = self.config.opd.use_opd
+            && !p.use_rollout_logprobs
+            && items.iter().any(|i| i.opd_reverse_kl.is_none());
+        if p.get_mismatch_metrics
+            || p.use_tis
+            || self.config.advantage.kl_coef != 0.0
+            || opd_reads_old
+        {
             return OldLogProbs::Forward;
         }
         if p.use_rollout_logprobs {
@@ -553,6 +597,7 @@ impl Actor {
         items: &[TrainItem],
         old: &[Vec<f32>],
         refs: &[Vec<f32>],
+        teacher: &[Vec<f32>],
         values: Option<&[Vec<f32>]>,
     ) -> Result<AdvantagesAndReturns> {
         let rewards: Vec<f32> = items.iter().map(|i| i.reward).collect();
@@ -600,14 +645,24 @@ impl Actor {
             })
             .collect();
         let mut outputs = self.advantages.compute(&inputs)?;
+        // On-policy distillation, on top of any estimator, before whitening (Miles).
+        let opd_kl = opd::apply_to_outputs(
+            &self.config.opd,
+            self.config.policy_loss.use_rollout_logprobs,
+            items,
+            old,
+            teacher,
+            &mut outputs,
+        )?;
         if self.config.advantage.normalize_advantages {
             let masks: Vec<&[f32]> = items.iter().map(|i| i.loss_mask.as_slice()).collect();
             whiten_advantages(&mut outputs, &masks)?;
         }
-        Ok(outputs
+        let (advantages, returns) = outputs
             .into_iter()
             .map(|o| (o.advantages, o.returns))
-            .unzip())
+            .unzip();
+        Ok((advantages, returns, opd_kl))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -818,6 +873,42 @@ impl Actor {
         if self.config.needs_ref() {
             self.reference = Some(lm);
         }
+        Ok(self)
+    }
+
+    /// Uses `lm` as the on-policy-distillation teacher (Miles' `--opd-type megatron` with
+    /// `--opd-teacher-load`): the trainer scores every sample's response under it in the
+    /// old-log-prob pass, and OPD's reverse KL uses those log-probs. `lm` lives on the inner
+    /// (non-autodiff) device of the actor's model and has the same vocabulary; the config must
+    /// have `opd.use_opd` with `opd_type = megatron`.
+    pub fn with_teacher(mut self, lm: CausalLm) -> Result<Self> {
+        let field = "opd_teacher_load";
+        let bad = |value: String, reason| {
+            Err(Error::Config {
+                field,
+                value,
+                reason,
+            })
+        };
+        if !self.config.opd.local_teacher() {
+            return bad(
+                format!("{:?}", self.config.opd.opd_type),
+                "a local teacher needs use_opd with opd_type = megatron",
+            );
+        }
+        if lm.config.vocab_size != self.model.config.vocab_size {
+            return bad(
+                lm.config.vocab_size.to_string(),
+                "the teacher's vocabulary differs from the policy's",
+            );
+        }
+        if lm.lm_head_weight().is_autodiff() {
+            return bad(
+                format!("{:?}", lm.lm_head_weight().device()),
+                "the teacher must live on a non-autodiff device",
+            );
+        }
+        self.teacher = Some(lm);
         Ok(self)
     }
 

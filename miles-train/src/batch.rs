@@ -61,6 +61,10 @@ pub struct TrainItem {
     pub group_index: Option<u64>,
     /// Rollout id (`rollout_id`, else `index`).
     pub rollout_id: Option<u64>,
+    /// Teacher log-probs of the response tokens (on-policy distillation), if scored.
+    pub teacher_log_probs: Option<Vec<f32>>,
+    /// Precomputed per-token reverse KL (top-k on-policy distillation), if any.
+    pub opd_reverse_kl: Option<Vec<f32>>,
 }
 
 impl TrainItem {
@@ -126,6 +130,16 @@ impl TrainItem {
             Some(lp) => Some(lp.iter().map(|&v| v as f32).collect()),
             None => None,
         };
+        let per_token = |field: &str, values: &Option<Vec<f64>>| match values {
+            Some(v) if v.len() != r => Err(bad(format!(
+                "{field} has {} entries, response_length is {r}",
+                v.len()
+            ))),
+            Some(v) => Ok(Some(v.iter().map(|&x| x as f32).collect::<Vec<f32>>())),
+            None => Ok(None),
+        };
+        let teacher_log_probs = per_token("teacher_log_probs", &sample.teacher_log_probs)?;
+        let opd_reverse_kl = per_token("opd_reverse_kl", &sample.opd_reverse_kl)?;
         if let Some(routed) = &sample.rollout_routed_experts
             && routed.rows() != n - 1
         {
@@ -144,6 +158,8 @@ impl TrainItem {
             routed_experts: sample.rollout_routed_experts.clone(),
             group_index: sample.group_index,
             rollout_id: sample.rollout_id(),
+            teacher_log_probs,
+            opd_reverse_kl,
         })
     }
 
@@ -158,6 +174,8 @@ impl TrainItem {
             routed_experts: None,
             group_index: None,
             rollout_id: None,
+            teacher_log_probs: None,
+            opd_reverse_kl: None,
         }
     }
 

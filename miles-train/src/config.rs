@@ -10,6 +10,7 @@ use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use serde::{Deserialize, Serialize};
 
 use crate::batch::{BatchLayout, TrainItem, plan_micro_batches, plan_steps};
+use crate::opd::OpdConfig;
 use crate::{Error, LrSchedule, Result};
 
 /// AdamW hyper-parameters (Megatron's `--weight-decay`, `--adam-beta1`, `--adam-beta2`,
@@ -127,6 +128,9 @@ pub struct TrainConfig {
     /// weights exported for the engines ([`miles_core::PolicyTrainer::export_weights`]) are
     /// written in it. Serialised as `"fp32"`, `"bf16"` or `"fp16"`.
     pub precision: Precision,
+    /// On-policy distillation (`--use-opd`, `--opd-type`, `--opd-kl-coef`,
+    /// `--opd-teacher-load`): the nested section `opd`.
+    pub opd: OpdConfig,
 }
 
 impl Default for TrainConfig {
@@ -160,6 +164,7 @@ impl Default for TrainConfig {
             lora_adapter_path: None,
             lora_forward: LoraForward::Merged,
             seed: 1234,
+            opd: OpdConfig::default(),
         }
     }
 }
@@ -185,6 +190,7 @@ impl TrainConfig {
             })
         };
         self.lr_schedule.validate()?;
+        self.opd.validate()?;
         let o = &self.optimizer;
         if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
             return bad("weight_decay", o.weight_decay.to_string(), "must be >= 0");

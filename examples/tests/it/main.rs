@@ -7,5 +7,6 @@ mod engine_vs_trainer;
 mod glm_moe_grpo;
 mod grpo_learns;
 mod half_precision;
+mod opd;
 mod toolkit;
 mod wgpu_step;

@@ -357,3 +357,75 @@ async fn chat_weights_abort_and_sessions_on_the_embedded_engine() {
             .unwrap()
     );
 }
+
+/// HF's log-softmax of sequence `seq` at position `p` (the distribution of token `p + 1`).
+fn hf_log_softmax(outputs: &NamedTensors, seq: usize, p: usize) -> Vec<f64> {
+    let logits = outputs.get("logits").unwrap();
+    let [_, len, vocab] = logits.shape().try_into().unwrap();
+    let all = logits.to_f32().unwrap();
+    let row: Vec<f64> = all[(seq * len + p) * vocab..(seq * len + p + 1) * vocab]
+        .iter()
+        .map(|&x| f64::from(x))
+        .collect();
+    let max = row.iter().copied().fold(f64::MIN, f64::max);
+    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    row.iter().map(|x| x - lse).collect()
+}
+
+/// SGLang's input log-probs (`max_new_tokens = 0`, `logprob_start_len = 0`, top-k and
+/// requested ids), as an on-policy-distillation teacher is asked, against transformers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_logprobs_on_the_wire_match_transformers() {
+    let base = serve(&fixture("serve/qwen3-tiny-chat")).await;
+    let (inputs, outputs) = reference("qwen3-tiny");
+    let seq = 1;
+    let prompt = &inputs[seq];
+    let (status, body) = post(
+        &base,
+        "/generate",
+        &json!({"input_ids": prompt, "return_logprob": true, "logprob_start_len": 0,
+                "top_logprobs_num": 3, "token_ids_logprob": [5, 7],
+                "sampling_params": {"temperature": 0, "max_new_tokens": 0,
+                                    "skip_special_tokens": false}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let meta = &body["meta_info"];
+    assert_eq!(body["output_ids"], json!([]));
+    assert_eq!(meta["completion_tokens"], json!(0));
+    let tokens = meta["input_token_logprobs"].as_array().unwrap();
+    let top = meta["input_top_logprobs"].as_array().unwrap();
+    let ids = meta["input_token_ids_logprobs"].as_array().unwrap();
+    assert_eq!(tokens.len(), prompt.len());
+    assert_eq!(tokens[0], json!([null, prompt[0], null]));
+    assert!(top[0].is_null() && ids[0].is_null());
+    for p in 1..prompt.len() {
+        let hf = hf_log_softmax(&outputs, seq, p - 1);
+        assert_eq!(tokens[p][1], json!(prompt[p]));
+        let lp = tokens[p][0].as_f64().unwrap();
+        assert!(
+            (lp - hf[prompt[p] as usize]).abs() < 1e-4,
+            "position {p}: {lp}"
+        );
+        let mut order: Vec<usize> = (0..hf.len()).collect();
+        order.sort_by(|&a, &b| hf[b].total_cmp(&hf[a]));
+        for (j, entry) in top[p].as_array().unwrap().iter().enumerate() {
+            assert_eq!(entry[1], json!(order[j]), "top {j} at position {p}");
+            assert!((entry[0].as_f64().unwrap() - hf[order[j]]).abs() < 1e-4);
+        }
+        assert_eq!(top[p].as_array().unwrap().len(), 3);
+        for (entry, id) in ids[p].as_array().unwrap().iter().zip([5usize, 7]) {
+            assert_eq!(entry[1], json!(id));
+            assert!((entry[0].as_f64().unwrap() - hf[id]).abs() < 1e-4);
+        }
+    }
+    // Input log-probs with generation are refused (this server scores inputs alone).
+    let (status, body) = post(
+        &base,
+        "/generate",
+        &json!({"input_ids": prompt, "return_logprob": true, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 2}}),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+}

@@ -5,6 +5,7 @@ mod common;
 
 mod data_formats;
 mod loops;
+mod opd;
 mod passrate;
 mod response_text;
 mod router;

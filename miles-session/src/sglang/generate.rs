@@ -9,8 +9,8 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use miles_core::{
-    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, RequestId,
-    SamplingParams, TokenId, output_text,
+    EngineErrorKind, FinishReason, GenerateOutput, GenerateRequest, InferenceEngine,
+    InputLogprobRequest, InputLogprobs, RequestId, SamplingParams, TokenId, output_text,
 };
 use serde_json::Value;
 use tokio::task::JoinSet;
@@ -306,7 +306,110 @@ pub(super) fn meta_info(
         e2e_latency: Some(latency),
         output_token_logprobs,
         routed_experts: output.routed_experts.as_ref().map(|r| r.to_base64()),
+        input_token_logprobs: None,
+        input_top_logprobs: None,
+        input_token_ids_logprobs: None,
     })
+}
+
+/// SGLang's input log-prob fields from position `start` on: `[logprob, token_id, null]` per
+/// position (the first input position's log-prob `null`), and per position the top-k and the
+/// requested ids (`null` at the first position) when asked.
+fn input_logprob_fields(
+    ids: &[TokenId],
+    scores: &InputLogprobs,
+    start: usize,
+    top: bool,
+    token_ids: bool,
+) -> (Value, Option<Value>, Option<Value>) {
+    let entries = |list: &[(TokenId, f64)]| -> Value {
+        Value::Array(
+            list.iter()
+                .map(|&(id, lp)| serde_json::json!([lp, id, null]))
+                .collect(),
+        )
+    };
+    let positions = start.min(ids.len())..ids.len();
+    let tokens = positions
+        .clone()
+        .map(|p| match p {
+            0 => serde_json::json!([null, ids[0], null]),
+            p => serde_json::json!([scores.token_logprobs[p - 1], ids[p], null]),
+        })
+        .collect();
+    let per_position = |table: &[Vec<(TokenId, f64)>]| -> Value {
+        Value::Array(
+            positions
+                .clone()
+                .map(|p| match p {
+                    0 => Value::Null,
+                    p => entries(&table[p - 1]),
+                })
+                .collect(),
+        )
+    };
+    (
+        Value::Array(tokens),
+        top.then(|| per_position(&scores.top_logprobs)),
+        token_ids.then(|| per_position(&scores.token_ids_logprobs)),
+    )
+}
+
+/// `/generate` with `max_new_tokens = 0`, `return_logprob` and `logprob_start_len ≥ 0`: every
+/// prompt's input tokens scored by the engine, nothing generated (how an on-policy-distillation
+/// teacher is asked).
+async fn score_inputs(
+    state: &AppState,
+    body: &GenerateRequestBody,
+    prompts: Vec<Vec<TokenId>>,
+    batched: bool,
+    start: usize,
+) -> ApiResult<Value> {
+    let started = Instant::now();
+    let top_k = body.top_logprobs_num.unwrap_or(0);
+    let token_ids = body.token_ids_logprob.clone().unwrap_or_default();
+    let mut answers = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let scores = state
+            .engine
+            .input_logprobs(InputLogprobRequest {
+                input_ids: prompt.clone(),
+                top_logprobs_num: top_k,
+                token_ids_logprob: token_ids.clone(),
+            })
+            .await
+            .map_err(ApiError::from_engine)?;
+        let (tokens, top, ids) =
+            input_logprob_fields(&prompt, &scores, start, top_k > 0, !token_ids.is_empty());
+        let meta = MetaInfo {
+            id: Some(state.fresh_id("")),
+            finish_reason: Some(WireFinishReason::new(FinishReason::Length, None, 0)),
+            prompt_tokens: Some(prompt.len() as u64),
+            weight_version: Some(WireWeightVersion(scores.weight_version)),
+            completion_tokens: Some(0),
+            cached_tokens: Some(0),
+            e2e_latency: Some(started.elapsed().as_secs_f64()),
+            output_token_logprobs: Some(Vec::new()),
+            routed_experts: None,
+            input_token_logprobs: Some(tokens),
+            input_top_logprobs: top,
+            input_token_ids_logprobs: ids,
+        };
+        let answer = GenerateResponse {
+            text: state.info.tokenizer.as_ref().map(|_| String::new()),
+            output_ids: Some(Vec::new()),
+            meta_info: meta,
+        };
+        answers.push(serde_json::to_value(answer).map_err(|e| ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: format!("cannot write the answer: {e}"),
+        })?);
+    }
+    if !batched && answers.len() == 1 {
+        Ok(answers.pop().expect("one answer"))
+    } else {
+        Ok(Value::Array(answers))
+    }
 }
 
 /// Runs one request on the engine; a client disconnect aborts it. An engine-side abort is an
@@ -435,6 +538,17 @@ pub(super) async fn generate_inner(
     verify_sampling(&params)?;
     check_limits(&state.info, &params, body.prompt_count())?;
     let (prompts, batched) = parse_prompts(state, &body)?;
+    if let Some(start) = body
+        .logprob_start_len
+        .filter(|&s| s >= 0 && body.return_logprob)
+    {
+        if params.max_new_tokens != Some(0) {
+            return Err(ApiError::bad_request(
+                "input log-probs (logprob_start_len >= 0) are served with max_new_tokens = 0 only",
+            ));
+        }
+        return score_inputs(state, &body, prompts, batched, start as usize).await;
+    }
     let options = OutputOptions {
         return_logprob: body.return_logprob,
         return_text_in_logprobs: body.return_text_in_logprobs,

@@ -47,7 +47,9 @@ impl<T> OneOrBatch<T> {
 /// SGLang's `/generate` body (`GenerateReqInput`), the fields this server honours: the
 /// prompt as `text` or `input_ids` (one, or a batch), `sampling_params` (with `n`), `rid`,
 /// `return_logprob`, `return_text_in_logprobs`, `return_routed_experts`,
-/// `routed_experts_start_len` and `stream` (which this server refuses). Other keys SGLang
+/// `routed_experts_start_len`, the input log-prob fields (`logprob_start_len`,
+/// `top_logprobs_num`, `token_ids_logprob`: served with `max_new_tokens = 0`) and `stream`
+/// (which this server refuses). Other keys SGLang
 /// accepts are ignored. Absent and `null` fields take SGLang's defaults.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct GenerateRequestBody {
@@ -102,6 +104,16 @@ pub struct GenerateRequestBody {
         deserialize_with = "read::stream"
     )]
     pub stream: bool,
+    /// With `return_logprob`: also the log-probs of the input tokens from this position on
+    /// (SGLang's default −1: none). This server scores inputs only with `max_new_tokens = 0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprob_start_len: Option<i64>,
+    /// With input log-probs: also the `k` most likely tokens at each input position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_logprobs_num: Option<usize>,
+    /// With input log-probs: also the log-probs of these token ids at each input position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids_logprob: Option<Vec<TokenId>>,
 }
 
 fn is_false(value: &bool) -> bool {
@@ -325,6 +337,18 @@ pub struct MetaInfo {
     /// `return_routed_experts` on a MoE model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routed_experts: Option<String>,
+    /// `[logprob, token_id, text]` per input position from `logprob_start_len` on (the first
+    /// input position's log-prob is `null`), with input log-probs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_token_logprobs: Option<Value>,
+    /// Per input position, the `top_logprobs_num` most likely `[logprob, token_id, text]`
+    /// (`null` at the first position), with `top_logprobs_num`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_top_logprobs: Option<Value>,
+    /// Per input position, `[logprob, token_id, text]` of each `token_ids_logprob` id (`null`
+    /// at the first position), with `token_ids_logprob`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_token_ids_logprobs: Option<Value>,
 }
 
 /// SGLang's finish reason object.
@@ -519,6 +543,9 @@ mod tests {
                     TokenLogprob(-0.25, 6, Some("b".into())),
                 ]),
                 routed_experts: None,
+                input_token_logprobs: None,
+                input_top_logprobs: None,
+                input_token_ids_logprobs: None,
             },
         };
         let text = serde_json::to_string(&answer).unwrap();
