@@ -17,7 +17,7 @@ use miles_session::sglang::{Router, ServerInfo, load_chat_tokenizer, sglang_rout
 use serde_json::json;
 
 use crate::args::RouterArgs;
-use crate::shutdown::{InFlight, Signals};
+use crate::shutdown::Signals;
 
 /// What the router serves as `/get_model_info` and how it reads text prompts: the model
 /// directory's config and tokenizer when `--model` is given, else token ids only.
@@ -118,18 +118,7 @@ pub fn run(args: &RouterArgs) -> Result<(), String> {
             }
         };
         let app = sglang_router(Arc::clone(&router) as _, info).route("/list_workers", get(workers));
-        let in_flight = InFlight::new();
-        let app = in_flight.track(miles_session::guard::harden(app, &guard));
-        miles_session::guard::serve_with_shutdown(listener, app, guard, async {
-            let code = signals.recv().await;
-            tracing::info!(code, "stopping: no new connections; draining requests in flight");
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-        let left = in_flight.drain(drain).await;
-        if left > 0 {
-            tracing::warn!(left, "requests still in flight at the shutdown deadline");
-        }
-        Ok(())
+        let app = miles_session::guard::harden(app, &guard);
+        crate::shutdown::serve_until_signal(listener, app, guard, &mut signals, drain).await
     })
 }

@@ -12,7 +12,7 @@ use miles_session::guard::ApiKey;
 use miles_session::sglang::sglang_router;
 
 use crate::args::ServeArgs;
-use crate::shutdown::{InFlight, Signals};
+use crate::shutdown::Signals;
 
 /// The engine server's options from the command line (`--model` resolved, `--api-key` else
 /// `$MILES_API_KEY`).
@@ -103,21 +103,7 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
                 "serving without --api-key: anyone who can reach it can generate and (with --weights-root) load weights"
             );
         }
-        let in_flight = InFlight::new();
-        let app = in_flight.track(miles_session::guard::harden(
-            sglang_router(Arc::new(engine), info),
-            &guard,
-        ));
-        miles_session::guard::serve_with_shutdown(listener, app, guard, async {
-            let code = signals.recv().await;
-            tracing::info!(code, "stopping: no new connections; draining requests in flight");
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-        let left = in_flight.drain(drain).await;
-        if left > 0 {
-            tracing::warn!(left, "requests still in flight at the shutdown deadline");
-        }
-        Ok(())
+        let app = miles_session::guard::harden(sglang_router(Arc::new(engine), info), &guard);
+        crate::shutdown::serve_until_signal(listener, app, guard, &mut signals, drain).await
     })
 }

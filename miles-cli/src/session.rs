@@ -9,7 +9,7 @@ use miles_session::cli::CliArgs;
 use miles_session::guard::ApiKey;
 
 use crate::args::SessionArgs;
-use crate::shutdown::{InFlight, Signals};
+use crate::shutdown::Signals;
 
 /// The session server's options from the command line (`--api-key`, else `$MILES_API_KEY`;
 /// `0` turns a limit off).
@@ -94,21 +94,14 @@ pub fn run(args: &SessionArgs) -> Result<(), String> {
         let listener = miles_session::cli::bind(&options)
             .await
             .map_err(|e| e.to_string())?;
-        let in_flight = InFlight::new();
-        let app = in_flight.track(server.router());
-        miles_session::guard::serve_with_shutdown(listener, app, options.guard_config(), async {
-            let code = signals.recv().await;
-            tracing::info!(
-                code,
-                "stopping: no new connections; draining requests in flight"
-            );
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-        let left = in_flight.drain(drain).await;
-        if left > 0 {
-            tracing::warn!(left, "requests still in flight at the shutdown deadline");
-        }
+        crate::shutdown::serve_until_signal(
+            listener,
+            server.router(),
+            options.guard_config(),
+            &mut signals,
+            drain,
+        )
+        .await?;
         Ok::<(), String>(())
     });
     runtime

@@ -115,3 +115,32 @@ impl InFlight {
         }
     }
 }
+
+/// Serves `app` (already hardened) on `listener` with `guard` until `signals` delivers SIGINT /
+/// SIGTERM, then stops accepting and lets the requests in flight finish, up to `drain`
+/// (`--shutdown-timeout-s`); the ones still running then are counted in a warning. What
+/// `miles serve`, `miles session` and `miles router` do at the end.
+pub async fn serve_until_signal(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    guard: miles_session::guard::GuardConfig,
+    signals: &mut Signals,
+    drain: Duration,
+) -> Result<(), String> {
+    let in_flight = InFlight::new();
+    let app = in_flight.track(app);
+    miles_session::guard::serve_with_shutdown(listener, app, guard, async {
+        let code = signals.recv().await;
+        tracing::info!(
+            code,
+            "stopping: no new connections; draining requests in flight"
+        );
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let left = in_flight.drain(drain).await;
+    if left > 0 {
+        tracing::warn!(left, "requests still in flight at the shutdown deadline");
+    }
+    Ok(())
+}

@@ -12,7 +12,8 @@
 //! vision tower included.
 
 use crate::common::{
-    assert_greedy_kv_cache_decode_equals_hf_generate, fixture, reference, rows_of,
+    assert_greedy_kv_cache_decode_equals_hf_generate, assert_routes_match, fixture, reference,
+    rows_of,
 };
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -108,34 +109,7 @@ fn check(name: &str, architecture: Architecture, moe_layers: &[usize]) {
     assert!(d_lp <= 1e-4, "{name}: {d_lp}");
     let layers: Vec<usize> = out.routing.iter().map(|r| r.layer_index).collect();
     assert_eq!(layers, moe_layers);
-    for routing in &out.routing {
-        let k = routing.experts.dims()[1];
-        let ids = routing
-            .experts
-            .clone()
-            .into_data()
-            .convert::<i64>()
-            .try_to_vec::<i64>()
-            .unwrap();
-        let got: Vec<i64> = ids
-            .chunks(k)
-            .flat_map(|row| {
-                let mut row = row.to_vec();
-                row.sort_unstable();
-                row
-            })
-            .collect();
-        let want: Vec<i64> = refs[&format!("layer{}.topk_indices_sorted", routing.layer_index)]
-            .1
-            .iter()
-            .map(|v| *v as i64)
-            .collect();
-        assert_eq!(
-            got, want,
-            "{name}: routed experts of layer {}",
-            routing.layer_index
-        );
-    }
+    assert_routes_match(name, &out.routing, &refs);
     let grads = lp.mean().neg().backward();
     check_grads(name, &model, &grads);
 

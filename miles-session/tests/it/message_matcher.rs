@@ -6,7 +6,9 @@
 
 use miles_core::{Message, TokenId};
 use miles_session::testkit::ByteChatml;
-use miles_session::trajectory::{LinearTrajectory, PreparedTurn, SessionRecord};
+use miles_session::trajectory::{LinearTrajectory, PreparedTurn};
+
+use crate::common::empty_record;
 use miles_tito::{ChatTokenizer, MessageMatcher};
 use serde_json::{Map, Value, json};
 
@@ -40,19 +42,6 @@ fn tool_result() -> Message {
     message(json!({"role": "tool", "content": "ok", "tool_call_id": "call-A"}))
 }
 
-fn record() -> SessionRecord {
-    SessionRecord {
-        timestamp: 0.0,
-        request_timestamp: None,
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        request: json!({}),
-        input_ids: None,
-        response: json!({}),
-        status_code: 200,
-    }
-}
-
 struct Setup {
     tok: ByteChatml,
     kwargs: Map<String, Value>,
@@ -76,7 +65,7 @@ impl Setup {
                 &request,
                 &completion,
                 stored_assistant(),
-                record(),
+                empty_record(),
                 0,
             )
             .unwrap();
@@ -133,7 +122,14 @@ fn a_commit_after_a_loose_accept_keeps_the_stored_spelling() {
     let next = message(json!({"role": "assistant", "content": "done"}));
     let completion: Vec<TokenId> = s.tok.encode("done<|im_end|>");
     s.trajectory
-        .commit(&prepared, &request, &completion, next.clone(), record(), 0)
+        .commit(
+            &prepared,
+            &request,
+            &completion,
+            next.clone(),
+            empty_record(),
+            0,
+        )
         .unwrap();
     assert_eq!(
         s.trajectory.messages(),

@@ -3,23 +3,12 @@
 
 use miles_core::{Message, TokenId};
 use miles_session::testkit::ByteChatml;
-use miles_session::trajectory::{LinearTrajectory, SessionRecord};
+use miles_session::trajectory::LinearTrajectory;
+
+use crate::common::empty_record;
 use miles_tito::{ChatTokenizer, MessageMatcher};
 use proptest::prelude::*;
-use serde_json::{Map, json};
-
-fn record() -> SessionRecord {
-    SessionRecord {
-        timestamp: 0.0,
-        request_timestamp: None,
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        request: json!({}),
-        input_ids: None,
-        response: json!({}),
-        status_code: 200,
-    }
-}
+use serde_json::Map;
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
@@ -39,7 +28,7 @@ proptest! {
             prop_assert_eq!(tok.decode(&prepared.prompt_ids), tok.render_text(&messages, &[], true, &kwargs));
             let assistant = Message::assistant(reply.clone()).with_reasoning(reasoning.clone());
             let output: Vec<TokenId> = tok.encode(&format!("<think>\n{reasoning}\n</think>\n\n{reply}<|im_end|>"));
-            trajectory.commit(&prepared, &messages, &output, assistant.clone(), record(), 0).unwrap();
+            trajectory.commit(&prepared, &messages, &output, assistant.clone(), empty_record(), 0).unwrap();
             messages.push(assistant);
         }
         prop_assert_eq!(trajectory.messages(), &messages[..]);

@@ -151,34 +151,7 @@ pub fn assert_matches_reference(dir: &Path, moe_layers: &[usize], tol: f64) -> f
     );
     let layers: Vec<usize> = out.routing.iter().map(|r| r.layer_index).collect();
     assert_eq!(layers, moe_layers, "{name}: MoE layers");
-    for routing in &out.routing {
-        let k = routing.experts.dims()[1];
-        let ids = routing
-            .experts
-            .clone()
-            .into_data()
-            .convert::<i64>()
-            .try_to_vec::<i64>()
-            .unwrap();
-        let got: Vec<i64> = ids
-            .chunks(k)
-            .flat_map(|row| {
-                let mut row = row.to_vec();
-                row.sort_unstable();
-                row
-            })
-            .collect();
-        let want: Vec<i64> = refs[&format!("layer{}.topk_indices_sorted", routing.layer_index)]
-            .1
-            .iter()
-            .map(|v| *v as i64)
-            .collect();
-        assert_eq!(
-            got, want,
-            "{name}: routed experts of layer {}",
-            routing.layer_index
-        );
-    }
+    assert_routes_match(&name.to_string(), &out.routing, &refs);
     let mut cache = KvCache::new();
     let prefill: Vec<Vec<u32>> = rows.iter().map(|r| r[..5].to_vec()).collect();
     let mut parts = Vec::new();
@@ -251,4 +224,41 @@ pub fn fused_token_logprobs(model: &CausalLm, rows: &[Vec<u32>], device: &Device
         })
         .collect();
     Tensor::cat(lps, 0)
+}
+
+/// Asserts that every MoE layer's routed experts (sorted per token) equal the reference's
+/// `layer{L}.topk_indices_sorted`.
+pub fn assert_routes_match(
+    name: &str,
+    routing: &[miles_bridge::MoeRouting],
+    refs: &BTreeMap<String, (Vec<usize>, Vec<f64>)>,
+) {
+    for routing in routing {
+        let k = routing.experts.dims()[1];
+        let ids = routing
+            .experts
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap();
+        let got: Vec<i64> = ids
+            .chunks(k)
+            .flat_map(|row| {
+                let mut row = row.to_vec();
+                row.sort_unstable();
+                row
+            })
+            .collect();
+        let want: Vec<i64> = refs[&format!("layer{}.topk_indices_sorted", routing.layer_index)]
+            .1
+            .iter()
+            .map(|v| *v as i64)
+            .collect();
+        assert_eq!(
+            got, want,
+            "{name}: routed experts of layer {}",
+            routing.layer_index
+        );
+    }
 }

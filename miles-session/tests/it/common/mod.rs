@@ -15,3 +15,17 @@ pub async fn serve(router: axum::Router) -> String {
     });
     format!("http://{addr}")
 }
+
+/// A session record with nothing in it (trajectory tests that do not read records).
+pub fn empty_record() -> miles_session::trajectory::SessionRecord {
+    miles_session::trajectory::SessionRecord {
+        timestamp: 0.0,
+        request_timestamp: None,
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        request: serde_json::json!({}),
+        input_ids: None,
+        response: serde_json::json!({}),
+        status_code: 200,
+    }
+}
