@@ -11,6 +11,8 @@ use miles_examples::addition::{AdditionTask, write_jsonl};
 use miles_examples::toy::{ToyModelSpec, write_model_dir};
 use serde_json::Value;
 
+use crate::process::{send_signal, wait_exit};
+
 fn miles() -> Command {
     Command::new(env!("CARGO_BIN_EXE_miles"))
 }
@@ -902,21 +904,6 @@ fn miles_flags_that_do_not_apply_are_ignored_with_one_warning() {
     assert_eq!(out.status.code(), Some(2));
 }
 
-/// Waits for `child` to exit (at most `limit`, then kills it and fails).
-fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
-    let until = Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn train_stops_on_sigint_with_a_checkpoint_and_resumes() {
     stops_with_a_checkpoint_and_resumes("train", libc::SIGINT, 130);
@@ -965,9 +952,7 @@ fn stops_with_a_checkpoint_and_resumes(command: &str, signal: i32, code: i32) {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let pid = i32::try_from(child.id()).unwrap();
-    // SAFETY: kill(2) with a child's pid and a valid signal number.
-    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    send_signal(&child, signal);
     let status = wait_exit(&mut child, Duration::from_secs(600));
     let stderr = std::fs::read_to_string(dir.join("stderr.log")).unwrap();
     assert_eq!(status.code(), Some(code), "{stderr}");

@@ -5,6 +5,7 @@
 mod agent_failures;
 mod bridge;
 mod cli;
+mod process;
 mod serve_failover;
 mod session;
 mod session_memory;

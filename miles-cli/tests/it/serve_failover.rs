@@ -15,6 +15,8 @@ use miles_core::{
 };
 use miles_session::sglang::Router;
 
+use crate::process::{send_signal, wait_exit};
+
 fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/serve/qwen3-tiny-chat")
 }
@@ -188,21 +190,6 @@ async fn killing_a_server_under_load_loses_no_request() {
     drop(b);
 }
 
-/// Waits for `child` to exit, at most `limit` (then kills it and fails).
-fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let until = std::time::Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if std::time::Instant::now() > until {
-            let _ = child.kill();
-            panic!("still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `miles router` on its own, over two `miles serve` processes: it answers as the servers do
 /// (text and ids), lists its workers, keeps answering when one server is SIGKILLed, and
 /// stops with status 0 on SIGTERM.
@@ -297,9 +284,7 @@ async fn miles_router_serves_over_two_servers_and_routes_around_a_dead_one() {
         .unwrap();
     assert_eq!(workers["healthy"], serde_json::json!([b.url]));
 
-    let pid = i32::try_from(router.id()).unwrap();
-    // SAFETY: kill(2) with a child's pid and a valid signal number.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    send_signal(&router, libc::SIGTERM);
     let status = wait_exit(&mut router, Duration::from_secs(30));
     assert_eq!(status.code(), Some(0));
     drop(b);
@@ -322,9 +307,7 @@ fn miles_serve_drains_the_request_in_flight_on_sigterm() {
     stream.write_all(head.as_bytes()).unwrap();
     stream.write_all(&body[..10]).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let pid = i32::try_from(server.child.id()).unwrap();
-    // SAFETY: kill(2) with a child's pid and a valid signal number.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    send_signal(&server.child, libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
         server.child.try_wait().unwrap().is_none(),

@@ -11,6 +11,8 @@ use miles_session::guard::ApiKey;
 use miles_session::http::{HttpClient, HttpResponse};
 use serde_json::{Value, json};
 
+use crate::process::{send_signal, wait_exit};
+
 fn user(text: &str) -> Value {
     json!({"messages": [{"role": "user", "content": text}]})
 }
@@ -162,34 +164,13 @@ fn start(extra: &[&str]) -> (Child, String) {
     (child, url)
 }
 
-/// Waits for `child` to exit (at most `limit`, then kills it and fails).
-fn wait(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let until = Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn terminate(child: &Child, signal: i32) {
-    let pid = i32::try_from(child.id()).unwrap();
-    // SAFETY: kill(2) with a child's pid and a valid signal number.
-    assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
-}
-
 #[test]
 fn a_library_warning_reaches_stderr_and_sigterm_stops_with_status_0() {
     // miles-session warns (tracing::warn!) when it serves beyond loopback without a key.
     let (mut child, url) = start(&["--host", "0.0.0.0"]);
     assert!(url.starts_with("http://0.0.0.0:"), "{url}");
-    terminate(&child, libc::SIGTERM);
-    let status = wait(&mut child, Duration::from_secs(60));
+    send_signal(&child, libc::SIGTERM);
+    let status = wait_exit(&mut child, Duration::from_secs(60));
     assert_eq!(status.code(), Some(0), "a clean stop exits 0");
     let mut stderr = String::new();
     child
@@ -209,8 +190,11 @@ fn a_library_warning_reaches_stderr_and_sigterm_stops_with_status_0() {
     );
     // The same warning as one JSON object a line for log collectors.
     let (mut child, _) = start(&["--host", "0.0.0.0", "--log-format", "json"]);
-    terminate(&child, libc::SIGINT);
-    assert_eq!(wait(&mut child, Duration::from_secs(60)).code(), Some(0));
+    send_signal(&child, libc::SIGINT);
+    assert_eq!(
+        wait_exit(&mut child, Duration::from_secs(60)).code(),
+        Some(0)
+    );
     let mut stderr = String::new();
     child
         .stderr
@@ -227,8 +211,11 @@ fn a_library_warning_reaches_stderr_and_sigterm_stops_with_status_0() {
     assert_eq!(event["target"], "miles_session::cli", "{event}");
     // --log-level error silences it.
     let (mut child, _) = start(&["--host", "0.0.0.0", "--log-level", "error"]);
-    terminate(&child, libc::SIGTERM);
-    assert_eq!(wait(&mut child, Duration::from_secs(60)).code(), Some(0));
+    send_signal(&child, libc::SIGTERM);
+    assert_eq!(
+        wait_exit(&mut child, Duration::from_secs(60)).code(),
+        Some(0)
+    );
     let mut stderr = String::new();
     child
         .stderr
@@ -252,7 +239,7 @@ fn sigterm_lets_the_request_in_flight_finish() {
         )
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    terminate(&child, libc::SIGTERM);
+    send_signal(&child, libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
         child.try_wait().unwrap().is_none(),
@@ -266,7 +253,10 @@ fn sigterm_lets_the_request_in_flight_finish() {
     stream.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains("session_id"), "{answer}");
-    assert_eq!(wait(&mut child, Duration::from_secs(60)).code(), Some(0));
+    assert_eq!(
+        wait_exit(&mut child, Duration::from_secs(60)).code(),
+        Some(0)
+    );
     // Stopped: nothing listens any more.
     assert!(
         TcpStream::connect(addr).is_err(),

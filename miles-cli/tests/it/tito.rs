@@ -13,14 +13,10 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
 }
 
-fn root() -> PathBuf {
-    fixtures()
-}
-
 fn reference() -> &'static Value {
     static DATA: OnceLock<Value> = OnceLock::new();
     DATA.get_or_init(|| {
-        let path = root().join("tito/deepseek_reference.json");
+        let path = fixtures().join("tito/deepseek_reference.json");
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("missing fixture {}: {e}", path.display()));
         serde_json::from_str(&text).unwrap()
@@ -245,7 +241,7 @@ fn cli_renders_with_the_deepseek_families_and_checkpoints() {
         ("deepseek_v32", "deepseekv32"),
         ("deepseek_v4", "deepseekv4"),
     ] {
-        let model = root()
+        let model = fixtures()
             .join("tokenizers")
             .join(reference()["model_dirs"][model_type].as_str().unwrap());
         let model = model.to_str().unwrap();
@@ -369,7 +365,7 @@ fn cli_renders_with_the_deepseek_families_and_checkpoints() {
         assert_eq!(out["ids"], replay["ids"]);
     }
     // verify: V4 passes Miles' trajectories it selects; V3.2 fails where Miles' V3.2 does.
-    let v4 = root().join("tokenizers/deepseek-v4");
+    let v4 = fixtures().join("tokenizers/deepseek-v4");
     let (code, out, _) = cli_json(&[
         "verify",
         "--model",
@@ -386,7 +382,7 @@ fn cli_renders_with_the_deepseek_families_and_checkpoints() {
         "{out}"
     );
     assert!(out.contains("Verdict: PASS - TITO incremental tokenization matched standard render"));
-    let v32 = root().join("tokenizers/deepseek-v32");
+    let v32 = fixtures().join("tokenizers/deepseek-v32");
     let (code, out, _) = cli_json(&[
         "verify",
         "--model",

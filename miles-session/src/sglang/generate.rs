@@ -400,15 +400,27 @@ async fn score_inputs(
             output_ids: Some(Vec::new()),
             meta_info: meta,
         };
-        answers.push(serde_json::to_value(answer).map_err(|e| ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: format!("cannot write the answer: {e}"),
-        })?);
+        answers.push(answer);
     }
-    if !batched && answers.len() == 1 {
-        Ok(answers.pop().expect("one answer"))
+    answers_body(answers, batched)
+}
+
+/// The `/generate` body SGLang returns: one answer object for one unbatched prompt, else the
+/// array of answers in request order.
+fn answers_body(answers: Vec<GenerateResponse>, batched: bool) -> ApiResult<Value> {
+    let mut values = answers
+        .into_iter()
+        .map(|answer| {
+            serde_json::to_value(answer).map_err(|e| ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: format!("cannot write the answer: {e}"),
+            })
+        })
+        .collect::<ApiResult<Vec<Value>>>()?;
+    if !batched && values.len() == 1 {
+        Ok(values.pop().expect("one answer"))
     } else {
-        Ok(Value::Array(answers))
+        Ok(Value::Array(values))
     }
 }
 
@@ -615,16 +627,9 @@ pub(super) async fn generate_inner(
             output_ids: Some(output.output_ids.clone()),
             meta_info: meta_info(state, rid, output, options, latency)?,
         };
-        answers.push(serde_json::to_value(answer).map_err(|e| ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: format!("cannot write the answer: {e}"),
-        })?);
+        answers.push(answer);
     }
-    if !batched && answers.len() == 1 {
-        Ok(answers.pop().expect("one answer"))
-    } else {
-        Ok(Value::Array(answers))
-    }
+    answers_body(answers, batched)
 }
 
 #[cfg(test)]
