@@ -321,6 +321,14 @@ pub struct RolloutArgs {
     /// weight updates go through --output-dir/weights, which the servers must see)
     #[arg(long, value_name = "URL")]
     pub engine_url: Vec<String>,
+    /// Seconds between health checks of the --engine-url servers out of rotation (one that
+    /// answers again is brought to the current weights and re-admitted)
+    #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = positive_seconds)]
+    pub rollout_health_check_interval: f64,
+    /// Seconds generation and weight updates wait for an --engine-url server back in rotation
+    /// when none is, before failing (0: fail at once)
+    #[arg(long, value_name = "S", default_value_t = 60.0, value_parser = seconds_or_zero)]
+    pub engine_wait_s: f64,
     /// Embedded engine: sequences decoded together
     #[arg(long, value_name = "N", default_value_t = EngineConfig::default().max_running_requests)]
     pub max_running_requests: usize,
@@ -499,9 +507,14 @@ pub struct RewardArgs {
     /// numeric_match. A sample's metadata rm_type overrides it
     #[arg(long, value_name = "NAME")]
     pub rm_type: Option<String>,
-    /// Reward-model server for remote_rm
+    /// Reward-model server for remote_rm (http:// or https://: the system's trust store,
+    /// SSL_CERT_FILE / SSL_CERT_DIR honoured)
     #[arg(long, value_name = "URL")]
     pub rm_url: Option<String>,
+    /// Per-call limit on the reward-model server; past it the call is retried (3 times, with
+    /// backoff), then the sample fails (kind reward)
+    #[arg(long, value_name = "S", default_value_t = 60.0, value_parser = positive_seconds)]
+    pub rm_timeout_s: f64,
     /// Which entry of a dict reward to train on
     #[arg(long, value_name = "KEY")]
     pub reward_key: Option<String>,

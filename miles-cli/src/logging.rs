@@ -13,9 +13,11 @@ use tracing_subscriber::fmt::MakeWriter;
 use crate::args::LogFormat;
 
 /// The filter when neither `--log-level` nor `RUST_LOG` is given: warnings, the CLI's own
-/// progress lines, and the embedded engine's one start-up line (its KV pool's size and which
-/// bound set it).
-pub const DEFAULT_FILTER: &str = "warn,miles_cli=info,miles_engine=info";
+/// progress lines, the embedded engine's one start-up line (its KV pool's size and which
+/// bound set it), and the engine router's rotation changes (an `--engine-url` server removed,
+/// still unavailable at a health check, re-admitted).
+pub const DEFAULT_FILTER: &str =
+    "warn,miles_cli=info,miles_engine=info,miles_session::sglang::router=info";
 
 /// The progress bar on screen, if any (log lines suspend it while they are written).
 static BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);

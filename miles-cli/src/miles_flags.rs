@@ -46,7 +46,6 @@ pub const NOT_APPLICABLE: &[(&str, Arity)] = &[
     ("--custom-update-weight-post-write-path", Arity::Value),
     ("--use-fault-tolerance", Arity::Switch),
     ("--ft-components", Arity::Values),
-    ("--rollout-health-check-interval", Arity::Value),
     ("--rollout-health-check-timeout", Arity::Value),
     ("--rollout-health-check-first-wait", Arity::Value),
     ("--control-server-port", Arity::Value),

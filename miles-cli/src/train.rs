@@ -15,7 +15,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use miles_bridge::{CausalLm, Precision};
 use miles_core::{
@@ -211,15 +211,22 @@ fn load_prompts(
 /// The reward of `--rm-type` / `--rm-url` (Miles' rm_hub, per-sample `metadata["rm_type"]`
 /// first), and with `--agent-cmd` the agent's own reward first.
 fn reward(a: &TrainArgs, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
-    let rm_type = a.reward.rm_type.as_deref();
     // With OPD on a teacher server, --rm-url is the teacher (Miles' OPD reward function).
     let opd_sglang = a.opd.use_opd && a.opd.opd_type.as_deref() == Some("sglang");
+    // Otherwise `--rm-url` alone means a remote reward model (Miles asks for `--rm-type
+    // remote_rm` too, and fails every sample with "Rule-based RM type is not specified").
+    let rm_type = a.reward.rm_type.as_deref().or(a
+        .reward
+        .rm_url
+        .as_ref()
+        .filter(|_| !opd_sglang)
+        .map(|_| "remote_rm"));
     let remote = a
         .reward
         .rm_url
         .as_deref()
         .filter(|_| !opd_sglang)
-        .map(|url| RemoteReward::new(url, std::time::Duration::from_secs(60)));
+        .map(|url| RemoteReward::new(url, Duration::from_secs_f64(a.reward.rm_timeout_s)));
     let rule: Option<Arc<dyn RewardFn>> = match rm_type {
         Some("exact_match") => Some(Arc::new(BuiltinReward::ExactMatch)),
         Some("numeric_match") => Some(Arc::new(BuiltinReward::NumericMatch { tolerance: 1e-6 })),
@@ -285,7 +292,7 @@ async fn agent_generator(
     println!("session server on {url}; agent: {cmd}");
     let mut config = CommandAgentConfig::shell(cmd);
     config.timeout = match a.agent.agent_timeout_s {
-        t if t > 0.0 && t.is_finite() => Some(std::time::Duration::from_secs_f64(t)),
+        t if t > 0.0 && t.is_finite() => Some(Duration::from_secs_f64(t)),
         _ => None,
     };
     let agent = Arc::new(CommandAgent::new(config)?);
@@ -308,7 +315,9 @@ fn sampling(a: &TrainArgs, eos_ids: &[u32]) -> SamplingParams {
     }
 }
 
-/// The engines: the embedded one on `model`, or a router over `--engine-url` servers. The
+/// The engines: the embedded one on `model`, or a router over `--engine-url` servers (health
+/// checked every `--rollout-health-check-interval`, waited for `--engine-wait-s` when all are
+/// out of rotation). The
 /// embedded engine re-scores finished sequences (`recompute_logprobs_via_prefill`) only when
 /// `recompute` (the trainer compares rollout log-probs with its per-sample scoring:
 /// `TrainConfig::needs_exact_rollout_log_probs`).
@@ -332,11 +341,14 @@ fn engines(
         };
         return Ok(crate::wiring::embedded_engine_with(model, &c.hf, config)?);
     }
-    Ok(crate::wiring::sglang_fleet(
-        urls,
-        &c.out.join("weights"),
-        num_layers,
-    )?)
+    let router = crate::wiring::sglang_fleet(urls, &c.out.join("weights"), num_layers)?
+        .with_unavailable_wait(Duration::from_secs_f64(a.rollout.engine_wait_s));
+    let router = Arc::new(router);
+    // Detached: it ends with the router (it holds a weak reference).
+    drop(router.spawn_health_checker(Duration::from_secs_f64(
+        a.rollout.rollout_health_check_interval,
+    )));
+    Ok(router)
 }
 
 fn rollout_config(a: &TrainArgs, c: &Common, use_r3: bool) -> Result<RolloutConfig, BoxError> {

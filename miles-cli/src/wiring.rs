@@ -163,7 +163,7 @@ pub fn sglang_fleet(
     urls: &[String],
     weights_dir: &Path,
     num_layers: Option<usize>,
-) -> Result<Arc<miles_session::sglang::Router>, miles_session::Error> {
+) -> Result<miles_session::sglang::Router, miles_session::Error> {
     use miles_session::sglang::{SglangConfig, SglangEngine, WeightPublisher};
     let key = miles_session::guard::ApiKey::from_env()?;
     let publisher = Arc::new(WeightPublisher::new(weights_dir).with_keep(2));
@@ -182,7 +182,7 @@ pub fn sglang_fleet(
             )
         })
         .collect();
-    Ok(Arc::new(miles_session::sglang::Router::new(engines)))
+    Ok(miles_session::sglang::Router::new(engines))
 }
 
 /// Writes HF-named `weights` as `dir/model.safetensors` with the config, generation config,

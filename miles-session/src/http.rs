@@ -1,5 +1,6 @@
-//! A lean HTTP/1.1 client (hyper-util's pooled client over plain TCP) with per-request
-//! timeouts, shared by the SGLang engine client, the agent driver and the tests.
+//! A lean HTTP/1.1 client (hyper-util's pooled client over TCP, and over TLS for `https://`
+//! URLs with the `tls` feature) with per-request timeouts, shared by the SGLang engine client,
+//! the remote reward model, the agent driver and the tests.
 
 use std::time::Duration;
 
@@ -41,11 +42,17 @@ impl HttpResponse {
     }
 }
 
-/// A cloneable pooled HTTP/1.1 client (`http://` only) with a default timeout, and optionally
-/// a bearer key sent with every request ([`HttpClient::with_api_key`]).
+/// A cloneable pooled HTTP/1.1 client with a default timeout, and optionally a bearer key sent
+/// with every request ([`HttpClient::with_api_key`]). `https://` URLs need the crate's `tls`
+/// feature (OpenSSL; certificates checked against the system's trust store, which
+/// `SSL_CERT_FILE` / `SSL_CERT_DIR` override, plus [`HttpClient::with_root_certificate`]);
+/// without it they are a [`Error::Transport`] naming the feature.
 #[derive(Clone)]
 pub struct HttpClient {
     client: Client<HttpConnector, Full<Bytes>>,
+    /// The pool for `https://` URLs, or why there is none (no TLS context could be made).
+    #[cfg(feature = "tls")]
+    tls: std::result::Result<Client<TlsConnector, Full<Bytes>>, std::sync::Arc<str>>,
     timeout: Duration,
     authorization: Option<HeaderValue>,
     max_response_bytes: usize,
@@ -74,20 +81,33 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1 << 30;
 impl HttpClient {
     /// A client whose requests time out after `timeout` (connect + response + body).
     pub fn new(timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(1024)
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_timer(hyper_util::rt::TokioTimer::new())
-            .build(connector);
         Self {
-            client,
+            client: pool(tcp(timeout)),
+            #[cfg(feature = "tls")]
+            tls: tls_pool(timeout, native_tls::TlsConnector::new()),
             timeout,
             authorization: None,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         }
+    }
+
+    /// This client also trusting the PEM certificate `pem` (a private CA or a self-signed
+    /// server) for `https://` URLs, beside the system's trust store.
+    #[cfg(feature = "tls")]
+    pub fn with_root_certificate(mut self, pem: &[u8]) -> Result<Self> {
+        let invalid = |e: native_tls::Error| Error::InvalidBody {
+            reason: format!("root certificate: {e}"),
+        };
+        let certificate = native_tls::Certificate::from_pem(pem).map_err(invalid)?;
+        let tls = native_tls::TlsConnector::builder()
+            .add_root_certificate(certificate)
+            .build();
+        self.tls = Ok(
+            tls_pool(self.timeout, tls).map_err(|reason| Error::InvalidBody {
+                reason: format!("root certificate: {reason}"),
+            })?,
+        );
+        Ok(self)
     }
 
     /// This client refusing response bodies over `bytes` (a transport error).
@@ -138,6 +158,16 @@ impl HttpClient {
             url: url.to_owned(),
             reason,
         };
+        let https = url
+            .get(..8)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"));
+        #[cfg(not(feature = "tls"))]
+        if https {
+            return Err(transport(
+                "https:// needs miles-session's `tls` feature (built into the `miles` binary)"
+                    .into(),
+            ));
+        }
         let mut builder = Request::builder().method(method).uri(url);
         if let Some(auth) = &self.authorization
             && !headers
@@ -166,11 +196,7 @@ impl HttpClient {
             .body(Full::new(payload))
             .map_err(|e| transport(e.to_string()))?;
         let call = async {
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| transport(format!("{e:?}")))?;
+            let response = self.dispatch(https, request).await.map_err(transport)?;
             let (parts, body) = response.into_parts();
             let limit = self.max_response_bytes;
             let too_large = |n: u64| {
@@ -215,6 +241,26 @@ impl HttpClient {
         }
     }
 
+    /// One request on the pool of its scheme (`https://` was refused earlier without `tls`).
+    async fn dispatch(
+        &self,
+        https: bool,
+        request: Request<Full<Bytes>>,
+    ) -> std::result::Result<hyper::Response<hyper::body::Incoming>, String> {
+        #[cfg(feature = "tls")]
+        if https {
+            return match &self.tls {
+                Ok(client) => client.request(request).await.map_err(|e| format!("{e:?}")),
+                Err(reason) => Err(format!("no TLS context: {reason}")),
+            };
+        }
+        let _ = https;
+        self.client
+            .request(request)
+            .await
+            .map_err(|e| format!("{e:?}"))
+    }
+
     /// POSTs a JSON body.
     pub async fn post_json(
         &self,
@@ -238,4 +284,41 @@ impl HttpClient {
     pub async fn get(&self, url: &str) -> Result<HttpResponse> {
         self.send(Method::GET, url, &[], None).await
     }
+}
+
+/// The TCP connector: no Nagle delay, connects within `timeout`.
+fn tcp(timeout: Duration) -> HttpConnector {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(timeout));
+    connector
+}
+
+fn pool<C>(connector: C) -> Client<C, Full<Bytes>>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone,
+{
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(connector)
+}
+
+/// The connector of `https://` URLs: TLS over [`tcp`], for `https://` only.
+#[cfg(feature = "tls")]
+type TlsConnector = hyper_tls::HttpsConnector<HttpConnector>;
+
+/// The `https://` pool over `tls` (or the reason there is no TLS context).
+#[cfg(feature = "tls")]
+fn tls_pool(
+    timeout: Duration,
+    tls: std::result::Result<native_tls::TlsConnector, native_tls::Error>,
+) -> std::result::Result<Client<TlsConnector, Full<Bytes>>, std::sync::Arc<str>> {
+    let tls = tls.map_err(|e| std::sync::Arc::<str>::from(e.to_string()))?;
+    let mut tcp = tcp(timeout);
+    tcp.enforce_http(false);
+    let mut connector = TlsConnector::from((tcp, tls.into()));
+    connector.https_only(true);
+    Ok(pool(connector))
 }

@@ -1,8 +1,8 @@
 //! Agents that fail, run as a user runs them (issue 45): the `miles` binary on the tiny Qwen3
 //! chat checkpoint with a python3 agent that exits 3 — always, or on half of its runs (at
-//! random). The always-failing run stops with a non-zero exit whose message names the command
-//! and holds the agent's stderr; the half-failing one finishes its rollouts, the failures
-//! counted.
+//! random) —, hangs past `--agent-timeout-s`, or prints garbage. A run whose every agent fails
+//! stops with a non-zero exit whose message names the command, the cause and the agent's
+//! stderr; the half-failing one finishes its rollouts, the failures counted.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -38,6 +38,10 @@ fn python() -> String {
 }
 
 fn train_async(dir: &Path, agent: &Path) -> Output {
+    train_async_with(dir, agent, &["--agent-timeout-s", "60"])
+}
+
+fn train_async_with(dir: &Path, agent: &Path, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_miles"))
         .arg("train-async")
         .arg("--hf-checkpoint")
@@ -57,9 +61,8 @@ fn train_async(dir: &Path, agent: &Path) -> Output {
             "4",
             "--tito",
             "qwen3",
-            "--agent-timeout-s",
-            "60",
         ])
+        .args(extra)
         .arg("--output-dir")
         .arg(dir.join("run"))
         .arg("--agent-cmd")
@@ -134,4 +137,59 @@ print(json.dumps({"reward": 1.0}))
         .sum();
     assert!(failed >= 1.0, "the failures are counted: {metrics}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn an_agent_that_hangs_or_prints_garbage_stops_the_run_naming_the_cause() {
+    let cases = [
+        (
+            "hang",
+            "import sys, time; sys.stdin.read(); sys.stderr.write('thinking\\n'); sys.stderr.flush(); time.sleep(600)\n",
+            "timed out after 3 s",
+            "3",
+        ),
+        (
+            "garbage",
+            "import sys; sys.stdin.read(); print('{\"reward\": 1.0')\n",
+            "the last line of stdout is not JSON",
+            "60",
+        ),
+    ];
+    for (name, script, cause, timeout) in cases {
+        let dir = scratch(name);
+        let agent = dir.join("agent.py");
+        std::fs::write(&agent, script).unwrap();
+        let started = std::time::Instant::now();
+        let out = train_async_with(
+            &dir,
+            &agent,
+            &[
+                "--agent-timeout-s",
+                timeout,
+                "--max-consecutive-failures",
+                "4",
+            ],
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: stderr:\n{stderr}");
+        assert!(
+            stderr.contains("4 samples in a row failed") && stderr.contains(cause),
+            "{name}: the cause is named: {stderr}"
+        );
+        assert!(
+            stderr.contains(&agent.display().to_string()),
+            "{name}: the command is named: {stderr}"
+        );
+        if name == "hang" {
+            assert!(stderr.contains("thinking"), "its stderr is shown: {stderr}");
+        }
+        // A hung agent's process group is killed at its limit: the run ends well within the
+        // bound, not after the agent's 600 s.
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(120),
+            "{name}: took {:?}",
+            started.elapsed()
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

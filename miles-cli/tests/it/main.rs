@@ -5,6 +5,7 @@
 mod agent_failures;
 mod bridge;
 mod cli;
+mod faults;
 mod process;
 mod serve_failover;
 mod session;

@@ -8,6 +8,11 @@
 //! [`Router::spawn_health_checker`] runs [`Router::check_health`] periodically, the way Miles'
 //! router polls `/health` every `--rollout-health-check-interval` seconds.
 //!
+//! With every engine out of rotation, a request (and a weight update, pause or resume) waits
+//! up to [`Router::with_unavailable_wait`] for the health checker to re-admit one (an engine
+//! restarted by its supervisor), then fails `Unavailable` naming the engines; without a wait
+//! (the default) it fails at once.
+//!
 //! When is a retry safe? An engine error of kind `Unavailable` means the caller received
 //! nothing: the engine refused the connection, or (over HTTP) the connection dropped before an
 //! answer arrived. `/generate` does not stream, so a dropped connection delivers no partial
@@ -106,6 +111,8 @@ pub struct Router {
     /// Held while the fleet's weights or pause state change and while an engine is brought
     /// to them and re-admitted, so a re-admitted engine never misses a change made meanwhile.
     fleet_state: tokio::sync::Mutex<()>,
+    /// How long a call waits for an engine back in rotation when none is (zero: no wait).
+    unavailable_wait: Duration,
 }
 
 /// Decrements a slot's outstanding count when a request ends, however it ends.
@@ -138,7 +145,53 @@ impl Router {
             latest: Mutex::new(LatestWeights::None),
             paused: Mutex::new(None),
             fleet_state: tokio::sync::Mutex::new(()),
+            unavailable_wait: Duration::ZERO,
         }
+    }
+
+    /// This router waiting up to `wait` for an engine to come back into rotation (re-admitted
+    /// by [`Router::check_health`], e.g. from [`Router::spawn_health_checker`]) when a request,
+    /// weight update, pause or resume finds none, instead of failing at once.
+    pub fn with_unavailable_wait(mut self, wait: Duration) -> Self {
+        self.unavailable_wait = wait;
+        self
+    }
+
+    /// Waits until an engine not in `exclude` is in rotation, at most until `deadline`;
+    /// whether one is.
+    async fn wait_for_rotation(&self, exclude: &[usize], deadline: tokio::time::Instant) -> bool {
+        loop {
+            let any = (0..self.slots.len())
+                .any(|i| !exclude.contains(&i) && self.slots[i].healthy.load(Ordering::SeqCst));
+            if any {
+                return true;
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            tokio::time::sleep((deadline - now).min(Duration::from_millis(50))).await;
+        }
+    }
+
+    /// The `Unavailable` error of a call that found no engine in rotation.
+    fn none_in_rotation(&self, what: &str) -> CoreError {
+        let names: Vec<&str> = self.slots.iter().map(|s| s.name.as_str()).collect();
+        let waited = if self.unavailable_wait.is_zero() {
+            String::new()
+        } else {
+            format!(
+                " after waiting {:.1} s",
+                self.unavailable_wait.as_secs_f64()
+            )
+        };
+        CoreError::engine(
+            EngineErrorKind::Unavailable,
+            format!(
+                "{what}: no engine in rotation{waited} (engines: {})",
+                names.join(", ")
+            ),
+        )
     }
 
     /// A router over SGLang-protocol servers at `urls` (named by their URL), each reached with
@@ -292,6 +345,36 @@ impl Router {
         Ok(())
     }
 
+    /// A fleet-wide change (weights, pause, resume): waits (up to the unavailable wait) for an
+    /// engine in rotation, records the fleet's new state with `record` and sends `op` to every
+    /// engine in rotation. When each of them failed and left the rotation, the state stays
+    /// recorded and an engine re-admitted within a fresh wait is brought to it (re-admission
+    /// applies the recorded weights and pause state): the change then succeeds.
+    async fn change_fleet(&self, op: FleetOp<'_>, record: impl FnOnce(&Self)) -> CoreResult<()> {
+        let wait = self.unavailable_wait;
+        self.wait_for_rotation(&[], tokio::time::Instant::now() + wait)
+            .await;
+        let result = {
+            // Taken after the wait: re-admission takes it too.
+            let _fleet_state = self.fleet_state.lock().await;
+            record(self);
+            self.broadcast(op).await
+        };
+        match result {
+            Err(_) if !wait.is_zero() && self.healthy_engines().is_empty() => {
+                if self
+                    .wait_for_rotation(&[], tokio::time::Instant::now() + wait)
+                    .await
+                {
+                    Ok(())
+                } else {
+                    Err(self.none_in_rotation(op.name()))
+                }
+            }
+            other => other,
+        }
+    }
+
     /// Runs `op` on every engine in rotation, **all at once** (a weight update to N engines
     /// takes the time of the slowest, not the sum), then judges each answer in slot order: an
     /// engine whose call fails is taken out of rotation (it catches up when re-admitted).
@@ -331,9 +414,7 @@ impl Router {
             }
         }
         if succeeded == 0 {
-            return Err(last_error.unwrap_or_else(|| {
-                CoreError::engine(EngineErrorKind::Unavailable, "no engine in rotation")
-            }));
+            return Err(last_error.unwrap_or_else(|| self.none_in_rotation(op.name())));
         }
         Ok(())
     }
@@ -423,12 +504,19 @@ impl FleetOp<'_> {
 impl InferenceEngine for Router {
     async fn generate(&self, request: GenerateRequest) -> CoreResult<GenerateOutput> {
         let mut tried = Vec::new();
+        let deadline = tokio::time::Instant::now() + self.unavailable_wait;
         loop {
             let Some(index) = self.pick(request.routing_key.as_deref(), &tried) else {
-                return Err(CoreError::engine(
-                    EngineErrorKind::Unavailable,
-                    format!("no healthy engine (tried {})", tried.len()),
-                ));
+                // Every engine is out of rotation (or was tried): wait for one to be
+                // re-admitted — a re-admitted engine that failed this request before is
+                // tried again, it never took the request.
+                if self.wait_for_rotation(&[], deadline).await {
+                    tried.clear();
+                    continue;
+                }
+                return Err(
+                    self.none_in_rotation(&format!("generate (tried {} engine(s))", tried.len()))
+                );
             };
             let slot = self.slots[index].clone();
             slot.outstanding.fetch_add(1, Ordering::SeqCst);
@@ -466,29 +554,33 @@ impl InferenceEngine for Router {
         weights: &NamedTensors,
         version: WeightVersion,
     ) -> CoreResult<()> {
-        let _fleet_state = self.fleet_state.lock().await;
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
-            LatestWeights::Tensors(Arc::new(weights.clone()), version);
-        self.broadcast(FleetOp::Update(weights, version)).await
+        self.change_fleet(FleetOp::Update(weights, version), |router| {
+            *router.latest.lock().unwrap_or_else(|p| p.into_inner()) =
+                LatestWeights::Tensors(Arc::new(weights.clone()), version);
+        })
+        .await
     }
 
     async fn update_weights_from_disk(&self, dir: &Path, version: WeightVersion) -> CoreResult<()> {
-        let _fleet_state = self.fleet_state.lock().await;
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) =
-            LatestWeights::Disk(dir.to_path_buf(), version);
-        self.broadcast(FleetOp::Disk(dir, version)).await
+        self.change_fleet(FleetOp::Disk(dir, version), |router| {
+            *router.latest.lock().unwrap_or_else(|p| p.into_inner()) =
+                LatestWeights::Disk(dir.to_path_buf(), version);
+        })
+        .await
     }
 
     async fn pause(&self, mode: PauseMode) -> CoreResult<()> {
-        let _fleet_state = self.fleet_state.lock().await;
-        *self.paused.lock().unwrap_or_else(|p| p.into_inner()) = Some(mode);
-        self.broadcast(FleetOp::Pause(mode)).await
+        self.change_fleet(FleetOp::Pause(mode), |router| {
+            *router.paused.lock().unwrap_or_else(|p| p.into_inner()) = Some(mode);
+        })
+        .await
     }
 
     async fn resume(&self) -> CoreResult<()> {
-        let _fleet_state = self.fleet_state.lock().await;
-        *self.paused.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        self.broadcast(FleetOp::Resume).await
+        self.change_fleet(FleetOp::Resume, |router| {
+            *router.paused.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        })
+        .await
     }
 
     async fn flush_cache(&self) -> CoreResult<()> {

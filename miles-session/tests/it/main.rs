@@ -15,5 +15,7 @@ mod sglang;
 mod sglang_fuzz_routes;
 mod sglang_serve_contract;
 mod tito_qwen3;
+#[cfg(feature = "tls")]
+mod tls;
 mod trailing_trim;
 mod trajectory_props;
