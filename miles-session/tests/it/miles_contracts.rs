@@ -1555,3 +1555,108 @@ async fn samples_op_missing_session_returns_404() {
     let r = env.samples("nonexistent", &json!({})).await;
     assert_eq!(r.status, 404);
 }
+
+// ---------------------------------------------------------------------------------------------
+// test_session_message_matcher.py: the v1 cases not already in `message_matcher.rs`
+// (TestV1ReplayMatching's other six are there), and TestRegistryOwnership.
+
+#[test]
+fn matcher_loose_matcher_does_not_bypass_appended_role_validation() {
+    use miles_core::{Message, Role};
+    use miles_session::trajectory::LinearTrajectory;
+    use miles_tito::MessageMatcher;
+    let message = |v: Value| -> Message { serde_json::from_value(v).unwrap() };
+    let user = message(json!({"role": "user", "content": "q"}));
+    let stored = message(
+        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "call-A",
+        "type": "function", "function": {"name": "lookup", "arguments": "{\"city\":\"Paris\",\"units\":\"metric\"}"}}]}),
+    );
+    let replayed = message(
+        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "call-A",
+        "type": "function", "function": {"name": "lookup", "arguments": "{\"units\": \"metric\", \"city\": \"Paris\"}"}}]}),
+    );
+    let tool = message(json!({"role": "tool", "content": "ok", "tool_call_id": "call-A"}));
+    // Miles' `_ToolOnlyRecordingTITOTokenizer`: only `tool` may be appended.
+    let tok = ByteChatml {
+        allowed: vec![Role::Tool],
+    };
+    let kwargs = tok.resolve_kwargs(&Default::default()).unwrap();
+    let mut trajectory = LinearTrajectory::new();
+    let first = [user.clone()];
+    let prepared = trajectory
+        .prepare(&first, &[], &kwargs, &tok, MessageMatcher::Strict)
+        .unwrap();
+    let completion = tok.encode("<tool_call>lookup</tool_call><|im_end|>");
+    trajectory
+        .commit(
+            &prepared,
+            &first,
+            &completion,
+            stored,
+            crate::common::empty_record(),
+            0,
+        )
+        .unwrap();
+    let request = [
+        user,
+        replayed,
+        tool,
+        message(json!({"role": "user", "content": "next"})),
+    ];
+    let err = trajectory
+        .prepare(&request, &[], &kwargs, &tok, MessageMatcher::LooseToolCall)
+        .unwrap_err();
+    assert_eq!(err.status(), 400);
+    assert!(
+        err.to_string().contains("appended message at index 3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn matcher_registry_defaults_to_the_strict_matcher() {
+    assert_eq!(
+        SessionServerConfig::default().message_matcher,
+        miles_tito::MessageMatcher::Strict
+    );
+}
+
+#[tokio::test]
+async fn matcher_registry_holds_the_injected_matcher() {
+    // The configured matcher is the one the server's rollback detection uses: a replay with
+    // re-serialised tool-call arguments keeps the checkpoint under `loose_tool_call` (2
+    // records) and rolls back under `strict` (1 record).
+    for (matcher, records) in [
+        (miles_tito::MessageMatcher::LooseToolCall, 2),
+        (miles_tito::MessageMatcher::Strict, 1),
+    ] {
+        let env = router_env_with(SessionServerConfig {
+            message_matcher: matcher,
+            ..SessionServerConfig::default()
+        })
+        .await;
+        env.backend.set_reply(Arc::new(|prompt: &str| {
+            Ok(if prompt.contains("<tool_response>") {
+                "done".into()
+            } else {
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"units\": \"metric\"}}\n</tool_call>".into()
+            })
+        }));
+        let sid = env.create_session().await;
+        let tools = json!([two_tools()[0]]);
+        let a1 = env.turn(&sid, json!([u1()])).await;
+        let mut replayed = a1.clone();
+        replayed["tool_calls"][0]["function"]["arguments"] =
+            json!("{\"units\": \"metric\", \"city\": \"Paris\"}");
+        let tool =
+            json!({"role": "tool", "content": "ok", "tool_call_id": a1["tool_calls"][0]["id"]});
+        let r = env
+            .post_chat(
+                &sid,
+                &json!({"messages": [u1(), replayed, tool], "tools": tools}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(env.records(&sid).await.len(), records, "{matcher:?}");
+    }
+}
