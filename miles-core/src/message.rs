@@ -404,8 +404,8 @@ fn lax_bool(value: &Value, field: &'static str) -> Result<bool> {
     let parsed = match value {
         Value::Bool(b) => Some(*b),
         Value::Number(n) => match n.as_f64() {
-            Some(f) if f == 1.0 => Some(true),
-            Some(f) if f == 0.0 => Some(false),
+            Some(1.0) => Some(true),
+            Some(0.0) => Some(false),
             _ => None,
         },
         Value::String(s) => {

@@ -1432,7 +1432,7 @@ fn samples_op_assembled_sample_golden() {
     assert_eq!(m.status, SampleStatus::Completed);
     assert_eq!(m.weight_versions, ["w1", "w2"]);
     assert_eq!(
-        serde_json::to_value(&m.prefix_cache_info).unwrap(),
+        serde_json::to_value(m.prefix_cache_info).unwrap(),
         json!({"cached_tokens": 5, "total_prompt_tokens": 10})
     );
     assert_eq!(
