@@ -1359,14 +1359,36 @@ async fn race_rapid_create_chat_delete_cycles() {
 // here the same records go through our assembly (what `/samples` runs), and the HTTP cases run
 // over the server.
 
-/// Miles' `_make_record` (the fields assembly reads; no routed experts: ours need the layer
-/// count in `meta_info`, covered by `server.rs`).
+/// Miles' `NUM_LAYERS`, `TOPK`.
+const NUM_LAYERS: usize = 3;
+const TOPK: usize = 2;
+
+/// Miles' `_r3_b64`: `np.arange(seed, seed + tokens·layers·topk, dtype=int32)`, base64.
+fn r3_b64(num_tokens: usize, seed: i32) -> String {
+    let data: Vec<i32> = (0..(num_tokens * NUM_LAYERS * TOPK) as i32)
+        .map(|i| seed + i)
+        .collect();
+    miles_core::RoutedExperts::new(num_tokens, NUM_LAYERS, TOPK, data)
+        .unwrap()
+        .to_base64()
+}
+
+/// Miles' `_expected_r3`.
+fn expected_r3(seed: i32, num_tokens: usize) -> Vec<i32> {
+    (0..(num_tokens * NUM_LAYERS * TOPK) as i32)
+        .map(|i| seed + i)
+        .collect()
+}
+
+/// Miles' `_make_record` (the fields assembly reads; our records carry
+/// `routed_experts_num_layers` beside the routes, COMPATIBILITY.md "session records").
 fn make_record(
     prompt: &[TokenId],
     output: &[TokenId],
     log_probs: &[f64],
     cached_tokens: u64,
     weight_version: &str,
+    routed_experts: String,
 ) -> SessionRecord {
     let logprobs: Vec<Value> = output
         .iter()
@@ -1383,20 +1405,29 @@ fn make_record(
         response: json!({"choices": [{"message": {"role": "assistant", "content": "x"},
             "finish_reason": "stop", "meta_info": {"output_token_logprobs": logprobs,
             "completion_tokens": output.len(), "cached_tokens": cached_tokens,
-            "prompt_tokens": prompt.len(), "weight_version": weight_version}}]}),
+            "prompt_tokens": prompt.len(), "weight_version": weight_version,
+            "routed_experts": routed_experts, "routed_experts_num_layers": NUM_LAYERS}}]}),
         status_code: 200,
     }
 }
 
 fn two_turn_records() -> Vec<SessionRecord> {
     vec![
-        make_record(&[1, 2, 3], &[10, 11], &[-0.125, -0.25], 0, "w1"),
+        make_record(
+            &[1, 2, 3],
+            &[10, 11],
+            &[-0.125, -0.25],
+            0,
+            "w1",
+            r3_b64(4, 0),
+        ),
         make_record(
             &[1, 2, 3, 10, 11, 20, 21],
             &[30, 31],
             &[-0.5, -1.0],
             5,
             "w2",
+            r3_b64(8, 100),
         ),
     ]
 }
@@ -1435,6 +1466,9 @@ fn samples_op_assembled_sample_golden() {
         serde_json::to_value(m.prefix_cache_info).unwrap(),
         json!({"cached_tokens": 5, "total_prompt_tokens": 10})
     );
+    let routes = m.rollout_routed_experts.as_ref().unwrap();
+    assert_eq!(routes.shape(), [8, NUM_LAYERS, TOPK]);
+    assert_eq!(routes.as_slice(), expected_r3(100, 8));
     assert_eq!(
         m.metadata["lifecycle"],
         json!([{"t0": null, "t1": 0.0, "turn": 1},
@@ -1462,6 +1496,12 @@ fn samples_op_truncation_golden() {
     assert_eq!(
         merged.rollout_log_probs,
         Some(vec![-0.125, -0.25, 0.0, 0.0, -0.5])
+    );
+    let routes = merged.rollout_routed_experts.as_ref().unwrap();
+    assert_eq!(routes.shape(), [7, NUM_LAYERS, TOPK]);
+    assert_eq!(
+        routes.as_slice(),
+        &expected_r3(100, 8)[..7 * NUM_LAYERS * TOPK]
     );
     let turns: Vec<Value> = merged.metadata["lifecycle"]
         .as_array()
