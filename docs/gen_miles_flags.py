@@ -150,6 +150,9 @@ def status(flag, group):
         return "automatic", ("the actor skips its old-log-prob forward whenever a call takes one "
                              "optimizer step and neither `--use-tis`, `--get-mismatch-metrics` nor "
                              "`--kl-coef` needs it (docs of `miles_train::Actor`); the flag is accepted and changes nothing")
+    if flag == "--save-debug-trajectory-data":
+        return "supported", ("with `--agent-cmd`: each session's conversation rides on its sample as "
+                             "`metadata.messages`, as Miles' session server does; the JSONL file is not written")
     if flag in ours:
         return "supported", ""
     if flag == "--opd-topk-per-position":

@@ -301,6 +301,10 @@ pub struct RolloutArgs {
     /// replaced by the rollout id)
     #[arg(long, value_name = "PATH")]
     pub save_debug_rollout_data: Option<String>,
+    /// With --agent-cmd: the session server puts each session's conversation on its sample as
+    /// metadata.messages (Miles' --save-debug-trajectory-data; no JSONL file is written here)
+    #[arg(long, value_name = "PATH")]
+    pub save_debug_trajectory_data: Option<String>,
     /// With --agent-cmd: one training sample per turn instead of one merged sample per
     /// session; the rollout's reward goes to every turn, advantages are normalised per
     /// rollout, each rollout's loss is one token-weighted mean and --global-batch-size counts
@@ -876,6 +880,10 @@ pub struct SessionArgs {
     /// loose_tool_call | role_content_only (Miles' --session-message-matcher)
     #[arg(long, value_name = "NAME", default_value = "strict", value_parser = message_matcher_name)]
     pub session_message_matcher: String,
+    /// Put each session's conversation on its last sample as metadata.messages (Miles'
+    /// --save-debug-trajectory-data; the PATH is accepted and unused here)
+    #[arg(long, value_name = "PATH")]
+    pub save_debug_trajectory_data: Option<String>,
     /// Seconds in-flight requests get to finish after SIGINT / SIGTERM
     #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = positive_seconds)]
     pub shutdown_timeout_s: f64,

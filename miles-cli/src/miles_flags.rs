@@ -86,7 +86,6 @@ pub const NOT_APPLICABLE: &[(&str, Arity)] = &[
     ("--mlflow-experiment-name", Arity::Value),
     ("--mlflow-run-name", Arity::Value),
     ("--mlflow-run-id", Arity::Value),
-    ("--save-debug-trajectory-data", Arity::Value),
     ("--load-debug-rollout-data", Arity::Value),
     ("--load-debug-rollout-data-subsample", Arity::Value),
     ("--debug-rollout-only", Arity::Switch),

@@ -56,6 +56,7 @@ pub fn options(args: &SessionArgs) -> Result<CliArgs, String> {
         max_concurrent_requests: count(args.max_concurrent_requests),
         message_matcher: miles_tito::MessageMatcher::parse(&args.session_message_matcher)
             .map_err(|e| format!("--session-message-matcher: {e}"))?,
+        save_debug_trajectory_data: args.save_debug_trajectory_data.is_some(),
     })
 }
 

@@ -285,6 +285,7 @@ async fn agent_generator(
             return_routed_experts: use_r3,
             chat_template_kwargs: kwargs,
             message_matcher,
+            save_debug_trajectory_data: a.rollout.save_debug_trajectory_data.is_some(),
             ..SessionServerConfig::default()
         },
     )

@@ -269,13 +269,24 @@ impl ToolArguments {
 }
 
 /// A tool the model may call, as listed in a request's `tools`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Deserialising follows Miles' session server (`extract_tool_dicts`): an item without a
+/// `function` key is a bare function declaration and is wrapped as
+/// `{"type": "function", "function": item}`; the tool must then validate as SGLang's OpenAI
+/// protocol model `Tool` does (`type` a string, `function.name` a string, `description` a
+/// string or null, `strict` / `defer_loading` booleans in pydantic's lax sense), else
+/// deserialising fails. Serialising gives the tool as sent (after the wrapping); what chat
+/// templates see is [`ToolSpec::sglang_dump`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ToolSpec {
-    /// Always `"function"`.
-    #[serde(rename = "type", default = "function_type")]
+    /// `"function"` unless the client says otherwise.
+    #[serde(rename = "type")]
     pub kind: String,
     /// The function's declaration.
     pub function: FunctionSpec,
+    /// Any other keys of the tool object (`defer_loading`, …), as sent.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 impl ToolSpec {
@@ -293,7 +304,132 @@ impl ToolSpec {
                 parameters: Some(parameters),
                 extra: Map::new(),
             },
+            extra: Map::new(),
         }
+    }
+
+    /// The tool as SGLang's `Tool.model_validate(tool).model_dump()` gives it — what Miles'
+    /// session server and SGLang's chat route hand to the chat template, so what a template's
+    /// `tool | tojson` prints: `{"type", "function": {"description", "name", "parameters",
+    /// "strict"[, "defer_loading"]}, "defer_loading"}` in that order, `description` /
+    /// `parameters` / the tool's `defer_loading` `null` when absent, `strict` `false` when
+    /// absent, the tool's `defer_loading` copied into the function when the function has none,
+    /// every other key dropped. (The order holds where `serde_json`'s `preserve_order` is on,
+    /// as in every crate that renders templates.)
+    ///
+    /// Fails on a `strict` or `defer_loading` that is no boolean in pydantic's lax sense
+    /// (`true` / `false`, `0` / `1`, `"yes"`, `"off"`, …), as SGLang's validation does.
+    pub fn sglang_dump(&self) -> Result<Value> {
+        let function = &self.function;
+        let strict = match function.extra.get("strict") {
+            None => false,
+            Some(v) => lax_bool(v, "tool `function.strict` as a boolean")?,
+        };
+        let function_defer = optional_lax_bool(
+            function.extra.get("defer_loading"),
+            "tool `function.defer_loading` as a boolean",
+        )?;
+        let tool_defer = optional_lax_bool(
+            self.extra.get("defer_loading"),
+            "tool `defer_loading` as a boolean",
+        )?;
+        let mut dumped = Map::new();
+        dumped.insert(
+            "description".into(),
+            function
+                .description
+                .clone()
+                .map_or(Value::Null, Value::String),
+        );
+        dumped.insert("name".into(), Value::String(function.name.clone()));
+        dumped.insert(
+            "parameters".into(),
+            function.parameters.clone().unwrap_or(Value::Null),
+        );
+        dumped.insert("strict".into(), Value::Bool(strict));
+        if let Some(defer) = function_defer.or(tool_defer) {
+            dumped.insert("defer_loading".into(), Value::Bool(defer));
+        }
+        let mut tool = Map::new();
+        tool.insert("type".into(), Value::String(self.kind.clone()));
+        tool.insert("function".into(), Value::Object(dumped));
+        tool.insert(
+            "defer_loading".into(),
+            tool_defer.map_or(Value::Null, Value::Bool),
+        );
+        Ok(Value::Object(tool))
+    }
+}
+
+impl<'de> Deserialize<'de> for ToolSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut map = Map::<String, Value>::deserialize(deserializer)?;
+        if !map.contains_key("function") {
+            // Miles' wrapping of a bare function declaration.
+            let mut wrapped = Map::new();
+            wrapped.insert("type".into(), Value::String(function_type()));
+            wrapped.insert("function".into(), Value::Object(map));
+            map = wrapped;
+        }
+        let kind = match map.remove("type") {
+            None => function_type(),
+            Some(Value::String(kind)) => kind,
+            Some(other) => {
+                return Err(D::Error::custom(format!(
+                    "tool `type` must be a string, got {other}"
+                )));
+            }
+        };
+        let function = map.remove("function").unwrap_or(Value::Null);
+        let function: FunctionSpec = serde_json::from_value(function)
+            .map_err(|e| D::Error::custom(format!("tool `function`: {e}")))?;
+        let spec = Self {
+            kind,
+            function,
+            extra: map,
+        };
+        spec.sglang_dump().map_err(D::Error::custom)?;
+        Ok(spec)
+    }
+}
+
+/// A pydantic (lax mode) `bool`: a JSON boolean, the numbers `0` / `1`, or one of the strings
+/// `0 off f false n no` / `1 on t true y yes` in any case.
+fn lax_bool(value: &Value, field: &'static str) -> Result<bool> {
+    const TRUE: [&str; 6] = ["1", "on", "t", "true", "y", "yes"];
+    const FALSE: [&str; 6] = ["0", "off", "f", "false", "n", "no"];
+    let parsed = match value {
+        Value::Bool(b) => Some(*b),
+        Value::Number(n) => match n.as_f64() {
+            Some(1.0) => Some(true),
+            Some(0.0) => Some(false),
+            _ => None,
+        },
+        Value::String(s) => {
+            let lower = s.to_lowercase();
+            if TRUE.contains(&lower.as_str()) {
+                Some(true)
+            } else if FALSE.contains(&lower.as_str()) {
+                Some(false)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    };
+    parsed.ok_or_else(|| Error::Parse {
+        what: field,
+        input: value.to_string(),
+    })
+}
+
+fn optional_lax_bool(value: Option<&Value>, field: &'static str) -> Result<Option<bool>> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => lax_bool(v, field).map(Some),
     }
 }
 
@@ -308,7 +444,7 @@ pub struct FunctionSpec {
     /// JSON schema of its arguments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parameters: Option<Value>,
-    /// Any other keys (`strict`, …), as sent.
+    /// Any other keys (`strict`, `defer_loading`, …), as sent.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
@@ -398,5 +534,50 @@ mod tests {
             serde_json::to_value(&spec).unwrap(),
             json!({"type": "function", "function": {"name": "calc", "description": "adds", "parameters": {"type": "object"}}})
         );
+    }
+
+    #[test]
+    fn tools_dump_as_sglang_protocol_models_do() {
+        // Expected values: SGLang 0.5.16's `Tool.model_validate(t).model_dump()` after Miles'
+        // wrapping (fixtures/session/miles_tool_renders.json, cases `bare_function`,
+        // `defer_loading`).
+        let bare: ToolSpec =
+            serde_json::from_value(json!({"name": "lookup", "parameters": {"type": "object"}}))
+                .unwrap();
+        assert_eq!(
+            bare.sglang_dump().unwrap(),
+            json!({"type": "function", "function": {"description": null, "name": "lookup",
+                   "parameters": {"type": "object"}, "strict": false}, "defer_loading": null})
+        );
+        let deferred: ToolSpec = serde_json::from_value(json!({"type": "function",
+            "defer_loading": true, "function": {"name": "f", "description": "late", "parameters": {}}}))
+        .unwrap();
+        assert_eq!(
+            deferred.sglang_dump().unwrap(),
+            json!({"type": "function", "function": {"description": "late", "name": "f",
+                   "parameters": {}, "strict": false, "defer_loading": true}, "defer_loading": true})
+        );
+        let lax: ToolSpec = serde_json::from_value(
+            json!({"function": {"name": "g", "defer_loading": false, "strict": 1}}),
+        )
+        .unwrap();
+        assert_eq!(
+            lax.sglang_dump().unwrap()["function"],
+            json!({"description": null, "name": "g", "parameters": null, "strict": true, "defer_loading": false})
+        );
+        // What SGLang's validation refuses.
+        for bad in [
+            json!({"function": {"name": "f", "strict": "maybe"}}),
+            json!({"function": {"name": "f", "strict": null}}),
+            json!({"function": {"name": "f", "description": 5}}),
+            json!({"function": {"description": "d"}}),
+            json!({"type": 3, "function": {"name": "f"}}),
+            json!({"function": {"name": "f"}, "defer_loading": "later"}),
+        ] {
+            assert!(
+                serde_json::from_value::<ToolSpec>(bad.clone()).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

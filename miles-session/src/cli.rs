@@ -80,6 +80,9 @@ pub struct CliArgs {
     pub max_concurrent_requests: Option<usize>,
     /// How a request's history is compared with the stored one (`--session-message-matcher`).
     pub message_matcher: MessageMatcher,
+    /// Put the conversation on samples as `metadata.messages` (Miles'
+    /// `--save-debug-trajectory-data`).
+    pub save_debug_trajectory_data: bool,
 }
 
 impl CliArgs {
@@ -104,6 +107,7 @@ impl CliArgs {
             max_records_per_session: self.max_records_per_session,
             max_tokens_per_session: self.max_tokens_per_session,
             message_matcher: self.message_matcher,
+            save_debug_trajectory_data: self.save_debug_trajectory_data,
             ..SessionServerConfig::default()
         }
     }

@@ -9,13 +9,14 @@
 #[non_exhaustive]
 pub enum Error {
     /// No session with this id exists (never created, deleted, or being deleted).
-    #[error("session {session_id} not found")]
+    #[error("session not found: session_id={session_id}")]
     SessionNotFound {
         /// The id asked for.
         session_id: String,
     },
-    /// The request body is not valid JSON or has wrong field types.
-    #[error("invalid request body: {reason}")]
+    /// The request body is not valid JSON or has wrong field types (the message is Miles'
+    /// text where Miles has one: `invalid JSON body: …`).
+    #[error("{reason}")]
     InvalidBody {
         /// What was wrong.
         reason: String,
@@ -28,7 +29,7 @@ pub enum Error {
     },
     /// The messages are not an append-only extension of the session's history, use a role
     /// the family cannot append, or a rollback would discard more than one assistant turn.
-    #[error("message validation failed: {reason}")]
+    #[error("{reason}")]
     MessageValidation {
         /// What was wrong.
         reason: String,

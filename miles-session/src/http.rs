@@ -269,7 +269,7 @@ impl HttpClient {
         headers: &[(&str, &str)],
     ) -> Result<HttpResponse> {
         let bytes = serde_json::to_vec(body).map_err(|e| Error::InvalidBody {
-            reason: e.to_string(),
+            reason: format!("cannot serialise the request body: {e}"),
         })?;
         self.send(
             Method::POST,

@@ -562,23 +562,23 @@ fn is_template_rejection(reason: &str) -> bool {
 
 fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat> {
     let mut body: Value = serde_json::from_slice(bytes).map_err(|e| Error::InvalidBody {
-        reason: format!("invalid JSON: {e}"),
+        reason: format!("invalid JSON body: {e}"),
     })?;
     let Value::Object(map) = &mut body else {
         return Err(Error::InvalidBody {
-            reason: "body must be a JSON object".into(),
+            reason: "invalid request body: body must be a JSON object".into(),
         });
     };
     map.remove("stream_options");
     let request = ChatCompletionRequest::deserialize(&body).map_err(|e| Error::InvalidBody {
-        reason: e.to_string(),
+        reason: format!("invalid request body: {e}"),
     })?;
     request
         .check_limits(&state.config.limits)
         .map_err(|reason| Error::LimitExceeded { reason })?;
     if request.n.is_some_and(|n| n != 1) {
         return Err(Error::InvalidBody {
-            reason: "only n=1 is supported in a session".into(),
+            reason: "invalid request body: only n=1 is supported in a session".into(),
         });
     }
     let kwargs = request_kwargs(
@@ -1139,7 +1139,7 @@ async fn samples(State(state): AppStateRef, Path(id): Path<String>, request: Req
             SamplesRequest::default()
         } else {
             serde_json::from_slice(&bytes).map_err(|e| Error::InvalidBody {
-                reason: e.to_string(),
+                reason: format!("invalid JSON body: {e}"),
             })?
         };
         let payload = {

@@ -214,8 +214,11 @@ impl LinearTrajectory {
         let discard = self.num_assistant() - keep;
         if discard > MAX_ASSISTANT_ROLLBACK_STEPS {
             return Err(Error::validation(format!(
-                "rollback failed: discard_count={discard} exceeds max={MAX_ASSISTANT_ROLLBACK_STEPS} \
-                 (request diverges from the stored history at message {match_len})"
+                "rollback failed: discard_count={discard} exceeds \
+                 max_assistant_rollback_steps={MAX_ASSISTANT_ROLLBACK_STEPS} \
+                 (stored has {} messages, request has {} messages)",
+                stored.len(),
+                request.len()
             )));
         }
         Ok(keep)

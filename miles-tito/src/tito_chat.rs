@@ -31,7 +31,8 @@ pub struct TitoChat {
 }
 
 /// The template JSON of the last tool list seen (a session sends the same tools every turn,
-/// and every turn renders them twice).
+/// and every turn renders them twice): each tool as SGLang's protocol models dump it
+/// ([`ToolSpec::sglang_dump`]), as Miles' session server and SGLang's chat route render them.
 #[derive(Debug, Default)]
 struct ToolsMemo {
     last: Mutex<Option<ToolsEntry>>,
@@ -53,7 +54,7 @@ impl ToolsMemo {
         }
         let json: Arc<[Value]> = tools
             .iter()
-            .map(|t| serde_json::to_value(t).map_err(|e| Error::json("tool spec", e)))
+            .map(|t| t.sglang_dump().map_err(|e| Error::json("tool spec", e)))
             .collect::<Result<Vec<_>>>()?
             .into();
         *last = Some((tools.to_vec(), json.clone()));

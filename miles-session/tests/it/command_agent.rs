@@ -3,10 +3,10 @@
 //!
 //! The success case runs `fixtures/session/agents/weather_agent.py` (Python standard library
 //! only: urllib + json) with `python3` from PATH, on the real Qwen3 tokenizer and template
-//! (`fixtures/tokenizers/qwen3`, family `qwen3`). The engine plays a model that writes HF
-//! transformers' rendering of the conversation `single_tool_string_args@miles`
-//! (`fixtures/tokenizers/hf_renders.json`, as in `tests/it/tito_qwen3.rs`): the assembled sample
-//! must hold HF's ids exactly. The failure cases use small `sh` agents on the byte-level
+//! (`fixtures/tokenizers/qwen3`, family `qwen3`). The engine plays a model that writes Miles'
+//! session server's rendering of the conversation `single_tool_string_args@miles`
+//! (`fixtures/session/miles_tool_renders.json`, as in `tests/it/tito_qwen3.rs`): the assembled
+//! sample must hold those ids exactly. The failure cases use small `sh` agents on the byte-level
 //! tokenizer.
 #![cfg(unix)]
 
@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::common::hf_replay::{HfReplayEngine, hf_reference, logprob};
+use crate::common::hf_replay::{HfReplayEngine, logprob, miles_reference};
 use crate::common::{ByteChatml, ToyEngine, serve};
 use miles_core::{
     Message, Prompt, Reward, RewardFn, Sample, SampleStatus, SamplingParams, WeightVersion,
@@ -43,7 +43,7 @@ fn python3() -> PathBuf {
 
 #[tokio::test]
 async fn python_agent_with_a_tool_call_becomes_one_rewarded_sample() {
-    let (conversation, hf_ids) = hf_reference();
+    let (conversation, hf_ids) = miles_reference();
     let messages: Vec<Message> = serde_json::from_value(conversation["messages"].clone()).unwrap();
     let chat =
         Arc::new(TitoChat::load(&repo().join("fixtures/tokenizers/qwen3"), "qwen3").unwrap());

@@ -8,6 +8,7 @@ mod command_agent;
 mod common;
 mod fuzz_routes;
 mod message_matcher;
+mod miles_contracts;
 mod prometheus_scrape;
 mod response_text;
 mod server;

@@ -2,18 +2,21 @@
 //! (`fixtures/tokenizers/qwen3`, family `qwen3`), driven over loopback HTTP through a two-turn
 //! tool-calling conversation (user → assistant tool call → tool result → assistant).
 //!
-//! The reference is HF transformers: `fixtures/tokenizers/hf_renders.json` holds
-//! `apply_chat_template(conversation, tools, tokenize=True)` of the conversation
-//! `single_tool_string_args@miles` with Miles' `qwen3_fixed.jinja` (transformers 5.24.0). The
-//! engine plays a model that writes exactly that conversation's assistant turns: it checks that
-//! the prompt it gets is a prefix of HF's ids and answers with HF's ids up to the next
-//! `<|im_end|>`. The session must then have stored HF's ids exactly.
+//! The reference is Miles' session server's render of the conversation
+//! `single_tool_string_args@miles` (`fixtures/session/miles_tool_renders.json`: the tools
+//! dumped by SGLang 0.5.16's protocol models as Miles' `extract_tool_dicts` does, then HF
+//! transformers 5.24.0's `apply_chat_template` with Miles' `qwen3_fixed.jinja`). The engine
+//! plays a model that writes exactly that conversation's assistant turns: it checks that the
+//! prompt it gets is a prefix of those ids and answers with them up to the next `<|im_end|>`.
+//! The session must then have stored those ids exactly.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::common::hf_replay::{HfReplayEngine, IM_END, hf_reference, logprob, tokenizer_fixtures};
+use crate::common::hf_replay::{
+    HfReplayEngine, IM_END, hf_reference, logprob, miles_reference, tokenizer_fixtures,
+};
 use crate::common::serve;
 use miles_core::{Message, Sample, SampleStatus, TokenId, WeightVersion};
 use miles_session::http::HttpClient;
@@ -31,7 +34,10 @@ fn fixtures() -> PathBuf {
 
 #[tokio::test]
 async fn qwen3_tool_conversation_stores_hf_exact_ids() {
-    let (conversation, hf_ids) = hf_reference();
+    // The server renders the tools as SGLang's protocol models dump them (Miles' render).
+    let (conversation, hf_ids) = miles_reference();
+    let (_, hf_as_sent_ids) = hf_reference();
+    assert_ne!(hf_ids, hf_as_sent_ids, "the dump changes the tools' text");
     let messages = conversation["messages"].as_array().unwrap().clone();
     let tools = conversation["tools"].clone();
     assert_eq!(hf_ids.last(), Some(&NEWLINE), "HF ends the render with \\n");
@@ -115,7 +121,8 @@ async fn qwen3_tool_conversation_stores_hf_exact_ids() {
         .tito()
         .apply_chat_template(&held, Some(&tool_values), false)
         .unwrap();
-    assert_eq!(rendered, hf_ids);
+    // (miles-tito's renderer takes the tools JSON as given, as HF does.)
+    assert_eq!(rendered, hf_as_sent_ids);
     let specs: Vec<miles_core::ToolSpec> = serde_json::from_value(tools.clone()).unwrap();
     let mut forced = serde_json::Map::new();
     forced.insert("clear_thinking".into(), json!(false));
@@ -167,4 +174,86 @@ async fn qwen3_tool_conversation_stores_hf_exact_ids() {
     log_probs.extend(vec![0.0; observation.len()]);
     log_probs.extend((0..out2.len()).map(logprob));
     assert_eq!(sample.rollout_log_probs, Some(log_probs));
+}
+
+/// Every request of `fixtures/session/miles_tool_renders.json` (tools in the shapes clients
+/// send them, `developer` messages): the prompt ids the session server and the SGLang-compatible
+/// chat route hand the engine are the ids of Miles' render (tools dumped by SGLang 0.5.16's
+/// protocol models, then HF's `apply_chat_template`); the tools SGLang's validation refuses are
+/// a 400.
+#[tokio::test]
+async fn requests_with_tools_and_developer_messages_render_as_miles_does() {
+    use miles_session::sglang::{ServerInfo, sglang_router};
+    let names = [
+        "as_sent",
+        "bare_function",
+        "name_only",
+        "strict_and_unknown_keys",
+        "defer_loading",
+        "other_type",
+        "developer_first",
+        "system_then_developer",
+        "bad_strict",
+        "bad_description",
+        "no_name",
+    ];
+    let chat = Arc::new(TitoChat::load(&fixtures().join("qwen3"), "qwen3").unwrap());
+    let http = HttpClient::new(Duration::from_secs(30));
+    for name in names {
+        let case = crate::common::hf_replay::miles_render(name);
+        let mut body = json!({"messages": case["messages"]});
+        if !case["tools"].is_null() {
+            body["tools"] = case["tools"].clone();
+        }
+        // The engine answers `<|im_end|>` to exactly Miles' prompt, and fails any other.
+        let mut expected: Vec<TokenId> = match case.get("ids") {
+            Some(ids) => serde_json::from_value(ids.clone()).unwrap(),
+            None => Vec::new(),
+        };
+        let prompt_len = expected.len();
+        expected.push(IM_END);
+
+        let engine = Arc::new(HfReplayEngine::new(expected.clone(), WeightVersion(1)));
+        let server =
+            SessionServer::new(engine.clone(), chat.clone(), SessionServerConfig::default());
+        let base = serve(server.router()).await;
+        let created: Value = http
+            .post_json(&format!("{base}/sessions"), &json!({}), &[])
+            .await
+            .unwrap()
+            .json()
+            .unwrap();
+        let url = format!(
+            "{base}/sessions/{}/v1/chat/completions",
+            created["session_id"].as_str().unwrap()
+        );
+        let r = http.post_json(&url, &body, &[]).await.unwrap();
+
+        let sglang_engine = Arc::new(HfReplayEngine::new(expected.clone(), WeightVersion(1)));
+        let info = ServerInfo::new("qwen3").with_tokenizer(chat.clone(), "qwen3");
+        let sglang_base = serve(sglang_router(sglang_engine.clone(), info)).await;
+        let s = http
+            .post_json(&format!("{sglang_base}/v1/chat/completions"), &body, &[])
+            .await
+            .unwrap();
+
+        if case.get("error").is_some() {
+            assert_eq!(r.status, 400, "{name}: {}", r.text());
+            assert_eq!(s.status, 400, "{name}: {}", s.text());
+            assert!(engine.seen.lock().unwrap().is_empty(), "{name}");
+            continue;
+        }
+        assert_eq!(r.status, 200, "{name}: {}", r.text());
+        assert_eq!(s.status, 200, "{name}: {}", s.text());
+        for (server, seen) in [("session", &engine.seen), ("sglang", &sglang_engine.seen)] {
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.len(), 1, "{name} ({server})");
+            assert_eq!(seen[0].0, expected[..prompt_len], "{name} ({server})");
+        }
+        assert_eq!(
+            chat.decode(&expected[..prompt_len]),
+            case["text"].as_str().unwrap(),
+            "{name}"
+        );
+    }
 }

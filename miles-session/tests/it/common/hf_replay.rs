@@ -1,7 +1,8 @@
-//! A "model" that writes HF transformers' rendering of the reference conversation
-//! `single_tool_string_args@miles` (`fixtures/tokenizers/hf_renders.json`, Miles'
-//! `qwen3_fixed.jinja`, transformers 5.24.0): the prompt it gets must be a prefix of HF's ids,
-//! and it answers with HF's ids up to the next `<|im_end|>`.
+//! A "model" that writes the reference conversation `single_tool_string_args@miles` as Miles'
+//! session server renders it (`fixtures/session/miles_tool_renders.json`: the tools dumped by
+//! SGLang's protocol models, then HF transformers' `apply_chat_template` with Miles'
+//! `qwen3_fixed.jinja`): the prompt it gets must be a prefix of those ids, and it answers with
+//! them up to the next `<|im_end|>`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -23,7 +24,13 @@ pub fn tokenizer_fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers")
 }
 
-/// (conversation JSON, HF ids of the full conversation without a generation prompt).
+/// `fixtures/session`.
+pub fn session_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/session")
+}
+
+/// (conversation JSON, HF ids of the full conversation without a generation prompt, with the
+/// tools as sent: `fixtures/tokenizers/hf_renders.json`).
 pub fn hf_reference() -> (Value, Vec<TokenId>) {
     let text = std::fs::read_to_string(tokenizer_fixtures().join("hf_renders.json")).unwrap();
     let all: Value = serde_json::from_str(&text).unwrap();
@@ -40,6 +47,30 @@ pub fn hf_reference() -> (Value, Vec<TokenId>) {
         .iter()
         .find(|c| c["conversation"] == CONVERSATION && c["add_generation_prompt"] == false)
         .unwrap();
+    (
+        conversation,
+        serde_json::from_value(case["ids"].clone()).unwrap(),
+    )
+}
+
+/// A case of `fixtures/session/miles_tool_renders.json` by name.
+pub fn miles_render(name: &str) -> Value {
+    let text = std::fs::read_to_string(session_fixtures().join("miles_tool_renders.json")).unwrap();
+    let all: Value = serde_json::from_str(&text).unwrap();
+    all["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no case {name}"))
+        .clone()
+}
+
+/// (conversation JSON, ids of the full conversation without a generation prompt as Miles'
+/// session server renders it: tools dumped by SGLang's protocol models).
+pub fn miles_reference() -> (Value, Vec<TokenId>) {
+    let case = miles_render(&format!("replay:{CONVERSATION}:full"));
+    let conversation = json!({"messages": case["messages"], "tools": case["tools"]});
     (
         conversation,
         serde_json::from_value(case["ids"].clone()).unwrap(),
