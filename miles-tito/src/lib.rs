@@ -134,7 +134,7 @@ pub use hf::{decode, decode_text, encode};
 pub use matcher::{MessageMatcher, TEMPLATE_KEYS, assert_append_only};
 pub use model::{HfChat, Rendered, SPECIAL_TOKEN_ATTRIBUTES};
 pub use parsers::{OutputParser, ParsedAssistant, ReasoningParser, ToolCallParser};
-pub use template::{ChatTemplate, RenderLimits, normalise_messages, tools_to_json};
+pub use template::{ChatTemplate, RenderLimits, TemplateClock, normalise_messages, tools_to_json};
 pub use tito::{TitoTokenizer, canonical_tools, miles_normalise};
 pub use tito_chat::TitoChat;
 pub use trajectory::{
