@@ -430,4 +430,40 @@ mod tests {
         assert_eq!(prefix_hold("abc<|st"), ("abc", "<|st"));
         assert_eq!(prefix_hold("北京"), ("北京", ""));
     }
+
+    #[test]
+    fn every_cut_and_marker_soup_parses_without_panicking() {
+        let output = "<|channel|>analysis<|message|>天气 <|x|> ok<|end|><|start|>assistant\
+                      <|channel|>commentary to=functions.get_weather <|constrain|>json\
+                      <|message|>{\"city\": \"北京\"}<|call|>commentary<|message|>\
+                      <|start|>assistant<|channel|>final<|message|>done<|return|>tail";
+        for (cut, _) in output.char_indices().chain([(output.len(), ' ')]) {
+            let (_, normal) = split_reasoning(&output[..cut]);
+            let _ = tool_calls(&normal);
+            let _ = tool_calls(&output[..cut]);
+        }
+        let pieces = [
+            "<|",
+            "|>",
+            "<|start|>",
+            "<|channel|>",
+            "<|message|>",
+            "<|call|>",
+            "to=",
+            "é",
+            "\n",
+        ];
+        let mut state = 7u64;
+        for _ in 0..2000 {
+            let mut text = String::new();
+            for _ in 0..12 {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                text.push_str(pieces[(state >> 33) as usize % pieces.len()]);
+            }
+            let (_, normal) = split_reasoning(&text);
+            let _ = tool_calls(&normal);
+        }
+    }
 }
