@@ -483,7 +483,8 @@ family_table! {
         trailing_tokens: &[],
         special_ids: SpecialIds::Added { except: &[] },
         assistant_start: Some("<|start|>assistant"),
-        end_of_turn: &["<|return|>", "<|call|>"],
+        // generation_config.json's `eos_token_id`.
+        end_of_turn: &["<|return|>", "<|call|>", "<|endoftext|>"],
         reasoning_parser: Some(ReasoningParser::GptOss),
         tool_call_parser: Some(ToolCallParser::GptOss),
         detection: Detection {

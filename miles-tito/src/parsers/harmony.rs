@@ -29,6 +29,9 @@ const MARKERS: [(&str, Kind); 7] = [
     ("<|return|>", Kind::Return),
 ];
 
+/// The markers that end a turn (the engine's stop tokens), which the block rules read.
+pub(crate) const END_MARKERS: [&str; 2] = ["<|return|>", "<|call|>"];
+
 /// What a tool call's text must hold for the tool-call parser to read it.
 pub(crate) const TOOL_CALL_START: &str = "<|start|>assistant<|channel|>commentary";
 

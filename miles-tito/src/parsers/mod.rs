@@ -214,12 +214,13 @@ impl OutputParser {
     /// The harmony format (GPT-OSS) keeps its end markers: its blocks are delimited by them
     /// (`<|call|>` ends a tool call, `<|return|>` the answer).
     pub fn parse(&self, text: &str, tools: &[ToolSpec]) -> Result<ParsedAssistant> {
+        let harmony = self.reasoning == Some(ReasoningParser::GptOss);
         let mut text = text;
-        while self.reasoning != Some(ReasoningParser::GptOss)
-            && let Some(stripped) = self
-                .end_of_turn
-                .iter()
-                .find_map(|s| text.strip_suffix(s.as_str()))
+        while let Some(stripped) = self
+            .end_of_turn
+            .iter()
+            .filter(|s| !(harmony && harmony::END_MARKERS.contains(&s.as_str())))
+            .find_map(|s| text.strip_suffix(s.as_str()))
         {
             text = stripped;
         }

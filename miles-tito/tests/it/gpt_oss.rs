@@ -172,11 +172,17 @@ fn output_ids_parse_into_reasoning_content_and_calls() {
                 .to_owned()
         )
     );
-    // The engine stops on `<|return|>` and `<|call|>` (plus the eos, also `<|return|>`).
+    // The engine stops on generation_config.json's `eos_token_id` [200002, 199999, 200012];
+    // `<|endoftext|>` is stripped before parsing, the harmony end markers are not.
     assert_eq!(
         TitoFamily::GptOss.end_of_turn(),
-        ["<|return|>", "<|call|>"].as_slice()
+        ["<|return|>", "<|call|>", "<|endoftext|>"].as_slice()
     );
+    assert_eq!(tito.stop_token_ids(), [200_002, 200_012, 199_999]);
+    let ids = chat
+        .encode("<|channel|>final<|message|>Done.<|endoftext|>")
+        .unwrap();
+    assert_eq!(tito.parse_assistant(&ids, &tools).unwrap().content, "Done.");
 }
 
 fn messages(value: &Value) -> Vec<Message> {
