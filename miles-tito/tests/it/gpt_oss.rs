@@ -128,7 +128,7 @@ fn parsers_equal_sglang() {
         assert_eq!(calls, want, "{name}: calls");
         checked += 1;
     }
-    assert_eq!(checked, 16);
+    assert_eq!(checked, 29);
 }
 
 #[test]
