@@ -37,8 +37,8 @@ fn cli() -> Cli {
         "FAMILY",
         None,
         "TITO family: default, qwen3, qwen35, qwennext, glm47, nemotron3, kimi25, kimi26, \
-         minimax_m25, minimax_m27 (detected from config.json and the special tokens when \
-         absent; the DeepSeek families are checked with \
+         minimax_m25, minimax_m27, gpt_oss (detected from config.json and the special tokens \
+         when absent; the DeepSeek families are checked with \
          `miles tito verify --tito deepseekv32|deepseekv4`)",
     )
     .option(

@@ -82,6 +82,12 @@ pub enum Incremental {
     /// prompt, and take the difference (DeepSeek V4: its encoder folds adjacent tool results
     /// and user turns, so the synthetic context renders them differently).
     RealHistories,
+    /// As [`Incremental::SyntheticContext`], but when `old` does not end with tool calls the
+    /// context ends with a dummy user turn instead of the dummy assistant (GPT-OSS: its
+    /// template renders an assistant answer differently once it is no longer the last
+    /// message — `<|end|>` for `<|return|>`, the analysis dropped — so a context ending with
+    /// one is not a prefix of itself followed by more messages).
+    SyntheticUserContext,
 }
 
 /// How a model directory is recognised as a family ([`TitoFamily::detect`]).
@@ -460,6 +466,33 @@ family_table! {
             fallback: false,
         },
     },
+    /// GPT-OSS (harmony format): native template, no forced kwargs (the template has no
+    /// switch that keeps earlier analysis), appended messages rendered after a dummy user
+    /// context (no mid-session system messages). Ours: Miles has no GPT-OSS TITO
+    /// family.
+    GptOss => FamilySpec {
+        name: "gpt_oss",
+        template: FamilyTemplate::Native,
+        forced_kwargs: &[],
+        kwarg_aliases: &[],
+        // The template renders a system message only first (as the developer message).
+        append_roles: &NO_SYSTEM,
+        boundary: BoundaryRule::Concat,
+        incremental: Incremental::SyntheticUserContext,
+        max_trim_tokens: 0,
+        trailing_tokens: &[],
+        special_ids: SpecialIds::Added { except: &[] },
+        assistant_start: Some("<|start|>assistant"),
+        // generation_config.json's `eos_token_id`.
+        end_of_turn: &["<|return|>", "<|call|>", "<|endoftext|>"],
+        reasoning_parser: Some(ReasoningParser::GptOss),
+        tool_call_parser: Some(ToolCallParser::GptOss),
+        detection: Detection {
+            model_types: &["gpt_oss"],
+            marker: Some("<|channel|>"),
+            fallback: true,
+        },
+    },
 }
 
 impl TitoFamily {
@@ -491,7 +524,8 @@ impl TitoFamily {
     ///    (a checkpoint of one architecture may ship another family's chat format);
     /// 2. otherwise the vocabulary decides: the first row, in table order, that is its
     ///    marker's fallback and whose marker the vocabulary holds (`<|im_start|>` → `qwen3`,
-    ///    `<|observation|>` → `glm47`, `<|im_middle|>` → `kimi25`, `]~b]` → `minimax_m25`);
+    ///    `<|observation|>` → `glm47`, `<|im_middle|>` → `kimi25`, `]~b]` → `minimax_m25`,
+    ///    `<|channel|>` → `gpt_oss`);
     /// 3. otherwise `default` (the model's own template, no boundary rule, no parsers).
     pub fn detect(model_type: Option<&str>, vocabulary: Option<&Tokenizer>) -> Self {
         let has_marker = |family: &Self| match (family.spec().detection.marker, vocabulary) {
@@ -704,6 +738,7 @@ mod tests {
             (Some("glm4_moe_lite"), TitoFamily::Glm47),
             (Some("deepseek_v32"), TitoFamily::DeepseekV32),
             (Some("deepseek_v4"), TitoFamily::DeepseekV4),
+            (Some("gpt_oss"), TitoFamily::GptOss),
             (Some("llama"), TitoFamily::Default),
             (Some("deepseek_v3"), TitoFamily::Default),
             (None, TitoFamily::Default),

@@ -49,7 +49,7 @@
 //!   when the tokenizer qualifies; anything else goes through HF tokenizers unchanged.
 //! * **The family table** — [`TitoFamily`] / [`FamilySpec`]: one row per Miles family
 //!   (`default`, `qwen3`, `qwen35`, `qwennext`, `glm47`, `nemotron3`, `kimi25`, `kimi26`,
-//!   `minimax_m25`, `minimax_m27`, `deepseekv32`, `deepseekv4`) with its template
+//!   `minimax_m25`, `minimax_m27`, `deepseekv32`, `deepseekv4`, and our `gpt_oss`) with its template
 //!   ([`FamilyTemplate`]: native, an embedded fixed template or a DeepSeek encoder), forced
 //!   kwargs, append roles, boundary rule ([`BoundaryRule`], [`Incremental`]), trailing and
 //!   special ids ([`SpecialIds`]), assistant opener, end-of-turn tokens, reasoning and
@@ -134,7 +134,7 @@ pub use hf::{decode, decode_text, encode};
 pub use matcher::{MessageMatcher, TEMPLATE_KEYS, assert_append_only};
 pub use model::{HfChat, Rendered, SPECIAL_TOKEN_ATTRIBUTES};
 pub use parsers::{OutputParser, ParsedAssistant, ReasoningParser, ToolCallParser};
-pub use template::{ChatTemplate, RenderLimits, normalise_messages, tools_to_json};
+pub use template::{ChatTemplate, RenderLimits, TemplateClock, normalise_messages, tools_to_json};
 pub use tito::{TitoTokenizer, canonical_tools, miles_normalise};
 pub use tito_chat::TitoChat;
 pub use trajectory::{

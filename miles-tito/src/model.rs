@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::fastdec::FastDecoder;
 use crate::fastenc::FastEncoder;
 use crate::hf;
-use crate::template::ChatTemplate;
+use crate::template::{ChatTemplate, TemplateClock};
 
 /// The special-token attributes HF passes to templates, in `special_tokens_map` order.
 pub const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
@@ -220,6 +220,15 @@ impl HfChat {
         self.named_templates
             .insert("default".into(), template.clone());
         self.default_template = Some(template);
+        Ok(self)
+    }
+
+    /// The same directory with every template's `strftime_now` reading `clock`.
+    pub fn with_clock(mut self, clock: TemplateClock) -> Result<Self> {
+        for template in self.named_templates.values_mut() {
+            *template = template.clone().with_clock(clock)?;
+        }
+        self.default_template = self.named_templates.get("default").cloned();
         Ok(self)
     }
 

@@ -125,6 +125,28 @@ pub struct ChatTemplate {
     compiled_tools: Arc<LastMemo<Vec<Json>, Arc<str>>>,
     /// Bounds on one render.
     limits: RenderLimits,
+    /// The clock `strftime_now` reads.
+    clock: TemplateClock,
+}
+
+/// The clock a template's `strftime_now` reads (GPT-OSS's template prints the current date).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum TemplateClock {
+    /// The system clock, in UTC (HF reads the machine's local clock).
+    #[default]
+    System,
+    /// A fixed instant, in seconds after the Unix epoch: reproducible renders.
+    FixedUnix(i64),
+}
+
+impl TemplateClock {
+    fn now(self) -> CivilTime {
+        match self {
+            Self::System => CivilTime::now(),
+            Self::FixedUnix(secs) => CivilTime::from_unix(secs),
+        }
+    }
 }
 
 /// Bounds on one render of a template through minijinja. Chat templates come with model
@@ -212,9 +234,11 @@ impl ChatTemplate {
     pub fn new(source: impl Into<String>) -> Result<Self> {
         let source: String = source.into();
         let limits = RenderLimits::default();
-        let env = environment(&source, &limits)?;
+        let clock = TemplateClock::default();
+        let env = environment(&source, &limits, clock)?;
         Ok(Self {
             limits,
+            clock,
             env: Arc::new(env),
             compiled: Compiled::detect(&source),
             source: source.into(),
@@ -228,9 +252,21 @@ impl ChatTemplate {
 
     /// The same template under other [`RenderLimits`].
     pub fn with_render_limits(mut self, limits: RenderLimits) -> Result<Self> {
-        self.env = Arc::new(environment(&self.source, &limits)?);
+        self.env = Arc::new(environment(&self.source, &limits, self.clock)?);
         self.limits = limits;
         Ok(self)
+    }
+
+    /// The same template with `strftime_now` reading `clock`.
+    pub fn with_clock(mut self, clock: TemplateClock) -> Result<Self> {
+        self.env = Arc::new(environment(&self.source, &self.limits, clock)?);
+        self.clock = clock;
+        Ok(self)
+    }
+
+    /// The clock `strftime_now` reads.
+    pub fn clock(&self) -> TemplateClock {
+        self.clock
     }
 
     /// The bounds on one render.
@@ -528,9 +564,16 @@ fn write_err(_: std::fmt::Error) -> JinjaError {
 }
 
 /// The environment of one template: HF's sandbox configuration, `limits`, `source` compiled.
-fn environment(source: &str, limits: &RenderLimits) -> Result<Environment<'static>> {
+fn environment(
+    source: &str,
+    limits: &RenderLimits,
+    clock: TemplateClock,
+) -> Result<Environment<'static>> {
     let mut env = Environment::new();
     configure(&mut env);
+    env.add_function("strftime_now", move |format: String| {
+        pyfmt::strftime(&format, &clock.now())
+    });
     env.set_fuel(limits.fuel);
     env.set_recursion_limit(limits.max_recursion);
     env.add_template_owned(TEMPLATE_NAME, source.to_owned())
@@ -587,9 +630,6 @@ fn configure(env: &mut Environment<'static>) {
             ))
         },
     );
-    env.add_function("strftime_now", |format: String| {
-        pyfmt::strftime(&format, &CivilTime::now())
-    });
 }
 
 /// HF's `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`.

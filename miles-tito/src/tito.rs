@@ -424,8 +424,9 @@ impl TitoTokenizer {
 
     /// `tokenize_additional_messages`: validates that `new` extends `old` with allowed
     /// roles, renders the appended messages plus the generation prompt after the synthetic
-    /// context `[dummy system, dummy assistant carrying old's last tool calls]`, checks the
-    /// rendered text extends the context's render, and encodes the difference.
+    /// context `[dummy system, dummy assistant carrying old's last tool calls]` (GPT-OSS, when
+    /// `old` does not end with tool calls: `[dummy system, dummy user]`), checks the rendered
+    /// text extends the context's render, and encodes the difference.
     ///
     /// DeepSeek V4 renders the real histories instead — `old` without, `new` with the
     /// generation prompt — because its encoder folds adjacent tool results and user turns;
@@ -495,10 +496,16 @@ impl TitoTokenizer {
             }
             (None, _) => json!([]),
         };
-        let base = vec![
-            json!({"role": "system", "content": "dummy system"}),
-            json!({"role": "assistant", "content": "", "reasoning_content": " ", "tool_calls": last_calls}),
-        ];
+        let user_context = self.family.spec().incremental == Incremental::SyntheticUserContext
+            && last_calls.as_array().is_none_or(Vec::is_empty);
+        let base = if user_context {
+            synthetic_user_context()
+        } else {
+            vec![
+                json!({"role": "system", "content": "dummy system"}),
+                json!({"role": "assistant", "content": "", "reasoning_content": " ", "tool_calls": last_calls}),
+            ]
+        };
         let without = self.render_json(&base, tools, false)?;
         let mut full = base;
         match &self.renderer {
@@ -562,15 +569,31 @@ impl TitoTokenizer {
 impl TitoTokenizer {
     /// The ids the model would have generated for the assistant message `messages[index]`:
     /// the text its render adds after the generation prompt of `messages[..index]`, encoded,
-    /// with trailing `trailing_token_ids` (where the model stops) removed.
+    /// with trailing `trailing_token_ids` (where the model stops) removed. GPT-OSS: the text
+    /// the message renders to as the last one after the dummy user context.
     pub fn assistant_output_ids(
         &self,
         messages: &[Message],
         index: usize,
         tools: Option<&[Json]>,
     ) -> Result<Vec<u32>> {
-        let prompt = self.render(&messages[..index], tools, true)?;
-        let full = self.render(&messages[..=index], tools, false)?;
+        let (prompt, full) = if self.family.spec().incremental == Incremental::SyntheticUserContext
+        {
+            // GPT-OSS renders earlier turns differently once an answer follows (analysis
+            // dropped): the message is rendered last, after the dummy user context.
+            let base = synthetic_user_context();
+            let mut with = base.clone();
+            with.extend(miles_normalise(&messages[index..=index])?);
+            (
+                self.render_json(&base, tools, true)?,
+                self.render_json(&with, tools, false)?,
+            )
+        } else {
+            (
+                self.render(&messages[..index], tools, true)?,
+                self.render(&messages[..=index], tools, false)?,
+            )
+        };
         let Some(output) = full.strip_prefix(&prompt) else {
             return Err(Error::SuffixDiff {
                 roles: vec![Role::Assistant.as_str().to_owned()],
@@ -615,6 +638,14 @@ impl TitoTokenizer {
         }
         Ok(trajectory)
     }
+}
+
+/// The synthetic context of [`Incremental::SyntheticUserContext`] families.
+fn synthetic_user_context() -> Vec<Json> {
+    vec![
+        json!({"role": "system", "content": "dummy system"}),
+        json!({"role": "user", "content": "dummy user"}),
+    ]
 }
 
 /// Tools as full OpenAI tool objects: a bare function declaration (`{"name": …}`) is

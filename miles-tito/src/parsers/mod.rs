@@ -1,7 +1,7 @@
 //! Reasoning and tool-call parsers for assistant output text, with SGLang's parser names
 //! (`--reasoning-parser qwen3|qwen3-thinking|glm45|kimi_k2|nemotron_3|deepseek-r1|deepseek-v3|
-//! deepseek-v4|minimax|minimax-append-think`, `--tool-call-parser qwen25|glm45|glm47|kimi_k2|
-//! kimi_k2_raw_id|qwen3_coder|minimax-m2|deepseekv31|deepseekv32|deepseekv4`).
+//! deepseek-v4|minimax|minimax-append-think|gpt-oss`, `--tool-call-parser qwen25|glm45|glm47|
+//! kimi_k2|kimi_k2_raw_id|qwen3_coder|minimax-m2|deepseekv31|deepseekv32|deepseekv4|gpt-oss`).
 //!
 //! SGLang parses the detokenized output of a chat completion into `reasoning_content`,
 //! `content` and `tool_calls`; a session server must do the same from the output ids. A
@@ -11,13 +11,14 @@
 //! request (malformed markup stays in `content`).
 //!
 //! One file per format: [`reasoning`] (every `<think>` variant), `qwen25`, `qwen3_coder`, `glm`,
-//! `kimi_k2`, `minimax_m2`, `deepseek_v31`, `deepseek_v32`, `deepseek_v4`; `markup` holds the
-//! text helpers they share.
+//! `kimi_k2`, `minimax_m2`, `deepseek_v31`, `deepseek_v32`, `deepseek_v4`, `harmony` (GPT-OSS's
+//! channels: reasoning and tool calls); `markup` holds the text helpers they share.
 
 mod deepseek_v31;
 mod deepseek_v32;
 mod deepseek_v4;
 mod glm;
+mod harmony;
 mod kimi_k2;
 mod markup;
 mod minimax_m2;
@@ -88,6 +89,10 @@ pub enum ToolCallParser {
     /// DeepSeek V4 (`deepseekv4`): DSML as V3.2 in a `<｜DSML｜tool_calls>` block, parsed
     /// strictly (a malformed block, an unknown tool or a bad value is an error).
     DeepSeekV4,
+    /// GPT-OSS (`gpt-oss`): commentary-channel blocks `<|start|>assistant<|channel|>commentary
+    /// to=functions.NAME <|constrain|>json<|message|>{…}<|call|>` (the reasoning parser leaves
+    /// them raw in the answer).
+    GptOss,
 }
 
 impl ToolCallParser {
@@ -103,6 +108,7 @@ impl ToolCallParser {
             "deepseekv31" => Ok(Self::DeepSeekV31),
             "deepseekv32" => Ok(Self::DeepSeekV32),
             "deepseekv4" => Ok(Self::DeepSeekV4),
+            "gpt-oss" => Ok(Self::GptOss),
             other => Err(Error::UnknownParser {
                 kind: "tool-call",
                 name: other.to_owned(),
@@ -118,6 +124,7 @@ impl ToolCallParser {
             Self::DeepSeekV31 => deepseek_v31::V31_CALLS_BEGIN,
             Self::DeepSeekV32 => "<｜DSML｜function_calls>",
             Self::DeepSeekV4 => "<｜DSML｜tool_calls>",
+            Self::GptOss => harmony::TOOL_CALL_START,
         }
     }
 
@@ -157,6 +164,7 @@ impl ToolCallParser {
             Self::DeepSeekV31 => (trimmed_prefix(), deepseek_v31::parse(text)?),
             Self::DeepSeekV32 => deepseek_v32::parse(text),
             Self::DeepSeekV4 => deepseek_v4::parse(text, tools)?,
+            Self::GptOss => harmony::tool_calls(text),
         };
         let calls = calls
             .into_iter()
@@ -202,11 +210,16 @@ impl OutputParser {
     /// tool-call markup that yields no call at all (unterminated, unparsable, unknown tools),
     /// leaves the whole answer text as `content` with no calls, so the agent sees what the
     /// model wrote (the session records the exact tokens either way).
+    ///
+    /// The harmony format (GPT-OSS) keeps its end markers: its blocks are delimited by them
+    /// (`<|call|>` ends a tool call, `<|return|>` the answer).
     pub fn parse(&self, text: &str, tools: &[ToolSpec]) -> Result<ParsedAssistant> {
+        let harmony = self.reasoning == Some(ReasoningParser::GptOss);
         let mut text = text;
         while let Some(stripped) = self
             .end_of_turn
             .iter()
+            .filter(|s| !(harmony && harmony::END_MARKERS.contains(&s.as_str())))
             .find_map(|s| text.strip_suffix(s.as_str()))
         {
             text = stripped;

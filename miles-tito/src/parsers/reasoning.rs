@@ -1,5 +1,5 @@
-//! Reasoning parsers (SGLang `--reasoning-parser`): how the `<think>…</think>` block is split
-//! off the answer, per family.
+//! Reasoning parsers (SGLang `--reasoning-parser`): how the `<think>…</think>` block (GPT-OSS:
+//! the analysis channel) is split off the answer, per family.
 
 use serde_json::{Map, Value};
 
@@ -51,6 +51,10 @@ pub enum ReasoningParser {
     /// `<think>` the generation prompt opened is put back in front of the text, so the
     /// reasoning stays in `content` (the template recovers it from there next turn).
     MinimaxAppendThink,
+    /// SGLang `gpt-oss` (GPT-OSS's harmony format): the `analysis` channel is the reasoning,
+    /// the `final` channel and `commentary` preambles the answer; tool-call blocks stay in the
+    /// answer, raw, for the tool-call parser.
+    GptOss,
 }
 
 /// `<think>`.
@@ -93,6 +97,7 @@ impl ReasoningParser {
                 force_reasoning: false,
             },
             "minimax-append-think" => Self::MinimaxAppendThink,
+            "gpt-oss" => Self::GptOss,
             other => {
                 return Err(Error::UnknownParser {
                     kind: "reasoning",
@@ -141,7 +146,7 @@ impl ReasoningParser {
             }
             Self::DeepSeekR1 => (true, None),
             Self::DeepSeekV4 { force_reasoning } => (force_reasoning, None),
-            Self::MinimaxAppendThink => (false, None),
+            Self::MinimaxAppendThink | Self::GptOss => (false, None),
         }
     }
 
@@ -150,7 +155,12 @@ impl ReasoningParser {
     /// (stripped) is the answer. No end tag: all reasoning (generation cut short), unless the
     /// family's tool-call start comes first, which then ends the reasoning and stays in the
     /// answer.
+    ///
+    /// [`ReasoningParser::GptOss`] reads channels instead (see its variant).
     pub fn parse(self, text: &str) -> (Option<String>, String) {
+        if self == Self::GptOss {
+            return super::harmony::split_reasoning(text);
+        }
         if self == Self::MinimaxAppendThink {
             return (None, format!("{THINK_START}{text}"));
         }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use miles_tito::{Error, HfChat, RenderArgs};
+use miles_tito::{Error, HfChat, RenderArgs, TemplateClock};
 use serde_json::{Map, Value};
 
 fn fixtures() -> PathBuf {
@@ -36,6 +36,8 @@ fn renders_and_ids_equal_hf_transformers() {
         serde_json::from_str(&std::fs::read_to_string(fixtures().join("hf_renders.json")).unwrap())
             .unwrap();
     let conversations = data["conversations"].as_object().unwrap();
+    // HF's `strftime_now` ran on a fixed clock (GPT-OSS prints the date); ours reads the same.
+    let clock = TemplateClock::FixedUnix(data["strftime_now_unix"].as_i64().unwrap());
     let mut models: BTreeMap<String, HfChat> = BTreeMap::new();
     let mut failures = Vec::new();
     let mut checked = 0usize;
@@ -50,7 +52,11 @@ fn renders_and_ids_equal_hf_transformers() {
         let source =
             std::fs::read_to_string(fixtures().join(entry["template_file"].as_str().unwrap()))
                 .unwrap();
-        let chat = base.with_template_source(source).unwrap();
+        let chat = base
+            .with_template_source(source)
+            .unwrap()
+            .with_clock(clock)
+            .unwrap();
         // The templates miles-tito ships in compiled form render through it here, so HF's
         // renders check the compiled form too.
         let compiled = ["qwen3_fixed", "qwen3_thinking_2507_and_next_fixed"].contains(&name);

@@ -8,6 +8,7 @@ mod deepseek_reference;
 mod family_detection;
 mod fast_decode;
 mod fast_encode;
+mod gpt_oss;
 mod hf_exact;
 mod hostile_templates;
 mod loss_mask_cli;
