@@ -114,3 +114,35 @@ fn unsupported_interpolations_are_errors_not_text() {
         assert!(err.to_string().contains("interpolation"), "{doc}: {err}");
     }
 }
+
+/// Counts characters as tokens.
+struct CharEncoder;
+
+impl miles_rollout::PromptEncoder for CharEncoder {
+    fn encode(&self, sample: &miles_core::Sample) -> miles_core::Result<Vec<u32>> {
+        match &sample.prompt {
+            miles_core::Prompt::Text(t) => Ok(t.chars().map(|c| c as u32).collect()),
+            miles_core::Prompt::Messages(_) => Ok(vec![0; 100]),
+        }
+    }
+
+    fn decode(&self, _tokens: &[u32]) -> String {
+        String::new()
+    }
+}
+
+#[test]
+fn prompts_above_eval_max_prompt_len_are_left_out() {
+    use miles_rollout::{PromptRecord, filter_long_prompts};
+    let prompts = vec![
+        PromptRecord::text("1+2=", "3"),
+        PromptRecord::text("12+34=", "46"),
+        PromptRecord::text("123+456=", "579"),
+    ];
+    let (kept, dropped) = filter_long_prompts(prompts.clone(), &CharEncoder, Some(6)).unwrap();
+    // Miles keeps a prompt of exactly max_length tokens.
+    assert_eq!(kept, prompts[..2].to_vec());
+    assert_eq!(dropped, 1);
+    let (kept, dropped) = filter_long_prompts(prompts.clone(), &CharEncoder, None).unwrap();
+    assert_eq!((kept, dropped), (prompts, 0));
+}
