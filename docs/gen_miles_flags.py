@@ -74,6 +74,12 @@ NOT_APPLICABLE = {
     "--train-backend": "Megatron or FSDP; one burn trainer here",
     "--update-weight-buffer-size": "the bucket size of the NCCL weight broadcast; weights go to engines as files here",
     "--train-env-vars": "environment of the Ray train actors; one process here",
+    "--eval-num-gpus": "a dedicated evaluation fleet on GPUs of its own, fed HF snapshots; evaluation here runs on the rollout engines at the eval step",
+    "--eval-num-gpus-per-engine": "the tensor-parallel size of the dedicated evaluation fleet (see --eval-num-gpus)",
+    "--eval-hf-dir": "where the dedicated evaluation fleet's HF snapshots are staged; evaluation here reads the live weights, no snapshot is written",
+    "--eval-max-in-flight": "bound on asynchronous snapshot evaluations of the dedicated fleet; evaluation here runs in line at the eval step",
+    "--eval-overflow-policy": "what the dedicated fleet does when --eval-max-in-flight evaluations are pending; evaluation here runs in line at the eval step",
+    "--eval-keep-snapshots": "how many of the dedicated fleet's snapshots are kept; no snapshot is written here",
 }
 FSDP_REASON = "not applicable: an FSDP backend setting (torch memory, attention kernel, profiling); the burn trainer has its own"
 GROUP_REASON = {

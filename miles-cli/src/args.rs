@@ -74,7 +74,7 @@ pub enum Command {
     TrainAsync(TrainArgs),
     /// Supervised fine-tuning on conversations (loss on assistant tokens)
     Sft(TrainArgs),
-    /// Evaluate a checkpoint on --eval-prompt-data sets, no training
+    /// Evaluate a checkpoint on --eval-config / --eval-prompt-data sets, no training
     Eval(TrainArgs),
     /// Serve an HF checkpoint with the embedded engine over SGLang's HTTP protocol
     Serve(ServeArgs),
@@ -467,9 +467,14 @@ pub struct LoraArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Evaluation")]
 pub struct EvalArgs {
-    /// Evaluation sets as name / file pairs
+    /// Evaluation sets as name / file pairs (one bare path is named aime, as in Miles)
     #[arg(long, value_names = ["NAME", "PATH"], num_args = 1..)]
     pub eval_prompt_data: Vec<String>,
+    /// Evaluation datasets in Miles' YAML / JSON schema (`eval.defaults`, `eval.datasets`:
+    /// each with its own samples per prompt, sampling, lengths, rm_type, keys and metadata
+    /// overrides), a file or an inline base64:PAYLOAD; overrides --eval-prompt-data
+    #[arg(long, value_name = "FILE")]
+    pub eval_config: Option<String>,
     /// Evaluate every N rollouts (and before training)
     #[arg(long, value_name = "N")]
     pub eval_interval: Option<u64>,
@@ -500,6 +505,19 @@ pub struct EvalArgs {
     /// Evaluation response limit (default: the rollout's)
     #[arg(long, value_name = "N")]
     pub eval_max_response_len: Option<usize>,
+    /// Leave out evaluation prompts longer than N tokens (chat template applied)
+    #[arg(long, value_name = "N")]
+    pub eval_max_prompt_len: Option<usize>,
+    /// Tokens every evaluation response has before a stop may end it (a dataset's
+    /// min_new_tokens wins)
+    #[arg(long, value_name = "N")]
+    pub eval_min_new_tokens: Option<usize>,
+    /// Evaluation prompt + response token limit (default: --rollout-max-context-len)
+    #[arg(long, value_name = "N")]
+    pub eval_max_context_len: Option<usize>,
+    /// Key of dict rewards in evaluation (default: --reward-key)
+    #[arg(long, value_name = "KEY")]
+    pub eval_reward_key: Option<String>,
 }
 
 /// Reward.

@@ -6,6 +6,7 @@
 //! miles train-async  --config run.toml --num-rollout 200                             # fully asynchronous
 //! miles sft          --hf-checkpoint DIR --prompt-data conversations.jsonl --save-hf out/sft
 //! miles eval         --hf-checkpoint DIR --eval-prompt-data aime aime.jsonl --rm-type math
+//! miles eval         --hf-checkpoint DIR --eval-config eval.yaml --log-passrate       # Miles' schema, several datasets
 //! ```
 //!
 //! Every flag maps onto a field of a library config type ([`miles_rollout::RolloutConfig`],
@@ -25,8 +26,9 @@ use miles_ops::device::DeviceSpec;
 use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_reward::{BuiltinReward, RemoteReward, RmHubReward, RmType};
 use miles_rollout::{
-    AgentGenerator, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter, EvalSet, LoopConfig,
-    PromptRecord, RlLoop, RolloutConfig, RolloutManager, SharedTrainer,
+    AgentGenerator, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter, EvalDatasetConfig,
+    EvalFlags, EvalSet, LoopConfig, PromptRecord, RlLoop, RolloutConfig, RolloutManager,
+    SharedTrainer, filter_long_prompts,
 };
 use miles_rollout::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_session::agent::{AgentDriverConfig, AgentReward};
@@ -45,7 +47,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// What a run ended with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
-    /// The run's summary (also written to `OUTPUT/summary.json` / `eval.json`).
+    /// The run's summary (also written to `OUTPUT/summary.json`; `miles eval` also to `eval.json`).
     pub summary: Value,
     /// The exit status a signal asked for (130 SIGINT, 143 SIGTERM) when the run was stopped
     /// early (after writing its checkpoint), `None` when it ran to the end.
@@ -211,11 +213,20 @@ fn load_prompts(
 /// The reward of `--rm-type` / `--rm-url` (Miles' rm_hub, per-sample `metadata["rm_type"]`
 /// first), and with `--agent-cmd` the agent's own reward first.
 fn reward(a: &TrainArgs, seed: u64) -> Result<Arc<dyn RewardFn>, BoxError> {
+    reward_for(a, seed, a.reward.rm_type.as_deref())
+}
+
+/// [`reward`] with `rm_type` in place of `--rm-type` (an evaluation dataset's own).
+fn reward_for(
+    a: &TrainArgs,
+    seed: u64,
+    rm_type: Option<&str>,
+) -> Result<Arc<dyn RewardFn>, BoxError> {
     // With OPD on a teacher server, --rm-url is the teacher (Miles' OPD reward function).
     let opd_sglang = a.opd.use_opd && a.opd.opd_type.as_deref() == Some("sglang");
     // Otherwise `--rm-url` alone means a remote reward model (Miles asks for `--rm-type
     // remote_rm` too, and fails every sample with "Rule-based RM type is not specified").
-    let rm_type = a.reward.rm_type.as_deref().or(a
+    let rm_type = rm_type.or(a
         .reward
         .rm_url
         .as_ref()
@@ -400,47 +411,116 @@ fn failure_policy(a: &TrainArgs) -> Result<miles_rollout::FailurePolicy, BoxErro
     Ok(policy)
 }
 
-/// The `--eval-prompt-data` sets, each with its own manager (evaluation sampling).
+/// The command-line values Miles' evaluation-dataset resolution reads.
+fn eval_flags(a: &TrainArgs) -> EvalFlags {
+    EvalFlags {
+        eval_config: a.eval.eval_config.clone(),
+        eval_prompt_data: Some(a.eval.eval_prompt_data.clone()).filter(|v| !v.is_empty()),
+        n_samples_per_eval_prompt: Some(a.eval.n_samples_per_eval_prompt),
+        n_samples_per_prompt: Some(a.rollout.n_samples_per_prompt),
+        eval_temperature: a.eval.eval_temperature.map(f64::from),
+        rollout_temperature: Some(f64::from(a.rollout.rollout_temperature)),
+        eval_top_p: a.eval.eval_top_p.map(f64::from),
+        rollout_top_p: Some(f64::from(a.rollout.rollout_top_p)),
+        eval_top_k: a.eval.eval_top_k.map(i64::from),
+        rollout_top_k: Some(i64::from(a.rollout.rollout_top_k)),
+        eval_max_response_len: a.eval.eval_max_response_len,
+        rollout_max_response_len: Some(a.rollout.rollout_max_response_len),
+        eval_input_key: a.eval.eval_input_key.clone(),
+        input_key: Some(a.data.input_key.clone()),
+        eval_label_key: a.eval.eval_label_key.clone(),
+        label_key: a.data.label_key.clone(),
+        eval_tool_key: a.eval.eval_tool_key.clone(),
+        tool_key: Some(a.data.tool_key.clone()),
+        metadata_key: Some(a.data.metadata_key.clone()),
+    }
+}
+
+/// The evaluation sets of `--eval-config` (or `--eval-prompt-data`), each with its own
+/// manager: its samples per prompt, sampling, lengths, reward (its `rm_type`, else
+/// `reward`), `--eval-reward-key` and prompt keys; its `rm_type` and `metadata_overrides` put
+/// into every prompt's metadata, prompts above `--eval-max-prompt-len` left out.
 fn eval_sets(
     a: &TrainArgs,
     c: &Common,
     base: &RolloutConfig,
     engine: &Arc<dyn InferenceEngine>,
-    reward: &Arc<dyn RewardFn>,
+    reward: &Result<Arc<dyn RewardFn>, String>,
     generator: Option<&Arc<AgentGenerator>>,
 ) -> Result<Vec<EvalSet>, BoxError> {
-    let pairs = &a.eval.eval_prompt_data;
-    if !pairs.len().is_multiple_of(2) {
-        return Err("--eval-prompt-data takes NAME PATH pairs".into());
+    let datasets = eval_flags(a).resolve()?;
+    // Evaluation scores whole conversations: one merged sample per session.
+    let generator = generator.map(|g| Arc::new(g.with_generate_multi_samples(false)));
+    datasets
+        .iter()
+        .map(|d| {
+            let reward = match d.rm_type.as_deref() {
+                Some(rm_type) => reward_for(a, c.seed, Some(rm_type))
+                    .map_err(|e| format!("eval dataset {}: {e}", d.name))?,
+                None => reward.clone()?,
+            };
+            eval_set(a, c, base, engine, reward, generator.clone(), d)
+                .map_err(|e| format!("eval dataset {}: {e}", d.name).into())
+        })
+        .collect()
+}
+
+fn eval_set(
+    a: &TrainArgs,
+    c: &Common,
+    base: &RolloutConfig,
+    engine: &Arc<dyn InferenceEngine>,
+    reward: Arc<dyn RewardFn>,
+    generator: Option<Arc<AgentGenerator>>,
+    d: &EvalDatasetConfig,
+) -> Result<EvalSet, BoxError> {
+    if let Some(path) = &d.custom_generate_function_path {
+        return Err(format!(
+            "custom_generate_function_path {path:?} is a Python import path: use --agent-cmd"
+        )
+        .into());
     }
-    let mut keys = dataset_keys(a);
-    if let Some(k) = a.eval.eval_input_key.as_deref() {
-        keys.input_key = k.to_owned();
-    }
-    if let Some(k) = a.eval.eval_label_key.as_deref() {
-        keys.label_key = Some(k.to_owned());
-    }
-    if let Some(k) = a.eval.eval_tool_key.as_deref() {
-        keys.tool_key = k.to_owned();
-    }
+    let defaults = DatasetKeys::default();
+    let keys = DatasetKeys {
+        input_key: d.input_key.clone().unwrap_or(defaults.input_key),
+        label_key: d.label_key.clone(),
+        metadata_key: d.metadata_key.clone().unwrap_or(defaults.metadata_key),
+        tool_key: d.tool_key.clone().unwrap_or(defaults.tool_key),
+    };
+    // A null in the file leaves the engine's own default, as SGLang does for Miles.
+    let engine_defaults = SamplingParams::default();
     let mut sampling = base.sampling.clone();
-    if let Some(t) = a.eval.eval_temperature {
-        sampling.temperature = t;
+    sampling.temperature = d
+        .temperature
+        .map_or(engine_defaults.temperature, |t| t as f32);
+    sampling.top_p = d.top_p.map_or(engine_defaults.top_p, |p| p as f32);
+    sampling.top_k = match d.top_k {
+        None => engine_defaults.top_k,
+        Some(k) => i32::try_from(k).map_err(|_| format!("top_k {k} is out of range"))?,
+    };
+    if let Some(stop) = &d.stop {
+        sampling.stop = stop.clone();
     }
-    if let Some(p) = a.eval.eval_top_p {
-        sampling.top_p = p;
+    if let Some(ids) = &d.stop_token_ids {
+        sampling.stop_token_ids = c.eos_ids.iter().chain(ids).copied().collect();
     }
-    if let Some(k) = a.eval.eval_top_k {
-        sampling.top_k = k;
+    if let Some(min) = d.min_new_tokens.or(a.eval.eval_min_new_tokens) {
+        sampling.min_new_tokens = min;
     }
+    let n = d
+        .n_samples_per_eval_prompt
+        .ok_or("n_samples_per_eval_prompt is null")?;
     let mut manager = RolloutManager::new(
         RolloutConfig {
-            n_samples_per_prompt: a.eval.n_samples_per_eval_prompt,
+            n_samples_per_prompt: n,
             sampling,
-            rollout_max_response_len: a
+            rollout_max_response_len: d.max_response_len.unwrap_or(base.rollout_max_response_len),
+            rollout_max_context_len: a.eval.eval_max_context_len.or(base.rollout_max_context_len),
+            reward_key: a
                 .eval
-                .eval_max_response_len
-                .unwrap_or(base.rollout_max_response_len),
+                .eval_reward_key
+                .clone()
+                .or_else(|| base.reward_key.clone()),
             rollout_seed: Some(c.seed ^ 0xE7A1),
             return_routed_experts: false,
             dynamic_filters: Vec::new(),
@@ -449,23 +529,31 @@ fn eval_sets(
         },
         engine.clone(),
         c.encoder.clone(),
-        reward.clone(),
+        reward,
     )?;
     if let Some(generator) = generator {
-        // Evaluation scores whole conversations: one merged sample per session.
-        manager = manager.with_generator(Arc::new(generator.with_generate_multi_samples(false)));
+        manager = manager.with_generator(generator);
     }
-    let manager = Arc::new(manager);
-    pairs
-        .chunks(2)
-        .map(|pair| {
-            Ok(EvalSet {
-                name: pair[0].clone(),
-                prompts: load_prompts(a, &pair[1], &keys)?,
-                manager: manager.clone(),
-            })
-        })
-        .collect()
+    let mut prompts = load_prompts(a, &d.path, &keys)?;
+    for prompt in &mut prompts {
+        d.inject_metadata(&mut prompt.metadata);
+    }
+    let (prompts, dropped) =
+        filter_long_prompts(prompts, c.encoder.as_ref(), a.eval.eval_max_prompt_len)?;
+    if dropped > 0 {
+        println!(
+            "eval {}: {dropped} prompts longer than --eval-max-prompt-len left out",
+            d.name
+        );
+    }
+    if prompts.is_empty() {
+        return Err(format!("{}: no prompts left", d.path).into());
+    }
+    Ok(EvalSet {
+        name: d.name.clone(),
+        prompts,
+        manager: Arc::new(manager),
+    })
 }
 
 fn train_config(a: &TrainArgs, n: usize, use_r3: bool, seed: u64) -> Result<TrainConfig, BoxError> {
@@ -669,9 +757,16 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         }
         (None, None) => return Err("--num-rollout or --num-epoch is required".into()),
     };
-    let evals = eval_sets(a, &c, &rollout, &engine, &reward, generator.as_ref())?;
+    let evals = eval_sets(
+        a,
+        &c,
+        &rollout,
+        &engine,
+        &Ok(reward.clone()),
+        generator.as_ref(),
+    )?;
     let eval_key = evals.first().map_or("eval/raw_reward".to_string(), |s| {
-        format!("eval/{}/raw_reward", s.name)
+        format!("eval/{}", s.name)
     });
     let mut manager = RolloutManager::new(
         rollout.clone(),
@@ -758,7 +853,10 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     let mut rl =
         RlLoop::new(loop_config, manager, trainer.clone(), sink.clone(), data)?.with_stop(stop);
     if !evals.is_empty() {
-        rl = rl.with_eval(evals, eval_interval.unwrap_or(num_rollout.max(1)));
+        // Without --eval-interval: once, after the last step.
+        rl = rl
+            .with_eval(evals, eval_interval.unwrap_or(num_rollout.max(1)))
+            .skip_eval_before_train(a.eval.skip_eval_before_train || eval_interval.is_none());
     }
     let mut summary = json!({"command": if asynchronous { "train-async" } else { "train" }});
     if resume {
@@ -768,10 +866,6 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         }
         println!("resumed at step {step} from {}", save.display());
         summary["resumed_at"] = json!(step);
-    } else if eval_interval.is_some() && !a.eval.skip_eval_before_train {
-        let before = rl.evaluate().await?;
-        sink.log(0, &before)?;
-        summary["eval_before"] = json!(before);
     }
     println!(
         "{}: {num_rollout} rollouts × {} prompts × {n} samples",
@@ -807,9 +901,15 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
             stopped_by: Some(code),
         });
     }
-    let after = rl.evaluate().await?;
-    if !after.is_empty() {
-        sink.log(num_rollout, &after)?;
+    // The loop evaluated before training and after its last step (logged with those steps).
+    let evaluations = rl.evaluations();
+    if let Some((_, before)) = evaluations.iter().find(|(step, _)| step.is_none()) {
+        summary["eval_before"] = json!(before);
+    }
+    if let Some((_, after)) = evaluations
+        .iter()
+        .rfind(|(step, _)| step.is_some_and(|s| s + 1 == num_rollout))
+    {
         summary["eval_after"] = json!(after);
     }
     let (weights, version) = {
@@ -847,7 +947,8 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
 
 async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
     let c = common(a)?;
-    let reward = reward(a, c.seed)?;
+    // Needed only by datasets without their own rm_type.
+    let reward = reward(a, c.seed).map_err(|e| e.to_string());
     let engine = engines(a, &c, None, true)?;
     let generator = agent_generator(a, &c, &engine, false).await?;
     let base = RolloutConfig {
@@ -856,22 +957,38 @@ async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
     };
     let sets = eval_sets(a, &c, &base, &engine, &reward, generator.as_ref())?;
     if sets.is_empty() {
-        return Err("eval needs --eval-prompt-data NAME PATH [NAME PATH ...]".into());
+        return Err(
+            "eval needs --eval-config FILE or --eval-prompt-data NAME PATH [NAME PATH ...]".into(),
+        );
     }
     let mut rows = Map::new();
-    for set in sets {
-        let name = set.name.clone();
+    let mut all = miles_core::Metrics::new();
+    for set in &sets {
         let metrics = set.evaluate().await?;
         for (k, v) in &metrics {
             println!("{k}: {v:.4}");
         }
-        rows.insert(name, json!(metrics));
+        all.extend(metrics.clone());
+        rows.insert(set.name.clone(), json!(metrics));
     }
+    all.insert("eval/step".into(), 0.0);
+    // metrics.jsonl (and TensorBoard) hold one row at step 0, as a training run's evaluations.
+    let mut list: Vec<Arc<dyn MetricsSink>> = vec![Arc::new(JsonlMetricsSink::create(
+        c.out.join("metrics.jsonl"),
+    )?)];
+    if a.metrics.use_tensorboard {
+        list.push(Arc::new(crate::wiring::tensorboard_sink(
+            a.metrics.tensorboard_dir.as_deref(),
+            &c.out,
+        )?));
+    }
+    let sink = miles_core::FanoutMetricsSink::new(list);
+    sink.log(0, &all)?;
+    sink.flush()?;
     let summary = json!({"command": "eval", "hf_checkpoint": c.hf, "eval": rows});
-    std::fs::write(
-        c.out.join("eval.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
+    let text = serde_json::to_string_pretty(&summary)?;
+    std::fs::write(c.out.join("summary.json"), &text)?;
+    std::fs::write(c.out.join("eval.json"), &text)?;
     Ok(summary)
 }
 

@@ -28,6 +28,10 @@
 //!   `--use-opd --opd-type sglang`: teacher log-probs or the top-k reverse KL per sample,
 //!   teachers routed by `--opd-teacher-urls`), plugged in with
 //!   [`RolloutManager::with_opd_teacher`];
+//! * evaluation as Miles runs it: datasets from an `--eval-config` document or
+//!   `--eval-prompt-data` pairs merged with the eval flags ([`EvalFlags::resolve`],
+//!   [`EvalDatasetConfig`]), each an [`EvalSet`] with its own sampling, logged under Miles'
+//!   names ([`eval_metrics`]: `eval/<name>`, `eval/<name>-truncated_ratio`, `eval/<name>-pass@k`);
 //! * pass@k as Miles' `--log-passrate` computes it ([`pass_rate`], [`pass_rate_of_samples`]:
 //!   the unbiased estimator averaged over complete groups).
 //!
@@ -56,6 +60,8 @@ pub mod checkpoint;
 mod data;
 mod encoder;
 mod error;
+mod eval;
+mod eval_config;
 mod failures;
 mod group;
 mod loops;
@@ -71,13 +77,17 @@ pub use data::{
 };
 pub use encoder::ChatPromptEncoder;
 pub use error::{Error, Result, RowError, RowErrorKind};
+pub use eval::{EvalSet, eval_metrics, filter_long_prompts};
+pub use eval_config::{
+    EvalDatasetConfig, EvalFlags, eval_datasets_from_document, parse_document, read_file_arg,
+};
 pub use failures::{
     FAILURE_RETRIES_KEY, FailurePolicy, FailureTracker, failure_kind, retry_failed_group,
 };
 pub use group::{DynamicFilter, FilterVerdict, group_staleness, within_staleness};
 pub use loops::{
-    EvalSet, LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler,
-    compute_pool, latest_checkpoint, sample_perf_metrics, update_weights,
+    LoopConfig, RlLoop, RolloutCheckpoint, SharedTrainer, UnusedSamplesHandler, compute_pool,
+    latest_checkpoint, sample_perf_metrics, update_weights,
 };
 pub use manager::{
     AgentGenerator, PromptEncoder, RolloutBatch, RolloutConfig, RolloutManager, SampleGenerator,

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::data::{DataSource, DataSourceState};
 use crate::error::{Error, Result};
+use crate::eval::EvalSet;
 use crate::failures::retry_failed_group;
 use crate::manager::{RolloutManager, mask_unusable, passrate_metrics, rollout_metrics};
 use crate::{FilterVerdict, group_staleness};
@@ -98,51 +99,6 @@ pub struct RolloutCheckpoint {
     pub data: DataSourceState,
 }
 
-/// A held-out prompt set evaluated on the current weights (`--eval-prompt-data NAME PATH`),
-/// with its own reward and sampling (its manager's config).
-pub struct EvalSet {
-    /// Name used in the metric keys (`eval/<name>/...`).
-    pub name: String,
-    /// The prompts.
-    pub prompts: Vec<crate::data::PromptRecord>,
-    /// Generates and scores them (its config's `n_samples_per_prompt` applies).
-    pub manager: Arc<RolloutManager>,
-}
-
-impl EvalSet {
-    /// Generates every prompt's group on the current weights and returns
-    /// `eval/<name>/raw_reward`, `eval/<name>/response_len/mean`, `eval/<name>/truncated_ratio`
-    /// and `eval/<name>/samples`.
-    pub async fn evaluate(&self) -> Result<Metrics> {
-        let n = self.manager.config().n_samples_per_prompt;
-        let mut source = DataSource::new(self.prompts.clone(), n, false, 0)?;
-        let mut tasks = tokio::task::JoinSet::new();
-        for group in source.get_groups(self.prompts.len()) {
-            let manager = self.manager.clone();
-            tasks.spawn(async move { manager.generate_group(group).await });
-        }
-        let mut groups = Vec::with_capacity(self.prompts.len());
-        while let Some(joined) = tasks.join_next().await {
-            groups.push(joined.map_err(|e| Error::Task(format!("eval task failed: {e}")))?);
-        }
-        let config = self.manager.config();
-        let mut metrics: Metrics = rollout_metrics(&groups, config.reward_key.as_deref())
-            .into_iter()
-            .filter_map(|(key, value)| {
-                key.strip_prefix("rollout/")
-                    .map(|rest| (format!("eval/{}/{rest}", self.name), value))
-            })
-            .collect();
-        // Miles' eval keys: `eval/<name>-pass@k`.
-        for (key, value) in passrate_metrics(config, &groups) {
-            if let Some(k) = key.strip_prefix("passrate/") {
-                metrics.insert(format!("eval/{}-{k}", self.name), value);
-            }
-        }
-        Ok(metrics)
-    }
-}
-
 /// A trainer shared with blocking threads.
 pub type SharedTrainer = Arc<Mutex<Box<dyn PolicyTrainer>>>;
 
@@ -156,6 +112,8 @@ pub struct RlLoop {
     next_rollout_id: u64,
     evals: Vec<EvalSet>,
     eval_interval: Option<u64>,
+    skip_eval_before_train: bool,
+    evaluations: Vec<(Option<u64>, Metrics)>,
     train_pool: Option<Arc<rayon::ThreadPool>>,
     resume_notes: Vec<String>,
     stop: Option<watch::Receiver<bool>>,
@@ -205,6 +163,8 @@ impl RlLoop {
             next_rollout_id: 0,
             evals: Vec::new(),
             eval_interval: None,
+            skip_eval_before_train: false,
+            evaluations: Vec::new(),
             train_pool,
             resume_notes: Vec::new(),
             stop: None,
@@ -212,12 +172,26 @@ impl RlLoop {
         })
     }
 
-    /// Evaluates `sets` before training and after every `eval_interval` steps
-    /// (`--eval-interval`), logging `eval/<name>/...` at the step just finished.
+    /// Evaluates `sets` before training (unless [`RlLoop::skip_eval_before_train`]), after
+    /// every `eval_interval` steps (`--eval-interval`) and after the last step, logging each
+    /// set's `eval/<name>...` metrics and `eval/step` at the step just finished (0 before
+    /// training).
     pub fn with_eval(mut self, sets: Vec<EvalSet>, eval_interval: u64) -> Self {
         self.evals = sets;
         self.eval_interval = (eval_interval > 0).then_some(eval_interval);
         self
+    }
+
+    /// No evaluation before the first step (`--skip-eval-before-train`).
+    pub fn skip_eval_before_train(mut self, skip: bool) -> Self {
+        self.skip_eval_before_train = skip;
+        self
+    }
+
+    /// The evaluations this loop ran, in order: the step each followed (`None`: before
+    /// training) and its metrics.
+    pub fn evaluations(&self) -> &[(Option<u64>, Metrics)] {
+        &self.evaluations
     }
 
     /// Stops the loop early when `stop` turns `true` (a user's SIGINT / SIGTERM): generation in
@@ -277,15 +251,26 @@ impl RlLoop {
             }
     }
 
-    async fn maybe_eval(&self, finished_step: Option<u64>, metrics: &mut Metrics) -> Result<()> {
+    async fn maybe_eval(
+        &mut self,
+        finished_step: Option<u64>,
+        metrics: &mut Metrics,
+    ) -> Result<()> {
         if self.eval_due(finished_step) {
-            metrics.extend(self.evaluate().await?);
+            let mut eval = self.evaluate().await?;
+            eval.insert("eval/step".into(), finished_step.unwrap_or(0) as f64);
+            metrics.extend(eval.clone());
+            self.evaluations.push((finished_step, eval));
         }
         Ok(())
     }
 
-    async fn eval_before_training(&self) -> Result<()> {
-        if self.next_rollout_id == 0 && self.eval_interval.is_some() && !self.evals.is_empty() {
+    async fn eval_before_training(&mut self) -> Result<()> {
+        if self.next_rollout_id == 0
+            && !self.skip_eval_before_train
+            && self.eval_interval.is_some()
+            && !self.evals.is_empty()
+        {
             let mut metrics = Metrics::new();
             self.maybe_eval(None, &mut metrics).await?;
             self.metrics.log(0, &metrics)?;

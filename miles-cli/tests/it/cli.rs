@@ -148,10 +148,24 @@ fn train_sync_reports_what_a_user_reads() {
         "num-rollout = 3\nrollout_temperature = 1.0\nlr = 5e-5\n",
     )
     .unwrap();
+    // Two evaluation sets from Miles' --eval-config (it overrides --eval-prompt-data): `sums`
+    // with the eval flags' settings, `greedy` with its own.
+    let eval_config = dir.join("eval.yaml");
+    std::fs::write(
+        &eval_config,
+        format!(
+            "eval:\n  datasets:\n    sums: {{path: {0}}}\n    \
+             greedy: {{path: {0}, temperature: 0.0, n_samples_per_eval_prompt: 1}}\n",
+            held_out.display()
+        ),
+    )
+    .unwrap();
     let mut cmd = miles();
     cmd.arg("train")
         .args(train_flags(&model, &train, &held_out, &out))
         .args(["--sglang-mem-fraction-static", "0.25"])
+        .arg("--eval-config")
+        .arg(&eval_config)
         .arg("--config")
         .arg(&config);
     let output = run(&mut cmd);
@@ -205,12 +219,20 @@ fn train_sync_reports_what_a_user_reads() {
             "{row}"
         );
     }
-    // Evaluated before training (step 0), at step 1 (interval 2) and after the end.
-    let evals = rows
+    // Evaluated before training (step 0), at step 1 (interval 2) and after the last step,
+    // both sets each time (Miles' `eval/NAME` keys, `eval/step` the step evaluated after).
+    let evals: Vec<&Value> = rows
         .iter()
         .filter(|r| r.get("eval/sums/raw_reward").is_some())
-        .count();
-    assert!(evals >= 3, "{evals} evaluation rows");
+        .collect();
+    let steps: Vec<f64> = evals.iter().map(|r| finite(r, "eval/step")).collect();
+    assert_eq!(steps, [0.0, 1.0, 2.0], "{evals:?}");
+    for row in &evals {
+        assert_eq!(row["eval/sums"], row["eval/sums/raw_reward"], "{row}");
+        assert_eq!(row["eval/sums/samples"], 8.0, "{row}");
+        assert_eq!(row["eval/greedy/samples"], 4.0, "{row}");
+        finite(row, "eval/greedy-truncated_ratio");
+    }
     assert!(out.join("final/model.safetensors").exists());
     assert!(out.join("curves.svg").exists());
     // The trained checkpoint evaluates with `miles eval`.
@@ -1051,5 +1073,86 @@ fn a_miles_launch_script_is_accepted() {
             model.display()
         )
     );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `miles eval --eval-config` over two datasets in one run, each with its own settings from
+/// Miles' schema: samples per prompt, response limit (its own, or `eval.defaults`'), prompt and
+/// label keys, reward rule and metadata; results under Miles' names in summary.json, one
+/// metrics.jsonl row and TensorBoard.
+#[test]
+fn eval_config_evaluates_several_datasets_in_one_run() {
+    let dir = scratch("evalcfg");
+    let (model, _, held_out) = setup(&dir);
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/data");
+    let config = dir.join("eval.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "eval:\n  defaults:\n    max_response_len: 5\n  datasets:\n    \
+             - name: sums\n      path: {}\n      rm_type: math\n      n_samples_per_eval_prompt: 3\n    \
+             - name: dapo\n      path: {}\n      input_key: prompt\n      \
+             label_key: reward_model.ground_truth\n      rm_type: dapo\n      max_response_len: 4\n      \
+             metadata_overrides: {{source: fixture}}\n",
+            held_out.display(),
+            fixtures.join("dapo_math.jsonl").display()
+        ),
+    )
+    .unwrap();
+    let out = dir.join("eval");
+    // No --rm-type: each dataset names its rule. Miles' dapo rule returns {score, acc, pred}.
+    run(miles().args([
+        "eval",
+        "--hf-checkpoint",
+        model.to_str().unwrap(),
+        "--apply-chat-template",
+        "--apply-chat-template-kwargs",
+        r#"{"enable_thinking": false}"#,
+        "--eval-config",
+        config.to_str().unwrap(),
+        "--eval-reward-key",
+        "score",
+        "--log-passrate",
+        "--use-tensorboard",
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]));
+    let summary = json_file(&out.join("summary.json"));
+    assert_eq!(summary["command"], "eval");
+    let sums = &summary["eval"]["sums"];
+    // 4 prompts × 3 samples, at most 5 tokens each (eval.defaults).
+    assert_eq!(sums["eval/sums/samples"], 12.0, "{summary}");
+    assert!(sums["eval/sums/response_len/max"].as_f64().unwrap() <= 5.0);
+    let reward = sums["eval/sums"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&reward), "{summary}");
+    assert_eq!(sums["eval/sums/raw_reward"].as_f64(), Some(reward));
+    assert_eq!(sums["eval/sums-none_reward_ratio"], 0.0, "{summary}");
+    let truncated = sums["eval/sums-truncated_ratio"].as_f64().unwrap();
+    assert_eq!(sums["eval/sums/truncated_ratio"].as_f64(), Some(truncated));
+    // pass@1 of 0/1 rewards is the mean reward; groups of 3: pass@1 and pass@2 only.
+    let pass1 = sums["eval/sums-pass@1"].as_f64().unwrap();
+    assert!((pass1 - reward).abs() < 1e-12, "{summary}");
+    assert!(sums["eval/sums-pass@2"].as_f64().unwrap() >= pass1);
+    assert_eq!(sums.get("eval/sums-pass@4"), None, "{summary}");
+    // The five DAPO rows, one sample each (no pass@k), at most 4 tokens: no `Answer:` line,
+    // which Miles' dapo rule scores -1 (read with --eval-reward-key score).
+    let dapo = &summary["eval"]["dapo"];
+    assert_eq!(dapo["eval/dapo/samples"], 5.0, "{summary}");
+    assert_eq!(dapo["eval/dapo"], -1.0, "{summary}");
+    assert!(dapo["eval/dapo/response_len/max"].as_f64().unwrap() <= 4.0);
+    assert_eq!(dapo.get("eval/dapo-pass@1"), None, "{summary}");
+    // metrics.jsonl: one row at step 0 with both sets.
+    let rows = metric_rows(&out.join("metrics.jsonl"));
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["step"], 0);
+    assert_eq!(rows[0]["eval/step"], 0.0);
+    assert_eq!(rows[0]["eval/sums"].as_f64(), Some(reward));
+    assert_eq!(rows[0]["eval/dapo"], -1.0);
+    if let Some(scalars) = tensorboard_scalars(&out.join("tensorboard")) {
+        let point = &scalars["eval/dapo"][0];
+        assert_eq!(point[0], 0, "{scalars}");
+        assert_eq!(point[1].as_f64(), Some(-1.0), "{scalars}");
+        assert!(scalars.get("eval/sums-pass@2").is_some(), "{scalars}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -4,6 +4,7 @@
 mod common;
 
 mod data_formats;
+mod eval_config;
 mod loops;
 mod opd;
 mod passrate;
