@@ -183,7 +183,7 @@ impl Scheduler {
                 "kv_token_budget".to_string()
             }
         );
-        Ok(Self {
+        let mut scheduler = Self {
             step: Arc::new(step),
             model: Arc::new(model),
             config,
@@ -205,7 +205,10 @@ impl Scheduler {
             route_width,
             throughput_mark: (Instant::now(), 0),
             stats: EngineStats::default(),
-        })
+        };
+        // The pool's state slots are known before the first request.
+        scheduler.publish_stats();
+        Ok(scheduler)
     }
 
     pub(crate) fn version(&self) -> WeightVersion {
@@ -213,7 +216,6 @@ impl Scheduler {
     }
 
     pub(crate) fn run(mut self) {
-        self.publish_stats();
         loop {
             let idle = self.running.is_empty()
                 && (self.waiting.is_empty() || self.paused.is_some())

@@ -75,7 +75,8 @@ async fn hybrid_batched_greedy_decode_equals_hf_generate() {
         let stats = engine.stats();
         assert!(stats.max_batch > 1, "{name}: {stats:?}");
         assert_eq!(stats.state_slots, 32, "{name}: {stats:?}");
-        assert_eq!(stats.free_state_slots, 32, "{name}: {stats:?}");
+        // Every slot back once the answers are out (the stats follow a scheduler step later).
+        free_slots_become(&engine, 32).await;
         // Decode-time log-probs (no recompute) against the bridge's full forward.
         for (p, out) in prompts.iter().zip(&outs) {
             let tokens: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
