@@ -168,16 +168,22 @@ impl KvCache {
         }
     }
 
-    /// A one-row cache of `len` real positions filled from position 0.
-    pub(crate) fn from_filled_row(layers: Vec<LayerCache>, len: usize, device: &Device) -> Self {
+    /// A one-row cache of `len` real positions filled from position 0 (`layers`: `None` for
+    /// a linear-attention layer, whose state is in `linear`; empty without such layers).
+    pub(crate) fn from_filled_row(
+        layers: Vec<Option<LayerCache>>,
+        linear: Vec<Option<LinearState>>,
+        len: usize,
+        device: &Device,
+    ) -> Self {
         KvCache {
-            layers: layers.into_iter().map(Some).collect(),
+            layers,
             key_valid: Some(Tensor::<2, Int>::ones([1, len], device).equal_elem(1)),
             next_position: Some(Tensor::from_data(
                 TensorData::new(vec![len as i32], [1, 1]),
                 device,
             )),
-            linear: Vec::new(),
+            linear,
         }
     }
 

@@ -85,6 +85,7 @@ mod model;
 mod paged;
 mod precision;
 mod scoring;
+mod state_pool;
 
 pub mod lora;
 pub mod names;

@@ -17,6 +17,19 @@
 //!
 //! A one-row [`KvCache`] moves in with [`PagedKvCache::load`] (a prefill, a reused prefix)
 //! and out with [`PagedKvCache::export`] (for a prefix cache); both copy.
+//!
+//! **Hybrid models** (Qwen3.5: Gated DeltaNet linear-attention layers beside full-attention
+//! ones): the full-attention layers keep their pools as above; every linear-attention layer
+//! keeps one state slot per sequence instead — its conv window (the last `kernel − 1` inputs
+//! of its conv channels) and its delta-rule state (`value_heads × key_head_dim ×
+//! value_head_dim`, f32) — allocated once for `rows` sequences
+//! ([`PagedKvCache::state_slots`]; [`PagedKvCache::state_bytes_per_row`] says what one costs).
+//! [`PagedKvCache::reserve`] takes a free slot beside the blocks (and refuses when none is
+//! free), zeroed; [`PagedKvCache::release`] returns it. A step runs each linear layer's
+//! recurrent form (one token per sequence) or chunked form (several) from the rows' slots and
+//! writes the states after the step back in place; [`PagedKvCache::load`] /
+//! [`PagedKvCache::export`] copy the states with the keys. A state cannot be cut back to a
+//! shorter prefix, so a cache moved out is reusable whole only (see [`KvCache::truncate`]).
 
 use std::collections::HashMap;
 
@@ -31,9 +44,11 @@ use crate::kv_pool::{LayerStep, PoolLayer, StepPlan, index_tensor, pool_rows};
 use crate::model::causal_lm::CausalLm;
 use crate::model::forward::{HiddenOutput, ModelOutput};
 use crate::nn::attention::KvTarget;
+use crate::nn::gated_delta::{GatedDeltaNet, LinearState};
 use crate::nn::layer::SelfAttention;
 use crate::nn::rope::Rope;
 use crate::profile::{self, OpClass};
+use crate::state_pool::{StateLayer, slot_bytes, slot_index};
 
 /// A sequence's place in a [`PagedKvCache`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -43,13 +58,21 @@ pub struct RowId(usize);
 struct Row {
     blocks: Vec<u32>,
     len: usize,
+    /// Its state slot (hybrid models only).
+    state: Option<u32>,
 }
 
 /// Per-layer KV pools allocated once from a token budget, shared by sequences through block
 /// tables (module docs).
 #[derive(Debug)]
 pub struct PagedKvCache {
-    layers: Vec<PoolLayer>,
+    /// Per decoder layer: the KV pool of an attention layer, `None` for a linear one.
+    layers: Vec<Option<PoolLayer>>,
+    /// Per decoder layer: the state slots of a linear-attention layer, `None` otherwise.
+    states: Vec<Option<StateLayer>>,
+    /// State slots per linear layer (0 without linear layers).
+    state_slots: usize,
+    free_states: Vec<u32>,
     slots: usize,
     free: Vec<u32>,
     rows: Vec<Option<Row>>,
@@ -68,19 +91,21 @@ impl PagedKvCache {
     /// Pools for `model`'s layers holding `tokens` positions for up to `rows` sequences at
     /// once (each sequence's last block may be partly used, so the pool has a spare block
     /// per sequence, at most as many spare blocks as `tokens` takes), in the dtype of the
-    /// model's attention weights, on their device. The memory is allocated here, once.
+    /// model's attention weights, on their device; for a hybrid model also `rows` state
+    /// slots per linear-attention layer (module docs). The memory is allocated here, once.
     pub fn new(model: &CausalLm, tokens: usize, rows: usize) -> Result<Self, BridgeError> {
         if tokens == 0 || rows == 0 {
             return Err(BridgeError::input(
                 "a paged KV cache needs a positive token budget and row count",
             ));
         }
-        if model.config.linear_attention.is_some() {
-            return Err(BridgeError::input(format!(
-                "a paged KV cache holds no linear-attention state: {} layers keep a conv and \
-                 a recurrent state per sequence; decode with `CausalLm::forward_cached`",
-                model.config.architecture.spec().name
-            )));
+        let state_slots = if Self::state_bytes_per_row(model) > 0 {
+            rows
+        } else {
+            0
+        };
+        if state_slots > u32::MAX as usize {
+            return Err(BridgeError::input(format!("{rows} state slots")));
         }
         let needed = tokens.div_ceil(Self::BLOCK);
         let blocks = needed
@@ -92,27 +117,44 @@ impl PagedKvCache {
         let elem = dtype.size() as u128;
         let bytes: u128 = shapes
             .iter()
+            .flatten()
             .map(|&(h, w, v)| (h * w) as u128 * slots as u128 * elem * (1 + u128::from(v)))
-            .sum();
+            .sum::<u128>()
+            + Self::state_bytes_per_row(model) as u128 * state_slots as u128;
         if bytes > MAX_POOL_BYTES {
             return Err(BridgeError::input(format!(
-                "a KV budget of {tokens} tokens needs {bytes} bytes of pool"
+                "a KV budget of {tokens} tokens and {state_slots} state slots need {bytes} \
+                 bytes of pool"
             )));
         }
         let layers = shapes
             .into_iter()
-            .map(|(heads, width, has_values)| {
-                let pool = || Tensor::<2>::zeros([heads * slots, width], (&device, dtype));
-                PoolLayer {
-                    keys: Some(pool()),
-                    values: has_values.then(pool),
-                    heads,
-                    width,
-                }
+            .map(|shape| {
+                shape.map(|(heads, width, has_values)| {
+                    let pool = || Tensor::<2>::zeros([heads * slots, width], (&device, dtype));
+                    PoolLayer {
+                        keys: Some(pool()),
+                        values: has_values.then(pool),
+                        heads,
+                        width,
+                    }
+                })
+            })
+            .collect();
+        let states = model
+            .model
+            .layers
+            .iter()
+            .map(|layer| {
+                linear_layer(&layer.self_attn)
+                    .map(|linear| StateLayer::new(linear, state_slots, conv_dtype(linear), &device))
             })
             .collect();
         Ok(Self {
             layers,
+            states,
+            state_slots,
+            free_states: (0..state_slots as u32).rev().collect(),
             slots,
             free: (0..blocks as u32).rev().collect(),
             rows: Vec::new(),
@@ -122,56 +164,107 @@ impl PagedKvCache {
         })
     }
 
-    /// Each layer's cache shape (heads, width, whether it stores values), and the dtype and
-    /// device of the pools: the model's attention weights'.
-    fn layout(model: &CausalLm) -> (Vec<(usize, usize, bool)>, DType, Device) {
+    /// Each layer's cache shape (heads, width, whether it stores values; `None` for a
+    /// linear-attention layer), and the dtype and device of the pools: the model's attention
+    /// weights'.
+    #[allow(clippy::type_complexity)]
+    fn layout(model: &CausalLm) -> (Vec<Option<(usize, usize, bool)>>, DType, Device) {
         let reference = model.lm_head_weight();
         let (device, mut dtype) = (reference.device(), reference.dtype());
-        if let Some(SelfAttention::Grouped(a)) = model.model.layers.first().map(|l| &l.self_attn) {
+        if let Some(a) = model.model.layers.iter().find_map(|l| match &l.self_attn {
+            SelfAttention::Grouped(a) => Some(a),
+            _ => None,
+        }) {
             dtype = a.k_proj.weight.val().dtype();
         }
         let shapes = model
             .model
             .layers
             .iter()
-            .map(|layer| layer.self_attn.cache_shape())
+            .map(|layer| {
+                linear_layer(&layer.self_attn)
+                    .is_none()
+                    .then(|| layer.self_attn.cache_shape())
+            })
             .collect();
         (shapes, dtype, device)
     }
 
     /// Bytes one cached position takes in the pools of `model` (keys and values of every
-    /// layer, in the pools' dtype): what sizes a budget from a memory bound.
+    /// attention layer, in the pools' dtype): what sizes a budget from a memory bound.
     pub fn bytes_per_token(model: &CausalLm) -> usize {
         let (shapes, dtype, _) = Self::layout(model);
         shapes
             .iter()
+            .flatten()
             .map(|&(heads, width, values)| heads * width * (1 + usize::from(values)))
             .sum::<usize>()
             * dtype.size()
     }
 
+    /// Bytes one sequence's state slot takes over every linear-attention layer of `model`
+    /// (conv windows in the layers' dtype, recurrent states in f32); 0 for a model without
+    /// linear attention. A slot's size does not depend on the sequence's length.
+    pub fn state_bytes_per_row(model: &CausalLm) -> usize {
+        model
+            .model
+            .layers
+            .iter()
+            .filter_map(|l| linear_layer(&l.self_attn))
+            .map(|linear| slot_bytes(linear, conv_dtype(linear)))
+            .sum()
+    }
+
     /// Whether the pools have `model`'s layers and shapes.
     pub(crate) fn fits(&self, model: &CausalLm) -> bool {
         self.layers.len() == model.model.layers.len()
-            && self
-                .layers
-                .iter()
-                .zip(&model.model.layers)
-                .all(|(pool, layer)| {
-                    let (heads, width, values) = layer.self_attn.cache_shape();
-                    pool.heads == heads && pool.width == width && pool.values.is_some() == values
-                })
+            && self.states.len() == model.model.layers.len()
+            && model.model.layers.iter().enumerate().all(|(l, layer)| {
+                match (
+                    &self.layers[l],
+                    &self.states[l],
+                    linear_layer(&layer.self_attn),
+                ) {
+                    (None, Some(state), Some(linear)) => state.fits(linear),
+                    (Some(pool), None, None) => {
+                        let (heads, width, values) = layer.self_attn.cache_shape();
+                        pool.heads == heads
+                            && pool.width == width
+                            && pool.values.is_some() == values
+                    }
+                    _ => false,
+                }
+            })
     }
 
-    /// Bytes of the pools (keys and values of every layer).
+    /// Bytes of the pools (keys and values of every attention layer, and the state slots of
+    /// the linear-attention layers).
     pub fn bytes(&self) -> usize {
         self.layers
             .iter()
+            .flatten()
             .map(|l| {
                 let tensors = 1 + usize::from(l.values.is_some());
                 tensors * l.heads * l.width * self.slots * self.dtype.size()
             })
-            .sum()
+            .sum::<usize>()
+            + self
+                .states
+                .iter()
+                .flatten()
+                .map(StateLayer::bytes)
+                .sum::<usize>()
+    }
+
+    /// State slots per linear-attention layer: the most sequences the cache holds at once (0
+    /// for a model without linear attention, whose sequences are bounded by blocks only).
+    pub fn state_slots(&self) -> usize {
+        self.state_slots
+    }
+
+    /// State slots no sequence holds.
+    pub fn free_state_slots(&self) -> usize {
+        self.free_states.len()
     }
 
     /// Positions the pool holds (all blocks).
@@ -192,10 +285,12 @@ impl PagedKvCache {
     /// Whether [`PagedKvCache::reserve`] of `tokens` would succeed now.
     pub fn can_reserve(&self, tokens: usize) -> bool {
         tokens.div_ceil(Self::BLOCK).max(1) <= self.free.len()
+            && (self.state_slots == 0 || !self.free_states.is_empty())
     }
 
-    /// Reserves blocks for `tokens` positions of a new, empty sequence. An error (nothing
-    /// reserved) when the free blocks do not cover them.
+    /// Reserves blocks for `tokens` positions of a new, empty sequence, and for a hybrid
+    /// model a state slot (zeroed). An error (nothing reserved) when the free blocks do not
+    /// cover them or no state slot is free.
     pub fn reserve(&mut self, tokens: usize) -> Result<RowId, BridgeError> {
         let need = tokens.div_ceil(Self::BLOCK).max(1);
         if need > self.free.len() {
@@ -204,8 +299,25 @@ impl PagedKvCache {
                 self.free_tokens()
             )));
         }
+        if self.state_slots > 0 && self.free_states.is_empty() {
+            return Err(BridgeError::input(format!(
+                "KV pool: all {} linear-attention state slots are held",
+                self.state_slots
+            )));
+        }
+        let state = self.free_states.pop();
+        if let Some(slot) = state {
+            let index = slot_index(&[slot], &self.device);
+            for layer in self.states.iter_mut().flatten() {
+                layer.zero(index.clone());
+            }
+        }
         let blocks = self.free.split_off(self.free.len() - need);
-        let row = Row { blocks, len: 0 };
+        let row = Row {
+            blocks,
+            len: 0,
+            state,
+        };
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.rows[id] = Some(row);
@@ -223,6 +335,7 @@ impl PagedKvCache {
     pub fn release(&mut self, row: RowId) {
         if let Some(r) = self.rows.get_mut(row.0).and_then(Option::take) {
             self.free.extend(r.blocks.into_iter().rev());
+            self.free_states.extend(r.state);
             self.free_ids.push(row.0);
         }
     }
@@ -259,12 +372,19 @@ impl PagedKvCache {
     }
 
     /// Copies a one-row `cache` (every key real, filled from position 0: a prefill or a
-    /// reused prefix) into `row`, replacing what it held.
+    /// reused prefix; for a hybrid model with the linear layers' states after its last
+    /// position) into `row`, replacing what it held.
     pub fn load(&mut self, row: RowId, cache: &KvCache) -> Result<(), BridgeError> {
         let capacity = self.row_capacity(row);
         let r = self.checked_row(row)?.clone();
         let len = cache.len();
         if len == 0 {
+            if let Some(slot) = r.state {
+                let index = slot_index(&[slot], &self.device);
+                for layer in self.states.iter_mut().flatten() {
+                    layer.zero(index.clone());
+                }
+            }
             self.set_len(row, 0);
             return Ok(());
         }
@@ -283,12 +403,28 @@ impl PagedKvCache {
             blocks: vec![r.blocks],
             lens: vec![len],
         };
+        // Every state first, so a cache that lacks one writes nothing.
+        let mut states: Vec<(usize, LinearState)> = Vec::new();
+        for (l, layer) in self.states.iter().enumerate() {
+            if layer.is_none() {
+                continue;
+            }
+            let state = cache
+                .linear_state(l)
+                .filter(|s| s.conv.dims()[0] == 1 && s.recurrent.dims()[0] == 1)
+                .ok_or_else(|| {
+                    BridgeError::input("KV pool: a cache without a linear layer's state")
+                })?;
+            states.push((l, state.clone()));
+        }
         let mut indices: HashMap<usize, Tensor<1, Int>> = HashMap::new();
         for l in 0..self.layers.len() {
+            let Some(pool) = self.layers[l].as_mut() else {
+                continue;
+            };
             let layer = cache
                 .layer(l)
                 .ok_or_else(|| BridgeError::input("KV pool: a cache with a missing layer"))?;
-            let pool = &mut self.layers[l];
             let [_, heads, _, width] = layer.keys.dims();
             if heads != pool.heads || width != pool.width {
                 return Err(BridgeError::input(
@@ -305,6 +441,14 @@ impl PagedKvCache {
                 })
                 .clone();
             pool.write(index.clone(), layer.keys, layer.values, self.dtype);
+        }
+        if let Some(slot) = r.state {
+            let index = slot_index(&[slot], &self.device);
+            for (l, state) in states {
+                if let Some(layer) = self.states[l].as_mut() {
+                    layer.write(index.clone(), state);
+                }
+            }
         }
         self.set_len(row, len);
         Ok(())
@@ -332,6 +476,10 @@ impl PagedKvCache {
             .layers
             .iter()
             .map(|pool| {
+                let Some(pool) = pool else {
+                    // A linear-attention layer: no keys (its state is copied below).
+                    return Some(None);
+                };
                 let index = index_tensor(
                     pool_rows(&table, 0, 0..len, pool.heads, self.slots).collect(),
                     &self.device,
@@ -343,14 +491,32 @@ impl PagedKvCache {
                             .reshape([1, pool.heads, len, pool.width])
                     })
                 };
-                take(&pool.keys).map(|keys| LayerCache {
-                    keys,
-                    values: take(&pool.values),
+                take(&pool.keys).map(|keys| {
+                    Some(LayerCache {
+                        keys,
+                        values: take(&pool.values),
+                    })
                 })
             })
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| BridgeError::input("KV pool: a layer is being written"))?;
-        Ok(KvCache::from_filled_row(layers, len, &self.device))
+        let linear = match r.state {
+            None => Vec::new(),
+            Some(slot) => {
+                let index = slot_index(&[slot], &self.device);
+                self.states
+                    .iter()
+                    .map(|layer| match layer {
+                        None => Ok(None),
+                        Some(layer) => layer
+                            .read(index.clone())
+                            .map(Some)
+                            .ok_or_else(|| BridgeError::input("KV pool: a state is being written")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+            }
+        };
+        Ok(KvCache::from_filled_row(layers, linear, len, &self.device))
     }
 
     /// The plan of a step of `seq` new tokens for each of `rows`: their page table after the
@@ -399,13 +565,65 @@ impl PagedKvCache {
         }
     }
 
-    /// The step view of layer `l` (`None` past the model's layers).
+    /// The step view of layer `l` (`None` past the model's layers and for a linear layer).
     pub(crate) fn layer<'a>(&'a mut self, l: usize, plan: &'a StepPlan) -> Option<LayerStep<'a>> {
         let dtype = self.dtype;
         self.layers
             .get_mut(l)
+            .and_then(Option::as_mut)
             .map(|pool| LayerStep::new(pool, plan, dtype))
     }
+
+    /// The state slots of `rows` (in that order) as an index tensor; `None` for a model
+    /// without linear attention.
+    fn state_index(&self, rows: &[RowId]) -> Result<Option<Tensor<1, Int>>, BridgeError> {
+        if self.state_slots == 0 {
+            return Ok(None);
+        }
+        let slots = rows
+            .iter()
+            .map(|&row| {
+                self.checked_row(row)?.state.ok_or_else(|| {
+                    BridgeError::input(format!("KV pool: sequence {} has no state slot", row.0))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(slot_index(&slots, &self.device)))
+    }
+
+    /// Linear-attention layer `l` over `x` `[rows, seq, hidden]` from the states in the slots
+    /// `index`, which then hold the states after the step.
+    fn linear_step(
+        &mut self,
+        l: usize,
+        index: &Tensor<1, Int>,
+        layer: &GatedDeltaNet,
+        x: Tensor<3>,
+    ) -> Tensor<3> {
+        let Some(states) = self.states.get_mut(l).and_then(Option::as_mut) else {
+            // `fits` checked that every linear layer has its slots.
+            unreachable!("state slots for every linear-attention layer")
+        };
+        let mut state = states.read(index.clone());
+        let out = layer.forward(x, None, Some(&mut state));
+        if let Some(state) = state {
+            states.write(index.clone(), state);
+        }
+        out
+    }
+}
+
+/// The Gated DeltaNet layer of a linear-attention decoder layer.
+fn linear_layer(attention: &SelfAttention) -> Option<&GatedDeltaNet> {
+    match attention {
+        SelfAttention::Linear(linear) => Some(linear),
+        _ => None,
+    }
+}
+
+/// The dtype a linear layer's conv window is kept in: its compute dtype (its weights').
+fn conv_dtype(layer: &GatedDeltaNet) -> DType {
+    layer.in_proj_qkv.weight.val().dtype()
 }
 
 impl CausalLm {
@@ -436,6 +654,7 @@ impl CausalLm {
             ));
         }
         let plan = cache.plan(rows, seq)?;
+        let states = cache.state_index(rows)?;
         let rope = profile::time(OpClass::Rope, || {
             Rope::new(plan.positions(), self.config.inv_freq())
         });
@@ -443,10 +662,13 @@ impl CausalLm {
             embedding(self.model.embed_tokens.val(), input_ids)
         });
         let HiddenOutput { hidden, routing } = self.decoder(hidden, hook, |l, attention, x| {
+            if let (SelfAttention::Linear(linear), Some(index)) = (attention, &states) {
+                return cache.linear_step(l, index, linear, x);
+            }
             match cache.layer(l, &plan) {
                 Some(step) => attention.forward_kv(x, &rope, KvTarget::Paged(step)),
-                // `fits` checked the layer count.
-                None => unreachable!("a pool layer per decoder layer"),
+                // `fits` checked the layer count and kinds.
+                None => unreachable!("a pool layer per attention layer"),
             }
         })?;
         cache.commit(rows, &plan);

@@ -38,8 +38,13 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
-    /// Requests that had to wait for KV budget.
+    /// Requests that had to wait for KV budget (or, for a hybrid model, a state slot).
     pub budget_waits: u64,
+    /// Linear-attention state slots of a hybrid model (0 for other models; see
+    /// [`crate::StateBudget`]).
+    pub state_slots: usize,
+    /// State slots no running sequence holds.
+    pub free_state_slots: usize,
 }
 
 pub(crate) enum Cmd {

@@ -62,6 +62,56 @@ impl KvBudget {
     }
 }
 
+/// How a hybrid model's linear-attention states (Qwen3.5's Gated DeltaNet layers: a conv
+/// window and a delta-rule state per sequence and layer, of a fixed size) share the KV budget
+/// with the full-attention layers' cached positions.
+///
+/// Each state slot is charged as [`StateBudget::tokens_per_slot`] positions' worth of the
+/// budget (its bytes over the bytes of one cached position, rounded up), so the states' memory
+/// counts against `kv_token_budget` and, through it, `kv_memory_fraction`. The slots are
+/// allocated once, when the engine starts: as many as `max_running_requests`, but at most as
+/// many as half the budget pays for; the rest of the budget holds cached positions
+/// ([`StateBudget::kv_tokens`]). A request is admitted only with a free slot (it waits
+/// otherwise, like a request waiting for KV budget) and returns it when it finishes, is
+/// aborted or retracted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateBudget {
+    /// State slots (sequences with linear-attention state at once).
+    pub slots: usize,
+    /// Budget positions one slot is charged as.
+    pub tokens_per_slot: usize,
+    /// What is left of the budget for cached positions.
+    pub kv_tokens: usize,
+}
+
+impl StateBudget {
+    /// The split of a budget of `tokens` positions (of `bytes_per_token` bytes each) for a
+    /// model whose linear layers take `state_bytes` per sequence, with at most `max_running`
+    /// sequences at once. A budget that cannot pay for one slot from its half is a
+    /// configuration error naming the numbers.
+    pub fn split(
+        tokens: usize,
+        bytes_per_token: usize,
+        state_bytes: usize,
+        max_running: usize,
+    ) -> crate::Result<Self> {
+        let tokens_per_slot = state_bytes.div_ceil(bytes_per_token.max(1)).max(1);
+        let slots = max_running.min(tokens / 2 / tokens_per_slot);
+        if slots == 0 {
+            return Err(crate::Error::Config(format!(
+                "a KV budget of {tokens} tokens cannot hold one sequence's linear-attention \
+                 state ({state_bytes} bytes, {tokens_per_slot} tokens' worth) in half of it: \
+                 raise kv_token_budget"
+            )));
+        }
+        Ok(Self {
+            slots,
+            tokens_per_slot,
+            kv_tokens: tokens - slots * tokens_per_slot,
+        })
+    }
+}
+
 /// The host memory available now (Linux `/proc/meminfo` `MemAvailable`), `None` elsewhere.
 pub fn available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -234,6 +284,27 @@ mod tests {
             let budget = KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, available).unwrap();
             assert_eq!(budget.tokens, 65_536);
         }
+    }
+
+    #[test]
+    fn linear_attention_states_take_their_share_of_the_budget() {
+        // qwen35-tiny: one full layer (2 KV heads × 16 × keys and values × f32 = 256 bytes
+        // per position); three Gated DeltaNet layers of conv window 3 × 64 f32 (768 bytes)
+        // and state 4 × 8 × 8 f32 (1,024 bytes): 5,376 bytes, 21 positions' worth.
+        let split = StateBudget::split(65_536, 256, 5_376, 32).unwrap();
+        assert_eq!(
+            split,
+            StateBudget {
+                slots: 32,
+                tokens_per_slot: 21,
+                kv_tokens: 65_536 - 32 * 21
+            }
+        );
+        // A small budget: half of 100 positions pays for 2 slots.
+        let split = StateBudget::split(100, 256, 5_376, 32).unwrap();
+        assert_eq!((split.slots, split.kv_tokens), (2, 58));
+        let err = StateBudget::split(41, 256, 5_376, 32).unwrap_err();
+        assert!(err.to_string().contains("linear-attention state"), "{err}");
     }
 
     #[test]

@@ -19,6 +19,16 @@
 //! in place, and the blocks return to the pool when it finishes (its cache is copied out to the
 //! prefix cache first). On flex (`f32`, AVX-512F) decode attention reads the pool directly.
 //!
+//! Hybrid models (Qwen3.5's Gated DeltaNet linear-attention layers beside full attention): the
+//! same pool keeps, for every linear layer, one state slot per running sequence (its conv window
+//! and delta-rule state; a fixed size whatever the length), allocated once. [`StateBudget`]
+//! charges each slot as its bytes' worth of `kv_token_budget` positions (at most
+//! `max_running_requests` slots and at most half the budget): an admitted request takes a free
+//! slot or waits, and returns it when it finishes, is aborted or retracted. Prefill writes the
+//! chunked form's final states into the slot, each decode step runs the recurrent form over the
+//! batch's slots. A state cannot be cut back, so a cached prefix is reused only whole (the next
+//! turn of a session), never truncated (a repeated prompt is prefilled again).
+//!
 //! Versions: a weight update waits until no sequence is mid-generation (admission stops, the
 //! running ones finish), then swaps the weights and flushes the prefix cache; every output
 //! carries the single version all its tokens were generated with. Sequences held by an in-place
@@ -75,8 +85,8 @@ mod step;
 
 pub use command::{Detokenizer, EngineStats};
 pub use config::{
-    DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_NEW_TOKENS, EngineConfig, KvBudget, available_memory,
-    eos_from_tokenizer_config, read_eos_ids,
+    DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_NEW_TOKENS, EngineConfig, KvBudget, StateBudget,
+    available_memory, eos_from_tokenizer_config, read_eos_ids,
 };
 pub use engine::{EmbeddedEngine, EngineBuilder};
 pub use error::{Error, Result};

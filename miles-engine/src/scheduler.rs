@@ -20,7 +20,7 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
-use crate::config::{EngineConfig, KvBudget, available_memory, valid_sampling};
+use crate::config::{EngineConfig, KvBudget, StateBudget, available_memory, valid_sampling};
 use crate::sampling::sample_token;
 use crate::step::{KeepAwake, SequenceScorer, ids_row, read_step, step_model};
 use miles_core::rng::SplitMix64;
@@ -101,6 +101,9 @@ pub(crate) struct Scheduler {
     pub(crate) clock: u64,
     pub(crate) counter: u64,
     pub(crate) reserved: usize,
+    /// Budget positions a hybrid model's state slot is charged as in the prefix cache (0 for
+    /// other models); see [`StateBudget`].
+    pub(crate) state_tokens: usize,
     pub(crate) route_width: usize,
     pub(crate) stats: EngineStats,
     /// Start of the current `sglang:gen_throughput` window and the tokens generated before it.
@@ -135,7 +138,36 @@ impl Scheduler {
         let budget = KvBudget::resolve(&config, per_token, available)?;
         let requested = config.kv_token_budget;
         config.kv_token_budget = budget.tokens;
-        let pool = PagedKvCache::new(&step, config.kv_token_budget, config.max_running_requests)
+        // A hybrid model's linear-attention states take their share of the budget first.
+        let state_bytes = PagedKvCache::state_bytes_per_row(&step);
+        let states = (state_bytes > 0)
+            .then(|| {
+                StateBudget::split(
+                    budget.tokens,
+                    per_token,
+                    state_bytes,
+                    config.max_running_requests,
+                )
+            })
+            .transpose()?;
+        let rows = match states {
+            Some(states) => {
+                config.kv_token_budget = states.kv_tokens;
+                tracing::info!(
+                    slots = states.slots,
+                    bytes_per_slot = state_bytes,
+                    tokens_per_slot = states.tokens_per_slot,
+                    "linear-attention state slots: {} (each charged as {} tokens of the KV \
+                     budget; {} tokens left for cached positions)",
+                    states.slots,
+                    states.tokens_per_slot,
+                    states.kv_tokens
+                );
+                states.slots
+            }
+            None => config.max_running_requests,
+        };
+        let pool = PagedKvCache::new(&step, config.kv_token_budget, rows)
             .map_err(|e| crate::Error::Config(format!("KV cache: {e}")))?;
         tracing::info!(
             tokens = pool.capacity(),
@@ -151,7 +183,7 @@ impl Scheduler {
                 "kv_token_budget".to_string()
             }
         );
-        Ok(Self {
+        let mut scheduler = Self {
             step: Arc::new(step),
             model: Arc::new(model),
             config,
@@ -169,10 +201,14 @@ impl Scheduler {
             clock: 0,
             counter: 0,
             reserved: 0,
+            state_tokens: states.map_or(0, |s| s.tokens_per_slot),
             route_width,
             throughput_mark: (Instant::now(), 0),
             stats: EngineStats::default(),
-        })
+        };
+        // The pool's state slots are known before the first request.
+        scheduler.publish_stats();
+        Ok(scheduler)
     }
 
     pub(crate) fn version(&self) -> WeightVersion {
@@ -242,6 +278,8 @@ impl Scheduler {
     }
 
     pub(crate) fn publish_stats(&mut self) {
+        self.stats.state_slots = self.pool.state_slots();
+        self.stats.free_state_slots = self.pool.free_state_slots();
         if let Ok(mut s) = self.shared.stats.lock() {
             *s = self.stats;
         }
@@ -704,6 +742,9 @@ impl Scheduler {
         } else {
             tokens.len()
         };
+        // A hybrid model's entry holds its linear layers' states after its last token, which
+        // cannot be cut back: such an entry is reused whole or not at all.
+        let whole_only = self.state_tokens > 0;
         let mut best: Option<(usize, usize)> = None;
         for (i, e) in self.prefix.iter().enumerate() {
             let common = e
@@ -713,6 +754,9 @@ impl Scheduler {
                 .take_while(|(a, b)| a == b)
                 .count()
                 .min(limit);
+            if whole_only && common < e.tokens.len() {
+                continue;
+            }
             if common > 0 && best.is_none_or(|(_, c)| common > c) {
                 best = Some((i, common));
             }
@@ -735,14 +779,24 @@ impl Scheduler {
 
     pub(crate) fn insert_prefix(&mut self, tokens: Vec<u32>, cache: KvCache, routing: Vec<i32>) {
         let budget = self.config.prefix_cache_tokens;
-        if budget == 0 || tokens.len() > budget || tokens.is_empty() {
+        // A hybrid model's entry also holds a state slot's worth of budget.
+        let cost = |e: &[u32]| e.len() + self.state_tokens;
+        if budget == 0 || cost(&tokens) > budget || tokens.is_empty() {
             return;
         }
-        // An entry that is a prefix of the new one is covered by it.
-        self.prefix
-            .retain(|e| !(e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens)));
-        if self.prefix.iter().any(|e| e.tokens.starts_with(&tokens)) {
-            return;
+        if self.state_tokens > 0 {
+            // Entries are reused whole only (`lookup_prefix`): a prefix of another entry is
+            // not covered by it.
+            if self.prefix.iter().any(|e| e.tokens == tokens) {
+                return;
+            }
+        } else {
+            // An entry that is a prefix of the new one is covered by it.
+            self.prefix
+                .retain(|e| !(e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens)));
+            if self.prefix.iter().any(|e| e.tokens.starts_with(&tokens)) {
+                return;
+            }
         }
         self.clock += 1;
         self.prefix.push(PrefixEntry {
@@ -751,7 +805,7 @@ impl Scheduler {
             routing,
             last_used: self.clock,
         });
-        while self.prefix.iter().map(|e| e.tokens.len()).sum::<usize>() > budget {
+        while self.prefix.iter().map(|e| cost(&e.tokens)).sum::<usize>() > budget {
             let Some(oldest) = self
                 .prefix
                 .iter()

@@ -57,8 +57,8 @@ impl SelfAttention {
             (Self::Grouped(a), target) => a.forward_kv(x, rope, target),
             (Self::Latent(a), target) => a.forward_kv(x, rope, target),
             (Self::Linear(a), KvTarget::Plain(_)) => a.forward(x, None, None),
-            // `CausalLm::forward_cached` hands linear layers their state, and the paged
-            // forward refuses models with linear layers, before any layer runs.
+            // `CausalLm::forward_cached` and `CausalLm::forward_paged` hand linear layers
+            // their state before any layer runs.
             (Self::Linear(_), _) => unreachable!("a linear-attention layer given a KV target"),
         }
     }
@@ -78,7 +78,7 @@ impl SelfAttention {
         match self {
             Self::Grouped(a) => (a.num_kv_heads, a.head_dim, true),
             Self::Latent(a) => (1, a.cache_width(), false),
-            // No keys: the paged pool refuses models with linear layers.
+            // No keys: the paged pool keeps state slots for linear layers instead.
             Self::Linear(_) => (0, 0, false),
         }
     }

@@ -1,7 +1,9 @@
 //! The paged KV cache ([`PagedKvCache`], [`CausalLm::forward_paged`]): greedy decoding from
 //! the pool equals transformers' `generate`; a batch of sequences of different lengths
 //! decoded from the pool equals each sequence decoded alone through the contiguous cache;
-//! blocks are reserved and returned exactly; bad steps are typed errors that write nothing.
+//! blocks are reserved and returned exactly; bad steps are typed errors that write nothing;
+//! a hybrid model's (Qwen3.5) linear-attention state slots are reserved, copied and returned
+//! exactly beside the blocks.
 
 use std::path::Path;
 
@@ -115,8 +117,18 @@ fn assert_paged_greedy_equals_hf_generate(dir: &Path) {
 
 #[test]
 fn paged_greedy_decode_equals_hf_generate() {
-    // Grouped-query attention (qwen2, tied and untied) and DeepSeek-V3's latent attention.
-    for name in ["qwen2-tiny", "qwen2-untied", "dsv3-tiny", "dsv3-noq"] {
+    // Grouped-query attention (qwen2, tied and untied), DeepSeek-V3's latent attention and
+    // Qwen3.5's hybrid of Gated DeltaNet state slots and gated full attention (a prefill
+    // through `forward_paged` runs the chunked form from a zeroed slot, decode the recurrent
+    // form over the batch's slots).
+    for name in [
+        "qwen2-tiny",
+        "qwen2-untied",
+        "dsv3-tiny",
+        "dsv3-noq",
+        "qwen35-tiny",
+        "qwen35moe-tiny",
+    ] {
         assert_paged_greedy_equals_hf_generate(&fixture(name));
     }
 }
@@ -305,4 +317,105 @@ fn pool_blocks_are_reserved_returned_and_copied_exactly() {
     assert_eq!(pool.active_rows(), 0);
     assert!(PagedKvCache::new(&model, 0, 1).is_err());
     assert!(PagedKvCache::new(&model, usize::MAX, 1).is_err());
+}
+
+/// Qwen3.5's pool: the full layer's blocks plus one state slot per row for each Gated
+/// DeltaNet layer; a slot is taken with the blocks (none free: the reservation is refused and
+/// takes nothing), copied in and out bit for bit with the keys, and returned on release; a
+/// decode step from the pool equals one through the contiguous cache.
+#[test]
+fn hybrid_state_slots_are_reserved_copied_and_returned_exactly() {
+    let device = Device::flex();
+    let model = step_model(&fixture("qwen35-tiny"), &device);
+    let block = PagedKvCache::BLOCK;
+    // qwen35-tiny: 3 linear layers × (conv window 3 × 64 + state 4 × 8 × 8) f32 per row, and
+    // one full layer's keys and values of 2 KV heads × 16, f32, per position.
+    assert_eq!(
+        PagedKvCache::state_bytes_per_row(&model),
+        3 * (3 * 64 + 4 * 8 * 8) * 4
+    );
+    assert_eq!(PagedKvCache::bytes_per_token(&model), 2 * 2 * 16 * 4);
+    let mut pool = PagedKvCache::new(&model, 6 * block, 2).unwrap();
+    assert_eq!((pool.state_slots(), pool.free_state_slots()), (2, 2));
+    assert_eq!(
+        pool.bytes(),
+        pool.capacity() * 2 * 2 * 16 * 4 + 2 * 3 * (3 * 64 + 4 * 8 * 8) * 4
+    );
+    let a = pool.reserve(80).unwrap();
+    let b = pool.reserve(4).unwrap();
+    assert_eq!(pool.free_state_slots(), 0);
+    let free = pool.free_tokens();
+    assert!(free >= 4 && !pool.can_reserve(4));
+    let err = pool.reserve(4).unwrap_err().to_string();
+    assert!(err.contains("state slots"), "{err}");
+    assert_eq!(
+        pool.free_tokens(),
+        free,
+        "a refused reservation takes nothing"
+    );
+
+    // A 70-token prefill (two delta-rule chunks) in and out: keys, values and states equal.
+    let prompt: Vec<u32> = (0..70).map(|t| (t * 11 + 5) % 128).collect();
+    let (mut cache, _) = prefill(&model, &prompt, &device);
+    pool.load(a, &cache).unwrap();
+    let back = pool.export(a).unwrap();
+    assert_eq!(back.len(), 70);
+    let host3 = |t: Tensor<3>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let host4 = |t: Tensor<4>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    for l in 0..model.model.layers.len() {
+        match (cache.linear_state(l), back.linear_state(l)) {
+            (Some(x), Some(y)) => {
+                assert_eq!(
+                    host3(x.conv.clone()),
+                    host3(y.conv.clone()),
+                    "layer {l} conv"
+                );
+                assert_eq!(
+                    host4(x.recurrent.clone()),
+                    host4(y.recurrent.clone()),
+                    "layer {l} state"
+                );
+            }
+            (None, None) => {
+                let (x, y) = (cache.layer(l).unwrap(), back.layer(l).unwrap());
+                assert_eq!(host4(x.keys), host4(y.keys), "layer {l} keys");
+            }
+            _ => panic!("layer {l}: a state on one side only"),
+        }
+    }
+    // One decode step from the pool (rows a and b: b from a zeroed slot) against the
+    // contiguous cache and a fresh one-token prefill.
+    let out = model
+        .forward_paged(
+            ids(&[vec![9], vec![3]], &device),
+            &mut pool,
+            &[a, b],
+            &Fallthrough,
+        )
+        .unwrap();
+    let got = rows_of(out.logits);
+    let step = model
+        .forward_cached(
+            &ModelInput::new(ids(&[vec![9]], &device)),
+            &mut cache,
+            &Fallthrough,
+        )
+        .unwrap();
+    let (_, alone) = prefill(&model, &[3], &device);
+    for (got, want) in got.iter().zip([rows_of(step.logits).remove(0), alone]) {
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "paged hybrid step differs by {worst}");
+    }
+    assert_eq!((pool.len(a), pool.len(b)), (71, 1));
+    // Released rows return their slots.
+    pool.release(b);
+    assert_eq!(pool.free_state_slots(), 1);
+    assert!(pool.can_reserve(4));
+    pool.clear();
+    assert_eq!(pool.free_state_slots(), 2);
+    assert_eq!(pool.free_tokens(), pool.capacity());
 }

@@ -18,8 +18,8 @@ use crate::common::{
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use miles_bridge::{
-    Architecture, BridgeError, CausalLm, KvCache, LayerType, ModelConfig, ModelInput, PagedKvCache,
-    ids_tensor, names::internal_to_hf, token_logprobs,
+    Architecture, BridgeError, CausalLm, KvCache, LayerType, ModelConfig, ModelInput, ids_tensor,
+    names::internal_to_hf, token_logprobs,
 };
 use miles_core::{DType, NamedTensors, TensorBytes};
 use miles_r3::Fallthrough;
@@ -379,8 +379,7 @@ fn qwen3_5_config_is_read_as_transformers_reads_it() {
     }
 }
 
-/// Bad layer types and a wrapper without its text config are typed errors naming the field;
-/// the paged KV pool refuses a hybrid model.
+/// Bad layer types and a wrapper without its text config are typed errors naming the field.
 #[test]
 fn qwen3_5_bad_configs_are_typed_errors() {
     let text = std::fs::read_to_string(fixture("qwen35-tiny").join("config.json")).unwrap();
@@ -401,9 +400,4 @@ fn qwen3_5_bad_configs_are_typed_errors() {
     let mut bare = base.clone();
     bare.as_object_mut().unwrap().remove("text_config");
     assert_eq!(field_of(bare), "text_config");
-    let model = CausalLm::from_pretrained(fixture("qwen35-text"), &Device::flex()).unwrap();
-    assert!(matches!(
-        PagedKvCache::new(&model, 64, 2),
-        Err(BridgeError::Input { .. })
-    ));
 }

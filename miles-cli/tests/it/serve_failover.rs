@@ -331,3 +331,60 @@ fn miles_serve_drains_the_request_in_flight_on_sigterm() {
         "still accepting after the stop"
     );
 }
+
+/// `miles serve` on a hybrid checkpoint (Qwen3.5: Gated DeltaNet state slots beside the
+/// paged KV pool; no tokenizer, so ids only): `/generate` answers a greedy request of 70
+/// prompt tokens (past a 64-token delta-rule chunk) with transformers' `generate` tokens
+/// (`fixtures/models/qwen35-tiny/reference_engine.json`).
+#[test]
+fn miles_serve_decodes_a_hybrid_model_as_transformers() {
+    use std::io::{Read, Write};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/qwen35-tiny");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference_engine.json")).unwrap())
+            .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_miles"))
+        .args(["serve", "--model"])
+        .arg(&dir)
+        .args(["--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start miles serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let server = Server {
+        url: line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("{line:?}"))
+            .to_owned(),
+        child,
+    };
+    let body = serde_json::json!({
+        "input_ids": reference["prompts"][2],
+        "sampling_params": {"temperature": 0, "max_new_tokens": reference["max_new_tokens"]},
+    })
+    .to_string();
+    let addr = server.url.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(body.as_bytes()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let json: serde_json::Value =
+        serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap_or(""))
+            .unwrap_or_else(|e| panic!("{e}: {answer}"));
+    assert_eq!(json["output_ids"], reference["output_ids"][2], "{json}");
+}

@@ -17,7 +17,7 @@ use miles_engine::{Detokenizer, EmbeddedEngine, EngineConfig, PrefillScorer};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 
-fn fixture(name: &str) -> PathBuf {
+pub(crate) fn fixture(name: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../fixtures/models")
         .join(name);
@@ -29,11 +29,11 @@ fn fixture(name: &str) -> PathBuf {
     dir
 }
 
-fn load(name: &str) -> CausalLm {
+pub(crate) fn load(name: &str) -> CausalLm {
     CausalLm::from_pretrained(fixture(name), &Device::flex()).expect("fixture loads")
 }
 
-fn config(recompute: bool) -> EngineConfig {
+pub(crate) fn config(recompute: bool) -> EngineConfig {
     EngineConfig {
         recompute_logprobs_via_prefill: recompute,
         ..EngineConfig::default()
@@ -54,7 +54,7 @@ fn one_at_a_time(model: CausalLm) -> Arc<EmbeddedEngine> {
     )
 }
 
-fn request(prompt: Vec<u32>, max_new: usize, seed: u64) -> GenerateRequest {
+pub(crate) fn request(prompt: Vec<u32>, max_new: usize, seed: u64) -> GenerateRequest {
     let mut r = GenerateRequest::new(
         prompt,
         SamplingParams {
@@ -67,14 +67,18 @@ fn request(prompt: Vec<u32>, max_new: usize, seed: u64) -> GenerateRequest {
     r
 }
 
-fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
+pub(crate) fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
     (0..len as u32)
         .map(|i| (i * 37 + salt * 101 + 5) % vocab)
         .collect()
 }
 
 /// Log-probs of the response under a plain full forward (miles-bridge), and the routing rows.
-fn full_forward(model: &CausalLm, tokens: &[u32], response: usize) -> (Vec<f32>, Vec<Vec<i32>>) {
+pub(crate) fn full_forward(
+    model: &CausalLm,
+    tokens: &[u32],
+    response: usize,
+) -> (Vec<f32>, Vec<Vec<i32>>) {
     let device = Device::flex();
     let n = tokens.len();
     let ids = Tensor::<2, Int>::from_data(
@@ -104,7 +108,7 @@ fn full_forward(model: &CausalLm, tokens: &[u32], response: usize) -> (Vec<f32>,
     (lp[n - 1 - response..].to_vec(), routing)
 }
 
-fn max_diff(a: &[f64], b: &[f32]) -> f64 {
+pub(crate) fn max_diff(a: &[f64], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
@@ -112,7 +116,10 @@ fn max_diff(a: &[f64], b: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-async fn run_all(engine: &Arc<EmbeddedEngine>, reqs: Vec<GenerateRequest>) -> Vec<GenerateOutput> {
+pub(crate) async fn run_all(
+    engine: &Arc<EmbeddedEngine>,
+    reqs: Vec<GenerateRequest>,
+) -> Vec<GenerateOutput> {
     let handles: Vec<_> = reqs
         .into_iter()
         .map(|r| {
@@ -256,7 +263,7 @@ async fn continuous_batching_gives_the_same_tokens_as_one_at_a_time() {
     assert_eq!(single.stats().max_batch, 1);
 }
 
-fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
+pub(crate) fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
     let mut out = NamedTensors::new();
     for (name, t) in model.to_hf_tensors(DType::F32).unwrap() {
         let values: Vec<f32> = t.to_f32().unwrap().iter().map(|v| v * factor).collect();

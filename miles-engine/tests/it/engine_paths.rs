@@ -17,7 +17,7 @@ use miles_core::{
 };
 use miles_engine::{EmbeddedEngine, EngineConfig};
 
-const ARCHITECTURES: [&str; 9] = [
+const ARCHITECTURES: [&str; 10] = [
     "dsv3-noq",
     "dsv3-tiny",
     "glm47flash-tiny",
@@ -27,6 +27,7 @@ const ARCHITECTURES: [&str; 9] = [
     "qwen2-untied",
     "qwen3-tiny",
     "qwen3moe-tiny",
+    "qwen35moe-tiny",
 ];
 
 fn load(name: &str) -> CausalLm {
