@@ -82,6 +82,14 @@ impl PagedKvCache {
                 model.config.architecture.spec().name
             )));
         }
+        let spec = model.config.architecture.spec();
+        if spec.attention_sinks || spec.sliding_layer_types {
+            return Err(BridgeError::input(format!(
+                "a paged KV cache does not decode attention sinks or sliding windows yet ({}); \
+                 decode with `CausalLm::forward_cached`",
+                spec.name
+            )));
+        }
         let needed = tokens.div_ceil(Self::BLOCK);
         let blocks = needed
             .checked_add(rows.min(needed))
