@@ -263,11 +263,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
             .filter(|&l| model.config.is_moe_layer(l))
             .count();
         // An engine started with --api-key needs the key: MILES_API_KEY.
-        miles_examples::wiring::sglang_fleet(
+        Arc::new(miles_examples::wiring::sglang_fleet(
             urls,
             &out.join("weights"),
             Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0),
-        )?
+        )?)
     };
 
     let sampling = SamplingParams {

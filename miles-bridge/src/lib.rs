@@ -13,7 +13,9 @@
 //!   `glm4_moe_lite` (GLM-4.7-Flash: DeepSeek-V3's latent attention with GLM's router, MoE
 //!   layers by `mlp_layer_types`), `qwen3_5` / `qwen3_5_moe` (Qwen3.5: Gated DeltaNet
 //!   linear-attention layers and gated full attention by `layer_types`, the releases'
-//!   vision-language layout read through `text_config` with the vision tower carried through);
+//!   vision-language layout read through `text_config` with the vision tower carried through),
+//!   `gpt_oss` (GPT-OSS: attention sinks, sliding-window layers by `layer_types`, biased
+//!   experts with a clamped SwiGLU behind a biased top-k-then-softmax router, YaRN);
 //!   each row says how that architecture's `config.json` maps onto the one [`ModelConfig`]
 //!   (defaults, ignored and pinned fields, RoPE scaling, attention kind, MoE layout), read by
 //!   [`ModelConfig::from_hf_json`] (transformers-5 `rope_parameters` layout and the older
@@ -94,10 +96,10 @@ pub mod parallel;
 pub mod profile;
 
 pub use config::{
-    ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
-    LayerType, LinearAttentionConfig, Llama3RopeScaling, MlaConfig, MlpLayerType, ModelConfig,
-    MoeLayers, MoeSpec, MultimodalLayout, PinnedField, PinnedValue, RopeScalingKind, RouterKind,
-    SharedExpertKind, YarnRopeScaling,
+    ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, ExpertKind,
+    FieldRule, LayerType, LinearAttentionConfig, Llama3RopeScaling, MlaConfig, MlpLayerType,
+    ModelConfig, MoeLayers, MoeSpec, MultimodalLayout, PinnedField, PinnedValue, RopeScalingKind,
+    RouterKind, SharedExpertKind, YarnRopeScaling,
 };
 pub use error::BridgeError;
 pub use kv_cache::{KvCache, LayerCache};

@@ -107,6 +107,14 @@ impl PagedKvCache {
         if state_slots > u32::MAX as usize {
             return Err(BridgeError::input(format!("{rows} state slots")));
         }
+        let spec = model.config.architecture.spec();
+        if spec.attention_sinks || spec.sliding_layer_types {
+            return Err(BridgeError::input(format!(
+                "a paged KV cache does not decode attention sinks or sliding windows yet ({}); \
+                 decode with `CausalLm::forward_cached`",
+                spec.name
+            )));
+        }
         let needed = tokens.div_ceil(Self::BLOCK);
         let blocks = needed
             .checked_add(rows.min(needed))

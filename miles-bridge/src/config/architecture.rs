@@ -44,6 +44,10 @@ pub enum Architecture {
     /// `qwen3_5_moe`: Qwen3.5 / 3.6 MoE (the same hybrid layers, every MLP routed experts plus
     /// a shared expert behind a sigmoid gate).
     Qwen3_5Moe,
+    /// `gpt_oss`: GPT-OSS (attention sinks, sliding-window attention on the layers
+    /// `layer_types` marks, biased q/k/v/o projections, experts with biases and a clamped
+    /// SwiGLU behind a biased top-k-then-softmax router, YaRN RoPE).
+    GptOss,
 }
 
 /// How a `config.json` field becomes a config value for one architecture.
@@ -157,6 +161,20 @@ pub enum ExpertCountField {
     NumExperts,
 }
 
+/// What an MoE layer's routed experts are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertKind {
+    /// SwiGLU experts without biases, stored per expert (`mlp.experts.{e}.gate_proj.weight`,
+    /// ...) and stacked per projection in memory (GLM, DeepSeek, Qwen).
+    SwiGlu,
+    /// GPT-OSS: `mlp.experts.gate_up_proj` `[E, hidden, 2 I]` (gate / up columns
+    /// interleaved), `down_proj` `[E, I, hidden]`, both with biases, the clamped SwiGLU
+    /// `(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)` with `g = min(gate, limit)`
+    /// (`swiglu_alpha`, `swiglu_limit`), behind `mlp.router` (weight and bias: top-k of the
+    /// logits, softmax over the chosen ones); see [`crate::nn::BiasedMoeBlock`].
+    ClampedSwiGluBiased,
+}
+
 /// An architecture's mixture of experts: its layout, router and the defaults of its fields.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeSpec {
@@ -184,6 +202,8 @@ pub struct MoeSpec {
     pub first_k_dense_replace: usize,
     /// How the shared experts are added.
     pub shared_expert: SharedExpertKind,
+    /// What the routed experts are.
+    pub experts: ExpertKind,
 }
 
 impl MoeSpec {
@@ -201,6 +221,7 @@ impl MoeSpec {
         routed_scaling_factor: 1.0,
         first_k_dense_replace: 1,
         shared_expert: SharedExpertKind::Summed,
+        experts: ExpertKind::SwiGlu,
     };
 }
 
@@ -290,6 +311,16 @@ pub struct ArchitectureSpec {
     pub norm_unit_offset: bool,
     /// The vision-language release layout, when the architecture has one.
     pub multimodal: Option<MultimodalLayout>,
+    /// Attention sinks: `self_attn.sinks` (`[num_attention_heads]`), a learned logit per head
+    /// that joins each query's softmax denominator and is then dropped (GPT-OSS).
+    pub attention_sinks: bool,
+    /// Whether `o_proj` has a bias when `attention_bias` is set (GPT-OSS; the other
+    /// architectures' `o_proj` never has one).
+    pub o_proj_bias: bool,
+    /// Sliding-window attention read from `layer_types` (`sliding_attention` /
+    /// `full_attention`; absent: even layers slide) and `sliding_window`: a sliding layer's
+    /// query at cache index `i` sees keys at `i - sliding_window < j <= i` (GPT-OSS).
+    pub sliding_layer_types: bool,
 }
 
 /// The architecture table, one row per [`Architecture`] variant, in the variants' order.
@@ -321,6 +352,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         attention_output_gate: false,
         norm_unit_offset: false,
         multimodal: None,
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen3,
@@ -342,6 +376,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         attention_output_gate: false,
         norm_unit_offset: false,
         multimodal: None,
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen3Moe,
@@ -368,6 +405,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         attention_output_gate: false,
         norm_unit_offset: false,
         multimodal: None,
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::Llama,
@@ -389,6 +429,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         attention_output_gate: false,
         norm_unit_offset: false,
         multimodal: None,
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen2,
@@ -412,6 +455,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         attention_output_gate: false,
         norm_unit_offset: false,
         multimodal: None,
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::DeepseekV3,
@@ -452,6 +498,7 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
             routed_scaling_factor: 2.5,
             first_k_dense_replace: 3,
             shared_expert: SharedExpertKind::Summed,
+            experts: ExpertKind::SwiGlu,
         },
         num_nextn_predict_layers: FieldRule::Read(1),
         // DeepSeek's original `config.json` fields: sigmoid scoring, `noaux_tc` top-k, every
@@ -474,6 +521,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         attention_output_gate: false,
         norm_unit_offset: false,
         multimodal: None,
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::Glm4MoeLite,
@@ -510,6 +560,7 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
             routed_scaling_factor: 1.8,
             first_k_dense_replace: 1,
             shared_expert: SharedExpertKind::Summed,
+            experts: ExpertKind::SwiGlu,
         },
         // The released checkpoint stores one multi-token-prediction layer after the decoder
         // layers (`num_nextn_predict_layers: 1`); transformers' config has no such field.
@@ -528,6 +579,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
         attention_output_gate: false,
         norm_unit_offset: false,
         multimodal: None,
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen3_5,
@@ -553,6 +607,9 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
             model_type: "qwen3_5",
             hf_class: "Qwen3_5ForConditionalGeneration",
         }),
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
     },
     ArchitectureSpec {
         architecture: Architecture::Qwen3_5Moe,
@@ -587,6 +644,45 @@ pub const ARCHITECTURES: &[ArchitectureSpec] = &[
             model_type: "qwen3_5_moe",
             hf_class: "Qwen3_5MoeForConditionalGeneration",
         }),
+        attention_sinks: false,
+        o_proj_bias: false,
+        sliding_layer_types: false,
+    },
+    ArchitectureSpec {
+        architecture: Architecture::GptOss,
+        model_type: "gpt_oss",
+        aliases: &[],
+        hf_class: "GptOssForCausalLM",
+        name: "GPT-OSS",
+        rms_norm_eps: FieldRule::Read(1e-5),
+        partial_rotary_factor: FieldRule::Fixed(1.0),
+        rope_scaling: Some(RopeScalingKind::Yarn),
+        attention: AttentionKind::Grouped,
+        attention_bias: FieldRule::Read(true),
+        use_qk_norm: FieldRule::Fixed(false),
+        sliding_window: false,
+        // transformers 5.24's `GptOssTopKRouter`: softmax over the top-k logits, which is
+        // the softmax router renormalised over the chosen experts.
+        moe: MoeSpec {
+            layers: MoeLayers::All,
+            router: RouterKind::Softmax,
+            expert_count_fields: &[ExpertCountField::NumExperts],
+            n_routed_experts: 128,
+            n_shared_experts: FieldRule::Fixed(0),
+            norm_topk_prob: true,
+            num_experts_per_tok: 4,
+            experts: ExpertKind::ClampedSwiGluBiased,
+            ..MoeSpec::DENSE
+        },
+        num_nextn_predict_layers: FieldRule::Fixed(0),
+        pinned_fields: &[],
+        linear_attention: None,
+        attention_output_gate: false,
+        norm_unit_offset: false,
+        multimodal: None,
+        attention_sinks: true,
+        o_proj_bias: true,
+        sliding_layer_types: true,
     },
 ];
 

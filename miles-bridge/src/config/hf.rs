@@ -8,7 +8,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::config::architecture::{
-    Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, MoeLayers, RopeScalingKind,
+    Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, ExpertKind, MoeLayers,
+    RopeScalingKind,
 };
 use crate::config::linear::LinearAttentionConfig;
 use crate::config::mla::MlaConfig;
@@ -82,6 +83,9 @@ struct RawConfig {
     full_attention_interval: Option<usize>,
     #[serde(default)]
     shared_expert_intermediate_size: usize,
+    sliding_window: Option<Value>,
+    swiglu_alpha: Option<f64>,
+    swiglu_limit: Option<f64>,
 }
 
 fn one() -> usize {
@@ -273,6 +277,32 @@ fn linear_layer_types(
         .collect()
 }
 
+/// GPT-OSS's `layer_types` as transformers 5.24 reads them: one `sliding_attention` /
+/// `full_attention` per layer (true: the layer slides), absent or null: even layers slide.
+fn sliding_layer_types(json: &Value, layers: usize) -> Result<Vec<bool>, BridgeError> {
+    let Some(types) = json.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok((0..layers).map(|l| l.is_multiple_of(2)).collect());
+    };
+    let types = types
+        .as_array()
+        .ok_or_else(|| BridgeError::config("layer_types", "must be a list of layer type names"))?;
+    types
+        .iter()
+        .enumerate()
+        .map(|(layer, kind)| match kind.as_str() {
+            Some("sliding_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(BridgeError::config(
+                "layer_types",
+                format!(
+                    "layer {layer} has unsupported type {kind} (`sliding_attention` or \
+                     `full_attention`)"
+                ),
+            )),
+        })
+        .collect()
+}
+
 impl ModelConfig {
     /// Parses an HF `config.json` text, choosing the architecture by `model_type` in the
     /// architecture table and reading the fields as its row says, and validates it. A missing
@@ -436,6 +466,24 @@ impl ModelConfig {
                 }),
             ),
         };
+        // GPT-OSS: the sliding layers and window (transformers' default window 128; null: none),
+        // its experts' width is `intermediate_size` and its SwiGLU clamp.
+        let (sliding_layers, sliding_window) = if spec.sliding_layer_types {
+            let window = match raw.sliding_window {
+                None if json.get("sliding_window").is_none() => Some(128),
+                None | Some(Value::Null) => None,
+                Some(v) => Some(v.as_u64().map(|w| w as usize).ok_or_else(|| {
+                    BridgeError::config("sliding_window", "must be a non-negative integer")
+                })?),
+            };
+            (sliding_layer_types(&json, raw.num_hidden_layers)?, window)
+        } else {
+            (Vec::new(), None)
+        };
+        let moe_intermediate_size = match moe.experts {
+            ExpertKind::ClampedSwiGluBiased => raw.intermediate_size,
+            ExpertKind::SwiGlu => raw.moe_intermediate_size,
+        };
         let config = Self {
             architecture,
             router: moe.router,
@@ -451,7 +499,7 @@ impl ModelConfig {
             vocab_size: raw.vocab_size,
             hidden_size: raw.hidden_size,
             intermediate_size: raw.intermediate_size,
-            moe_intermediate_size: raw.moe_intermediate_size,
+            moe_intermediate_size,
             num_hidden_layers: raw.num_hidden_layers,
             num_attention_heads: raw.num_attention_heads,
             // Latent attention has no key / value heads of its own (every head reads the
@@ -495,6 +543,10 @@ impl ModelConfig {
             linear_attention,
             shared_expert_intermediate_size: raw.shared_expert_intermediate_size,
             multimodal,
+            sliding_window,
+            sliding_layers,
+            swiglu_alpha: raw.swiglu_alpha.unwrap_or(1.702),
+            swiglu_limit: raw.swiglu_limit.unwrap_or(7.0),
         };
         config.validate()?;
         Ok(config.keeping_unread_text_fields())

@@ -9,9 +9,9 @@ mod model_config;
 mod rope;
 
 pub use architecture::{
-    ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, FieldRule,
-    MoeLayers, MoeSpec, MultimodalLayout, PinnedField, PinnedValue, RopeScalingKind, RouterKind,
-    SharedExpertKind,
+    ARCHITECTURES, Architecture, ArchitectureSpec, AttentionKind, ExpertCountField, ExpertKind,
+    FieldRule, MoeLayers, MoeSpec, MultimodalLayout, PinnedField, PinnedValue, RopeScalingKind,
+    RouterKind, SharedExpertKind,
 };
 pub use linear::LinearAttentionConfig;
 pub use mla::MlaConfig;

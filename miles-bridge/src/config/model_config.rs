@@ -102,6 +102,16 @@ pub struct ModelConfig {
     /// this crate does not read, such as `rope_parameters.mrope_section`), written back around
     /// the text config on export. `None`: a text-only checkpoint.
     pub multimodal: Option<Value>,
+    /// GPT-OSS: `sliding_window`, the keys a sliding layer's query sees (itself and the
+    /// `sliding_window - 1` before it); `None` without sliding layers.
+    pub sliding_window: Option<usize>,
+    /// GPT-OSS: which layers slide (`layer_types`: `sliding_attention` true,
+    /// `full_attention` false), one entry per layer; empty for the other architectures.
+    pub sliding_layers: Vec<bool>,
+    /// GPT-OSS: `swiglu_alpha`, the sigmoid gain of the experts' clamped SwiGLU.
+    pub swiglu_alpha: f64,
+    /// GPT-OSS: `swiglu_limit`, the clamp of the experts' gate (above) and up (both sides).
+    pub swiglu_limit: f64,
 }
 
 /// One entry of `layer_types`: a layer's token mixer.
@@ -271,6 +281,12 @@ impl ModelConfig {
         self.layer_types.get(layer) == Some(&LayerType::LinearAttention)
     }
 
+    /// The sliding window of layer `layer` (`None`: full attention).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.sliding_layers.get(layer) == Some(&true))
+    }
+
     /// Whether any layer is an MoE layer.
     pub fn has_moe(&self) -> bool {
         (0..self.num_hidden_layers).any(|l| self.is_moe_layer(l))
@@ -421,6 +437,27 @@ impl ModelConfig {
                 ));
             }
         }
+        if self.architecture.spec().sliding_layer_types {
+            if self.sliding_layers.len() != self.num_hidden_layers {
+                return Err(BridgeError::config(
+                    "layer_types",
+                    format!(
+                        "has {} entries for {} layers (num_hidden_layers)",
+                        self.sliding_layers.len(),
+                        self.num_hidden_layers
+                    ),
+                ));
+            }
+            if self.sliding_window == Some(0) {
+                return Err(BridgeError::config("sliding_window", "must be positive"));
+            }
+            if !(self.swiglu_limit > 0.0 && self.swiglu_alpha.is_finite()) {
+                return Err(BridgeError::config(
+                    "swiglu_limit",
+                    "swiglu_limit must be positive and swiglu_alpha finite",
+                ));
+            }
+        }
         if !has_moe {
             return Ok(());
         }
@@ -546,6 +583,28 @@ impl ModelConfig {
             json["linear_value_head_dim"] = lin.value_head_dim.into();
             json["linear_num_key_heads"] = lin.num_key_heads.into();
             json["linear_num_value_heads"] = lin.num_value_heads.into();
+        }
+        if spec.sliding_layer_types {
+            let types: Vec<&str> = self
+                .sliding_layers
+                .iter()
+                .map(|&s| {
+                    if s {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            json["layer_types"] = serde_json::json!(types);
+            json["sliding_window"] = serde_json::json!(self.sliding_window);
+            // transformers' own name for the expert count (`num_experts` is its alias).
+            if let Some(obj) = json.as_object_mut() {
+                obj.remove("num_experts");
+            }
+            json["num_local_experts"] = self.n_routed_experts.into();
+            json["swiglu_alpha"] = self.swiglu_alpha.into();
+            json["swiglu_limit"] = self.swiglu_limit.into();
         }
         if spec.moe.shared_expert == SharedExpertKind::Gated {
             json["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size.into();

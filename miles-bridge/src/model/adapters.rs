@@ -190,6 +190,8 @@ impl CausalLm {
                     .shared_experts
                     .as_ref()
                     .map(|m| (format!("{p}.mlp.{}", moe.shared_name), m)),
+                // GPT-OSS's experts take no adapters.
+                FeedForward::BiasedMoe(_) => None,
             };
             if let Some((q, m)) = mlp {
                 for (n, lin) in [
@@ -224,6 +226,7 @@ impl CausalLm {
                         .as_mut()
                         .map(|m| (format!("{p}.mlp.{name}"), m))
                 }
+                FeedForward::BiasedMoe(_) => None,
             };
             if let Some((q, m)) = mlp {
                 out.push((format!("{q}.gate_proj"), &mut m.gate_proj));

@@ -12,11 +12,12 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, FloatDType, Tensor};
 use miles_core::{DType, NamedTensors, TensorBytes};
 
-use crate::config::{Architecture, ModelConfig, RouterKind, SharedExpertKind};
+use crate::config::{Architecture, ExpertKind, ModelConfig, RouterKind, SharedExpertKind};
 use crate::error::BridgeError;
 use crate::lora::LoraConfig;
 use crate::names::{EXPERT_STACKS, hf_to_internal, internal_to_hf};
 use crate::nn::attention::{Attention, AttentionShape};
+use crate::nn::biased_moe::{BiasedMoeBlock, BiasedMoeShape};
 use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};
 use crate::nn::linear::{FusedLinear, Linear};
@@ -127,6 +128,8 @@ impl CausalLm {
                         down: miles_ops::PackedExperts::new(moe.experts.effective_down_proj()),
                     });
                 }
+                // GPT-OSS's experts keep their dense dispatch (nothing packed).
+                FeedForward::BiasedMoe(_) => {}
             }
         }
     }
@@ -174,6 +177,9 @@ impl CausalLm {
                 eps: c.rms_norm_eps,
                 output_gate: spec.attention_output_gate,
                 norm_unit_offset: offset,
+                o_bias: spec.o_proj_bias && c.attention_bias,
+                sinks: spec.attention_sinks,
+                rope_attention_factor: c.rope_attention_factor(),
             };
             let input_layernorm = RmsNorm::build_with(
                 &mut b,
@@ -215,7 +221,24 @@ impl CausalLm {
                 c.rms_norm_eps,
                 offset,
             )?;
-            let mlp = if c.is_moe_layer(l) {
+            let mlp = if c.is_moe_layer(l) && spec.moe.experts == ExpertKind::ClampedSwiGluBiased {
+                let block = BiasedMoeBlock::build(
+                    &mut b,
+                    &format!("{p}.mlp"),
+                    BiasedMoeShape {
+                        hidden: c.hidden_size,
+                        intermediate: c.moe_intermediate_size,
+                        experts: c.n_routed_experts,
+                        top_k: c.num_experts_per_tok,
+                        alpha: c.swiglu_alpha,
+                        limit: c.swiglu_limit,
+                        layer_index: l,
+                        moe_index,
+                    },
+                )?;
+                moe_index += 1;
+                FeedForward::BiasedMoe(block)
+            } else if c.is_moe_layer(l) {
                 let (e, h, i) = (c.n_routed_experts, c.hidden_size, c.moe_intermediate_size);
                 let gate = TopkRouter {
                     weight: b.param(&format!("{p}.mlp.gate.weight"), [e, h], Init::Normal)?,
@@ -450,7 +473,7 @@ impl CausalLm {
             .iter()
             .map(|l| match &l.mlp {
                 FeedForward::Moe(m) => m.gate.e_score_correction_bias.clone(),
-                FeedForward::Dense(_) => None,
+                FeedForward::Dense(_) | FeedForward::BiasedMoe(_) => None,
             })
             .collect();
         let mut model = self.map(&mut Cast(precision.float_dtype()));
@@ -462,6 +485,7 @@ impl CausalLm {
             }
             match &mut layer.mlp {
                 FeedForward::Dense(mlp) => mlp.unfuse(),
+                FeedForward::BiasedMoe(_) => {}
                 FeedForward::Moe(moe) => {
                     moe.gate.e_score_correction_bias = bias;
                     moe.packed = None;
@@ -501,6 +525,7 @@ impl CausalLm {
             match &layer.mlp {
                 FeedForward::Dense(mlp) => mlp.visit(&format!("{p}.mlp"), f),
                 FeedForward::Moe(moe) => moe.visit(&format!("{p}.mlp"), f),
+                FeedForward::BiasedMoe(moe) => moe.visit(&format!("{p}.mlp"), f),
             }
         }
         self.model.norm.visit("model.norm", f);

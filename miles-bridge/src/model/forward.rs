@@ -10,7 +10,7 @@ use miles_r3::RouterHook;
 use crate::error::BridgeError;
 use crate::kv_cache::KvCache;
 use crate::model::causal_lm::CausalLm;
-use crate::nn::attention::attention_mask;
+use crate::nn::attention::{attention_mask, sliding_window_mask};
 use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::layer::{FeedForward, SelfAttention};
 use crate::nn::moe::MoeRouting;
@@ -227,6 +227,11 @@ impl CausalLm {
                 Rope::new(positions, c.inv_freq()),
             )
         });
+        // Sliding layers (GPT-OSS) also hide the keys outside their window.
+        let sliding_mask = c
+            .sliding_window
+            .filter(|_| c.sliding_layers.contains(&true))
+            .map(|window| sliding_window_mask(mask.clone(), past, window));
         let hidden = profile::time(OpClass::Embed, || {
             embedding(self.model.embed_tokens.val(), input.input_ids.clone())
         });
@@ -258,7 +263,11 @@ impl CausalLm {
                 };
             }
             let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
-            attention.forward(x, &rope, mask.clone(), slot)
+            let layer_mask = match (&sliding_mask, c.layer_window(l)) {
+                (Some(sliding), Some(_)) => sliding.clone(),
+                _ => mask.clone(),
+            };
+            attention.forward(x, &rope, layer_mask, slot)
         })?;
         if let Some(cache) = cache {
             cache.next_position = Some(start + valid.int().sum_dim(1));
@@ -293,6 +302,11 @@ impl CausalLm {
             let mlp_out = match &layer.mlp {
                 FeedForward::Dense(mlp) => profile::time(OpClass::DenseMlp, || mlp.forward(normed)),
                 FeedForward::Moe(moe) => {
+                    let (out, r) = moe.forward(normed, hook)?;
+                    routing.push(r);
+                    out
+                }
+                FeedForward::BiasedMoe(moe) => {
                     let (out, r) = moe.forward(normed, hook)?;
                     routing.push(r);
                     out

@@ -2,7 +2,8 @@
 //! keeps its keys and values in a step (`KvTarget`: nowhere, a contiguous cache or a paged
 //! pool).
 
-use burn::module::Module;
+use burn::module::{Module, Param};
+use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
 
 use crate::error::BridgeError;
@@ -49,6 +50,21 @@ pub fn attention_mask(
     masked.unsqueeze_dim(1)
 }
 
+/// `mask` (`[batch, 1, seq, past + seq]`, queries at cache indices `past..past+seq`) with
+/// the keys outside a sliding window of `window` also hidden: a query at index `i` sees keys
+/// `i - window < j <= i` (transformers' sliding-window mask, by cache index).
+pub fn sliding_window_mask(mask: Tensor<4, Bool>, past: usize, window: usize) -> Tensor<4, Bool> {
+    let [batch, _, seq, total] = mask.dims();
+    let device = mask.device();
+    let q = Tensor::<1, Int>::arange(past as i64..(past + seq) as i64, &device)
+        .reshape([1, 1, seq, 1])
+        .expand([batch, 1, seq, total]);
+    let k = Tensor::<1, Int>::arange(0..total as i64, &device)
+        .reshape([1, 1, 1, total])
+        .expand([batch, 1, seq, total]);
+    mask.bool_or((q - k).greater_equal_elem(window as i64))
+}
+
 /// Where an attention layer keeps this step's keys and values.
 pub(crate) enum KvTarget<'a> {
     /// Nowhere (a training / scoring forward): `mask` `[batch, 1, seq, seq]`.
@@ -70,8 +86,8 @@ impl<'a> KvTarget<'a> {
     }
 }
 
-/// Grouped-query self-attention with optional q/k bias, optional per-head qk RMSNorm and
-/// partial RoPE; scale `1/sqrt(head_dim)`.
+/// Grouped-query self-attention with optional q/k/v (and GPT-OSS's o) biases, optional
+/// per-head qk RMSNorm, partial RoPE and optional attention sinks; scale `1/sqrt(head_dim)`.
 #[derive(Module, Debug)]
 pub struct Attention {
     /// `q_proj`.
@@ -80,8 +96,11 @@ pub struct Attention {
     pub k_proj: Linear,
     /// `v_proj`.
     pub v_proj: Linear,
-    /// `o_proj` (no bias).
+    /// `o_proj` (a bias only for GPT-OSS with `attention_bias`).
     pub o_proj: Linear,
+    /// GPT-OSS: `sinks`, `[num_heads]`, one logit per head in every query's softmax
+    /// denominator (its probability is dropped).
+    pub sinks: Option<Param<Tensor<1>>>,
     /// Per-head RMSNorm of queries (`use_qk_norm`).
     pub q_norm: Option<RmsNorm>,
     /// Per-head RMSNorm of keys (`use_qk_norm`).
@@ -95,6 +114,9 @@ pub struct Attention {
     /// Qwen3.5's output gate: `q_proj` gives, per head, the queries then as many gate
     /// channels; the attention output is multiplied by their sigmoid before `o_proj`.
     pub output_gate: bool,
+    /// The factor RoPE's cos / sin tables carry (YaRN's attention factor, 1 otherwise): it
+    /// scales queries and keys, so the softmax scale is multiplied by its square.
+    pub rope_attention_factor: f64,
     /// Inference only: `q_proj`, `k_proj` and `v_proj` fused ([`FusedLinear`]); `None` runs
     /// them separately.
     #[module(skip)]
@@ -118,6 +140,12 @@ pub(crate) struct AttentionShape {
     pub output_gate: bool,
     /// Zero-centred q / k norms (`1 + weight`).
     pub norm_unit_offset: bool,
+    /// `o_proj` has a bias.
+    pub o_bias: bool,
+    /// A learned sink logit per head.
+    pub sinks: bool,
+    /// YaRN's attention factor (1 without YaRN).
+    pub rope_attention_factor: f64,
 }
 
 impl Attention {
@@ -147,13 +175,23 @@ impl Attention {
             q_proj: Linear::build(b, &format!("{name}.q_proj"), s.hidden, q_width, s.bias)?,
             k_proj: Linear::build(b, &format!("{name}.k_proj"), s.hidden, kv_out, s.bias)?,
             v_proj: Linear::build(b, &format!("{name}.v_proj"), s.hidden, kv_out, s.bias)?,
-            o_proj: Linear::build(b, &format!("{name}.o_proj"), q_out, s.hidden, false)?,
+            o_proj: Linear::build(b, &format!("{name}.o_proj"), q_out, s.hidden, s.o_bias)?,
+            sinks: if s.sinks {
+                Some(b.param(
+                    &format!("{name}.sinks"),
+                    [s.num_heads],
+                    crate::nn::param::Init::Normal,
+                )?)
+            } else {
+                None
+            },
             q_norm,
             k_norm,
             num_heads: s.num_heads,
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
             output_gate: s.output_gate,
+            rope_attention_factor: s.rope_attention_factor,
             fused_qkv: None,
             packed_o: None,
         })
@@ -240,12 +278,16 @@ impl Attention {
             }
             (rope.apply(q), rope.apply(k))
         });
-        let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
+        let scale = (self.rope_attention_factor * self.rope_attention_factor
+            / (self.head_dim as f64).sqrt()) as f32;
         // One fused op on flex (scores never materialised between ops); the same computation
         // with tensor ops elsewhere.
         let attend_all = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Tensor<4, Bool>| {
             let mask = mask.reshape([batch, seq, k.dims()[2]]);
-            profile::time(OpClass::Attention, || attend(q, k, v, mask, scale))
+            profile::time(OpClass::Attention, || match &self.sinks {
+                Some(sinks) => attend_with_sinks(q, k, v, mask, scale, sinks.val()),
+                None => attend(q, k, v, mask, scale),
+            })
         };
         let out = match target {
             KvTarget::Plain(mask) => attend_all(q, k, v, mask),
@@ -292,6 +334,12 @@ impl Attention {
         if let Some(n) = &self.q_norm {
             n.visit(&format!("{name}.q_norm"), f);
         }
+        if let Some(sinks) = &self.sinks {
+            f(
+                &format!("{name}.sinks"),
+                crate::nn::param::ParamRef::R1(sinks),
+            );
+        }
         if let Some(n) = &self.k_norm {
             n.visit(&format!("{name}.k_norm"), f);
         }
@@ -321,6 +369,47 @@ pub(crate) fn attend(
     miles_ops::attention(q.clone(), k.clone(), v.clone(), mask.clone(), scale)
         .unwrap_or_else(|_| miles_ops::attention_reference(q, k, v, mask, scale))
         .cast(dtype)
+}
+
+/// [`attend`] with attention sinks (GPT-OSS, transformers' `eager_attention_forward`): per
+/// head `h`, the softmax of each query's masked scores runs over one more logit, `sinks[h]`,
+/// whose probability is then dropped, so the weights sum to less than one. Tensor ops, in
+/// f32 in every precision; a query with every key masked attends to nothing (zero output).
+pub(crate) fn attend_with_sinks(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<3, Bool>,
+    scale: f32,
+    sinks: Tensor<1>,
+) -> Tensor<4> {
+    let dtype = q.dtype();
+    let f32 = |t: Tensor<4>| t.cast(FloatDType::F32);
+    let (q, k, v) = (f32(q), f32(k), f32(v));
+    let [batch, heads, seq, _] = q.dims();
+    let [_, kv_heads, total, _] = k.dims();
+    let group = heads / kv_heads.max(1);
+    let repeat = |x: Tensor<4>| {
+        if group == 1 {
+            return x;
+        }
+        let d = x.dims()[3];
+        x.reshape([batch, kv_heads, 1, total, d])
+            .expand([batch, kv_heads, group, total, d])
+            .reshape([batch, heads, total, d])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let scores = q.matmul(k.swap_dims(2, 3)) * scale;
+    let mask = mask
+        .reshape([batch, 1, seq, total])
+        .expand([batch, heads, seq, total]);
+    let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+    let sink = sinks
+        .cast(FloatDType::F32)
+        .reshape([1, heads, 1, 1])
+        .expand([batch, heads, seq, 1]);
+    let probs = softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, total);
+    probs.matmul(v).cast(dtype)
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use burn::tensor::{Bool, Tensor};
 
 use crate::kv_cache::LayerCache;
 use crate::nn::attention::{Attention, KvTarget};
+use crate::nn::biased_moe::BiasedMoeBlock;
 use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::linear::Linear;
 use crate::nn::mla::LatentAttention;
@@ -24,6 +25,8 @@ pub enum FeedForward {
     Dense(Mlp),
     /// Routed + shared experts.
     Moe(MoeBlock),
+    /// GPT-OSS: routed experts with biases and a clamped SwiGLU behind a biased router.
+    BiasedMoe(BiasedMoeBlock),
 }
 
 /// The attention of a decoder layer.

@@ -1,11 +1,12 @@
 //! The burn modules a `CausalLm` is made of, with HF's parameter names and layouts: linear
 //! layers ([`Linear`], and [`FusedLinear`] for inference), [`RmsNorm`], the SwiGLU [`Mlp`],
 //! [`Rope`], grouped-query [`Attention`] and DeepSeek-V3's [`LatentAttention`], the
-//! mixture-of-experts [`MoeBlock`], and the decoder built from them ([`DecoderLayer`],
+//! mixture-of-experts [`MoeBlock`] and GPT-OSS's [`BiasedMoeBlock`], and the decoder built from them ([`DecoderLayer`],
 //! [`DecoderModel`]); plus the parameter visitors ([`ParamRef`], [`ParamVisitor`]) that
 //! export, optimizers and gradient checks walk the parameters with.
 
 pub(crate) mod attention;
+pub(crate) mod biased_moe;
 pub(crate) mod gated_delta;
 pub(crate) mod layer;
 pub(crate) mod linear;
@@ -16,7 +17,8 @@ pub(crate) mod norm;
 pub(crate) mod param;
 pub(crate) mod rope;
 
-pub use attention::{Attention, attention_mask};
+pub use attention::{Attention, attention_mask, sliding_window_mask};
+pub use biased_moe::BiasedMoeBlock;
 pub use gated_delta::{DELTA_CHUNK, GatedDeltaNet, LinearState};
 pub use layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};
 pub use linear::{FusedLinear, FusedWeight, Linear};

@@ -6,6 +6,7 @@ mod common;
 mod deepseek_v3;
 mod glm4_moe_lite;
 mod glm4moe_tiny;
+mod gpt_oss;
 mod half_precision;
 mod lora;
 mod other_architectures;

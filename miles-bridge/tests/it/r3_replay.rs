@@ -274,9 +274,13 @@ fn bits(v: &[Vec<f32>]) -> Vec<u32> {
 fn router_grad(model: &CausalLm, pass: &TrainerPass, layer: usize) -> Vec<u32> {
     let grads = pass.selected.clone().mean().neg().backward();
     let mut out = None;
-    let name = format!("model.layers.{layer}.mlp.gate.weight");
+    // GLM / DeepSeek / Qwen name the router `mlp.gate`, GPT-OSS `mlp.router`.
+    let names = [
+        format!("model.layers.{layer}.mlp.gate.weight"),
+        format!("model.layers.{layer}.mlp.router.weight"),
+    ];
     model.visit_params(&mut |n, p| {
-        if n == name {
+        if names.iter().any(|name| name == n) {
             out = p.grad(&grads);
         }
     });
@@ -408,6 +412,13 @@ fn glm4_moe_lite_replay_removes_routing_flips() {
 #[test]
 fn qwen3_5_moe_replay_removes_routing_flips() {
     prove("qwen35moe-tiny", false);
+}
+
+/// GPT-OSS (`gptoss-tiny`: biased router, top-k of the logits then softmax over the chosen,
+/// biased experts; every layer MoE).
+#[test]
+fn gpt_oss_replay_removes_routing_flips() {
+    prove("gptoss-tiny", false);
 }
 
 #[test]
