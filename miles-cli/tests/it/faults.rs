@@ -364,7 +364,7 @@ fn port_of(url: &str) -> u16 {
         .unwrap()
 }
 
-/// The last training step `metrics.jsonl` holds so far (0: none).
+/// The last training step `metrics.jsonl` holds so far (0 also when none).
 fn steps_done(dir: &Path) -> u64 {
     steps(dir).into_iter().max().unwrap_or(0)
 }
@@ -468,10 +468,10 @@ fn an_engine_killed_mid_run_is_routed_around_and_readmitted_with_the_current_wei
         stderr.contains("engine-0") && !stderr.contains("samples in a row failed"),
         "{stderr}"
     );
-    // No step lost or trained twice: 1, 2, …, n, each once.
+    // No step lost or trained twice: 0, 1, …, n - 1, each once.
     let steps = steps(&dir);
     let n = steps.len() as u64;
-    assert_eq!(steps, (1..=n).collect::<Vec<_>>());
+    assert_eq!(steps, (0..n).collect::<Vec<_>>());
     // Both engines end on the same, newest weights.
     let (va, vb) = (weight_version_of(&a), weight_version_of(&b));
     assert_eq!(va, vb, "{stderr}");
