@@ -158,7 +158,7 @@ def status(flag, group):
                              "`--kl-coef` needs it (docs of `miles_train::Actor`); the flag is accepted and changes nothing")
     if flag == "--save-debug-trajectory-data":
         return "supported", ("with `--agent-cmd`: each session's conversation rides on its sample as "
-                             "`metadata.messages`, as Miles' session server does; the JSONL file is not written")
+                             "`metadata.messages`, as Miles' session server does, and each rollout's rows go to the JSONL file at PATH")
     if flag in ours:
         return "supported", ""
     if flag == "--opd-topk-per-position":

@@ -302,7 +302,8 @@ pub struct RolloutArgs {
     #[arg(long, value_name = "PATH")]
     pub save_debug_rollout_data: Option<String>,
     /// With --agent-cmd: the session server puts each session's conversation on its sample as
-    /// metadata.messages (Miles' --save-debug-trajectory-data; no JSONL file is written here)
+    /// metadata.messages, and each rollout's conversations are written to PATH as JSONL, one
+    /// row per sample ({rollout_id} in PATH is replaced)
     #[arg(long, value_name = "PATH")]
     pub save_debug_trajectory_data: Option<String>,
     /// With --agent-cmd: one training sample per turn instead of one merged sample per
@@ -899,7 +900,8 @@ pub struct SessionArgs {
     #[arg(long, value_name = "NAME", default_value = "strict", value_parser = message_matcher_name)]
     pub session_message_matcher: String,
     /// Put each session's conversation on its last sample as metadata.messages (Miles'
-    /// --save-debug-trajectory-data; the PATH is accepted and unused here)
+    /// --save-debug-trajectory-data; the session server alone writes no file: the PATH is
+    /// for `miles train`)
     #[arg(long, value_name = "PATH")]
     pub save_debug_trajectory_data: Option<String>,
     /// Seconds in-flight requests get to finish after SIGINT / SIGTERM

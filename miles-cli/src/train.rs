@@ -795,10 +795,12 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         actor = actor.with_reference(CausalLm::from_pretrained(&dir, &c.device)?)?;
     }
     let mut boxed: Box<dyn PolicyTrainer> = Box::new(actor);
-    if let Some(template) = a.rollout.save_debug_rollout_data.as_deref() {
+    if a.rollout.save_debug_rollout_data.is_some() || a.rollout.save_debug_trajectory_data.is_some()
+    {
         boxed = Box::new(DebugRolloutDump {
             inner: boxed,
-            template: template.to_owned(),
+            samples: a.rollout.save_debug_rollout_data.clone(),
+            trajectories: a.rollout.save_debug_trajectory_data.clone(),
         });
     }
     let trainer: SharedTrainer = Arc::new(Mutex::new(boxed));
@@ -1064,11 +1066,52 @@ fn sft(a: &TrainArgs) -> Result<Value, BoxError> {
     Ok(summary)
 }
 
-/// `--save-debug-rollout-data`: writes the samples of every rollout the trainer gets (as
-/// JSON) before training on them.
+/// `--save-debug-rollout-data` / `--save-debug-trajectory-data`: writes the samples of every
+/// rollout the trainer gets (as JSON), and the conversations the session server recorded on
+/// them (`metadata.messages`: one JSONL row per such sample, Miles' trajectory rows; no file
+/// when there is none), before training on them. `{rollout_id}` in a path is the rollout.
 struct DebugRolloutDump {
     inner: Box<dyn PolicyTrainer>,
-    template: String,
+    samples: Option<String>,
+    trajectories: Option<String>,
+}
+
+impl DebugRolloutDump {
+    fn write(template: &str, rollout_id: u64, bytes: &[u8]) -> miles_core::Result<()> {
+        let path = template.replace("{rollout_id}", &rollout_id.to_string());
+        let write = || -> std::io::Result<()> {
+            if let Some(dir) = Path::new(&path).parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(&path, bytes)
+        };
+        write().map_err(|e| miles_core::Error::io(&path, e))
+    }
+}
+
+/// Miles' trajectory rows (`debug_data.trajectory_rows`): the samples that carry
+/// `metadata.messages`, as `{sample_index, group_index, status, reward, prompt, messages}`
+/// (a reward that is not a number is `null`), one compact JSON line each.
+fn trajectory_rows(samples: &[miles_core::Sample]) -> String {
+    samples
+        .iter()
+        .filter_map(|s| {
+            let messages = s.metadata.get("messages")?;
+            let reward = match &s.reward {
+                Some(miles_core::Reward::Scalar(v)) => json!(v),
+                _ => Value::Null,
+            };
+            let row = json!({
+                "sample_index": s.index,
+                "group_index": s.group_index,
+                "status": s.status,
+                "reward": reward,
+                "prompt": s.prompt,
+                "messages": messages,
+            });
+            Some(row.to_string() + "\n")
+        })
+        .collect()
 }
 
 impl PolicyTrainer for DebugRolloutDump {
@@ -1077,16 +1120,17 @@ impl PolicyTrainer for DebugRolloutDump {
         rollout_id: u64,
         samples: &[miles_core::Sample],
     ) -> miles_core::Result<miles_core::Metrics> {
-        let path = self
-            .template
-            .replace("{rollout_id}", &rollout_id.to_string());
-        let write = || -> std::io::Result<()> {
-            if let Some(dir) = Path::new(&path).parent() {
-                std::fs::create_dir_all(dir)?;
+        if let Some(template) = &self.trajectories {
+            let rows = trajectory_rows(samples);
+            if !rows.is_empty() {
+                Self::write(template, rollout_id, rows.as_bytes())?;
             }
-            std::fs::write(&path, serde_json::to_vec(samples)?)
-        };
-        write().map_err(|e| miles_core::Error::io(&path, e))?;
+        }
+        if let Some(template) = &self.samples {
+            let bytes = serde_json::to_vec(samples)
+                .map_err(|e| miles_core::Error::io(template, std::io::Error::other(e)))?;
+            Self::write(template, rollout_id, &bytes)?;
+        }
         self.inner.train(rollout_id, samples)
     }
 

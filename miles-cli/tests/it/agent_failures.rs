@@ -9,33 +9,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("miles-agent-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn checkpoint() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/serve/qwen3-tiny-chat")
-}
-
-/// Eight prompts with labels, as JSONL.
-fn prompts(dir: &Path) -> PathBuf {
-    let path = dir.join("prompts.jsonl");
-    let lines: Vec<String> = (0..8)
-        .map(|i| {
-            serde_json::json!({"input": format!("What is {i} + 1?"), "label": (i + 1).to_string()})
-                .to_string()
-        })
-        .collect();
-    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
-    path
-}
-
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
-}
+use crate::process::{python, scratch, sum_prompts, tiny_chat_checkpoint};
 
 fn train_async(dir: &Path, agent: &Path) -> Output {
     train_async_with(dir, agent, &["--agent-timeout-s", "60"])
@@ -45,9 +19,9 @@ fn train_async_with(dir: &Path, agent: &Path, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_miles"))
         .arg("train-async")
         .arg("--hf-checkpoint")
-        .arg(checkpoint())
+        .arg(tiny_chat_checkpoint())
         .arg("--prompt-data")
-        .arg(prompts(dir))
+        .arg(sum_prompts(dir))
         .args([
             "--num-rollout",
             "2",
@@ -73,7 +47,7 @@ fn train_async_with(dir: &Path, agent: &Path, extra: &[&str]) -> Output {
 
 #[test]
 fn an_agent_that_always_fails_stops_the_run_with_its_stderr() {
-    let dir = scratch("always");
+    let dir = scratch("agent-always");
     let agent = dir.join("agent.py");
     std::fs::write(
         &agent,
@@ -97,7 +71,7 @@ fn an_agent_that_always_fails_stops_the_run_with_its_stderr() {
 
 #[test]
 fn an_agent_that_fails_half_of_its_runs_finishes_the_run() {
-    let dir = scratch("half");
+    let dir = scratch("agent-half");
     let agent = dir.join("agent.py");
     // Each run fails with probability 1/2, as the agent does (a run of 16 failures in
     // a row, which stops a run, has a chance of about 2^-16 per sample here).
@@ -156,7 +130,7 @@ fn an_agent_that_hangs_or_prints_garbage_stops_the_run_naming_the_cause() {
         ),
     ];
     for (name, script, cause, timeout) in cases {
-        let dir = scratch(name);
+        let dir = scratch(&format!("agent-{name}"));
         let agent = dir.join("agent.py");
         std::fs::write(&agent, script).unwrap();
         let started = std::time::Instant::now();

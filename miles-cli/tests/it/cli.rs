@@ -441,10 +441,46 @@ fn train_async_with_an_agent_in_python() {
             "--agent-timeout-s",
             "120",
         ])
+        .arg("--save-debug-trajectory-data")
+        .arg(dir.join("trajectory/{rollout_id}.jsonl"))
         .arg("--agent-cmd")
         .arg(format!("{python} {}", agent.display())));
     let summary = json_file(&out.join("summary.json"));
     assert_eq!(summary["weight_version"], 3, "{summary}");
+    // Miles' trajectory rows, one per sample (4 prompts × 4 samples), keys in Miles' order,
+    // the conversation the agent had: the prompt's messages, then the model's answer.
+    for rollout in 0..3 {
+        let path = dir.join(format!("trajectory/{rollout}.jsonl"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        let rows: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 16, "{text}");
+        for row in &rows {
+            let keys: Vec<&str> = row
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(String::as_str)
+                .collect();
+            assert_eq!(
+                keys,
+                [
+                    "sample_index",
+                    "group_index",
+                    "status",
+                    "reward",
+                    "prompt",
+                    "messages"
+                ]
+            );
+            let messages = row["messages"].as_array().unwrap();
+            assert!(messages.iter().any(|m| m["role"] == "user"), "{row}");
+            assert_eq!(messages.last().unwrap()["role"], "assistant", "{row}");
+            assert!(row["reward"].is_number(), "{row}");
+        }
+    }
     let rows = metric_rows(&out.join("metrics.jsonl"));
     let train_rows: Vec<&Value> = rows
         .iter()

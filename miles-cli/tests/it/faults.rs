@@ -14,48 +14,18 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::process::wait_exit;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("miles-faults-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
-}
-
-fn checkpoint() -> PathBuf {
-    repo("fixtures/serve/qwen3-tiny-chat")
-}
-
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-/// Eight prompts with labels, as JSONL.
-fn prompts(dir: &Path) -> PathBuf {
-    let path = dir.join("prompts.jsonl");
-    let lines: Vec<String> = (0..8)
-        .map(|i| {
-            serde_json::json!({"input": format!("What is {i} + 2?"), "label": (i + 2).to_string()})
-                .to_string()
-        })
-        .collect();
-    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
-    path
-}
+use crate::process::{
+    Server, python, repo, scratch, start_serve, sum_prompts, tiny_chat_checkpoint, wait_exit,
+};
 
 /// `miles train` over the prompts: `rollouts` rollouts of 4 prompts × 2 samples, one step each.
 fn train(dir: &Path, rollouts: usize) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_miles"));
     cmd.arg("train")
         .arg("--hf-checkpoint")
-        .arg(checkpoint())
+        .arg(tiny_chat_checkpoint())
         .arg("--prompt-data")
-        .arg(prompts(dir))
+        .arg(sum_prompts(dir))
         .args(["--label-key", "label"])
         .args(["--num-rollout", &rollouts.to_string()])
         .args([
@@ -216,7 +186,7 @@ fn train_with_reward(dir: &Path, url: &str, extra: &[&str]) -> Command {
 
 #[test]
 fn a_flaky_reward_model_over_https_is_retried_and_every_sample_scored_once() {
-    let dir = scratch("rm-flaky");
+    let dir = scratch("faults-rm-flaky");
     let server = reward_server(&dir, "flaky");
     let out = finish(
         train_with_reward(&dir, &server.url, &[]),
@@ -260,7 +230,7 @@ fn a_flaky_reward_model_over_https_is_retried_and_every_sample_scored_once() {
 #[test]
 fn a_reward_model_that_is_down_or_too_slow_stops_the_run_naming_it() {
     for mode in ["down", "slow"] {
-        let dir = scratch(&format!("rm-{mode}"));
+        let dir = scratch(&format!("faults-rm-{mode}"));
         let server = (mode == "slow").then(|| reward_server(&dir, "slow"));
         let url = match &server {
             Some(server) => server.url.clone(),
@@ -307,50 +277,20 @@ fn a_reward_model_that_is_down_or_too_slow_stops_the_run_naming_it() {
     }
 }
 
-/// A `miles serve` process on the checkpoint, reading weight updates under `root`.
-struct Serve {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `miles serve` on `port` (0: any) and waits for its `listening on` line (a port
-/// just freed by a killed server may take a moment to bind again: retried for 30 s).
-fn serve(port: u16, root: &Path) -> Serve {
+/// Starts `miles serve` on the checkpoint, reading weight updates under `root`, on `port`
+/// (0: any); a port just freed by a killed server may take a moment to bind again: retried
+/// for 30 s.
+fn serve(port: u16, root: &Path) -> Server {
     let until = Instant::now() + Duration::from_secs(30);
+    let extra = [std::ffi::OsStr::new("--weights-root"), root.as_os_str()];
     loop {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_miles"))
-            .args(["serve", "--model"])
-            .arg(checkpoint())
-            .args(["--port", &port.to_string()])
-            .arg("--weights-root")
-            .arg(root)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start miles serve");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        if let Some(url) = line.trim().strip_prefix("listening on ") {
-            return Serve {
-                child,
-                url: url.to_owned(),
-            };
+        match start_serve(&tiny_chat_checkpoint(), port, &extra, Stdio::null()) {
+            Ok(server) => return server,
+            Err(line) => assert!(
+                Instant::now() < until,
+                "miles serve did not start: {line:?}"
+            ),
         }
-        let _ = child.kill();
-        let _ = child.wait();
-        assert!(
-            Instant::now() < until,
-            "miles serve did not start: {line:?}"
-        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -389,7 +329,7 @@ fn log(dir: &Path) -> String {
 
 /// `miles train` over `engines` (`--engine-url` each, health-checked every 0.2 s), its
 /// stderr to `dir/stderr.log`.
-fn train_on(dir: &Path, rollouts: usize, engines: &[&Serve], extra: &[&str]) -> Child {
+fn train_on(dir: &Path, rollouts: usize, engines: &[&Server], extra: &[&str]) -> Child {
     let mut cmd = train(dir, rollouts);
     cmd.args([
         "--rm-type",
@@ -406,7 +346,7 @@ fn train_on(dir: &Path, rollouts: usize, engines: &[&Serve], extra: &[&str]) -> 
     cmd.spawn().expect("miles starts")
 }
 
-fn weight_version_of(engine: &Serve) -> u64 {
+fn weight_version_of(engine: &Server) -> u64 {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -432,7 +372,7 @@ fn steps(dir: &Path) -> Vec<u64> {
 
 #[test]
 fn an_engine_killed_mid_run_is_routed_around_and_readmitted_with_the_current_weights() {
-    let dir = scratch("engine-one");
+    let dir = scratch("faults-engine-one");
     let mut a = serve(0, &dir);
     let b = serve(0, &dir);
     // Long enough to outlast the kill and the restart; stopped with SIGTERM below.
@@ -495,7 +435,7 @@ fn checkpoints(save: &Path) -> usize {
 
 #[test]
 fn all_engines_down_stops_the_run_after_a_bounded_wait_and_load_resumes_it() {
-    let dir = scratch("engine-all");
+    let dir = scratch("faults-engine-all");
     let save = dir.join("ckpt");
     let save_flags = ["--save", save.to_str().unwrap(), "--save-interval", "1"];
     let engine = serve(0, &dir);
@@ -546,7 +486,7 @@ fn all_engines_down_stops_the_run_after_a_bounded_wait_and_load_resumes_it() {
 
 #[test]
 fn a_checkpoint_that_cannot_be_written_stops_the_run_naming_the_path() {
-    let dir = scratch("ckpt-write");
+    let dir = scratch("faults-ckpt-write");
     // A regular file where the checkpoint folder's parent should be (root ignores read-only
     // permissions; a file in the path fails for everyone).
     let blocker = dir.join("not-a-dir");

@@ -3,9 +3,10 @@
 //! other one, or reports it ABORTED; the dead server leaves the rotation and is re-admitted
 //! once it is restarted.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,23 +16,10 @@ use miles_core::{
 };
 use miles_session::sglang::Router;
 
-use crate::process::{send_signal, wait_exit};
+use crate::process::{Server, send_signal, start_serve, tiny_chat_checkpoint, wait_exit};
 
 fn model_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/serve/qwen3-tiny-chat")
-}
-
-/// A server process and its base URL.
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    tiny_chat_checkpoint()
 }
 
 /// Starts `miles serve` on `port` (0: any) and waits for its `listening on` line.
@@ -41,31 +29,8 @@ fn start(port: u16) -> Server {
 
 /// [`start`] with extra flags; `Err(first line)` when the server did not come up.
 fn start_with(port: u16, extra: &[&str]) -> Result<Server, String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_miles"))
-        .args(["serve", "--model"])
-        .arg(model_dir())
-        .args(["--port", &port.to_string()])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start miles serve");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("read the listening line");
-    match line.trim().strip_prefix("listening on ") {
-        Some(url) => Ok(Server {
-            url: url.to_owned(),
-            child,
-        }),
-        None => {
-            let _ = child.kill();
-            let _ = child.wait();
-            Err(line)
-        }
-    }
+    let extra: Vec<&OsStr> = extra.iter().map(OsStr::new).collect();
+    start_serve(&model_dir(), port, &extra, Stdio::inherit())
 }
 
 /// `miles serve --device wgpu-cpu` (burn's wgpu runtime on the CPU adapter) answers
@@ -343,26 +308,7 @@ fn miles_serve_decodes_a_hybrid_model_as_transformers() {
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference_engine.json")).unwrap())
             .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_miles"))
-        .args(["serve", "--model"])
-        .arg(&dir)
-        .args(["--port", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start miles serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let server = Server {
-        url: line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("{line:?}"))
-            .to_owned(),
-        child,
-    };
+    let server = start_serve(&dir, 0, &[], Stdio::inherit()).unwrap_or_else(|l| panic!("{l:?}"));
     let body = serde_json::json!({
         "input_ids": reference["prompts"][2],
         "sampling_params": {"temperature": 0, "max_new_tokens": reference["max_new_tokens"]},

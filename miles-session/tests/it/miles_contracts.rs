@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -45,6 +45,8 @@ struct Scripted {
     log: Mutex<Vec<GenerateRequest>>,
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
+    /// Answers one log-prob short of the tokens (an upstream protocol break).
+    short_log_probs: AtomicBool,
 }
 
 impl Scripted {
@@ -69,6 +71,7 @@ impl Scripted {
             log: Mutex::new(Vec::new()),
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
+            short_log_probs: AtomicBool::new(false),
         })
     }
 
@@ -119,9 +122,13 @@ impl InferenceEngine for Scripted {
             finish = FinishReason::Length;
             matched = None;
         }
+        let mut log_probs: Vec<f64> = (0..ids.len()).map(|i| -0.125 * (i as f64 + 1.0)).collect();
+        if self.short_log_probs.load(Ordering::SeqCst) {
+            log_probs.pop();
+        }
         Ok(GenerateOutput {
             request_id: request.request_id.clone(),
-            output_log_probs: (0..ids.len()).map(|i| -0.125 * (i as f64 + 1.0)).collect(),
+            output_log_probs: log_probs,
             output_ids: ids,
             routed_experts: None,
             finish_reason: finish,
@@ -544,77 +551,14 @@ async fn sessions_chat_upstream_null_message_returns_502() {
     let env = router_env().await;
     let sid = env.create_session().await;
     env.backend.set_reply(Arc::new(|_| Ok("GARBAGE".into())));
-    struct Short(Arc<Scripted>);
-    #[async_trait]
-    impl InferenceEngine for Short {
-        async fn generate(&self, r: GenerateRequest) -> miles_core::Result<GenerateOutput> {
-            let mut out = self.0.generate(r).await?;
-            out.output_log_probs.pop();
-            Ok(out)
-        }
-        async fn update_weights(
-            &self,
-            _: &NamedTensors,
-            _: WeightVersion,
-        ) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn update_weights_from_disk(
-            &self,
-            _: &std::path::Path,
-            _: WeightVersion,
-        ) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn pause(&self, _: PauseMode) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn resume(&self) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn flush_cache(&self) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn abort(&self, _: &RequestId) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn abort_all(&self) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn health(&self) -> miles_core::Result<()> {
-            Ok(())
-        }
-        async fn weight_version(&self) -> miles_core::Result<WeightVersion> {
-            Ok(WeightVersion(1))
-        }
-    }
-    let server = SessionServer::new(
-        Arc::new(Short(env.backend.clone())),
-        Arc::new(ByteChatml::default()),
-        SessionServerConfig::default(),
-    );
-    let url = serve(server.router()).await;
-    let created: Value = env
-        .http
-        .post_json(&format!("{url}/sessions"), &json!({}), &[])
-        .await
-        .unwrap()
-        .json()
-        .unwrap();
+    env.backend.short_log_probs.store(true, Ordering::SeqCst);
     let r = env
-        .http
-        .post_json(
-            &format!(
-                "{url}/sessions/{}/v1/chat/completions",
-                created["session_id"].as_str().unwrap()
-            ),
+        .post_chat(
+            &sid,
             &json!({"messages": [{"role": "user", "content": "hi"}]}),
-            &[],
         )
-        .await
-        .unwrap();
+        .await;
     assert_eq!(r.status, 502, "{}", r.text());
-    drop(sid);
 }
 
 #[tokio::test]
