@@ -4,7 +4,7 @@
 //! stops with a non-zero exit whose message names the command, the cause and the agent's
 //! stderr; the half-failing one finishes its rollouts, the failures counted.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use serde_json::Value;
