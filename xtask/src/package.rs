@@ -52,7 +52,10 @@ pub fn verify(crates: &[&str]) -> Result<(), String> {
     for krate in crates {
         let archive = newest_package(&target.join("package"), krate)?;
         let mut untar = std::process::Command::new("tar");
-        untar.arg("-xzf").arg(&archive).arg("-C").arg(&check);
+        // `-m`: the files get the extraction time, not the archive's (cargo packages with a
+        // fixed old mtime), so a rerun in a used target dir never takes a previous check's
+        // build of the same path for fresh.
+        untar.arg("-xzmf").arg(&archive).arg("-C").arg(&check);
         run(untar)?;
         let folder = archive
             .file_name()
