@@ -157,18 +157,17 @@ impl Router {
         self
     }
 
-    /// Waits until an engine not in `exclude` is in rotation, at most until `deadline`;
-    /// whether one is.
-    async fn wait_for_rotation(&self, exclude: &[usize], deadline: tokio::time::Instant) -> bool {
+    /// Waits until an engine is in rotation, before `deadline` (whether one is); `false` at
+    /// once once the deadline has passed, so a caller retrying on it is bounded by the deadline
+    /// even when an engine keeps coming back and failing.
+    async fn wait_for_rotation(&self, deadline: tokio::time::Instant) -> bool {
         loop {
-            let any = (0..self.slots.len())
-                .any(|i| !exclude.contains(&i) && self.slots[i].healthy.load(Ordering::SeqCst));
-            if any {
-                return true;
-            }
             let now = tokio::time::Instant::now();
             if now >= deadline {
                 return false;
+            }
+            if self.slots.iter().any(|s| s.healthy.load(Ordering::SeqCst)) {
+                return true;
             }
             tokio::time::sleep((deadline - now).min(Duration::from_millis(50))).await;
         }
@@ -352,7 +351,7 @@ impl Router {
     /// applies the recorded weights and pause state): the change then succeeds.
     async fn change_fleet(&self, op: FleetOp<'_>, record: impl FnOnce(&Self)) -> CoreResult<()> {
         let wait = self.unavailable_wait;
-        self.wait_for_rotation(&[], tokio::time::Instant::now() + wait)
+        self.wait_for_rotation(tokio::time::Instant::now() + wait)
             .await;
         let result = {
             // Taken after the wait: re-admission takes it too.
@@ -363,7 +362,7 @@ impl Router {
         match result {
             Err(_) if !wait.is_zero() && self.healthy_engines().is_empty() => {
                 if self
-                    .wait_for_rotation(&[], tokio::time::Instant::now() + wait)
+                    .wait_for_rotation(tokio::time::Instant::now() + wait)
                     .await
                 {
                     Ok(())
@@ -507,10 +506,10 @@ impl InferenceEngine for Router {
         let deadline = tokio::time::Instant::now() + self.unavailable_wait;
         loop {
             let Some(index) = self.pick(request.routing_key.as_deref(), &tried) else {
-                // Every engine is out of rotation (or was tried): wait for one to be
-                // re-admitted — a re-admitted engine that failed this request before is
-                // tried again, it never took the request.
-                if self.wait_for_rotation(&[], deadline).await {
+                // Every engine is out of rotation (or was tried): wait, until the deadline,
+                // for one to be re-admitted — a re-admitted engine that failed this request
+                // before is tried again, it never took the request.
+                if self.wait_for_rotation(deadline).await {
                     tried.clear();
                     continue;
                 }
