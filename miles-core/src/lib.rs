@@ -74,6 +74,7 @@ pub use engine::{
 pub use error::{EngineErrorKind, Error, Result};
 pub use message::{
     Content, FunctionCall, FunctionSpec, Message, Role, ToolArguments, ToolCall, ToolSpec,
+    pydantic_lax_bool,
 };
 pub use metrics::{
     FanoutMetricsSink, JsonlMetricsSink, MemoryMetricsSink, Metrics, MetricsSink, metrics_line,

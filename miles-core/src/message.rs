@@ -397,11 +397,11 @@ impl<'de> Deserialize<'de> for ToolSpec {
 }
 
 /// A pydantic (lax mode) `bool`: a JSON boolean, the numbers `0` / `1`, or one of the strings
-/// `0 off f false n no` / `1 on t true y yes` in any case.
-fn lax_bool(value: &Value, field: &'static str) -> Result<bool> {
+/// `0 off f false n no` / `1 on t true y yes` in any case; `None` for anything else.
+pub fn pydantic_lax_bool(value: &Value) -> Option<bool> {
     const TRUE: [&str; 6] = ["1", "on", "t", "true", "y", "yes"];
     const FALSE: [&str; 6] = ["0", "off", "f", "false", "n", "no"];
-    let parsed = match value {
+    match value {
         Value::Bool(b) => Some(*b),
         Value::Number(n) => match n.as_f64() {
             Some(1.0) => Some(true),
@@ -419,7 +419,12 @@ fn lax_bool(value: &Value, field: &'static str) -> Result<bool> {
             }
         }
         _ => None,
-    };
+    }
+}
+
+/// [`pydantic_lax_bool`], or a parse error naming `field`.
+fn lax_bool(value: &Value, field: &'static str) -> Result<bool> {
+    let parsed = pydantic_lax_bool(value);
     parsed.ok_or_else(|| Error::Parse {
         what: field,
         input: value.to_string(),

@@ -96,34 +96,9 @@ pub(crate) fn thinking_enabled(kwargs: &Map<String, Json>) -> bool {
     mode.is_none_or(|m| is_str(&m, "thinking"))
 }
 
-/// A pydantic (lax mode) `bool`.
+/// A pydantic (lax mode) `bool` ([`miles_core::pydantic_lax_bool`]), else pydantic's error.
 pub(super) fn lax_bool(value: &Json, field: &str) -> Py<bool> {
-    const TRUE: [&str; 6] = ["1", "on", "t", "true", "y", "yes"];
-    const FALSE: [&str; 6] = ["0", "off", "f", "false", "n", "no"];
-    let parsed = match value {
-        Json::Bool(b) => Some(*b),
-        Json::Number(n) => {
-            let f = n.as_f64().unwrap_or(f64::NAN);
-            if f == 1.0 {
-                Some(true)
-            } else if f == 0.0 {
-                Some(false)
-            } else {
-                None
-            }
-        }
-        Json::String(s) => {
-            let lower = s.to_lowercase();
-            if TRUE.contains(&lower.as_str()) {
-                Some(true)
-            } else if FALSE.contains(&lower.as_str()) {
-                Some(false)
-            } else {
-                None
-            }
-        }
-        _ => None,
-    };
+    let parsed = miles_core::pydantic_lax_bool(value);
     parsed.map_or_else(
         || {
             raise(
