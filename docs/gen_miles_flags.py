@@ -161,10 +161,6 @@ def status(flag, group):
                              "`metadata.messages`, as Miles' session server does, and each rollout's rows go to the JSONL file at PATH")
     if flag in ours:
         return "supported", ""
-    if flag == "--opd-topk-per-position":
-        return "not supported yet", "needs a patched SGLang (`token_ids_logprob_positions`)"
-    if flag == "--opd-teacher-ckpt-step":
-        return "not supported yet", "an HF checkpoint has no step: point `--opd-teacher-load` at it"
     if flag in LIBRARY and LIBRARY[flag]:
         return "library only", f"`{LIBRARY[flag]}`; not on the command line yet"
     if flag == "--dynamic-sampling-filter-path":

@@ -26,6 +26,9 @@
 //! cargo run --release --example glm_moe_grpo -- --hf-checkpoint DIR          # a real GLM-4-MoE / Qwen3
 //! cargo run --release --example glm_moe_grpo -- --engine-url http://h:30000   # SGLang servers
 //! cargo run --release --example glm_moe_grpo -- --resume runs/glm_moe_grpo    # after a kill
+//! # on-policy distillation of a GRPO-trained checkpoint into the same warm-start, no reward:
+//! cargo run --release --example glm_moe_grpo -- --output-dir runs/opd --use-opd \
+//!     --opd-teacher-load runs/glm_moe_grpo/final --distillation-only
 //! ```
 //!
 //! Writes to `--output-dir`: `model/` (the initial HF directory), `data/` (train / held-out
@@ -41,7 +44,7 @@ use burn::module::Module;
 use miles_bridge::{CausalLm, Precision};
 use miles_core::rng::SplitMix64;
 use miles_core::{
-    DType, InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, Sample,
+    DType, InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, Reward, RewardFn, Sample,
     SamplingParams, WeightVersion,
 };
 use miles_examples::addition::{AdditionProblem, AdditionReward, AdditionTask, write_jsonl};
@@ -52,11 +55,12 @@ use miles_examples::wiring::{
     ProgressSink, embedded_engine, held_out_reward, save_hf_checkpoint, write_final_outputs,
 };
 use miles_ops::{AdvantageConfig, AdvantageEstimator};
+use miles_rollout::opd::DistillationOnlyReward;
 use miles_rollout::{
     ChatPromptEncoder, DataSource, EvalSet, LoopConfig, PromptEncoder, RlLoop, RolloutConfig,
     RolloutManager, SharedTrainer,
 };
-use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
+use miles_train::{Actor, BatchLayout, LrSchedule, OpdConfig, OpdType, TrainConfig};
 use serde_json::json;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -117,6 +121,10 @@ fn cli() -> Cli {
         .option("--device", "DEV", Some("flex"), "device of the model, trainer and embedded engine: flex | wgpu[:N] | wgpu-cpu | cuda[:N] (wgpu / cuda need the `wgpu` / `cuda` feature)")
         .flag("--bf16", "GRPO in mixed precision: the trainer's forward in bfloat16 on f32 master weights and AdamW state, the embedded engine's weights and KV cache in bfloat16, weights exported in bfloat16 (Megatron's --bf16; the warm-start stays f32)")
         .flag("--fp16", "the same in float16 (Megatron's --fp16; no loss scaling; not with --bf16)")
+        .flag("--use-opd", "on-policy distillation from --opd-teacher-load (Miles' --use-opd --opd-type megatron): the teacher scores each sampled response in the trainer's log-prob pass and `A_t -= opd_kl_coef * (log p_student - log p_teacher)` on top of the estimator's advantages")
+        .option("--opd-teacher-load", "DIR", None, "the teacher: an HF checkpoint with the student's vocabulary (e.g. the final/ of an earlier run)")
+        .option("--opd-kl-coef", "X", Some("1.0"), "weight of the teacher's reverse KL in the advantages")
+        .flag("--distillation-only", "with --use-opd: the task reward is 0 for every sample, the teacher's reverse KL is the only learning signal (held-out evaluation still checks the true sum)")
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -242,10 +250,25 @@ async fn run(args: Args) -> Result<(), BoxError> {
     };
     let reward = Arc::new(AdditionReward::default());
     // The GRPO reward may give partial credit for digits in place; held-out evaluation is
-    // always exact match.
-    let train_reward = Arc::new(AdditionReward {
-        partial_credit: args.boolean("--partial-credit")?,
-    });
+    // always exact match. Pure distillation trains on the teacher's signal alone.
+    let use_opd = args.flag("--use-opd");
+    let distillation_only = args.flag("--distillation-only");
+    if distillation_only && !use_opd {
+        return Err("--distillation-only needs --use-opd".into());
+    }
+    let teacher_dir = match (use_opd, args.get("--opd-teacher-load")) {
+        (true, Some(dir)) => Some(PathBuf::from(dir)),
+        (true, None) => return Err("--use-opd needs --opd-teacher-load DIR".into()),
+        (false, Some(_)) => return Err("--opd-teacher-load is set but --use-opd is not".into()),
+        (false, None) => None,
+    };
+    let train_reward: Arc<dyn RewardFn> = if distillation_only {
+        Arc::new(DistillationOnlyReward)
+    } else {
+        Arc::new(AdditionReward {
+            partial_credit: args.boolean("--partial-credit")?,
+        })
+    };
 
     // 3. Engines: the embedded one (scoring with the trainer's function), or SGLang servers.
     let urls = args.all("--engine-url");
@@ -431,7 +454,21 @@ async fn run(args: Args) -> Result<(), BoxError> {
     p.use_kl_loss = args.boolean("--use-kl-loss")?;
     p.kl_loss_coef = args.parsed("--kl-loss-coef")?;
     p.entropy_coef = args.parsed("--entropy-coef")?;
-    let actor = Actor::new(model, train_config)?;
+    if teacher_dir.is_some() {
+        train_config.opd = OpdConfig {
+            use_opd: true,
+            opd_type: OpdType::Megatron,
+            opd_kl_coef: args.parsed("--opd-kl-coef")?,
+            opd_teacher_load: teacher_dir.clone(),
+        };
+    }
+    let mut actor = Actor::new(model, train_config)?;
+    if let Some(dir) = &teacher_dir {
+        actor = actor.with_teacher(CausalLm::from_pretrained(dir, &device)?)?;
+        summary["opd_teacher"] = json!(dir.display().to_string());
+        summary["opd_kl_coef"] = json!(args.parsed::<f64>("--opd-kl-coef")?);
+        summary["distillation_only"] = json!(distillation_only);
+    }
     let trainer: SharedTrainer = Arc::new(Mutex::new(Box::new(actor) as Box<dyn PolicyTrainer>));
 
     // 5. The loop.
@@ -487,7 +524,12 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let t = Instant::now();
     let sync = args.flag("--sync");
     println!(
-        "GRPO: {num_rollout} steps × {} prompts × {n} samples, {} loop, TIS {}, R3 {}",
+        "{}: {num_rollout} steps × {} prompts × {n} samples, {} loop, TIS {}, R3 {}",
+        match (use_opd, distillation_only) {
+            (true, true) => "on-policy distillation (no task reward)",
+            (true, false) => "GRPO + on-policy distillation",
+            _ => "GRPO",
+        },
         args.get("--rollout-batch-size").unwrap_or("?"),
         if sync {
             "synchronous"

@@ -172,9 +172,13 @@ pub struct ModelArgs {
     /// or a hub id (`Qwen/Qwen3-0.6B`) found in the local Hugging Face cache
     #[arg(long, value_name = "DIR")]
     pub hf_checkpoint: Option<String>,
-    /// The reference model for KL terms (default: the initial policy)
+    /// The reference model for KL terms (default: the initial policy): an HF checkpoint, or
+    /// an earlier run's --save folder (its newest valid checkpoint, or --ref-ckpt-step)
     #[arg(long, value_name = "DIR")]
     pub ref_load: Option<String>,
+    /// With --ref-load at a run's --save folder: the checkpoint of this step (iter_NNNNNNN)
+    #[arg(long, value_name = "N")]
+    pub ref_ckpt_step: Option<u64>,
     /// Resume from the latest valid checkpoint in DIR (a previous run's --save)
     #[arg(long, value_name = "DIR")]
     pub load: Option<String>,
@@ -588,9 +592,20 @@ pub struct OpdArgs {
     pub opd_teacher_key: String,
     /// The checkpoint for OPD teacher model. Required when --opd-type=megatron. The teacher
     /// model should have the same architecture as policy/ref model (here: an HF checkpoint
-    /// directory or hub id with the policy's vocabulary).
+    /// directory or hub id with the policy's vocabulary, or an earlier run's --save folder:
+    /// its newest valid checkpoint, or --opd-teacher-ckpt-step).
     #[arg(long, value_name = "DIR")]
     pub opd_teacher_load: Option<String>,
+    /// The checkpoint step for OPD teacher model (here: iter_NNNNNNN of the --save folder that
+    /// --opd-teacher-load names).
+    #[arg(long, value_name = "N")]
+    pub opd_teacher_ckpt_step: Option<u64>,
+    /// Send per-position token ids to the teacher / student scoring server
+    /// (token_ids_logprob_positions) instead of the global top-k union: the answer is
+    /// O(response_len * k) instead of O(response_len * |union|). `miles serve` understands it;
+    /// an unpatched SGLang server does not (leave it off there).
+    #[arg(long)]
+    pub opd_topk_per_position: bool,
 }
 
 /// Agents.

@@ -788,10 +788,16 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     let mut actor = Actor::new(model, config)?;
     if let Some(dir) = a.opd.opd_teacher_load.as_deref().filter(|_| local_teacher) {
         let dir = crate::hub::resolve(dir, "--opd-teacher-load")?;
+        let dir = miles_rollout::checkpoint::model_dir(&dir, a.opd.opd_teacher_ckpt_step)
+            .map_err(|e| format!("--opd-teacher-load: {e}"))?;
+        tracing::info!("OPD teacher: {}", dir.display());
         actor = actor.with_teacher(CausalLm::from_pretrained(&dir, &c.device)?)?;
     }
     if let Some(dir) = a.model.ref_load.as_deref() {
         let dir = crate::hub::resolve(dir, "--ref-load")?;
+        let dir = miles_rollout::checkpoint::model_dir(&dir, a.model.ref_ckpt_step)
+            .map_err(|e| format!("--ref-load: {e}"))?;
+        tracing::info!("reference model: {}", dir.display());
         actor = actor.with_reference(CausalLm::from_pretrained(&dir, &c.device)?)?;
     }
     let mut boxed: Box<dyn PolicyTrainer> = Box::new(actor);

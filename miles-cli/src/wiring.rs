@@ -353,6 +353,7 @@ pub(crate) fn opd_teacher(
             .engine_url
             .first()
             .map(|u| format!("{}/generate", u.trim_end_matches('/'))),
+        per_position: o.opd_topk_per_position,
         ..OpdTeacherConfig::default()
     };
     if config.teacher_urls.is_empty() && config.rm_url.is_none() {

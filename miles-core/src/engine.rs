@@ -285,6 +285,12 @@ pub struct InputLogprobRequest {
     /// Also the log-probs of these token ids at each position (SGLang's `token_ids_logprob`).
     #[serde(default)]
     pub token_ids_logprob: Vec<TokenId>,
+    /// Instead of `token_ids_logprob`: the ids to score at each input position, entry `p` for
+    /// the distribution of `input_ids[p]` (entry 0 is SGLang's placeholder position, ignored;
+    /// positions past the list's end get none). A patched SGLang's
+    /// `token_ids_logprob_positions`, what Miles' `--opd-topk-per-position` sends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids_logprob_positions: Option<Vec<Vec<TokenId>>>,
 }
 
 /// The answer to an [`InputLogprobRequest`]: for every position `p ≥ 1` of the input, the

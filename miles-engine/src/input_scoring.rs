@@ -30,9 +30,23 @@ pub(crate) fn input_logprobs(
     if ids.is_empty() {
         return Err(invalid("input_ids is empty".into()));
     }
+    let positions = request.token_ids_logprob_positions.as_deref();
+    if positions.is_some() && !request.token_ids_logprob.is_empty() {
+        return Err(invalid(
+            "token_ids_logprob and token_ids_logprob_positions are exclusive".into(),
+        ));
+    }
+    if let Some(p) = positions.filter(|p| p.len() > ids.len()) {
+        return Err(invalid(format!(
+            "token_ids_logprob_positions has {} positions, the input {}",
+            p.len(),
+            ids.len()
+        )));
+    }
     if let Some(t) = ids
         .iter()
         .chain(&request.token_ids_logprob)
+        .chain(positions.into_iter().flatten().flatten())
         .find(|&&t| t as usize >= vocab)
     {
         return Err(invalid(format!(
@@ -56,7 +70,7 @@ pub(crate) fn input_logprobs(
         .map(f64::from)
         .collect();
     let k = request.top_logprobs_num.min(vocab);
-    if k == 0 && request.token_ids_logprob.is_empty() {
+    if k == 0 && request.token_ids_logprob.is_empty() && positions.is_none() {
         return Ok(out);
     }
     let device = model.lm_head_weight().device();
@@ -90,8 +104,12 @@ pub(crate) fn input_logprobs(
                 .map(|&id| (id, f64::from(row[id as usize])))
                 .collect();
         }
-        out.token_ids_logprobs[p] = request
-            .token_ids_logprob
+        // Row `p` is the distribution of `input_ids[p + 1]`: position `p + 1`'s own ids.
+        let asked = match positions {
+            Some(lists) => lists.get(p + 1).map_or(&[][..], Vec::as_slice),
+            None => &request.token_ids_logprob,
+        };
+        out.token_ids_logprobs[p] = asked
             .iter()
             .map(|&id| (id, f64::from(row[id as usize])))
             .collect();

@@ -241,6 +241,64 @@ pub fn latest_valid_checkpoint(root: &Path) -> (Option<PathBuf>, Vec<String>) {
     (None, skipped)
 }
 
+/// The HF model directory that a `--ref-load` / `--opd-teacher-load` path names, with Miles'
+/// `--ref-ckpt-step` / `--opd-teacher-ckpt-step` as `step`: `root` itself when it is an HF
+/// checkpoint (it has a `config.json`; a step is then an error, such a folder has none);
+/// otherwise `root` is an RL run's `--save` folder and the answer is the `trainer/model/` of
+/// its checkpoint `iter_{step}` (which must pass its manifest), or of the newest checkpoint
+/// that does when `step` is `None` (as Megatron reads `latest_checkpointed_iteration.txt`).
+pub fn model_dir(root: &Path, step: Option<u64>) -> Result<PathBuf> {
+    if root.join("config.json").is_file() {
+        return match step {
+            None => Ok(root.to_path_buf()),
+            Some(step) => Err(Error::Config(format!(
+                "{} is an HF checkpoint (it has a config.json), not a --save folder of \
+                 iter_NNNNNNN checkpoints: it has no step {step}; drop the step or point at \
+                 the run's --save folder",
+                root.display()
+            ))),
+        };
+    }
+    let found = checkpoints(root);
+    let dir = match step {
+        Some(step) => {
+            let Some((_, dir)) = found.iter().find(|(s, _)| *s == step) else {
+                let steps: Vec<String> = found.iter().rev().map(|(s, _)| s.to_string()).collect();
+                return Err(Error::Config(format!(
+                    "{}: no checkpoint of step {step} (iter_{step:07}); steps there: [{}]",
+                    root.display(),
+                    steps.join(", ")
+                )));
+            };
+            verify_checkpoint(dir)?;
+            dir.clone()
+        }
+        None => match latest_valid_checkpoint(root) {
+            (Some(dir), _) => dir,
+            (None, skipped) => {
+                return Err(Error::Config(format!(
+                    "{}: neither an HF checkpoint (no config.json) nor a --save folder with a \
+                     complete iter_NNNNNNN checkpoint{}",
+                    root.display(),
+                    if skipped.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", skipped.join("; "))
+                    }
+                )));
+            }
+        },
+    };
+    let model = dir.join("trainer").join("model");
+    if !model.join("config.json").is_file() {
+        return Err(Error::Config(format!(
+            "{}: no trainer/model/config.json in this checkpoint",
+            dir.display()
+        )));
+    }
+    Ok(model)
+}
+
 /// Publishes the checkpoint written in `partial` as `dir`: manifest (after fsyncing every
 /// file), atomic rename, fsync of the parent folder.
 pub fn publish(partial: &Path, dir: &Path) -> Result<()> {
@@ -289,6 +347,62 @@ mod tests {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    #[test]
+    fn model_dir_names_a_step_or_the_newest_valid_checkpoint() {
+        let root = scratch("model-dir");
+        for step in [3, 5, 7] {
+            let partial = root.join(format!(".iter_{step:07}.partial"));
+            fs::create_dir_all(partial.join("trainer/model")).unwrap();
+            fs::write(partial.join("trainer/model/config.json"), b"{}").unwrap();
+            fs::write(
+                partial.join("trainer/model/model.safetensors"),
+                [step as u8; 8],
+            )
+            .unwrap();
+            publish(&partial, &root.join(format!("iter_{step:07}"))).unwrap();
+        }
+        let model = |step| model_dir(&root, step);
+        assert_eq!(
+            model(Some(5)).unwrap(),
+            root.join("iter_0000005/trainer/model")
+        );
+        assert_eq!(
+            model(None).unwrap(),
+            root.join("iter_0000007/trainer/model")
+        );
+        // A corrupt newest checkpoint: the newest valid one; the step itself is refused.
+        fs::write(
+            root.join("iter_0000007/trainer/model/model.safetensors"),
+            [0u8; 8],
+        )
+        .unwrap();
+        assert_eq!(
+            model(None).unwrap(),
+            root.join("iter_0000005/trainer/model")
+        );
+        let err = model(Some(7)).unwrap_err().to_string();
+        assert!(err.contains("checksum"), "{err}");
+        let err = model(Some(4)).unwrap_err().to_string();
+        assert!(
+            err.contains("no checkpoint of step 4") && err.contains("[3, 5, 7]"),
+            "{err}"
+        );
+        // An HF checkpoint is its own model, and has no step.
+        let hf = root.join("iter_0000003/trainer/model");
+        assert_eq!(model_dir(&hf, None).unwrap(), hf);
+        let err = model_dir(&hf, Some(3)).unwrap_err().to_string();
+        assert!(err.contains("has no step 3"), "{err}");
+        let empty = scratch("model-dir-empty");
+        assert!(
+            model_dir(&empty, None)
+                .unwrap_err()
+                .to_string()
+                .contains("neither")
+        );
+        fs::remove_dir_all(&root).unwrap();
+        fs::remove_dir_all(&empty).unwrap();
     }
 
     fn fake_checkpoint(root: &Path, step: u64, payload: &[u8]) -> PathBuf {

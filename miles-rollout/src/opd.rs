@@ -152,6 +152,10 @@ pub struct OpdTeacherConfig {
     pub student_url: Option<String>,
     /// Per-request timeout.
     pub timeout: Duration,
+    /// `--opd-topk-per-position`: score each position's own ids
+    /// (`token_ids_logprob_positions`) instead of the union of every position's
+    /// (`token_ids_logprob`).
+    pub per_position: bool,
 }
 
 impl Default for OpdTeacherConfig {
@@ -165,6 +169,7 @@ impl Default for OpdTeacherConfig {
             rm_url: None,
             student_url: None,
             timeout: Duration::from_secs(600),
+            per_position: false,
         }
     }
 }
@@ -225,6 +230,38 @@ pub fn score_payload(input_ids: &[u32], top_k: usize, token_ids: Option<&[u32]>)
         body["token_ids_logprob"] = json!(ids);
     }
     body
+}
+
+/// Miles' `_score_payload` with `token_ids_positions`: the scoring body that asks, at each
+/// input position `p`, for the log-probs of `positions[p]` (`token_ids_logprob_positions`,
+/// aligned with `logprob_start_len = 0`; understood by `miles serve` and patched SGLang
+/// servers).
+pub fn score_payload_per_position(
+    input_ids: &[u32],
+    top_k: usize,
+    positions: &[Vec<u32>],
+) -> Value {
+    let mut body = score_payload(input_ids, top_k, None);
+    body["token_ids_logprob_positions"] = json!(positions);
+    body
+}
+
+/// Miles' `_per_position_ids`: one id list per input position for
+/// [`score_payload_per_position`], empty over the prompt, then each response position's ids
+/// in the order of its top-k entries (null entries skipped, duplicates kept).
+pub fn per_position_ids(top: &[Value], prompt_len: usize, field: &str) -> Result<Vec<Vec<u32>>> {
+    let mut positions = vec![Vec::new(); prompt_len];
+    for entries in top {
+        let ids = entries
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| !e.is_null())
+            .map(|e| entry_of(e, field).map(|(id, _)| id))
+            .collect::<Result<Vec<u32>>>()?;
+        positions.push(ids);
+    }
+    Ok(positions)
 }
 
 /// Per-position maps token id → log-prob, in first-seen order (a later duplicate replaces the
@@ -527,12 +564,21 @@ impl OpdTeacher {
             return Ok(score_payload(&sample.tokens, 0, None));
         }
         let teacher_top_k = if c.strategy.teacher_top() { c.top_k } else { 0 };
-        let ids = if c.strategy.teacher_on_student() {
-            Some(unique_ids(student_top(sample)?, STUDENT_TOP_LOGPROBS_KEY)?)
-        } else {
-            None
-        };
-        Ok(score_payload(&sample.tokens, teacher_top_k, ids.as_deref()))
+        if !c.strategy.teacher_on_student() {
+            return Ok(score_payload(&sample.tokens, teacher_top_k, None));
+        }
+        let top = student_top(sample)?;
+        if c.per_position {
+            let prompt_len = sample.tokens.len().saturating_sub(sample.response_length);
+            let positions = per_position_ids(top, prompt_len, STUDENT_TOP_LOGPROBS_KEY)?;
+            return Ok(score_payload_per_position(
+                &sample.tokens,
+                teacher_top_k,
+                &positions,
+            ));
+        }
+        let ids = unique_ids(top, STUDENT_TOP_LOGPROBS_KEY)?;
+        Ok(score_payload(&sample.tokens, teacher_top_k, Some(&ids)))
     }
 
     /// The student's scoring body for the teacher's top-k ids (strategies `only-teacher`,
@@ -543,6 +589,15 @@ impl OpdTeacher {
         }
         let field = "input_top_logprobs";
         let top = trim_input_field(teacher, field, sample.response_length)?;
+        if self.config.per_position {
+            let prompt_len = sample.tokens.len().saturating_sub(sample.response_length);
+            let positions = per_position_ids(top, prompt_len, field)?;
+            return Ok(Some(score_payload_per_position(
+                &sample.tokens,
+                0,
+                &positions,
+            )));
+        }
         let ids = unique_ids(top, field)?;
         Ok(Some(score_payload(&sample.tokens, 0, Some(&ids))))
     }

@@ -415,6 +415,53 @@ fn train_async_resumes_after_a_kill_and_serves_metrics() {
     let at = summary["resumed_at"].as_u64().unwrap();
     assert!((1..60).contains(&at), "{summary}");
     assert_eq!(summary["weight_version"], 60, "{summary}");
+    // The run's checkpoints as an on-policy-distillation teacher (Miles' --opd-type megatron
+    // with --opd-teacher-ckpt-step) and as the reference model (--ref-load: the newest one).
+    let opd_out = dir.join("opd");
+    let mut opd_flags = train_flags(&model, &train, &held_out, &opd_out);
+    opd_flags.retain(|f| f != "--use-rollout-routing-replay");
+    let opd = |step: &str| {
+        let mut cmd = miles();
+        cmd.arg("train").args(&opd_flags).args([
+            "--num-rollout",
+            "1",
+            "--use-opd",
+            "--opd-type",
+            "megatron",
+            "--opd-teacher-ckpt-step",
+            step,
+        ]);
+        cmd.arg("--opd-teacher-load")
+            .arg(&save)
+            .arg("--ref-load")
+            .arg(&save);
+        cmd
+    };
+    let output = run(&mut opd("1"));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let teacher = save.join("iter_0000001/trainer/model");
+    let reference = save.join("iter_0000060/trainer/model");
+    assert!(
+        stderr.contains(&format!("OPD teacher: {}", teacher.display())),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("reference model: {}", reference.display())),
+        "{stderr}"
+    );
+    let rows = metric_rows(&opd_out.join("metrics.jsonl"));
+    let row = rows
+        .iter()
+        .find(|r| r.get("train/pg_loss").is_some())
+        .expect("a training row");
+    finite(row, "train/opd_reverse_kl");
+    let output = opd("999").output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("no checkpoint of step 999 (iter_0000999)"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

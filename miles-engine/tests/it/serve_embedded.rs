@@ -443,4 +443,61 @@ async fn input_logprobs_on_the_wire_match_transformers() {
     )
     .await;
     assert_eq!(status, 400, "{body}");
+
+    // Per-position ids (`token_ids_logprob_positions`, Miles' `--opd-topk-per-position`):
+    // each position's own ids, empty lists over a "prompt", positions past the list none.
+    let scored = prompt.len() - 1;
+    let lists: Vec<Vec<usize>> = (0..scored)
+        .map(|p| match p {
+            0 | 1 => vec![],
+            p => vec![(3 * p) % 50, p, (3 * p) % 50],
+        })
+        .collect();
+    let (status, body) = post(
+        &base,
+        "/generate",
+        &json!({"input_ids": prompt, "return_logprob": true, "logprob_start_len": 0,
+                "token_ids_logprob_positions": lists,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 0}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let ids = body["meta_info"]["input_token_ids_logprobs"]
+        .as_array()
+        .unwrap();
+    assert_eq!(ids.len(), prompt.len());
+    assert!(ids[0].is_null());
+    for (p, got) in ids.iter().enumerate().skip(1) {
+        let got = got.as_array().unwrap();
+        let want = lists.get(p).cloned().unwrap_or_default();
+        assert_eq!(got.len(), want.len(), "position {p}");
+        let hf = hf_log_softmax(&outputs, seq, p - 1);
+        for (entry, &id) in got.iter().zip(&want) {
+            assert_eq!(entry[1], json!(id));
+            assert!((entry[0].as_f64().unwrap() - hf[id]).abs() < 1e-4);
+        }
+    }
+    for (bad, why) in [
+        (
+            json!({"token_ids_logprob_positions": [[1]], "token_ids_logprob": [2]}),
+            "exclusive",
+        ),
+        (
+            json!({"token_ids_logprob_positions": vec![vec![1]; prompt.len() + 1]}),
+            "positions",
+        ),
+        (
+            json!({"token_ids_logprob_positions": [[], [1_000_000]]}),
+            "vocabulary",
+        ),
+    ] {
+        let mut request = json!({"input_ids": prompt, "return_logprob": true,
+            "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}});
+        for (k, v) in bad.as_object().unwrap() {
+            request[k] = v.clone();
+        }
+        let (status, body) = post(&base, "/generate", &request).await;
+        assert_eq!(status, 400, "{body}");
+        assert!(body.to_string().contains(why), "{body}");
+    }
 }

@@ -169,7 +169,8 @@ async fn serve(teacher: Value, student: Value) -> (String, Arc<Mutex<Vec<(String
 }
 
 /// Miles' `reward_func` + `post_process_rewards` over HTTP: the bodies sent to the teacher and
-/// the student equal Miles' for each strategy, and the sample gets Miles' values.
+/// the student equal Miles' for each strategy, with and without `--opd-topk-per-position`
+/// (`token_ids_logprob_positions`), and the sample gets Miles' values.
 #[tokio::test]
 async fn teacher_scoring_over_http_sends_miles_bodies_and_fills_the_sample() {
     let cases = cases();
@@ -180,9 +181,11 @@ async fn teacher_scoring_over_http_sends_miles_bodies_and_fills_the_sample() {
         seen.lock().unwrap().clear();
         let strategy: TopKStrategy = case["strategy"].as_str().unwrap().parse().unwrap();
         let top_k = case["top_k"].as_u64().unwrap() as usize;
+        let per_position = case["per_position"].as_bool().unwrap();
         let teacher = OpdTeacher::new(OpdTeacherConfig {
             top_k,
             strategy,
+            per_position,
             rm_url: Some(format!("{url}/teacher/generate")),
             student_url: Some(format!("{url}/student/generate")),
             ..OpdTeacherConfig::default()
@@ -193,7 +196,7 @@ async fn teacher_scoring_over_http_sends_miles_bodies_and_fills_the_sample() {
         assert_eq!(
             seen[0],
             ("teacher".to_string(), case["expected_teacher"].clone()),
-            "{strategy:?}"
+            "{strategy:?}, per position {per_position}"
         );
         match case["expected_student"].is_null() {
             true => assert_eq!(seen.len(), 1),

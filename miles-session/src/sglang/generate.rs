@@ -368,6 +368,28 @@ async fn score_inputs(
     let started = Instant::now();
     let top_k = body.top_logprobs_num.unwrap_or(0);
     let token_ids = body.token_ids_logprob.clone().unwrap_or_default();
+    let positions = body.token_ids_logprob_positions.clone();
+    if let Some(positions) = &positions {
+        if !token_ids.is_empty() {
+            return Err(ApiError::bad_request(
+                "token_ids_logprob and token_ids_logprob_positions are exclusive: send one",
+            ));
+        }
+        if prompts.len() != 1 {
+            return Err(ApiError::bad_request(format!(
+                "token_ids_logprob_positions scores one prompt per request, this batch has {}",
+                prompts.len()
+            )));
+        }
+        if positions.len() > prompts[0].len() {
+            return Err(ApiError::bad_request(format!(
+                "token_ids_logprob_positions has {} positions, the input {}",
+                positions.len(),
+                prompts[0].len()
+            )));
+        }
+    }
+    let ask_ids = !token_ids.is_empty() || positions.is_some();
     let mut answers = Vec::with_capacity(prompts.len());
     for prompt in prompts {
         let scores = state
@@ -376,11 +398,11 @@ async fn score_inputs(
                 input_ids: prompt.clone(),
                 top_logprobs_num: top_k,
                 token_ids_logprob: token_ids.clone(),
+                token_ids_logprob_positions: positions.clone(),
             })
             .await
             .map_err(ApiError::from_engine)?;
-        let (tokens, top, ids) =
-            input_logprob_fields(&prompt, &scores, start, top_k > 0, !token_ids.is_empty());
+        let (tokens, top, ids) = input_logprob_fields(&prompt, &scores, start, top_k > 0, ask_ids);
         let meta = MetaInfo {
             id: Some(state.fresh_id("")),
             finish_reason: Some(WireFinishReason::new(FinishReason::Length, None, 0)),

@@ -114,6 +114,10 @@ pub struct GenerateRequestBody {
     /// With input log-probs: also the log-probs of these token ids at each input position.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_ids_logprob: Option<Vec<TokenId>>,
+    /// With input log-probs, instead of `token_ids_logprob`: one id list per input position
+    /// (a patched SGLang's field; Miles' `--opd-topk-per-position`). One prompt per request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids_logprob_positions: Option<Vec<Vec<TokenId>>>,
 }
 
 fn is_false(value: &bool) -> bool {
@@ -346,7 +350,8 @@ pub struct MetaInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_top_logprobs: Option<Value>,
     /// Per input position, `[logprob, token_id, text]` of each `token_ids_logprob` id (`null`
-    /// at the first position), with `token_ids_logprob`.
+    /// at the first position), with `token_ids_logprob`; with `token_ids_logprob_positions`,
+    /// of that position's own ids.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_token_ids_logprobs: Option<Value>,
 }
