@@ -30,6 +30,14 @@
 //! writes the states after the step back in place; [`PagedKvCache::load`] /
 //! [`PagedKvCache::export`] copy the states with the keys. A state cannot be cut back to a
 //! shorter prefix, so a cache moved out is reusable whole only (see [`KvCache::truncate`]).
+//!
+//! **GPT-OSS** (attention sinks, a sliding window on the layers `layer_types` marks): a step
+//! attends as transformers does — a sliding layer's query at position `i` sees the keys
+//! `i − window < j ≤ i`, and every head's softmax has its sink logit in the denominator. Those
+//! layers gather their keys (a sliding layer only its window's) and attend with tensor ops on
+//! every device: the flex decode kernel takes neither. Every position stays in the pool (the
+//! blocks of positions that left a window are not freed before the sequence leaves), so
+//! prefix reuse and [`PagedKvCache::export`] work as for any model.
 
 use std::collections::HashMap;
 
@@ -106,14 +114,6 @@ impl PagedKvCache {
         };
         if state_slots > u32::MAX as usize {
             return Err(BridgeError::input(format!("{rows} state slots")));
-        }
-        let spec = model.config.architecture.spec();
-        if spec.attention_sinks || spec.sliding_layer_types {
-            return Err(BridgeError::input(format!(
-                "a paged KV cache does not decode attention sinks or sliding windows yet ({}); \
-                 decode with `CausalLm::forward_cached`",
-                spec.name
-            )));
         }
         let needed = tokens.div_ceil(Self::BLOCK);
         let blocks = needed
@@ -573,13 +573,20 @@ impl PagedKvCache {
         }
     }
 
-    /// The step view of layer `l` (`None` past the model's layers and for a linear layer).
-    pub(crate) fn layer<'a>(&'a mut self, l: usize, plan: &'a StepPlan) -> Option<LayerStep<'a>> {
+    /// The step view of layer `l` (`None` past the model's layers and for a linear layer),
+    /// a layer with the sliding `window` (if any) and attention `sinks` (if true).
+    pub(crate) fn layer<'a>(
+        &'a mut self,
+        l: usize,
+        plan: &'a StepPlan,
+        window: Option<usize>,
+        sinks: bool,
+    ) -> Option<LayerStep<'a>> {
         let dtype = self.dtype;
         self.layers
             .get_mut(l)
             .and_then(Option::as_mut)
-            .map(|pool| LayerStep::new(pool, plan, dtype))
+            .map(|pool| LayerStep::new(pool, plan, dtype, window, sinks))
     }
 
     /// The state slots of `rows` (in that order) as an index tensor; `None` for a model
@@ -673,7 +680,10 @@ impl CausalLm {
             if let (SelfAttention::Linear(linear), Some(index)) = (attention, &states) {
                 return cache.linear_step(l, index, linear, x);
             }
-            match cache.layer(l, &plan) {
+            // GPT-OSS: a sliding window on the layers `layer_types` marks, sinks on every
+            // layer.
+            let sinks = matches!(attention, SelfAttention::Grouped(a) if a.sinks.is_some());
+            match cache.layer(l, &plan, self.config.layer_window(l), sinks) {
                 Some(step) => attention.forward_kv(x, &rope, KvTarget::Paged(step)),
                 // `fits` checked the layer count and kinds.
                 None => unreachable!("a pool layer per attention layer"),

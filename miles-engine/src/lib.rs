@@ -29,6 +29,11 @@
 //! batch's slots. A state cannot be cut back, so a cached prefix is reused only whole (the next
 //! turn of a session), never truncated (a repeated prompt is prefilled again).
 //!
+//! GPT-OSS (attention sinks, a sliding window on the layers `layer_types` marks) decodes from
+//! the same pool as transformers attends: its layers gather their keys (a sliding layer only its
+//! window's) and attend with tensor ops (the flex decode kernel takes neither sinks nor a
+//! window); blocks of positions that left a window stay held until the sequence finishes.
+//!
 //! Versions: a weight update waits until no sequence is mid-generation (admission stops, the
 //! running ones finish), then swaps the weights and flushes the prefix cache; every output
 //! carries the single version all its tokens were generated with. Sequences held by an in-place

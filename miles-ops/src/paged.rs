@@ -11,8 +11,10 @@
 //! the pool on flex (`f32`, AVX-512F): for each key head it walks the sequence's blocks in
 //! position order with the same loops as the contiguous decode step, so every output equals
 //! the contiguous computation over the same keys bit for bit, and a sequence's result never
-//! depends on the other sequences of the step. Elsewhere ([`applies`] is false) callers gather
-//! the keys with [`gather_index`] and run [`crate::attention()`].
+//! depends on the other sequences of the step. Elsewhere ([`applies`] is false), and for
+//! attention with sinks or a sliding window (GPT-OSS), callers gather the keys with
+//! [`gather_index`] (a sliding-window layer only its window's, [`gather_index_from`]) and run
+//! the attention over the gathered batch.
 
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
@@ -165,14 +167,37 @@ pub fn gather_index(
     slots: usize,
     device: &Device,
 ) -> Tensor<1, Int> {
-    let total = table.lens.iter().copied().max().unwrap_or(0);
-    let batch = table.lens.len();
-    let mut index = Vec::with_capacity(batch * heads * total);
-    for (b, &len) in table.lens.iter().enumerate() {
+    gather_index_from(table, &vec![0; table.lens.len()], heads, slots, device)
+}
+
+/// [`gather_index`] of each sequence's positions from `starts[b]` on (a sliding window: the
+/// keys before it are never attended): entry `((b · heads + h) · total + p)` is
+/// `h · slots + slot(b, starts[b] + p)` for `p < lens[b] − starts[b]` and row 0 past it, with
+/// `total` the longest `lens[b] − starts[b]`. A start past a sequence's length gathers
+/// nothing for it.
+pub fn gather_index_from(
+    table: &PageTable,
+    starts: &[usize],
+    heads: usize,
+    slots: usize,
+    device: &Device,
+) -> Tensor<1, Int> {
+    let spans: Vec<(usize, usize)> = table
+        .lens
+        .iter()
+        .enumerate()
+        .map(|(b, &len)| {
+            let start = starts.get(b).copied().unwrap_or(0).min(len);
+            (start, len - start)
+        })
+        .collect();
+    let total = spans.iter().map(|&(_, n)| n).max().unwrap_or(0);
+    let mut index = Vec::with_capacity(spans.len() * heads * total);
+    for (b, &(start, n)) in spans.iter().enumerate() {
         for h in 0..heads {
             for p in 0..total {
-                let row = if p < len {
-                    h * slots + table.slot(b, p)
+                let row = if p < n {
+                    h * slots + table.slot(b, start + p)
                 } else {
                     0
                 };

@@ -1,9 +1,9 @@
 //! The RL examples end to end, as a user runs them: the reference binary for a few GRPO steps
 //! at tiny size (reward, loss and version bookkeeping), a run of it killed mid-way (SIGKILL)
 //! then resumed with `--resume` (it finishes every step exactly once), the same binary on an
-//! HF checkpoint directory (`--hf-checkpoint`: a Qwen3 and a DeepSeek-V3) and rolling out on a `miles serve`
-//! process (`--engine-url`), and the agentic example (GRPO through a session server, TITO
-//! mismatch rate 0).
+//! HF checkpoint directory (`--hf-checkpoint`: a Qwen3, a DeepSeek-V3, GLM-4.7-Flash, Qwen3.5
+//! dense and MoE, GPT-OSS) and rolling out on a `miles serve` process (`--engine-url`), and
+//! the agentic example (GRPO through a session server, TITO mismatch rate 0).
 //!
 //! `cargo test` builds the examples before the tests, so the binaries sit next to the test
 //! executable (`target/<profile>/examples/<name>`).
@@ -359,19 +359,35 @@ fn tensor_shapes(path: &Path) -> Vec<(String, Value)> {
 /// rollout routing replay on: routed experts recorded by the engine and replayed.
 #[test]
 fn the_reference_binary_trains_a_deepseek_v3_checkpoint() {
-    trains_a_latent_attention_checkpoint("dsv3-tiny", "deepseek_v3");
+    trains_a_checkpoint_shaped_as("dsv3-tiny", "deepseek_v3");
 }
 
 /// The same on GLM-4.7-Flash (`glm4_moe_lite`: latent attention, GLM's router, MoE layers from
 /// `mlp_layer_types`), the shapes of `fixtures/models/glm47flash-tiny`.
 #[test]
 fn the_reference_binary_trains_a_glm47_flash_checkpoint() {
-    trains_a_latent_attention_checkpoint("glm47flash-tiny", "glm4_moe_lite");
+    trains_a_checkpoint_shaped_as("glm47flash-tiny", "glm4_moe_lite");
+}
+
+/// The same on the other architectures of issue 43: Qwen3.5 dense and MoE (Gated DeltaNet
+/// state slots beside the paged pool; the releases' `text_config` layout) and GPT-OSS
+/// (attention sinks, a sliding window on alternate layers), with routing replay on the MoE ones.
+#[test]
+fn the_reference_binary_trains_qwen3_5_and_gpt_oss_checkpoints() {
+    for (fixture, model_type) in [
+        ("qwen35-tiny", "qwen3_5"),
+        ("qwen35moe-tiny", "qwen3_5_moe"),
+        ("gptoss-tiny", "gpt_oss"),
+    ] {
+        trains_a_checkpoint_shaped_as(fixture, model_type);
+    }
 }
 
 /// Two GRPO steps of the reference binary with `--hf-checkpoint` on a checkpoint with the
-/// shapes of `fixtures/models/<fixture>` (random weights, the served fixture's tokenizer).
-fn trains_a_latent_attention_checkpoint(fixture: &str, model_type: &str) {
+/// shapes of `fixtures/models/<fixture>` (random weights, the served fixture's tokenizer; the
+/// vocabulary set in `text_config` where the config has one), with routing replay when the
+/// model has MoE layers.
+fn trains_a_checkpoint_shaped_as(fixture: &str, model_type: &str) {
     use burn::tensor::Device;
     use miles_bridge::{CausalLm, ModelConfig};
     use miles_core::DType;
@@ -385,9 +401,13 @@ fn trains_a_latent_attention_checkpoint(fixture: &str, model_type: &str) {
     )
     .unwrap();
     assert_eq!(config["model_type"], model_type);
-    config["vocab_size"] = 512.into();
+    match config.get_mut("text_config") {
+        Some(text) => text["vocab_size"] = 512.into(),
+        None => config["vocab_size"] = 512.into(),
+    }
     std::fs::write(model_dir.join("config.json"), config.to_string()).unwrap();
     let config = ModelConfig::from_file(model_dir.join("config.json")).unwrap();
+    let moe = config.has_moe();
     CausalLm::init(&config, &Device::flex())
         .unwrap()
         .save_pretrained(&model_dir, DType::F32, None)
@@ -405,11 +425,18 @@ fn trains_a_latent_attention_checkpoint(fixture: &str, model_type: &str) {
         .arg("--hf-checkpoint")
         .arg(&model_dir)
         .arg("--sync")
+        .args([
+            "--use-rollout-routing-replay",
+            if moe { "true" } else { "false" },
+        ])
         .stdout(Stdio::null())
         .status()
         .expect("run the example");
     assert!(status.success());
     for m in assert_trained_checkpoint(&out, &model_dir) {
+        if !moe {
+            continue;
+        }
         // Routing replay compared the trainer's routing with the recorded one on the
         // response tokens of the MoE layers.
         assert!(

@@ -6,7 +6,8 @@
 //! generations, 4 experts top-2, sinks N(0, 1), a third of the SwiGLU inputs past the clamp).
 //! Logits and log-probs within 1e-4, routed experts identical, gradients, contiguous-cache
 //! decoding equal to the full forward, greedy decoding equal to HF `generate`, the export equal
-//! to the checkpoint byte for byte, the config read back as written.
+//! to the checkpoint byte for byte, the config read back as written. (The paged KV cache's
+//! decode of it: `paged.rs`.)
 
 use crate::common::{
     assert_greedy_kv_cache_decode_equals_hf_generate, assert_matches_reference, fixture, reference,
@@ -15,8 +16,7 @@ use crate::common::{
 
 use burn::tensor::Device;
 use miles_bridge::{
-    Architecture, BridgeError, CausalLm, ModelConfig, ModelInput, PagedKvCache, ids_tensor,
-    token_logprobs,
+    Architecture, BridgeError, CausalLm, ModelConfig, ModelInput, ids_tensor, token_logprobs,
 };
 use miles_r3::Fallthrough;
 
@@ -113,15 +113,5 @@ fn gpt_oss_config_is_read_as_transformers_reads_it_and_written_back() {
     match ModelConfig::from_hf_json(&bad.to_string()) {
         Err(BridgeError::Config { field, .. }) => assert_eq!(field, "layer_types"),
         other => panic!("{other:?}"),
-    }
-}
-
-#[test]
-fn gpt_oss_paged_cache_is_refused() {
-    let dir = fixture("gptoss-tiny");
-    let model = CausalLm::from_pretrained(&dir, &Device::flex()).unwrap();
-    match PagedKvCache::new(&model, 64, 2) {
-        Err(err) => assert!(err.to_string().contains("sinks"), "{err}"),
-        Ok(_) => panic!("a paged cache for a model with attention sinks"),
     }
 }

@@ -17,11 +17,12 @@ use miles_core::{
 };
 use miles_engine::{EmbeddedEngine, EngineConfig};
 
-const ARCHITECTURES: [&str; 10] = [
+const ARCHITECTURES: [&str; 11] = [
     "dsv3-noq",
     "dsv3-tiny",
     "glm47flash-tiny",
     "glm4moe-tiny",
+    "gptoss-tiny",
     "llama-tiny",
     "qwen2-tiny",
     "qwen2-untied",
