@@ -745,3 +745,128 @@ async fn state_mismatch_over_http() {
     let meta = &env.session(&sid).await["metadata"];
     assert_eq!(meta["tito_session_mismatch"], json!([]));
 }
+
+// ---------------------------------------------------------------------------------------------
+// test_session_message_matcher.py :: TestV2ReplayMatching
+
+/// Miles' `_RecordingTITOTokenizer`: records what `merge_tokens` gets, answers stored + [99].
+struct RecordingTito {
+    calls: std::sync::Mutex<Vec<(Vec<Message>, Vec<Message>)>>,
+}
+
+impl ChatTokenizer for RecordingTito {
+    fn family(&self) -> &str {
+        "recording"
+    }
+    fn render(
+        &self,
+        _: &[Message],
+        _: &[ToolSpec],
+        _: bool,
+        _: &Map<String, Value>,
+    ) -> miles_tito::Result<Vec<TokenId>> {
+        Ok(vec![0])
+    }
+    fn tokenize_additional(
+        &self,
+        _: &[Message],
+        _: &[Message],
+        _: &[ToolSpec],
+        _: &Map<String, Value>,
+    ) -> miles_tito::Result<Vec<TokenId>> {
+        Ok(Vec::new())
+    }
+    fn merge_tokens(
+        &self,
+        old: &[Message],
+        new: &[Message],
+        pretokenized: &[TokenId],
+        _: &[ToolSpec],
+        _: &Map<String, Value>,
+    ) -> miles_tito::Result<Vec<TokenId>> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((old.to_vec(), new.to_vec()));
+        let mut ids = pretokenized.to_vec();
+        ids.push(99);
+        Ok(ids)
+    }
+    fn parse_assistant(
+        &self,
+        _: &[TokenId],
+        _: &[ToolSpec],
+    ) -> miles_tito::Result<ParsedAssistant> {
+        Err(miles_tito::Error::InvalidInput("not used".into()))
+    }
+    fn decode(&self, _: &[TokenId]) -> String {
+        String::new()
+    }
+    fn is_special(&self, _: TokenId) -> bool {
+        false
+    }
+}
+
+fn matcher_user() -> Message {
+    msg(json!({"role": "user", "content": "q"}))
+}
+fn stored_assistant() -> Message {
+    msg(
+        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "call-A", "type": "function",
+        "function": {"name": "lookup", "arguments": "{\"city\":\"Paris\",\"units\":\"metric\"}"}}]}),
+    )
+}
+fn replayed_assistant() -> Message {
+    msg(
+        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "call-A", "type": "function",
+        "function": {"name": "lookup", "arguments": "{\"units\": \"metric\", \"city\": \"Paris\"}"}}]}),
+    )
+}
+fn tool_result() -> Message {
+    msg(json!({"role": "tool", "content": "ok", "tool_call_id": "call-A"}))
+}
+
+/// Miles' `_state_with_one_node`: `[USER, STORED_ASSISTANT]`, ids `[0, 1]`.
+fn state_with_one_node() -> TreeTrajectory {
+    let mut s = TreeTrajectory::default();
+    commit(&mut s, &[matcher_user()], stored_assistant(), &[0], &[1]).unwrap();
+    s
+}
+
+#[test]
+fn matcher_v2_strict_default_starts_a_new_root_on_reserialized_arguments() {
+    let mut s = state_with_one_node();
+    position(
+        &mut s,
+        &[matcher_user(), replayed_assistant(), tool_result()],
+    );
+    assert_eq!(s.active_leaf(), None);
+}
+
+#[test]
+fn matcher_v2_loose_matcher_attaches_at_the_stored_node() {
+    let mut s = state_with_one_node();
+    s.position(
+        &[matcher_user(), replayed_assistant(), tool_result()],
+        MessageMatcher::LooseToolCall,
+    )
+    .unwrap();
+    assert_eq!(s.active_leaf(), Some(0));
+}
+
+#[test]
+fn matcher_v2_tito_receives_the_stored_path_verbatim_plus_the_raw_replay_suffix() {
+    let mut s = state_with_one_node();
+    let tito = RecordingTito {
+        calls: Default::default(),
+    };
+    let replay = [matcher_user(), replayed_assistant(), tool_result()];
+    s.position(&replay, MessageMatcher::LooseToolCall).unwrap();
+    let ids = s.prepare(&replay, &[], &Map::new(), &tito).unwrap();
+    let calls = tito.calls.lock().unwrap();
+    let [(old, new)] = &calls[..] else { panic!() };
+    assert_eq!(old, &vec![matcher_user(), stored_assistant()]);
+    assert_eq!(new[1], stored_assistant());
+    assert_eq!(new[2], tool_result());
+    assert_eq!(ids, vec![0, 1, 99]);
+}
