@@ -30,6 +30,7 @@
 //! | `test_session_v1_v2_parity.py::test_sample_bitwise_comparator_distinguishes_signed_zero` | holds (our comparator) |
 //! | `test_session_pretokenized_e2e.py` (4 fixed templates, v2 server) | `qwen3-fixed` holds (`pretokenized_e2e_qwen3_fixed_template_on_v2`, HF's ids, one node per turn, no mismatch); `qwen3.5-fixed`, `qwen3-thinking2507-fixed`, `qwen3-next-thinking-fixed`: n/a here (those tokenizers are not in `fixtures/tokenizers/`; their templates are checked in miles-tito) |
 //! | `test_session_message_matcher.py::TestV2ReplayMatching` (3) | hold (`tree_state::matcher_v2_*`) |
+//! | (ours) | `v2_random_branching_never_fails_and_trains_each_completion_once`: 75 random branching requests over 3 sessions, never a 5xx, every node's completion trained by exactly one sample; `v2_node_cap_is_a_400_and_the_tree_stays`; `v2_agent_driver_*` (the driver under v2) |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -1118,4 +1119,110 @@ async fn pretokenized_e2e_qwen3_fixed_template_on_v2() {
     let accumulated: Vec<TokenId> =
         serde_json::from_value(s["metadata"]["accumulated_token_ids"].clone()).unwrap();
     assert_eq!(accumulated, hf_ids[..hf_ids.len() - 1]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random branching conversations: never a 5xx, and every completion trained exactly once.
+
+/// SplitMix64: a fixed-seed generator (no dependency).
+struct Mix(u64);
+
+impl Mix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[tokio::test]
+async fn v2_random_branching_never_fails_and_trains_each_completion_once() {
+    let env = v2_env_with(SessionServerConfig {
+        sample_hooks: hooks(Arc::new(KeepAllLeaves)),
+        ..SessionServerConfig::default()
+    })
+    .await;
+    let mut rng = Mix(44);
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    let mut leaves_seen = 0;
+    for _session in 0..3 {
+        let sid = env.create_session().await;
+        let mut histories: Vec<Vec<Value>> = vec![Vec::new()];
+        for step in 0..25 {
+            let base = &histories[rng.below(histories.len())];
+            let mut messages: Vec<Value> = base[..rng.below(base.len() + 1)].to_vec();
+            for _ in 0..1 + rng.below(2) {
+                let role =
+                    ["user", "tool", "system", "developer", "assistant", "user"][rng.below(6)];
+                let mut m = json!({"role": role, "content": format!("m{step}-{}", rng.below(3))});
+                if role == "tool" {
+                    m["tool_call_id"] = json!("t0");
+                }
+                messages.push(m);
+            }
+            let mut body = json!({ "messages": messages });
+            if rng.below(6) == 0 {
+                body["max_tokens"] = json!(2);
+            }
+            let r = env.post_chat(&sid, &body).await;
+            let status = r.status.as_u16();
+            *statuses.entry(status).or_default() += 1;
+            assert!(
+                [200, 400, 409].contains(&status),
+                "{status}: {} for {body}",
+                r.text()
+            );
+            if status == 200 {
+                let answer = r.json::<Value>().unwrap()["choices"][0]["message"].clone();
+                messages.push(answer);
+                histories.push(messages);
+            }
+        }
+        assert_eq!(env.get(&sid).await.status, 200);
+        let tree = tree(&env, &sid).await;
+        let nodes = tree["nodes"].as_array().unwrap().clone();
+        let r = env.samples(&sid, &json!({})).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let p = decode_samples_as(&r.body, &Sample::default(), SamplesWire::V2).unwrap();
+        if nodes.is_empty() {
+            continue;
+        }
+        assert_eq!(p.samples.len(), tree["leaves"].as_array().unwrap().len());
+        leaves_seen += p.samples.len();
+        for node in &nodes {
+            let id = node["id"].clone();
+            let (start, end) = (
+                node["completion_span"][0].as_u64().unwrap() as usize,
+                node["completion_span"][1].as_u64().unwrap() as usize,
+            );
+            let owners = p
+                .samples
+                .iter()
+                .filter(|s| {
+                    s.metadata["leaf"]["path_node_ids"]
+                        .as_array()
+                        .unwrap()
+                        .contains(&id)
+                })
+                .filter(|s| {
+                    let rs = s.tokens.len() - s.response_length;
+                    let mask = s.loss_mask.as_ref().unwrap();
+                    (start.max(rs)..end.min(s.tokens.len())).any(|i| mask[i - rs] == 1)
+                })
+                .count();
+            assert_eq!(owners, 1, "node {id} trained {owners} times");
+        }
+    }
+    // The script exercised branching, refusals and truncation.
+    assert!(
+        statuses.get(&200).copied().unwrap_or(0) >= 20,
+        "{statuses:?}"
+    );
+    assert!(statuses.keys().any(|&s| s != 200), "{statuses:?}");
+    assert!(leaves_seen >= 6, "{leaves_seen} leaves");
 }
