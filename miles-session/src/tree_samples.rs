@@ -24,7 +24,7 @@ use miles_core::{Reward, Sample};
 use serde_json::{Map, Value, json};
 
 use crate::assembly::{
-    Decode, compute_samples_from_records, merge_samples, truncate_samples_by_total_tokens,
+    Decode, RecordTurn, compute_samples_from_turns, merge_samples, truncate_samples_by_total_tokens,
 };
 use crate::codec::{EmptyReason, SamplesPayload};
 use crate::error::{Error, Result};
@@ -116,12 +116,12 @@ pub fn build_leaf_material(tree: &SessionTree, assembly: &LeafAssembly<'_>) -> R
     let mut material = Vec::new();
     for leaf_id in tree.leaves() {
         let path = tree.path(leaf_id);
-        let records: Vec<_> = path
+        let records = path
             .iter()
-            .map(|&i| tree.nodes()[i].record.clone())
-            .collect();
+            .map(|&i| RecordTurn::from_record(&tree.nodes()[i].record))
+            .collect::<Result<Vec<_>>>()?;
         let leaf = &tree.nodes()[leaf_id];
-        let mut turns = compute_samples_from_records(
+        let mut turns = compute_samples_from_turns(
             &Sample::default(),
             &records,
             Some(&leaf.token_ids),
@@ -129,10 +129,10 @@ pub fn build_leaf_material(tree: &SessionTree, assembly: &LeafAssembly<'_>) -> R
             assembly.decode,
         )?;
         if assembly.save_debug_trajectory_data
-            && let (Some(last), Some(record)) = (turns.last_mut(), records.last())
+            && let Some(last) = turns.last_mut()
         {
             last.metadata
-                .insert("messages".into(), record_messages(record));
+                .insert("messages".into(), record_messages(&leaf.record));
         }
         if let Some(max) = assembly.max_seq_len {
             turns = truncate_samples_by_total_tokens(turns, max, assembly.decode)?;
