@@ -1,5 +1,7 @@
 //! The session server as an [`axum::Router`] (Miles' session server): registry, three-phase locking,
-//! chat completions over a token-level [`InferenceEngine`], records, samples, metrics.
+//! chat completions over a token-level [`InferenceEngine`], records, samples, metrics. The
+//! routes serve linear sessions (v1, the default) or tree sessions (v2, [`crate::tree`]) as
+//! [`SessionServerConfig::session_version`] says.
 
 use std::collections::HashMap;
 use std::sync::Arc;
