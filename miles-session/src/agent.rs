@@ -13,10 +13,11 @@ use miles_core::{
 };
 use serde_json::{Map, Value, json};
 
-use crate::codec::decode_samples;
+use crate::codec::decode_samples_as;
 use crate::error::{Error, Result};
 use crate::guard::ApiKey;
 use crate::http::HttpClient;
+use crate::tree::SessionVersion;
 
 /// What an agent gets: where to send chat completions, the prompt, sampling kwargs in OpenAI
 /// names, and metadata.
@@ -176,6 +177,12 @@ pub struct AgentDriverConfig {
     /// turn instead of one merged sample per session, every one tagged with the rollout id
     /// of the input sample (`rollout_id`, else `index`).
     pub generate_multi_samples: bool,
+    /// The session server's version (Miles' `--use-session-server`; default v1). With
+    /// [`SessionVersion::V2`] (tree sessions) the agent's metadata and reward go with the
+    /// samples request (the server's post-processor applies them) and [`generate_samples`]
+    /// returns one sample per kept leaf, siblings tagged with the rollout id, as Miles'
+    /// `agentic_tool_call.generate` does under v2.
+    pub session_version: SessionVersion,
 }
 
 impl AgentDriverConfig {
@@ -189,7 +196,14 @@ impl AgentDriverConfig {
             abort_on_agent_error: true,
             api_key: None,
             generate_multi_samples: false,
+            session_version: SessionVersion::V1,
         }
+    }
+
+    /// Sets [`AgentDriverConfig::session_version`].
+    pub fn with_session_version(mut self, version: SessionVersion) -> Self {
+        self.session_version = version;
+        self
     }
 
     /// Sets [`AgentDriverConfig::generate_multi_samples`].
@@ -261,7 +275,8 @@ fn failure(kind: AgentFailureKind, message: String) -> AgentFailure {
 /// undecodable samples) gives a FAILED copy of `sample` with `metadata.failure` and
 /// `metadata.failure_kind`. The
 /// session is always deleted. [`AgentDriverConfig::generate_multi_samples`] does not apply
-/// here (see [`generate_samples`]).
+/// here (see [`generate_samples`]); with a v2 session server use [`generate_samples`] (a tree
+/// may keep several leaves, which fails the sample here).
 pub async fn generate(
     agent: &dyn Agent,
     sample: &Sample,
@@ -368,7 +383,31 @@ async fn drive(
         },
         None => run.await,
     };
-    let collected = collect(http, &base_url, config.max_seq_len, per_turn, sample).await;
+    let v2 = config.session_version == SessionVersion::V2;
+    // v2: the agent's metadata travels with the samples request, its reward as `reward` (a
+    // reward that is neither a number nor an object is refused below, as for v1).
+    let v2_metadata = match (&agent_result, v2) {
+        (Ok(m), true) => {
+            let mut m = m.clone();
+            if let Some(reward) = m.remove(AGENT_REWARD_KEY)
+                && (reward.is_number() || reward.is_object())
+            {
+                m.insert("reward".into(), reward);
+            }
+            Some(Value::Object(m))
+        }
+        _ => None,
+    };
+    let collected = collect(
+        http,
+        &base_url,
+        config.max_seq_len,
+        per_turn,
+        sample,
+        config.session_version,
+        v2_metadata,
+    )
+    .await;
     if let Err(e) = http
         .send(Method::DELETE, &base_url, &[], None)
         .await
@@ -433,18 +472,22 @@ async fn drive(
     let rollout_id = sample.rollout_id();
     let siblings = outs.len();
     for out in &mut outs {
-        if let Some(reward) = &reward {
-            out.reward = Some(reward.clone());
-        }
         if let Some(t) = tool_time {
             out.non_generation_time = t;
         }
-        out.metadata.extend(agent_metadata.clone());
-        if per_turn && siblings > 1 {
+        if (per_turn || v2) && siblings > 1 {
             out.rollout_id = rollout_id;
         }
+        if v2 {
+            // The server's post-processor applied the agent's metadata and reward.
+            continue;
+        }
+        if let Some(reward) = &reward {
+            out.reward = Some(reward.clone());
+        }
+        out.metadata.extend(agent_metadata.clone());
     }
-    if let Some(last) = outs.last_mut() {
+    if !v2 && let Some(last) = outs.last_mut() {
         last.metadata.extend(session_metadata);
     }
     outs
@@ -509,16 +552,24 @@ async fn create_session(http: &HttpClient, server: &str) -> Result<String> {
         .ok_or_else(|| Error::upstream("POST /sessions answered without session_id"))
 }
 
-/// Collects the session's samples (one merged sample, or with `per_turn` one per turn):
-/// `Ok(None)` when the session is empty.
+/// Collects the session's samples (one merged sample, or with `per_turn` one per turn, or for
+/// a v2 session one per kept leaf): `Ok(None)` when the session is empty.
 async fn collect(
     http: &HttpClient,
     base_url: &str,
     max_seq_len: Option<usize>,
     per_turn: bool,
     sample: &Sample,
+    version: SessionVersion,
+    v2_metadata: Option<Value>,
 ) -> Result<Option<(Vec<Sample>, Map<String, Value>)>> {
-    let body = if per_turn {
+    let v2 = version == SessionVersion::V2;
+    let body = if v2 {
+        match v2_metadata {
+            Some(metadata) => json!({"max_seq_len": max_seq_len, "metadata": metadata}),
+            None => json!({"max_seq_len": max_seq_len}),
+        }
+    } else if per_turn {
         json!({"max_seq_len": max_seq_len, "generate_multi_samples": true})
     } else {
         json!({"max_seq_len": max_seq_len})
@@ -543,12 +594,12 @@ async fn collect(
     base.spec_info = Default::default();
     base.teacher_log_probs = None;
     base.opd_reverse_kl = None;
-    let payload = decode_samples(&r.body, &base)?;
+    let payload = decode_samples_as(&r.body, &base, version.wire())?;
     if payload.empty_reason.is_some() {
         return Ok(None);
     }
     let samples = payload.samples;
-    if samples.is_empty() || (!per_turn && samples.len() != 1) {
+    if samples.is_empty() || (!per_turn && !v2 && samples.len() != 1) {
         return Err(Error::assembly(format!(
             "expected one sample, got {}",
             samples.len()

@@ -21,7 +21,7 @@ use miles_tito::{ChatTokenizer, MessageMatcher};
 use crate::error::{Error, Result};
 use crate::guard::{ApiKey, GuardConfig};
 use crate::openai::RequestLimits;
-use crate::server::{SessionServer, SessionServerConfig};
+use crate::server::{SessionServer, SessionServerConfig, SessionVersion};
 use crate::sglang::{SglangConfig, SglangEngine};
 use crate::testkit::{ByteChatml, InstantEngine, ToyEngine};
 
@@ -83,6 +83,9 @@ pub struct CliArgs {
     /// Put the conversation on samples as `metadata.messages` (Miles'
     /// `--save-debug-trajectory-data`).
     pub save_debug_trajectory_data: bool,
+    /// Which session server (Miles' `--use-session-server [v1|v2]`): the linear one
+    /// (default) or tree sessions.
+    pub session_version: SessionVersion,
 }
 
 impl CliArgs {
@@ -108,6 +111,7 @@ impl CliArgs {
             max_tokens_per_session: self.max_tokens_per_session,
             message_matcher: self.message_matcher,
             save_debug_trajectory_data: self.save_debug_trajectory_data,
+            session_version: self.session_version,
             ..SessionServerConfig::default()
         }
     }

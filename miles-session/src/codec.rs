@@ -68,8 +68,8 @@ impl From<PrefixCacheInfo> for PrefixCacheWire {
     }
 }
 
-/// One sample's JSON entry, fields in Miles' order. Keys Miles' v1 decoder does not read
-/// (the v2 server's `reward`) are ignored, as there.
+/// One sample's JSON entry, fields in Miles' order. `reward` is on the wire only in the v2
+/// format ([`SamplesWire::V2`]); the v1 decoder ignores it, as Miles' does.
 #[derive(Serialize, Deserialize)]
 struct SampleMeta {
     response: String,
@@ -78,7 +78,20 @@ struct SampleMeta {
     weight_versions: Vec<String>,
     prefix_cache_info: PrefixCacheWire,
     metadata: Map<String, Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reward: Option<Value>,
     nulls: Vec<String>,
+}
+
+/// Which field allowlist crosses the samples wire (Miles' `COMPUTED_FIELDS` /
+/// `COMPUTED_FIELDS_V2`): the tree server (v2) adds `Sample.reward` after `metadata`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SamplesWire {
+    /// The linear server's fields (default).
+    #[default]
+    V1,
+    /// The tree server's fields: V1's plus `reward` (a null reward keeps the input's on decode).
+    V2,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -115,6 +128,13 @@ fn table_tensor(table: &RoutedExperts, name: &str) -> Result<TensorBytes> {
 /// `fixtures/session/codec/` holds blobs written by Miles' own encoder that this function
 /// reproduces exactly.
 pub fn encode_samples(payload: &SamplesPayload) -> Result<Vec<u8>> {
+    encode_samples_as(payload, SamplesWire::V1)
+}
+
+/// [`encode_samples`] with the field allowlist of `wire` (Miles' `encode_samples(…,
+/// fields=COMPUTED_FIELDS_V2)` for [`SamplesWire::V2`], byte for byte:
+/// `fixtures/session/tree_v2/`).
+pub fn encode_samples_as(payload: &SamplesPayload, wire: SamplesWire) -> Result<Vec<u8>> {
     let mut tensors = NamedTensors::new();
     let mut metas = Vec::with_capacity(payload.samples.len());
     for (k, s) in payload.samples.iter().enumerate() {
@@ -169,6 +189,13 @@ pub fn encode_samples(payload: &SamplesPayload) -> Result<Vec<u8>> {
             weight_versions: s.weight_versions.clone(),
             prefix_cache_info: s.prefix_cache_info.into(),
             metadata: s.metadata.clone(),
+            reward: match wire {
+                SamplesWire::V1 => None,
+                SamplesWire::V2 => Some(
+                    serde_json::to_value(&s.reward)
+                        .map_err(|e| codec_err("reward", e.to_string()))?,
+                ),
+            },
             nulls,
         });
     }
@@ -271,6 +298,17 @@ fn check_input_defaults(input: &Sample) -> Result<()> {
 /// of rank ≠ 1, non-finite or out-of-range numbers in the JSON, and samples that break
 /// [`Sample::validate`] (lengths, loss-mask values other than 0/1).
 pub fn decode_samples(bytes: &[u8], input: &Sample) -> Result<SamplesPayload> {
+    decode_samples_as(bytes, input, SamplesWire::V1)
+}
+
+/// [`decode_samples`] with the field allowlist of `wire`: with [`SamplesWire::V2`] a
+/// non-null `reward` (a number or an object, else a codec error) replaces the input's, a null
+/// or missing one keeps it (Miles' v2 decoder).
+pub fn decode_samples_as(
+    bytes: &[u8],
+    input: &Sample,
+    wire: SamplesWire,
+) -> Result<SamplesPayload> {
     let tensors = NamedTensors::from_safetensors_bytes(bytes)
         .map_err(|e| codec_err("blob", e.to_string()))?;
     let mut used = BTreeSet::new();
@@ -357,6 +395,16 @@ pub fn decode_samples(bytes: &[u8], input: &Sample) -> Result<SamplesPayload> {
         };
         for (key, value) in m.metadata {
             s.metadata.insert(key, value);
+        }
+        if wire == SamplesWire::V2
+            && let Some(reward) = m.reward.filter(|r| !r.is_null())
+        {
+            s.reward = Some(serde_json::from_value(reward).map_err(|e| {
+                codec_err(
+                    format!("sample {k}"),
+                    format!("reward must be a number or an object: {e}"),
+                )
+            })?);
         }
         s.validate()
             .map_err(|e| codec_err(format!("sample {k}"), e.to_string()))?;

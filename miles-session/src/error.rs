@@ -126,6 +126,26 @@ pub enum Error {
         /// The limit.
         limit: usize,
     },
+    /// A tree session (v2) request would extend a generation that ended at the length limit
+    /// (Miles' `TruncatedGenerationError`, 409).
+    #[error("{reason}")]
+    TruncatedGeneration {
+        /// Miles' text.
+        reason: String,
+    },
+    /// A tree session's sample picker or post-processor failed or broke its contract (Miles'
+    /// hook lane: 422 naming both hooks).
+    #[error(
+        "session sample hook failed (picker={picker}, postprocessor={postprocessor}): {reason}"
+    )]
+    SampleHook {
+        /// The picker's name.
+        picker: String,
+        /// The post-processor's name.
+        postprocessor: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// A chat turn arrived while another turn of the same session was in progress.
     #[error("session {session_id} already has a turn in progress; send turns one at a time")]
     SessionBusy {
@@ -205,6 +225,8 @@ impl Error {
             Self::Overloaded { .. } => "overloaded",
             Self::TooManySessions { .. } => "too_many_sessions",
             Self::SessionBusy { .. } => "session_busy",
+            Self::TruncatedGeneration { .. } => "truncated_generation",
+            Self::SampleHook { .. } => "sample_hook",
             Self::SessionLimit { .. } => "session_limit",
             Self::LimitExceeded { .. } => "limit_exceeded",
             Self::TemplateRejected { .. } => "template_rejected",
@@ -227,7 +249,7 @@ impl Error {
             Self::RequestTimeout { .. } => 408,
             Self::Overloaded { .. } => 503,
             Self::TooManySessions { .. } => 429,
-            Self::SessionBusy { .. } => 409,
+            Self::SessionBusy { .. } | Self::TruncatedGeneration { .. } => 409,
             Self::SessionLimit { .. }
             | Self::LimitExceeded { .. }
             | Self::TemplateRejected { .. } => 400,
@@ -236,7 +258,7 @@ impl Error {
                 502
             }
             Self::Timeout { .. } => 504,
-            Self::Assembly { .. } | Self::Codec { .. } => 422,
+            Self::Assembly { .. } | Self::Codec { .. } | Self::SampleHook { .. } => 422,
             Self::Engine(e) => match e {
                 miles_core::Error::Engine { kind, .. } => match kind {
                     miles_core::EngineErrorKind::InvalidRequest => 400,

@@ -17,6 +17,12 @@
 //!   and request timeouts, request and connection caps, request-head timeout), reusable by any
 //!   axum server of the workspace.
 //! * [`trajectory`]: the linear trajectory with one-step rollback, and the records.
+//! * [`tree`] and [`tree_samples`]: tree sessions (Miles' session server v2, selected with
+//!   [`server::SessionServerConfig::session_version`] = [`tree::SessionVersion::V2`]): a
+//!   request that diverges from the history branches into an append-only tree instead of
+//!   rolling back; every leaf is assembled into a sample, then Miles' picker (`drop_retries`)
+//!   and post-processor (`default_postprocess`), or your own ([`tree_samples::SamplePicker`],
+//!   [`tree_samples::SamplePostprocessor`]), choose and finish the training samples.
 //! * The server reaches chat templates and tokenizers only through miles-tito's
 //!   [`miles_tito::ChatTokenizer`] seam (render, incremental tokenization, output parsing,
 //!   decode; with miles-tito's strict append-only validation and token-sequence comparator
@@ -92,10 +98,14 @@ pub mod metrics;
 pub mod metrics_server;
 pub mod openai;
 pub mod server;
+mod server_core;
 pub mod sglang;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod tito_adapter;
 pub mod trajectory;
+pub mod tree;
+pub mod tree_samples;
+mod tree_server;
 
 pub use error::{Error, Result};

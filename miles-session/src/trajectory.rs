@@ -300,22 +300,13 @@ impl LinearTrajectory {
         };
         let mut new_ids = prepared.prompt_ids.clone();
         new_ids.extend_from_slice(completion_ids);
-        let check_len = prev.len().saturating_sub(max_trim_tokens);
-        if check_len > 0 && new_ids.get(..check_len) != Some(&prev[..check_len]) {
-            let at = prev
-                .iter()
-                .zip(&new_ids)
-                .position(|(a, b)| a != b)
-                .unwrap_or(new_ids.len().min(check_len));
-            return Err(Error::tokenization(format!(
-                "pretokenized prefix mismatch at index {at}: stored {} tokens, new {} tokens \
-                 (checked {check_len}); {} stored messages, {} request messages",
-                prev.len(),
-                new_ids.len(),
-                self.kept_messages(keep).len(),
-                request.len()
-            )));
-        }
+        check_pretokenized_prefix(
+            prev,
+            &new_ids,
+            max_trim_tokens,
+            self.kept_messages(keep).len(),
+            request.len(),
+        )?;
         let kept_len = self.kept_messages(keep).len();
         self.messages.truncate(kept_len);
         self.checkpoints.truncate(keep);
@@ -330,6 +321,33 @@ impl LinearTrajectory {
         self.generation += 1;
         Ok(())
     }
+}
+
+/// Miles' `assert_pretokenized_prefix` (shared by the linear commit and the tree commit): the
+/// stored ids `prev`, all but their last `max_trim_tokens`, must be a prefix of `new_ids`
+/// (prompt ⊕ completion); otherwise a tokenization error naming the first difference.
+pub(crate) fn check_pretokenized_prefix(
+    prev: &[TokenId],
+    new_ids: &[TokenId],
+    max_trim_tokens: usize,
+    stored_messages: usize,
+    request_messages: usize,
+) -> Result<()> {
+    let check_len = prev.len().saturating_sub(max_trim_tokens);
+    if check_len > 0 && new_ids.get(..check_len) != Some(&prev[..check_len]) {
+        let at = prev
+            .iter()
+            .zip(new_ids)
+            .position(|(a, b)| a != b)
+            .unwrap_or(new_ids.len().min(check_len));
+        return Err(Error::tokenization(format!(
+            "pretokenized prefix mismatch at index {at}: stored {} tokens, new {} tokens \
+             (checked {check_len}); {stored_messages} stored messages, {request_messages} request messages",
+            prev.len(),
+            new_ids.len(),
+        )));
+    }
+    Ok(())
 }
 
 /// miles-tito's append-only validation of `request` against the `stored` history under

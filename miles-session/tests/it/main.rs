@@ -20,3 +20,6 @@ mod tito_qwen3;
 mod tls;
 mod trailing_trim;
 mod trajectory_props;
+mod tree_flows;
+mod tree_sessions;
+mod tree_state;

@@ -38,7 +38,7 @@ type Reply = dyn Fn(&str) -> Result<String, miles_core::Error> + Send + Sync;
 
 /// The mock backend: replies `reply(prompt text)` (ByteChatml tokens, `<|im_end|>` appended),
 /// after `delay`, logging every request and the most requests it held at once.
-struct Scripted {
+pub(crate) struct Scripted {
     tok: ByteChatml,
     reply: Mutex<Arc<Reply>>,
     delay: Mutex<Option<Duration>>,
@@ -46,12 +46,12 @@ struct Scripted {
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
     /// Answers one log-prob short of the tokens (an upstream protocol break).
-    short_log_probs: AtomicBool,
+    pub(crate) short_log_probs: AtomicBool,
 }
 
 impl Scripted {
     /// Miles' fixture `process_fn`: `echo: {prompt}` (here the last message's text).
-    fn echo() -> Arc<Self> {
+    pub(crate) fn echo() -> Arc<Self> {
         Self::new(Arc::new(|prompt: &str| {
             let body = prompt
                 .strip_suffix("<|im_start|>assistant\n")
@@ -75,19 +75,19 @@ impl Scripted {
         })
     }
 
-    fn set_reply(&self, reply: Arc<Reply>) {
+    pub(crate) fn set_reply(&self, reply: Arc<Reply>) {
         *self.reply.lock().unwrap() = reply;
     }
 
-    fn set_delay(&self, delay: Duration) {
+    pub(crate) fn set_delay(&self, delay: Duration) {
         *self.delay.lock().unwrap() = Some(delay);
     }
 
-    fn requests(&self) -> usize {
+    pub(crate) fn requests(&self) -> usize {
         self.log.lock().unwrap().len()
     }
 
-    fn last(&self) -> GenerateRequest {
+    pub(crate) fn last(&self) -> GenerateRequest {
         self.log.lock().unwrap().last().unwrap().clone()
     }
 
@@ -172,10 +172,10 @@ impl InferenceEngine for Scripted {
 }
 
 /// Miles' `router_env`: a session server over the mock backend.
-struct Env {
-    url: String,
-    http: HttpClient,
-    backend: Arc<Scripted>,
+pub(crate) struct Env {
+    pub(crate) url: String,
+    pub(crate) http: HttpClient,
+    pub(crate) backend: Arc<Scripted>,
 }
 
 const INSTANCE_ID: &str = "0123456789abcdef0123456789abcdef";
@@ -188,7 +188,7 @@ async fn router_env() -> Env {
     .await
 }
 
-async fn router_env_with(config: SessionServerConfig) -> Env {
+pub(crate) async fn router_env_with(config: SessionServerConfig) -> Env {
     let backend = Scripted::echo();
     let server = SessionServer::new(backend.clone(), Arc::new(ByteChatml::default()), config);
     Env {
@@ -199,7 +199,7 @@ async fn router_env_with(config: SessionServerConfig) -> Env {
 }
 
 impl Env {
-    async fn create_session(&self) -> String {
+    pub(crate) async fn create_session(&self) -> String {
         let r = self
             .http
             .post_json(&format!("{}/sessions", self.url), &json!({}), &[])
@@ -212,7 +212,7 @@ impl Env {
             .to_owned()
     }
 
-    async fn post_chat(&self, sid: &str, payload: &Value) -> HttpResponse {
+    pub(crate) async fn post_chat(&self, sid: &str, payload: &Value) -> HttpResponse {
         self.http
             .post_json(
                 &format!("{}/sessions/{sid}/v1/chat/completions", self.url),
@@ -223,20 +223,20 @@ impl Env {
             .unwrap()
     }
 
-    async fn get(&self, sid: &str) -> HttpResponse {
+    pub(crate) async fn get(&self, sid: &str) -> HttpResponse {
         self.http
             .get(&format!("{}/sessions/{sid}", self.url))
             .await
             .unwrap()
     }
 
-    async fn session(&self, sid: &str) -> Value {
+    pub(crate) async fn session(&self, sid: &str) -> Value {
         let r = self.get(sid).await;
         assert_eq!(r.status, 200, "{}", r.text());
         r.json().unwrap()
     }
 
-    async fn delete(&self, sid: &str) -> HttpResponse {
+    pub(crate) async fn delete(&self, sid: &str) -> HttpResponse {
         self.http
             .send(
                 hyper::Method::DELETE,
@@ -248,7 +248,7 @@ impl Env {
             .unwrap()
     }
 
-    async fn samples(&self, sid: &str, body: &Value) -> HttpResponse {
+    pub(crate) async fn samples(&self, sid: &str, body: &Value) -> HttpResponse {
         self.http
             .post_json(&format!("{}/sessions/{sid}/samples", self.url), body, &[])
             .await
@@ -258,7 +258,7 @@ impl Env {
 
 /// Our error bodies are OpenAI-shaped (`{"error": {"message", "type", "code"}}`, deliberate);
 /// Miles' `{"error": TEXT}` text is our `error.message`.
-fn error_text(r: &HttpResponse) -> String {
+pub(crate) fn error_text(r: &HttpResponse) -> String {
     let body: Value = r.json().unwrap();
     body["error"]["message"].as_str().unwrap().to_owned()
 }
