@@ -621,9 +621,11 @@ pub struct AgentArgs {
     #[arg(long, value_name = "S", default_value_t = 3600.0)]
     pub agent_timeout_s: f64,
     /// Implied by --agent-cmd (the session server records exact tokens, log-probs and routed
-    /// experts)
-    #[arg(long)]
-    pub use_session_server: bool,
+    /// experts). Bare (or v1): the append-only linear server; v2: tree sessions (a request
+    /// that diverges from the recorded history branches; every kept leaf is a sample)
+    #[arg(long, value_name = "VERSION", num_args = 0..=1, default_missing_value = "v1",
+          value_parser = session_version_name)]
+    pub use_session_server: Option<String>,
     /// The TITO family of the session server (--agent-cmd) and of sft's tokenization:
     /// default | qwen3 | glm47 | …
     #[arg(
@@ -660,6 +662,20 @@ fn failure_defaults() -> miles_rollout::FailurePolicy {
 }
 
 /// Checks a `--session-message-matcher` name (miles-tito's parser, Miles' names).
+/// Miles' `--use-session-server` values (`v1`, `v2`; the bare flag is v1).
+fn session_version_name(text: &str) -> Result<String, String> {
+    text.parse::<miles_session::server::SessionVersion>()
+        .map(|v| v.as_str().to_owned())
+        .map_err(|e| e.to_string())
+}
+
+/// The session server version a `--use-session-server` value names (v1 when absent).
+pub fn session_version(value: Option<&str>) -> miles_session::server::SessionVersion {
+    value
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(miles_session::server::SessionVersion::V1)
+}
+
 fn message_matcher_name(text: &str) -> Result<String, String> {
     miles_tito::MessageMatcher::parse(text)
         .map(|_| text.to_owned())
@@ -914,6 +930,12 @@ pub struct SessionArgs {
     /// loose_tool_call | role_content_only (Miles' --session-message-matcher)
     #[arg(long, value_name = "NAME", default_value = "strict", value_parser = message_matcher_name)]
     pub session_message_matcher: String,
+    /// Which session server: v1 (the default, also the bare flag: append-only, one-step
+    /// rollback) or v2 (tree sessions: a request that diverges from the recorded history
+    /// branches; the samples route gives one sample per kept leaf, Miles' v2 wire)
+    #[arg(long, value_name = "VERSION", num_args = 0..=1, default_missing_value = "v1",
+          value_parser = session_version_name)]
+    pub use_session_server: Option<String>,
     /// Put each session's conversation on its last sample as metadata.messages (Miles'
     /// --save-debug-trajectory-data; the session server alone writes no file: the PATH is
     /// for `miles train`)

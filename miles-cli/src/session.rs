@@ -57,8 +57,7 @@ pub fn options(args: &SessionArgs) -> Result<CliArgs, String> {
         message_matcher: miles_tito::MessageMatcher::parse(&args.session_message_matcher)
             .map_err(|e| format!("--session-message-matcher: {e}"))?,
         save_debug_trajectory_data: args.save_debug_trajectory_data.is_some(),
-        // `--use-session-server v2` is wired by the lead (issue 44 point 2); v1 until then.
-        session_version: miles_session::server::SessionVersion::V1,
+        session_version: crate::args::session_version(args.use_session_server.as_deref()),
     })
 }
 

@@ -288,6 +288,19 @@ async fn agent_generator(
             .map_err(|e| format!("--apply-chat-template-kwargs: not a JSON object: {e}"))?;
     let message_matcher = MessageMatcher::parse(&a.agent.session_message_matcher)
         .map_err(|e| format!("--session-message-matcher: {e}"))?;
+    let session_version = crate::args::session_version(a.agent.use_session_server.as_deref());
+    if session_version == miles_session::server::SessionVersion::V2 {
+        // Miles: "v2 returns list[Sample]" (no group reward, no partial rollout); here a v2
+        // session's samples are its kept leaves already.
+        for (on, flag) in [
+            (a.rollout.generate_multi_samples, "--generate-multi-samples"),
+            (a.rollout.partial_rollout, "--partial-rollout"),
+        ] {
+            if on {
+                return Err(format!("--use-session-server v2 does not support {flag}; v2 returns one sample per kept leaf of the session's tree").into());
+            }
+        }
+    }
     let url = crate::wiring::spawn_session_server(
         engine.clone(),
         &c.hf,
@@ -297,11 +310,12 @@ async fn agent_generator(
             chat_template_kwargs: kwargs,
             message_matcher,
             save_debug_trajectory_data: a.rollout.save_debug_trajectory_data.is_some(),
+            session_version,
             ..SessionServerConfig::default()
         },
     )
     .await?;
-    println!("session server on {url}; agent: {cmd}");
+    println!("session server ({session_version}) on {url}; agent: {cmd}");
     let mut config = CommandAgentConfig::shell(cmd);
     config.timeout = match a.agent.agent_timeout_s {
         t if t > 0.0 && t.is_finite() => Some(Duration::from_secs_f64(t)),
@@ -310,7 +324,9 @@ async fn agent_generator(
     let agent = Arc::new(CommandAgent::new(config)?);
     Ok(Some(Arc::new(AgentGenerator::new(
         agent,
-        AgentDriverConfig::new(url).with_generate_multi_samples(a.rollout.generate_multi_samples),
+        AgentDriverConfig::new(url)
+            .with_generate_multi_samples(a.rollout.generate_multi_samples)
+            .with_session_version(session_version),
     ))))
 }
 

@@ -441,7 +441,8 @@ fn train_async_resumes_after_a_kill_and_serves_metrics() {
     let output = run(&mut opd("1"));
     let stderr = String::from_utf8_lossy(&output.stderr);
     let teacher = save.join("iter_0000001/trainer/model");
-    let reference = save.join("iter_0000060/trainer/model");
+    // The newest checkpoint: the last of the 60 rollouts (ids 0 to 59).
+    let reference = save.join("iter_0000059/trainer/model");
     assert!(
         stderr.contains(&format!("OPD teacher: {}", teacher.display())),
         "{stderr}"

@@ -263,3 +263,65 @@ fn sigterm_lets_the_request_in_flight_finish() {
         "still accepting after the stop"
     );
 }
+
+/// `miles session --use-session-server v2`: a request that diverges from the history branches
+/// instead of rolling back, and the samples route answers one sample per leaf in Miles' v2
+/// wire; v1 (the bare flag, the default) refuses a rollback past one assistant turn and keeps
+/// its one path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn use_session_server_v2_keeps_both_branches() {
+    use miles_session::codec::{SamplesWire, decode_samples_as};
+    let http = HttpClient::new(Duration::from_secs(30));
+    let mut leaves = Vec::new();
+    for (flags, wire) in [
+        (&["--use-session-server", "v2"][..], SamplesWire::V2),
+        (&["--use-session-server"][..], SamplesWire::V1),
+    ] {
+        let (mut child, base) = start(flags);
+        let id = http
+            .post_json(&format!("{base}/sessions"), &json!({}), &[])
+            .await
+            .unwrap()
+            .json::<Value>()
+            .unwrap()["session_id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let chat = format!("{base}/sessions/{id}/v1/chat/completions");
+        let first = http.post_json(&chat, &user("first"), &[]).await.unwrap();
+        assert_eq!(first.status, 200, "{}", first.text());
+        let answer = first.json::<Value>().unwrap()["choices"][0]["message"].clone();
+        let second = json!({"messages": [
+            {"role": "user", "content": "first"}, answer, {"role": "user", "content": "second"}]});
+        assert_eq!(
+            http.post_json(&chat, &second, &[]).await.unwrap().status,
+            200
+        );
+        // An edited first message: v2 opens a new branch; v1 refuses (a rollback of two
+        // assistant turns, past its one-step limit) and keeps its one path.
+        let edited = http.post_json(&chat, &user("edited"), &[]).await.unwrap();
+        match wire {
+            SamplesWire::V2 => assert_eq!(edited.status, 200, "{}", edited.text()),
+            SamplesWire::V1 => {
+                assert_error(&edited, 400, "invalid_request_error", "message_validation");
+            }
+        }
+        let r = http
+            .post_json(&format!("{base}/sessions/{id}/samples"), &json!({}), &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let payload = decode_samples_as(&r.body, &miles_core::Sample::default(), wire).unwrap();
+        leaves.push(payload.samples.len());
+        send_signal(&child, libc::SIGTERM);
+        assert_eq!(
+            wait_exit(&mut child, Duration::from_secs(60)).code(),
+            Some(0)
+        );
+    }
+    assert_eq!(
+        leaves,
+        [2, 1],
+        "v2: both branches; v1: the path after the rollback"
+    );
+}
