@@ -23,7 +23,8 @@
 //!
 //! **Fused model ops** (at the root), each one backend op with a custom backward and a
 //! plain-op `*_reference` twin — native row loops on flex, CubeCL kernels on CubeCL devices:
-//! masked attention with grouped key/value heads ([`attention()`]), [`rms_norm`], [`rope`],
+//! masked attention with grouped key/value heads ([`attention()`], with GPT-OSS's sinks and
+//! sliding window [`attention_with_sinks`]), [`rms_norm`], [`rope`],
 //! [`swiglu()`], the grouped expert matmul ([`grouped_matmul`], over device offsets
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
@@ -128,7 +129,10 @@ pub use policy::{
 pub use reduce::{LossAggregation, LossMetrics, Reducer, read_scalars};
 
 // Fused model ops.
-pub use attention::{FusedAttentionOps, MASKED_SCORE, attention, attention_reference};
+pub use attention::{
+    FusedAttentionOps, MASKED_SCORE, attention, attention_reference, attention_with_sinks,
+    attention_with_sinks_reference,
+};
 pub use bucket::{ExpertBucketOps, ExpertBuckets, HostBuckets, bucket_by_expert};
 pub use grouped::{
     ExpertLayout, GroupedMatmulOps, GroupedOffsetsOps, GroupedPackedOps, PackedExperts,

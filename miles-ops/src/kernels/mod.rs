@@ -9,7 +9,8 @@
 //!   ([`crate::fused::FusedLogProbOps`]) and the clipped policy-gradient loss
 //!   ([`crate::ClippedPgLossOps`]);
 //! - `model.rs`: RMSNorm, RoPE, SwiGLU, the grouped expert matmul and the expert bucketing;
-//! - `attention.rs`: flash-style masked attention forward (also the decode step) and backward.
+//! - `attention.rs`: flash-style masked attention forward (also the decode step) and backward,
+//!   with attention sinks and the sliding window (through the mask).
 //!
 //! No plane (warp) operations and a few KiB of shared memory per cube, so they run on every
 //! WebGPU adapter. What this module exports is the device kernel tests run on
