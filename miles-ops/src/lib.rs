@@ -29,7 +29,9 @@
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]) and the decode-step projections split over the cores
-//! ([`linear()`], [`linear_t`]). [`runs_fused`] says whether a device takes the fused path;
+//! ([`linear()`], [`linear_t`]); forward only, the gated delta rule of Qwen3.5's linear
+//! attention ([`gated_delta_rule`]: a native loop or a CubeCL kernel without a gradient, the
+//! chunked tensor-op form [`gated_delta_rule_reference`] under autodiff). [`runs_fused`] says whether a device takes the fused path;
 //! [`fused_ops_enabled`] / [`set_fused_ops`] (also `MILES_FUSED_OPS=off`) is one
 //! process-wide switch that sends every fused op to its plain-op twin, to measure the two
 //! paths in one run.
@@ -94,6 +96,7 @@ pub mod device;
 mod error;
 mod flex;
 pub mod fused;
+mod gated_delta;
 mod grouped;
 pub mod kernels;
 mod kl;
@@ -134,6 +137,10 @@ pub use attention::{
     attention_with_sinks_reference,
 };
 pub use bucket::{ExpertBucketOps, ExpertBuckets, HostBuckets, bucket_by_expert};
+pub use gated_delta::{
+    DELTA_CHUNK, GatedDeltaOps, gated_delta_rule, gated_delta_rule_recurrent,
+    gated_delta_rule_reference, unit_lower_inverse,
+};
 pub use grouped::{
     ExpertLayout, GroupedMatmulOps, GroupedOffsetsOps, GroupedPackedOps, PackedExperts,
     grouped_matmul, grouped_matmul_offsets, grouped_matmul_offsets_packed, grouped_matmul_packed,
