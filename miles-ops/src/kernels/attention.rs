@@ -2,7 +2,12 @@
 //! feature `wgpu` or `cuda`; tested on wgpu over lavapipe by `tests/it/kernels_attention.rs`
 //! against the flex op), registered for burn's `CubeBackend`. Semantics are those of the flex
 //! op: `softmax(mask_fill(q·kᵀ·scale, mask, −1e30))·v` with grouped key/value heads, a fully
-//! masked row attending uniformly to every key.
+//! masked row attending uniformly to every key. With sinks (GPT-OSS), the forward adds
+//! `exp(sinks[h])` to each row's denominator after its last key tile (a fully masked row puts
+//! every weight on the sink: zero output, `lse = sinks[h]`); the backward kernels run on the
+//! sinked log-sum-exp unchanged (a fully masked row then reaches no key: its uniform weight is
+//! 0) and `∂sinks[h] = −Σ exp(sinks[h] − lse)·δ` is reduced from the saved `δ`. A sliding
+//! window comes through the mask: the key tiles before a row's first unmasked key are skipped.
 //!
 //! - `mask_bounds_kernel`: per (batch, query row), the first unmasked key and one past the
 //!   last (`0, 0` for a fully masked row), so the passes below skip the key tiles outside
