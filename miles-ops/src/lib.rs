@@ -23,12 +23,15 @@
 //!
 //! **Fused model ops** (at the root), each one backend op with a custom backward and a
 //! plain-op `*_reference` twin — native row loops on flex, CubeCL kernels on CubeCL devices:
-//! masked attention with grouped key/value heads ([`attention()`]), [`rms_norm`], [`rope`],
+//! masked attention with grouped key/value heads ([`attention()`], with GPT-OSS's sinks and
+//! sliding window [`attention_with_sinks`]), [`rms_norm`], [`rope`],
 //! [`swiglu()`], the grouped expert matmul ([`grouped_matmul`], over device offsets
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]) and the decode-step projections split over the cores
-//! ([`linear()`], [`linear_t`]). [`runs_fused`] says whether a device takes the fused path;
+//! ([`linear()`], [`linear_t`]); forward only, the gated delta rule of Qwen3.5's linear
+//! attention ([`gated_delta_rule`]: a native loop or a CubeCL kernel without a gradient, the
+//! chunked tensor-op form [`gated_delta_rule_reference`] under autodiff). [`runs_fused`] says whether a device takes the fused path;
 //! [`fused_ops_enabled`] / [`set_fused_ops`] (also `MILES_FUSED_OPS=off`) is one
 //! process-wide switch that sends every fused op to its plain-op twin, to measure the two
 //! paths in one run.
@@ -93,6 +96,7 @@ pub mod device;
 mod error;
 mod flex;
 pub mod fused;
+mod gated_delta;
 mod grouped;
 pub mod kernels;
 mod kl;
@@ -128,8 +132,15 @@ pub use policy::{
 pub use reduce::{LossAggregation, LossMetrics, Reducer, read_scalars};
 
 // Fused model ops.
-pub use attention::{FusedAttentionOps, MASKED_SCORE, attention, attention_reference};
+pub use attention::{
+    FusedAttentionOps, MASKED_SCORE, attention, attention_reference, attention_with_sinks,
+    attention_with_sinks_reference,
+};
 pub use bucket::{ExpertBucketOps, ExpertBuckets, HostBuckets, bucket_by_expert};
+pub use gated_delta::{
+    DELTA_CHUNK, GatedDeltaOps, gated_delta_rule, gated_delta_rule_recurrent,
+    gated_delta_rule_reference, unit_lower_inverse,
+};
 pub use grouped::{
     ExpertLayout, GroupedMatmulOps, GroupedOffsetsOps, GroupedPackedOps, PackedExperts,
     grouped_matmul, grouped_matmul_offsets, grouped_matmul_offsets_packed, grouped_matmul_packed,

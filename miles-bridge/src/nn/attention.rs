@@ -3,7 +3,6 @@
 //! pool).
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
 
 use crate::error::BridgeError;
@@ -285,7 +284,7 @@ impl Attention {
         let attend_all = |q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: Tensor<4, Bool>| {
             let mask = mask.reshape([batch, seq, k.dims()[2]]);
             profile::time(OpClass::Attention, || match &self.sinks {
-                Some(sinks) => attend_with_sinks(q, k, v, mask, scale, sinks.val()),
+                Some(sinks) => attend_sinks(q, k, v, mask, scale, sinks.val()),
                 None => attend(q, k, v, mask, scale),
             })
         };
@@ -373,8 +372,38 @@ pub(crate) fn attend(
 
 /// [`attend`] with attention sinks (GPT-OSS, transformers' `eager_attention_forward`): per
 /// head `h`, the softmax of each query's masked scores runs over one more logit, `sinks[h]`,
-/// whose probability is then dropped, so the weights sum to less than one. Tensor ops, in
-/// f32 in every precision; a query with every key masked attends to nothing (zero output).
+/// whose probability is then dropped, so the weights sum to less than one; a query with
+/// every key masked attends to nothing (zero output). The sliding window is in `mask`. One
+/// fused op ([`miles_ops::attention_with_sinks`]: flex loops or CubeCL kernels, forward and
+/// backward, the sinks' gradient included) in f32 in every precision, rounded to the compute
+/// dtype; its tensor-op form elsewhere.
+pub(crate) fn attend_sinks(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<3, Bool>,
+    scale: f32,
+    sinks: Tensor<1>,
+) -> Tensor<4> {
+    let dtype = q.dtype();
+    let f32 = |t: Tensor<4>| t.cast(FloatDType::F32);
+    let (q, k, v) = (f32(q), f32(k), f32(v));
+    let sinks = sinks.cast(FloatDType::F32);
+    miles_ops::attention_with_sinks(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        mask.clone(),
+        scale,
+        sinks.clone(),
+    )
+    .unwrap_or_else(|_| miles_ops::attention_with_sinks_reference(q, k, v, mask, scale, sinks))
+    .cast(dtype)
+}
+
+/// The tensor-op form [`attend_sinks`] replaced (transformers' eager attention: `−∞` masked
+/// scores, the sink column concatenated), kept as its test oracle.
+#[cfg(test)]
 pub(crate) fn attend_with_sinks(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -408,13 +437,83 @@ pub(crate) fn attend_with_sinks(
         .cast(FloatDType::F32)
         .reshape([1, heads, 1, 1])
         .expand([batch, heads, seq, 1]);
-    let probs = softmax(Tensor::cat(vec![scores, sink], 3), 3).narrow(3, 0, total);
+    let probs = burn::tensor::activation::softmax(Tensor::cat(vec![scores, sink], 3), 3)
+        .narrow(3, 0, total);
     probs.matmul(v).cast(dtype)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+    }
+
+    fn max_diff(a: Vec<f32>, b: Vec<f32>) -> f32 {
+        a.iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    }
+
+    /// The fused sink attention against the tensor-op form it replaced, over a sliding
+    /// window crossed by the sequence, left padding (rows with no key) and grouped heads:
+    /// outputs and the gradients of q, k, v and the sinks.
+    #[test]
+    fn fused_sink_attention_matches_the_tensor_op_form() {
+        use burn::tensor::Distribution;
+        let device = Device::flex().autodiff();
+        let (batch, heads, kv_heads, seq, d) = (2, 4, 2, 40, 16);
+        let normal = |shape: [usize; 4]| {
+            Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device).require_grad()
+        };
+        let q = normal([batch, heads, seq, d]);
+        let k = normal([batch, kv_heads, seq, d]);
+        let v = normal([batch, kv_heads, seq, d]);
+        let sinks =
+            Tensor::<1>::random([heads], Distribution::Normal(0.0, 1.0), &device).require_grad();
+        let valid = Tensor::<2, Bool>::from_data(
+            burn::tensor::TensorData::new(
+                (0..batch * seq)
+                    .map(|i| i % seq >= 3 * (i / seq))
+                    .collect::<Vec<_>>(),
+                [batch, seq],
+            ),
+            &device,
+        );
+        let mask = sliding_window_mask(
+            attention_mask(batch, seq, 0, Some(valid), None, &device),
+            0,
+            9,
+        )
+        .reshape([batch, seq, seq]);
+        let w = Tensor::<4>::random(
+            [batch, heads, seq, d],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let run = |fused: bool| {
+            let (a, b, c, s) = (q.clone(), k.clone(), v.clone(), sinks.clone());
+            let out = if fused {
+                attend_sinks(a, b, c, mask.clone(), 0.25, s)
+            } else {
+                attend_with_sinks(a, b, c, mask.clone(), 0.25, s)
+            };
+            let grads = (out.clone() * w.clone()).sum().backward();
+            [
+                host(out),
+                host(q.grad(&grads).unwrap()),
+                host(k.grad(&grads).unwrap()),
+                host(v.grad(&grads).unwrap()),
+                host(sinks.grad(&grads).unwrap()),
+            ]
+        };
+        let (fused, reference) = (run(true), run(false));
+        for (i, (a, b)) in fused.into_iter().zip(reference).enumerate() {
+            let diff = max_diff(a, b);
+            assert!(diff < 1e-4, "part {i}: {diff}");
+        }
+    }
 
     #[test]
     fn mask_is_causal_with_padding_and_segments() {

@@ -11,16 +11,17 @@
 //! `S ← e^g S;  S ← S + k (β (v − kᵀS))ᵀ`, the output is `qᵀS`; it goes through an RMSNorm
 //! (plain weight, `rms_norm_eps`) gated by `silu(in_proj_z x)` and `out_proj`.
 //!
-//! Two evaluations of the same rule: the **chunked** form for training and prefill (the
-//! sequence cut into chunks of at most 64 tokens; within a chunk the delta-rule updates
-//! become one unit-lower-triangular system, inverted by blocks with batched matmuls, so the
-//! whole pass is differentiable tensor ops; the chunks are scanned in order) and the
-//! **recurrent** form, one token at a time, for decode. Both run in f32 whatever the model's
-//! precision, as transformers does.
+//! The rule itself is miles-ops' op ([`miles_ops::gated_delta_rule`]): under autodiff
+//! (training) the **chunked** form in differentiable tensor ops (the sequence cut into chunks
+//! of at most 64 tokens; within a chunk the delta-rule updates become one
+//! unit-lower-triangular system, inverted by blocks with batched matmuls; the chunks scanned
+//! in order); without a gradient (prefill, scoring, decode) one forward op, a native loop on
+//! flex and a CubeCL kernel on CubeCL devices, equal up to rounding. It runs in f32 whatever
+//! the model's precision, as transformers does.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, silu, softplus};
-use burn::tensor::{Bool, DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{Bool, DType, FloatDType, Tensor};
 
 use crate::config::LinearAttentionConfig;
 use crate::error::BridgeError;
@@ -29,9 +30,7 @@ use crate::nn::norm::RmsNorm;
 use crate::nn::param::{Builder, Init, ParamRef, ParamVisitor};
 use crate::profile::{self, OpClass};
 
-/// The longest chunk of the chunked form (transformers' `chunk_size`); shorter sequences use
-/// the next power of two at or above their length.
-pub const DELTA_CHUNK: usize = 64;
+pub use miles_ops::DELTA_CHUNK;
 
 /// What a Gated DeltaNet layer keeps between decoding steps, for a batch of rows.
 #[derive(Debug, Clone)]
@@ -224,11 +223,18 @@ impl GatedDeltaNet {
         };
         let initial = previous.as_ref().map(|s| s.recurrent.clone());
         let (out, last) = profile::time(OpClass::DeltaRule, || {
-            if seq == 1 && initial.is_some() {
-                delta_rule_recurrent(q, k, v, decay, beta, initial)
-            } else {
-                delta_rule_chunked(q, k, v, decay, beta, initial)
-            }
+            // Shapes are ours: the fallback on an error only re-raises burn's own panic.
+            miles_ops::gated_delta_rule(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                decay.clone(),
+                beta.clone(),
+                initial.clone(),
+            )
+            .unwrap_or_else(|_| {
+                miles_ops::gated_delta_rule_reference(q, k, v, decay, beta, initial)
+            })
         });
         if let Some(slot) = state {
             let mut next = LinearState {
@@ -302,210 +308,5 @@ impl GatedDeltaNet {
         self.in_proj_z.visit(&format!("{name}.in_proj_z"), f);
         self.norm.visit(&format!("{name}.norm"), f);
         self.out_proj.visit(&format!("{name}.out_proj"), f);
-    }
-}
-
-/// A `[n, n]` bool mask, true where `keep(row, column)`, on `device`.
-fn mask2(
-    n: usize,
-    device: &burn::tensor::Device,
-    keep: impl Fn(usize, usize) -> bool,
-) -> Tensor<2, Bool> {
-    let values: Vec<bool> = (0..n * n).map(|i| keep(i / n, i % n)).collect();
-    Tensor::from_data(TensorData::new(values, [n, n]), device)
-}
-
-/// `(I + L)⁻¹` for strictly lower-triangular `l` (`[g, c, c]`, `c` a power of two), by
-/// doubling blocks: the inverse of `[[A, 0], [B, D]]` is `[[A⁻¹, 0], [−D⁻¹ B A⁻¹, D⁻¹]]`,
-/// all blocks of one size at once (`log2 c` rounds of two batched matmuls) — forward
-/// substitution regrouped, differentiable tensor ops.
-pub(crate) fn unit_lower_inverse(l: Tensor<3>) -> Tensor<3> {
-    let [g, c, _] = l.dims();
-    let device = l.device();
-    // Inverses of the 1×1 diagonal blocks.
-    let mut inv = Tensor::<4>::ones([g, c, 1, 1], &device);
-    let mut s = 1;
-    while s < c {
-        let n = c / (2 * s);
-        // The 2s×2s diagonal blocks of `l`, `[g, n, 2s, 2s]`.
-        let eye = mask2(n, &device, |i, j| i == j)
-            .float()
-            .reshape([1, n, 1, n, 1]);
-        let diag: Tensor<4> = (l.clone().reshape([g, n, 2 * s, n, 2 * s]) * eye)
-            .sum_dim(3)
-            .reshape([g, n, 2 * s, 2 * s]);
-        let lower = diag.narrow(2, s, s).narrow(3, 0, s);
-        let pairs = inv.reshape([g, n, 2, s * s]);
-        let a_inv = pairs.clone().narrow(2, 0, 1).reshape([g, n, s, s]);
-        let d_inv = pairs.narrow(2, 1, 1).reshape([g, n, s, s]);
-        let corner = d_inv.clone().matmul(lower).matmul(a_inv.clone()).neg();
-        let top = Tensor::cat(vec![a_inv, Tensor::zeros([g, n, s, s], &device)], 3);
-        let bottom = Tensor::cat(vec![corner, d_inv], 3);
-        inv = Tensor::cat(vec![top, bottom], 2);
-        s *= 2;
-    }
-    inv.reshape([g, c, c])
-}
-
-/// The chunk length for a sequence of `seq` tokens.
-fn chunk_len(seq: usize) -> usize {
-    seq.next_power_of_two().min(DELTA_CHUNK)
-}
-
-/// The gated delta rule over whole sequences, chunked: `q`, `k` `[b, h, t, dk]`, `v`
-/// `[b, h, t, dv]`, `decay` (log space) and `beta` `[b, h, t]`, all f32; from `initial`
-/// (`[b, h, dk, dv]`, zeros when `None`). Returns the outputs `[b, h, t, dv]` and the state
-/// after the last token.
-pub(crate) fn delta_rule_chunked(
-    q: Tensor<4>,
-    k: Tensor<4>,
-    v: Tensor<4>,
-    decay: Tensor<3>,
-    beta: Tensor<3>,
-    initial: Option<Tensor<4>>,
-) -> (Tensor<4>, Tensor<4>) {
-    let [b, h, t, dk] = q.dims();
-    let dv = v.dims()[3];
-    let device = q.device();
-    let c = chunk_len(t);
-    let pad = (c - t % c) % c;
-    let n = (t + pad) / c;
-    let padded4 = |x: Tensor<4>| -> Tensor<4> {
-        if pad == 0 {
-            return x;
-        }
-        let [b, h, _, d] = x.dims();
-        Tensor::cat(vec![x, Tensor::zeros([b, h, pad, d], &device)], 2)
-    };
-    let padded3 = |x: Tensor<3>| -> Tensor<3> {
-        if pad == 0 {
-            return x;
-        }
-        Tensor::cat(vec![x, Tensor::zeros([b, h, pad], &device)], 2)
-    };
-    let chunks = |x: Tensor<4>, d: usize| padded4(x).reshape([b, h, n, c, d]);
-    let beta = padded3(beta).reshape([b, h, n, c, 1]);
-    let (q, k, v) = (chunks(q, dk), chunks(k, dk), chunks(v, dv));
-    let cum = padded3(decay).reshape([b, h, n, c]).cumsum(3);
-    let k_beta = k.clone() * beta.clone();
-    let v_beta = v * beta;
-    // decay_ij = exp(cum_i − cum_j) for j ≤ i, 0 above the diagonal.
-    let above = mask2(c, &device, |i, j| j > i)
-        .reshape([1, 1, 1, c, c])
-        .expand([b, h, n, c, c]);
-    let pairwise = (cum.clone().unsqueeze_dim::<5>(4) - cum.clone().unsqueeze_dim::<5>(3))
-        .mask_fill(above, f32::NEG_INFINITY)
-        .exp();
-    let on_or_above = mask2(c, &device, |i, j| j >= i)
-        .reshape([1, 1, 1, c, c])
-        .expand([b, h, n, c, c]);
-    let system = (k_beta.clone().matmul(k.clone().swap_dims(3, 4)) * pairwise.clone())
-        .mask_fill(on_or_above, 0.0);
-    let solve = unit_lower_inverse(system.reshape([b * h * n, c, c])).reshape([b, h, n, c, c]);
-    let cum_exp = cum.clone().exp().unsqueeze_dim::<5>(4);
-    let new_values = solve.clone().matmul(v_beta);
-    let k_cumdecay = solve.matmul(k_beta * cum_exp.clone());
-    let intra = q.clone().matmul(k.clone().swap_dims(3, 4)) * pairwise;
-    let last = cum.clone().narrow(3, c - 1, 1);
-    let q_decayed = q * cum_exp;
-    let k_decayed = k * (last.clone() - cum).exp().unsqueeze_dim::<5>(4);
-    let chunk_decay = last.exp().reshape([b, h, n, 1, 1]);
-    let mut state = initial.unwrap_or_else(|| Tensor::zeros([b, h, dk, dv], &device));
-    let mut outs = Vec::with_capacity(n);
-    let at = |x: &Tensor<5>, i: usize, d: usize| x.clone().narrow(2, i, 1).reshape([b, h, c, d]);
-    for i in 0..n {
-        let v_new = at(&new_values, i, dv) - at(&k_cumdecay, i, dk).matmul(state.clone());
-        outs.push(
-            at(&q_decayed, i, dk).matmul(state.clone()) + at(&intra, i, c).matmul(v_new.clone()),
-        );
-        state = state * chunk_decay.clone().narrow(2, i, 1).reshape([b, h, 1, 1])
-            + at(&k_decayed, i, dk).swap_dims(2, 3).matmul(v_new);
-    }
-    let out = Tensor::cat(outs, 2);
-    let out = if pad == 0 { out } else { out.narrow(2, 0, t) };
-    (out, state)
-}
-
-/// The gated delta rule token by token (the recurrent form; same arguments and results as
-/// [`delta_rule_chunked`]).
-pub(crate) fn delta_rule_recurrent(
-    q: Tensor<4>,
-    k: Tensor<4>,
-    v: Tensor<4>,
-    decay: Tensor<3>,
-    beta: Tensor<3>,
-    initial: Option<Tensor<4>>,
-) -> (Tensor<4>, Tensor<4>) {
-    let [b, h, t, dk] = q.dims();
-    let dv = v.dims()[3];
-    let mut state = initial.unwrap_or_else(|| Tensor::zeros([b, h, dk, dv], &q.device()));
-    let mut outs = Vec::with_capacity(t);
-    for i in 0..t {
-        let q_t = q.clone().narrow(2, i, 1);
-        let k_t = k.clone().narrow(2, i, 1);
-        let v_t = v.clone().narrow(2, i, 1);
-        let g_t = decay.clone().narrow(2, i, 1).exp().reshape([b, h, 1, 1]);
-        let beta_t = beta.clone().narrow(2, i, 1).reshape([b, h, 1, 1]);
-        state = state * g_t;
-        let delta = (v_t - k_t.clone().matmul(state.clone())) * beta_t;
-        state = state + k_t.swap_dims(2, 3).matmul(delta);
-        outs.push(q_t.matmul(state.clone()));
-    }
-    (Tensor::cat(outs, 2), state)
-}
-
-#[cfg(test)]
-mod tests {
-    use burn::tensor::{Device, Distribution};
-
-    use super::*;
-
-    fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-        t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
-    }
-
-    #[test]
-    fn block_inverse_inverts_unit_lower_triangular_matrices() {
-        let device = Device::flex();
-        let c = 8;
-        let l = Tensor::<3>::random([2, c, c], Distribution::Normal(0.0, 0.5), &device).mask_fill(
-            mask2(c, &device, |i, j| j >= i)
-                .unsqueeze_dim::<3>(0)
-                .expand([2, c, c]),
-            0.0,
-        );
-        let eye = mask2(c, &device, |i, j| i == j)
-            .float()
-            .unsqueeze_dim::<3>(0);
-        let product = (eye.clone() + l.clone()).matmul(unit_lower_inverse(l));
-        let diff = host(product - eye).iter().fold(0f32, |m, x| m.max(x.abs()));
-        assert!(diff < 1e-5, "{diff}");
-    }
-
-    #[test]
-    fn chunked_and_recurrent_forms_agree_over_several_chunks() {
-        let device = Device::flex();
-        let (b, h, t, dk, dv) = (2, 3, 150, 8, 6);
-        let normal =
-            |shape: [usize; 4]| Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
-        let unit = |x: Tensor<4>| x.clone() / x.square().sum_dim(3).sqrt();
-        let q = unit(normal([b, h, t, dk])) * (dk as f64).powf(-0.5);
-        let k = unit(normal([b, h, t, dk]));
-        let v = normal([b, h, t, dv]);
-        let decay = Tensor::<3>::random([b, h, t], Distribution::Uniform(-0.3, 0.0), &device);
-        let beta = Tensor::<3>::random([b, h, t], Distribution::Uniform(0.0, 1.0), &device);
-        let init = normal([b, h, dk, dv]) * 0.1;
-        let (oc, sc) = delta_rule_chunked(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            decay.clone(),
-            beta.clone(),
-            Some(init.clone()),
-        );
-        let (or, sr) = delta_rule_recurrent(q, k, v, decay, beta, Some(init));
-        let d_out = host(oc - or).iter().fold(0f32, |m, x| m.max(x.abs()));
-        let d_state = host(sc - sr).iter().fold(0f32, |m, x| m.max(x.abs()));
-        assert!(d_out < 1e-4 && d_state < 1e-4, "{d_out} {d_state}");
     }
 }

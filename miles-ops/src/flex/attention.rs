@@ -87,6 +87,41 @@ fn row_limits(mask: &[u8], dims: &Dims) -> Vec<usize> {
         .collect()
 }
 
+/// For every (batch, row), the first unmasked key (0 for a fully masked row): under a
+/// sliding window the keys before it are skipped as those past the limit are.
+fn row_firsts(mask: &[u8], dims: &Dims) -> Vec<usize> {
+    mask.chunks(dims.keys.max(1))
+        .take(dims.batch * dims.rows)
+        .map(|row| row.iter().position(|&m| m == 0).unwrap_or(0))
+        .collect()
+}
+
+/// One block's first key: the earliest first key among its rows that see any key.
+fn block_first(firsts: &[usize], limits: &[usize]) -> usize {
+    firsts
+        .iter()
+        .zip(limits)
+        .filter(|(_, l)| **l > 0)
+        .map(|(f, _)| *f)
+        .min()
+        .unwrap_or(0)
+}
+
+/// `ln(eˣ + eʸ)`.
+fn log_add_exp(x: f32, y: f32) -> f32 {
+    let (hi, lo) = if x >= y { (x, y) } else { (y, x) };
+    hi + (lo - hi).exp().ln_1p()
+}
+
+/// Folds a sink logit into one row's softmax: the probabilities `probs` (and the output
+/// row, when given) scaled by `exp(lse − lse')`, returns `lse' = ln(e^lse + e^sink)`.
+fn fold_sink(lse: f32, sink: f32, probs: &mut [f32]) -> f32 {
+    let folded = log_add_exp(lse, sink);
+    let factor = (lse - folded).exp();
+    probs.iter_mut().for_each(|p| *p *= factor);
+    folded
+}
+
 /// `dst[n×kk] = scale · q_rows[n×d] · keys[..kk]ᵀ` (keys `[t, d]` row-major).
 fn scaled_scores(dst: &mut [f32], q_rows: &[f32], keys: &[f32], kk: usize, d: usize, scale: f32) {
     let n = q_rows.len() / d.max(1);
@@ -274,12 +309,15 @@ fn probs_lanes(scores: &mut [f32], mask: &[u8], lse: f32) {
 }
 
 /// Forward: `(out [b, h, s, d], lse [b, h, s])`. Rows with every key masked get the mean of
-/// `v` and a log-sum-exp of `−1e30 + ln(keys)` (as the masked-fill reference computes it).
+/// `v` and a log-sum-exp of `−1e30 + ln(keys)` (as the masked-fill reference computes it);
+/// with `sinks` (`[heads]`), every row's softmax also counts `exp(sinks[h])` (folded into
+/// its log-sum-exp) and a fully masked row gets zeros and `lse = sinks[h]`.
 pub(crate) fn forward(
     q: &FlexTensor,
     k: &FlexTensor,
     v: &FlexTensor,
     mask: &FlexTensor,
+    sinks: Option<&[f32]>,
     scale: f32,
     dims: Dims,
 ) -> (FlexTensor, FlexTensor) {
@@ -288,6 +326,7 @@ pub(crate) fn forward(
     let ((k, k_stride), (v, v_stride)) = (head_matrices(k), head_matrices(v));
     let mask = mask_bytes(mask);
     let limits = row_limits(&mask, &dims);
+    let firsts = row_firsts(&mask, &dims);
     let Dims {
         batch,
         heads,
@@ -301,7 +340,7 @@ pub(crate) fn forward(
     // Mean of v over all keys per (batch, kv head), for fully masked rows: only computed
     // when there is such a row (a decode step over a padded cache has none, and the pass
     // would read every value once more).
-    let means: Vec<f32> = if limits.contains(&0) {
+    let means: Vec<f32> = if limits.contains(&0) && sinks.is_none() {
         (0..batch * kv_heads)
             .flat_map(|bk| {
                 let vs = &v[bk * v_stride..bk * v_stride + t * d];
@@ -329,17 +368,33 @@ pub(crate) fn forward(
             .for_each(|(bk, (out, lse))| {
                 let bi = bk / kv_heads;
                 let (lim, maskb) = (limits[bi], &mask[bi * t..(bi + 1) * t]);
+                let first = firsts[bi];
+                // The sinks of this task's query heads.
+                let sink_of = |g: usize| sinks.map(|x| x[(bk % kv_heads) * group + g]);
                 if lim == 0 {
-                    for (o, l) in out.chunks_mut(d).zip(lse.iter_mut()) {
-                        o.copy_from_slice(&means[bk * d..(bk + 1) * d]);
-                        *l = masked_lse;
+                    for (g, (o, l)) in out.chunks_mut(d).zip(lse.iter_mut()).enumerate() {
+                        match sink_of(g) {
+                            Some(sink) => {
+                                o.fill(0.0);
+                                *l = sink;
+                            }
+                            None => {
+                                o.copy_from_slice(&means[bk * d..(bk + 1) * d]);
+                                *l = masked_lse;
+                            }
+                        }
                     }
                     return;
                 }
                 let qs = &q[bk * group * d..(bk + 1) * group * d];
-                let kh = &k[bk * k_stride..bk * k_stride + lim * d];
-                let vh = &v[bk * v_stride..bk * v_stride + lim * d];
-                decode::attend(qs, kh, vh, &maskb[..lim], scale, d, out, lse);
+                let kh = &k[bk * k_stride + first * d..bk * k_stride + lim * d];
+                let vh = &v[bk * v_stride + first * d..bk * v_stride + lim * d];
+                decode::attend(qs, kh, vh, &maskb[first..lim], scale, d, out, lse);
+                for (g, (o, l)) in out.chunks_mut(d).zip(lse.iter_mut()).enumerate() {
+                    if let Some(sink) = sink_of(g) {
+                        *l = fold_sink(*l, sink, o);
+                    }
+                }
             });
         return (
             tensor(out, &[batch, heads, s, d]),
@@ -357,41 +412,58 @@ pub(crate) fn forward(
             let vh = &v[kv * v_stride..kv * v_stride + t * d];
             let maskb = &mask[bi * s * t..(bi + 1) * s * t];
             let lim = &limits[bi * s..(bi + 1) * s];
+            let fst = &firsts[bi * s..(bi + 1) * s];
+            let sink = sinks.map(|x| x[h]);
             // Scratch for one block's scores; every element a block reads it writes first.
             let mut scores = vec![0.0f32; BLOCK.min(s) * t];
             for r0 in (0..s).step_by(BLOCK) {
                 let r1 = (r0 + BLOCK).min(s);
                 let n = r1 - r0;
+                // The block's keys: `k0..kk` (a sliding window starts past 0).
                 let kk = block_keys(&lim[r0..r1]);
-                if kk > 0 {
-                    let sc = &mut scores[..n * kk];
-                    scaled_scores(sc, &qh[r0 * d..r1 * d], kh, kk, d, scale);
-                    for (i, row) in sc.chunks_mut(kk).enumerate() {
+                let k0 = block_first(&fst[r0..r1], &lim[r0..r1]).min(kk);
+                let w = kk - k0;
+                if w > 0 {
+                    let sc = &mut scores[..n * w];
+                    scaled_scores(sc, &qh[r0 * d..r1 * d], &kh[k0 * d..], w, d, scale);
+                    for (i, row) in sc.chunks_mut(w).enumerate() {
                         let r = r0 + i;
                         if lim[r] == 0 {
                             row.fill(0.0);
                         } else {
-                            lse[r] = softmax_row(row, &maskb[r * t..r * t + kk]);
+                            lse[r] = softmax_row(row, &maskb[r * t + k0..r * t + kk]);
+                            if let Some(sink) = sink {
+                                lse[r] = fold_sink(lse[r], sink, row);
+                            }
                         }
                     }
                     matmul(
                         n,
                         d,
-                        kk,
+                        w,
                         &mut out[r0 * d..r1 * d],
                         d,
                         false,
                         sc,
-                        (kk, 1),
-                        vh,
+                        (w, 1),
+                        &vh[k0 * d..],
                         (d, 1),
                         1.0,
                     );
                 }
                 for r in r0..r1 {
                     if lim[r] == 0 {
-                        out[r * d..(r + 1) * d].copy_from_slice(&means[kv * d..(kv + 1) * d]);
-                        lse[r] = masked_lse;
+                        match sink {
+                            Some(sink) => {
+                                out[r * d..(r + 1) * d].fill(0.0);
+                                lse[r] = sink;
+                            }
+                            None => {
+                                out[r * d..(r + 1) * d]
+                                    .copy_from_slice(&means[kv * d..(kv + 1) * d]);
+                                lse[r] = masked_lse;
+                            }
+                        }
                     }
                 }
             }
@@ -611,24 +683,28 @@ mod decode {
     }
 }
 
-/// Backward: `(dq, dk, dv)` for upstream `grad` `[b, h, s, d]`, from the forward's `out`
-/// and `lse`.
-#[allow(clippy::too_many_arguments)]
+/// Backward: `(dq, dk, dv, dsinks)` for upstream `grad` `[b, h, s, d]`, from the forward's
+/// `out` and `lse` (with `sinks`, the log-sum-exp includes the sink, so the probabilities
+/// recomputed from it are the sinked ones; `∂sinks[h] = −Σ_rows exp(sinks[h] − lse)·δ`,
+/// `δ = Σ ∂O ⊙ O`).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub(crate) fn backward(
     q: &FlexTensor,
     k: &FlexTensor,
     v: &FlexTensor,
     mask: &FlexTensor,
+    sinks: Option<&[f32]>,
     out: &FlexTensor,
     lse: &FlexTensor,
     grad: &FlexTensor,
     scale: f32,
     dims: Dims,
-) -> (FlexTensor, FlexTensor, FlexTensor) {
+) -> (FlexTensor, FlexTensor, FlexTensor, Option<FlexTensor>) {
     let (q, k, v) = (f32_data(q), f32_data(k), f32_data(v));
     let (o, lse, go) = (f32_data(out), f32_data(lse), f32_data(grad));
     let mask = mask_bytes(mask);
     let limits = row_limits(&mask, &dims);
+    let firsts = row_firsts(&mask, &dims);
     let Dims {
         batch,
         heads,
@@ -641,16 +717,20 @@ pub(crate) fn backward(
     let mut dq = vec![0.0f32; batch * heads * s * d];
     let mut dk = vec![0.0f32; batch * kv_heads * t * d];
     let mut dv = vec![0.0f32; batch * kv_heads * t * d];
+    // Per (batch, head): its part of `∂sinks`.
+    let mut dsink = vec![0.0f32; batch * heads];
     dq.par_chunks_mut((group * s * d).max(1))
         .zip(dk.par_chunks_mut((t * d).max(1)))
         .zip(dv.par_chunks_mut((t * d).max(1)))
+        .zip(dsink.par_chunks_mut(group.max(1)))
         .enumerate()
-        .for_each(|(kv, ((dq, dk), dv))| {
+        .for_each(|(kv, (((dq, dk), dv), dsink))| {
             let bi = kv / kv_heads;
             let kh = &k[kv * t * d..(kv + 1) * t * d];
             let vh = &v[kv * t * d..(kv + 1) * t * d];
             let maskb = &mask[bi * s * t..(bi + 1) * s * t];
             let lim = &limits[bi * s..(bi + 1) * s];
+            let fst = &firsts[bi * s..(bi + 1) * s];
             let mut probs = vec![0.0f32; BLOCK * t];
             let mut dscores = vec![0.0f32; BLOCK * t];
             for g in 0..group {
@@ -659,12 +739,26 @@ pub(crate) fn backward(
                 let (qh, oh, goh) = (&q[span.clone()], &o[span.clone()], &go[span]);
                 let lseh = &lse[bh * s..(bh + 1) * s];
                 let dqh = &mut dq[g * s * d..(g + 1) * s * d];
+                if let Some(sinks) = sinks {
+                    let sink = sinks[bh % heads];
+                    dsink[g] = -(0..s)
+                        .map(|r| {
+                            let delta: f32 = goh[r * d..(r + 1) * d]
+                                .iter()
+                                .zip(&oh[r * d..(r + 1) * d])
+                                .map(|(a, b)| a * b)
+                                .sum();
+                            (sink - lseh[r]).exp() * delta
+                        })
+                        .sum::<f32>();
+                }
                 for r0 in (0..s).step_by(BLOCK) {
                     let r1 = (r0 + BLOCK).min(s);
                     let n = r1 - r0;
-                    // Fully masked rows: uniform weights over all keys reach v only.
+                    // Fully masked rows: uniform weights over all keys reach v only (with
+                    // sinks, every weight is the sink's: nothing).
                     for r in r0..r1 {
-                        if lim[r] == 0 && t > 0 {
+                        if lim[r] == 0 && t > 0 && sinks.is_none() {
                             let w = 1.0 / t as f32;
                             let g_row = &goh[r * d..(r + 1) * d];
                             for dv_row in dv.chunks_mut(d) {
@@ -675,27 +769,30 @@ pub(crate) fn backward(
                         }
                     }
                     let kk = block_keys(&lim[r0..r1]);
-                    if kk == 0 {
+                    let k0 = block_first(&fst[r0..r1], &lim[r0..r1]).min(kk);
+                    let kw = kk - k0;
+                    if kw == 0 {
                         continue;
                     }
-                    let p = &mut probs[..n * kk];
-                    scaled_scores(p, &qh[r0 * d..r1 * d], kh, kk, d, scale);
-                    for (i, row) in p.chunks_mut(kk).enumerate() {
+                    let (kh, vh) = (&kh[k0 * d..], &vh[k0 * d..]);
+                    let p = &mut probs[..n * kw];
+                    scaled_scores(p, &qh[r0 * d..r1 * d], kh, kw, d, scale);
+                    for (i, row) in p.chunks_mut(kw).enumerate() {
                         let r = r0 + i;
                         if lim[r] == 0 {
                             row.fill(0.0);
                         } else {
-                            probs_row(row, &maskb[r * t..r * t + kk], lseh[r]);
+                            probs_row(row, &maskb[r * t + k0..r * t + kk], lseh[r]);
                         }
                     }
                     // dP = dO·vᵀ, then dS = P ⊙ (dP − rowsum(dO ⊙ O)).
-                    let ds = &mut dscores[..n * kk];
+                    let ds = &mut dscores[..n * kw];
                     matmul(
                         n,
-                        kk,
+                        kw,
                         d,
                         ds,
-                        kk,
+                        kw,
                         false,
                         &goh[r0 * d..r1 * d],
                         (d, 1),
@@ -703,7 +800,7 @@ pub(crate) fn backward(
                         (1, d),
                         1.0,
                     );
-                    for (i, (ds_row, p_row)) in ds.chunks_mut(kk).zip(p.chunks(kk)).enumerate() {
+                    for (i, (ds_row, p_row)) in ds.chunks_mut(kw).zip(p.chunks(kw)).enumerate() {
                         let r = r0 + i;
                         let delta: f32 = goh[r * d..(r + 1) * d]
                             .iter()
@@ -718,38 +815,38 @@ pub(crate) fn backward(
                     matmul(
                         n,
                         d,
-                        kk,
+                        kw,
                         &mut dqh[r0 * d..r1 * d],
                         d,
                         false,
                         ds,
-                        (kk, 1),
+                        (kw, 1),
                         kh,
                         (d, 1),
                         scale,
                     );
                     matmul(
-                        kk,
+                        kw,
                         d,
                         n,
-                        &mut dk[..kk * d],
+                        &mut dk[k0 * d..kk * d],
                         d,
                         true,
                         ds,
-                        (1, kk),
+                        (1, kw),
                         &qh[r0 * d..r1 * d],
                         (d, 1),
                         scale,
                     );
                     matmul(
-                        kk,
+                        kw,
                         d,
                         n,
-                        &mut dv[..kk * d],
+                        &mut dv[k0 * d..kk * d],
                         d,
                         true,
                         p,
-                        (1, kk),
+                        (1, kw),
                         &goh[r0 * d..r1 * d],
                         (d, 1),
                         1.0,
@@ -757,10 +854,17 @@ pub(crate) fn backward(
                 }
             }
         });
+    let dsinks = sinks.map(|_| {
+        let per_head: Vec<f32> = (0..heads)
+            .map(|h| (0..batch).map(|b| dsink[b * heads + h]).sum())
+            .collect();
+        tensor(per_head, &[heads])
+    });
     (
         tensor(dq, &[batch, heads, s, d]),
         tensor(dk, &[batch, kv_heads, t, d]),
         tensor(dv, &[batch, kv_heads, t, d]),
+        dsinks,
     )
 }
 

@@ -3,7 +3,8 @@
 //! with each op (`attention.rs`, `norm.rs`, `swiglu.rs`, `grouped.rs`, …).
 //!
 //! - `attention`: masked softmax attention forward and backward, and the decode step over a
-//!   paged KV pool;
+//!   paged KV pool (with attention sinks and the sliding window's skipped keys);
+//! - `delta`: the gated delta rule's forward (the recurrent form, tasks per value columns);
 //! - `steps`: the fused log-prob op's per-chunk forward and backward steps;
 //! - `exp`: the vectorisable polynomial `exp` the row loops share;
 //! - `gemm`: one strided, bounds-checked `gemm` call on the calling thread;
@@ -11,6 +12,7 @@
 //!   the fused ops take.
 
 pub(crate) mod attention;
+pub(crate) mod delta;
 pub(crate) mod exp;
 pub(crate) mod gemm;
 pub(crate) mod steps;

@@ -2,7 +2,12 @@
 //! feature `wgpu` or `cuda`; tested on wgpu over lavapipe by `tests/it/kernels_attention.rs`
 //! against the flex op), registered for burn's `CubeBackend`. Semantics are those of the flex
 //! op: `softmax(mask_fill(q·kᵀ·scale, mask, −1e30))·v` with grouped key/value heads, a fully
-//! masked row attending uniformly to every key.
+//! masked row attending uniformly to every key. With sinks (GPT-OSS), the forward adds
+//! `exp(sinks[h])` to each row's denominator after its last key tile (a fully masked row puts
+//! every weight on the sink: zero output, `lse = sinks[h]`); the backward kernels run on the
+//! sinked log-sum-exp unchanged (a fully masked row then reaches no key: its uniform weight is
+//! 0) and `∂sinks[h] = −Σ exp(sinks[h] − lse)·δ` is reduced from the saved `δ`. A sliding
+//! window comes through the mask: the key tiles before a row's first unmasked key are skipped.
 //!
 //! - `mask_bounds_kernel`: per (batch, query row), the first unmasked key and one past the
 //!   last (`0, 0` for a fully masked row), so the passes below skip the key tiles outside
@@ -33,7 +38,7 @@
 )]
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::backend::ops::BoolTensorOps;
+use burn::backend::ops::{BoolTensorOps, FloatTensorOps};
 use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn::backend::{DType, IntDType, Shape, TensorMetadata};
 use burn_cubecl::CubeBackend;
@@ -94,6 +99,7 @@ fn attention_forward_kernel<F: Float>(
     v: &Tensor<F>,        // [b, hk, t, d], contiguous
     mask: &Tensor<u32>,   // [b, s, t], contiguous
     bounds: &Tensor<u32>, // [b·s, 2]
+    sinks: &Tensor<F>,    // [h] (read only with `has_sinks`)
     out: &mut Tensor<F>,  // [b, h, s, d]
     lse: &mut Tensor<F>,  // [b, h, s]
     heads: u32,
@@ -104,6 +110,7 @@ fn attention_forward_kernel<F: Float>(
     block: u32,
     #[comptime] head_dim: usize,
     #[comptime] block_len: usize,
+    #[comptime] has_sinks: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let tid = UNIT_POS_X as usize;
@@ -136,9 +143,11 @@ fn attention_forward_kernel<F: Float>(
         let mut first = bounds[brow * 2] as usize;
         let mut limit = bounds[brow * 2 + 1] as usize;
         if limit == 0 {
-            // Every key masked: all scores are the masked score, uniform weights.
-            first = 0usize;
-            limit = t;
+            if !has_sinks {
+                // Every key masked: all scores are the masked score, uniform weights.
+                first = 0usize;
+                limit = t;
+            }
         }
         sync_cube();
         let mut m = F::new(LOWEST);
@@ -214,9 +223,21 @@ fn attention_forward_kernel<F: Float>(
             sync_cube();
             j0 += width;
         }
+        // The sink joins the denominator only (a fully masked row: every weight its own).
+        let mut corr_sink = F::new(1.0);
+        if has_sinks {
+            let sink = sinks[h];
+            let mut m_new = m;
+            if sink > m_new {
+                m_new = sink;
+            }
+            corr_sink = (m - m_new).exp();
+            l = l * corr_sink + (sink - m_new).exp();
+            m = m_new;
+        }
         let mut c3 = tid;
         while c3 < d {
-            out[qbase + c3] = acc[c3] / l;
+            out[qbase + c3] = acc[c3] * corr_sink / l;
             c3 += width;
         }
         if tid == 0 {
@@ -367,6 +388,7 @@ fn attention_backward_dkv_kernel<F: Float>(
     keys: u32,
     scale: f32,
     block: u32,
+    uniform_weight: f32,
     #[comptime] head_dim: usize,
     #[comptime] block_len: usize,
     #[define(F)] _dtype: ElemType,
@@ -388,7 +410,8 @@ fn attention_backward_dkv_kernel<F: Float>(
     let mut ds_sh = Shared::<[F]>::new_slice(block_len);
     let mut lo_sh = Shared::<[u32]>::new_slice(block_len);
     let mut hi_sh = Shared::<[u32]>::new_slice(block_len);
-    let uniform = F::new(1.0) / F::cast_from(keys);
+    // A fully masked row's weight on every key (0 with sinks: all on the sink).
+    let uniform = F::cast_from(uniform_weight);
     let mut id = CUBE_POS_X as usize;
     while id < total {
         let j = id % t;
@@ -545,15 +568,27 @@ fn cubes(n: usize) -> CubeCount {
     CubeCount::Static(n.clamp(1, MAX_CUBES_X) as u32, 1, 1)
 }
 
+/// `∂sinks[h] = −Σ_{batch, rows} exp(sinks[h] − lse)·δ` (`lse`, `δ`: `[b, h, s]`).
+fn sink_grad(sinks: CubeTensor, lse: CubeTensor, delta: CubeTensor) -> CubeTensor {
+    type B = CubeBackend;
+    let shape = lse.shape();
+    let heads = shape[1];
+    let sinks = B::float_expand(B::float_reshape(sinks, Shape::from([1, heads, 1])), shape);
+    let weighted = B::float_mul(B::float_exp(B::float_sub(sinks, lse)), delta);
+    let per_head = B::float_sum_dim(B::float_sum_dim(weighted, 2), 0);
+    B::float_neg(B::float_reshape(per_head, Shape::from([heads])))
+}
+
 impl FusedAttentionOps for CubeBackend {
     fn fused_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         mask: BoolTensor<Self>,
+        sinks: FloatTensor<Self>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        Self::fused_attention_forward(q, k, v, mask, scale).0
+        Self::fused_attention_forward(q, k, v, mask, sinks, scale).0
     }
 
     fn fused_attention_forward(
@@ -561,27 +596,40 @@ impl FusedAttentionOps for CubeBackend {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         mask: BoolTensor<Self>,
+        sinks: FloatTensor<Self>,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
         let [b, h, hk, s, t, d] = sizes(&q, &k);
         let dtype = q.dtype;
         let rows = b * h * s;
+        // `[0]`: no sinks.
+        let sinks = (sinks.shape().num_elements() > 0).then_some(sinks);
         if rows == 0 || d == 0 || t == 0 {
-            // Nothing to attend to: zeros, and the log-sum-exp of an empty sum.
+            // Nothing to attend to: zeros, and the log-sum-exp of an empty sum (the sink's
+            // own with sinks).
             let out = zeros_client(q.client.clone(), q.device.clone(), q.shape(), dtype);
-            let lse = zeros_client(
-                q.client.clone(),
-                q.device.clone(),
-                Shape::from([b, h, s]),
-                dtype,
-            );
+            let lse = match sinks {
+                Some(sinks) if rows > 0 => Self::float_expand(
+                    Self::float_reshape(sinks, Shape::from([1, h, 1])),
+                    Shape::from([b, h, s]),
+                ),
+                _ => zeros_client(
+                    q.client.clone(),
+                    q.device.clone(),
+                    Shape::from([b, h, s]),
+                    dtype,
+                ),
+            };
             return (out, lse);
         }
         let (mask, bounds) = mask_and_bounds(mask, t);
         let out = empty(&q, q.shape(), dtype);
         let lse = empty(&q, Shape::from([b, h, s]), dtype);
         let block = attention_block(&q);
+        let has_sinks = sinks.is_some();
+        // Without sinks the kernel never reads the argument: any float tensor does.
+        let sinks = sinks.map_or_else(|| q.clone(), into_contiguous);
         attention_forward_kernel::launch(
             &q.client.clone(),
             cubes(rows),
@@ -591,6 +639,7 @@ impl FusedAttentionOps for CubeBackend {
             v.into_tensor_arg(),
             mask.into_tensor_arg(),
             bounds.into_tensor_arg(),
+            sinks.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             h as u32,
@@ -601,6 +650,7 @@ impl FusedAttentionOps for CubeBackend {
             block,
             d,
             block as usize,
+            has_sinks,
             dtype_to_storage_type(dtype),
         );
         (out, lse)
@@ -611,11 +661,17 @@ impl FusedAttentionOps for CubeBackend {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         mask: BoolTensor<Self>,
+        sinks: FloatTensor<Self>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         scale: f32,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
         let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
         let (out, lse, grad) = (
             into_contiguous(out),
@@ -625,9 +681,17 @@ impl FusedAttentionOps for CubeBackend {
         let [b, h, hk, s, t, d] = sizes(&q, &k);
         let dtype = q.dtype;
         let client = q.client.clone();
+        let no_sinks = sinks.shape().num_elements() == 0;
         let zeros = |shape: Shape| zeros_client(client.clone(), q.device.clone(), shape, dtype);
         if b * h * s == 0 || t == 0 || d == 0 {
-            return (zeros(q.shape()), zeros(k.shape()), zeros(v.shape()));
+            // No key reaches the output: every gradient is zero (the sinks' too, as the
+            // output is zero whatever they are).
+            let ds = if no_sinks {
+                sinks
+            } else {
+                zeros(Shape::from([h]))
+            };
+            return (zeros(q.shape()), zeros(k.shape()), zeros(v.shape()), ds);
         }
         let (mask, bounds) = mask_and_bounds(mask, t);
         let dq = empty(&q, q.shape(), dtype);
@@ -635,6 +699,7 @@ impl FusedAttentionOps for CubeBackend {
         let dk = empty(&q, k.shape(), dtype);
         let dv = empty(&q, v.shape(), dtype);
         let block = attention_block(&q);
+        let uniform = if no_sinks { 1.0 / t as f32 } else { 0.0 };
         attention_backward_dq_kernel::launch(
             &client,
             cubes(b * h * s),
@@ -668,8 +733,8 @@ impl FusedAttentionOps for CubeBackend {
             v.into_tensor_arg(),
             mask.into_tensor_arg(),
             bounds.into_tensor_arg(),
-            lse.into_tensor_arg(),
-            delta.into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
             grad.into_tensor_arg(),
             dk.clone().into_tensor_arg(),
             dv.clone().into_tensor_arg(),
@@ -679,10 +744,16 @@ impl FusedAttentionOps for CubeBackend {
             t as u32,
             scale,
             block,
+            uniform,
             d,
             block as usize,
             dtype_to_storage_type(dtype),
         );
-        (dq, dk, dv)
+        let ds = if no_sinks {
+            sinks
+        } else {
+            sink_grad(into_contiguous(sinks), lse, delta)
+        };
+        (dq, dk, dv, ds)
     }
 }

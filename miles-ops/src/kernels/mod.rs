@@ -9,7 +9,9 @@
 //!   ([`crate::fused::FusedLogProbOps`]) and the clipped policy-gradient loss
 //!   ([`crate::ClippedPgLossOps`]);
 //! - `model.rs`: RMSNorm, RoPE, SwiGLU, the grouped expert matmul and the expert bucketing;
-//! - `attention.rs`: flash-style masked attention forward (also the decode step) and backward.
+//! - `attention.rs`: flash-style masked attention forward (also the decode step) and backward,
+//!   with attention sinks and the sliding window (through the mask);
+//! - `delta.rs`: the gated delta rule's forward ([`crate::GatedDeltaOps`]).
 //!
 //! No plane (warp) operations and a few KiB of shared memory per cube, so they run on every
 //! WebGPU adapter. What this module exports is the device kernel tests run on
@@ -18,6 +20,8 @@
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod attention;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod delta;
 mod device;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod loss;

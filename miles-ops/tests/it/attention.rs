@@ -6,7 +6,9 @@
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use miles_ops::OpsError;
-use miles_ops::{attention, attention_reference};
+use miles_ops::{
+    attention, attention_reference, attention_with_sinks, attention_with_sinks_reference,
+};
 
 use crate::common::{assert_rel_close, lcg, to_vec};
 
@@ -413,4 +415,135 @@ fn paged_decode_equals_contiguous_decode() {
     t.lens[1] = 0;
     assert!(bad(t).is_err());
     assert!(paged_decode(q, keys.clone(), values, 3, &table, scale).is_err());
+}
+
+/// A case of attention with sinks and a sliding window (GPT-OSS): causal over a cache, keys
+/// older than `window` positions masked (`None`: no window), the first `pad + batch index`
+/// keys padding (the first rows then see no key: every weight on the sink).
+pub(crate) struct SinkCase {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub rows: usize,
+    pub keys: usize,
+    pub head_dim: usize,
+    pub window: Option<usize>,
+    pub pad: usize,
+}
+
+impl SinkCase {
+    fn mask(&self) -> Vec<bool> {
+        let past = self.keys - self.rows;
+        let mut m = Vec::with_capacity(self.batch * self.rows * self.keys);
+        for b in 0..self.batch {
+            for i in 0..self.rows {
+                let pos = past + i;
+                for j in 0..self.keys {
+                    let old = self.window.is_some_and(|w| pos >= j + w);
+                    m.push(j > pos || old || j < self.pad + b);
+                }
+            }
+        }
+        m
+    }
+}
+
+/// (out, dq, dk, dv, dsinks) of `Σ w ⊙ attention_with_sinks(q, k, v)` on `device`: the fused
+/// op or its tensor-op reference.
+pub(crate) fn run_sinks(c: &SinkCase, device: &Device, fused: bool) -> [Vec<f32>; 5] {
+    let device = device.clone().autodiff();
+    let make = |heads: usize, rows: usize, seed: u64| {
+        let data = lcg(c.batch * heads * rows * c.head_dim, seed, 1.5);
+        Tensor::<1>::from_floats(data.as_slice(), &device)
+            .reshape([c.batch, heads, rows, c.head_dim])
+            .require_grad()
+    };
+    let q = make(c.heads, c.rows, 1);
+    let k = make(c.kv_heads, c.keys, 2);
+    let v = make(c.kv_heads, c.keys, 3);
+    let sinks = Tensor::<1>::from_floats(lcg(c.heads, 4, 2.0).as_slice(), &device).require_grad();
+    let mask = Tensor::<3, Bool>::from_data(
+        TensorData::new(c.mask(), [c.batch, c.rows, c.keys]),
+        &device,
+    );
+    let scale = 1.0 / (c.head_dim as f32).sqrt();
+    let (a, b, d, s) = (q.clone(), k.clone(), v.clone(), sinks.clone());
+    let out = if fused {
+        attention_with_sinks(a, b, d, mask, scale, s).unwrap()
+    } else {
+        attention_with_sinks_reference(a, b, d, mask, scale, s)
+    };
+    let w = Tensor::<1>::from_floats(
+        lcg(c.batch * c.heads * c.rows * c.head_dim, 9, 1.0).as_slice(),
+        &device,
+    )
+    .reshape([c.batch, c.heads, c.rows, c.head_dim]);
+    let grads = (out.clone() * w).sum().backward();
+    [
+        to_vec(out.detach()),
+        to_vec(q.grad(&grads).unwrap()),
+        to_vec(k.grad(&grads).unwrap()),
+        to_vec(v.grad(&grads).unwrap()),
+        to_vec(sinks.grad(&grads).unwrap()),
+    ]
+}
+
+/// The sink / window cases both the flex op and the kernels are checked on: a window inside
+/// a multi-block causal pass with grouped heads and padding; the window crossed by a cache
+/// (rows < keys); a decode row over a windowed, left-padded cache (head dim 64: the
+/// one-row path); no window (sinks only).
+pub(crate) fn sink_cases() -> Vec<(&'static str, SinkCase)> {
+    let case = |batch, heads, kv_heads, rows, keys, head_dim, window, pad| SinkCase {
+        batch,
+        heads,
+        kv_heads,
+        rows,
+        keys,
+        head_dim,
+        window,
+        pad,
+    };
+    vec![
+        (
+            "window 40, 150 rows, GQA 2, padded",
+            case(2, 4, 2, 150, 150, 16, Some(40), 3),
+        ),
+        (
+            "window 24 over a cache",
+            case(1, 2, 1, 37, 90, 64, Some(24), 0),
+        ),
+        (
+            "decode, windowed, padded",
+            case(2, 4, 2, 1, 133, 64, Some(50), 5),
+        ),
+        ("sinks only, GQA 4", case(1, 4, 1, 70, 70, 32, None, 0)),
+    ]
+}
+
+#[test]
+fn sinks_and_sliding_window_match_their_tensor_op_form() {
+    for (what, c) in sink_cases() {
+        let fused = run_sinks(&c, &Device::flex(), true);
+        let reference = run_sinks(&c, &Device::flex(), false);
+        for (i, part) in ["out", "dq", "dk", "dv", "dsinks"].iter().enumerate() {
+            assert_rel_close(&format!("{what} {part}"), &fused[i], &reference[i], 2e-5);
+        }
+    }
+}
+
+#[test]
+fn sink_shape_is_checked() {
+    let device = Device::flex();
+    let q = Tensor::<4>::zeros([1, 2, 3, 4], &device);
+    let kv = Tensor::<4>::zeros([1, 1, 3, 4], &device);
+    let mask = Tensor::<3, Bool>::empty([1, 3, 3], &device);
+    let sinks = Tensor::<1>::zeros([3], &device);
+    let err = attention_with_sinks(q, kv.clone(), kv, mask, 1.0, sinks).unwrap_err();
+    assert!(matches!(
+        err,
+        OpsError::ShapeMismatch {
+            what: "attention sinks",
+            ..
+        }
+    ));
 }

@@ -194,3 +194,21 @@ fn attention_kernels_match_flex() {
         &dev,
     );
 }
+
+/// Sinks and the sliding window (GPT-OSS): the kernels (the window through the mask, the
+/// key tiles before a row's first unmasked key skipped; the sink folded into the
+/// log-sum-exp) against the flex op, values and the gradients w.r.t. q, k, v and the sinks.
+#[test]
+fn attention_kernels_with_sinks_and_window_match_flex() {
+    let Some(dev) = kernel_test_device("attention_kernels_with_sinks_and_window_match_flex") else {
+        return;
+    };
+    for (what, c) in crate::attention::sink_cases() {
+        let kernel = crate::attention::run_sinks(&c, &dev, true);
+        let flex = crate::attention::run_sinks(&c, &Device::flex(), true);
+        for (i, part) in ["out", "dq", "dk", "dv", "dsinks"].iter().enumerate() {
+            let tol = if i == 0 { 2e-5 } else { 5e-5 };
+            assert_rel_close(&format!("{what} {part}"), &kernel[i], &flex[i], tol);
+        }
+    }
+}

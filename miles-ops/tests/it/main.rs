@@ -5,6 +5,7 @@
 mod common;
 
 mod attention;
+mod delta;
 mod fused;
 mod gradients;
 mod grouped;
