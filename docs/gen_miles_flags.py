@@ -29,7 +29,8 @@ MEGATRON = ["--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-style", "--lr-d
             "--save", "--save-interval", "--global-batch-size", "--micro-batch-size", "--bf16",
             "--fp16", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
             "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel",
-            "--recompute-granularity", "--use-dynamic-batch-size", "--max-tokens-per-gpu"]
+            "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu"]
 
 # Flags that exist as a field of a library config type but not (yet) on the command line.
 LIBRARY = {
