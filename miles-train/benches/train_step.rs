@@ -430,6 +430,11 @@ fn recompute_rows(name: &str, iters: usize) {
          run; peak RSS {re_rss:.0} MiB vs {plain_rss:.0} MiB"
     );
     println!(
+        "xtask-result: train_step_recompute_{name}_peak_rss ours={re_rss:.0}MiB \
+         baseline={plain_rss:.0}MiB target=<=1 note=peak RSS of the process with full \
+         recomputation (uniform, one layer per group) vs every activation kept"
+    );
+    println!(
         "# {name}: recompute {re_s:.2} s/step at {re_rss:.0} MiB peak RSS, plain {plain_s:.2} \
          s/step at {plain_rss:.0} MiB ({:+.1} % time, {:+.0} MiB)",
         100.0 * (re_s / plain_s - 1.0),
