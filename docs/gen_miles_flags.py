@@ -29,7 +29,8 @@ MEGATRON = ["--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-style", "--lr-d
             "--save", "--save-interval", "--global-batch-size", "--micro-batch-size", "--bf16",
             "--fp16", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
             "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel",
-            "--recompute-granularity", "--use-dynamic-batch-size", "--max-tokens-per-gpu"]
+            "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu"]
 
 # Flags that exist as a field of a library config type but not (yet) on the command line.
 LIBRARY = {
@@ -161,6 +162,14 @@ def status(flag, group):
                              "`metadata.messages`, as Miles' session server does, and each rollout's rows go to the JSONL file at PATH")
     if flag in ours:
         return "supported", ""
+    if flag == "--session-sample-picker-path":
+        return "not applicable", ("a Python import path: with tree sessions (`--use-session-server v2`) implement "
+                                  "`miles_session::tree_samples::SamplePicker` (`SessionServerConfig::sample_hooks`); "
+                                  "the default is Miles' `drop_retries` (`DropRetries`)")
+    if flag == "--session-sample-postprocessor-path":
+        return "not applicable", ("a Python import path: implement `miles_session::tree_samples::SamplePostprocessor` "
+                                  "(`SessionServerConfig::sample_hooks`); the default is Miles' `default_postprocess` "
+                                  "(`DefaultPostprocess`)")
     if flag in LIBRARY and LIBRARY[flag]:
         return "library only", f"`{LIBRARY[flag]}`; not on the command line yet"
     if flag == "--dynamic-sampling-filter-path":

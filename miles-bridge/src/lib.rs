@@ -105,6 +105,9 @@ pub use error::BridgeError;
 pub use kv_cache::{KvCache, LayerCache};
 pub use model::causal_lm::{CausalLm, mtp_tensor_names};
 pub use model::forward::{HiddenOutput, ModelInput, ModelOutput, ids_tensor};
+pub use model::recompute::{
+    RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputePlan, RecomputedForward,
+};
 pub use nn::moe::{MoeDispatch, MoeRouting};
 pub use paged::{PagedKvCache, RowId};
 pub use precision::Precision;

@@ -451,6 +451,20 @@ pub struct TrainingArgs {
     /// padded | packed | per_sample micro-batches (equal up to float rounding)
     #[arg(long, value_name = "NAME", default_value_t = serde_name(&train_defaults().layout))]
     pub batch_layout: String,
+    /// Activation recomputation (Megatron's): full (whole decoder layers re-run in the
+    /// backward pass from their kept input; with --recompute-method and
+    /// --recompute-num-layers) or selective (the attention core: its probabilities are
+    /// recomputed, not kept). Default: every activation kept
+    #[arg(long, value_name = "NAME")]
+    pub recompute_granularity: Option<String>,
+    /// With --recompute-granularity full: uniform (the layers in groups of
+    /// --recompute-num-layers, each group re-run from its input) or block (the first
+    /// --recompute-num-layers layers re-run one by one, the others' activations kept)
+    #[arg(long, value_name = "NAME")]
+    pub recompute_method: Option<String>,
+    /// Layers per recomputed group (uniform) or layers recomputed (block)
+    #[arg(long, value_name = "N")]
+    pub recompute_num_layers: Option<usize>,
 }
 
 /// LoRA.

@@ -167,7 +167,6 @@ pub const NOT_APPLICABLE: &[(&str, Arity)] = &[
     ("--context-parallel-size", Arity::Value),
     ("--expert-model-parallel-size", Arity::Value),
     ("--sequence-parallel", Arity::Switch),
-    ("--recompute-granularity", Arity::Value),
     ("--lr-warmup-init", Arity::Value),
     ("--lr-warmup-fraction", Arity::Value),
     ("--lr-wsd-decay-iters", Arity::Value),

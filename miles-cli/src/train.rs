@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use miles_bridge::{CausalLm, Precision};
+use miles_bridge::{CausalLm, Precision, RecomputeConfig};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, RewardFn, SamplingParams,
 };
@@ -642,6 +642,23 @@ fn train_config(a: &TrainArgs, n: usize, use_r3: bool, seed: u64) -> Result<Trai
     p.tis_clip = a.train.tis_clip;
     p.use_rollout_logprobs = a.train.use_rollout_logprobs;
     p.get_mismatch_metrics = a.train.get_mismatch_metrics;
+    config.recompute = RecomputeConfig {
+        granularity: a
+            .train
+            .recompute_granularity
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(|e| format!("--recompute-granularity: {e}"))?,
+        method: a
+            .train
+            .recompute_method
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(|e| format!("--recompute-method: {e}"))?,
+        num_layers: a.train.recompute_num_layers,
+    };
     config.validate()?;
     Ok(config)
 }

@@ -22,6 +22,12 @@
 //! Run: `cargo bench -p miles-train --bench train_step` (or `cargo xtask bench`).
 //! `MILES_BENCH_ITERS` (default 2) sets the measured steps; `MILES_BENCH_ONLY=glm_moe_88m`
 //! (or `qwen3_25m`, `deepseek_v3_82m`) runs one model.
+//!
+//! `MILES_BENCH_RECOMPUTE=1` runs only the activation-recomputation rows instead: each model's
+//! step with `--recompute-granularity full --recompute-method uniform --recompute-num-layers
+//! 1` against every activation kept, each in a child process of its own, with its step time
+//! and peak RSS (`MILES_BENCH_ONLY=qwen3_0_6b` adds a Qwen3-0.6B-shaped model: 28 layers,
+//! hidden 1024, vocabulary 151,936, tied embeddings).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,7 +35,10 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, ModelConfig, ModelInput, MoeDispatch, ids_tensor};
+use miles_bridge::{
+    CausalLm, ModelConfig, ModelInput, MoeDispatch, RecomputeConfig, RecomputeGranularity,
+    RecomputeMethod, ids_tensor,
+};
 use miles_core::{DType, PolicyTrainer, Reward, RoutedExperts, Sample};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
@@ -150,6 +159,17 @@ fn step_times(
     replay: bool,
     iters: usize,
 ) -> (Vec<f64>, Actor) {
+    step_times_with(model, samples, replay, iters, RecomputeConfig::default())
+}
+
+/// [`step_times`] with activation recomputation set to `recompute`.
+fn step_times_with(
+    model: CausalLm,
+    samples: &[Sample],
+    replay: bool,
+    iters: usize,
+    recompute: RecomputeConfig,
+) -> (Vec<f64>, Actor) {
     let cfg = TrainConfig {
         lr_schedule: LrSchedule {
             lr: 1e-5,
@@ -159,6 +179,7 @@ fn step_times(
         layout: BatchLayout::Padded,
         advantage: AdvantageConfig::default().with_n_samples_per_prompt(2),
         use_routing_replay: replay,
+        recompute,
         ..TrainConfig::default()
     };
     let mut actor = Actor::new(model, cfg).expect("actor");
@@ -327,6 +348,100 @@ fn run(name: &str, config: ModelConfig, reference_tokens_per_s: Option<f64>, ite
     }
 }
 
+/// A Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16 heads, 8 KV heads, head dim 128,
+/// vocabulary 151,936, tied embeddings), for the recomputation rows only.
+fn qwen3_0_6b() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0,
+        "attention_bias": false, "tie_word_embeddings": true, "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02}"#,
+    )
+    .expect("Qwen3-0.6B config")
+}
+
+/// `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`
+/// (Miles' model scripts' setting) for `recompute`, every activation kept otherwise.
+fn recompute_config(recompute: bool) -> RecomputeConfig {
+    if !recompute {
+        return RecomputeConfig::default();
+    }
+    RecomputeConfig {
+        granularity: Some(RecomputeGranularity::Full),
+        method: Some(RecomputeMethod::Uniform),
+        num_layers: Some(1),
+    }
+}
+
+/// The recomputation child: one model's steps with or without recomputation, in a process
+/// of its own so its peak RSS is its own.
+fn recompute_child(spec: &str, iters: usize) {
+    let (name, mode) = spec.split_once(':').expect("MODEL:MODE");
+    let config = match name {
+        "glm_moe_88m" => glm_moe_88m(),
+        "qwen3_25m" => qwen3_25m(),
+        "deepseek_v3_82m" => deepseek_v3_82m(),
+        "qwen3_0_6b" => qwen3_0_6b(),
+        other => panic!("unknown model {other}"),
+    };
+    let model = CausalLm::init(&config, &Device::flex().autodiff()).expect("init");
+    let samples = batch(config.vocab_size as u32);
+    let (steps, _) = step_times_with(
+        model,
+        &samples,
+        false,
+        iters,
+        recompute_config(mode == "on"),
+    );
+    let mean = steps.iter().sum::<f64>() / steps.len() as f64;
+    println!(
+        "recompute-child: secs={mean:.4} peak_rss_mib={:.0}",
+        peak_rss_mib()
+    );
+}
+
+/// The recomputation rows of `name`: step time and peak RSS with full recomputation
+/// (uniform, one layer per group) against without, each in a child process, same run.
+fn recompute_rows(name: &str, iters: usize) {
+    let child = |mode: &str| -> Option<(f64, f64)> {
+        let out = Command::new(std::env::current_exe().ok()?)
+            .env("MILES_BENCH_RECOMPUTE_CHILD", format!("{name}:{mode}"))
+            .env("MILES_BENCH_ITERS", iters.to_string())
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text.lines().find(|l| l.starts_with("recompute-child: "))?;
+        let field = |key: &str| {
+            line.split_whitespace()
+                .find_map(|f| f.strip_prefix(key))
+                .and_then(|v| v.parse::<f64>().ok())
+        };
+        Some((field("secs=")?, field("peak_rss_mib=")?))
+    };
+    let (Some((plain_s, plain_rss)), Some((re_s, re_rss))) = (child("off"), child("on")) else {
+        eprintln!("# {name}: a recomputation child failed");
+        return;
+    };
+    println!(
+        "xtask-result: train_step_recompute_{name} ours={re_s:.4}s baseline={plain_s:.4}s \
+         note=fwd+bwd+AdamW {BATCH}x{SEQ} tokens with --recompute-granularity full \
+         --recompute-method uniform --recompute-num-layers 1 vs every activation kept, same \
+         run; peak RSS {re_rss:.0} MiB vs {plain_rss:.0} MiB"
+    );
+    println!(
+        "xtask-result: train_step_recompute_{name}_peak_rss ours={re_rss:.0}MiB \
+         baseline={plain_rss:.0}MiB target=<=1 note=peak RSS of the process with full \
+         recomputation (uniform, one layer per group) vs every activation kept"
+    );
+    println!(
+        "# {name}: recompute {re_s:.2} s/step at {re_rss:.0} MiB peak RSS, plain {plain_s:.2} \
+         s/step at {plain_rss:.0} MiB ({:+.1} % time, {:+.0} MiB)",
+        100.0 * (re_s / plain_s - 1.0),
+        re_rss - plain_rss
+    );
+}
+
 fn main() {
     // As the reference binary (examples/glm_moe_grpo.rs) does.
     miles_train::retain_freed_memory();
@@ -334,8 +449,24 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
+    if let Ok(spec) = std::env::var("MILES_BENCH_RECOMPUTE_CHILD") {
+        recompute_child(&spec, iters);
+        return;
+    }
     let only = std::env::var("MILES_BENCH_ONLY").ok();
     let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    if std::env::var("MILES_BENCH_RECOMPUTE").is_ok() {
+        // Only the recomputation rows; the 0.6B shape only when named.
+        for name in ["glm_moe_88m", "qwen3_25m", "deepseek_v3_82m"] {
+            if wanted(name) {
+                recompute_rows(name, iters);
+            }
+        }
+        if only.as_deref() == Some("qwen3_0_6b") {
+            recompute_rows("qwen3_0_6b", iters);
+        }
+        return;
+    }
     if wanted("glm_moe_88m") {
         run("glm_moe_88m", glm_moe_88m(), Some(420.0), iters);
     }

@@ -8,7 +8,9 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::Int;
 use burn::tensor::{Device, Tensor};
-use miles_bridge::{CausalLm, score_log_probs};
+use miles_bridge::{
+    CausalLm, RecomputeConfig, RecomputeGranularity, RecomputedForward, score_log_probs,
+};
 use miles_core::{DType, Metrics, MetricsSink, NamedTensors, PolicyTrainer, Sample, WeightVersion};
 use miles_ops::shaping_kl;
 use miles_ops::{AdvantageCalculator, AdvantageSample, Grouping, whiten_advantages};
@@ -26,7 +28,7 @@ use crate::config::{LossType, TrainConfig};
 use crate::critic::Critic;
 use crate::opd;
 use crate::optim::{AdamW, GradAccumulator};
-use crate::scoring::{sample_error, score_batch};
+use crate::scoring::{HookFn, sample_error, score_batch, score_batch_with};
 use crate::{Error, LrSchedule, Result};
 
 /// Per-sample advantages and returns over the response tokens, and the OPD reverse KL (with
@@ -184,6 +186,36 @@ fn hook_for(
     }
 }
 
+/// Checks `--recompute-*` against `model` (Megatron's rules, see [`RecomputeConfig`]); with
+/// `selective`, that every attention core is the fused op, whose backward recomputes the
+/// probabilities from the forward's log-sum-exp instead of keeping them.
+fn check_recompute(config: &RecomputeConfig, model: &CausalLm) -> Result<()> {
+    config.validate(model.config.num_hidden_layers)?;
+    if config.granularity != Some(RecomputeGranularity::Selective) {
+        return Ok(());
+    }
+    let bad = |reason| {
+        Err(Error::Config {
+            field: "recompute_granularity",
+            value: "selective".into(),
+            reason,
+        })
+    };
+    if !miles_ops::runs_fused(&model.lm_head_weight().device()) {
+        return bad(
+            "selective recomputation is the fused attention op's, which does not run on this \
+             device or with MILES_FUSED_OPS=0: use --recompute-granularity full",
+        );
+    }
+    if model.config.architecture.spec().attention_sinks {
+        return bad(
+            "attention with sinks (GPT-OSS) is computed with tensor ops that keep the \
+             probabilities: use --recompute-granularity full",
+        );
+    }
+    Ok(())
+}
+
 impl Actor {
     /// Builds the actor. `model` must live on an autodiff device (`Device::flex().autodiff()`);
     /// the reference model (when the config needs one) is a frozen copy of it.
@@ -211,6 +243,7 @@ impl Actor {
         config
             .precision
             .check_device(&model.lm_head_weight().device())?;
+        check_recompute(&config.recompute, &model)?;
         let reference = config.needs_ref().then(|| model.valid());
         let model = match config.lora_config() {
             Some(_) if model.lora_config().is_some() => {
@@ -686,6 +719,10 @@ impl Actor {
             _ => step_normalizer(step_items, per_token),
         };
         let micro = self.config.micro_batches(step_items);
+        let recompute_plan = self
+            .config
+            .recompute
+            .plan(self.model.config.num_hidden_layers);
         let mut acc = GradAccumulator::new();
         let mut metric_sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut pending: Vec<(&'static str, Tensor<1>)> = Vec::new();
@@ -699,27 +736,40 @@ impl Actor {
             // dtype (a graph op, cast anew per micro-batch so every backward owns its casts);
             // gradients arrive in f32 on the masters, which `acc` reads.
             let forward_started = Instant::now();
-            let compute = self.model.clone().to_precision(self.config.precision);
+            // With full recomputation the layers are cast where they run and only the
+            // output projection is cast here (`compute` then holds no decoder layer).
+            let mut recomputed = recompute_plan
+                .clone()
+                .map(|plan| RecomputedForward::new(&self.model, self.config.precision, plan));
+            let compute = match &recomputed {
+                Some(r) => r.head().clone(),
+                None => self.model.clone().to_precision(self.config.precision),
+            };
             // When this forward also gives the old log-probs, it is where the rollout's
             // routing is compared with the trainer's (R3 flip statistics).
             let mut replays: Vec<Arc<RoutingReplay>> = Vec::new();
             let config = &self.config;
             let moe = self.moe.as_ref();
-            let scored = score_batch(
-                &compute,
-                &refs_mb,
-                config.layout,
-                &mut |its| match moe {
-                    Some(moe) if config.use_routing_replay && old_from_forward => {
-                        let replay = replay_for(moe, its, config.layout)?;
-                        replay.set_compare(true)?;
-                        replays.push(Arc::clone(&replay));
-                        Ok(Box::new(SharedReplay(replay)) as Box<dyn RouterHook>)
-                    }
-                    _ => hook_for(config, moe, its, config.layout),
-                },
-                &config.fused,
-            )?;
+            let hooks: &mut HookFn<'_> = &mut |its| match moe {
+                Some(moe) if config.use_routing_replay && old_from_forward => {
+                    let replay = replay_for(moe, its, config.layout)?;
+                    replay.set_compare(true)?;
+                    replays.push(Arc::clone(&replay));
+                    Ok(Box::new(SharedReplay(replay)) as Box<dyn RouterHook>)
+                }
+                _ => hook_for(config, moe, its, config.layout),
+            };
+            let scored = match recomputed.as_mut() {
+                Some(r) => score_batch_with(
+                    &compute,
+                    &mut |input, hook| r.forward_hidden(input, hook),
+                    &refs_mb,
+                    config.layout,
+                    hooks,
+                    &config.fused,
+                )?,
+                None => score_batch(&compute, &refs_mb, config.layout, hooks, &config.fused)?,
+            };
             for replay in &replays {
                 flips.merge(&replay.take_flip_stats()?);
             }
@@ -785,8 +835,21 @@ impl Actor {
             pending.extend(metrics);
             times.forward += forward_started.elapsed().as_secs_f64();
             let backward_started = Instant::now();
-            let grads = loss.backward();
-            acc.accumulate(&self.model, &grads);
+            match recomputed {
+                Some(r) => {
+                    // One micro-batch's gradient summed over the stages first, so the sum
+                    // over micro-batches adds what the plain path adds.
+                    let mut local = GradAccumulator::new();
+                    for grads in r.backward(loss)? {
+                        local.accumulate(&self.model, &grads);
+                    }
+                    acc.merge(local);
+                }
+                None => {
+                    let grads = loss.backward();
+                    acc.accumulate(&self.model, &grads);
+                }
+            }
             times.backward += backward_started.elapsed().as_secs_f64();
         }
         let optimizer_started = Instant::now();

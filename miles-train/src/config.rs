@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use miles_bridge::Precision;
 use miles_bridge::lora::{ALL_LINEAR, LoraConfig, LoraForward};
+use miles_bridge::{Precision, RecomputeConfig};
 use miles_ops::PolicyLossConfig;
 use miles_ops::fused::FusedLogProbConfig;
 use miles_ops::{AdvantageConfig, AdvantageEstimator};
@@ -131,6 +131,11 @@ pub struct TrainConfig {
     /// On-policy distillation (`--use-opd`, `--opd-type`, `--opd-kl-coef`,
     /// `--opd-teacher-load`): the nested section `opd`.
     pub opd: OpdConfig,
+    /// Activation recomputation of the actor's training forward
+    /// (`--recompute-granularity`, `--recompute-method`, `--recompute-num-layers`; off by
+    /// default): checked against the model by [`crate::Actor::new`]; see
+    /// [`miles_bridge::RecomputedForward`].
+    pub recompute: RecomputeConfig,
 }
 
 impl Default for TrainConfig {
@@ -165,6 +170,7 @@ impl Default for TrainConfig {
             lora_forward: LoraForward::Merged,
             seed: 1234,
             opd: OpdConfig::default(),
+            recompute: RecomputeConfig::default(),
         }
     }
 }

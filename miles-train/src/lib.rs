@@ -24,6 +24,12 @@
 //! 5. metrics under Miles' names (`train/loss`, `train/pg_loss`, `train/grad_norm`, `train/lr`,
 //!    …) are returned and traced.
 //!
+//! **Activation recomputation** ([`TrainConfig::recompute`], Megatron's
+//! `--recompute-granularity`, `--recompute-method`, `--recompute-num-layers`): with `full`,
+//! the training forward keeps only the input of each recomputed group of layers and re-runs
+//! the group in the backward pass ([`miles_bridge::RecomputedForward`]); loss and gradients
+//! equal the plain step's bit for bit with one forward pass per micro-batch.
+//!
 //! **Mixed precision** ([`TrainConfig::precision`], Miles' `--bf16` / `--fp16`): parameters and
 //! AdamW state stay `f32` (master weights); every forward runs on the weights cast to the
 //! compute dtype (a differentiable cast: gradients arrive in `f32`), the log-prob op, losses

@@ -66,6 +66,18 @@ impl GradAccumulator {
         });
     }
 
+    /// Adds every gradient of `other` (one micro-batch's, summed over the stages of a
+    /// recomputed backward) to this sum.
+    pub fn merge(&mut self, other: GradAccumulator) {
+        for (name, g) in other.grads {
+            let g = match self.grads.remove(&name) {
+                Some(acc) => acc + g,
+                None => g,
+            };
+            self.grads.insert(name, g);
+        }
+    }
+
     /// Drops the gradients of parameters for which `frozen(name)` holds (they are not updated).
     pub fn retain_trainable(&mut self, frozen: impl Fn(&str) -> bool) {
         self.grads.retain(|name, _| !frozen(name));

@@ -5,8 +5,8 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use miles_bridge::{
-    BridgeError, CausalLm, ModelInput, MoeRouting, check_response, score_hidden_rows,
-    score_response,
+    BridgeError, CausalLm, HiddenOutput, ModelInput, MoeRouting, check_response, ids_tensor,
+    score_hidden_rows,
 };
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::RouterHook;
@@ -16,6 +16,10 @@ use crate::{Error, Result};
 
 /// Supplies the router hook of each forward pass (see [`score_batch`]).
 pub type HookFn<'a> = dyn FnMut(&[&TrainItem]) -> Result<Box<dyn RouterHook>> + 'a;
+
+/// Runs one forward pass to the final-norm hidden states (see [`score_batch_with`]).
+pub(crate) type ForwardFn<'a> =
+    dyn FnMut(&ModelInput, &dyn RouterHook) -> std::result::Result<HiddenOutput, BridgeError> + 'a;
 
 /// Log-probs of a micro-batch, one row per sample, right-padded with zeros to the longest
 /// response.
@@ -59,6 +63,26 @@ pub fn score_batch(
     hooks: &mut HookFn<'_>,
     fused: &FusedLogProbConfig,
 ) -> Result<ScoredBatch> {
+    score_batch_with(
+        model,
+        &mut |input, hook| model.forward_hidden(input, hook),
+        items,
+        layout,
+        hooks,
+        fused,
+    )
+}
+
+/// [`score_batch`] with every forward pass run by `forward` (a recomputed forward) and the
+/// log-probs computed with `model`'s output projection.
+pub(crate) fn score_batch_with(
+    model: &CausalLm,
+    forward: &mut ForwardFn<'_>,
+    items: &[&TrainItem],
+    layout: BatchLayout,
+    hooks: &mut HookFn<'_>,
+    fused: &FusedLogProbConfig,
+) -> Result<ScoredBatch> {
     let device = model.lm_head_weight().device();
     let vocab = model.config.vocab_size;
     for (index, item) in items.iter().enumerate() {
@@ -71,18 +95,23 @@ pub fn score_batch(
     match layout {
         BatchLayout::PerSample => {
             for item in items {
+                // `miles_bridge::score_response`: one forward at the sequence's exact length.
                 let hook = hooks(std::slice::from_ref(item))?;
-                let (lp, ent, r) =
-                    score_response(model, &item.tokens, item.response_length, &*hook, fused)
-                        .map_err(|e| sample_error(0, e))?;
-                routing.push(r);
+                let (n, r) = (item.tokens.len(), item.response_length);
+                let ids = ids_tensor(std::slice::from_ref(&item.tokens), &device)?;
+                let out = forward(&ModelInput::new(ids), &*hook).map_err(|e| sample_error(0, e))?;
+                let [_, _, h] = out.hidden.dims();
+                let rows = out.hidden.reshape([n, h]).narrow(0, n - 1 - r, r);
+                let (lp, ent) = score_hidden_rows(model, rows, &item.tokens[n - r..], fused)
+                    .map_err(|e| sample_error(0, e))?;
+                routing.push(out.routing);
                 per_sample.push((lp, ent));
             }
         }
         BatchLayout::Packed | BatchLayout::Padded => {
             let hook = hooks(items)?;
             let (input, row_len) = batched_input(items, layout, &device);
-            let out = model.forward_hidden(&input, &*hook)?;
+            let out = forward(&input, &*hook)?;
             routing.push(out.routing);
             let [b, s, h] = out.hidden.dims();
             let flat = out.hidden.reshape([b * s, h]);

@@ -275,7 +275,9 @@ pub struct RunNote {
 const RUNS_HEADING: &str = "## Runs";
 
 /// Keeps the rows and run notes of suites not run this time from the previous document, and
-/// orders everything by the workspace's suite order.
+/// orders everything by the workspace's suite order (the tests' entry; the bench runs
+/// [`merge_partial`]).
+#[cfg(test)]
 pub fn merge(
     previous: &str,
     rows: Vec<Row>,

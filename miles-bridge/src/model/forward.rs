@@ -7,12 +7,13 @@ use burn::tensor::module::embedding;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use miles_r3::RouterHook;
 
+use crate::config::ModelConfig;
 use crate::error::BridgeError;
 use crate::kv_cache::KvCache;
 use crate::model::causal_lm::CausalLm;
 use crate::nn::attention::{attention_mask, sliding_window_mask};
 use crate::nn::gated_delta::GatedDeltaNet;
-use crate::nn::layer::{FeedForward, SelfAttention};
+use crate::nn::layer::{DecoderLayer, FeedForward, SelfAttention};
 use crate::nn::moe::MoeRouting;
 use crate::nn::rope::Rope;
 use crate::profile::{self, OpClass};
@@ -60,6 +61,53 @@ pub struct HiddenOutput {
     pub hidden: Tensor<3>,
     /// One entry per MoE layer, in layer order.
     pub routing: Vec<MoeRouting>,
+}
+
+/// What every decoder layer of one forward reads besides its input: the attention masks,
+/// the RoPE tables and the linear-attention layers' padding and packed segments.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerContext {
+    mask: Tensor<4, Bool>,
+    sliding_mask: Option<Tensor<4, Bool>>,
+    rope: Rope,
+    linear_valid: Option<Tensor<2, Bool>>,
+    segments: Option<Vec<Vec<(usize, usize)>>>,
+}
+
+/// What a cached forward writes back into its [`KvCache`] after the layers.
+#[derive(Debug)]
+pub(crate) struct CacheUpdate {
+    start: Tensor<2, Int>,
+    valid: Tensor<2, Bool>,
+    key_valid: Tensor<2, Bool>,
+}
+
+impl LayerContext {
+    /// Layer `l`'s attention over its normed input `x` (appending to `cache` when given).
+    pub(crate) fn attend(
+        &self,
+        config: &ModelConfig,
+        l: usize,
+        attention: &SelfAttention,
+        x: Tensor<3>,
+        cache: Option<&mut KvCache>,
+    ) -> Tensor<3> {
+        if let SelfAttention::Linear(linear) = attention {
+            return match (&self.segments, cache) {
+                (Some(runs), _) => linear_by_segments(linear, x, runs),
+                (None, Some(c)) => {
+                    linear.forward(x, self.linear_valid.clone(), Some(&mut c.linear[l]))
+                }
+                (None, None) => linear.forward(x, self.linear_valid.clone(), None),
+            };
+        }
+        let slot = cache.map(|c| &mut c.layers[l]);
+        let layer_mask = match (&self.sliding_mask, config.layer_window(l)) {
+            (Some(sliding), Some(_)) => sliding.clone(),
+            _ => self.mask.clone(),
+        };
+        attention.forward(x, &self.rope, layer_mask, slot)
+    }
 }
 
 impl CausalLm {
@@ -183,6 +231,42 @@ impl CausalLm {
         mut cache: Option<&mut KvCache>,
         hook: &dyn RouterHook,
     ) -> Result<HiddenOutput, BridgeError> {
+        let (context, update) = self.layer_context(input, cache.as_deref())?;
+        let hidden = self.embed(input);
+        let layers = self.model.layers.len();
+        if let Some(cache) = cache.as_deref_mut() {
+            if cache.layers.len() != layers {
+                cache.layers = vec![None; layers];
+            }
+            if cache.linear.len() != layers {
+                cache.linear = vec![None; layers];
+            }
+        }
+        let out = self.decoder(hidden, hook, |l, attention, x| {
+            context.attend(&self.config, l, attention, x, cache.as_deref_mut())
+        })?;
+        if let Some(cache) = cache {
+            cache.next_position = Some(update.start + update.valid.int().sum_dim(1));
+            cache.key_valid = Some(update.key_valid);
+        }
+        Ok(out)
+    }
+
+    /// The token embeddings of `input`, `[batch, seq, hidden]`.
+    pub(crate) fn embed(&self, input: &ModelInput) -> Tensor<3> {
+        profile::time(OpClass::Embed, || {
+            embedding(self.model.embed_tokens.val(), input.input_ids.clone())
+        })
+    }
+
+    /// Checks `input` and builds what every layer of its forward reads besides its input
+    /// (masks, RoPE tables, linear-attention padding and segments), with what the cache's
+    /// bookkeeping needs after the layers.
+    pub(crate) fn layer_context(
+        &self,
+        input: &ModelInput,
+        cache: Option<&KvCache>,
+    ) -> Result<(LayerContext, CacheUpdate), BridgeError> {
         let [batch, seq] = self.check_input(input)?;
         let device = input.input_ids.device();
         let c = &self.config;
@@ -190,8 +274,8 @@ impl CausalLm {
             .attention_mask
             .clone()
             .unwrap_or_else(|| Tensor::<2, Int>::ones([batch, seq], &device).equal_elem(1));
-        let past = cache.as_ref().map_or(0, |cache| cache.len());
-        let start = match cache.as_ref().and_then(|c| c.next_position.clone()) {
+        let past = cache.map_or(0, |cache| cache.len());
+        let start = match cache.and_then(|c| c.next_position.clone()) {
             Some(next) if next.dims()[0] != batch => {
                 return Err(BridgeError::input(format!(
                     "cache holds {} rows, input has {batch}",
@@ -209,7 +293,7 @@ impl CausalLm {
                 counted + start.clone()
             }
         };
-        let key_valid = match cache.as_ref().and_then(|c| c.key_valid.clone()) {
+        let key_valid = match cache.and_then(|c| c.key_valid.clone()) {
             Some(old) => Tensor::cat(vec![old.int(), valid.clone().int()], 1).equal_elem(1),
             None => valid.clone(),
         };
@@ -232,18 +316,6 @@ impl CausalLm {
             .sliding_window
             .filter(|_| c.sliding_layers.contains(&true))
             .map(|window| sliding_window_mask(mask.clone(), past, window));
-        let hidden = profile::time(OpClass::Embed, || {
-            embedding(self.model.embed_tokens.val(), input.input_ids.clone())
-        });
-        let layers = self.model.layers.len();
-        if let Some(cache) = cache.as_deref_mut() {
-            if cache.layers.len() != layers {
-                cache.layers = vec![None; layers];
-            }
-            if cache.linear.len() != layers {
-                cache.linear = vec![None; layers];
-            }
-        }
         // Linear-attention layers: padding zeroed as transformers does, packed segments run
         // one by one (each from a zero state).
         let hybrid = c.linear_attention.is_some();
@@ -252,28 +324,20 @@ impl CausalLm {
             Some(seg) if hybrid => Some(segment_runs(seg)?),
             _ => None,
         };
-        let out = self.decoder(hidden, hook, |l, attention, x| {
-            if let SelfAttention::Linear(linear) = attention {
-                return match (&segments, cache.as_deref_mut()) {
-                    (Some(runs), _) => linear_by_segments(linear, x, runs),
-                    (None, Some(c)) => {
-                        linear.forward(x, linear_valid.clone(), Some(&mut c.linear[l]))
-                    }
-                    (None, None) => linear.forward(x, linear_valid.clone(), None),
-                };
-            }
-            let slot = cache.as_deref_mut().map(|c| &mut c.layers[l]);
-            let layer_mask = match (&sliding_mask, c.layer_window(l)) {
-                (Some(sliding), Some(_)) => sliding.clone(),
-                _ => mask.clone(),
-            };
-            attention.forward(x, &rope, layer_mask, slot)
-        })?;
-        if let Some(cache) = cache {
-            cache.next_position = Some(start + valid.int().sum_dim(1));
-            cache.key_valid = Some(key_valid);
-        }
-        Ok(out)
+        Ok((
+            LayerContext {
+                mask,
+                sliding_mask,
+                rope,
+                linear_valid,
+                segments,
+            },
+            CacheUpdate {
+                start,
+                valid,
+                key_valid,
+            },
+        ))
     }
 
     /// The decoder layers and the final norm over embedded `hidden` `[batch, seq, hidden]`,
@@ -285,40 +349,62 @@ impl CausalLm {
         hook: &dyn RouterHook,
         mut attention: impl FnMut(usize, &SelfAttention, Tensor<3>) -> Tensor<3>,
     ) -> Result<HiddenOutput, BridgeError> {
-        let [batch, seq, _] = hidden.dims();
-        let c = &self.config;
         let mut routing = Vec::new();
         for (l, layer) in self.model.layers.iter().enumerate() {
-            let normed = profile::time(OpClass::Norm, || {
-                layer.input_layernorm.forward(hidden.clone())
-            });
-            hidden = hidden + attention(l, &layer.self_attn, normed);
-            let normed = profile::time(OpClass::Norm, || {
-                layer
-                    .post_attention_layernorm
-                    .forward(hidden.clone())
-                    .reshape([batch * seq, c.hidden_size])
-            });
-            let mlp_out = match &layer.mlp {
-                FeedForward::Dense(mlp) => profile::time(OpClass::DenseMlp, || mlp.forward(normed)),
-                FeedForward::Moe(moe) => {
-                    let (out, r) = moe.forward(normed, hook)?;
-                    routing.push(r);
-                    out
-                }
-                FeedForward::BiasedMoe(moe) => {
-                    let (out, r) = moe.forward(normed, hook)?;
-                    routing.push(r);
-                    out
-                }
-            };
-            hidden = hidden + mlp_out.reshape([batch, seq, c.hidden_size]);
+            hidden = layer_forward(
+                &self.config,
+                l,
+                layer,
+                hidden,
+                hook,
+                &mut routing,
+                &mut attention,
+            )?;
         }
         Ok(HiddenOutput {
             hidden: profile::time(OpClass::Norm, || self.model.norm.forward(hidden)),
             routing,
         })
     }
+}
+
+/// Decoder layer `l` over `hidden` `[batch, seq, hidden]`: pre-norm attention (computed by
+/// `attention(l, attention module, normed input)`) and pre-norm MLP, each with its residual;
+/// an MoE layer's routing is appended to `routing`.
+pub(crate) fn layer_forward(
+    config: &ModelConfig,
+    l: usize,
+    layer: &DecoderLayer,
+    hidden: Tensor<3>,
+    hook: &dyn RouterHook,
+    routing: &mut Vec<MoeRouting>,
+    attention: &mut impl FnMut(usize, &SelfAttention, Tensor<3>) -> Tensor<3>,
+) -> Result<Tensor<3>, BridgeError> {
+    let [batch, seq, _] = hidden.dims();
+    let normed = profile::time(OpClass::Norm, || {
+        layer.input_layernorm.forward(hidden.clone())
+    });
+    let hidden = hidden + attention(l, &layer.self_attn, normed);
+    let normed = profile::time(OpClass::Norm, || {
+        layer
+            .post_attention_layernorm
+            .forward(hidden.clone())
+            .reshape([batch * seq, config.hidden_size])
+    });
+    let mlp_out = match &layer.mlp {
+        FeedForward::Dense(mlp) => profile::time(OpClass::DenseMlp, || mlp.forward(normed)),
+        FeedForward::Moe(moe) => {
+            let (out, r) = moe.forward(normed, hook)?;
+            routing.push(r);
+            out
+        }
+        FeedForward::BiasedMoe(moe) => {
+            let (out, r) = moe.forward(normed, hook)?;
+            routing.push(r);
+            out
+        }
+    };
+    Ok(hidden + mlp_out.reshape([batch, seq, config.hidden_size]))
 }
 
 /// Each row's runs of equal segment ids, as `(start, len)`.

@@ -1415,3 +1415,41 @@ fn train_two_grpo_steps_on_each_new_architecture() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[test]
+fn recompute_flags_are_checked_as_megatron_checks_them() {
+    let dir = scratch("recompute");
+    let (model, train, held_out) = setup(&dir);
+    let mut flags = train_flags(&model, &train, &held_out, &dir.join("run"));
+    flags.extend(["--num-rollout".to_string(), "1".to_string()]);
+    let cases: [(&[&str], &str); 3] = [
+        (&["--recompute-granularity", "full"], "--recompute-method"),
+        (
+            &[
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+                "--recompute-num-layers",
+                "99",
+            ],
+            "between 1 and",
+        ),
+        (
+            &["--recompute-granularity", "all"],
+            "--recompute-granularity",
+        ),
+    ];
+    for (extra, needle) in cases {
+        let out = miles()
+            .arg("train")
+            .args(&flags)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{extra:?}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

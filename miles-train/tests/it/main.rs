@@ -3,3 +3,4 @@
 
 mod actor;
 mod lora;
+mod recompute;
