@@ -11,13 +11,15 @@
 //! `S ← e^g S;  S ← S + k (β (v − kᵀS))ᵀ`, the output is `qᵀS`; it goes through an RMSNorm
 //! (plain weight, `rms_norm_eps`) gated by `silu(in_proj_z x)` and `out_proj`.
 //!
-//! The rule itself is miles-ops' op ([`miles_ops::gated_delta_rule`]): under autodiff
-//! (training) the **chunked** form in differentiable tensor ops (the sequence cut into chunks
-//! of at most 64 tokens; within a chunk the delta-rule updates become one
-//! unit-lower-triangular system, inverted by blocks with batched matmuls; the chunks scanned
-//! in order); without a gradient (prefill, scoring, decode) one forward op, a native loop on
-//! flex and a CubeCL kernel on CubeCL devices, equal up to rounding. It runs in f32 whatever
-//! the model's precision, as transformers does.
+//! The rule itself is miles-ops': training, scoring and prefill (more than one token) run the
+//! **chunked** form in differentiable tensor ops ([`miles_ops::gated_delta_rule_reference`]:
+//! the sequence cut into chunks of at most 64 tokens; within a chunk the delta-rule updates
+//! become one unit-lower-triangular system, inverted by blocks with batched matmuls; the
+//! chunks scanned in order), so that scoring and recomputed layers equal the training forward
+//! bit for bit; a decode step (one token) runs the fused forward op
+//! ([`miles_ops::gated_delta_rule`]: a native loop on flex, a CubeCL kernel on CubeCL
+//! devices; without a gradient). It runs in f32 whatever the model's precision, as
+//! transformers does.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, silu, softplus};
@@ -223,7 +225,14 @@ impl GatedDeltaNet {
         };
         let initial = previous.as_ref().map(|s| s.recurrent.clone());
         let (out, last) = profile::time(OpClass::DeltaRule, || {
-            // Shapes are ours: the fallback on an error only re-raises burn's own panic.
+            if seq > 1 {
+                // Training, scoring and prefill: the chunked form, so that the trainer's
+                // scoring function (the rollout's log-probs) and a recomputed layer compute
+                // bit for bit what the training forward computes.
+                return miles_ops::gated_delta_rule_reference(q, k, v, decay, beta, initial);
+            }
+            // A decode step: the fused forward op. Shapes are ours: the fallback on an
+            // error only re-raises burn's own panic.
             miles_ops::gated_delta_rule(
                 q.clone(),
                 k.clone(),
