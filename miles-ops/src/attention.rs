@@ -144,6 +144,20 @@ pub fn attention_reference(
     mask: Tensor<3, Bool>,
     scale: f32,
 ) -> Tensor<4> {
+    let (scores, v) = masked_scores(q, k, v, mask, scale);
+    softmax(scores, 3).matmul(v)
+}
+
+/// The tensor-op forms' common part: `q·kᵀ·scale` with masked keys at [`MASKED_SCORE`]
+/// (`[batch, heads, queries, keys]`), and the values repeated over each key/value head's group
+/// of query heads.
+fn masked_scores(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<3, Bool>,
+    scale: f32,
+) -> (Tensor<4>, Tensor<4>) {
     let [b, h, s, d] = q.dims();
     let [_, hk, t, _] = k.dims();
     let group = h / hk.max(1);
@@ -158,7 +172,7 @@ pub fn attention_reference(
     let (k, v) = (repeat(k), repeat(v));
     let scores = q.matmul(k.swap_dims(2, 3)) * scale;
     let mask = mask.unsqueeze_dim::<4>(1).expand([b, h, s, t]);
-    softmax(scores.mask_fill(mask, MASKED_SCORE), 3).matmul(v)
+    (scores.mask_fill(mask, MASKED_SCORE), v)
 }
 
 /// [`attention_with_sinks`] with tensor ops (transformers' eager GPT-OSS attention): the
@@ -172,22 +186,11 @@ pub fn attention_with_sinks_reference(
     scale: f32,
     sinks: Tensor<1>,
 ) -> Tensor<4> {
-    let [b, h, s, d] = q.dims();
-    let [_, hk, t, _] = k.dims();
-    let group = h / hk.max(1);
-    let repeat = |x: Tensor<4>| -> Tensor<4> {
-        if group == 1 {
-            return x;
-        }
-        x.unsqueeze_dim::<5>(2)
-            .expand([b, hk, group, t, d])
-            .reshape([b, h, t, d])
-    };
-    let (k, v) = (repeat(k), repeat(v));
-    let scores = q.matmul(k.swap_dims(2, 3)) * scale;
-    let mask = mask.unsqueeze_dim::<4>(1).expand([b, h, s, t]);
+    let [b, h, s, _] = q.dims();
+    let t = k.dims()[2];
+    let (scores, v) = masked_scores(q, k, v, mask, scale);
     let sink = sinks.reshape([1, h, 1, 1]).expand([b, h, s, 1]);
-    let scores = Tensor::cat(vec![scores.mask_fill(mask, MASKED_SCORE), sink], 3);
+    let scores = Tensor::cat(vec![scores, sink], 3);
     softmax(scores, 3).narrow(3, 0, t).matmul(v)
 }
 
