@@ -461,13 +461,13 @@ async fn run(args: Args) -> Result<(), BoxError> {
             opd_kl_coef: args.parsed("--opd-kl-coef")?,
             opd_teacher_load: teacher_dir.clone(),
         };
+        summary["opd_kl_coef"] = json!(train_config.opd.opd_kl_coef);
+        summary["distillation_only"] = json!(distillation_only);
     }
     let mut actor = Actor::new(model, train_config)?;
     if let Some(dir) = &teacher_dir {
         actor = actor.with_teacher(CausalLm::from_pretrained(dir, &device)?)?;
         summary["opd_teacher"] = json!(dir.display().to_string());
-        summary["opd_kl_coef"] = json!(args.parsed::<f64>("--opd-kl-coef")?);
-        summary["distillation_only"] = json!(distillation_only);
     }
     let trainer: SharedTrainer = Arc::new(Mutex::new(Box::new(actor) as Box<dyn PolicyTrainer>));
 

@@ -112,5 +112,6 @@ pub use nn::moe::{MoeDispatch, MoeRouting};
 pub use paged::{PagedKvCache, RowId};
 pub use precision::Precision;
 pub use scoring::{
-    check_response, score_hidden_rows, score_log_probs, score_response, token_logprobs,
+    check_response, score_hidden_rows, score_log_probs, score_response, score_response_hidden,
+    token_logprobs,
 };

@@ -80,15 +80,28 @@ pub fn score_response(
 ) -> Result<(Tensor<1>, Tensor<1>, Vec<MoeRouting>), BridgeError> {
     check_response(tokens, response_length, model.config.vocab_size)?;
     let device = model.lm_head_weight().device();
-    let n = tokens.len();
     let out = model.forward_hidden(&ModelInput::new(ids_row(tokens, &device)), hook)?;
-    let [_, _, h] = out.hidden.dims();
-    let rows = out
-        .hidden
+    let (lp, ent) = score_response_hidden(model, out.hidden, tokens, response_length, fused)?;
+    Ok((lp, ent, out.routing))
+}
+
+/// What [`score_response`] does after its forward: the response rows of one sequence's final
+/// hidden states (`[1, n, hidden]`, from `forward_hidden` over `tokens` or an equal pass)
+/// scored against its response tokens. `tokens` and `response_length` as [`check_response`]
+/// accepts them.
+pub fn score_response_hidden(
+    model: &CausalLm,
+    hidden: Tensor<3>,
+    tokens: &[u32],
+    response_length: usize,
+    fused: &FusedLogProbConfig,
+) -> Result<(Tensor<1>, Tensor<1>), BridgeError> {
+    let n = tokens.len();
+    let [_, _, h] = hidden.dims();
+    let rows = hidden
         .reshape([n, h])
         .narrow(0, n - 1 - response_length, response_length);
-    let (lp, ent) = score_hidden_rows(model, rows, &tokens[n - response_length..], fused)?;
-    Ok((lp, ent, out.routing))
+    score_hidden_rows(model, rows, &tokens[n - response_length..], fused)
 }
 
 /// [`score_response`] read back to the host: the response log-probs as `f32`.

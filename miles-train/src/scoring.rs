@@ -6,7 +6,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use miles_bridge::{
     BridgeError, CausalLm, HiddenOutput, ModelInput, MoeRouting, check_response, ids_tensor,
-    score_hidden_rows,
+    score_hidden_rows, score_response_hidden,
 };
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::RouterHook;
@@ -97,13 +97,16 @@ pub(crate) fn score_batch_with(
             for item in items {
                 // `miles_bridge::score_response`: one forward at the sequence's exact length.
                 let hook = hooks(std::slice::from_ref(item))?;
-                let (n, r) = (item.tokens.len(), item.response_length);
                 let ids = ids_tensor(std::slice::from_ref(&item.tokens), &device)?;
                 let out = forward(&ModelInput::new(ids), &*hook).map_err(|e| sample_error(0, e))?;
-                let [_, _, h] = out.hidden.dims();
-                let rows = out.hidden.reshape([n, h]).narrow(0, n - 1 - r, r);
-                let (lp, ent) = score_hidden_rows(model, rows, &item.tokens[n - r..], fused)
-                    .map_err(|e| sample_error(0, e))?;
+                let (lp, ent) = score_response_hidden(
+                    model,
+                    out.hidden,
+                    &item.tokens,
+                    item.response_length,
+                    fused,
+                )
+                .map_err(|e| sample_error(0, e))?;
                 routing.push(out.routing);
                 per_sample.push((lp, ent));
             }

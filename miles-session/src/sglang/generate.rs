@@ -369,25 +369,13 @@ async fn score_inputs(
     let top_k = body.top_logprobs_num.unwrap_or(0);
     let token_ids = body.token_ids_logprob.clone().unwrap_or_default();
     let positions = body.token_ids_logprob_positions.clone();
-    if let Some(positions) = &positions {
-        if !token_ids.is_empty() {
-            return Err(ApiError::bad_request(
-                "token_ids_logprob and token_ids_logprob_positions are exclusive: send one",
-            ));
-        }
-        if prompts.len() != 1 {
-            return Err(ApiError::bad_request(format!(
-                "token_ids_logprob_positions scores one prompt per request, this batch has {}",
-                prompts.len()
-            )));
-        }
-        if positions.len() > prompts[0].len() {
-            return Err(ApiError::bad_request(format!(
-                "token_ids_logprob_positions has {} positions, the input {}",
-                positions.len(),
-                prompts[0].len()
-            )));
-        }
+    // The engine checks the lists against the input (`InputLogprobRequest`); a batch would
+    // need one list per prompt.
+    if positions.is_some() && prompts.len() != 1 {
+        return Err(ApiError::bad_request(format!(
+            "token_ids_logprob_positions scores one prompt per request, this batch has {}",
+            prompts.len()
+        )));
     }
     let ask_ids = !token_ids.is_empty() || positions.is_some();
     let mut answers = Vec::with_capacity(prompts.len());
