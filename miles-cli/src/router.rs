@@ -88,7 +88,7 @@ pub fn run(args: &RouterArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     runtime.block_on(async move {
         let mut signals = Signals::install();
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        let listener = miles_session::guard::bind(&args.host, args.port)
             .await
             .map_err(|e| format!("cannot bind {}:{}: {e}", args.host, args.port))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;

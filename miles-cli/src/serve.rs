@@ -86,7 +86,7 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
     runtime.block_on(async move {
         // Before the listening line: a signal from then on is a clean stop.
         let mut signals = Signals::install();
-        let listener = tokio::net::TcpListener::bind((options.host.as_str(), options.port))
+        let listener = miles_session::guard::bind(&options.host, options.port)
             .await
             .map_err(|e| format!("cannot bind {}:{}: {e}", options.host, options.port))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;

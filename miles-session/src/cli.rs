@@ -171,7 +171,7 @@ pub fn build(args: &CliArgs, loader: Option<&TokenizerLoader>) -> Result<Session
 /// supervisor or a test waits for) and warns when the address is beyond loopback without an
 /// API key.
 pub async fn bind(args: &CliArgs) -> Result<tokio::net::TcpListener> {
-    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+    let listener = crate::guard::bind(&args.host, args.port)
         .await
         .map_err(|e| Error::Config(format!("cannot bind {}:{}: {e}", args.host, args.port)))?;
     let addr = listener.local_addr()?;

@@ -367,6 +367,42 @@ async fn guard(State(state): State<Arc<GuardState>>, request: Request, next: Nex
     }
 }
 
+/// The listen backlog of [`bind`]: how many finished handshakes wait for `accept`. tokio's
+/// `TcpListener::bind` asks for 1,024; a thousand agents connecting at once overflow that,
+/// and a dropped handshake is retried by the client only after a second or more (seen as
+/// multi-second stalls at 1,024 concurrent sessions). The kernel caps it at
+/// `net.core.somaxconn`.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `host:port` (a name is resolved; the first address that binds wins) with
+/// `SO_REUSEADDR` and a listen backlog of [`LISTEN_BACKLOG`]: what every server of the
+/// workspace binds with. The error names the address.
+pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for addr in tokio::net::lookup_host((host, port)).await? {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        #[cfg(unix)]
+        socket.set_reuseaddr(true)?;
+        match socket
+            .bind(addr)
+            .and_then(|()| socket.listen(LISTEN_BACKLOG))
+        {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::AddrNotAvailable,
+            format!("{host}:{port} resolves to no address"),
+        )
+    }))
+}
+
 /// Serves `router` on `listener` over HTTP/1.1 with the connection limit and the request-head
 /// timeout of `config` (see the module docs); runs until the process ends. Accept errors (a
 /// full file table, a reset during the handshake) are logged and retried.
@@ -514,6 +550,22 @@ mod tests {
             serve(listener, app, zero).await,
             Err(Error::Config(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn bind_resolves_names_and_refuses_a_port_in_use() {
+        let listener = bind("localhost", 0).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        assert!(addr.ip().is_loopback(), "{addr}");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        assert_eq!(client.unwrap().local_addr().unwrap(), accepted.unwrap().1);
+        let again = bind(&addr.ip().to_string(), addr.port()).await;
+        assert_eq!(
+            again.map(|_| ()).unwrap_err().kind(),
+            std::io::ErrorKind::AddrInUse
+        );
+        assert!(bind("no-such-host.invalid", 0).await.is_err());
     }
 
     #[test]

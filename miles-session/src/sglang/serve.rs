@@ -11,7 +11,7 @@ use crate::guard::{self, GuardConfig};
 /// ([`guard::harden`]) until the process ends. Warns when it binds a non-loopback address
 /// without an API key.
 pub async fn serve(app: axum::Router, host: &str, port: u16, guard: GuardConfig) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind((host, port))
+    let listener = guard::bind(host, port)
         .await
         .map_err(|e| Error::Config(format!("cannot bind {host}:{port}: {e}")))?;
     let addr: SocketAddr = listener.local_addr()?;
