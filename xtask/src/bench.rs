@@ -220,12 +220,13 @@ pub fn bench(args: &[String]) -> Result<(), String> {
         runs.push(RunNote {
             suite: suite.id(),
             text: format!(
-                "{} UTC, commit {}, {}, 1-min load average {} at start, {} cores",
+                "{} UTC, commit {}, {}, 1-min load average {} at start, {} cores ({})",
                 utc_now(),
                 git_head(),
                 if options.quick { "quick" } else { "full" },
                 load.map_or_else(|| "?".into(), |l| format!("{l:.2}")),
-                std::thread::available_parallelism().map_or(0, |n| n.get())
+                std::thread::available_parallelism().map_or(0, |n| n.get()),
+                cpu_model()
             ),
         });
     }
@@ -397,6 +398,19 @@ fn load_average() -> Option<f64> {
         .next()?
         .parse()
         .ok()
+}
+
+/// The CPU model (`model name` of `/proc/cpuinfo`), named in each run's note.
+fn cpu_model() -> String {
+    std::fs::read_to_string(Path::new("/proc/cpuinfo"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// The current time as `YYYY-MM-DD HH:MM` (UTC).
