@@ -221,6 +221,14 @@ impl TrainConfig {
         if self.micro_batch_size == 0 {
             return bad("micro_batch_size", "0".into(), "must be >= 1");
         }
+        if self.layout == BatchLayout::SharedPrefix && self.use_routing_replay {
+            return bad(
+                "batch_layout",
+                "shared_prefix".into(),
+                "rollout routing replay (use_routing_replay) replays each sample's own routes \
+                 of its prompt tokens, which a shared prompt computes once: use padded or packed",
+            );
+        }
         if self.use_dynamic_batch_size && self.max_tokens_per_gpu.is_none_or(|t| t == 0) {
             return bad(
                 "max_tokens_per_gpu",
