@@ -91,7 +91,8 @@ pub struct StepReport {
 ///    forward with the rollout: with the default [`BatchLayout::PerSample`] the training
 ///    forward is the engine's scoring function, so against an embedded engine's re-scored
 ///    log-probs it stays 0 bit for bit on flex (whose autodiff and inference forwards agree
-///    bit for bit; tested); with `padded` / `packed` it shows their float rounding.
+///    bit for bit; tested); with `padded` / `packed` / `shared_prefix` it shows their float
+///    rounding.
 /// 4. Otherwise (several optimizer steps per call): a forward of their own, as in 1.
 ///
 /// `perf/log_probs_time` is that forward's time (0 when skipped); `perf/actor_forward_time`,

@@ -316,7 +316,7 @@ impl TrainConfig {
     /// re-scores with), so that re-scored rollout log-probs make them equal bit for bit: with
     /// the per-sample layout, with TIS / mismatch metrics / `use_rollout_logprobs`, or
     /// whenever the actor runs its own old-log-prob forward (`kl_coef`, several optimizer
-    /// steps per rollout; see [`crate::Actor`]). Otherwise (a `padded` / `packed` training
+    /// steps per rollout; see [`crate::Actor`]). Otherwise (any other layout's training
     /// forward gives the old log-probs) the rollout's log-probs only feed
     /// `train_rollout_logprob_abs_diff`, which shows the layouts' float rounding either way, and
     /// an engine's per-sequence re-scoring (`recompute_logprobs_via_prefill`) buys nothing.

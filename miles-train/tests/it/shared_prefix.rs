@@ -107,7 +107,8 @@ fn scored(
     let device = log_probs.device();
     let weights: Vec<f32> = (0..b * w).map(|i| 0.3 + (i % 7) as f32 * 0.1).collect();
     let weights = Tensor::<2>::from_data(TensorData::new(weights, [b, w]), &device) * valid;
-    let loss = (log_probs.clone() * weights.clone()).sum() + (entropy.clone() * weights).sum() * 0.5;
+    let loss =
+        (log_probs.clone() * weights.clone()).sum() + (entropy.clone() * weights).sum() * 0.5;
     let grads = loss.backward();
     (host(log_probs), host(entropy), grads_of(m, &grads))
 }
@@ -122,7 +123,12 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn shared_prefix_scores_and_gradients_equal_per_sample() {
     let items = items();
-    for name in ["glm4moe-tiny", "gptoss-tiny", "dsv3-tiny", "glm47flash-tiny"] {
+    for name in [
+        "glm4moe-tiny",
+        "gptoss-tiny",
+        "dsv3-tiny",
+        "glm47flash-tiny",
+    ] {
         let m = model(name);
         let (lp_a, ent_a, g_a) = scored(&m, &items, BatchLayout::PerSample);
         let (lp_b, ent_b, g_b) = scored(&m, &items, BatchLayout::SharedPrefix);
@@ -148,7 +154,10 @@ fn shared_prefix_scores_and_gradients_equal_per_sample() {
         for (param, a) in &g_a {
             let scale = a.iter().fold(1f32, |m, v| m.max(v.abs()));
             let d = max_diff(a, &g_b[param]) / scale;
-            assert!(d < 1e-4, "{name}: {param} gradient differs by {d} (relative)");
+            assert!(
+                d < 1e-4,
+                "{name}: {param} gradient differs by {d} (relative)"
+            );
             worst = worst.max(d);
         }
         eprintln!("{name}: |Δ log-prob| {d_lp:e}, |Δ entropy| {d_ent:e}, gradients {worst:e}");
@@ -209,7 +218,13 @@ fn shared_prefix_is_refused_with_linear_attention_and_routing_replay() {
     // Qwen3.5's Gated DeltaNet layers: the recurrent state would run through every response.
     let err = Actor::new(model("qwen35-tiny"), grpo_config(BatchLayout::SharedPrefix)).unwrap_err();
     assert!(
-        matches!(err, Error::Config { field: "batch_layout", .. }),
+        matches!(
+            err,
+            Error::Config {
+                field: "batch_layout",
+                ..
+            }
+        ),
         "{err}"
     );
     assert!(err.to_string().contains("linear-attention"), "{err}");
@@ -222,7 +237,13 @@ fn shared_prefix_is_refused_with_linear_attention_and_routing_replay() {
     };
     let err = Actor::new(model("glm4moe-tiny"), r3).unwrap_err();
     assert!(
-        matches!(err, Error::Config { field: "batch_layout", .. }),
+        matches!(
+            err,
+            Error::Config {
+                field: "batch_layout",
+                ..
+            }
+        ),
         "{err}"
     );
     assert!(err.to_string().contains("use_routing_replay"), "{err}");
