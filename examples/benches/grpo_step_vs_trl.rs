@@ -379,7 +379,7 @@ fn main() -> Result<(), BoxError> {
                 "xtask-result: grpo_step_vs_trl_{name}_{label} ours={ours:.3}s baseline={base:.3}s \
                  target=<=0.333 note=miles {} s/step vs TRL GRPOTrainer {} s/step over {rounds} \
                  rounds ({steps} steps each, first left out); {PROMPTS}x{GROUP} samples, <= {MAX_NEW} \
-                 new tokens, lr {LR}, one optimizer step per rollout in one padded micro-batch; ratio < 1 is faster; {cpu}",
+                 new tokens, lr {LR}, one optimizer step per rollout in one shared-prefix micro-batch; ratio < 1 is faster; {cpu}",
                 list(secs, ""),
                 list(&trl, ""),
             );
