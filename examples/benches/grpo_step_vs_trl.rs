@@ -5,8 +5,9 @@
 //!
 //! The shape is RL's: 32 prompts × 8 samples, ≤ 8 new tokens, one optimizer step of 256
 //! samples per rollout in one micro-batch (TRL's `per_device_train_batch_size` 256; miles
-//! `--micro-batch-size 256 --batch-layout padded`: the training forward then gives the old
-//! log-probs and the engine does not re-score), lr 1e-4, no KL, no reference model; the
+//! `--micro-batch-size 256 --batch-layout shared_prefix`: one row per prompt, its 8 responses
+//! after it; the training forward then gives the old log-probs and the engine does not
+//! re-score), lr 1e-4, no KL, no reference model; the
 //! reference task's prompts (`data/train.jsonl` of `glm_moe_grpo`: two-digit additions,
 //! chat template with
 //! `enable_thinking: false`) and an exact-match reward (miles' `--rm-type exact_match`; the
@@ -206,9 +207,10 @@ fn run_miles(
         .args(["--global-batch-size", &(PROMPTS * GROUP).to_string()])
         .args(["--rollout-max-response-len", &MAX_NEW.to_string()])
         .args(["--max-running-requests", &(PROMPTS * GROUP).to_string()])
-        // TRL's batch: the whole step in one padded micro-batch (per_device_train_batch_size).
+        // TRL's batch: the whole step in one micro-batch (per_device_train_batch_size), each
+        // group's prompt computed once for its 8 responses (shared-prefix rows).
         .args(["--micro-batch-size", &(PROMPTS * GROUP).to_string()])
-        .args(["--batch-layout", "padded"])
+        .args(["--batch-layout", "shared_prefix"])
         .args(["--lr", LR, "--lr-warmup-iters", "0", "--weight-decay", "0"])
         .args(["--clip-grad", "1.0", "--log-level", "warn"])
         .arg("--output-dir")
@@ -377,7 +379,7 @@ fn main() -> Result<(), BoxError> {
                 "xtask-result: grpo_step_vs_trl_{name}_{label} ours={ours:.3}s baseline={base:.3}s \
                  target=<=0.333 note=miles {} s/step vs TRL GRPOTrainer {} s/step over {rounds} \
                  rounds ({steps} steps each, first left out); {PROMPTS}x{GROUP} samples, <= {MAX_NEW} \
-                 new tokens, lr {LR}, one optimizer step per rollout in one padded micro-batch; ratio < 1 is faster; {cpu}",
+                 new tokens, lr {LR}, one optimizer step per rollout in one shared-prefix micro-batch; ratio < 1 is faster; {cpu}",
                 list(secs, ""),
                 list(&trl, ""),
             );

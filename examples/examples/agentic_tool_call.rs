@@ -157,7 +157,7 @@ fn cli() -> Cli {
             "--batch-layout",
             "NAME",
             Some("padded"),
-            "training micro-batch layout: padded | packed | per_sample",
+            "training micro-batch layout: padded | packed | per_sample | shared_prefix",
         )
         .option(
             "--num-train-prompts",

@@ -91,7 +91,7 @@ fn cli() -> Cli {
         .option("--lr", "LR", Some("1e-4"), "GRPO learning rate (AdamW, a fresh optimizer; 3e-4 and up degrade the warm-started model's held-out reward)")
         .option("--lr-warmup-iters", "N", Some("10"), "GRPO optimizer steps of linear learning-rate warm-up from 0")
         .option("--num-steps-per-rollout", "N", Some("1"), "optimizer steps per rollout batch (the batch is split into this many mini-batches)")
-        .option("--batch-layout", "NAME", Some("padded"), "how training micro-batches are laid out: padded | packed | per_sample (equal up to float rounding; padded is fastest for short samples on CPU)")
+        .option("--batch-layout", "NAME", Some("padded"), "how training micro-batches are laid out: padded | packed | per_sample | shared_prefix (equal up to float rounding; padded is fastest for short samples on CPU, shared_prefix for groups sharing a prompt)")
         .option("--max-weight-staleness", "N", Some("1"), "samples older than this many weight versions are regenerated")
         .option("--update-weights-interval", "N", Some("1"), "push weights to the engines every N steps")
         .option("--save-interval", "N", Some("10"), "checkpoint every N steps")

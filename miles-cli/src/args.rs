@@ -448,7 +448,10 @@ pub struct TrainingArgs {
     /// Record routed experts at rollout and replay them in training (R3; MoE models)
     #[arg(long)]
     pub use_rollout_routing_replay: bool,
-    /// padded | packed | per_sample micro-batches (equal up to float rounding)
+    /// padded | packed | per_sample | shared_prefix micro-batches (equal up to float
+    /// rounding). shared_prefix: one row per prompt, [prompt, response 1, response 2, ...],
+    /// so a group's prompt is computed once (GRPO); not with Gated DeltaNet models
+    /// (Qwen3.5) or --use-rollout-routing-replay
     #[arg(long, value_name = "NAME", default_value_t = serde_name(&train_defaults().layout))]
     pub batch_layout: String,
     /// Activation recomputation (Megatron's): full (whole decoder layers re-run in the

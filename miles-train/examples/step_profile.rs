@@ -1,6 +1,9 @@
 //! One model's training step, repeated, for profilers (`perf record`): the Qwen3-style 25 M
 //! model of `benches/train_step.rs` (or its GLM-4-MoE 88 M with `MILES_PROFILE_MODEL=glm`) at
-//! batch 8 × 512 (`MILES_PROFILE_ITERS`, default 2).
+//! batch 8 × 512 (`MILES_PROFILE_ITERS`, default 2); with `MILES_PROFILE_SHAPE=grpo`, the
+//! `grpo_step_vs_trl` bench's training batch instead: 32 prompts of 30–60 tokens × 8
+//! responses of 8 tokens, one micro-batch of 256 in `MILES_PROFILE_LAYOUT` (`padded` by
+//! default, or `shared_prefix`, `packed`, `per_sample`).
 //!
 //! `cargo run -p miles-train --release --example step_profile`
 
@@ -36,36 +39,67 @@ fn main() {
     let device = Device::flex().autodiff();
     let model = CausalLm::init(&config, &device).expect("init");
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let samples: Vec<Sample> = (0..8)
-        .map(|i| Sample {
-            tokens: (0..512)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state % 32000) as u32
-                })
-                .collect(),
-            response_length: 480,
-            reward: Some(Reward::Scalar((i % 2) as f64)),
-            group_index: Some((i / 2) as u64),
-            ..Sample::default()
-        })
-        .collect();
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let grpo = std::env::var("MILES_PROFILE_SHAPE").is_ok_and(|s| s == "grpo");
+    let (samples, group, layout): (Vec<Sample>, usize, BatchLayout) = if grpo {
+        let layout = std::env::var("MILES_PROFILE_LAYOUT")
+            .unwrap_or_else(|_| "padded".into())
+            .parse()
+            .expect("MILES_PROFILE_LAYOUT");
+        let mut samples = Vec::new();
+        for g in 0..32u64 {
+            let prompt_len = 30 + (next() % 31) as usize;
+            let prompt: Vec<u32> = (0..prompt_len).map(|_| (next() % 32000) as u32).collect();
+            for i in 0..8 {
+                let mut tokens = prompt.clone();
+                tokens.extend((0..8).map(|_| (next() % 32000) as u32));
+                samples.push(Sample {
+                    tokens,
+                    response_length: 8,
+                    reward: Some(Reward::Scalar((i % 2) as f64)),
+                    group_index: Some(g),
+                    ..Sample::default()
+                });
+            }
+        }
+        (samples, 8, layout)
+    } else {
+        let samples = (0..8)
+            .map(|i| Sample {
+                tokens: (0..512).map(|_| (next() % 32000) as u32).collect(),
+                response_length: 480,
+                reward: Some(Reward::Scalar((i % 2) as f64)),
+                group_index: Some((i / 2) as u64),
+                ..Sample::default()
+            })
+            .collect();
+        (samples, 2, BatchLayout::Padded)
+    };
     let cfg = TrainConfig {
         lr_schedule: LrSchedule {
             lr: 1e-5,
             ..LrSchedule::default()
         },
-        micro_batch_size: 8,
-        layout: BatchLayout::Padded,
-        advantage: AdvantageConfig::default().with_n_samples_per_prompt(2),
+        micro_batch_size: samples.len(),
+        layout,
+        advantage: AdvantageConfig::default().with_n_samples_per_prompt(group),
         ..TrainConfig::default()
     };
     let mut actor = Actor::new(model, cfg).expect("actor");
     for i in 0..iters {
         let m = actor.train(i as u64, &samples).expect("train");
-        let keys = ["perf/step_time", "perf/old_logprob_time"];
+        let keys = [
+            "perf/step_time",
+            "perf/log_probs_time",
+            "perf/actor_forward_time",
+            "perf/actor_backward_time",
+            "perf/optimizer_time",
+        ];
         for k in keys {
             if let Some(v) = m.get(k) {
                 println!("step {i}: {k} = {v:.3} s");

@@ -91,7 +91,8 @@ pub struct StepReport {
 ///    forward with the rollout: with the default [`BatchLayout::PerSample`] the training
 ///    forward is the engine's scoring function, so against an embedded engine's re-scored
 ///    log-probs it stays 0 bit for bit on flex (whose autodiff and inference forwards agree
-///    bit for bit; tested); with `padded` / `packed` it shows their float rounding.
+///    bit for bit; tested); with `padded` / `packed` / `shared_prefix` it shows their float
+///    rounding.
 /// 4. Otherwise (several optimizer steps per call): a forward of their own, as in 1.
 ///
 /// `perf/log_probs_time` is that forward's time (0 when skipped); `perf/actor_forward_time`,
@@ -163,11 +164,24 @@ fn replay_for(
         BatchLayout::PerSample | BatchLayout::Padded => {
             miles_r3::BatchLayout::padded(n, items.iter().map(|i| i.len()).max().unwrap_or(0))
         }
+        // Refused by `TrainConfig::validate`: a shared prompt has one route per token, the
+        // rollout recorded one per sample.
+        BatchLayout::SharedPrefix => return Err(shared_prefix_r3()),
     };
     let replay = RoutingReplay::new(moe.clone());
     replay.push_samples(&samples, &r3_layout)?;
     replay.set_stage(ReplayStage::ReplayForward)?;
     Ok(Arc::new(replay))
+}
+
+/// Why rollout routing replay and the shared-prefix layout do not combine.
+fn shared_prefix_r3() -> Error {
+    Error::Config {
+        field: "batch_layout",
+        value: "shared_prefix".into(),
+        reason: "rollout routing replay (use_routing_replay) replays each sample's own routes of \
+                 its prompt tokens, which a shared prompt computes once: use padded or packed",
+    }
 }
 
 /// The router hook of one forward pass over `items` (in `layout`): fallthrough routing, or
@@ -244,6 +258,15 @@ impl Actor {
             .precision
             .check_device(&model.lm_head_weight().device())?;
         check_recompute(&config.recompute, &model)?;
+        if config.layout == BatchLayout::SharedPrefix && model.config.linear_attention.is_some() {
+            return Err(Error::Config {
+                field: "batch_layout",
+                value: "shared_prefix".into(),
+                reason: "the model has linear-attention layers (Gated DeltaNet), whose recurrent \
+                         state runs along the row through every response: a prompt cannot be \
+                         shared; use padded or packed",
+            });
+        }
         let reference = config.needs_ref().then(|| model.valid());
         let model = match config.lora_config() {
             Some(_) if model.lora_config().is_some() => {

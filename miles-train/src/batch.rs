@@ -22,23 +22,54 @@ pub enum BatchLayout {
     /// One row per sample, right-padded to the longest; padding is never attended to.
     /// Equal to `per_sample` up to float rounding.
     Padded,
+    /// One row per prompt: the samples of the micro-batch whose prompts (the token ids before
+    /// the response) are identical share one row `[prompt, response 1, response 2, …]`, rows
+    /// right-padded to the longest. The prompt is computed once; each response attends to the
+    /// prompt and to its own earlier tokens, never to another response, at the positions it
+    /// has in its own sequence (a sliding window is measured by them), and its first token's
+    /// log-prob comes from the prompt's last position. GRPO's groups then cost one prompt
+    /// each instead of one per sample. Equal to `per_sample` up to float rounding. Not with
+    /// linear-attention layers (Qwen3.5's Gated DeltaNet: their recurrent state would run
+    /// through the other responses) nor with rollout routing replay (`use_routing_replay`):
+    /// both refused when the actor is built.
+    SharedPrefix,
 }
 
 impl std::str::FromStr for BatchLayout {
     type Err = Error;
-    /// `per_sample`, `packed` or `padded` (the serde names).
+    /// `per_sample`, `packed`, `padded` or `shared_prefix` (the serde names).
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "per_sample" => Ok(Self::PerSample),
             "packed" => Ok(Self::Packed),
             "padded" => Ok(Self::Padded),
+            "shared_prefix" => Ok(Self::SharedPrefix),
             other => Err(Error::Config {
                 field: "batch_layout",
                 value: other.to_string(),
-                reason: "expected per_sample, packed or padded",
+                reason: "expected per_sample, packed, padded or shared_prefix",
             }),
         }
     }
+}
+
+/// The rows of [`BatchLayout::SharedPrefix`]: the items grouped by identical prompt (the
+/// token ids before the response), each row the positions of its items in `items`, rows in
+/// order of their first item and items in their order.
+pub(crate) fn shared_prefix_rows(items: &[&TrainItem]) -> Vec<Vec<usize>> {
+    let mut rows: Vec<Vec<usize>> = Vec::new();
+    let mut row_of: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
+    for (i, item) in items.iter().enumerate() {
+        let prompt = &item.tokens[..item.len() - item.response_length];
+        match row_of.get(prompt) {
+            Some(&r) => rows[r].push(i),
+            None => {
+                row_of.insert(prompt, rows.len());
+                rows.push(vec![i]);
+            }
+        }
+    }
+    rows
 }
 
 /// One sample, checked and converted for training. Vectors over the response cover the last
@@ -366,6 +397,50 @@ mod tests {
         assert_eq!(plan_steps(7, None, Some(2)), vec![0..4, 4..7]);
         assert_eq!(plan_steps(5, None, None), vec![0..5]);
         assert!(plan_steps(0, None, None).is_empty());
+    }
+
+    #[test]
+    fn layouts_parse_by_their_serde_names() {
+        for (name, layout) in [
+            ("per_sample", BatchLayout::PerSample),
+            ("packed", BatchLayout::Packed),
+            ("padded", BatchLayout::Padded),
+            ("shared_prefix", BatchLayout::SharedPrefix),
+        ] {
+            assert_eq!(name.parse::<BatchLayout>().unwrap(), layout);
+            assert_eq!(
+                serde_json::to_string(&layout).unwrap(),
+                format!("\"{name}\"")
+            );
+        }
+        let err = "shared".parse::<BatchLayout>().unwrap_err().to_string();
+        assert!(err.contains("shared_prefix"), "{err}");
+    }
+
+    #[test]
+    fn shared_prefix_rows_group_identical_prompts_in_order() {
+        let mk = |prompt: &[u32], response: &[u32]| {
+            TrainItem::new(
+                prompt.iter().chain(response).copied().collect(),
+                response.len(),
+                0.0,
+            )
+        };
+        let items = [
+            mk(&[1, 2], &[3]),
+            mk(&[4], &[5, 6]),
+            mk(&[1, 2], &[7, 8]),
+            // Same tokens as item 0, another split: another prompt.
+            mk(&[1], &[2, 3]),
+            mk(&[4], &[9]),
+            mk(&[1, 2], &[3]),
+        ];
+        let refs: Vec<&TrainItem> = items.iter().collect();
+        assert_eq!(
+            shared_prefix_rows(&refs),
+            vec![vec![0, 2, 5], vec![1, 4], vec![3]]
+        );
+        assert!(shared_prefix_rows(&[]).is_empty());
     }
 
     #[test]

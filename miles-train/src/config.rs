@@ -221,6 +221,14 @@ impl TrainConfig {
         if self.micro_batch_size == 0 {
             return bad("micro_batch_size", "0".into(), "must be >= 1");
         }
+        if self.layout == BatchLayout::SharedPrefix && self.use_routing_replay {
+            return bad(
+                "batch_layout",
+                "shared_prefix".into(),
+                "rollout routing replay (use_routing_replay) replays each sample's own routes \
+                 of its prompt tokens, which a shared prompt computes once: use padded or packed",
+            );
+        }
         if self.use_dynamic_batch_size && self.max_tokens_per_gpu.is_none_or(|t| t == 0) {
             return bad(
                 "max_tokens_per_gpu",
@@ -308,7 +316,7 @@ impl TrainConfig {
     /// re-scores with), so that re-scored rollout log-probs make them equal bit for bit: with
     /// the per-sample layout, with TIS / mismatch metrics / `use_rollout_logprobs`, or
     /// whenever the actor runs its own old-log-prob forward (`kl_coef`, several optimizer
-    /// steps per rollout; see [`crate::Actor`]). Otherwise (a `padded` / `packed` training
+    /// steps per rollout; see [`crate::Actor`]). Otherwise (any other layout's training
     /// forward gives the old log-probs) the rollout's log-probs only feed
     /// `train_rollout_logprob_abs_diff`, which shows the layouts' float rounding either way, and
     /// an engine's per-sequence re-scoring (`recompute_logprobs_via_prefill`) buys nothing.

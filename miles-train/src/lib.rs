@@ -38,8 +38,9 @@
 //! Per-token log-probs are **batch-invariant** by construction in the default
 //! [`BatchLayout::PerSample`] layout: every sample is forwarded on its own, so its log-probs do
 //! not depend on which other samples, padding or packing share its micro-batch (tested bit for
-//! bit). [`BatchLayout::Packed`] and [`BatchLayout::Padded`] batch the forward instead, with
-//! log-probs equal to the per-sample ones up to float rounding.
+//! bit). [`BatchLayout::Packed`], [`BatchLayout::Padded`] and [`BatchLayout::SharedPrefix`]
+//! (one row per prompt: a group's prompt computed once for all its responses) batch the
+//! forward instead, with log-probs equal to the per-sample ones up to float rounding.
 //!
 //! **LoRA** (`lora_rank > 0`): the actor attaches miles-bridge LoRA adapters
 //! ([`miles_bridge::lora`]) and freezes the base, so only the adapters are trained and have

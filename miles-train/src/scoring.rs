@@ -1,7 +1,7 @@
 //! Batch scoring: log-probs (and entropy) of a micro-batch's responses under a model, per
 //! sample through miles-bridge's sequence scorer ([`score_response`], the function the
 //! embedded engine scores with, so both sides see identical numbers) or with one packed /
-//! padded forward.
+//! padded / shared-prefix forward.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use miles_bridge::{
@@ -11,7 +11,7 @@ use miles_bridge::{
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::RouterHook;
 
-use crate::batch::{BatchLayout, TrainItem, pad_row};
+use crate::batch::{BatchLayout, TrainItem, pad_row, shared_prefix_rows};
 use crate::{Error, Result};
 
 /// Supplies the router hook of each forward pass (see [`score_batch`]).
@@ -111,27 +111,17 @@ pub(crate) fn score_batch_with(
                 per_sample.push((lp, ent));
             }
         }
-        BatchLayout::Packed | BatchLayout::Padded => {
+        BatchLayout::Packed | BatchLayout::Padded | BatchLayout::SharedPrefix => {
             let hook = hooks(items)?;
-            let (input, row_len) = batched_input(items, layout, &device);
+            let (input, rows) = batched_input(items, layout, &device);
             let out = forward(&input, &*hook)?;
             routing.push(out.routing);
             let [b, s, h] = out.hidden.dims();
             let flat = out.hidden.reshape([b * s, h]);
-            let mut rows = Vec::new();
-            let mut targets = Vec::new();
-            let mut offset = 0;
-            for (i, item) in items.iter().enumerate() {
-                let n = item.len();
-                let r = item.response_length;
-                let base = match layout {
-                    BatchLayout::Packed => offset,
-                    _ => i * row_len,
-                };
-                rows.extend((base + n - 1 - r..base + n - 1).map(|x| x as i32));
-                targets.extend_from_slice(&item.tokens[n - r..]);
-                offset += n;
-            }
+            let targets: Vec<u32> = items
+                .iter()
+                .flat_map(|item| item.tokens[item.len() - item.response_length..].to_vec())
+                .collect();
             let selected = flat.select(0, int_vec(rows, &device));
             let (lp, ent) = score_hidden_rows(model, selected, &targets, fused)
                 .map_err(|e| sample_error(0, e))?;
@@ -165,41 +155,127 @@ pub(crate) fn score_batch_with(
     })
 }
 
-/// Builds the packed (`[1, Σn]`, segment ids, positions restarting per sample) or padded
-/// (`[b, max n]`, attention mask) input; returns it with the row length.
+/// Builds the batched input of `items` in `layout` (any but per-sample): packed (`[1, Σn]`,
+/// segment ids, positions restarting per sample), padded (`[b, max n]`, attention mask) or
+/// shared-prefix (see [`shared_prefix_input`]). Returns it with, for every item in order, the
+/// flat (row-major) positions of the hidden states that predict its response tokens.
 fn batched_input(
     items: &[&TrainItem],
     layout: BatchLayout,
     device: &Device,
-) -> (ModelInput, usize) {
-    if layout == BatchLayout::Packed {
-        let total: usize = items.iter().map(|i| i.len()).sum();
-        let mut ids = Vec::with_capacity(total);
-        let mut seg = Vec::with_capacity(total);
-        let mut pos = Vec::with_capacity(total);
-        for (s, item) in items.iter().enumerate() {
-            ids.extend(item.tokens.iter().map(|&t| t as i32));
-            seg.extend(std::iter::repeat_n(s as i32, item.len()));
-            pos.extend(0..item.len() as i32);
+) -> (ModelInput, Vec<i32>) {
+    let mut rows = Vec::with_capacity(items.iter().map(|i| i.response_length).sum());
+    match layout {
+        BatchLayout::SharedPrefix => shared_prefix_input(items, device),
+        BatchLayout::Packed => {
+            let total: usize = items.iter().map(|i| i.len()).sum();
+            let mut ids = Vec::with_capacity(total);
+            let mut seg = Vec::with_capacity(total);
+            let mut pos = Vec::with_capacity(total);
+            for (s, item) in items.iter().enumerate() {
+                let (base, n, r) = (ids.len(), item.len(), item.response_length);
+                rows.extend((base + n - 1 - r..base + n - 1).map(|x| x as i32));
+                ids.extend(item.tokens.iter().map(|&t| t as i32));
+                seg.extend(std::iter::repeat_n(s as i32, n));
+                pos.extend(0..n as i32);
+            }
+            let t =
+                |v: Vec<i32>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, total]), device);
+            let mut input = ModelInput::new(t(ids));
+            input.segment_ids = Some(t(seg));
+            input.position_ids = Some(t(pos));
+            (input, rows)
         }
-        let t = |v: Vec<i32>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, total]), device);
-        let mut input = ModelInput::new(t(ids));
-        input.segment_ids = Some(t(seg));
-        input.position_ids = Some(t(pos));
-        (input, total)
-    } else {
-        let len = items.iter().map(|i| i.len()).max().unwrap_or(0);
-        let mut ids = Vec::with_capacity(items.len() * len);
-        let mut mask = Vec::with_capacity(items.len() * len);
-        for item in items {
-            ids.extend(item.tokens.iter().map(|&t| t as i32));
-            ids.extend(std::iter::repeat_n(0, len - item.len()));
-            mask.extend((0..len).map(|j| i32::from(j < item.len())));
+        BatchLayout::Padded | BatchLayout::PerSample => {
+            let len = items.iter().map(|i| i.len()).max().unwrap_or(0);
+            let mut ids = Vec::with_capacity(items.len() * len);
+            let mut mask = Vec::with_capacity(items.len() * len);
+            for (i, item) in items.iter().enumerate() {
+                let (base, n, r) = (i * len, item.len(), item.response_length);
+                rows.extend((base + n - 1 - r..base + n - 1).map(|x| x as i32));
+                ids.extend(item.tokens.iter().map(|&t| t as i32));
+                ids.extend(std::iter::repeat_n(0, len - n));
+                mask.extend((0..len).map(|j| i32::from(j < n)));
+            }
+            let shape = [items.len(), len];
+            let mut input = ModelInput::new(Tensor::from_data(TensorData::new(ids, shape), device));
+            input.attention_mask = Some(
+                Tensor::<2, Int>::from_data(TensorData::new(mask, shape), device).equal_elem(1),
+            );
+            (input, rows)
         }
-        let shape = [items.len(), len];
-        let mut input = ModelInput::new(Tensor::from_data(TensorData::new(ids, shape), device));
-        input.attention_mask =
-            Some(Tensor::<2, Int>::from_data(TensorData::new(mask, shape), device).equal_elem(1));
-        (input, len)
     }
+}
+
+/// The [`BatchLayout::SharedPrefix`] input: one row per prompt ([`shared_prefix_rows`]),
+/// `[prompt, response 1, response 2, …]` right-padded to the longest row. Segment ids: the
+/// prompt 0, the k-th response k (the padding one more), parents: 0 for the prompt and every
+/// response (the padding its own); positions: the prompt `0..P`, each response `P..` as in its
+/// own sequence; the attention mask hides the padding. Returns it with each item's
+/// predicting positions: the prompt's last one, then the response's own tokens but its last.
+fn shared_prefix_input(items: &[&TrainItem], device: &Device) -> (ModelInput, Vec<i32>) {
+    let groups = shared_prefix_rows(items);
+    let row_len = |row: &[usize]| {
+        let first = items[row[0]];
+        let prompt = first.len() - first.response_length;
+        prompt + row.iter().map(|&i| items[i].response_length).sum::<usize>()
+    };
+    let len = groups.iter().map(|g| row_len(g)).max().unwrap_or(0);
+    let cells = groups.len() * len;
+    let (mut ids, mut seg, mut parent, mut pos, mut valid) = (
+        Vec::with_capacity(cells),
+        Vec::with_capacity(cells),
+        Vec::with_capacity(cells),
+        Vec::with_capacity(cells),
+        Vec::with_capacity(cells),
+    );
+    let mut starts = vec![0usize; items.len()];
+    for (g, row) in groups.iter().enumerate() {
+        let base = g * len;
+        let first = items[row[0]];
+        let prompt = &first.tokens[..first.len() - first.response_length];
+        let p = prompt.len();
+        ids.extend(prompt.iter().map(|&t| t as i32));
+        seg.extend(std::iter::repeat_n(0, p));
+        parent.extend(std::iter::repeat_n(0, p));
+        pos.extend(0..p as i32);
+        for (k, &i) in row.iter().enumerate() {
+            let item = items[i];
+            let r = item.response_length;
+            starts[i] = ids.len() - base;
+            ids.extend(item.tokens[p..].iter().map(|&t| t as i32));
+            seg.extend(std::iter::repeat_n(k as i32 + 1, r));
+            parent.extend(std::iter::repeat_n(0, r));
+            pos.extend((p..p + r).map(|x| x as i32));
+        }
+        let used = ids.len() - base;
+        let pad = row.len() as i32 + 1;
+        ids.extend(std::iter::repeat_n(0, len - used));
+        seg.extend(std::iter::repeat_n(pad, len - used));
+        parent.extend(std::iter::repeat_n(pad, len - used));
+        pos.extend(std::iter::repeat_n(0, len - used));
+        valid.extend((0..len).map(|j| i32::from(j < used)));
+    }
+    let mut rows = Vec::with_capacity(items.iter().map(|i| i.response_length).sum());
+    let mut row_of = vec![0usize; items.len()];
+    for (g, row) in groups.iter().enumerate() {
+        for &i in row {
+            row_of[i] = g;
+        }
+    }
+    for (i, item) in items.iter().enumerate() {
+        let base = row_of[i] * len;
+        let prompt = item.len() - item.response_length;
+        rows.push((base + prompt - 1) as i32);
+        let start = base + starts[i];
+        rows.extend((start..start + item.response_length - 1).map(|x| x as i32));
+    }
+    let shape = [groups.len(), len];
+    let t = |v: Vec<i32>| Tensor::<2, Int>::from_data(TensorData::new(v, shape), device);
+    let mut input = ModelInput::new(t(ids));
+    input.attention_mask = Some(t(valid).equal_elem(1));
+    input.segment_ids = Some(t(seg));
+    input.parent_segment_ids = Some(t(parent));
+    input.position_ids = Some(t(pos));
+    (input, rows)
 }

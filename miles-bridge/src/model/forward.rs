@@ -11,7 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::BridgeError;
 use crate::kv_cache::KvCache;
 use crate::model::causal_lm::CausalLm;
-use crate::nn::attention::{attention_mask, sliding_window_mask};
+use crate::nn::attention::{attention_mask, sliding_window_mask, sliding_window_mask_by_position};
 use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::layer::{DecoderLayer, FeedForward, SelfAttention};
 use crate::nn::moe::MoeRouting;
@@ -31,6 +31,13 @@ pub struct ModelInput {
     /// Packed-sequence segment ids, `[batch, seq]`: tokens attend only within their segment.
     /// Not combinable with a KV cache.
     pub segment_ids: Option<Tensor<2, Int>>,
+    /// Shared-prefix rows (with `segment_ids` and `position_ids`), `[batch, seq]`: the one
+    /// segment whose keys each token may see besides its own (a response's prompt; a token
+    /// whose parent is its own segment sees only that segment). A key is then visible when it
+    /// is not after the query in the row, not padding, and in the query's segment or its
+    /// parent; a sliding window is measured by position. Not combinable with a KV cache or
+    /// linear-attention layers (their recurrent state runs along the row).
+    pub parent_segment_ids: Option<Tensor<2, Int>>,
 }
 
 impl ModelInput {
@@ -41,6 +48,7 @@ impl ModelInput {
             position_ids: None,
             attention_mask: None,
             segment_ids: None,
+            parent_segment_ids: None,
         }
     }
 }
@@ -123,6 +131,10 @@ impl CausalLm {
                 input.attention_mask.as_ref().map(Tensor::dims),
             ),
             ("segment_ids", input.segment_ids.as_ref().map(Tensor::dims)),
+            (
+                "parent_segment_ids",
+                input.parent_segment_ids.as_ref().map(Tensor::dims),
+            ),
         ] {
             if let Some(other) = other
                 && other != dims
@@ -134,6 +146,19 @@ impl CausalLm {
         }
         if dims[0] == 0 || dims[1] == 0 {
             return Err(BridgeError::input("empty batch"));
+        }
+        if input.parent_segment_ids.is_some() {
+            if input.segment_ids.is_none() || input.position_ids.is_none() {
+                return Err(BridgeError::input(
+                    "parent_segment_ids needs segment_ids and position_ids",
+                ));
+            }
+            if self.config.linear_attention.is_some() {
+                return Err(BridgeError::input(
+                    "shared-prefix rows (parent_segment_ids) cannot run linear-attention \
+                     layers: their recurrent state runs along the row, through every response",
+                ));
+            }
         }
         Ok(dims)
     }
@@ -158,7 +183,7 @@ impl CausalLm {
         cache: &mut KvCache,
         hook: &dyn RouterHook,
     ) -> Result<ModelOutput, BridgeError> {
-        if input.segment_ids.is_some() {
+        if input.segment_ids.is_some() || input.parent_segment_ids.is_some() {
             return Err(BridgeError::input(
                 "segment_ids cannot be used with a KV cache",
             ));
@@ -176,7 +201,7 @@ impl CausalLm {
         cache: &mut KvCache,
         hook: &dyn RouterHook,
     ) -> Result<HiddenOutput, BridgeError> {
-        if input.segment_ids.is_some() {
+        if input.segment_ids.is_some() || input.parent_segment_ids.is_some() {
             return Err(BridgeError::input(
                 "segment_ids cannot be used with a KV cache",
             ));
@@ -306,16 +331,22 @@ impl CausalLm {
                     past,
                     needs_key_mask.then(|| key_valid.clone()),
                     input.segment_ids.clone(),
+                    input.parent_segment_ids.clone(),
                     &device,
                 ),
-                Rope::new(positions, c.inv_freq()),
+                Rope::new(positions.clone(), c.inv_freq()),
             )
         });
-        // Sliding layers (GPT-OSS) also hide the keys outside their window.
+        // Sliding layers (GPT-OSS) also hide the keys outside their window: by cache index,
+        // or by position in shared-prefix rows (where a response continues its prompt's
+        // positions after other responses in the row).
         let sliding_mask = c
             .sliding_window
             .filter(|_| c.sliding_layers.contains(&true))
-            .map(|window| sliding_window_mask(mask.clone(), past, window));
+            .map(|window| match &input.parent_segment_ids {
+                Some(_) => sliding_window_mask_by_position(mask.clone(), positions.clone(), window),
+                None => sliding_window_mask(mask.clone(), past, window),
+            });
         // Linear-attention layers: padding zeroed as transformers does, packed segments run
         // one by one (each from a zero state).
         let hybrid = c.linear_attention.is_some();

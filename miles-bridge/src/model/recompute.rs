@@ -361,6 +361,10 @@ impl<'m> RecomputedForward<'m> {
             position_ids: input.position_ids.clone().map(Tensor::without_autodiff),
             attention_mask: input.attention_mask.clone().map(Tensor::without_autodiff),
             segment_ids: input.segment_ids.clone().map(Tensor::without_autodiff),
+            parent_segment_ids: input
+                .parent_segment_ids
+                .clone()
+                .map(Tensor::without_autodiff),
         };
         let (plain_context, _) = self.inner.layer_context(&plain, None)?;
         let recording = Recording {

@@ -16,13 +16,17 @@ use crate::profile::{self, OpClass};
 
 /// Builds the `[batch, 1, seq, past + seq]` mask (true = masked) for queries at cache
 /// indices `past..past+seq` over keys `0..past+seq`: causal by index, keys with
-/// `key_valid = false` hidden, and, for packed rows, keys of other segments hidden.
+/// `key_valid = false` hidden, and, for packed rows, keys of other segments hidden. With
+/// `parent_ids` too (shared-prefix rows, no cache: `past = 0`), a query also sees the keys of
+/// its parent segment (a response its prompt): a key is visible when its segment is the
+/// query's or the query's parent.
 pub fn attention_mask(
     batch: usize,
     seq: usize,
     past: usize,
     key_valid: Option<Tensor<2, Bool>>,
     segment_ids: Option<Tensor<2, Int>>,
+    parent_ids: Option<Tensor<2, Int>>,
     device: &Device,
 ) -> Tensor<4, Bool> {
     let total = past + seq;
@@ -44,7 +48,12 @@ pub fn attention_mask(
             .reshape([batch, seq, 1])
             .expand([batch, seq, total]);
         let sk = seg.reshape([batch, 1, total]).expand([batch, seq, total]);
-        masked = masked.bool_or(sq.equal(sk).bool_not());
+        let mut visible = sq.equal(sk.clone());
+        if let Some(parent) = parent_ids {
+            let pq = parent.reshape([batch, seq, 1]).expand([batch, seq, total]);
+            visible = visible.bool_or(pq.equal(sk));
+        }
+        masked = masked.bool_or(visible.bool_not());
     }
     masked.unsqueeze_dim(1)
 }
@@ -60,6 +69,27 @@ pub fn sliding_window_mask(mask: Tensor<4, Bool>, past: usize, window: usize) ->
         .expand([batch, 1, seq, total]);
     let k = Tensor::<1, Int>::arange(0..total as i64, &device)
         .reshape([1, 1, 1, total])
+        .expand([batch, 1, seq, total]);
+    mask.bool_or((q - k).greater_equal_elem(window as i64))
+}
+
+/// `mask` (`[batch, 1, seq, seq]`, no cache) with the keys outside a sliding window of
+/// `window` also hidden, measured by position (`positions`, `[batch, seq]`): a query at
+/// position `p` sees keys at positions `p - window < q <= p`. For shared-prefix rows, where a
+/// response continues its prompt's positions after other responses in the row, so that the
+/// distance by index is not the distance in its own sequence.
+pub fn sliding_window_mask_by_position(
+    mask: Tensor<4, Bool>,
+    positions: Tensor<2, Int>,
+    window: usize,
+) -> Tensor<4, Bool> {
+    let [batch, _, seq, total] = mask.dims();
+    let q = positions
+        .clone()
+        .reshape([batch, 1, seq, 1])
+        .expand([batch, 1, seq, total]);
+    let k = positions
+        .reshape([batch, 1, 1, total])
         .expand([batch, 1, seq, total]);
     mask.bool_or((q - k).greater_equal_elem(window as i64))
 }
@@ -482,7 +512,7 @@ mod tests {
             &device,
         );
         let mask = sliding_window_mask(
-            attention_mask(batch, seq, 0, Some(valid), None, &device),
+            attention_mask(batch, seq, 0, Some(valid), None, None, &device),
             0,
             9,
         )
@@ -519,7 +549,7 @@ mod tests {
     fn mask_is_causal_with_padding_and_segments() {
         let device = Device::flex();
         let seg = Tensor::<2, Int>::from_data([[0, 0, 1]], &device);
-        let m = attention_mask(1, 3, 0, None, Some(seg), &device);
+        let m = attention_mask(1, 3, 0, None, Some(seg), None, &device);
         let got = m.into_data().try_to_vec::<bool>().unwrap();
         #[rustfmt::skip]
         let want = [false, true, true,
@@ -527,10 +557,39 @@ mod tests {
                     true, true, false];
         assert_eq!(got, want);
         let valid = Tensor::<2, Bool>::from_data([[true, false, true, true]], &device);
-        let m = attention_mask(1, 1, 3, Some(valid), None, &device);
+        let m = attention_mask(1, 1, 3, Some(valid), None, None, &device);
         assert_eq!(
             m.into_data().try_to_vec::<bool>().unwrap(),
             [false, true, false, false]
         );
+    }
+
+    #[test]
+    fn shared_prefix_mask_shows_the_prompt_and_hides_other_responses() {
+        let device = Device::flex();
+        // [prompt p0 p1 | response a0 a1 | response b0 | pad]: segments 0, 1, 2, 3;
+        // parents: the prompt its own, the responses the prompt.
+        let seg = Tensor::<2, Int>::from_data([[0, 0, 1, 1, 2, 3]], &device);
+        let parent = Tensor::<2, Int>::from_data([[0, 0, 0, 0, 0, 3]], &device);
+        let valid = Tensor::<2, Bool>::from_data([[true, true, true, true, true, false]], &device);
+        let m = attention_mask(1, 6, 0, Some(valid), Some(seg), Some(parent), &device);
+        let got = m.clone().into_data().try_to_vec::<bool>().unwrap();
+        #[rustfmt::skip]
+        let want = [
+            false, true,  true,  true,  true,  true,  // p0
+            false, false, true,  true,  true,  true,  // p1
+            false, false, false, true,  true,  true,  // a0
+            false, false, false, false, true,  true,  // a1
+            false, false, true,  true,  false, true,  // b0: the prompt and itself
+            true,  true,  true,  true,  true,  true,  // pad
+        ];
+        assert_eq!(got, want);
+        // Positions p 0 1, a 2 3, b 2: with a window of 2, b0 (position 2) sees p1 and
+        // itself, though p1 is 3 indices back; a1 (position 3) sees a0 and itself only.
+        let pos = Tensor::<2, Int>::from_data([[0, 1, 2, 3, 2, 0]], &device);
+        let w = sliding_window_mask_by_position(m, pos, 2);
+        let got = w.into_data().try_to_vec::<bool>().unwrap();
+        assert_eq!(&got[18..24], &[true, true, false, false, true, true]);
+        assert_eq!(&got[24..30], &[true, false, true, true, false, true]);
     }
 }

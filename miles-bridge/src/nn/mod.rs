@@ -17,7 +17,9 @@ pub(crate) mod norm;
 pub(crate) mod param;
 pub(crate) mod rope;
 
-pub use attention::{Attention, attention_mask, sliding_window_mask};
+pub use attention::{
+    Attention, attention_mask, sliding_window_mask, sliding_window_mask_by_position,
+};
 pub use biased_moe::BiasedMoeBlock;
 pub use gated_delta::{DELTA_CHUNK, GatedDeltaNet, LinearState};
 pub use layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};

@@ -4,3 +4,4 @@
 mod actor;
 mod lora;
 mod recompute;
+mod shared_prefix;
