@@ -98,13 +98,15 @@ fn deepseek_v3_82m() -> ModelConfig {
 /// The Qwen3.5-MoE-style model (81 M parameters): hidden 512, 8 layers (linear, linear,
 /// linear, full) × 2; full attention 8 heads / 2 KV heads of 64 with the output gate and
 /// partial rotary 0.25; Gated DeltaNet 4 key heads / 8 value heads of 64, conv kernel 4; 16
-/// experts top-4 of 192 and a shared expert of 192 in every layer; untied, vocabulary 32,000.
+/// experts top-4 of 192 and a shared expert of 192 in every layer; untied, vocabulary 32,000
+/// (`intermediate_size` is unused: every layer is MoE; our config reader asks for it).
 fn qwen35_moe_80m() -> ModelConfig {
     ModelConfig::from_hf_json(
         r#"{"model_type": "qwen3_5_moe_text", "vocab_size": 32000, "hidden_size": 512,
-        "num_hidden_layers": 8, "layer_types": ["linear_attention", "linear_attention",
-        "linear_attention", "full_attention", "linear_attention", "linear_attention",
-        "linear_attention", "full_attention"], "num_attention_heads": 8,
+        "intermediate_size": 1024, "num_hidden_layers": 8,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+            "full_attention", "linear_attention", "linear_attention", "linear_attention",
+            "full_attention"], "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4,
         "linear_key_head_dim": 64, "linear_num_value_heads": 8, "linear_value_head_dim": 64,
         "linear_conv_kernel_dim": 4, "num_experts": 16, "num_experts_per_tok": 4,
