@@ -20,15 +20,26 @@
 //!   dense MLP, shared experts, routed experts); `exclude_modules` uses the same rule. Megatron's
 //!   names are accepted too (`linear_qkv` → `q_proj,k_proj,v_proj`, `linear_proj` → `o_proj`,
 //!   `linear_fc1` → `gate_proj,up_proj`, `linear_fc2` → `down_proj`), as Miles' flag does.
-//!   Module names are this crate's: routed experts are `model.layers.{l}.mlp.experts.<proj>`;
+//!   Module names are this crate's: routed experts are `model.layers.{l}.mlp.experts.<proj>`,
+//!   Qwen3.5's Gated DeltaNet projections `model.layers.{l}.linear_attn.{in_proj_qkv,
+//!   in_proj_z, in_proj_b, in_proj_a, out_proj}`, Qwen3.5-MoE's shared-expert gate
+//!   `model.layers.{l}.mlp.shared_expert_gate` (a linear layer, so `all-linear` includes it, as
+//!   PEFT's does). A PEFT adapter that names a routed-expert projection in `target_modules`
+//!   but holds no per-expert tensors (PEFT with transformers 5, where the experts are fused
+//!   parameters and such an entry reaches only the shared expert) leaves the routed experts
+//!   unadapted. GPT-OSS's experts (fused `gate_up_proj` / `down_proj` parameters, which PEFT
+//!   adapts only through `target_parameters`) take no adapters: an adapter with
+//!   `target_parameters` is refused;
 //! - `CausalLm::with_lora` attaches and freezes every base parameter (only `lora_A` /
 //!   `lora_B` require gradients); `CausalLm::merge_lora` folds the adapters into the base
 //!   weights; `CausalLm::to_hf_tensors_merged` exports merged HF weights (what an inference
 //!   engine that only knows HF names loads); `CausalLm::lora_to_peft_tensors` /
 //!   `CausalLm::save_lora_adapter` write a PEFT adapter (`adapter_model.safetensors` with
 //!   `base_model.model.<module>.lora_A.weight` / `lora_B.weight`, routed experts split per
-//!   expert, and `adapter_config.json`) that `CausalLm::load_lora_adapter` reads back — as it
-//!   reads adapters saved by PEFT.
+//!   expert, a vision-language checkpoint's text modules under
+//!   `base_model.model.model.language_model.*`, and `adapter_config.json`) that
+//!   `CausalLm::load_lora_adapter` reads back — as it reads adapters saved by PEFT (for a
+//!   vision-language checkpoint, saved on either the checkpoint's class or the text-only one).
 //!
 //! In `Merged` mode the trainer's forward multiplies by exactly the tensor
 //! `CausalLm::to_hf_tensors_merged` exports, so an engine loaded with the merged weights

@@ -1,24 +1,30 @@
 //! Embedded-engine throughput (issue 22: 2 cores, f32, flex): greedy decode tokens/s at 1, 8
 //! and 32 concurrent sequences of 256 new tokens from 16-token prompts, prefill tokens/s of a
 //! batch of 32 × 512-token prompts, and peak RSS, on the 88 M GLM-4-MoE, the 25 M
-//! Qwen3-style dense model and the 82 M DeepSeek-V3-style model (latent attention decoding
-//! over the compressed-latent cache) of the training-step bench.
+//! Qwen3-style dense model, the 82 M DeepSeek-V3-style model (latent attention decoding
+//! over the compressed-latent cache) and the 81 M Qwen3.5-MoE-style hybrid (Gated DeltaNet
+//! layers decoding from their per-sequence conv and recurrent states beside the paged KV
+//! cache of the full-attention layers) of the training-step bench.
 //!
 //! Baseline: HF transformers `generate` (greedy, KV cache, float32, 2 threads) on the **same
 //! random weights** (the bench exports its model to an HF directory first), measured in the
-//! same run just before ours by `benches/hf_generate.py` when a Python with torch is available
+//! same run just before ours by `miles-rollout/benches/hf_generate.py` when a Python with torch
+//! is available
 //! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root: a venv with torch
 //! and transformers). Prefill is compared with one HF forward over the
 //! same batch with `logits_to_keep=1`. Without such a Python the 32-sequence rows fall back to
 //! the issue's constants (GLM-4-MoE 333 tokens/s, Qwen3-style 973 tokens/s) and the notes say
 //! so (the DeepSeek-V3-style model has no constant: its 32-sequence row then has no baseline).
-//! Targets (ratio = our tokens/s ÷ HF's): GLM-4-MoE ≥ 2×, Qwen3-style ≥ 1.3× and
-//! DeepSeek-V3-style ≥ 1× at 32 sequences, ≥ 1× at 1 sequence and for prefill.
+//! Targets (ratio = our tokens/s ÷ HF's): GLM-4-MoE ≥ 2×, Qwen3-style ≥ 1.3×,
+//! DeepSeek-V3-style ≥ 1× and Qwen3.5-MoE-style ≥ 2× at 32 sequences, ≥ 1× at 1 sequence and
+//! for prefill. For the Qwen3.5-MoE-style model HF runs its PyTorch-only paths (no
+//! flash-linear-attention or causal-conv1d on a CPU): `torch_chunk_gated_delta_rule` in the
+//! prefill, `torch_recurrent_gated_delta_rule` per decoded token.
 //!
 //! `cargo bench -p miles-engine --features miles-ops/wgpu --bench engine_decode`
 //! (or `cargo xtask bench --only engine_decode`). `MILES_BENCH_QUICK=1`: 32 new tokens and
 //! 8 prefill prompts, for quick A/B runs. `MILES_BENCH_ONLY=glm_moe_88m` (or `qwen3_25m`,
-//! `deepseek_v3_82m`)
+//! `deepseek_v3_82m`, `qwen35_moe_80m`)
 //! runs one model; `MILES_BENCH_NO_HF=1` skips the HF measurement (ours only).
 //! `MILES_BENCH_PRECISION=bf16` (or `fp16`) runs the engine in that precision (weights, fused
 //! copies and KV cache; default `fp32`).
@@ -70,6 +76,28 @@ fn deepseek_v3_82m() -> ModelConfig {
         "tie_word_embeddings": false, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
     )
     .expect("DeepSeek-V3 config")
+}
+
+/// The Qwen3.5-MoE-style model of the training-step bench (81 M parameters: 8 layers, three
+/// Gated DeltaNet layers to one gated full-attention layer, 16 experts top-4 and a shared
+/// expert in every layer).
+fn qwen35_moe_80m() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "qwen3_5_moe_text", "vocab_size": 32000, "hidden_size": 512,
+        "intermediate_size": 1024, "num_hidden_layers": 8,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+            "full_attention", "linear_attention", "linear_attention", "linear_attention",
+            "full_attention"], "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4,
+        "linear_key_head_dim": 64, "linear_num_value_heads": 8, "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4, "num_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 192, "shared_expert_intermediate_size": 192,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 4096, "attention_bias": false,
+        "tie_word_embeddings": false, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
+    )
+    .expect("Qwen3.5-MoE config")
 }
 
 /// Token `t` of prompt `i` (the same formula as `hf_generate.py`).
@@ -131,7 +159,9 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 /// Runs `hf_generate.py` on the exported model directory; `None` without a Python with torch.
 fn measure_hf(name: &str, dir: &Path, sizes: Sizes) -> Option<HfFigures> {
     let python = torch_python()?;
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hf_generate.py");
+    // The script lives beside the rollout benches (it predates the engine's own crate).
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../miles-rollout/benches/hf_generate.py");
     let seqs = ROWS.map(|r| r.to_string()).join(",");
     let out = Command::new(&python)
         .arg(&script)
@@ -447,6 +477,9 @@ fn main() {
         }
         if wanted("deepseek_v3_82m") {
             run("deepseek_v3_82m", deepseek_v3_82m(), None, 1.0, sizes).await;
+        }
+        if wanted("qwen35_moe_80m") {
+            run("qwen35_moe_80m", qwen35_moe_80m(), None, 2.0, sizes).await;
         }
     });
 }

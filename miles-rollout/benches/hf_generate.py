@@ -1,6 +1,9 @@
-"""HF transformers baseline for `benches/engine_decode.rs`: greedy `generate` and a prefill
-forward on the model directory the Rust bench exported (the same random weights), on the CPU
-with 2 threads, float32.
+"""HF transformers baseline for `miles-engine/benches/engine_decode.rs`: greedy `generate` and a
+prefill forward on the model directory the Rust bench exported (the same random weights), on the
+CPU with 2 threads, float32. For a Qwen3.5 model (Gated DeltaNet layers) transformers runs its
+PyTorch-only fallbacks on the CPU (flash-linear-attention and causal-conv1d are absent):
+`torch_chunk_gated_delta_rule` in the prefill, `torch_recurrent_gated_delta_rule` and
+`causal_conv1d_update`'s torch form for each decoded token.
 
 Usage: python hf_generate.py --model-dir DIR --name NAME [--seqs 1,8,32] [--new-tokens 256]
                              [--prompt-len 16] [--prefill-seqs 32] [--prefill-len 512]

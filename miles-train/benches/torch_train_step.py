@@ -1,4 +1,4 @@
-"""PyTorch reference for `benches/train_step.rs`: the same three models and batch, trained with
+"""PyTorch reference for `benches/train_step.rs`: the same four models and batch, trained with
 HF transformers on the CPU with 2 threads (forward + causal-LM loss + backward + AdamW).
 
 Usage: python torch_train_step.py [--iters N]   (needs torch, transformers)
@@ -39,10 +39,28 @@ DSV3 = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, moe_inter
                                  mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
             tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02)
 
+# Qwen3.5-MoE-style, 81 M (see train_step.rs). Without flash-linear-attention and causal-conv1d
+# (none on a CPU), transformers runs `torch_chunk_gated_delta_rule` (chunks of 64) and
+# `F.conv1d` in the Gated DeltaNet layers.
+QWEN35_MOE = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"]
+                  + ["linear_attention"] * 3 + ["full_attention"],
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                  linear_num_key_heads=4, linear_key_head_dim=64, linear_num_value_heads=8,
+                  linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=16,
+                  num_experts_per_tok=4, moe_intermediate_size=192,
+                  shared_expert_intermediate_size=192,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                       partial_rotary_factor=0.25),
+                  max_position_embeddings=4096, attention_bias=False,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02)
+
 MODELS = {
     "glm_moe_88m": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, GLM),
     "qwen3_25m": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, QWEN3),
     "deepseek_v3_82m": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DSV3),
+    "qwen35_moe_80m": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
+                       QWEN35_MOE),
 }
 
 

@@ -16,7 +16,7 @@ use crate::lora::{
     ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ExpertLora, LoraAdapter, LoraConfig, LoraForward,
     PEFT_PREFIX,
 };
-use crate::model::causal_lm::CausalLm;
+use crate::model::causal_lm::{CausalLm, LANGUAGE_MODEL};
 use crate::names::EXPERT_STACKS;
 use crate::nn::layer::FeedForward;
 use crate::nn::linear::Linear;
@@ -57,6 +57,19 @@ fn take_peft(map: &mut NamedTensors, name: &str, shape: &[usize]) -> Result<Vec<
 }
 
 impl AdapterSource<'_> {
+    /// Whether adapters for the routed experts `projection` of the layer at `layer_prefix`
+    /// can be attached: always for a fresh init; for a PEFT adapter only when it holds them
+    /// (PEFT with transformers 5 never adapts fused expert stacks through `target_modules`:
+    /// a `gate_proj` entry then reaches the shared expert only).
+    fn has_experts(&self, layer_prefix: &str, projection: &str) -> bool {
+        match self {
+            Self::Init(_) => true,
+            Self::Peft(map) => map.contains_key(&format!(
+                "{PEFT_PREFIX}{layer_prefix}mlp.experts.0.{projection}.lora_A.weight"
+            )),
+        }
+    }
+
     fn linear(
         &mut self,
         module: &str,
@@ -202,6 +215,11 @@ impl CausalLm {
                     out.push((format!("{q}.{n}"), lin));
                 }
             }
+            if let FeedForward::Moe(moe) = &layer.mlp
+                && let Some(gate) = &moe.shared_expert_gate
+            {
+                out.push((format!("{p}.mlp.shared_expert_gate"), gate));
+            }
         }
         if let Some(head) = &self.lm_head {
             out.push(("lm_head".to_string(), head));
@@ -218,20 +236,26 @@ impl CausalLm {
             for (n, lin) in layer.self_attn.linears_mut() {
                 out.push((format!("{p}.{attn}.{n}"), lin));
             }
-            let mlp = match &mut layer.mlp {
-                FeedForward::Dense(m) => Some((format!("{p}.mlp"), m)),
+            let (mlp, shared_gate) = match &mut layer.mlp {
+                FeedForward::Dense(m) => (Some((format!("{p}.mlp"), m)), None),
                 FeedForward::Moe(moe) => {
                     let name = moe.shared_name;
-                    moe.shared_experts
-                        .as_mut()
-                        .map(|m| (format!("{p}.mlp.{name}"), m))
+                    (
+                        moe.shared_experts
+                            .as_mut()
+                            .map(|m| (format!("{p}.mlp.{name}"), m)),
+                        moe.shared_expert_gate.as_mut(),
+                    )
                 }
-                FeedForward::BiasedMoe(_) => None,
+                FeedForward::BiasedMoe(_) => (None, None),
             };
             if let Some((q, m)) = mlp {
                 out.push((format!("{q}.gate_proj"), &mut m.gate_proj));
                 out.push((format!("{q}.up_proj"), &mut m.up_proj));
                 out.push((format!("{q}.down_proj"), &mut m.down_proj));
+            }
+            if let Some(gate) = shared_gate {
+                out.push((format!("{p}.mlp.shared_expert_gate"), gate));
             }
         }
         if let Some(head) = &mut self.lm_head {
@@ -279,7 +303,7 @@ impl CausalLm {
             ];
             for (stack, (weight, slot)) in EXPERT_STACKS.iter().zip(slots) {
                 let module = format!("{prefix}mlp.experts.{}", stack.projection);
-                if config.targets(&module) {
+                if config.targets(&module) && source.has_experts(&prefix, stack.projection) {
                     let dims = weight.val().dims();
                     *slot =
                         Some(source.experts(&prefix, stack.projection, dims, config, &device)?);
@@ -323,11 +347,31 @@ impl CausalLm {
     /// (`base_model.model.<module>.lora_A.weight`, routed experts per expert) to the modules
     /// `config` targets; every targeted module needs its tensors and every tensor a targeted
     /// module (else [`BridgeError::MissingTensor`] / [`BridgeError::UnexpectedTensor`]).
+    ///
+    /// For a vision-language checkpoint (Qwen3.5's release layout) the text model's modules
+    /// are accepted under both names PEFT gives them: `base_model.model.model.language_model.*`
+    /// (PEFT on the checkpoint's own class, what [`Self::lora_to_peft_tensors`] writes) and
+    /// `base_model.model.model.*` (PEFT on the text-only class `AutoModelForCausalLM` loads).
     pub fn with_lora_tensors(
         self,
         config: &LoraConfig,
-        mut tensors: NamedTensors,
+        tensors: NamedTensors,
     ) -> Result<Self, BridgeError> {
+        let mut tensors = if self.config.multimodal.is_some() {
+            let wrapped = format!("{PEFT_PREFIX}{LANGUAGE_MODEL}");
+            let text = format!("{PEFT_PREFIX}model.");
+            let mut renamed = NamedTensors::new();
+            for (name, t) in tensors {
+                let name = match name.strip_prefix(&wrapped) {
+                    Some(rest) => format!("{text}{rest}"),
+                    None => name,
+                };
+                renamed.insert(name, t);
+            }
+            renamed
+        } else {
+            tensors
+        };
         self.attach_lora(config, AdapterSource::Peft(&mut tensors))
     }
 
@@ -442,8 +486,9 @@ impl CausalLm {
 
     /// The adapters as PEFT-named host tensors in `dtype`
     /// (`base_model.model.<module>.lora_A.weight` `[r, in]` / `lora_B.weight` `[out, r]`;
-    /// routed experts split into `…mlp.experts.{e}.<proj>.lora_A.weight`). Empty without
-    /// adapters.
+    /// routed experts split into `…mlp.experts.{e}.<proj>.lora_A.weight`; a vision-language
+    /// checkpoint's text modules under `base_model.model.model.language_model.*`, the names
+    /// PEFT gives them on the checkpoint's own class). Empty without adapters.
     pub fn lora_to_peft_tensors(&self, dtype: DType) -> Result<NamedTensors, BridgeError> {
         let mut out = NamedTensors::new();
         let mut failure = None;
@@ -490,10 +535,24 @@ impl CausalLm {
                 failure.get_or_insert(e);
             }
         });
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(out),
+        if let Some(e) = failure {
+            return Err(e);
         }
+        if self.config.multimodal.is_none() {
+            return Ok(out);
+        }
+        // A vision-language checkpoint: the text model's modules under
+        // `model.language_model.*`, as PEFT names them on the checkpoint's own class.
+        let text = format!("{PEFT_PREFIX}model.");
+        let mut renamed = NamedTensors::new();
+        for (name, t) in out {
+            let name = match name.strip_prefix(&text) {
+                Some(rest) => format!("{PEFT_PREFIX}{LANGUAGE_MODEL}{rest}"),
+                None => name,
+            };
+            renamed.insert(name, t);
+        }
+        Ok(renamed)
     }
 
     /// PEFT's `adapter_config.json` for the attached adapters (`None` without adapters).

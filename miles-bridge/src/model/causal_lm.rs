@@ -56,7 +56,7 @@ pub struct CausalLm {
 }
 
 /// The prefix of the text model's weights in a vision-language checkpoint.
-const LANGUAGE_MODEL: &str = "model.language_model.";
+pub(crate) const LANGUAGE_MODEL: &str = "model.language_model.";
 
 /// Splits checkpoint tensors into the text model's (renamed to `model.*` for a
 /// vision-language checkpoint) and the ones carried through ([`CausalLm::passthrough`]).

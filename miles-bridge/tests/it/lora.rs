@@ -1,5 +1,6 @@
 //! LoRA on the HF-layout layers: PEFT adapters (saved by PEFT 0.21.2 on the tiny fixtures,
-//! see `fixtures/lora/SOURCES.md`) give PEFT's log-probs and gradients; a fresh adapter
+//! see `fixtures/lora/SOURCES.md`; Qwen3.5 dense / MoE / text-only, GLM-4.7-Flash and GPT-OSS
+//! among them) give PEFT's log-probs and gradients and export under PEFT's names; a fresh adapter
 //! (B = 0) leaves the forward bit-identical; the LoRA forward equals the forward of the merged
 //! HF weights; PEFT export round-trips; only adapters receive gradients.
 
@@ -76,6 +77,101 @@ fn perturbed_adapters(model: &CausalLm) -> NamedTensors {
     tensors
 }
 
+/// `name`'s PEFT adapter (`fixtures/lora/<name>`), loaded in both forward formulations, gives
+/// PEFT's log-probs (adapters active and merged) and adapter gradients; base weights get none.
+fn check_against_peft(name: &str) {
+    let device = Device::flex().autodiff();
+    let rows = inputs(name);
+    let want = reference(name);
+    for mode in [LoraForward::Merged, LoraForward::Factored] {
+        let model = base(name, &device)
+            .load_lora_adapter(root().join("lora").join(name), mode)
+            .unwrap();
+        let config = model.lora_config().unwrap();
+        assert_eq!(
+            (config.r, config.lora_alpha, config.scaling()),
+            (4, 8.0, 2.0)
+        );
+        let lp = logprobs(&model, &rows);
+        let got = lp.clone().into_data().try_to_vec::<f32>().unwrap();
+        let d = max_diff(&got, &want["token_logprobs"].to_f32().unwrap());
+        assert!(
+            d <= 1e-4,
+            "{name} {mode:?}: log-probs differ from PEFT by {d}"
+        );
+        eprintln!("{name} {mode:?}: max |log-prob - PEFT| = {d:.2e}");
+        // The adapters matter: PEFT's log-probs are far from the base model's.
+        let plain = logprobs(&base(name, &device), &rows)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        assert!(max_diff(&plain, &want["token_logprobs"].to_f32().unwrap()) > 1e-2);
+
+        let grads = lp.mean().neg().backward();
+        let mut seen = 0;
+        let mut worst = 0.0f32;
+        model.visit_lora_params(&mut |pname, p| {
+            let g = p.grad(&grads).expect("adapter without gradient");
+            let g = g.convert::<f32>().try_to_vec::<f32>().unwrap();
+            let w = reference_grad(&want, pname);
+            let bound = 1e-4 * w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let d = max_diff(&g, &w);
+            assert!(
+                d <= bound,
+                "{name} {mode:?}: grad of {pname} differs by {d}"
+            );
+            worst = worst.max(d / bound);
+            seen += 1;
+        });
+        let expected = want.keys().filter(|k| k.starts_with("grad.")).count();
+        assert_eq!(
+            seen, expected,
+            "{name}: every PEFT adapter tensor has a gradient"
+        );
+        eprintln!("{name} {mode:?}: worst adapter-gradient diff / bound = {worst:.3}");
+        // Base weights are frozen: no gradient.
+        model.visit_params(&mut |pname, p| {
+            assert!(
+                p.grad(&grads).is_none(),
+                "{name}: base {pname} got a gradient"
+            );
+        });
+
+        // The merged export (engine weights) gives PEFT's merge_and_unload log-probs.
+        let merged = CausalLm::from_hf_tensors(
+            &model.config,
+            model.to_hf_tensors_merged(DType::F32).unwrap(),
+            &Device::flex(),
+        )
+        .unwrap();
+        let got = logprobs(&merged, &rows)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let d = max_diff(&got, &want["merged_token_logprobs"].to_f32().unwrap());
+        assert!(
+            d <= 1e-4,
+            "{name}: merged log-probs differ from PEFT by {d}"
+        );
+    }
+}
+
+/// The reference gradient of our adapter tensor `name`: keyed by PEFT's name, where a
+/// vision-language checkpoint's text modules are `model.language_model.*` when the fixture's
+/// adapter was saved on the checkpoint's own class (`qwen35-tiny`).
+fn reference_grad(want: &NamedTensors, name: &str) -> Vec<f32> {
+    let plain = format!("grad.{PEFT_PREFIX}{name}");
+    let wrapped = format!(
+        "grad.{PEFT_PREFIX}{}",
+        name.replacen("model.", "model.language_model.", 1)
+    );
+    let t = want
+        .get(&plain)
+        .or_else(|| want.get(&wrapped))
+        .unwrap_or_else(|| panic!("no PEFT gradient for {name}"));
+    t.to_f32().unwrap()
+}
+
 /// PEFT's adapters on Qwen3 / Qwen2 (all seven projections), GLM-4-MoE (attention) and
 /// DeepSeek-V3 (the latent-attention projections, with and without `q_lora_rank`).
 #[test]
@@ -87,83 +183,129 @@ fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
         "dsv3-tiny",
         "dsv3-noq",
     ] {
-        let device = Device::flex().autodiff();
-        let rows = inputs(name);
-        let want = reference(name);
-        for mode in [LoraForward::Merged, LoraForward::Factored] {
-            let model = base(name, &device)
-                .load_lora_adapter(root().join("lora").join(name), mode)
-                .unwrap();
-            let config = model.lora_config().unwrap();
-            assert_eq!(
-                (config.r, config.lora_alpha, config.scaling()),
-                (4, 8.0, 2.0)
-            );
-            let lp = logprobs(&model, &rows);
-            let got = lp.clone().into_data().try_to_vec::<f32>().unwrap();
-            let d = max_diff(&got, &want["token_logprobs"].to_f32().unwrap());
-            assert!(
-                d <= 1e-4,
-                "{name} {mode:?}: log-probs differ from PEFT by {d}"
-            );
-            eprintln!("{name} {mode:?}: max |log-prob - PEFT| = {d:.2e}");
-            // The adapters matter: PEFT's log-probs are far from the base model's.
-            let plain = logprobs(&base(name, &device), &rows)
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap();
-            assert!(max_diff(&plain, &want["token_logprobs"].to_f32().unwrap()) > 1e-2);
-
-            let grads = lp.mean().neg().backward();
-            let mut seen = 0;
-            let mut worst = 0.0f32;
-            model.visit_lora_params(&mut |pname, p| {
-                let g = p.grad(&grads).expect("adapter without gradient");
-                let g = g.convert::<f32>().try_to_vec::<f32>().unwrap();
-                let w = want[&format!("grad.{PEFT_PREFIX}{pname}")]
-                    .to_f32()
-                    .unwrap();
-                let bound = 1e-4 * w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-                let d = max_diff(&g, &w);
-                assert!(
-                    d <= bound,
-                    "{name} {mode:?}: grad of {pname} differs by {d}"
-                );
-                worst = worst.max(d / bound);
-                seen += 1;
-            });
-            let expected = want.keys().filter(|k| k.starts_with("grad.")).count();
-            assert_eq!(
-                seen, expected,
-                "{name}: every PEFT adapter tensor has a gradient"
-            );
-            eprintln!("{name} {mode:?}: worst adapter-gradient diff / bound = {worst:.3}");
-            // Base weights are frozen: no gradient.
-            model.visit_params(&mut |pname, p| {
-                assert!(
-                    p.grad(&grads).is_none(),
-                    "{name}: base {pname} got a gradient"
-                );
-            });
-
-            // The merged export (engine weights) gives PEFT's merge_and_unload log-probs.
-            let merged = CausalLm::from_hf_tensors(
-                &model.config,
-                model.to_hf_tensors_merged(DType::F32).unwrap(),
-                &Device::flex(),
-            )
-            .unwrap();
-            let got = logprobs(&merged, &rows)
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap();
-            let d = max_diff(&got, &want["merged_token_logprobs"].to_f32().unwrap());
-            assert!(
-                d <= 1e-4,
-                "{name}: merged log-probs differ from PEFT by {d}"
-            );
-        }
+        check_against_peft(name);
     }
+}
+
+/// The fixtures of the models of issue 43: Qwen3.5 (Gated DeltaNet `in_proj_qkv` / `in_proj_z`
+/// / `in_proj_b` / `in_proj_a` / `out_proj`, the gated full attention's q/k/v/o, the MLPs; the
+/// release's vision-language layout, adapter saved on `Qwen3_5ForConditionalGeneration`),
+/// Qwen3.5-MoE (the same plus the shared expert and its gate; adapter saved on the text-only
+/// `Qwen3_5MoeForCausalLM`), Qwen3.5 text-only with `all-linear`, GLM-4.7-Flash (the
+/// latent-attention projections) and GPT-OSS (attention with biases).
+const NEW_MODELS: [&str; 5] = [
+    "qwen35-tiny",
+    "qwen35moe-tiny",
+    "qwen35-text",
+    "glm47flash-tiny",
+    "gptoss-tiny",
+];
+
+/// PEFT's adapters on the projections of Qwen3.5 (dense and MoE), GLM-4.7-Flash and GPT-OSS.
+#[test]
+fn peft_adapters_on_qwen35_glm47_flash_and_gpt_oss_match_peft() {
+    for name in NEW_MODELS {
+        check_against_peft(name);
+    }
+}
+
+/// Our PEFT export of those adapters carries exactly PEFT's tensors (names and values) and
+/// targets: a vision-language checkpoint's text modules under
+/// `base_model.model.model.language_model.*`, the names PEFT gives them on the checkpoint's
+/// own class (an adapter PEFT saved on the text-only class, `qwen35moe-tiny`, loads too and is
+/// written back under those names).
+#[test]
+fn peft_export_of_the_new_models_has_peft_names() {
+    let device = Device::flex();
+    for name in NEW_MODELS {
+        let dir = root().join("lora").join(name);
+        let file =
+            NamedTensors::from_safetensors_file(&dir.join("adapter_model.safetensors")).unwrap();
+        let model = base(name, &device)
+            .load_lora_adapter(&dir, LoraForward::Merged)
+            .unwrap();
+        let multimodal = model.config.multimodal.is_some();
+        let text = format!("{PEFT_PREFIX}model.");
+        let wrapped = format!("{PEFT_PREFIX}model.language_model.");
+        let expected: Vec<(String, Vec<f32>)> = file
+            .iter()
+            .map(|(k, t)| {
+                let k = match k.strip_prefix(&text) {
+                    Some(rest) if multimodal && !k.starts_with(&wrapped) => {
+                        format!("{wrapped}{rest}")
+                    }
+                    _ => k.to_string(),
+                };
+                (k, t.to_f32().unwrap())
+            })
+            .collect();
+        let ours = model.lora_to_peft_tensors(DType::F32).unwrap();
+        let mut expected = expected;
+        expected.sort_by(|a, b| a.0.cmp(&b.0));
+        let got: Vec<(String, Vec<f32>)> = ours
+            .iter()
+            .map(|(k, t)| (k.to_string(), t.to_f32().unwrap()))
+            .collect();
+        assert_eq!(
+            got.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            expected.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            "{name}: adapter tensor names"
+        );
+        assert_eq!(
+            got, expected,
+            "{name}: adapter values round-trip bit for bit"
+        );
+        if multimodal {
+            assert!(ours.keys().all(|k| k.starts_with(&wrapped)), "{name}");
+        }
+        // adapter_config.json: PEFT's target set.
+        let peft: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        let sorted = |v: &serde_json::Value| {
+            let mut t: Vec<String> = serde_json::from_value(v.clone()).unwrap();
+            t.sort();
+            t
+        };
+        let json = model.peft_adapter_config().unwrap();
+        assert_eq!(
+            sorted(&json["target_modules"]),
+            sorted(&peft["target_modules"]),
+            "{name}"
+        );
+        assert_eq!(json["r"].as_u64(), peft["r"].as_u64(), "{name}");
+        assert_eq!(
+            json["lora_alpha"].as_f64(),
+            peft["lora_alpha"].as_f64(),
+            "{name}"
+        );
+    }
+}
+
+/// GPT-OSS's experts are fused parameters that PEFT adapts only through `target_parameters`
+/// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`): such an adapter is refused with a
+/// typed error, and `all-linear` adapts GPT-OSS's attention only, as PEFT 0.21.2's
+/// `all-linear` does (no module of its MLP is a linear layer).
+#[test]
+fn gpt_oss_expert_parameters_are_refused_and_all_linear_is_attention() {
+    let device = Device::flex();
+    let dir = root().join("lora").join("gptoss-tiny");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    json["target_parameters"] =
+        serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]);
+    assert!(matches!(
+        LoraConfig::from_peft_json(&json),
+        Err(BridgeError::Config { field, .. }) if field == "target_parameters"
+    ));
+    let model = base("gptoss-tiny", &device)
+        .with_lora(&LoraConfig::new(4, 8.0, &["all-linear"]))
+        .unwrap();
+    let modules = model.lora_modules();
+    assert_eq!(modules.len(), 3 * 4, "{modules:?}");
+    assert!(modules.iter().all(|m| m.contains(".self_attn.")));
 }
 
 #[test]
