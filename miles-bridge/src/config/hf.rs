@@ -22,6 +22,10 @@ struct RawConfig {
     model_type: Option<String>,
     vocab_size: usize,
     hidden_size: usize,
+    /// The dense MLP's width (GPT-OSS: the experts'). Absent from configs without a dense
+    /// layer (transformers' `Qwen3_5MoeTextConfig` has no such field): 0, refused by
+    /// [`ModelConfig::validate`] where a layer needs it.
+    #[serde(default)]
     intermediate_size: usize,
     #[serde(default)]
     moe_intermediate_size: usize,
@@ -760,5 +764,26 @@ mod tests {
             }
             other => panic!("an unknown model_type loaded: {other:?}"),
         }
+    }
+    #[test]
+    fn intermediate_size_is_needed_only_by_dense_layers() {
+        // transformers' Qwen3_5MoeTextConfig has no `intermediate_size`: every layer is sparse.
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../fixtures/models/qwen35moe-tiny/config.json"
+        );
+        let mut json: Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let removed = match json.get_mut("text_config") {
+            Some(text) => text.as_object_mut().unwrap().remove("intermediate_size"),
+            None => json.as_object_mut().unwrap().remove("intermediate_size"),
+        };
+        assert!(removed.is_some());
+        let c = ModelConfig::from_hf_json(&json.to_string()).unwrap();
+        assert!((0..c.num_hidden_layers).all(|l| c.is_moe_layer(l)));
+        // A dense model without it is refused, naming the field.
+        let dense = V5.replace(r#""intermediate_size":128,"#, "");
+        let err = ModelConfig::from_hf_json(&dense).unwrap_err().to_string();
+        assert!(err.contains("intermediate_size"), "{err}");
     }
 }

@@ -335,6 +335,14 @@ impl ModelConfig {
                 return Err(BridgeError::config(field, "must be positive"));
             }
         }
+        if self.intermediate_size == 0
+            && (0..self.num_hidden_layers).any(|layer| !self.is_moe_layer(layer))
+        {
+            return Err(BridgeError::config(
+                "intermediate_size",
+                "must be positive: the model has dense MLP layers",
+            ));
+        }
         if !self
             .num_attention_heads
             .is_multiple_of(self.num_key_value_heads)
