@@ -97,6 +97,8 @@ mod error;
 mod flex;
 pub mod fused;
 mod gated_delta;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod gated_delta_tensor;
 mod grouped;
 pub mod kernels;
 mod kl;
@@ -138,8 +140,8 @@ pub use attention::{
 };
 pub use bucket::{ExpertBucketOps, ExpertBuckets, HostBuckets, bucket_by_expert};
 pub use gated_delta::{
-    DELTA_CHUNK, GatedDeltaOps, gated_delta_rule, gated_delta_rule_recurrent,
-    gated_delta_rule_reference, unit_lower_inverse,
+    ChunkedDeltaOps, DELTA_CHUNK, GatedDeltaOps, gated_delta_rule, gated_delta_rule_chunked,
+    gated_delta_rule_recurrent, gated_delta_rule_reference, unit_lower_inverse,
 };
 pub use grouped::{
     ExpertLayout, GroupedMatmulOps, GroupedOffsetsOps, GroupedPackedOps, PackedExperts,
