@@ -8,7 +8,12 @@
 //! output is `o_t = q_tᵀS`. Every column of `S` evolves on its own (the update of column `j`
 //! reads only column `j`), which the native loop and the kernel parallelise over.
 
-use burn::backend::autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
+use burn::backend::autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
 use burn::backend::{
     AutodiffBackend, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor,
 };
@@ -20,7 +25,7 @@ use crate::{OpsError, Result};
 
 /// The longest chunk of the chunked form (transformers' `chunk_size`); shorter sequences use
 /// the next power of two at or above their length.
-pub const DELTA_CHUNK: usize = 64;
+pub const DELTA_CHUNK: usize = flex::chunked::DELTA_CHUNK;
 
 fn mismatch(what: &'static str, expected: Vec<usize>, got: [usize; 4]) -> OpsError {
     OpsError::ShapeMismatch {
@@ -38,13 +43,13 @@ fn check(
     beta: [usize; 3],
     initial: Option<[usize; 4]>,
 ) -> Result<()> {
-    let [b, h, t, dk] = q;
-    let dv = v[3];
+    let [b, hk, t, dk] = q;
+    let [_, h, _, dv] = v;
     if k != q {
         return Err(mismatch("delta rule keys", q.to_vec(), k));
     }
-    if v[..3] != q[..3] {
-        return Err(mismatch("delta rule values", vec![b, h, t, dv], v));
+    if v[0] != b || v[2] != t || hk == 0 || h % hk != 0 {
+        return Err(mismatch("delta rule values", vec![b, hk, t, dv], v));
     }
     for (what, x) in [("delta rule decay", decay), ("delta rule beta", beta)] {
         if x != [b, h, t] {
@@ -63,21 +68,34 @@ fn check(
     Ok(())
 }
 
-/// The gated delta rule over whole sequences: `q`, `k` `[batch, heads, tokens, key_dim]`,
-/// `v` `[batch, heads, tokens, value_dim]`, `decay` (log space, `g ≤ 0`) and `beta`
-/// `[batch, heads, tokens]`, from `initial` (`[batch, heads, key_dim, value_dim]`, zeros
-/// when `None`). Returns the outputs `[batch, heads, tokens, value_dim]` and the state after
-/// the last token. Errors on inconsistent shapes.
+/// Queries or keys `[b, key_heads, t, d]` repeated to `heads` (each key head serving
+/// `heads / key_heads` consecutive heads), as the model's `repeat_interleave`.
+fn spread(x: Tensor<4>, heads: usize) -> Tensor<4> {
+    let [b, hk, t, d] = x.dims();
+    if hk == heads {
+        return x;
+    }
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, hk, heads / hk, t, d])
+        .reshape([b, heads, t, d])
+}
+
+/// The gated delta rule over whole sequences, token by token (the recurrent form: decode
+/// steps): `q`, `k` `[batch, key_heads, tokens, key_dim]`, `v` `[batch, heads, tokens,
+/// value_dim]`, `decay` (log space, `g ≤ 0`) and `beta` `[batch, heads, tokens]`, from
+/// `initial` (`[batch, heads, key_dim, value_dim]`, zeros when `None`); `heads` a multiple
+/// of `key_heads`, each key head serving `heads / key_heads` consecutive heads (Qwen3.5's
+/// `linear_num_key_heads` / `linear_num_value_heads`). Returns the outputs `[batch, heads,
+/// tokens, value_dim]` and the state after the last token. Errors on inconsistent shapes.
 ///
-/// When no input takes part in an autodiff graph (prefill, scoring, decode) and the inputs
-/// are `f32` on flex or a CubeCL device, it runs forward-only as one backend op
-/// ([`GatedDeltaOps`]): on flex a native loop, one rayon task per (batch, head, block of
-/// value columns), each column of the state kept in a local buffer and updated token by
-/// token (the recurrent form, 4·key_dim multiply-adds per column and token); on CubeCL
-/// devices one kernel (`src/kernels/delta.rs`: one unit per state column, its `key_dim`
-/// entries in registers, the token's query and key shared by the cube). Under autodiff with
-/// a tracked input (training) it is [`gated_delta_rule_reference`], the chunked form in
-/// differentiable tensor ops: the op has no custom backward.
+/// When no input takes part in an autodiff graph (decode) and the inputs are `f32` on flex
+/// or a CubeCL device, it runs forward-only as one backend op ([`GatedDeltaOps`]): on flex a
+/// native loop, one rayon task per (batch, head, block of value columns), each column of the
+/// state kept in a local buffer and updated token by token (the recurrent form,
+/// 4·key_dim multiply-adds per column and token); on CubeCL devices one kernel
+/// (`src/kernels/delta.rs`: one unit per state column, its `key_dim` entries in registers,
+/// the token's query and key shared by the cube). Under autodiff with a tracked input
+/// (training) it is [`gated_delta_rule_chunked`], the chunked form with its backward.
 pub fn gated_delta_rule(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -98,9 +116,14 @@ pub fn gated_delta_rule(
         || decay.is_tracked()
         || beta.is_tracked()
         || initial.as_ref().is_some_and(Tensor::is_tracked);
+    if tracked {
+        return gated_delta_rule_chunked(q, k, v, decay, beta, initial);
+    }
     let mut dtypes = vec![q.dtype(), k.dtype(), v.dtype(), decay.dtype(), beta.dtype()];
     dtypes.extend(initial.as_ref().map(Tensor::dtype));
-    if tracked || !takes_fused(&dtypes, &q.device()) {
+    let heads = v.dims()[1];
+    let (q, k) = (spread(q, heads), spread(k, heads));
+    if !takes_fused(&dtypes, &q.device()) {
         return Ok(gated_delta_rule_reference(q, k, v, decay, beta, initial));
     }
     let [b, h, _, dk] = q.dims();
@@ -114,6 +137,286 @@ pub fn gated_delta_rule(
         initial.into_dispatch(),
     );
     Ok((Tensor::from_dispatch(out), Tensor::from_dispatch(state)))
+}
+
+/// The gated delta rule in the chunked form (training, scoring, prefill), forward and
+/// backward: same arguments, shapes and results as [`gated_delta_rule`] (key heads may serve
+/// groups of heads). The sequence is cut into chunks of [`DELTA_CHUNK`] tokens (the last one
+/// ragged); within a chunk the delta-rule updates are one unit-lower-triangular system,
+/// solved once, and the chunks are scanned in order (transformers'
+/// `torch_chunk_gated_delta_rule`, see `src/flex/chunked.rs` for the products).
+///
+/// On flex (`f32`) it is one backend op ([`ChunkedDeltaOps`]): a native loop per
+/// (batch, head) in parallel, every product a `gemm` call; under autodiff a custom
+/// backward (keeping only the state entering each chunk, the chunk-local products
+/// recomputed) gives the gradients of `q`, `k`, `v`, `decay`, `beta` and `initial`. The
+/// outputs do not depend on whether a gradient is tracked, nor on the other rows of the
+/// batch, so training, scoring, prefill and a recomputed layer compute the same bits.
+/// Elsewhere (other devices or dtypes) it is [`gated_delta_rule_reference`] (the same
+/// computation in differentiable tensor ops, chunks padded to a power of two). Errors on
+/// inconsistent shapes.
+pub fn gated_delta_rule_chunked(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    decay: Tensor<3>,
+    beta: Tensor<3>,
+    initial: Option<Tensor<4>>,
+) -> Result<(Tensor<4>, Tensor<4>)> {
+    check(
+        q.dims(),
+        k.dims(),
+        v.dims(),
+        decay.dims(),
+        beta.dims(),
+        initial.as_ref().map(Tensor::dims),
+    )?;
+    let mut dtypes = vec![q.dtype(), k.dtype(), v.dtype(), decay.dtype(), beta.dtype()];
+    dtypes.extend(initial.as_ref().map(Tensor::dtype));
+    let device = q.device();
+    if !takes_fused(&dtypes, &device) {
+        return Ok(gated_delta_rule_reference(q, k, v, decay, beta, initial));
+    }
+    let [b, _, t, dk] = q.dims();
+    let [_, h, _, dv] = v.dims();
+    let initial = initial.unwrap_or_else(|| Tensor::zeros([b, h, dk, dv], &device));
+    if t == 0 {
+        return Ok((Tensor::zeros([b, h, 0, dv], &device), initial));
+    }
+    let both: Tensor<4> =
+        Tensor::from_dispatch(<Dispatch as ChunkedDeltaOps>::gated_delta_chunked(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            decay.into_dispatch(),
+            beta.into_dispatch(),
+            initial.into_dispatch(),
+        ));
+    Ok((both.clone().narrow(2, 0, t), both.narrow(2, t, dk)))
+}
+
+/// Backend op of [`gated_delta_rule_chunked`] (flex, with the custom backward on
+/// `Autodiff`). The outputs and the final state travel as one tensor `[b, h, t + dk, dv]`
+/// (per head its `t` output rows, then the state's `dk` rows), so one autodiff node carries
+/// the gradients of both.
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Autodiff
+)]
+pub trait ChunkedDeltaOps: Backend {
+    /// The outputs and final state `[b, h, t + dk, dv]` from `q`, `k` `[b, hk, t, dk]`, `v`
+    /// `[b, h, t, dv]`, `decay`, `beta` `[b, h, t]` and `initial` `[b, h, dk, dv]`.
+    fn gated_delta_chunked(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        initial: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// [`Self::gated_delta_chunked`] and the state entering every chunk
+    /// `[b, h, chunks, dk, dv]` (what the backward reads).
+    fn gated_delta_chunked_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        initial: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `(dq, dk, dv, d_decay, d_beta, d_initial)` for the gradient `grad` (`[b, h, t + dk,
+    /// dv]`) of the op's result, from the chunk states `states` of its forward.
+    #[allow(clippy::type_complexity)]
+    fn gated_delta_chunked_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        states: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+}
+
+impl ChunkedDeltaOps for Flex {
+    fn gated_delta_chunked(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        initial: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let (q, k, v) = (as_f32(q), as_f32(k), as_f32(v));
+        let (decay, beta, initial) = (as_f32(decay), as_f32(beta), as_f32(initial));
+        flex::chunked::forward(&q, &k, &v, &decay, &beta, &initial, false).0
+    }
+
+    fn gated_delta_chunked_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        initial: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (q, k, v) = (as_f32(q), as_f32(k), as_f32(v));
+        let (decay, beta, initial) = (as_f32(decay), as_f32(beta), as_f32(initial));
+        flex::chunked::forward(&q, &k, &v, &decay, &beta, &initial, true)
+    }
+
+    fn gated_delta_chunked_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        states: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (q, k, v) = (as_f32(q), as_f32(k), as_f32(v));
+        let (decay, beta, grad) = (as_f32(decay), as_f32(beta), as_f32(grad));
+        flex::chunked::backward(&q, &k, &v, &decay, &beta, &states, &grad)
+    }
+}
+
+/// The backward of one chunked call (parents q, k, v, decay, β and the initial state).
+#[derive(Debug)]
+struct ChunkedBackward;
+
+impl<B: ChunkedDeltaOps> Backward<B, 6> for ChunkedBackward {
+    type State = [FloatTensor<B>; 6];
+
+    fn backward(self, ops: Ops<Self::State, 6>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [q, k, v, decay, beta, states] = ops.state;
+        let (dq, dk, dv, dd, db, di) =
+            B::gated_delta_chunked_backward(q, k, v, decay, beta, states, grad);
+        for (node, g) in ops.parents.into_iter().zip([dq, dk, dv, dd, db, di]) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+impl<B: Backend + ChunkedDeltaOps, C: CheckpointStrategy> ChunkedDeltaOps for Autodiff<B, C> {
+    fn gated_delta_chunked(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        initial: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let guards = [
+            q.node(),
+            k.node(),
+            v.node(),
+            decay.node(),
+            beta.node(),
+            initial.node(),
+        ];
+        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+        let (decay, beta) = (decay.into_primitive(), beta.into_primitive());
+        let initial = initial.into_primitive();
+        match ChunkedBackward
+            .prepare::<C>(guards)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (both, states) = B::gated_delta_chunked_forward(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    decay.clone(),
+                    beta.clone(),
+                    initial,
+                );
+                prep.finish([q, k, v, decay, beta, states], both)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::gated_delta_chunked(q, k, v, decay, beta, initial))
+            }
+        }
+    }
+
+    fn gated_delta_chunked_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        initial: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // Constants: only called inside the op's own passes.
+        let (both, states) = B::gated_delta_chunked_forward(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            decay.into_primitive(),
+            beta.into_primitive(),
+            initial.into_primitive(),
+        );
+        (
+            <Self as AutodiffBackend>::from_inner(both),
+            <Self as AutodiffBackend>::from_inner(states),
+        )
+    }
+
+    fn gated_delta_chunked_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        decay: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        states: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (dq, dk, dv, dd, db, di) = B::gated_delta_chunked_backward(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            decay.into_primitive(),
+            beta.into_primitive(),
+            states.into_primitive(),
+            grad.into_primitive(),
+        );
+        let inner = <Self as AutodiffBackend>::from_inner;
+        (
+            inner(dq),
+            inner(dk),
+            inner(dv),
+            inner(dd),
+            inner(db),
+            inner(di),
+        )
+    }
 }
 
 /// Backend op of [`gated_delta_rule`] (forward only).
@@ -237,6 +540,8 @@ pub fn gated_delta_rule_reference(
     beta: Tensor<3>,
     initial: Option<Tensor<4>>,
 ) -> (Tensor<4>, Tensor<4>) {
+    let heads = v.dims()[1];
+    let (q, k) = (spread(q, heads), spread(k, heads));
     let [b, h, t, dk] = q.dims();
     let dv = v.dims()[3];
     let device = q.device();
@@ -309,6 +614,8 @@ pub fn gated_delta_rule_recurrent(
     beta: Tensor<3>,
     initial: Option<Tensor<4>>,
 ) -> (Tensor<4>, Tensor<4>) {
+    let heads = v.dims()[1];
+    let (q, k) = (spread(q, heads), spread(k, heads));
     let [b, h, t, dk] = q.dims();
     let dv = v.dims()[3];
     let mut state = initial.unwrap_or_else(|| Tensor::zeros([b, h, dk, dv], &q.device()));

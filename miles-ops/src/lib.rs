@@ -28,10 +28,12 @@
 //! [`swiglu()`], the grouped expert matmul ([`grouped_matmul`], over device offsets
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
-//! device ([`bucket_by_expert`]) and the decode-step projections split over the cores
-//! ([`linear()`], [`linear_t`]); forward only, the gated delta rule of Qwen3.5's linear
-//! attention ([`gated_delta_rule`]: a native loop or a CubeCL kernel without a gradient, the
-//! chunked tensor-op form [`gated_delta_rule_reference`] under autodiff). [`runs_fused`] says whether a device takes the fused path;
+//! device ([`bucket_by_expert`]), the decode-step projections split over the cores
+//! ([`linear()`], [`linear_t`]) and the gated delta rule of Qwen3.5's linear attention in
+//! the chunked form ([`gated_delta_rule_chunked`]: native loops on flex, batched CubeCL
+//! tensor ops on CubeCL devices, the explicit backward on both); forward only, its recurrent
+//! form for decode steps ([`gated_delta_rule`]: a native loop or a CubeCL kernel).
+//! [`runs_fused`] says whether a device takes the fused path;
 //! [`fused_ops_enabled`] / [`set_fused_ops`] (also `MILES_FUSED_OPS=off`) is one
 //! process-wide switch that sends every fused op to its plain-op twin, to measure the two
 //! paths in one run.
@@ -97,6 +99,8 @@ mod error;
 mod flex;
 pub mod fused;
 mod gated_delta;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod gated_delta_tensor;
 mod grouped;
 pub mod kernels;
 mod kl;
@@ -138,8 +142,8 @@ pub use attention::{
 };
 pub use bucket::{ExpertBucketOps, ExpertBuckets, HostBuckets, bucket_by_expert};
 pub use gated_delta::{
-    DELTA_CHUNK, GatedDeltaOps, gated_delta_rule, gated_delta_rule_recurrent,
-    gated_delta_rule_reference, unit_lower_inverse,
+    ChunkedDeltaOps, DELTA_CHUNK, GatedDeltaOps, gated_delta_rule, gated_delta_rule_chunked,
+    gated_delta_rule_recurrent, gated_delta_rule_reference, unit_lower_inverse,
 };
 pub use grouped::{
     ExpertLayout, GroupedMatmulOps, GroupedOffsetsOps, GroupedPackedOps, PackedExperts,

@@ -11,15 +11,16 @@
 //! `S ← e^g S;  S ← S + k (β (v − kᵀS))ᵀ`, the output is `qᵀS`; it goes through an RMSNorm
 //! (plain weight, `rms_norm_eps`) gated by `silu(in_proj_z x)` and `out_proj`.
 //!
-//! The rule itself is miles-ops': training, scoring and prefill (more than one token) run the
-//! **chunked** form in differentiable tensor ops ([`miles_ops::gated_delta_rule_reference`]:
-//! the sequence cut into chunks of at most 64 tokens; within a chunk the delta-rule updates
-//! become one unit-lower-triangular system, inverted by blocks with batched matmuls; the
-//! chunks scanned in order), so that scoring and recomputed layers equal the training forward
-//! bit for bit; a decode step (one token) runs the fused forward op
-//! ([`miles_ops::gated_delta_rule`]: a native loop on flex, a CubeCL kernel on CubeCL
-//! devices; without a gradient). It runs in f32 whatever the model's precision, as
-//! transformers does.
+//! The rule itself is miles-ops': training, scoring, prefill and recomputed layers (more than
+//! one token) run the **chunked** op ([`miles_ops::gated_delta_rule_chunked`]: the sequence
+//! cut into chunks of 64 tokens; within a chunk the delta-rule updates become one
+//! unit-lower-triangular system; the chunks scanned in order; on flex native loops with a
+//! custom backward, elsewhere the differentiable tensor-op form), one function so that
+//! scoring and recomputed layers equal the training forward bit for bit; a decode step (one
+//! token) runs the recurrent forward op ([`miles_ops::gated_delta_rule`]: a native loop on
+//! flex, a CubeCL kernel on CubeCL devices; without a gradient). Both take the key heads as
+//! they are (each serving a group of value heads). It runs in f32 whatever the model's
+//! precision, as transformers does.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, silu, softplus};
@@ -199,22 +200,15 @@ impl GatedDeltaNet {
         let q = heads(mixed.clone().narrow(2, 0, key_dim), nk, dk);
         let k = heads(mixed.clone().narrow(2, key_dim, key_dim), nk, dk);
         let v = heads(mixed.narrow(2, 2 * key_dim, nv * dv), nv, dv);
-        // Each key head serves `nv / nk` consecutive value heads.
-        let spread = |t: Tensor<4>| -> Tensor<4> {
-            if nv == nk {
-                return t;
-            }
-            t.reshape([batch, seq, nk, 1, dk])
-                .expand([batch, seq, nk, nv / nk, dk])
-                .reshape([batch, seq, nv, dk])
-        };
         let l2 = |t: Tensor<4>| -> Tensor<4> {
             let inv = (t.clone().square().sum_dim(3) + 1e-6).sqrt().recip();
             t * inv
         };
         let scale = (dk as f64).powf(-0.5);
-        let q = (l2(spread(q)) * scale).swap_dims(1, 2);
-        let k = l2(spread(k)).swap_dims(1, 2);
+        // Each key head serves `nv / nk` consecutive value heads: the ops take the key heads
+        // as they are.
+        let q = (l2(q) * scale).swap_dims(1, 2);
+        let k = l2(k).swap_dims(1, 2);
         let v = v.swap_dims(1, 2);
         let per_head =
             |t: Tensor<2>| -> Tensor<3> { t.cast(f32).reshape([batch, seq, nv]).swap_dims(1, 2) };
@@ -225,14 +219,24 @@ impl GatedDeltaNet {
         };
         let initial = previous.as_ref().map(|s| s.recurrent.clone());
         let (out, last) = profile::time(OpClass::DeltaRule, || {
+            // Shapes are ours: the fallback on an error only re-raises burn's own panic.
             if seq > 1 {
-                // Training, scoring and prefill: the chunked form, so that the trainer's
-                // scoring function (the rollout's log-probs) and a recomputed layer compute
-                // bit for bit what the training forward computes.
-                return miles_ops::gated_delta_rule_reference(q, k, v, decay, beta, initial);
+                // Training, scoring, prefill and recomputed layers: the one chunked op, so
+                // that the trainer's scoring function (the rollout's log-probs) and a
+                // recomputed layer compute bit for bit what the training forward computes.
+                return miles_ops::gated_delta_rule_chunked(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    decay.clone(),
+                    beta.clone(),
+                    initial.clone(),
+                )
+                .unwrap_or_else(|_| {
+                    miles_ops::gated_delta_rule_reference(q, k, v, decay, beta, initial)
+                });
             }
-            // A decode step: the fused forward op. Shapes are ours: the fallback on an
-            // error only re-raises burn's own panic.
+            // A decode step: the recurrent forward op.
             miles_ops::gated_delta_rule(
                 q.clone(),
                 k.clone(),

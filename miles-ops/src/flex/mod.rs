@@ -5,6 +5,8 @@
 //! - `attention`: masked softmax attention forward and backward, and the decode step over a
 //!   paged KV pool (with attention sinks and the sliding window's skipped keys);
 //! - `delta`: the gated delta rule's forward (the recurrent form, tasks per value columns);
+//! - `chunked`: the chunked gated delta rule, forward and backward (tasks per head, chunks
+//!   of `gemm` products);
 //! - `steps`: the fused log-prob op's per-chunk forward and backward steps;
 //! - `exp`: the vectorisable polynomial `exp` the row loops share;
 //! - `gemm`: one strided, bounds-checked `gemm` call on the calling thread;
@@ -12,6 +14,7 @@
 //!   the fused ops take.
 
 pub(crate) mod attention;
+pub(crate) mod chunked;
 pub(crate) mod delta;
 pub(crate) mod exp;
 pub(crate) mod gemm;

@@ -2,12 +2,16 @@
 //! chunked tensor-op form ([`gated_delta_rule_reference`]) and the recurrent tensor-op form,
 //! outputs and final states, over several chunks with and without an initial state; the
 //! chunked form against the recurrent one; under autodiff (a tracked input) the op's
-//! gradients against the recurrent form's; the CubeCL kernel against the flex op.
+//! gradients against the recurrent form's; the CubeCL kernel against the flex op. The chunked
+//! op ([`gated_delta_rule_chunked`]: native forward and backward on flex) against the
+//! chunked tensor-op form (values and autodiff gradients, grouped key heads, ragged last
+//! chunks) and against transformers' `torch_chunk_gated_delta_rule`
+//! (`fixtures/ops/gated_delta_rule.json`), and its bitwise stability across paths.
 
 use burn::tensor::{Device, Tensor};
 use miles_ops::{
-    OpsError, gated_delta_rule, gated_delta_rule_recurrent, gated_delta_rule_reference,
-    unit_lower_inverse,
+    OpsError, gated_delta_rule, gated_delta_rule_chunked, gated_delta_rule_recurrent,
+    gated_delta_rule_reference, unit_lower_inverse,
 };
 
 use crate::common::{assert_rel_close, lcg, to_vec};
@@ -210,5 +214,306 @@ fn delta_kernel_matches_flex() {
         let (kernel, flex) = (run_op(&c, &dev), run_op(&c, &Device::flex()));
         assert_rel_close(&format!("{what}: out"), &kernel[0], &flex[0], 2e-5);
         assert_rel_close(&format!("{what}: state"), &kernel[1], &flex[1], 2e-5);
+    }
+}
+
+/// Inputs of a chunked case with `key_heads` key heads (dividing `c.heads`), as [`inputs`].
+#[allow(clippy::type_complexity)]
+fn grouped_inputs(
+    c: &DeltaCase,
+    key_heads: usize,
+    device: &Device,
+) -> (
+    Tensor<4>,
+    Tensor<4>,
+    Tensor<4>,
+    Tensor<3>,
+    Tensor<3>,
+    Option<Tensor<4>>,
+) {
+    let (q, k, v, decay, beta, initial) = inputs(c, device);
+    // The first `key_heads` heads of q and k serve every head.
+    let q = q.narrow(1, 0, key_heads);
+    let k = k.narrow(1, 0, key_heads);
+    (q, k, v, decay, beta, initial)
+}
+
+/// The chunked cases: several chunks with a ragged last one, a single partial chunk, one
+/// token, grouped key heads (Qwen3.5: 2 key heads for 4 value heads).
+fn chunked_cases() -> Vec<(&'static str, DeltaCase, usize)> {
+    let case = |batch, heads, tokens, key_dim, value_dim, initial| DeltaCase {
+        batch,
+        heads,
+        tokens,
+        key_dim,
+        value_dim,
+        initial,
+    };
+    vec![
+        (
+            "3 chunks (last 22), from a state",
+            case(2, 3, 150, 16, 12, true),
+            3,
+        ),
+        (
+            "grouped heads 2 → 4, 2 chunks + 1",
+            case(1, 4, 129, 8, 6, true),
+            2,
+        ),
+        (
+            "one partial chunk, from zeros",
+            case(2, 2, 37, 8, 8, false),
+            2,
+        ),
+        ("one token", case(1, 2, 1, 4, 4, true), 1),
+    ]
+}
+
+type Grads = Vec<Vec<f32>>;
+
+/// (outputs, final state, gradients of q, k, v, decay, β, initial) of the chunked op (or the
+/// reference) under autodiff for the loss `Σ out·w + Σ state·w'`.
+fn chunked_run(c: &DeltaCase, key_heads: usize, reference: bool) -> (Vec<f32>, Vec<f32>, Grads) {
+    let device = Device::flex().autodiff();
+    let (q, k, v, decay, beta, initial) = grouped_inputs(c, key_heads, &device);
+    let initial = initial.map(Tensor::require_grad);
+    let leaves = [q.require_grad(), k.require_grad(), v.require_grad()];
+    let (decay, beta) = (decay.require_grad(), beta.require_grad());
+    let [q, k, v] = leaves.clone();
+    let (out, state) = if reference {
+        gated_delta_rule_reference(q, k, v, decay.clone(), beta.clone(), initial.clone())
+    } else {
+        gated_delta_rule_chunked(q, k, v, decay.clone(), beta.clone(), initial.clone()).unwrap()
+    };
+    let dims = out.dims();
+    let n: usize = dims.iter().product();
+    let w = Tensor::<1>::from_floats(lcg(n, 7, 1.0).as_slice(), &device).reshape(dims);
+    let sd = state.dims();
+    let ws =
+        Tensor::<1>::from_floats(lcg(sd.iter().product(), 8, 0.5).as_slice(), &device).reshape(sd);
+    let loss = (out.clone() * w).sum() + (state.clone() * ws).sum();
+    let grads = loss.backward();
+    let mut g: Grads = leaves
+        .iter()
+        .map(|x| to_vec(x.grad(&grads).unwrap()))
+        .collect();
+    g.push(to_vec(decay.grad(&grads).unwrap()));
+    g.push(to_vec(beta.grad(&grads).unwrap()));
+    if let Some(i) = &initial {
+        g.push(to_vec(i.grad(&grads).unwrap()));
+    }
+    (to_vec(out), to_vec(state), g)
+}
+
+/// The chunked op (native flex loops, custom backward) against the chunked tensor-op form
+/// under autodiff: values within 1e-5, every gradient within 1e-4 of the largest.
+#[test]
+fn chunked_op_matches_the_reference_values_and_gradients() {
+    for (what, c, hk) in chunked_cases() {
+        let (out, state, grads) = chunked_run(&c, hk, false);
+        let (want_out, want_state, want_grads) = chunked_run(&c, hk, true);
+        assert_rel_close(&format!("{what}: out"), &out, &want_out, 1e-5);
+        assert_rel_close(&format!("{what}: state"), &state, &want_state, 1e-5);
+        let names = ["dq", "dk", "dv", "ddecay", "dbeta", "dinitial"];
+        assert_eq!(grads.len(), want_grads.len());
+        for ((name, g), w) in names.iter().zip(&grads).zip(&want_grads) {
+            assert_rel_close(&format!("{what}: {name}"), g, w, 1e-4);
+        }
+    }
+}
+
+/// The op's outputs are the same bits with and without a tracked input, and a row's are the
+/// same bits alone and batched with others: what keeps training, scoring, prefill and a
+/// recomputed layer equal.
+#[test]
+fn chunked_op_is_bitwise_stable_across_paths_and_batches() {
+    let c = DeltaCase {
+        batch: 2,
+        heads: 4,
+        tokens: 100,
+        key_dim: 8,
+        value_dim: 8,
+        initial: true,
+    };
+    let plain = Device::flex();
+    let ad = Device::flex().autodiff();
+    let run = |device: &Device, tracked: bool, rows: usize| {
+        let (q, k, v, decay, beta, initial) = grouped_inputs(&c, 2, device);
+        let row = |x: Tensor<4>| x.narrow(0, 0, rows);
+        let (q, k, v) = (row(q), row(k), row(v));
+        let (decay, beta) = (decay.narrow(0, 0, rows), beta.narrow(0, 0, rows));
+        let initial = initial.map(row);
+        let q = if tracked { q.require_grad() } else { q };
+        let (out, state) = gated_delta_rule_chunked(q, k, v, decay, beta, initial).unwrap();
+        (to_vec(out.narrow(0, 0, 1)), to_vec(state.narrow(0, 0, 1)))
+    };
+    let base = run(&plain, false, 2);
+    assert_eq!(base, run(&ad, true, 2), "tracked vs plain");
+    assert_eq!(base, run(&ad, false, 2), "autodiff device, untracked");
+    assert_eq!(base, run(&plain, false, 1), "row alone vs batched");
+}
+
+/// One flat `f32` array of the fixture.
+fn fixture_values(doc: &serde_json::Value, path: &[&str]) -> Vec<f32> {
+    let mut x = doc;
+    for p in path {
+        x = &x[*p];
+    }
+    x.as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// The chunked op (and the reference) against transformers 5.24's
+/// `torch_chunk_gated_delta_rule` (`fixtures/ops/gated_delta_rule.json`: 130 tokens, 2 key
+/// heads for 4 value heads, from a state): outputs, final state and torch autograd's
+/// gradients of every input.
+#[test]
+fn chunked_op_matches_transformers() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../fixtures/ops/gated_delta_rule.json"
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let size = |n: &str| doc["sizes"][n].as_u64().unwrap() as usize;
+    let (t, hk, h, dk, dv) = (
+        size("tokens"),
+        size("key_heads"),
+        size("heads"),
+        size("key_dim"),
+        size("value_dim"),
+    );
+    let device = Device::flex().autodiff();
+    let load = |name: &str, shape: [usize; 4]| {
+        Tensor::<1>::from_floats(fixture_values(&doc, &["inputs", name]).as_slice(), &device)
+            .reshape(shape)
+    };
+    let per_head = |x: Tensor<4>| x.swap_dims(1, 2);
+    let per_token = |x: Tensor<4>| x.reshape([1, t, h]).swap_dims(1, 2);
+    let w_out = Tensor::<1>::from_floats(fixture_values(&doc, &["w_out"]).as_slice(), &device)
+        .reshape([1, t, h, dv]);
+    let w_state = Tensor::<1>::from_floats(fixture_values(&doc, &["w_state"]).as_slice(), &device)
+        .reshape([1, h, dk, dv]);
+    for reference in [false, true] {
+        // transformers' layouts: [batch, tokens, heads, dim] and [batch, tokens, heads].
+        let q = load("q", [1, t, hk, dk]).require_grad();
+        let k = load("k", [1, t, hk, dk]).require_grad();
+        let v = load("v", [1, t, h, dv]).require_grad();
+        let g = load("g", [1, t, h, 1]).require_grad();
+        let beta = load("beta", [1, t, h, 1]).require_grad();
+        let initial = load("initial", [1, h, dk, dv]).require_grad();
+        let args = (
+            per_head(q.clone()) * (dk as f64).powf(-0.5),
+            per_head(k.clone()),
+            per_head(v.clone()),
+            per_token(g.clone()),
+            per_token(beta.clone()),
+            Some(initial.clone()),
+        );
+        let (out, state) = if reference {
+            let (q, k, v, d, b, i) = args;
+            gated_delta_rule_reference(q, k, v, d, b, i)
+        } else {
+            let (q, k, v, d, b, i) = args;
+            gated_delta_rule_chunked(q, k, v, d, b, i).unwrap()
+        };
+        let out = out.swap_dims(1, 2);
+        let what = if reference { "reference" } else { "op" };
+        let want = |name: &str| fixture_values(&doc, &[name]);
+        assert_rel_close(
+            &format!("{what}: out"),
+            &to_vec(out.clone()),
+            &want("out"),
+            1e-5,
+        );
+        assert_rel_close(
+            &format!("{what}: state"),
+            &to_vec(state.clone()),
+            &want("state"),
+            1e-5,
+        );
+        let loss = (out * w_out.clone()).sum() + (state * w_state.clone()).sum();
+        let grads = loss.backward();
+        let got = [
+            ("q", q.grad(&grads).unwrap()),
+            ("k", k.grad(&grads).unwrap()),
+            ("v", v.grad(&grads).unwrap()),
+            ("g", g.grad(&grads).unwrap()),
+            ("beta", beta.grad(&grads).unwrap()),
+            ("initial", initial.grad(&grads).unwrap()),
+        ];
+        for (name, grad) in got {
+            let want = fixture_values(&doc, &["grads", name]);
+            assert_rel_close(&format!("{what}: d{name}"), &to_vec(grad), &want, 1e-4);
+        }
+    }
+}
+
+/// (outputs, final state, gradients) of the chunked op under autodiff on `device`, for the
+/// loss of [`chunked_run`].
+fn chunked_on(c: &DeltaCase, key_heads: usize, device: &Device) -> Vec<Vec<f32>> {
+    let device = device.clone().autodiff();
+    let (q, k, v, decay, beta, initial) = grouped_inputs(c, key_heads, &device);
+    let initial = initial.map(Tensor::require_grad);
+    let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+    let (decay, beta) = (decay.require_grad(), beta.require_grad());
+    let (out, state) = gated_delta_rule_chunked(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        decay.clone(),
+        beta.clone(),
+        initial.clone(),
+    )
+    .unwrap();
+    let dims = out.dims();
+    let w = Tensor::<1>::from_floats(lcg(dims.iter().product(), 7, 1.0).as_slice(), &device)
+        .reshape(dims);
+    let sd = state.dims();
+    let ws =
+        Tensor::<1>::from_floats(lcg(sd.iter().product(), 8, 0.5).as_slice(), &device).reshape(sd);
+    let loss = (out.clone() * w).sum() + (state.clone() * ws).sum();
+    let grads = loss.backward();
+    let mut all = vec![to_vec(out), to_vec(state)];
+    for x in [q, k, v] {
+        all.push(to_vec(x.grad(&grads).unwrap()));
+    }
+    all.push(to_vec(decay.grad(&grads).unwrap()));
+    all.push(to_vec(beta.grad(&grads).unwrap()));
+    if let Some(i) = initial {
+        all.push(to_vec(i.grad(&grads).unwrap()));
+    }
+    all
+}
+
+/// The chunked op on a CubeCL device (its forward and explicit backward in CubeCL tensor
+/// ops) against the flex op: outputs, final states and every gradient.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[test]
+fn chunked_delta_on_cubecl_matches_flex() {
+    let Some(dev) = miles_ops::kernels::kernel_test_device("chunked_delta_on_cubecl_matches_flex")
+    else {
+        return;
+    };
+    // One small case (every kernel shape compiles on the software adapter): two chunks, the
+    // last of 2 tokens, one key head for two value heads, from a state.
+    let c = DeltaCase {
+        batch: 1,
+        heads: 2,
+        tokens: 66,
+        key_dim: 4,
+        value_dim: 4,
+        initial: true,
+    };
+    let names = [
+        "out", "state", "dq", "dk", "dv", "ddecay", "dbeta", "dinitial",
+    ];
+    let (cube, flex) = (chunked_on(&c, 1, &dev), chunked_on(&c, 1, &Device::flex()));
+    assert_eq!(cube.len(), flex.len());
+    for ((name, a), b) in names.iter().zip(&cube).zip(&flex) {
+        assert_rel_close(name, a, b, 1e-4);
     }
 }
