@@ -3,4 +3,5 @@
 
 mod actor;
 mod lora;
+mod optim;
 mod recompute;
