@@ -6,7 +6,7 @@
 //!
 //! Baseline: HF transformers `generate` (greedy, KV cache, float32, 2 threads) on the **same
 //! random weights** (the bench exports its model to an HF directory first), measured in the
-//! same run just before ours by `benches/hf_generate.py` when a Python with torch is available
+//! same run just before ours by `miles-rollout/benches/hf_generate.py` when a Python with torch is available
 //! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root: a venv with torch
 //! and transformers). Prefill is compared with one HF forward over the
 //! same batch with `logits_to_keep=1`. Without such a Python the 32-sequence rows fall back to
@@ -147,7 +147,9 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 /// Runs `hf_generate.py` on the exported model directory; `None` without a Python with torch.
 fn measure_hf(name: &str, dir: &Path, sizes: Sizes) -> Option<HfFigures> {
     let python = torch_python()?;
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hf_generate.py");
+    // The script stayed with miles-rollout's benches when this bench moved here.
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../miles-rollout/benches/hf_generate.py");
     let seqs = ROWS.map(|r| r.to_string()).join(",");
     let out = Command::new(&python)
         .arg(&script)

@@ -85,7 +85,7 @@ pub fn adamw_update(
     if !(dtypes.iter().all(|d| *d == DType::F32)
         && crate::device::is_flex(&device)
         && crate::fused_ops_enabled()
-        && !p.is_autodiff())
+        && ![&p, &g, &m, &v].iter().any(|t| t.is_autodiff()))
     {
         return Ok(adamw_update_reference(p, g, m, v, hyper));
     }

@@ -329,6 +329,10 @@ impl ModuleMapper for Update<'_> {
             m: Tensor::zeros(g.dims(), &device),
             v: Tensor::zeros(g.dims(), &device),
         });
+        // Optimizer state is plain data: moments restored from a checkpoint on the trainer's
+        // (autodiff) device, and gradients, are taken off the graph.
+        let plain = |t: Tensor<1>| if t.is_autodiff() { t.inner() } else { t };
+        let (g, m, v) = (plain(g), plain(m), plain(v));
         // Shapes agree by construction (the gradient and moments of this parameter); an error
         // here is a broken invariant.
         let (p, m, v) = adamw_update(p, g, m, v, &self.hyper)
