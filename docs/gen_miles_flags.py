@@ -194,7 +194,8 @@ out = ["# Miles' flags in `miles`", "",
        "them in one warning, as they do every flag under Miles' `--sglang-` / `--eval-sglang-`",
        "prefixes (SGLang's server arguments: configure the SGLang servers of `--engine-url`",
        "yourself) but `--sglang-mem-fraction-static`, the share of memory the embedded engine's",
-       "KV pool may take. The FSDP backend's flags (`FSDPArgs`) are listed too.", "",
+       "KV pool may take, and `--sglang-max-total-tokens`, the most tokens it holds. The FSDP",
+       "backend's flags (`FSDPArgs`) are listed too.", "",
        "| Miles flag | status | note |", "|---|---|---|"]
 counts = {}
 for flag, group in rows:

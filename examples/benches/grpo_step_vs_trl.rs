@@ -3,11 +3,12 @@
 //! `generate` rollouts), in the same run, on the same HF checkpoint directory, prompts,
 //! reward, group size, batch sizes, response length, learning rate and steps.
 //!
-//! The shape is RL's: 32 prompts × 8 samples, ≤ 8 new tokens, one optimizer step of 256
-//! samples per rollout in one micro-batch (TRL's `per_device_train_batch_size` 256; miles
-//! `--micro-batch-size 256 --batch-layout shared_prefix`: one row per prompt, its 8 responses
-//! after it; the training forward then gives the old log-probs and the engine does not
-//! re-score), lr 1e-4, no KL, no reference model; the
+//! The shape is RL's: 32 prompts × 8 samples (4 × 8 at the 0.6B shape), ≤ 8 new tokens, one
+//! optimizer step of all the samples per rollout in one micro-batch (TRL's
+//! `per_device_train_batch_size` 256; miles `--micro-batch-size 256 --batch-layout
+//! shared_prefix`: one row per prompt, its 8 responses after it; the training forward then
+//! gives the old log-probs and the engine does not re-score), lr 1e-4, no KL, no reference
+//! model; the
 //! reference task's prompts (`data/train.jsonl` of `glm_moe_grpo`: two-digit additions,
 //! chat template with
 //! `enable_thinking: false`) and an exact-match reward (miles' `--rm-type exact_match`; the
@@ -16,7 +17,15 @@
 //!   0` writes it, with the prompts; its answers are short, so most responses stop early);
 //! * `glm_moe_88m`: the GLM-4-MoE of the `train_step` / `engine_decode` benches (88 M
 //!   parameters, vocabulary 32,000, random weights, the toy tokenizer and chat template): every
-//!   response runs to the 8-token limit.
+//!   response runs to the 8-token limit;
+//! * `qwen3_0_6b`: a Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16 heads, 8 KV heads,
+//!   head dim 128, intermediate 3072, vocabulary 151,936, tied embeddings: 596 M parameters,
+//!   random weights made by the bench, f32) with Qwen3's tokenizer and chat template
+//!   (`fixtures/tokenizers/qwen3`), at **4 prompts × 8 samples** (the batch issue 46 measured
+//!   TRL at: 27 s a step, 11.7 GB), `miles` with `--sglang-max-total-tokens 4096` (the KV pool
+//!   a 32-sequence rollout of short prompts needs, 0.9 GiB at this shape, instead of the
+//!   default's share of the free memory). Only with `MILES_BENCH_ONLY=qwen3_0_6b` (its
+//!   weights take 2.4 GB on disk and a run minutes).
 //!
 //! Each configuration runs as its own process (`/usr/bin/time` gives its peak RSS); a step's
 //! time is the loop's `perf/step_time` (rollout + training + weight update) for miles and
@@ -29,8 +38,8 @@
 //! (`cargo build --release --bin miles --example glm_moe_grpo`; or `MILES_BIN`,
 //! `MILES_GRPO_EXAMPLE`), and a Python with torch, transformers and trl
 //! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root). Without them the
-//! rows are skipped with a note. `MILES_BENCH_ONLY=reference` (or `glm_moe_88m`) runs one
-//! model; `MILES_BENCH_STEPS` (default 3) sets the steps of each run; `MILES_BENCH_QUICK=1`:
+//! rows are skipped with a note. `MILES_BENCH_ONLY=reference` (or `glm_moe_88m`,
+//! `qwen3_0_6b`) runs one model (the first two run without it); `MILES_BENCH_STEPS` (default 3) sets the steps of each run; `MILES_BENCH_QUICK=1`:
 //! 2 steps, one round. Work files go to `target/grpo_step_vs_trl/`.
 
 use std::path::{Path, PathBuf};
@@ -43,7 +52,10 @@ use miles_examples::toy::{ToyModelSpec, write_model_dir};
 
 type BoxError = Box<dyn std::error::Error>;
 
+/// Prompts per step at the reference and 88 M shapes.
 const PROMPTS: usize = 32;
+/// Prompts per step at the 0.6B shape (issue 46's TRL measurement).
+const PROMPTS_0_6B: usize = 4;
 const GROUP: usize = 8;
 const MAX_NEW: usize = 8;
 const LR: &str = "1e-4";
@@ -123,6 +135,75 @@ fn write_88m(dir: &Path) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// The Qwen3-0.6B shape (596 M parameters, random weights, f32) with Qwen3's tokenizer and
+/// chat template from `fixtures/tokenizers/qwen3` (151,669 ids; the vocabulary is padded to
+/// 151,936 as the released checkpoint's is).
+fn write_qwen3_0_6b(dir: &Path) -> Result<(), BoxError> {
+    if dir.join("model.safetensors").exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    let config = serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151_936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40_960,
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": null,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "use_sliding_window": false,
+        "sliding_window": null,
+        "max_window_layers": 28,
+        "tie_word_embeddings": true,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "bos_token_id": 151_643,
+        "eos_token_id": 151_645,
+        "torch_dtype": "float32",
+        "use_cache": true
+    });
+    let model_config = ModelConfig::from_hf_json(&config.to_string())?;
+    let device = Device::flex();
+    device.seed(7);
+    let model = CausalLm::init(&model_config, &device)?;
+    model.save_pretrained(dir, DType::F32, None)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    // Qwen3's generation config: both end-of-turn ids stop.
+    std::fs::write(
+        dir.join("generation_config.json"),
+        serde_json::to_string_pretty(&serde_json::json!({
+            "bos_token_id": 151_643,
+            "eos_token_id": [151_645, 151_643],
+            "pad_token_id": 151_643
+        }))?,
+    )?;
+    let fixture = workspace_root().join("fixtures/tokenizers/qwen3");
+    for file in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(fixture.join(file), dir.join(file))?;
+    }
+    println!(
+        "wrote {}: Qwen3-0.6B shape, {:.1} M parameters",
+        dir.display(),
+        model.num_params() as f64 / 1e6
+    );
+    Ok(())
+}
+
 /// The reference run's warm-start and prompts (`glm_moe_grpo --num-rollout 0`).
 fn write_reference(example: &Path, out: &Path) -> Result<(), BoxError> {
     if out.join("warm_start/model.safetensors").exists() {
@@ -180,6 +261,7 @@ type MilesRun = (f64, f64, Vec<(String, f64)>);
 
 /// One `miles train` / `train-async` run: mean seconds per step (first left out), peak RSS
 /// and the mean of the phases' `perf/…` figures over the same steps.
+#[allow(clippy::too_many_arguments)]
 fn run_miles(
     miles: &Path,
     subcommand: &str,
@@ -187,6 +269,8 @@ fn run_miles(
     data: &Path,
     work: &Path,
     steps: usize,
+    prompts: usize,
+    extra: &[&str],
 ) -> Result<MilesRun, BoxError> {
     let out = work.join(subcommand);
     let _ = std::fs::remove_dir_all(&out);
@@ -202,17 +286,18 @@ fn run_miles(
         .args(["--input-key", "input", "--label-key", "label"])
         .args(["--rm-type", "exact_match"])
         .args(["--num-rollout", &steps.to_string()])
-        .args(["--rollout-batch-size", &PROMPTS.to_string()])
+        .args(["--rollout-batch-size", &prompts.to_string()])
         .args(["--n-samples-per-prompt", &GROUP.to_string()])
-        .args(["--global-batch-size", &(PROMPTS * GROUP).to_string()])
+        .args(["--global-batch-size", &(prompts * GROUP).to_string()])
         .args(["--rollout-max-response-len", &MAX_NEW.to_string()])
-        .args(["--max-running-requests", &(PROMPTS * GROUP).to_string()])
+        .args(["--max-running-requests", &(prompts * GROUP).to_string()])
         // TRL's batch: the whole step in one micro-batch (per_device_train_batch_size), each
         // group's prompt computed once for its 8 responses (shared-prefix rows).
-        .args(["--micro-batch-size", &(PROMPTS * GROUP).to_string()])
+        .args(["--micro-batch-size", &(prompts * GROUP).to_string()])
         .args(["--batch-layout", "shared_prefix"])
         .args(["--lr", LR, "--lr-warmup-iters", "0", "--weight-decay", "0"])
         .args(["--clip-grad", "1.0", "--log-level", "warn"])
+        .args(extra)
         .arg("--output-dir")
         .arg(&out);
     let (_, peak) = run_measured(cmd, &rss)?;
@@ -257,6 +342,7 @@ fn run_trl(
     data: &Path,
     work: &Path,
     steps: usize,
+    prompts: usize,
 ) -> Result<(f64, f64), BoxError> {
     let rss = work.join("trl.rss");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/trl_grpo_step.py");
@@ -266,7 +352,7 @@ fn run_trl(
         .arg(model)
         .arg("--data")
         .arg(data)
-        .args(["--prompts", &PROMPTS.to_string()])
+        .args(["--prompts", &prompts.to_string()])
         .args(["--group", &GROUP.to_string()])
         .args(["--max-new-tokens", &MAX_NEW.to_string()])
         .args(["--lr", LR, "--steps", &steps.to_string(), "--threads", "2"])
@@ -328,9 +414,24 @@ fn main() -> Result<(), BoxError> {
     let big = work.join("glm_moe_88m");
     let data = reference.join("data/train.jsonl");
     write_reference(&example, &reference)?;
-    let models: Vec<(&str, PathBuf)> = vec![
-        ("reference", reference.join("warm_start")),
-        ("glm_moe_88m", big.clone()),
+    let qwen = work.join("qwen3_0_6b");
+    // (name, model directory, prompts per step, extra `miles` flags, run without ONLY).
+    let models: Vec<(&str, PathBuf, usize, Vec<&str>, bool)> = vec![
+        (
+            "reference",
+            reference.join("warm_start"),
+            PROMPTS,
+            Vec::new(),
+            true,
+        ),
+        ("glm_moe_88m", big.clone(), PROMPTS, Vec::new(), true),
+        (
+            "qwen3_0_6b",
+            qwen.clone(),
+            PROMPTS_0_6B,
+            vec!["--sglang-max-total-tokens", "4096"],
+            false,
+        ),
     ];
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -341,19 +442,24 @@ fn main() -> Result<(), BoxError> {
                 .map(|m| m.trim().to_string())
         })
         .unwrap_or_else(|| "unknown CPU".into());
-    for (name, model) in models {
-        if only.as_deref().is_some_and(|o| o != name) {
-            continue;
+    for (name, model, prompts, extra, by_default) in models {
+        match only.as_deref() {
+            Some(o) if o != name => continue,
+            None if !by_default => continue,
+            _ => {}
         }
         if name == "glm_moe_88m" {
             write_88m(&big)?;
+        }
+        if name == "qwen3_0_6b" {
+            write_qwen3_0_6b(&qwen)?;
         }
         let dir = work.join(format!("runs_{name}"));
         std::fs::create_dir_all(&dir)?;
         let (mut trl, mut sync, mut asyn) = (Vec::new(), Vec::new(), Vec::new());
         let (mut trl_rss, mut sync_rss, mut async_rss) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..rounds {
-            let (t, r) = run_trl(&python, &model, &data, &dir, steps)?;
+            let (t, r) = run_trl(&python, &model, &data, &dir, steps, prompts)?;
             println!("{name} round {round}: TRL {t:.3} s/step, {r:.0} MiB");
             trl.push(t);
             trl_rss.push(r);
@@ -361,7 +467,8 @@ fn main() -> Result<(), BoxError> {
                 ("train", &mut sync, &mut sync_rss),
                 ("train-async", &mut asyn, &mut async_rss),
             ] {
-                let (s, r, phases) = run_miles(&miles, sub, &model, &data, &dir, steps)?;
+                let (s, r, phases) =
+                    run_miles(&miles, sub, &model, &data, &dir, steps, prompts, &extra)?;
                 let phases: Vec<String> =
                     phases.iter().map(|(k, v)| format!("{k} {v:.3}s")).collect();
                 println!(
@@ -378,7 +485,7 @@ fn main() -> Result<(), BoxError> {
             println!(
                 "xtask-result: grpo_step_vs_trl_{name}_{label} ours={ours:.3}s baseline={base:.3}s \
                  target=<=0.333 note=miles {} s/step vs TRL GRPOTrainer {} s/step over {rounds} \
-                 rounds ({steps} steps each, first left out); {PROMPTS}x{GROUP} samples, <= {MAX_NEW} \
+                 rounds ({steps} steps each, first left out); {prompts}x{GROUP} samples, <= {MAX_NEW} \
                  new tokens, lr {LR}, one optimizer step per rollout in one shared-prefix micro-batch; ratio < 1 is faster; {cpu}",
                 list(secs, ""),
                 list(&trl, ""),

@@ -345,6 +345,10 @@ pub struct RolloutArgs {
     /// its KV pool may take, on the CPU (SGLang's --mem-fraction-static, as Miles passes it)
     #[arg(long, value_name = "F", default_value_t = DEFAULT_KV_MEMORY_FRACTION)]
     pub sglang_mem_fraction_static: f64,
+    /// Embedded engine: most tokens its KV pool holds (SGLang's --max-total-tokens, as Miles
+    /// passes it), still bounded by --sglang-mem-fraction-static
+    #[arg(long, value_name = "TOKENS", default_value_t = EngineConfig::default().kv_token_budget)]
+    pub sglang_max_total_tokens: usize,
 }
 
 /// Training.

@@ -16,7 +16,7 @@ pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 pub const SGLANG_PREFIXES: [&str; 2] = ["--sglang-", "--eval-sglang-"];
 
 /// The SGLang server arguments the embedded engine reads (kept for clap, not ignored).
-pub const SGLANG_READ: [&str; 1] = ["--sglang-mem-fraction-static"];
+pub const SGLANG_READ: [&str; 2] = ["--sglang-mem-fraction-static", "--sglang-max-total-tokens"];
 
 /// The subcommands that take Miles' training flags (and `--config`).
 const TRAINING: [&str; 4] = ["train", "train-async", "sft", "eval"];

@@ -44,6 +44,7 @@ pub mod bridge;
 pub mod error;
 pub mod hub;
 pub mod logging;
+pub mod memory;
 pub mod miles_flags;
 pub mod plot;
 pub mod router;

@@ -349,11 +349,14 @@ fn sampling(a: &TrainArgs, eos_ids: &[u32]) -> SamplingParams {
 /// embedded engine re-scores finished sequences (`recompute_logprobs_via_prefill`) only when
 /// `recompute` (the trainer compares rollout log-probs with its per-sample scoring:
 /// `TrainConfig::needs_exact_rollout_log_probs`).
+/// `reserved`: bytes the embedded engine's KV pool leaves to the trainer
+/// (`EngineConfig::kv_reserved_bytes`, from the memory plan).
 fn engines(
     a: &TrainArgs,
     c: &Common,
     num_layers: Option<usize>,
     recompute: bool,
+    reserved: u64,
 ) -> Result<Arc<dyn InferenceEngine>, BoxError> {
     let urls = &a.rollout.engine_url;
     if urls.is_empty() {
@@ -361,6 +364,8 @@ fn engines(
         let config = miles_engine::EngineConfig {
             max_running_requests: a.rollout.max_running_requests,
             kv_memory_fraction: Some(a.rollout.sglang_mem_fraction_static),
+            kv_token_budget: a.rollout.sglang_max_total_tokens,
+            kv_reserved_bytes: reserved,
             eos_token_ids: c.eos_ids.clone(),
             seed: c.seed,
             precision: c.precision,
@@ -377,6 +382,63 @@ fn engines(
         a.rollout.rollout_health_check_interval,
     )));
     Ok(router)
+}
+
+/// The run's [`crate::memory::MemoryPlan`]: the policy's shape, the engine's precision and
+/// KV pool (`--sglang-max-total-tokens`, the pool's bytes per position), and one padded
+/// micro-batch of `--micro-batch-size` sequences of `--rollout-max-context-len` tokens (else
+/// the longest prompt's JSON bytes, an upper bound of its tokens, plus 64 for the chat
+/// template, plus `--rollout-max-response-len`).
+fn memory_plan(
+    a: &TrainArgs,
+    model: &CausalLm,
+    prompts: &[PromptRecord],
+    precision: miles_bridge::Precision,
+) -> crate::memory::MemoryPlan {
+    let m = &model.config;
+    let engine_bytes = precision.checkpoint_dtype().size() as u64;
+    let kv_f32 = miles_bridge::PagedKvCache::bytes_per_token(model) as u64;
+    let longest_prompt = prompts
+        .iter()
+        .map(|p| serde_json::to_string(&p.prompt).map_or(0, |s| s.len()))
+        .max()
+        .unwrap_or(0);
+    let seq_len = a
+        .rollout
+        .rollout_max_context_len
+        .unwrap_or(longest_prompt + 64 + a.rollout.rollout_max_response_len);
+    let mut inputs = crate::memory::MemoryInputs {
+        params: model.num_params() as u64,
+        layers: m.num_hidden_layers as u64,
+        hidden: m.hidden_size as u64,
+        intermediate: m.intermediate_size as u64,
+        heads: m.num_attention_heads as u64,
+        q_width: (m.num_attention_heads * m.head_dim) as u64,
+        kv_width: (m.num_key_value_heads * m.head_dim) as u64,
+        engine_dtype_bytes: engine_bytes,
+        engine_decode_copies: true,
+        kv_tokens: a.rollout.sglang_max_total_tokens as u64,
+        kv_bytes_per_token: kv_f32 / 4 * engine_bytes,
+        micro_batch_seqs: a.train.micro_batch_size as u64,
+        seq_len: seq_len as u64,
+    };
+    // The pool the engine will size: the flag's tokens, bounded by the memory fraction of
+    // what is available once its own weights are loaded, less what the trainer will still
+    // allocate (as the engine resolves it).
+    let plan = crate::memory::MemoryPlan::new(&inputs);
+    let config = miles_engine::EngineConfig {
+        kv_token_budget: a.rollout.sglang_max_total_tokens,
+        kv_memory_fraction: Some(a.rollout.sglang_mem_fraction_static),
+        kv_reserved_bytes: plan.trainer_growth(),
+        ..miles_engine::EngineConfig::default()
+    };
+    let available = miles_engine::available_memory().map(|b| b.saturating_sub(plan.engine_version));
+    if let Ok(budget) =
+        miles_engine::KvBudget::resolve(&config, inputs.kv_bytes_per_token as usize, available)
+    {
+        inputs.kv_tokens = budget.tokens as u64;
+    }
+    crate::memory::MemoryPlan::new(&inputs)
 }
 
 fn rollout_config(a: &TrainArgs, c: &Common, use_r3: bool) -> Result<RolloutConfig, BoxError> {
@@ -776,11 +838,18 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     let n = rollout.n_samples_per_prompt;
     let recompute = train_config(a, n, use_r3, c.seed)?
         .needs_exact_rollout_log_probs(rollout.rollout_batch_size * n);
+    let plan = memory_plan(a, &model, &prompts, c.precision);
+    tracing::info!("{}", plan.line(miles_engine::available_memory()));
     let engine = engines(
         a,
         &c,
         Some(model.config.num_hidden_layers).filter(|_| moe_layers > 0),
         recompute,
+        if a.rollout.engine_url.is_empty() {
+            plan.trainer_growth()
+        } else {
+            0
+        },
     )?;
     let generator = agent_generator(a, &c, &engine, use_r3).await?;
     let num_rollout: u64 = match (a.rollout.num_rollout, a.data.num_epoch) {
@@ -990,7 +1059,7 @@ async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
     let c = common(a)?;
     // Needed only by datasets without their own rm_type.
     let reward = reward(a, c.seed).map_err(|e| e.to_string());
-    let engine = engines(a, &c, None, true)?;
+    let engine = engines(a, &c, None, true, 0)?;
     let generator = agent_generator(a, &c, &engine, false).await?;
     let base = RolloutConfig {
         rollout_batch_size: 1,
@@ -1175,6 +1244,10 @@ impl PolicyTrainer for DebugRolloutDump {
 
     fn export_weights(&self) -> miles_core::Result<miles_core::NamedTensors> {
         self.inner.export_weights()
+    }
+
+    fn export_in_process(&self) -> miles_core::Result<Option<miles_core::InProcessWeights>> {
+        self.inner.export_in_process()
     }
 
     fn weight_version(&self) -> miles_core::WeightVersion {

@@ -13,7 +13,7 @@ use serde_json::Value;
 use crate::error::Result;
 use crate::routed::RoutedExperts;
 use crate::sample::TokenId;
-use crate::weights::{NamedTensors, WeightVersion};
+use crate::weights::{InProcessWeights, NamedTensors, WeightVersion};
 
 /// Identifies a generation request (for abort and tracing).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -322,6 +322,25 @@ pub trait InferenceEngine: Send + Sync {
 
     /// Replaces the weights in place with HF-named tensors and sets the version.
     async fn update_weights(&self, weights: &NamedTensors, version: WeightVersion) -> Result<()>;
+
+    /// Whether [`InferenceEngine::update_weights_in_process`] can take a trainer's
+    /// in-process weights (an engine in the same process; default `false`).
+    fn takes_in_process_weights(&self) -> bool {
+        false
+    }
+
+    /// Replaces the weights with a trainer's in-process value
+    /// ([`crate::PolicyTrainer::export_in_process`]) and sets the version, as
+    /// [`InferenceEngine::update_weights`] does with host tensors. `Ok(false)` (the default)
+    /// when this engine cannot take that value (nothing changed: push host tensors instead).
+    async fn update_weights_in_process(
+        &self,
+        weights: &InProcessWeights,
+        version: WeightVersion,
+    ) -> Result<bool> {
+        let _ = (weights, version);
+        Ok(false)
+    }
 
     /// Loads HF-named safetensors from a directory (SGLang's `update_weights_from_disk`) and
     /// sets the version.

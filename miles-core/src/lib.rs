@@ -86,7 +86,8 @@ pub use sample::{
 };
 pub use trainer::PolicyTrainer;
 pub use weights::{
-    DType, INDEX_FILE, MAX_HEADER_BYTES, NamedTensors, SINGLE_FILE, TensorBytes, WeightVersion,
+    DType, INDEX_FILE, InProcessWeights, MAX_HEADER_BYTES, NamedTensors, SINGLE_FILE, TensorBytes,
+    WeightVersion,
 };
 
 /// Re-exported so implementors of the async seams use the same macro version.

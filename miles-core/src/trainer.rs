@@ -5,7 +5,7 @@ use std::path::Path;
 use crate::error::Result;
 use crate::metrics::Metrics;
 use crate::sample::Sample;
-use crate::weights::{NamedTensors, WeightVersion};
+use crate::weights::{InProcessWeights, NamedTensors, WeightVersion};
 
 /// A policy trainer: consumes rewarded samples, updates the policy, exports weights.
 ///
@@ -19,6 +19,14 @@ pub trait PolicyTrainer: Send {
 
     /// Exports the current policy weights with HF names.
     fn export_weights(&self) -> Result<NamedTensors>;
+
+    /// The current weights as an in-process value for an engine of the same process that
+    /// takes one ([`crate::InferenceEngine::takes_in_process_weights`]): what
+    /// [`PolicyTrainer::export_weights`] gives, without the host copy. `None` (the default)
+    /// when the trainer has no such form; the caller then exports host tensors.
+    fn export_in_process(&self) -> Result<Option<InProcessWeights>> {
+        Ok(None)
+    }
 
     /// The version of the current weights (bumped by every optimizer update that changes
     /// what [`PolicyTrainer::export_weights`] returns).

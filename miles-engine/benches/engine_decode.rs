@@ -27,7 +27,11 @@
 //! `deepseek_v3_82m`, `qwen35_moe_80m`)
 //! runs one model; `MILES_BENCH_NO_HF=1` skips the HF measurement (ours only).
 //! `MILES_BENCH_PRECISION=bf16` (or `fp16`) runs the engine in that precision (weights, fused
-//! copies and KV cache; default `fp32`).
+//! copies and KV cache; default `fp32`), and HF `generate` in the same dtype.
+//! `MILES_BENCH_ONLY=qwen3_0_6b` runs the Qwen3-0.6B shape (issue 46: 28 layers, hidden 1024,
+//! 16 heads, 8 KV heads, head dim 128, intermediate 3072, vocabulary 151,936, tied
+//! embeddings; 596 M random parameters; targets ≥ 2× HF at 32 sequences, ≥ 1× at one); it
+//! runs only when named (its weights take 2.4 GB in f32 and its rows minutes).
 //! `MILES_PROFILE_OPS=1` prints, after each decode row, the wall time the row spent per op
 //! class (attention, projections, experts, router, `lm_head`, sampling, KV cache, …; see
 //! `miles_bridge::profile`).
@@ -98,6 +102,18 @@ fn qwen35_moe_80m() -> ModelConfig {
         "tie_word_embeddings": false, "rms_norm_eps": 1e-6, "initializer_range": 0.02}"#,
     )
     .expect("Qwen3.5-MoE config")
+}
+
+/// The Qwen3-0.6B shape (596 M parameters with the tied embeddings), random weights.
+fn qwen3_0_6b() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        r#"{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0,
+        "attention_bias": false, "tie_word_embeddings": true, "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02, "max_position_embeddings": 40960}"#,
+    )
+    .expect("Qwen3-0.6B config")
 }
 
 /// Token `t` of prompt `i` (the same formula as `hf_generate.py`).
@@ -172,6 +188,7 @@ fn measure_hf(name: &str, dir: &Path, sizes: Sizes) -> Option<HfFigures> {
         .args(["--prompt-len", &PROMPT_LEN.to_string()])
         .args(["--prefill-seqs", &sizes.prefill_seqs.to_string()])
         .args(["--prefill-len", &PREFILL_LEN.to_string()])
+        .args(["--dtype", hf_dtype(bench_precision())])
         .output();
     let out = match out {
         Ok(out) if out.status.success() => out,
@@ -227,6 +244,15 @@ fn bench_precision() -> miles_bridge::Precision {
         .ok()
         .and_then(|p| p.parse().ok())
         .unwrap_or_default()
+}
+
+/// torch's name of `precision`'s dtype (HF runs in the engine's precision).
+fn hf_dtype(precision: miles_bridge::Precision) -> &'static str {
+    match precision {
+        miles_bridge::Precision::F32 => "float32",
+        miles_bridge::Precision::Bf16 => "bfloat16",
+        miles_bridge::Precision::F16 => "float16",
+    }
 }
 
 /// Resets the process's peak-RSS mark (Linux `clear_refs` 5), so each model's peak is its own.
@@ -336,8 +362,10 @@ async fn run(
     let measured = hf.is_some();
     let hf = hf.unwrap_or_default();
     let source = if measured {
-        "HF transformers generate measured in this run on the same weights (float32, 2 threads)"
-            .to_string()
+        format!(
+            "HF transformers generate measured in this run on the same weights ({}, 2 threads)",
+            hf_dtype(bench_precision())
+        )
     } else if let Some(constant) = issue_hf_32 {
         format!(
             "HF transformers generate at {constant} tokens/s (issue constant, not measured \
@@ -478,8 +506,13 @@ fn main() {
         if wanted("deepseek_v3_82m") {
             run("deepseek_v3_82m", deepseek_v3_82m(), None, 1.0, sizes).await;
         }
-        if wanted("qwen35_moe_80m") {
+        // Only when named: HF's delta rule on CPU makes its baseline take many minutes.
+        if only.as_deref() == Some("qwen35_moe_80m") {
             run("qwen35_moe_80m", qwen35_moe_80m(), None, 2.0, sizes).await;
+        }
+        // Only when named: minutes of decode and prefill at this size.
+        if only.as_deref() == Some("qwen3_0_6b") {
+            run("qwen3_0_6b", qwen3_0_6b(), None, 2.0, sizes).await;
         }
     });
 }

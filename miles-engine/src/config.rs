@@ -33,6 +33,7 @@ impl KvBudget {
         available: Option<u64>,
     ) -> crate::Result<Self> {
         let tokens = config.kv_token_budget;
+        let available = available.map(|a| a.saturating_sub(config.kv_reserved_bytes));
         let (Some(fraction), Some(available)) = (config.kv_memory_fraction, available) else {
             return Ok(Self {
                 tokens,
@@ -48,10 +49,11 @@ impl KvBudget {
         let allowed = (allowed_bytes / bytes_per_token.max(1) as u64) as usize;
         if allowed < 16 {
             return Err(crate::Error::Config(format!(
-                "the KV pool may take {fraction} of the {} MiB available, {} MiB, less than \
-                 one 16-token block ({bytes_per_token} bytes per token): raise the fraction \
-                 or free memory",
+                "the KV pool may take {fraction} of the {} MiB available ({} MiB left to the \
+                 rest of the process first), {} MiB, less than one 16-token block \
+                 ({bytes_per_token} bytes per token): raise the fraction or free memory",
                 available >> 20,
+                config.kv_reserved_bytes >> 20,
                 allowed_bytes >> 20
             )));
         }
@@ -140,6 +142,11 @@ pub struct EngineConfig {
     /// the weights, ours is of what is left after them). `None`: no bound but
     /// `kv_token_budget`. Not applied on GPU devices, whose memory the host cannot see.
     pub kv_memory_fraction: Option<f64>,
+    /// Bytes of the available memory the KV pool leaves to the rest of the process before
+    /// `kv_memory_fraction` applies: what a trainer beside the engine still allocates after
+    /// the engine starts (its gradients, optimizer moments and activations; `miles train`
+    /// sets it from its memory plan). Default 0.
+    pub kv_reserved_bytes: u64,
     /// Tokens of finished / prefilled sequences kept for prefix reuse (0 disables reuse).
     pub prefix_cache_tokens: usize,
     /// After a sequence ends (stop or length; not abort), recompute its log-probs with the
@@ -185,6 +192,7 @@ impl Default for EngineConfig {
             max_running_requests: 32,
             kv_token_budget: 65_536,
             kv_memory_fraction: Some(DEFAULT_KV_MEMORY_FRACTION),
+            kv_reserved_bytes: 0,
             prefix_cache_tokens: 16_384,
             recompute_logprobs_via_prefill: true,
             default_max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
@@ -284,6 +292,25 @@ mod tests {
             let budget = KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, available).unwrap();
             assert_eq!(budget.tokens, 65_536);
         }
+    }
+
+    #[test]
+    fn the_reserved_bytes_come_off_the_available_memory_first() {
+        // 21 GiB available, 13 GiB reserved for a trainer's gradients, moments and
+        // activations: 0.3 of the 8 GiB left = 2,576,980,377 bytes = 11,234 positions.
+        let config = EngineConfig {
+            kv_reserved_bytes: 13 << 30,
+            ..EngineConfig::default()
+        };
+        let budget = KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, Some(21 << 30)).unwrap();
+        assert_eq!(budget.tokens, 11_234);
+        assert!(budget.limited_by_memory);
+        // Reserving all of it leaves less than one block: a configuration error.
+        let config = EngineConfig {
+            kv_reserved_bytes: 21 << 30,
+            ..EngineConfig::default()
+        };
+        assert!(KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, Some(21 << 30)).is_err());
     }
 
     #[test]

@@ -9,10 +9,11 @@ use std::thread::JoinHandle;
 
 use async_trait::async_trait;
 use burn::tensor::Device;
-use miles_bridge::{CausalLm, ModelConfig, Precision};
+use miles_bridge::{CausalLm, ModelConfig, MoeDispatch, Precision};
 use miles_core::{
-    DType, EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
-    InputLogprobRequest, InputLogprobs, NamedTensors, PauseMode, RequestId, WeightVersion,
+    DType, EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InProcessWeights,
+    InferenceEngine, InputLogprobRequest, InputLogprobs, NamedTensors, PauseMode, RequestId,
+    WeightVersion,
 };
 use tokio::sync::oneshot;
 
@@ -280,6 +281,34 @@ impl InferenceEngine for EmbeddedEngine {
         }
         let model = self.build_model(weights.clone())?;
         self.swap_model(model, version).await
+    }
+
+    fn takes_in_process_weights(&self) -> bool {
+        true
+    }
+
+    /// Takes a `CausalLm` of the same configuration on the engine's device (the trainer's
+    /// model, sharing its buffers): cast to the engine's precision when it differs, MoE
+    /// dispatch back to the loaded default, then swapped in as a host update is. Anything
+    /// else is refused (`Ok(false)`).
+    async fn update_weights_in_process(
+        &self,
+        weights: &InProcessWeights,
+        version: WeightVersion,
+    ) -> miles_core::Result<bool> {
+        let Some(model) = weights.downcast_ref::<CausalLm>() else {
+            return Ok(false);
+        };
+        if model.config != self.model_config
+            || model.lora.is_some()
+            || model.lm_head_weight().device() != self.device
+        {
+            return Ok(false);
+        }
+        let mut model = model.clone().to_precision(self.precision);
+        model.set_moe_dispatch(MoeDispatch::default());
+        self.swap_model(model, version).await?;
+        Ok(true)
     }
 
     async fn update_weights_from_disk(

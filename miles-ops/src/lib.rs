@@ -25,7 +25,7 @@
 //! plain-op `*_reference` twin — native row loops on flex, CubeCL kernels on CubeCL devices:
 //! masked attention with grouped key/value heads ([`attention()`], with GPT-OSS's sinks and
 //! sliding window [`attention_with_sinks`]), [`rms_norm`], [`rope`],
-//! [`swiglu()`], the grouped expert matmul ([`grouped_matmul`], over device offsets
+//! [`swiglu()`], one AdamW update per parameter in one pass ([`adamw_update`]), the grouped expert matmul ([`grouped_matmul`], over device offsets
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]), the decode-step projections split over the cores
@@ -89,6 +89,7 @@
 //! # Ok::<(), miles_ops::OpsError>(())
 //! ```
 
+mod adamw;
 mod advantages;
 mod attention;
 mod bucket;
@@ -120,6 +121,7 @@ pub use switch::{
 };
 
 // RL math.
+pub use adamw::{AdamWHyper, AdamWOps, adamw_update, adamw_update_reference};
 pub use advantages::{
     AdvantageCalculator, AdvantageConfig, AdvantageEstimator, AdvantageOutput, AdvantageSample,
     GROUP_STD_EPS, Grouping, WHITEN_EPS, whiten_advantages,

@@ -1,12 +1,13 @@
 """HF transformers baseline for `miles-engine/benches/engine_decode.rs`: greedy `generate` and a
 prefill forward on the model directory the Rust bench exported (the same random weights), on the
-CPU with 2 threads, float32. For a Qwen3.5 model (Gated DeltaNet layers) transformers runs its
+CPU with 2 threads, float32 (or `--dtype bfloat16` / `float16`: the engine's precision). For a Qwen3.5 model (Gated DeltaNet layers) transformers runs its
 PyTorch-only fallbacks on the CPU (flash-linear-attention and causal-conv1d are absent):
 `torch_chunk_gated_delta_rule` in the prefill, `torch_recurrent_gated_delta_rule` and
 `causal_conv1d_update`'s torch form for each decoded token.
 
 Usage: python hf_generate.py --model-dir DIR --name NAME [--seqs 1,8,32] [--new-tokens 256]
                              [--prompt-len 16] [--prefill-seqs 32] [--prefill-len 512]
+                             [--dtype float32]
 Prints, per row, `hf-result: <name> decode seqs=<n> tokens_per_s=<x> secs=<s>`, then
 `hf-result: <name> prefill tokens_per_s=<x> secs=<s>`, `hf-result: <name> peak_rss_mib=<m>`
 and `hf-tokens: <name> seqs=<n> ids=<comma list>` (row 0 of the largest decode batch, so the
@@ -38,10 +39,12 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--prefill-seqs", type=int, default=32)
     parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     torch.set_num_threads(2)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model_dir, dtype=torch.float32).eval()
+        args.model_dir, dtype=getattr(torch, args.dtype)).eval()
     vocab = model.config.vocab_size
     name = args.name
 

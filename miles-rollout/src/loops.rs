@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use miles_core::{
-    InferenceEngine, Metrics, MetricsSink, PauseMode, PolicyTrainer, Sample, WeightVersion,
+    InProcessWeights, InferenceEngine, Metrics, MetricsSink, PauseMode, PolicyTrainer, Sample,
+    WeightVersion,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -390,14 +391,12 @@ impl RlLoop {
         }
     }
 
-    /// The trainer's weights and version, exported on the trainer's pool.
-    async fn export_weights(&self) -> Result<(miles_core::NamedTensors, WeightVersion)> {
+    /// The trainer's weights and version, exported on the trainer's pool: in process when
+    /// the engine takes that and the trainer has it, else as host tensors.
+    async fn export_weights(&self) -> Result<(Exported, WeightVersion)> {
         let shared = self.trainer.clone();
-        self.on_trainer(move || {
-            let trainer = lock(&shared)?;
-            Ok((trainer.export_weights()?, trainer.weight_version()))
-        })
-        .await
+        let in_process = self.manager.engine().takes_in_process_weights();
+        self.on_trainer(move || export(&shared, in_process)).await
     }
 
     /// [`update_weights`] with the export on the trainer's pool.
@@ -405,7 +404,8 @@ impl RlLoop {
         let (weights, version) = self.export_weights().await?;
         push_to_engine(
             self.manager.engine(),
-            &weights,
+            &self.trainer,
+            weights,
             version,
             self.config.pause_generation_mode,
         )
@@ -472,9 +472,10 @@ impl RlLoop {
                     settle(slot).await?;
                     let (weights, version) = self.export_weights().await?;
                     let engine = self.manager.engine().clone();
+                    let trainer = self.trainer.clone();
                     let mode = self.config.pause_generation_mode;
                     *slot = Some(tokio::spawn(async move {
-                        push_to_engine(&engine, &weights, version, mode).await
+                        push_to_engine(&engine, &trainer, weights, version, mode).await
                     }));
                     version
                 }
@@ -794,12 +795,26 @@ pub async fn update_weights(
     mode: PauseMode,
 ) -> Result<WeightVersion> {
     let shared = trainer.clone();
-    let (weights, version) = blocking(move || {
-        let trainer = lock(&shared)?;
-        Ok((trainer.export_weights()?, trainer.weight_version()))
-    })
-    .await?;
-    push_to_engine(engine, &weights, version, mode).await
+    let in_process = engine.takes_in_process_weights();
+    let (weights, version) = blocking(move || export(&shared, in_process)).await?;
+    push_to_engine(engine, trainer, weights, version, mode).await
+}
+
+/// What a push hands the engines: the trainer's weights in process (an engine of the same
+/// process, no host copy) or as HF-named host tensors.
+enum Exported {
+    InProcess(InProcessWeights),
+    Host(miles_core::NamedTensors),
+}
+
+/// The trainer's weights and version; in process when `in_process` and the trainer has them.
+fn export(trainer: &SharedTrainer, in_process: bool) -> Result<(Exported, WeightVersion)> {
+    let trainer = lock(trainer)?;
+    let version = trainer.weight_version();
+    if in_process && let Some(weights) = trainer.export_in_process()? {
+        return Ok((Exported::InProcess(weights), version));
+    }
+    Ok((Exported::Host(trainer.export_weights()?), version))
 }
 
 /// A weight push running in the background (see [`LoopConfig::overlap_weight_updates`]).
@@ -815,9 +830,12 @@ async fn settle(slot: &mut Option<PendingPush>) -> Result<()> {
 }
 
 /// Pause, flush (unless paused in place), update to `version`, resume, check the version.
+/// In-process weights the engine refuses (another device, say) are exported again as host
+/// tensors of the same version.
 async fn push_to_engine(
     engine: &Arc<dyn InferenceEngine>,
-    weights: &miles_core::NamedTensors,
+    trainer: &SharedTrainer,
+    weights: Exported,
     version: WeightVersion,
     mode: PauseMode,
 ) -> Result<WeightVersion> {
@@ -826,7 +844,28 @@ async fn push_to_engine(
         if mode != PauseMode::InPlace {
             engine.flush_cache().await?;
         }
-        engine.update_weights(weights, version).await
+        let weights = match weights {
+            Exported::Host(weights) => weights,
+            Exported::InProcess(weights) => {
+                if engine.update_weights_in_process(&weights, version).await? {
+                    return Ok(());
+                }
+                let shared = trainer.clone();
+                let (host, now) = blocking(move || {
+                    let trainer = lock(&shared)?;
+                    Ok((trainer.export_weights()?, trainer.weight_version()))
+                })
+                .await?;
+                if now != version {
+                    return Err(Error::Task(format!(
+                        "the engine refused in-process weights of version {version} and the \
+                         trainer has moved on to {now}"
+                    )));
+                }
+                host
+            }
+        };
+        Ok(engine.update_weights(&weights, version).await?)
     }
     .await;
     // Always resume, even when the update failed, so generation is never left paused.

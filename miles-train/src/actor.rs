@@ -1063,6 +1063,17 @@ impl PolicyTrainer for Actor {
         Ok(self.export(self.config.precision.checkpoint_dtype())?)
     }
 
+    /// The model itself (its inner, non-autodiff module in the compute dtype, sharing the
+    /// parameters' buffers: no copy in `f32`); `None` with LoRA adapters, whose export merges
+    /// them.
+    fn export_in_process(&self) -> miles_core::Result<Option<miles_core::InProcessWeights>> {
+        if self.model.lora.is_some() {
+            return Ok(None);
+        }
+        let model = self.model.valid().to_precision(self.config.precision);
+        Ok(Some(miles_core::InProcessWeights::new(model)))
+    }
+
     fn weight_version(&self) -> WeightVersion {
         self.version
     }

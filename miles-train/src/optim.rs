@@ -10,6 +10,7 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use miles_bridge::CausalLm;
 use miles_bridge::nn::{ParamRef, ParamVisitor};
+use miles_ops::{AdamWHyper, adamw_update};
 
 use crate::config::AdamWConfig;
 use crate::{Error, Result};
@@ -150,7 +151,8 @@ struct Moments {
 }
 
 /// AdamW (PyTorch / Megatron semantics): `p ← p·(1 − lr·wd)`; `m ← β₁m + (1−β₁)g`;
-/// `v ← β₂v + (1−β₂)g²`; `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`.
+/// `v ← β₂v + (1−β₂)g²`; `p ← p − lr/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)`, one pass per parameter
+/// on flex that updates the parameter and its moments in place ([`miles_ops::adamw_update`]).
 #[derive(Debug, Clone)]
 pub struct AdamW {
     config: AdamWConfig,
@@ -197,13 +199,15 @@ impl AdamW {
             names,
             grads: grads.grads,
             state: &mut self.state,
-            lr,
-            weight_decay: c.weight_decay,
-            beta1: c.adam_beta1,
-            beta2: c.adam_beta2,
-            eps: c.adam_eps,
-            bias1: 1.0 - c.adam_beta1.powi(t),
-            bias2: 1.0 - c.adam_beta2.powi(t),
+            hyper: AdamWHyper {
+                lr,
+                weight_decay: c.weight_decay,
+                beta1: c.adam_beta1,
+                beta2: c.adam_beta2,
+                eps: c.adam_eps,
+                bias1: 1.0 - c.adam_beta1.powi(t),
+                bias2: 1.0 - c.adam_beta2.powi(t),
+            },
         };
         model.map(&mut mapper)
     }
@@ -304,13 +308,7 @@ struct Update<'a> {
     names: HashMap<ParamId, String>,
     grads: BTreeMap<String, Tensor<1>>,
     state: &'a mut BTreeMap<String, Moments>,
-    lr: f64,
-    weight_decay: f64,
-    beta1: f64,
-    beta2: f64,
-    eps: f64,
-    bias1: f64,
-    bias2: f64,
+    hyper: AdamWHyper,
 }
 
 impl ModuleMapper for Update<'_> {
@@ -326,21 +324,20 @@ impl ModuleMapper for Update<'_> {
         let autodiff = value.is_autodiff();
         let p = flat(value.inner());
         let device = p.device();
-        let moments = self.state.entry(name.clone()).or_insert_with(|| Moments {
+        // The moments are taken out of the state so that the update can write them in place.
+        let Moments { m, v } = self.state.remove(name).unwrap_or_else(|| Moments {
             m: Tensor::zeros(g.dims(), &device),
             v: Tensor::zeros(g.dims(), &device),
         });
-        let m = moments.m.clone() * self.beta1 + g.clone() * (1.0 - self.beta1);
-        let v = moments.v.clone() * self.beta2 + g.powi_scalar(2) * (1.0 - self.beta2);
-        moments.m = m.clone();
-        moments.v = v.clone();
-        let p = if self.weight_decay != 0.0 {
-            p * (1.0 - self.lr * self.weight_decay)
-        } else {
-            p
-        };
-        let denom = v.sqrt() / self.bias2.sqrt() + self.eps;
-        let p = p - m / denom * (self.lr / self.bias1);
+        // Optimizer state is plain data: moments restored from a checkpoint on the trainer's
+        // (autodiff) device, and gradients, are taken off the graph.
+        let plain = |t: Tensor<1>| if t.is_autodiff() { t.inner() } else { t };
+        let (g, m, v) = (plain(g), plain(m), plain(v));
+        // Shapes agree by construction (the gradient and moments of this parameter); an error
+        // here is a broken invariant.
+        let (p, m, v) = adamw_update(p, g, m, v, &self.hyper)
+            .unwrap_or_else(|e| panic!("AdamW update of {name}: {e}"));
+        self.state.insert(name.clone(), Moments { m, v });
         let mut value = p.reshape(dims);
         if autodiff {
             value = Tensor::from_inner(value).require_grad();

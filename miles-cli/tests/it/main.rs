@@ -6,6 +6,7 @@ mod agent_failures;
 mod bridge;
 mod cli;
 mod faults;
+mod memory_plan;
 mod process;
 mod serve_failover;
 mod session;

@@ -4,6 +4,7 @@
 
 mod checkpoint;
 mod dtype;
+mod in_process;
 mod named;
 mod safetensors;
 mod tensor;
@@ -11,6 +12,7 @@ mod version;
 
 pub use checkpoint::{INDEX_FILE, SINGLE_FILE};
 pub use dtype::DType;
+pub use in_process::InProcessWeights;
 pub use named::NamedTensors;
 pub use safetensors::MAX_HEADER_BYTES;
 pub use tensor::TensorBytes;

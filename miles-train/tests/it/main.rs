@@ -3,5 +3,6 @@
 
 mod actor;
 mod lora;
+mod optim;
 mod recompute;
 mod shared_prefix;

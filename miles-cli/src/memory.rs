@@ -1,0 +1,145 @@
+//! The memory a `miles train` process plans to hold with the embedded engine, from the model's
+//! shape and the run's flags, printed at start (`memory plan: …`).
+//!
+//! Copies of the weights a `miles train` / `train-async` process holds (f32 training):
+//! 1. the trainer's parameters (f32 masters; the autodiff graph reads them, it does not copy
+//!    them);
+//! 2. the engine's served version: after a weight push the trainer's own buffers, handed over
+//!    in process ([`miles_core::InProcessWeights`]: no copy); the optimizer's next update then
+//!    writes the trainer's parameters into new buffers (copy-on-write), so from the AdamW step
+//!    to the next push the engine holds the previous version, a second full copy: what keeps
+//!    every rollout on exactly one weight version;
+//! 3. the engine's decode copies: q / k / v and gate / up stacked into one matmul each, `o`,
+//!    `down`, the experts and `lm_head` packed into panels (`EngineConfig::specialised_path`),
+//!    about one more copy in the engine's precision.
+//!
+//! Besides: the gradients (one f32 copy, accumulated over micro-batches), AdamW's two moments
+//! (two f32 copies), the KV pool (allocated once) and one micro-batch's activations. The
+//! peak is at the AdamW step (three weight copies, gradients, moments and pool) or during
+//! the backward pass (two weight copies, gradients, moments, pool and activations),
+//! whichever is larger.
+
+/// Bytes of one GiB.
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The model shape and run sizes a [`MemoryPlan`] is made from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInputs {
+    /// Parameters of the policy (tied embeddings counted once).
+    pub params: u64,
+    /// Decoder layers.
+    pub layers: u64,
+    /// Hidden size.
+    pub hidden: u64,
+    /// MLP intermediate size (the dense layers').
+    pub intermediate: u64,
+    /// Attention heads.
+    pub heads: u64,
+    /// Width of all query heads together (`heads × head_dim`).
+    pub q_width: u64,
+    /// Width of all key (or value) heads together (`kv_heads × head_dim`).
+    pub kv_width: u64,
+    /// Bytes per element of the engine's weights and KV cache (4 for f32, 2 for bf16 / fp16).
+    pub engine_dtype_bytes: u64,
+    /// Whether the engine keeps decode copies of its weights (`specialised_path`).
+    pub engine_decode_copies: bool,
+    /// Tokens the KV pool holds.
+    pub kv_tokens: u64,
+    /// Bytes one cached position takes in the pool (every layer's keys and values).
+    pub kv_bytes_per_token: u64,
+    /// Sequences of one training micro-batch.
+    pub micro_batch_seqs: u64,
+    /// Tokens of its longest sequence (prompt and response; a padded micro-batch).
+    pub seq_len: u64,
+}
+
+/// Planned bytes by part (see the module docs for which copy is which).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// The trainer's parameters: `params × 4`.
+    pub trainer_weights: u64,
+    /// The accumulated gradients: `params × 4`.
+    pub gradients: u64,
+    /// AdamW's moments: `params × 8`.
+    pub optimizer: u64,
+    /// The engine's previous version between the AdamW step and the next push:
+    /// `params × engine_dtype_bytes`.
+    pub engine_version: u64,
+    /// The engine's decode copies: `params × engine_dtype_bytes` (0 without them).
+    pub engine_decode_copies: u64,
+    /// The KV pool: `kv_tokens × kv_bytes_per_token`.
+    pub kv_pool: u64,
+    /// One micro-batch's activations kept for the backward pass, estimated as
+    /// `tokens × layers × (6·hidden + 4·q_width + 4·kv_width + 4·intermediate) × 4` (norm
+    /// inputs and outputs, residuals, projections before and after RoPE, attention output,
+    /// gate, up, their product and activation) plus `seqs × heads × seq_len² × layers × 8`
+    /// (attention scores and probabilities), `tokens = seqs × seq_len`.
+    pub activations: u64,
+}
+
+impl MemoryPlan {
+    /// The plan for `inputs`.
+    pub fn new(i: &MemoryInputs) -> Self {
+        let tokens = i.micro_batch_seqs * i.seq_len;
+        let per_token = 6 * i.hidden + 4 * i.q_width + 4 * i.kv_width + 4 * i.intermediate;
+        let attention = i.micro_batch_seqs * i.heads * i.seq_len * i.seq_len * i.layers * 8;
+        let engine_copy = i.params * i.engine_dtype_bytes;
+        Self {
+            trainer_weights: i.params * 4,
+            gradients: i.params * 4,
+            optimizer: i.params * 8,
+            engine_version: engine_copy,
+            engine_decode_copies: if i.engine_decode_copies {
+                engine_copy
+            } else {
+                0
+            },
+            kv_pool: i.kv_tokens * i.kv_bytes_per_token,
+            activations: tokens * i.layers * per_token * 4 + attention,
+        }
+    }
+
+    /// What is held at every moment of a step: the trainer's weights, gradients, moments,
+    /// the engine's decode copies and its pool.
+    pub fn resident(&self) -> u64 {
+        self.trainer_weights
+            + self.gradients
+            + self.optimizer
+            + self.engine_decode_copies
+            + self.kv_pool
+    }
+
+    /// The planned peak: the resident part plus the larger of the activations (backward) and
+    /// the engine's previous version (AdamW step to push).
+    pub fn peak(&self) -> u64 {
+        self.resident() + self.activations.max(self.engine_version)
+    }
+
+    /// What the trainer still allocates after start (gradients, moments, activations, the
+    /// previous version's copy): memory the engine's KV pool must leave free.
+    pub fn trainer_growth(&self) -> u64 {
+        self.gradients + self.optimizer + self.activations.max(self.engine_version)
+    }
+
+    /// One line for the log: every part and the peak, in GiB, against `available` bytes.
+    pub fn line(&self, available: Option<u64>) -> String {
+        let g = |b: u64| format!("{:.2}", b as f64 / GIB);
+        let mut line = format!(
+            "memory plan (GiB): trainer weights {} + gradients {} + AdamW moments {} + engine \
+             decode copies {} + KV pool {} + max(activations {}, engine's previous version {}) \
+             = peak {}",
+            g(self.trainer_weights),
+            g(self.gradients),
+            g(self.optimizer),
+            g(self.engine_decode_copies),
+            g(self.kv_pool),
+            g(self.activations),
+            g(self.engine_version),
+            g(self.peak()),
+        );
+        if let Some(available) = available {
+            line.push_str(&format!(" of {} available", g(available)));
+        }
+        line
+    }
+}
