@@ -115,10 +115,13 @@ impl MemoryPlan {
         self.resident() + self.activations.max(self.engine_version)
     }
 
-    /// What the trainer still allocates after start (gradients, moments, activations, the
-    /// previous version's copy): memory the engine's KV pool must leave free.
+    /// What the trainer is sure to allocate after start (gradients, moments, the engine's
+    /// previous version from the AdamW step to the push): memory the engine's KV pool leaves
+    /// free before its fraction applies. The activations are not in it: their estimate is an
+    /// upper bound (padded rows, the prompts' JSON bytes for their tokens) that can exceed the
+    /// machine when the step fits; they live in the share the fraction leaves.
     pub fn trainer_growth(&self) -> u64 {
-        self.gradients + self.optimizer + self.activations.max(self.engine_version)
+        self.gradients + self.optimizer + self.engine_version
     }
 
     /// One line for the log: every part and the peak, in GiB, against `available` bytes.
