@@ -45,7 +45,7 @@ use std::time::Instant;
 
 use burn::tensor::Device;
 use common::glm_moe_88m;
-use miles_bridge::{CausalLm, ModelConfig};
+use miles_bridge::{CausalLm, ModelConfig, PagedKvCache};
 use miles_core::{DType, GenerateRequest, InferenceEngine, SamplingParams};
 use miles_engine::{EmbeddedEngine, EngineConfig};
 
@@ -132,9 +132,25 @@ struct Sizes {
 
 /// KV tokens the largest batch of a run reserves at once: the largest decode batch of
 /// [`PROMPT_LEN`] + `new_tokens`, or the prefill batch of [`PREFILL_LEN`] + 1.
-fn kv_budget(sizes: Sizes) -> usize {
+/// For a hybrid model (Qwen3.5's linear-attention layers) the budget also pays for one state
+/// slot per sequence of the largest batch (the engine charges each slot as its bytes' worth of
+/// positions and gives the slots at most half the budget): without them its rows would
+/// measure a few sequences at a time.
+fn kv_budget(sizes: Sizes, model: &CausalLm) -> usize {
+    let rows = ROWS
+        .iter()
+        .max()
+        .copied()
+        .unwrap_or(1)
+        .max(sizes.prefill_seqs);
     let decode = ROWS.iter().max().copied().unwrap_or(1) * (PROMPT_LEN + sizes.new_tokens);
-    decode.max(sizes.prefill_seqs * (PREFILL_LEN + 1))
+    let positions = decode.max(sizes.prefill_seqs * (PREFILL_LEN + 1));
+    let state = PagedKvCache::state_bytes_per_row(model);
+    if state == 0 {
+        return positions;
+    }
+    let slots = rows * state.div_ceil(PagedKvCache::bytes_per_token(model).max(1));
+    (positions + slots).max(2 * slots)
 }
 
 /// What HF transformers measured on one model.
@@ -375,6 +391,7 @@ async fn run(
         "none (HF not measured in this run, no issue constant)".to_string()
     };
 
+    let budget = kv_budget(sizes, &model);
     reset_peak_rss();
     let engine = Arc::new(
         EmbeddedEngine::new(
@@ -385,7 +402,7 @@ async fn run(
                 precision: bench_precision(),
                 // The KV pool is allocated once for this budget: what the largest batch of
                 // the run needs at once (the decode rows, or the prefill batch).
-                kv_token_budget: kv_budget(sizes),
+                kv_token_budget: budget,
                 ..EngineConfig::default()
             },
         )
