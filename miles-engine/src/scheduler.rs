@@ -880,7 +880,10 @@ impl Scheduler {
 // The model step: prefill and batched decode.
 impl Scheduler {
     /// Runs the prompt (or, for a retracted sequence, everything but its last token) through
-    /// the model on a fresh one-row cache, reusing the longest cached prefix.
+    /// the model on a fresh one-row cache, reusing the longest cached prefix. A fresh sequence
+    /// with all but its last prompt token cached gets no forward here: it joins the running
+    /// batch with that token as its next input, and its first token is sampled from the next
+    /// decode step.
     pub(crate) fn prefill(&mut self, seq: &mut Seq) -> Result<KvCache, String> {
         let resumed = seq.output_len() > 0;
         let target = seq.cached_len();
@@ -893,6 +896,13 @@ impl Scheduler {
         let rest = &seq.tokens[hit..target];
         if rest.is_empty() {
             // Only a resumed sequence can get here (a fresh one always keeps one token).
+            return Ok(cache);
+        }
+        // A fresh sequence whose whole prompt but its last token is cached (a GRPO group's
+        // later members): that token is left to the next batched decode step, which feeds each
+        // row its last token, instead of a one-token forward of its own (without linear-
+        // attention layers, whose state snapshots are reused whole).
+        if !resumed && rest.len() == 1 && self.state_tokens == 0 {
             return Ok(cache);
         }
         let device = self.step.lm_head_weight().device();
