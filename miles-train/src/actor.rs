@@ -166,22 +166,14 @@ fn replay_for(
         }
         // Refused by `TrainConfig::validate`: a shared prompt has one route per token, the
         // rollout recorded one per sample.
-        BatchLayout::SharedPrefix => return Err(shared_prefix_r3()),
+        BatchLayout::SharedPrefix => {
+            return Err(crate::config::shared_prefix_with_routing_replay());
+        }
     };
     let replay = RoutingReplay::new(moe.clone());
     replay.push_samples(&samples, &r3_layout)?;
     replay.set_stage(ReplayStage::ReplayForward)?;
     Ok(Arc::new(replay))
-}
-
-/// Why rollout routing replay and the shared-prefix layout do not combine.
-fn shared_prefix_r3() -> Error {
-    Error::Config {
-        field: "batch_layout",
-        value: "shared_prefix".into(),
-        reason: "rollout routing replay (use_routing_replay) replays each sample's own routes of \
-                 its prompt tokens, which a shared prompt computes once: use padded or packed",
-    }
 }
 
 /// The router hook of one forward pass over `items` (in `layout`): fallthrough routing, or

@@ -222,12 +222,7 @@ impl TrainConfig {
             return bad("micro_batch_size", "0".into(), "must be >= 1");
         }
         if self.layout == BatchLayout::SharedPrefix && self.use_routing_replay {
-            return bad(
-                "batch_layout",
-                "shared_prefix".into(),
-                "rollout routing replay (use_routing_replay) replays each sample's own routes \
-                 of its prompt tokens, which a shared prompt computes once: use padded or packed",
-            );
+            return Err(shared_prefix_with_routing_replay());
         }
         if self.use_dynamic_batch_size && self.max_tokens_per_gpu.is_none_or(|t| t == 0) {
             return bad(
@@ -335,5 +330,16 @@ impl TrainConfig {
                 )
                 .len()
                     > 1)
+    }
+}
+
+/// Why rollout routing replay and [`BatchLayout::SharedPrefix`] do not combine (refused by
+/// [`TrainConfig::validate`]).
+pub(crate) fn shared_prefix_with_routing_replay() -> Error {
+    Error::Config {
+        field: "batch_layout",
+        value: "shared_prefix".into(),
+        reason: "rollout routing replay (use_routing_replay) replays each sample's own routes of \
+                 its prompt tokens, which a shared prompt computes once: use padded or packed",
     }
 }
