@@ -656,12 +656,54 @@ impl CausalLm {
         hook: &dyn RouterHook,
     ) -> Result<ModelOutput, BridgeError> {
         let [batch, seq] = input_ids.dims();
+        let HiddenOutput { hidden, routing } =
+            self.forward_paged_hidden(input_ids, cache, rows, None, hook)?;
+        let h = self.config.hidden_size;
+        let logits = self.logits(hidden.reshape([batch * seq, h]));
+        Ok(ModelOutput {
+            logits: logits.reshape([batch, seq, self.config.vocab_size]),
+            routing,
+        })
+    }
+
+    /// [`CausalLm::forward_paged`] stopped before `lm_head` (the final-norm hidden states
+    /// `[rows.len(), seq, hidden]` and the routing of every position), for a batched prefill
+    /// that needs the logits of each row's last token only ([`CausalLm::logits`]).
+    ///
+    /// `lens` (one per row, each in `1..=seq`): the number of real tokens of each row, the
+    /// rest of its `seq` being right padding (a ragged batch of prompts). Padding keys are
+    /// written past a row's real positions (so each row's blocks must hold `seq` more
+    /// positions) but the row's length grows by its real count only: later steps overwrite
+    /// them and never attend to them, and no real token attends to them (they come after it).
+    /// A model with linear-attention layers takes no padding (its recurrent states run along
+    /// the row): every length must then be `seq`.
+    pub fn forward_paged_hidden(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut PagedKvCache,
+        rows: &[RowId],
+        lens: Option<&[usize]>,
+        hook: &dyn RouterHook,
+    ) -> Result<HiddenOutput, BridgeError> {
+        let [batch, seq] = input_ids.dims();
         if batch == 0 || seq == 0 || batch != rows.len() {
             return Err(BridgeError::input(format!(
                 "paged step: input {:?} for {} rows",
                 [batch, seq],
                 rows.len()
             )));
+        }
+        if let Some(lens) = lens {
+            if lens.len() != batch || lens.iter().any(|&n| n == 0 || n > seq) {
+                return Err(BridgeError::input(format!(
+                    "paged step: real lengths {lens:?} for {batch} rows of {seq} tokens"
+                )));
+            }
+            if self.config.linear_attention.is_some() && lens.iter().any(|&n| n != seq) {
+                return Err(BridgeError::input(
+                    "paged step: a model with linear-attention layers takes no padding",
+                ));
+            }
         }
         if !cache.fits(self) {
             return Err(BridgeError::input(
@@ -690,11 +732,11 @@ impl CausalLm {
             }
         })?;
         cache.commit(rows, &plan);
-        let h = self.config.hidden_size;
-        let logits = self.logits(hidden.reshape([batch * seq, h]));
-        Ok(ModelOutput {
-            logits: logits.reshape([batch, seq, self.config.vocab_size]),
-            routing,
-        })
+        if let Some(lens) = lens {
+            for ((&row, &len), &past) in rows.iter().zip(lens).zip(&plan.past) {
+                cache.set_len(row, past + len);
+            }
+        }
+        Ok(HiddenOutput { hidden, routing })
     }
 }

@@ -36,6 +36,9 @@ pub struct EngineStats {
     pub cached_prompt_tokens: u64,
     /// Tokens prefilled.
     pub prefill_tokens: u64,
+    /// Most prompts prefilled together in one batched forward (0 while every prompt ran
+    /// alone; see the crate docs).
+    pub max_prefill_batch: usize,
     /// Tokens generated.
     pub generated_tokens: u64,
     /// Requests that had to wait for KV budget (or, for a hybrid model, a state slot).

@@ -6,8 +6,11 @@
 //!
 //! One scheduler thread owns the model. Between decode steps it takes commands (new requests,
 //! aborts, pause / resume, cache flushes, weight updates), admits waiting requests while the KV
-//! token budget allows (prefill one sequence at a time, reusing the longest cached prefix), then
-//! runs one batched decode step over every running sequence: continuous batching. Each sequence
+//! token budget allows (reusing the longest cached prefix; the prompts admitted together are
+//! prefilled together: prompts of similar lengths right-padded into one forward of at most
+//! 4,096 positions, equal lengths only for a hybrid model, a prompt alone in its group by the
+//! single-sequence prefill), then runs one batched decode step over every running sequence:
+//! continuous batching. Each sequence
 //! samples from its own seeded generator, so a request's tokens do not depend on what it was
 //! batched with.
 //!
@@ -83,6 +86,7 @@ mod config;
 mod engine;
 mod error;
 mod input_scoring;
+mod prefill;
 mod sampling;
 mod scheduler;
 pub mod serve;

@@ -67,6 +67,15 @@ impl Seq {
     }
 }
 
+/// A fresh sequence admitted with its pool row reserved and its cached prefix looked up
+/// (`cache`, `hit` positions), waiting for its prompt forward (`prefill.rs`).
+pub(crate) struct Candidate {
+    pub(crate) seq: Seq,
+    pub(crate) row: RowId,
+    pub(crate) cache: KvCache,
+    pub(crate) hit: usize,
+}
+
 /// A cached prefix: its tokens, KV cache and routing rows (the prefix cache keeps finished
 /// and prefilled sequences for reuse).
 pub(crate) struct PrefixEntry {
@@ -490,66 +499,110 @@ impl Scheduler {
         self.prefix.clear();
     }
 
+    /// Admits waiting sequences while the running batch and the KV budget allow. Fresh
+    /// sequences that need a prompt forward are collected and prefilled together
+    /// ([`Self::prefill_candidates`]: prompts of similar lengths in one batched forward); a
+    /// fresh prompt equal to one collected in this round (a GRPO group's later members)
+    /// stays queued while the round collects the prompts behind it, and is admitted in the
+    /// next round, from the first copy's cached prefix.
     pub(crate) fn admit(&mut self) {
         let mut admitted = false;
-        while self.running.len() < self.config.max_running_requests {
-            let Some(front) = self.waiting.front() else {
-                break;
-            };
-            let need = front.tokens.len() + front.max_new - front.output_len();
-            // The token budget, and blocks for it in the pool (many short sequences can use
-            // up the pool's spare blocks for partly filled last blocks first).
-            if self.reserved + need > self.config.kv_token_budget || !self.pool.can_reserve(need) {
-                if !front.waited {
-                    self.stats.budget_waits += 1;
-                    if let Some(f) = self.waiting.front_mut() {
-                        f.waited = true;
-                    }
-                }
-                break;
-            }
-            let Some(mut seq) = self.waiting.pop_front() else {
-                break;
-            };
-            let fail = |seq: Seq, e: String| {
-                let _ = seq.pending.reply.send(Err(CoreError::engine(
-                    EngineErrorKind::Internal,
-                    format!("prefill failed: {e}"),
-                )));
-            };
-            // `can_reserve` held above, so this only fails on a broken invariant; the request
-            // then fails alone.
-            let row = match self.pool.reserve(need) {
-                Ok(row) => row,
-                Err(e) => {
-                    fail(seq, e.to_string());
+        loop {
+            let mut candidates: Vec<Candidate> = Vec::new();
+            // Only models without linear-attention layers reuse a prompt's cached prefix
+            // for a later copy of it (see `lookup_prefix`).
+            let reuses_prompts = self.state_tokens == 0 && self.config.prefix_cache_tokens > 0;
+            // Copies of a collected prompt stay queued (in order, at the front) until the
+            // next round, when its prefix is cached.
+            let mut skipped = 0;
+            while self.running.len() + candidates.len() < self.config.max_running_requests {
+                let Some(front) = self.waiting.get(skipped) else {
+                    break;
+                };
+                if reuses_prompts
+                    && front.output_len() == 0
+                    && candidates.iter().any(|c| c.seq.tokens == front.tokens)
+                {
+                    skipped += 1;
                     continue;
                 }
-            };
-            seq.reserved = need;
-            self.reserved += need;
-            let loaded = self.prefill(&mut seq).and_then(|cache| {
-                profile::time(OpClass::KvManage, || self.pool.load(row, &cache))
-                    .map_err(|e| e.to_string())
-            });
-            match loaded {
-                Ok(()) => {
-                    seq.row = Some(row);
-                    self.running.push(seq);
-                    admitted = true;
+                let need = front.tokens.len() + front.max_new - front.output_len();
+                // The token budget, and blocks for it in the pool (many short sequences can use
+                // up the pool's spare blocks for partly filled last blocks first).
+                if self.reserved + need > self.config.kv_token_budget
+                    || !self.pool.can_reserve(need)
+                {
+                    if !front.waited {
+                        self.stats.budget_waits += 1;
+                        if let Some(f) = self.waiting.get_mut(skipped) {
+                            f.waited = true;
+                        }
+                    }
+                    break;
                 }
-                Err(e) => {
-                    self.pool.release(row);
-                    self.reserved -= need;
-                    fail(seq, e);
+                let Some(mut seq) = self.waiting.remove(skipped) else {
+                    break;
+                };
+                // `can_reserve` held above, so this only fails on a broken invariant; the
+                // request then fails alone.
+                let row = match self.pool.reserve(need) {
+                    Ok(row) => row,
+                    Err(e) => {
+                        let _ = seq.pending.reply.send(Err(CoreError::engine(
+                            EngineErrorKind::Internal,
+                            format!("prefill failed: {e}"),
+                        )));
+                        continue;
+                    }
+                };
+                seq.reserved = need;
+                self.reserved += need;
+                if seq.output_len() == 0 {
+                    let (cache, hit) = self.take_prefix(&mut seq);
+                    candidates.push(Candidate {
+                        seq,
+                        row,
+                        cache,
+                        hit,
+                    });
+                    continue;
+                }
+                // A retracted sequence: its own forward (no token to sample).
+                let loaded = self.prefill(&mut seq).and_then(|cache| {
+                    profile::time(OpClass::KvManage, || self.pool.load(row, &cache))
+                        .map_err(|e| e.to_string())
+                });
+                match loaded {
+                    Ok(()) => {
+                        seq.row = Some(row);
+                        self.running.push(seq);
+                        admitted = true;
+                    }
+                    Err(e) => self.fail_admission(seq, row, e),
                 }
             }
+            if candidates.is_empty() {
+                break;
+            }
+            self.prefill_candidates(candidates);
+            admitted = true;
         }
         if admitted {
             self.stats.max_batch = self.stats.max_batch.max(self.running.len());
         }
         // A sequence may have ended on its first token.
         self.retire_finished();
+    }
+
+    /// Fails a sequence whose admission broke (its prefill or the load of its cache),
+    /// returning its blocks and budget.
+    pub(crate) fn fail_admission(&mut self, seq: Seq, row: RowId, e: String) {
+        self.pool.release(row);
+        self.reserved -= seq.reserved;
+        let _ = seq.pending.reply.send(Err(CoreError::engine(
+            EngineErrorKind::Internal,
+            format!("prefill failed: {e}"),
+        )));
     }
 
     /// Removes finished sequences from the running batch, returns their blocks and answers
@@ -885,14 +938,36 @@ impl Scheduler {
     /// batch with that token as its next input, and its first token is sampled from the next
     /// decode step.
     pub(crate) fn prefill(&mut self, seq: &mut Seq) -> Result<KvCache, String> {
+        let (cache, hit) = self.take_prefix(seq);
+        self.prefill_from(seq, cache, hit)
+    }
+
+    /// The longest cached prefix of what `seq` must have cached before its next decode step
+    /// (its prompt, or for a retracted sequence everything but its last token), with its
+    /// length; the prefix's routing rows become `seq`'s and a fresh sequence counts it as
+    /// cached prompt tokens.
+    pub(crate) fn take_prefix(&mut self, seq: &mut Seq) -> (KvCache, usize) {
         let resumed = seq.output_len() > 0;
         let target = seq.cached_len();
-        let (mut cache, hit, hit_routing) = self.lookup_prefix(&seq.tokens[..target], !resumed);
+        let (cache, hit, hit_routing) = self.lookup_prefix(&seq.tokens[..target], !resumed);
         if !resumed {
             seq.cached_tokens = hit;
             self.stats.cached_prompt_tokens += hit as u64;
         }
         seq.routing = hit_routing;
+        (cache, hit)
+    }
+
+    /// [`Self::prefill`] after [`Self::take_prefix`] gave `cache` (`hit` positions): the one
+    /// sequence's forward over the rest on that cache.
+    pub(crate) fn prefill_from(
+        &mut self,
+        seq: &mut Seq,
+        mut cache: KvCache,
+        hit: usize,
+    ) -> Result<KvCache, String> {
+        let resumed = seq.output_len() > 0;
+        let target = seq.cached_len();
         let rest = &seq.tokens[hit..target];
         if rest.is_empty() {
             // Only a resumed sequence can get here (a fresh one always keeps one token).

@@ -107,12 +107,15 @@ impl CausalLm {
     /// whose weights no longer change (the embedded engine builds its step model anew from
     /// every weight version), never on one being trained. MoE layers get their routed
     /// experts packed for the sparse dispatch ([`PackedMoe`]). Grouped-query attention
-    /// layers only; latent-attention layers keep their projections.
+    /// layers, and Gated DeltaNet layers (their four input projections as one matmul,
+    /// `out_proj` through one); latent-attention layers keep their projections.
     pub fn fuse_projections(&mut self) {
         self.packed_lm_head = Some(FusedLinear::from_weight(self.lm_head_weight()));
         for layer in &mut self.model.layers {
-            if let SelfAttention::Grouped(a) = &mut layer.self_attn {
-                a.fuse();
+            match &mut layer.self_attn {
+                SelfAttention::Grouped(a) => a.fuse(),
+                SelfAttention::Linear(linear) => linear.fuse(),
+                SelfAttention::Latent(_) => {}
             }
             match &mut layer.mlp {
                 FeedForward::Dense(mlp) => mlp.fuse(),

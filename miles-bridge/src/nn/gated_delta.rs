@@ -28,7 +28,7 @@ use burn::tensor::{Bool, DType, FloatDType, Tensor};
 
 use crate::config::LinearAttentionConfig;
 use crate::error::BridgeError;
-use crate::nn::linear::Linear;
+use crate::nn::linear::{FusedLinear, Linear};
 use crate::nn::norm::RmsNorm;
 use crate::nn::param::{Builder, Init, ParamRef, ParamVisitor};
 use crate::profile::{self, OpClass};
@@ -97,6 +97,14 @@ pub struct GatedDeltaNet {
     pub value_head_dim: usize,
     /// `linear_conv_kernel_dim`.
     pub kernel: usize,
+    /// Inference only: `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `in_proj_a` as one
+    /// matmul ([`FusedLinear`]: the packed decode kernel on flex with AVX-512F); `None` runs
+    /// them separately.
+    #[module(skip)]
+    pub fused_in: Option<FusedLinear>,
+    /// Inference only: `out_proj` through [`FusedLinear`].
+    #[module(skip)]
+    pub packed_out: Option<FusedLinear>,
 }
 
 impl GatedDeltaNet {
@@ -132,7 +140,21 @@ impl GatedDeltaNet {
             key_head_dim: c.key_head_dim,
             value_head_dim: c.value_head_dim,
             kernel: c.conv_kernel_dim,
+            fused_in: None,
+            packed_out: None,
         })
+    }
+
+    /// Stacks the input projections into one [`FusedLinear`] and puts `out_proj` through
+    /// one, for inference on weights that no longer change (`CausalLm::fuse_projections`).
+    pub(crate) fn fuse(&mut self) {
+        self.fused_in = Some(FusedLinear::new(&[
+            &self.in_proj_qkv,
+            &self.in_proj_z,
+            &self.in_proj_b,
+            &self.in_proj_a,
+        ]));
+        self.packed_out = Some(FusedLinear::new(&[&self.out_proj]));
     }
 
     fn conv_dim(&self) -> usize {
@@ -166,14 +188,23 @@ impl GatedDeltaNet {
         );
         let conv_dim = self.conv_dim();
         let (qkv, z, b, a) = profile::time(OpClass::QkvProj, || {
-            (
-                self.in_proj_qkv
-                    .forward(rows.clone())
-                    .reshape([batch, seq, conv_dim]),
-                self.in_proj_z.forward(rows.clone()),
-                self.in_proj_b.forward(rows.clone()),
-                self.in_proj_a.forward(rows),
-            )
+            let parts = match &self.fused_in {
+                Some(fused) => fused.forward(rows),
+                None => vec![
+                    self.in_proj_qkv.forward(rows.clone()),
+                    self.in_proj_z.forward(rows.clone()),
+                    self.in_proj_b.forward(rows.clone()),
+                    self.in_proj_a.forward(rows),
+                ],
+            };
+            let mut parts = parts.into_iter();
+            match (parts.next(), parts.next(), parts.next(), parts.next()) {
+                (Some(qkv), Some(z), Some(b), Some(a)) => {
+                    (qkv.reshape([batch, seq, conv_dim]), z, b, a)
+                }
+                // Four layers in both arms above, so this never runs.
+                _ => unreachable!("four input projections"),
+            }
         });
         let previous = state.as_ref().and_then(|s| s.as_ref()).cloned();
         let (mixed, conv_window) = profile::time(OpClass::LinearConv, || {
@@ -283,9 +314,12 @@ impl GatedDeltaNet {
                 // the gate in f32, rounded once.
                 (self.norm.forward(out).cast(f32) * silu(gate.cast(f32))).cast(dtype)
             };
-            self.out_proj
-                .forward(normed.reshape([batch * seq, nv * dv]))
-                .reshape([batch, seq, hidden])
+            let normed = normed.reshape([batch * seq, nv * dv]);
+            match &self.packed_out {
+                Some(out) => out.forward_all(normed),
+                None => self.out_proj.forward(normed),
+            }
+            .reshape([batch, seq, hidden])
         })
     }
 

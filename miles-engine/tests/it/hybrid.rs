@@ -262,3 +262,22 @@ async fn hybrid_prefixes_are_reused_whole_only() {
         "log-probs after a reused prefix differ by {diff}"
     );
 }
+
+/// Prompts admitted together are prefilled in one forward (a hybrid model batches prompts
+/// of equal length: each row's conv and recurrent states come from its own tokens): the
+/// greedy tokens equal those of the same prompts prefilled one at a time, and the decode
+/// log-probs equal them to float rounding.
+#[tokio::test]
+async fn hybrid_prompts_prefilled_together_decode_as_alone() {
+    let name = "qwen35moe-tiny";
+    let model = load(name);
+    let Reference { prompts, .. } = reference(name);
+    let vocab = model.config.vocab_size as u32;
+    // Four distinct prompts of 21 tokens (and one of 70, alone in its group).
+    let mut batch: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| prompts[1].iter().map(|&t| (t + 7 * i) % vocab).collect())
+        .collect();
+    batch.push(prompts[2].clone());
+    let batched = crate::engine::prefilled_together_and_alone(model, &batch, 8).await;
+    assert_eq!(batched, 4);
+}
