@@ -152,6 +152,8 @@ pub fn gated_delta_rule(
 /// recomputed) gives the gradients of `q`, `k`, `v`, `decay`, `beta` and `initial`. The
 /// outputs do not depend on whether a gradient is tracked, nor on the other rows of the
 /// batch, so training, scoring, prefill and a recomputed layer compute the same bits.
+/// On CubeCL devices (`f32`) the same op and backward: the chunk-local products as batched
+/// tensor ops, the scan over the chunks one fused kernel each way (`src/kernels/chunked.rs`).
 /// Elsewhere (other devices or dtypes) it is [`gated_delta_rule_reference`] (the same
 /// computation in differentiable tensor ops, chunks padded to a power of two). Errors on
 /// inconsistent shapes.
@@ -195,7 +197,7 @@ pub fn gated_delta_rule_chunked(
     Ok((both.clone().narrow(2, 0, t), both.narrow(2, t, dk)))
 }
 
-/// Backend op of [`gated_delta_rule_chunked`] (flex, with the custom backward on
+/// Backend op of [`gated_delta_rule_chunked`] (flex and CubeCL, with the custom backward on
 /// `Autodiff`). The outputs and the final state travel as one tensor `[b, h, t + dk, dv]`
 /// (per head its `t` output rows, then the state's `dk` rows), so one autodiff node carries
 /// the gradients of both.

@@ -1,10 +1,13 @@
-//! The chunked gated delta rule's forward and explicit backward in batched tensor ops (no
-//! autodiff graph): what [`crate::ChunkedDeltaOps`] runs on CubeCL devices, where every
-//! product and element-wise step is one of burn's CubeCL kernels over all (batch, head,
-//! chunk) at once, and the chunks are scanned in order. The same products as the native
-//! flex loops (`src/flex/chunked.rs`), with the sequence padded to whole chunks of
-//! [`DELTA_CHUNK`] tokens (a padded token has `β = 0`, `g = 0`, zero `q`, `k`, `v`: it leaves
-//! the state alone) and the triangular system inverted by blocks ([`unit_lower_inverse`]).
+//! The chunked gated delta rule's forward and explicit backward on CubeCL devices (no
+//! autodiff graph): what [`crate::ChunkedDeltaOps`] runs there. The chunk-local products and
+//! the backward's per-chunk products are batched tensor ops (burn's CubeCL matmul and
+//! element-wise kernels over every (batch, head, chunk) at once); the sequential scans over
+//! the chunks (forward: the states and outputs; backward: the state gradients and `dV`) are
+//! passed in ([`ForwardScan`], [`BackwardScan`]: the fused kernels of
+//! `src/kernels/chunked.rs`). The same products as the native flex loops
+//! (`src/flex/chunked.rs`), with the sequence padded to whole chunks of [`DELTA_CHUNK`]
+//! tokens (a padded token has `β = 0`, `g = 0`, zero `q`, `k`, `v`: it leaves the state
+//! alone) and the triangular system inverted by blocks ([`unit_lower_inverse`]).
 
 use burn::tensor::{Bool, Tensor, TensorData};
 
@@ -23,8 +26,8 @@ fn mask(
         .expand(dims)
 }
 
-/// The chunk-local products of every chunk (see `src/flex/chunked.rs`).
-struct Local {
+/// The chunk-local products of every chunk (see `src/flex/chunked.rs`), `[b, h, n, c, ·]`.
+pub(crate) struct Local {
     q: Tensor<5>,
     k: Tensor<5>,
     v: Tensor<5>,
@@ -36,14 +39,31 @@ struct Local {
     kbe: Tensor<5>,
     l: Tensor<5>,
     t: Tensor<5>,
-    u: Tensor<5>,
-    w: Tensor<5>,
-    a: Tensor<5>,
-    qe: Tensor<5>,
-    kd: Tensor<5>,
+    /// `U = T vb`, `[b, h, n, c, dv]`.
+    pub(crate) u: Tensor<5>,
+    /// `W = T (e^γ ⊙ kb)`, `[b, h, n, c, dk]`.
+    pub(crate) w: Tensor<5>,
+    /// `A = lower(q kᵀ ⊙ Γ)`, `[b, h, n, c, c]`.
+    pub(crate) a: Tensor<5>,
+    /// `e^γ ⊙ q`, `[b, h, n, c, dk]`.
+    pub(crate) qe: Tensor<5>,
+    /// `e^{γ_last − γ} ⊙ k`, `[b, h, n, c, dk]`.
+    pub(crate) kd: Tensor<5>,
     /// `e^{γ_last}` per chunk, `[b, h, n, 1, 1]`.
-    el: Tensor<5>,
+    pub(crate) el: Tensor<5>,
 }
+
+/// The forward's scan over the chunks: from the chunk products and the initial state
+/// `[b, h, dk, dv]`, the padded outputs `[b, h, n, c, dv]`, the final state and, when the
+/// flag asks, the state entering every chunk `[b, h, n, dk, dv]` (else an empty tensor).
+pub(crate) type ForwardScan = fn(&Local, Tensor<4>, bool) -> (Tensor<5>, Tensor<4>, Tensor<5>);
+
+/// The backward's scan over the chunks, last first: from the chunk products, the padded
+/// output gradient `[b, h, n, c, dv]` and the final state's gradient `[b, h, dk, dv]`, the
+/// gradient of every chunk's `V = U − W S` `[b, h, n, c, dv]`, of the state leaving every
+/// chunk `[b, h, n, dk, dv]` and of the initial state.
+pub(crate) type BackwardScan =
+    fn(&Local, Tensor<5>, Tensor<4>) -> (Tensor<5>, Tensor<5>, Tensor<4>);
 
 /// Queries or keys `[b, hk, t, d]` repeated over each key head's group of `h` heads.
 fn spread(x: Tensor<4>, h: usize) -> Tensor<4> {
@@ -123,15 +143,9 @@ fn local(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, g: Tensor<3>, beta: Tensor<3>
     }
 }
 
-/// Chunk `i` of a `[b, h, n, x, y]` tensor, `[b, h, x, y]`.
-fn at(x: &Tensor<5>, i: usize) -> Tensor<4> {
-    let [b, h, _, r, c] = x.dims();
-    x.clone().narrow(2, i, 1).reshape([b, h, r, c])
-}
-
 /// The forward: `([b, h, t + dk, dv]` outputs then final state, the state entering every
-/// chunk `[b, h, n, dk, dv])`.
-/// (`kept`: else an empty `[0, 0, 0, 0, 0]` tensor).
+/// chunk `[b, h, n, dk, dv])` (`keep`: else an empty `[0, 0, 0, 0, 0]` tensor).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -140,36 +154,22 @@ pub(crate) fn forward(
     beta: Tensor<3>,
     initial: Tensor<4>,
     keep: bool,
+    scan: ForwardScan,
 ) -> (Tensor<4>, Tensor<5>) {
     let t = q.dims()[2];
     let lo = local(q, k, v, g, beta);
-    let n = lo.q.dims()[2];
-    let mut state = initial;
-    let (mut outs, mut kept) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    for i in 0..n {
-        if keep {
-            kept.push(state.clone().unsqueeze_dim::<5>(2));
-        }
-        let vn = at(&lo.u, i) - at(&lo.w, i).matmul(state.clone());
-        outs.push(at(&lo.qe, i).matmul(state.clone()) + at(&lo.a, i).matmul(vn.clone()));
-        state = state * at(&lo.el, i) + at(&lo.kd, i).swap_dims(2, 3).matmul(vn);
-    }
-    let device = state.device();
-    let kept = if keep && n > 0 {
-        Tensor::cat(kept, 2)
-    } else {
-        Tensor::zeros([0, 0, 0, 0, 0], &device)
-    };
+    let [b, h, n, c, dv] = lo.u.dims();
+    let (out, state, kept) = scan(&lo, initial, keep);
     if n == 0 {
         return (state, kept);
     }
-    let out = Tensor::cat(outs, 2).narrow(2, 0, t);
+    let out = out.reshape([b, h, n * c, dv]).narrow(2, 0, t);
     (Tensor::cat(vec![out, state], 2), kept)
 }
 
 /// The backward: `(dq, dk, dv, d_decay, d_beta, d_initial)` for the gradient `grad`
 /// (`[b, h, t + dk, dv]`) of [`forward`]'s first result, from its chunk states.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub(crate) fn backward(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -178,6 +178,7 @@ pub(crate) fn backward(
     beta: Tensor<3>,
     states: Tensor<5>,
     grad: Tensor<4>,
+    scan: BackwardScan,
 ) -> (
     Tensor<4>,
     Tensor<4>,
@@ -197,33 +198,16 @@ pub(crate) fn backward(
         d_out = Tensor::cat(vec![d_out, Tensor::zeros([b, h, pad, dv], &device)], 2);
     }
     let d_out = d_out.reshape([b, h, n, c, dv]);
-    let mut ds = grad.narrow(2, t, dk);
-    // The scan, last chunk first: the products that read the state or its gradient.
-    let mut parts: Vec<[Tensor<4>; 5]> = Vec::with_capacity(n);
-    let mut dlast = Vec::with_capacity(n);
-    for i in (0..n).rev() {
-        let st = at(&states, i);
-        let d_o = at(&d_out, i);
-        let (a, w, kd) = (at(&lo.a, i), at(&lo.w, i), at(&lo.kd, i));
-        let vn = at(&lo.u, i) - w.clone().matmul(st.clone());
-        let dvn = a.swap_dims(2, 3).matmul(d_o.clone()) + kd.matmul(ds.clone());
-        let dqe = d_o.clone().matmul(st.clone().swap_dims(2, 3));
-        let dkd = vn.clone().matmul(ds.clone().swap_dims(2, 3));
-        let dw = dvn.clone().matmul(st.clone().swap_dims(2, 3)).neg();
-        let el = at(&lo.el, i);
-        dlast.push((st * ds.clone()).sum_dim(3).sum_dim(2) * el.clone());
-        let prev = ds * el + at(&lo.qe, i).swap_dims(2, 3).matmul(d_o)
-            - w.swap_dims(2, 3).matmul(dvn.clone());
-        parts.push([vn, dvn, dqe, dkd, dw]);
-        ds = prev;
-    }
-    parts.reverse();
-    dlast.reverse();
-    let stack =
-        |j: usize| -> Tensor<5> { Tensor::stack(parts.iter().map(|p| p[j].clone()).collect(), 2) };
-    let (vn, dvn, dqe, dkd, dw) = (stack(0), stack(1), stack(2), stack(3), stack(4));
+    // The scan, last chunk first, then the products that read a chunk's state (`states`:
+    // the state entering it) or its gradient (`d_states`: of the state leaving it).
+    let (dvn, d_states, ds) = scan(&lo, d_out.clone(), grad.narrow(2, t, dk));
+    let vn = lo.u.clone() - lo.w.clone().matmul(states.clone());
+    let dqe = d_out.clone().matmul(states.clone().swap_dims(3, 4));
+    let dkd = vn.clone().matmul(d_states.clone().swap_dims(3, 4));
+    let dw = dvn.clone().matmul(states.clone().swap_dims(3, 4)).neg();
     // [b, h, n, 1, 1] → [b, h, n].
-    let dlast: Tensor<3> = Tensor::stack::<5>(dlast, 2).reshape([b, h, n]);
+    let dlast: Tensor<3> =
+        ((states * d_states).sum_dim(4).sum_dim(3) * lo.el.clone()).reshape([b, h, n]);
     let dims = [b, h, n, c, c];
     let lower = |x: Tensor<5>| x.mask_fill(mask(dims, &device, |i, j| j > i), 0.0);
     let strict = |x: Tensor<5>| x.mask_fill(mask(dims, &device, |i, j| j >= i), 0.0);

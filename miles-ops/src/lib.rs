@@ -30,8 +30,9 @@
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]), the decode-step projections split over the cores
 //! ([`linear()`], [`linear_t`]) and the gated delta rule of Qwen3.5's linear attention in
-//! the chunked form ([`gated_delta_rule_chunked`]: native loops on flex, batched CubeCL
-//! tensor ops on CubeCL devices, the explicit backward on both); forward only, its recurrent
+//! the chunked form ([`gated_delta_rule_chunked`]: native loops on flex; on CubeCL devices
+//! batched tensor ops for the chunk-local products and one fused kernel for the scan over
+//! the chunks each way; the explicit backward on both); forward only, its recurrent
 //! form for decode steps ([`gated_delta_rule`]: a native loop or a CubeCL kernel).
 //! [`runs_fused`] says whether a device takes the fused path;
 //! [`fused_ops_enabled`] / [`set_fused_ops`] (also `MILES_FUSED_OPS=off`) is one

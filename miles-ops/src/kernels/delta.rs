@@ -1,11 +1,9 @@
 //! CubeCL kernel of the gated delta rule's forward ([`crate::GatedDeltaOps`]; feature `wgpu`
-//! or `cuda`; tested on wgpu over lavapipe by `tests/it/kernels_model.rs` against the flex
+//! or `cuda`; tested on wgpu over lavapipe by `tests/it/delta.rs` against the flex
 //! op), registered for burn's `CubeBackend`.
 //!
-//! The chunked op ([`crate::ChunkedDeltaOps`], training and prefill) runs its forward and
-//! explicit backward as batched tensor ops on the CubeCL backend (`src/gated_delta_tensor.rs`:
-//! burn's CubeCL matmul and element-wise kernels over every (batch, head, chunk) at once,
-//! the chunks scanned in order), without an autodiff graph of its intermediates.
+//! The chunked op ([`crate::ChunkedDeltaOps`], training and prefill) has its own kernels
+//! (`src/kernels/chunked.rs`).
 //!
 //! `gated_delta_kernel`: one cube per (batch, head, block of value columns) (grid-stride),
 //! one unit per column of the state: the column's `key_dim` entries live in the unit's
@@ -25,7 +23,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use cubecl::prelude::*;
 
-use crate::gated_delta::{ChunkedDeltaOps, GatedDeltaOps};
+use crate::gated_delta::GatedDeltaOps;
 
 /// Most cubes launched along x (the WebGPU limit per dimension).
 const MAX_CUBES_X: usize = 65_535;
@@ -165,93 +163,5 @@ impl GatedDeltaOps for CubeBackend {
             dtype_to_storage_type(dtype),
         );
         (out, state)
-    }
-}
-
-/// A CubeCL primitive as a tensor (for the tensor-op passes of [`ChunkedDeltaOps`]).
-fn wrap<const D: usize>(x: FloatTensor<CubeBackend>) -> burn::tensor::Tensor<D> {
-    burn::tensor::Tensor::from_primitive::<CubeBackend>(x)
-}
-
-/// The CubeCL primitive of a tensor made from CubeCL primitives.
-fn unwrap<const D: usize>(x: burn::tensor::Tensor<D>) -> FloatTensor<CubeBackend> {
-    x.try_into_primitive::<CubeBackend>()
-        .unwrap_or_else(|e| unreachable!("a CubeCL op result off its backend: {e:?}"))
-}
-
-impl ChunkedDeltaOps for CubeBackend {
-    fn gated_delta_chunked(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        decay: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        initial: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        let (both, _) = crate::gated_delta_tensor::forward(
-            wrap(q),
-            wrap(k),
-            wrap(v),
-            wrap(decay),
-            wrap(beta),
-            wrap(initial),
-            false,
-        );
-        unwrap(both)
-    }
-
-    fn gated_delta_chunked_forward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        decay: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        initial: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (both, states) = crate::gated_delta_tensor::forward(
-            wrap(q),
-            wrap(k),
-            wrap(v),
-            wrap(decay),
-            wrap(beta),
-            wrap(initial),
-            true,
-        );
-        (unwrap(both), unwrap(states))
-    }
-
-    fn gated_delta_chunked_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        decay: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        states: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> (
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-    ) {
-        let (dq, dk, dv, dd, db, di) = crate::gated_delta_tensor::backward(
-            wrap(q),
-            wrap(k),
-            wrap(v),
-            wrap(decay),
-            wrap(beta),
-            wrap(states),
-            wrap(grad),
-        );
-        (
-            unwrap(dq),
-            unwrap(dk),
-            unwrap(dv),
-            unwrap(dd),
-            unwrap(db),
-            unwrap(di),
-        )
     }
 }

@@ -11,7 +11,9 @@
 //! - `model.rs`: RMSNorm, RoPE, SwiGLU, the grouped expert matmul and the expert bucketing;
 //! - `attention.rs`: flash-style masked attention forward (also the decode step) and backward,
 //!   with attention sinks and the sliding window (through the mask);
-//! - `delta.rs`: the gated delta rule's forward ([`crate::GatedDeltaOps`]).
+//! - `delta.rs`: the gated delta rule's recurrent forward ([`crate::GatedDeltaOps`]);
+//! - `chunked.rs`: the chunked gated delta rule's scans over the chunks, forward and
+//!   backward ([`crate::ChunkedDeltaOps`]; the chunk-local products are batched tensor ops).
 //!
 //! No plane (warp) operations and a few KiB of shared memory per cube, so they run on every
 //! WebGPU adapter. What this module exports is the device kernel tests run on
@@ -20,6 +22,8 @@
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod attention;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod chunked;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod delta;
 mod device;

@@ -6,7 +6,8 @@
 //! op ([`gated_delta_rule_chunked`]: native forward and backward on flex) against the
 //! chunked tensor-op form (values and autodiff gradients, grouped key heads, ragged last
 //! chunks) and against transformers' `torch_chunk_gated_delta_rule`
-//! (`fixtures/ops/gated_delta_rule.json`), and its bitwise stability across paths.
+//! (`fixtures/ops/gated_delta_rule.json`), and its bitwise stability across paths; on a
+//! CubeCL device (its fused scan kernels) against the flex op and the fixture.
 
 use burn::tensor::{Device, Tensor};
 use miles_ops::{
@@ -372,6 +373,12 @@ fn fixture_values(doc: &serde_json::Value, path: &[&str]) -> Vec<f32> {
 /// gradients of every input.
 #[test]
 fn chunked_op_matches_transformers() {
+    transformers_check(&Device::flex(), &[false, true]);
+}
+
+/// The fixture's check on `device` (under autodiff), for the op (`false`) and the reference
+/// (`true`) as `paths` lists.
+fn transformers_check(device: &Device, paths: &[bool]) {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../fixtures/ops/gated_delta_rule.json"
@@ -386,7 +393,7 @@ fn chunked_op_matches_transformers() {
         size("key_dim"),
         size("value_dim"),
     );
-    let device = Device::flex().autodiff();
+    let device = device.clone().autodiff();
     let load = |name: &str, shape: [usize; 4]| {
         Tensor::<1>::from_floats(fixture_values(&doc, &["inputs", name]).as_slice(), &device)
             .reshape(shape)
@@ -397,7 +404,7 @@ fn chunked_op_matches_transformers() {
         .reshape([1, t, h, dv]);
     let w_state = Tensor::<1>::from_floats(fixture_values(&doc, &["w_state"]).as_slice(), &device)
         .reshape([1, h, dk, dv]);
-    for reference in [false, true] {
+    for &reference in paths {
         // transformers' layouts: [batch, tokens, heads, dim] and [batch, tokens, heads].
         let q = load("q", [1, t, hk, dk]).require_grad();
         let k = load("k", [1, t, hk, dk]).require_grad();
@@ -489,8 +496,11 @@ fn chunked_on(c: &DeltaCase, key_heads: usize, device: &Device) -> Vec<Vec<f32>>
     all
 }
 
-/// The chunked op on a CubeCL device (its forward and explicit backward in CubeCL tensor
-/// ops) against the flex op: outputs, final states and every gradient.
+/// The chunked op on a CubeCL device (the fused scan kernels of `src/kernels/chunked.rs`
+/// between batched CubeCL tensor ops) against the flex op: outputs, final states and every
+/// gradient within 1e-4, over three chunks (the last ragged) with two key heads for four
+/// value heads from a state, and over value columns spread on two cubes (70 > 64) from
+/// zeros; then against transformers' fixture.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn chunked_delta_on_cubecl_matches_flex() {
@@ -498,22 +508,29 @@ fn chunked_delta_on_cubecl_matches_flex() {
     else {
         return;
     };
-    // One small case (every kernel shape compiles on the software adapter): two chunks, the
-    // last of 2 tokens, one key head for two value heads, from a state.
-    let c = DeltaCase {
-        batch: 1,
-        heads: 2,
-        tokens: 66,
-        key_dim: 4,
-        value_dim: 4,
-        initial: true,
+    let case = |batch, heads, tokens, key_dim, value_dim, initial| DeltaCase {
+        batch,
+        heads,
+        tokens,
+        key_dim,
+        value_dim,
+        initial,
     };
     let names = [
         "out", "state", "dq", "dk", "dv", "ddecay", "dbeta", "dinitial",
     ];
-    let (cube, flex) = (chunked_on(&c, 1, &dev), chunked_on(&c, 1, &Device::flex()));
-    assert_eq!(cube.len(), flex.len());
-    for ((name, a), b) in names.iter().zip(&cube).zip(&flex) {
-        assert_rel_close(name, a, b, 1e-4);
+    for (what, c, hk) in [
+        ("3 chunks, 2 → 4 heads", case(2, 4, 150, 16, 8, true), 2),
+        ("70 value columns", case(1, 2, 66, 4, 70, false), 1),
+    ] {
+        let (cube, flex) = (
+            chunked_on(&c, hk, &dev),
+            chunked_on(&c, hk, &Device::flex()),
+        );
+        assert_eq!(cube.len(), flex.len());
+        for ((name, a), b) in names.iter().zip(&cube).zip(&flex) {
+            assert_rel_close(&format!("{what}: {name}"), a, b, 1e-4);
+        }
     }
+    transformers_check(&dev, &[false]);
 }
