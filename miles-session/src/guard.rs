@@ -16,8 +16,10 @@
 //!   Every rejection is an OpenAI-shaped JSON error (`{"error": {"message", "type", "code"}}`,
 //!   [`crate::error::error_body`]).
 //! * [`serve`] is the accept loop to use instead of `axum::serve`: at most
-//!   [`GuardConfig::max_connections`] connections at once (further clients wait in the
-//!   listen backlog), and a connection that does not deliver a complete request head within
+//!   [`GuardConfig::max_connections`] connections at once (at the limit, the oldest idle
+//!   keep-alive connection is closed to make room for a new one; with none idle the new one
+//!   waits for the next connection to finish a response, which then closes; further clients
+//!   wait in the listen backlog), and a connection that does not deliver a complete request head within
 //!   [`GuardConfig::header_read_timeout`] (slowloris, or an idle keep-alive) is closed, so slow
 //!   clients cannot starve `/health`. HTTP/1.1 only. [`serve_with_shutdown`] stops
 //!   accepting when a future completes.
@@ -65,10 +67,11 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 
 use crate::error::{Error, Result, error_body};
 
@@ -99,7 +102,8 @@ pub struct GuardConfig {
     pub request_timeout: Option<Duration>,
     /// Requests in progress at once, open paths excluded (503 above it).
     pub max_concurrent_requests: Option<usize>,
-    /// [`serve`]: connections at once; further clients wait in the listen backlog.
+    /// [`serve`]: connections at once; at the limit an idle keep-alive connection makes room
+    /// for a new one (see [`serve_with_shutdown`]).
     pub max_connections: Option<usize>,
     /// [`serve`]: time to receive a complete request head, on a new or an idle keep-alive
     /// connection (the connection is closed after it).
@@ -410,8 +414,88 @@ pub async fn serve(listener: TcpListener, router: Router, config: GuardConfig) -
     serve_with_shutdown(listener, router, config, std::future::pending()).await
 }
 
+/// The idle keep-alive connections of one [`serve_with_shutdown`] loop, oldest first, and
+/// whether a new connection waits for a slot.
+#[derive(Default)]
+struct IdleConnections {
+    /// Keyed by when each became idle (a counter): the first entry is the oldest.
+    idle: std::collections::BTreeMap<u64, Arc<Notify>>,
+    next: u64,
+    /// Whether the accepted connection waiting for a slot found no idle connection to close:
+    /// the next connection to become idle closes instead.
+    wanted: bool,
+}
+
+/// One connection's place in [`IdleConnections`].
+struct ConnectionSlot {
+    connections: Arc<std::sync::Mutex<IdleConnections>>,
+    /// Told to close the connection once its current response is written.
+    close: Arc<Notify>,
+    /// Its key in [`IdleConnections::idle`] while idle.
+    idle_key: std::sync::Mutex<Option<u64>>,
+}
+
+impl ConnectionSlot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, IdleConnections> {
+        self.connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A request arrived: the connection is no longer idle.
+    fn busy(&self) {
+        let key = self
+            .idle_key
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(key) = key {
+            self.lock().idle.remove(&key);
+        }
+    }
+
+    /// A response is ready: the connection becomes an idle keep-alive connection, or closes
+    /// (after writing it) when a new connection waits for a slot.
+    fn idle(&self) {
+        let mut connections = self.lock();
+        if connections.wanted {
+            connections.wanted = false;
+            self.close.notify_one();
+            return;
+        }
+        connections.next += 1;
+        let key = connections.next;
+        connections.idle.insert(key, self.close.clone());
+        *self
+            .idle_key
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(key);
+    }
+}
+
+/// Marks the connection idle when dropped (the response is ready, or the request was
+/// cancelled).
+struct IdleOnDrop(Arc<ConnectionSlot>);
+
+impl Drop for IdleOnDrop {
+    fn drop(&mut self) {
+        self.0.idle();
+    }
+}
+
 /// [`serve`] until `shutdown` completes: then it stops accepting and returns; connections
 /// already accepted finish their requests on their own tasks.
+///
+/// At the connection limit a new connection is accepted and waits for a slot while the
+/// oldest idle keep-alive connection (one that has served a request and waits for the next)
+/// is closed to make room, or, when none is idle, the next connection to finish a response
+/// closes after writing it (as nginx reuses idle keep-alive connections when it runs out):
+/// otherwise a
+/// client pool holding more connections than the limit, some idle (hyper's pool keeps the
+/// connection it started while an idle one was handed to the request), leaves its next
+/// request in the listen backlog until an idle connection times out
+/// ([`GuardConfig::header_read_timeout`]), a 10 s stall by default. A connection is never
+/// closed while a request is in progress on it, nor before its first request.
 pub async fn serve_with_shutdown(
     listener: TcpListener,
     router: Router,
@@ -419,21 +503,20 @@ pub async fn serve_with_shutdown(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     config.validate()?;
-    let connections = config
+    let slots = config
         .max_connections
         .map(|n| Arc::new(Semaphore::new(n.clamp(1, Semaphore::MAX_PERMITS))));
+    let connections = Arc::new(std::sync::Mutex::new(IdleConnections::default()));
+    let lock = || {
+        connections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let next = async {
-            let permit = match &connections {
-                Some(s) => s.clone().acquire_owned().await.ok(),
-                None => None,
-            };
-            (permit, listener.accept().await)
-        };
-        let (permit, accepted) = tokio::select! {
+        let accepted = tokio::select! {
             () = &mut shutdown => return Ok(()),
-            next = next => next,
+            accepted = listener.accept() => accepted,
         };
         let stream = match accepted {
             Ok((stream, _)) => stream,
@@ -444,10 +527,47 @@ pub async fn serve_with_shutdown(
                 continue;
             }
         };
+        let permit = match &slots {
+            None => None,
+            Some(slots) => match slots.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    {
+                        let mut state = lock();
+                        match state.idle.pop_first() {
+                            Some((_, close)) => close.notify_one(),
+                            None => state.wanted = true,
+                        }
+                    }
+                    let permit = tokio::select! {
+                        () = &mut shutdown => return Ok(()),
+                        permit = slots.clone().acquire_owned() => permit.ok(),
+                    };
+                    lock().wanted = false;
+                    permit
+                }
+            },
+        };
         if let Err(error) = stream.set_nodelay(true) {
             tracing::debug!(%error, "cannot set TCP_NODELAY");
         }
-        let service = TowerToHyperService::new(router.clone());
+        let slot = Arc::new(ConnectionSlot {
+            connections: connections.clone(),
+            close: Arc::new(Notify::new()),
+            idle_key: std::sync::Mutex::new(None),
+        });
+        let inner = TowerToHyperService::new(router.clone());
+        let on_request = slot.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            on_request.busy();
+            let idle = IdleOnDrop(on_request.clone());
+            let response = hyper::service::Service::call(&inner, request);
+            async move {
+                let response = response.await;
+                drop(idle);
+                response
+            }
+        });
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())
@@ -455,10 +575,17 @@ pub async fn serve_with_shutdown(
             .keep_alive(true);
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(error) = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            let mut connection = std::pin::pin!(connection);
+            let ended = tokio::select! {
+                ended = connection.as_mut() => ended,
+                () = slot.close.notified() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            slot.busy();
+            if let Err(error) = ended {
                 tracing::debug!(%error, "connection ended with an error");
             }
         });
@@ -550,6 +677,141 @@ mod tests {
             serve(listener, app, zero).await,
             Err(Error::Config(_))
         ));
+    }
+
+    /// Sends `GET {path}` on `stream` (not waiting for the answer).
+    async fn send_get(stream: &mut tokio::net::TcpStream, path: &str) {
+        use tokio::io::AsyncWriteExt;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+    }
+
+    /// Reads one response (head and `Content-Length` body) from `stream`.
+    async fn read_response(stream: &mut tokio::net::TcpStream) -> String {
+        use tokio::io::AsyncReadExt;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 1024];
+        loop {
+            let text = String::from_utf8_lossy(&buf).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length = head
+                    .lines()
+                    .find_map(|l| {
+                        let (name, value) = l.split_once(':')?;
+                        name.eq_ignore_ascii_case("content-length")
+                            .then(|| value.trim().parse::<usize>().ok())?
+                    })
+                    .unwrap_or(0);
+                if body.len() >= length {
+                    return text;
+                }
+            }
+            let n = stream.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "connection closed mid-response: {text:?}");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// `GET {path}` on `stream` and its response, within 60 s (a connection left waiting for
+    /// a slot fails the test instead of hanging it).
+    async fn get_on(stream: &mut tokio::net::TcpStream, path: &str) -> String {
+        send_get(stream, path).await;
+        tokio::time::timeout(Duration::from_secs(60), read_response(stream))
+            .await
+            .expect("answered, not left waiting for a connection slot")
+    }
+
+    /// Whether the server closed `stream` (EOF or a reset) without sending anything more.
+    async fn closed(stream: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut byte)).await;
+        matches!(read, Ok(Ok(0) | Err(_)))
+    }
+
+    /// At the connection limit a new connection is served by closing the oldest idle
+    /// keep-alive connection, not left in the listen backlog until an idle connection times
+    /// out (here there is no request-head timeout: before, it waited for ever); with none
+    /// idle, the new connection waits until a connection finishes its response, and a busy
+    /// connection is never cut.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_over_the_limit_replaces_an_idle_one() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let release = Arc::new(Notify::new());
+        let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let slow = release.clone();
+        let app = Router::new()
+            .route("/health", axum::routing::get(|| async { "ok" }))
+            .route(
+                "/slow",
+                axum::routing::get(move || {
+                    let (slow, entered) = (slow.clone(), entered_tx.clone());
+                    async move {
+                        let released = slow.notified();
+                        let _ = entered.send(());
+                        released.await;
+                        "done"
+                    }
+                }),
+            );
+        let config = GuardConfig::default()
+            .with_max_connections(Some(2))
+            .with_header_read_timeout(None);
+        tokio::spawn(serve(listener, app, config));
+        let connect = || tokio::net::TcpStream::connect(addr);
+
+        let mut oldest = connect().await.unwrap();
+        assert!(get_on(&mut oldest, "/health").await.ends_with("ok"));
+        let mut newer = connect().await.unwrap();
+        assert!(get_on(&mut newer, "/health").await.ends_with("ok"));
+        // Both idle, the limit reached: a third connection closes the oldest idle one.
+        let mut third = connect().await.unwrap();
+        assert!(get_on(&mut third, "/health").await.ends_with("ok"));
+        assert!(
+            closed(&mut oldest).await,
+            "the oldest idle connection is closed"
+        );
+        assert!(get_on(&mut newer, "/health").await.ends_with("ok"));
+
+        // `newer` busy on /slow, `third` idle: a fourth connection closes `third`.
+        send_get(&mut newer, "/slow").await;
+        entered.recv().await.unwrap();
+        let mut fourth = connect().await.unwrap();
+        assert!(get_on(&mut fourth, "/health").await.ends_with("ok"));
+        assert!(
+            closed(&mut third).await,
+            "the idle connection is closed, not the busy one"
+        );
+        // Both busy: a fifth connection waits for the first response, after which that
+        // connection closes.
+        send_get(&mut fourth, "/slow").await;
+        entered.recv().await.unwrap();
+        let mut fifth = connect().await.unwrap();
+        send_get(&mut fifth, "/health").await;
+        release.notify_waiters();
+        let mut slow_answers = Vec::new();
+        for stream in [&mut newer, &mut fourth] {
+            let answer = tokio::time::timeout(Duration::from_secs(60), read_response(stream))
+                .await
+                .unwrap();
+            assert!(answer.ends_with("done"), "{answer}");
+            slow_answers.push(answer.to_ascii_lowercase());
+        }
+        let answer = tokio::time::timeout(Duration::from_secs(60), read_response(&mut fifth))
+            .await
+            .expect("served once a busy connection finished");
+        assert!(answer.ends_with("ok"));
+        // The connection that made room was told so (when the fifth was accepted before the
+        // responses were ready; otherwise an idle one was closed after them).
+        assert!(
+            slow_answers
+                .iter()
+                .filter(|a| a.contains("connection: close"))
+                .count()
+                <= 1,
+            "{slow_answers:?}"
+        );
     }
 
     #[tokio::test]
