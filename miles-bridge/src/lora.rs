@@ -14,7 +14,7 @@
 //!   seeded generator, `B` with zeros, so a freshly attached adapter leaves the model's output
 //!   unchanged (bit for bit in `Merged` mode: `W + 0 = W`);
 //! - routed experts (stacked `[E, out, in]`) get per-expert adapters `A: [E, r, in]`,
-//!   `B: [E, out, r]`, always applied in merged form;
+//!   `B: [E, out, r]`, always applied in merged form (GPT-OSS's fused experts: below);
 //! - targets follow PEFT: a module is adapted when its name equals a `target_modules` entry or
 //!   ends with `.<entry>`; `all-linear` means every linear layer except `lm_head` (attention,
 //!   dense MLP, shared experts, routed experts); `exclude_modules` uses the same rule. Megatron's
@@ -27,9 +27,26 @@
 //!   PEFT's does). A PEFT adapter that names a routed-expert projection in `target_modules`
 //!   but holds no per-expert tensors (PEFT with transformers 5, where the experts are fused
 //!   parameters and such an entry reaches only the shared expert) leaves the routed experts
-//!   unadapted. GPT-OSS's experts (fused `gate_up_proj` / `down_proj` parameters, which PEFT
-//!   adapts only through `target_parameters`) take no adapters: an adapter with
-//!   `target_parameters` is refused;
+//!   unadapted;
+//! - GPT-OSS's experts are fused 3-D parameters (`mlp.experts.gate_up_proj` `[E, hidden, 2I]`,
+//!   gate / up columns interleaved, and `mlp.experts.down_proj` `[E, I, hidden]`; their biases
+//!   are never adapted), which PEFT adapts through `target_parameters` with its `ParamWrapper`
+//!   ([`ParamLora`]: one rank-`r` adapter per expert on the fused projection, kept in PEFT's
+//!   `lora_A` `[E·r, in]` / `lora_B` `[out, r·E]` layout, applied in merged form). A parameter
+//!   is adapted when `target_parameters` names it (PEFT's rule: its full name, e.g.
+//!   `model.layers.0.mlp.experts.gate_up_proj`, equals an entry or ends with `.<entry>`), or
+//!   through `target_modules` as Miles' flag reaches it (Megatron's `linear_fc1` /
+//!   `linear_fc2` on the experts): by its own name (`gate_up_proj`, `down_proj`), by a
+//!   projection fused into it (`gate_proj` or `up_proj` adapt the whole `gate_up_proj`, as
+//!   Megatron's `linear_fc1` holds both), or by `all-linear`; `exclude_modules` applies to
+//!   all these names. A `target_parameters` entry that matches no parameter of the model is
+//!   an error (only GPT-OSS's experts are read this way). The PEFT file names the adapters
+//!   after PEFT's nesting of wrappers on `mlp.experts`: with both parameters adapted
+//!   `…mlp.experts.base_layer.lora_A.weight` is `gate_up_proj`'s and
+//!   `…mlp.experts.lora_A.weight` `down_proj`'s; with one, `…mlp.experts.lora_A.weight`; its
+//!   `adapter_config.json` lists them in `target_parameters`
+//!   (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) and keeps in `target_modules`
+//!   only the entries that reach a linear module;
 //! - `CausalLm::with_lora` attaches and freezes every base parameter (only `lora_A` /
 //!   `lora_B` require gradients); `CausalLm::merge_lora` folds the adapters into the base
 //!   weights; `CausalLm::to_hf_tensors_merged` exports merged HF weights (what an inference
@@ -96,6 +113,9 @@ pub struct LoraConfig {
     pub target_modules: Vec<String>,
     /// Module names or suffixes never adapted.
     pub exclude_modules: Vec<String>,
+    /// PEFT's `target_parameters`: fused expert parameters to adapt, by full name or suffix
+    /// (`mlp.experts.gate_up_proj`; GPT-OSS only).
+    pub target_parameters: Vec<String>,
     /// Rank-stabilised scaling `lora_alpha / sqrt(r)`.
     pub use_rslora: bool,
     /// How adapted dense layers run their forward.
@@ -112,6 +132,7 @@ impl Default for LoraConfig {
             lora_dropout: 0.0,
             target_modules: vec![ALL_LINEAR.to_string()],
             exclude_modules: Vec::new(),
+            target_parameters: Vec::new(),
             use_rslora: false,
             forward: LoraForward::Merged,
             seed: 1234,
@@ -192,7 +213,7 @@ impl LoraConfig {
                 ),
             ));
         }
-        if self.target_modules.is_empty() {
+        if self.target_modules.is_empty() && self.target_parameters.is_empty() {
             return Err(BridgeError::config(
                 "target_modules",
                 "empty: name modules (q_proj,v_proj,...) or all-linear",
@@ -224,12 +245,42 @@ impl LoraConfig {
         suffix_match(name, &expand_names(&self.target_modules))
     }
 
+    /// Whether `target_parameters` names the fused parameter `name` (its full name, e.g.
+    /// `model.layers.0.mlp.experts.gate_up_proj`, equals an entry or ends with `.<entry>`).
+    pub fn names_parameter(&self, name: &str) -> bool {
+        suffix_match(name, &self.target_parameters)
+    }
+
+    /// Whether the fused expert parameter `{experts}.{parameter}` (GPT-OSS's
+    /// `model.layers.{l}.mlp.experts` and `gate_up_proj` / `down_proj`) gets an adapter: named
+    /// by `target_parameters` ([`Self::names_parameter`]), or by `target_modules` through its
+    /// own name or one of the projections `fused` into it (`gate_proj` / `up_proj` for
+    /// `gate_up_proj`; Megatron's `linear_fc1` / `linear_fc2` expand to them) or `all-linear`;
+    /// never when `exclude_modules` matches one of these names.
+    pub fn targets_parameter(&self, experts: &str, parameter: &str, fused: &[&str]) -> bool {
+        let names: Vec<String> = std::iter::once(parameter)
+            .chain(fused.iter().copied())
+            .map(|p| format!("{experts}.{p}"))
+            .collect();
+        let exclude = expand_names(&self.exclude_modules);
+        if names.iter().any(|n| suffix_match(n, &exclude)) {
+            return false;
+        }
+        self.names_parameter(&names[0]) || names.iter().any(|n| self.targets(n))
+    }
+
     /// PEFT's `adapter_config.json` for an adapter on `modules` (the adapted module names):
     /// `target_modules` is the configured list (Megatron names expanded) or, for
     /// `all-linear`, the last name components of `modules`, as PEFT stores a resolved
     /// `all-linear`.
-    pub fn to_peft_json(&self, modules: &[String]) -> serde_json::Value {
-        let targets: BTreeSet<String> = if self.target_modules.iter().any(|t| t == ALL_LINEAR) {
+    ///
+    /// `parameters` are the adapted fused expert parameters (full names,
+    /// `model.layers.0.mlp.experts.gate_up_proj`): with any, `target_parameters` is the
+    /// configured list or, when they were reached through `target_modules`, their
+    /// `mlp.experts.<parameter>` names, and `target_modules` keeps only the entries that
+    /// match one of `modules` (PEFT's `target_modules` reaches no fused parameter).
+    pub fn to_peft_json(&self, modules: &[String], parameters: &[String]) -> serde_json::Value {
+        let mut targets: BTreeSet<String> = if self.target_modules.iter().any(|t| t == ALL_LINEAR) {
             modules
                 .iter()
                 .map(|m| m.rsplit('.').next().unwrap_or(m).to_string())
@@ -237,6 +288,26 @@ impl LoraConfig {
         } else {
             expand_names(&self.target_modules).into_iter().collect()
         };
+        let mut target_parameters: Vec<String> = Vec::new();
+        if !parameters.is_empty() {
+            targets.retain(|t| {
+                modules
+                    .iter()
+                    .any(|m| suffix_match(m, std::slice::from_ref(t)))
+            });
+            if self.target_parameters.is_empty() {
+                for p in parameters {
+                    let short = p
+                        .rsplit_once(".mlp.")
+                        .map_or_else(|| p.clone(), |(_, rest)| format!("mlp.{rest}"));
+                    if !target_parameters.contains(&short) {
+                        target_parameters.push(short);
+                    }
+                }
+            } else {
+                target_parameters.clone_from(&self.target_parameters);
+            }
+        }
         serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -248,6 +319,11 @@ impl LoraConfig {
                 serde_json::Value::Null
             } else {
                 serde_json::json!(self.exclude_modules)
+            },
+            "target_parameters": if target_parameters.is_empty() {
+                serde_json::Value::Null
+            } else {
+                serde_json::json!(target_parameters)
             },
             "use_rslora": self.use_rslora,
             "use_dora": false,
@@ -263,8 +339,9 @@ impl LoraConfig {
     }
 
     /// Reads the fields this crate supports from PEFT's `adapter_config.json`; features it does
-    /// not implement (DoRA, LoRA bias, rank / alpha patterns, `target_parameters`, regex
-    /// `target_modules`, `modules_to_save`) are errors naming the field.
+    /// not implement (DoRA, LoRA bias, rank / alpha patterns, regex `target_modules`,
+    /// `modules_to_save`) are errors naming the field. `target_parameters` is read (a list);
+    /// attaching checks each entry matches a parameter this crate adapts.
     pub fn from_peft_json(value: &serde_json::Value) -> Result<Self, BridgeError> {
         let get = |k: &str| value.get(k).filter(|v| !v.is_null());
         if let Some(t) = get("peft_type").and_then(|v| v.as_str())
@@ -316,13 +393,11 @@ impl LoraConfig {
                 return Err(BridgeError::config(k, "per-module ranks are not supported"));
             }
         }
-        for k in ["target_parameters", "modules_to_save"] {
-            if get(k)
-                .and_then(serde_json::Value::as_array)
-                .is_some_and(|a| !a.is_empty())
-            {
-                return Err(BridgeError::config(k, "not supported"));
-            }
+        if get("modules_to_save")
+            .and_then(serde_json::Value::as_array)
+            .is_some_and(|a| !a.is_empty())
+        {
+            return Err(BridgeError::config("modules_to_save", "not supported"));
         }
         let config = Self {
             r,
@@ -332,6 +407,15 @@ impl LoraConfig {
                 .unwrap_or(0.0),
             target_modules: list("target_modules")?,
             exclude_modules: list("exclude_modules")?,
+            target_parameters: match get("target_parameters") {
+                Some(serde_json::Value::String(_)) => {
+                    return Err(BridgeError::config(
+                        "target_parameters",
+                        "must be a list of parameter names",
+                    ));
+                }
+                _ => list("target_parameters")?,
+            },
             use_rslora: get("use_rslora")
                 .and_then(serde_json::Value::as_bool)
                 .unwrap_or(false),
@@ -378,6 +462,36 @@ impl ExpertLora {
     /// `scaling · B_e · A_e` for every expert, `[E, out, in]`.
     pub fn delta(&self) -> Tensor<3> {
         self.lora_b.val().matmul(self.lora_a.val()) * self.scaling
+    }
+}
+
+/// PEFT's `ParamWrapper` adapter on a fused expert parameter `[E, in, out]` (GPT-OSS's
+/// `mlp.experts.gate_up_proj` `[E, hidden, 2I]` and `down_proj` `[E, I, hidden]`), in PEFT's
+/// layout: `lora_A` `[E·r, in]` holds expert `e`'s `A_e` (`[r, in]`) in rows `e·r..(e+1)·r`,
+/// `lora_B` `[out, r·E]` expert `e`'s `B_e` (`[out, r]`) in columns `k·E + e`; expert `e`
+/// uses `W_e + scaling · A_eᵀ B_eᵀ` (`[in, out]`).
+#[derive(Module, Debug)]
+pub struct ParamLora {
+    /// `lora_A.weight`, `[E·r, in]`.
+    pub lora_a: Param<Tensor<2>>,
+    /// `lora_B.weight`, `[out, r·E]`.
+    pub lora_b: Param<Tensor<2>>,
+    /// Number of experts `E`.
+    pub experts: usize,
+    /// `lora_alpha / r`.
+    pub scaling: f64,
+}
+
+impl ParamLora {
+    /// `scaling · A_eᵀ B_eᵀ` for every expert, `[E, in, out]` (the parameter's layout).
+    pub fn delta(&self) -> Tensor<3> {
+        let e = self.experts;
+        let [rows, d_in] = self.lora_a.val().dims();
+        let [d_out, _] = self.lora_b.val().dims();
+        let r = rows / e;
+        let a = self.lora_a.val().reshape([e, r, d_in]).swap_dims(1, 2);
+        let b = self.lora_b.val().reshape([d_out, r, e]).permute([2, 1, 0]);
+        a.matmul(b) * self.scaling
     }
 }
 
@@ -432,10 +546,13 @@ mod tests {
     #[test]
     fn peft_config_round_trip_and_unsupported_fields() {
         let c = LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]);
-        let json = c.to_peft_json(&[
-            "model.layers.0.self_attn.q_proj".into(),
-            "model.layers.0.self_attn.v_proj".into(),
-        ]);
+        let json = c.to_peft_json(
+            &[
+                "model.layers.0.self_attn.q_proj".into(),
+                "model.layers.0.self_attn.v_proj".into(),
+            ],
+            &[],
+        );
         assert_eq!(
             json["target_modules"],
             serde_json::json!(["q_proj", "v_proj"])

@@ -19,10 +19,14 @@
 //! session server sends once it has tokenized the turn; "added latency" is the p50 through a
 //! session server minus that floor's p50 at the same concurrency.
 //!
-//! At 1,024 sessions a run's turns/s can hold a few multi-second stalls (the table's `max ms`
-//! column): 1,024 connections opened at once, the kernel's `ListenOverflows` counter grows
-//! during these runs (tokio's `TcpListener::bind` listens with a backlog of 1,024) and a
-//! dropped SYN is retried only after a second or more.
+//! At 1,024 sessions the load generator's hyper pool holds a few more than 1,024 connections
+//! (it keeps the connection it started when an idle one was handed to the request first);
+//! `miles session` accepts 1,024 at once (`--max-connections`), so one waits for a slot, which
+//! the next response frees (`Connection: close`, `miles_session::guard::serve`). Before that,
+//! the waiting connection — the pool's newest, reused next — stayed in the listen backlog
+//! until an idle connection timed out: one 10.0 s turn in the table's `max ms` column. The
+//! servers listen with a backlog of 4,096 (`guard::bind`; tokio's default of 1,024 overflowed
+//! when 1,024 sessions connected at once, and a dropped SYN is retried only after a second).
 //!
 //! **Miles' server** is `miles.rollout.session.server.run_session_server` (the process Miles
 //! starts for `--use-session-server`: FastAPI + uvicorn, an httpx client, its TITO with the

@@ -16,8 +16,10 @@
 //!   Every rejection is an OpenAI-shaped JSON error (`{"error": {"message", "type", "code"}}`,
 //!   [`crate::error::error_body`]).
 //! * [`serve`] is the accept loop to use instead of `axum::serve`: at most
-//!   [`GuardConfig::max_connections`] connections at once (further clients wait in the
-//!   listen backlog), and a connection that does not deliver a complete request head within
+//!   [`GuardConfig::max_connections`] connections at once (at the limit, a new connection
+//!   waits for the next response, which carries `Connection: close` to free its slot; further
+//!   clients wait in the listen backlog), and a connection that does not deliver a complete
+//!   request head within
 //!   [`GuardConfig::header_read_timeout`] (slowloris, or an idle keep-alive) is closed, so slow
 //!   clients cannot starve `/health`. HTTP/1.1 only. [`serve_with_shutdown`] stops
 //!   accepting when a future completes.
@@ -56,6 +58,7 @@
 //! ```
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -65,6 +68,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
@@ -99,7 +103,8 @@ pub struct GuardConfig {
     pub request_timeout: Option<Duration>,
     /// Requests in progress at once, open paths excluded (503 above it).
     pub max_concurrent_requests: Option<usize>,
-    /// [`serve`]: connections at once; further clients wait in the listen backlog.
+    /// [`serve`]: connections at once; at the limit a new connection takes the slot of the
+    /// next connection to answer a request (see [`serve_with_shutdown`]).
     pub max_connections: Option<usize>,
     /// [`serve`]: time to receive a complete request head, on a new or an idle keep-alive
     /// connection (the connection is closed after it).
@@ -410,8 +415,27 @@ pub async fn serve(listener: TcpListener, router: Router, config: GuardConfig) -
     serve_with_shutdown(listener, router, config, std::future::pending()).await
 }
 
+/// Takes one of the pending requests for a free connection slot, if any.
+fn take_slot_request(pending: &AtomicUsize) -> bool {
+    pending
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+        .is_ok()
+}
+
 /// [`serve`] until `shutdown` completes: then it stops accepting and returns; connections
 /// already accepted finish their requests on their own tasks.
+///
+/// At the connection limit a new connection is accepted and waits for a slot, and the next
+/// response any connection sends carries `Connection: close`, so that connection closes
+/// after it and the waiting one takes its slot (a client never reuses a connection that
+/// answered so: no request is lost, unlike closing an idle keep-alive connection, which races
+/// with the client's next request on it). Otherwise a client pool holding more connections
+/// than the limit — hyper's pool keeps the connection it started when an idle one was handed
+/// to the request first, so 1,024 closed-loop clients hold a few more than 1,024 — leaves its
+/// newest connection, the next one it reuses, unaccepted in the listen backlog until an idle
+/// connection times out ([`GuardConfig::header_read_timeout`], 10 s by default). When every
+/// connection is idle, the new one still waits for that timeout (or the client's own pool
+/// timeout).
 pub async fn serve_with_shutdown(
     listener: TcpListener,
     router: Router,
@@ -419,21 +443,16 @@ pub async fn serve_with_shutdown(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     config.validate()?;
-    let connections = config
+    let slots = config
         .max_connections
         .map(|n| Arc::new(Semaphore::new(n.clamp(1, Semaphore::MAX_PERMITS))));
+    // Connections waiting for a slot that no response has yet been marked to free.
+    let pending = Arc::new(AtomicUsize::new(0));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let next = async {
-            let permit = match &connections {
-                Some(s) => s.clone().acquire_owned().await.ok(),
-                None => None,
-            };
-            (permit, listener.accept().await)
-        };
-        let (permit, accepted) = tokio::select! {
+        let accepted = tokio::select! {
             () = &mut shutdown => return Ok(()),
-            next = next => next,
+            accepted = listener.accept() => accepted,
         };
         let stream = match accepted {
             Ok((stream, _)) => stream,
@@ -444,10 +463,40 @@ pub async fn serve_with_shutdown(
                 continue;
             }
         };
+        let permit = match &slots {
+            None => None,
+            Some(slots) => match slots.clone().try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    pending.fetch_add(1, Ordering::AcqRel);
+                    let permit = tokio::select! {
+                        () = &mut shutdown => return Ok(()),
+                        permit = slots.clone().acquire_owned() => permit.ok(),
+                    };
+                    // A slot freed otherwise (a client closed): no connection needs closing.
+                    take_slot_request(&pending);
+                    permit
+                }
+            },
+        };
         if let Err(error) = stream.set_nodelay(true) {
             tracing::debug!(%error, "cannot set TCP_NODELAY");
         }
-        let service = TowerToHyperService::new(router.clone());
+        let inner = TowerToHyperService::new(router.clone());
+        let pending = pending.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            let response = hyper::service::Service::call(&inner, request);
+            let pending = pending.clone();
+            async move {
+                let mut response = response.await?;
+                if take_slot_request(&pending) {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        });
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())
@@ -550,6 +599,99 @@ mod tests {
             serve(listener, app, zero).await,
             Err(Error::Config(_))
         ));
+    }
+
+    /// Sends `GET {path}` on `stream` (not waiting for the answer).
+    async fn send_get(stream: &mut tokio::net::TcpStream, path: &str) {
+        use tokio::io::AsyncWriteExt;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+    }
+
+    /// Reads one response (head and `Content-Length` body) from `stream`.
+    async fn read_response(stream: &mut tokio::net::TcpStream) -> String {
+        use tokio::io::AsyncReadExt;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 1024];
+        loop {
+            let text = String::from_utf8_lossy(&buf).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length = head
+                    .lines()
+                    .find_map(|l| {
+                        let (name, value) = l.split_once(':')?;
+                        name.eq_ignore_ascii_case("content-length")
+                            .then(|| value.trim().parse::<usize>().ok())?
+                    })
+                    .unwrap_or(0);
+                if body.len() >= length {
+                    return text;
+                }
+            }
+            let n = stream.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "connection closed mid-response: {text:?}");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// `GET {path}` on `stream` and its response, within 60 s (a connection left waiting for
+    /// a slot fails the test instead of hanging it).
+    async fn get_on(stream: &mut tokio::net::TcpStream, path: &str) -> String {
+        send_get(stream, path).await;
+        tokio::time::timeout(Duration::from_secs(60), read_response(stream))
+            .await
+            .expect("answered, not left waiting for a connection slot")
+    }
+
+    /// Whether the server closed `stream` (EOF or a reset) without sending anything more.
+    async fn closed(stream: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(60), stream.read(&mut byte)).await;
+        matches!(read, Ok(Ok(0) | Err(_)))
+    }
+
+    /// At the connection limit a new connection is not left in the listen backlog until an
+    /// idle connection times out (here there is no request-head timeout: before, it waited
+    /// for ever): the next response on a busy connection carries `Connection: close`, that
+    /// connection closes after it (the response arrives whole), and the new connection is
+    /// served in its slot; the idle connection is never cut.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_over_the_limit_takes_the_slot_of_the_next_answer() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().route("/health", axum::routing::get(|| async { "ok" }));
+        let config = GuardConfig::default()
+            .with_max_connections(Some(2))
+            .with_header_read_timeout(None);
+        tokio::spawn(serve(listener, app, config));
+        let connect = || tokio::net::TcpStream::connect(addr);
+
+        let mut idle = connect().await.unwrap();
+        assert!(get_on(&mut idle, "/health").await.ends_with("ok"));
+        let mut busy = connect().await.unwrap();
+        assert!(get_on(&mut busy, "/health").await.ends_with("ok"));
+        // The limit is reached: a third connection waits for a slot; `busy` keeps asking
+        // until an answer tells it to close (once the server has accepted the third).
+        let mut third = connect().await.unwrap();
+        send_get(&mut third, "/health").await;
+        let mut told = false;
+        for _ in 0..10_000 {
+            let answer = get_on(&mut busy, "/health").await;
+            assert!(answer.ends_with("ok"), "{answer}");
+            if answer.to_ascii_lowercase().contains("connection: close") {
+                told = true;
+                break;
+            }
+        }
+        assert!(told, "no answer freed a slot");
+        assert!(closed(&mut busy).await, "closed after its answer");
+        let answer = tokio::time::timeout(Duration::from_secs(60), read_response(&mut third))
+            .await
+            .expect("served in the freed slot");
+        assert!(answer.ends_with("ok"));
+        // The idle connection was left alone and still answers.
+        assert!(get_on(&mut idle, "/health").await.ends_with("ok"));
     }
 
     #[tokio::test]

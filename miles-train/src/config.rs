@@ -107,7 +107,10 @@ pub struct TrainConfig {
     /// `--lora-dropout` (0.0): only 0 is supported.
     pub lora_dropout: f64,
     /// `--target-modules`: comma-separated module names / suffixes (HF `q_proj,v_proj` or
-    /// Megatron `linear_qkv,linear_proj`) or `all-linear` (`None`: `all-linear`).
+    /// Megatron `linear_qkv,linear_proj`) or `all-linear` (`None`: `all-linear`). On GPT-OSS,
+    /// `gate_proj` / `up_proj` / `down_proj` (or `linear_fc1` / `linear_fc2`, `all-linear`)
+    /// reach the fused experts `mlp.experts.gate_up_proj` / `down_proj` (PEFT's
+    /// `target_parameters`).
     pub target_modules: Option<String>,
     /// `--exclude-modules`: comma-separated module names / suffixes never adapted.
     pub exclude_modules: Option<String>,
@@ -283,6 +286,7 @@ impl TrainConfig {
                 .as_deref()
                 .map(LoraConfig::parse_list)
                 .unwrap_or_default(),
+            target_parameters: Vec::new(),
             use_rslora: false,
             forward: self.lora_forward,
             seed: self.seed,

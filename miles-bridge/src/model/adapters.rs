@@ -14,7 +14,7 @@ use miles_core::{DType, NamedTensors, TensorBytes};
 use crate::error::BridgeError;
 use crate::lora::{
     ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ExpertLora, LoraAdapter, LoraConfig, LoraForward,
-    PEFT_PREFIX,
+    PEFT_PREFIX, ParamLora,
 };
 use crate::model::causal_lm::{CausalLm, LANGUAGE_MODEL};
 use crate::names::EXPERT_STACKS;
@@ -68,6 +68,57 @@ impl AdapterSource<'_> {
                 "{PEFT_PREFIX}{layer_prefix}mlp.experts.0.{projection}.lora_A.weight"
             )),
         }
+    }
+
+    /// Whether the PEFT adapter holds tensors on the fused experts `experts`
+    /// (`model.layers.{l}.mlp.experts`); always for a fresh init.
+    fn has_parameter_adapters(&self, experts: &str) -> bool {
+        match self {
+            Self::Init(_) => true,
+            Self::Peft(map) => {
+                let prefix = format!("{PEFT_PREFIX}{experts}.");
+                map.keys()
+                    .any(|k| k.starts_with(&prefix) && k.contains(".lora_"))
+            }
+        }
+    }
+
+    /// The adapter of a fused expert parameter `[E, in, out]`, PEFT's tensors named after
+    /// `module` (`model.layers.{l}.mlp.experts[.base_layer]`).
+    fn parameter(
+        &mut self,
+        module: &str,
+        [e, d_in, d_out]: [usize; 3],
+        config: &LoraConfig,
+        device: &Device,
+    ) -> Result<ParamLora, BridgeError> {
+        let r = config.r;
+        let (a, b) = match self {
+            // PEFT's `ParamWrapper` builds `lora_A` as `nn.Linear(in, r·E)`: the same
+            // kaiming-uniform bound as a linear layer's.
+            Self::Init(rng) => (
+                uniform(rng, e * r * d_in, 1.0 / (d_in as f32).sqrt()),
+                vec![0.0; d_out * r * e],
+            ),
+            Self::Peft(map) => (
+                take_peft(
+                    map,
+                    &format!("{PEFT_PREFIX}{module}.lora_A.weight"),
+                    &[e * r, d_in],
+                )?,
+                take_peft(
+                    map,
+                    &format!("{PEFT_PREFIX}{module}.lora_B.weight"),
+                    &[d_out, r * e],
+                )?,
+            ),
+        };
+        Ok(ParamLora {
+            lora_a: Param::from_tensor(tensor_from(a, [e * r, d_in], device)),
+            lora_b: Param::from_tensor(tensor_from(b, [d_out, r * e], device)),
+            experts: e,
+            scaling: config.scaling(),
+        })
     }
 
     fn linear(
@@ -137,6 +188,22 @@ impl AdapterSource<'_> {
     }
 }
 
+/// GPT-OSS's adaptable fused expert parameters, in the order `GptOssExperts` registers them
+/// (PEFT nests its wrappers in that order), with the projections fused into each (the
+/// `target_modules` names that reach it).
+const FUSED_EXPERT_PARAMETERS: [(&str, &[&str]); 2] = [
+    ("gate_up_proj", &["gate_proj", "up_proj"]),
+    ("down_proj", &[]),
+];
+
+/// The module PEFT names the adapter of the fused parameter `index` of
+/// [`FUSED_EXPERT_PARAMETERS`] after, given which of them are adapted: each later adapted
+/// parameter wraps it once more, so its name gains a `.base_layer` per wrapper above it.
+fn peft_wrapper_module(experts: &str, adapted: [bool; 2], index: usize) -> String {
+    let above = adapted[index + 1..].iter().filter(|a| **a).count();
+    format!("{experts}{}", ".base_layer".repeat(above))
+}
+
 /// Sets `require_grad` of the parameters in `ids`.
 struct SetRequireGrad {
     ids: HashSet<ParamId>,
@@ -203,7 +270,7 @@ impl CausalLm {
                     .shared_experts
                     .as_ref()
                     .map(|m| (format!("{p}.mlp.{}", moe.shared_name), m)),
-                // GPT-OSS's experts take no adapters.
+                // GPT-OSS's experts are fused parameters (adapted in `attach_lora`).
                 FeedForward::BiasedMoe(_) => None,
             };
             if let Some((q, m)) = mlp {
@@ -311,6 +378,46 @@ impl CausalLm {
                 }
             }
         }
+        let mut parameters = Vec::new();
+        for (l, layer) in self.model.layers.iter_mut().enumerate() {
+            let FeedForward::BiasedMoe(moe) = &mut layer.mlp else {
+                continue;
+            };
+            let experts = format!("model.layers.{l}.mlp.experts");
+            let present = source.has_parameter_adapters(&experts);
+            let adapted = FUSED_EXPERT_PARAMETERS.map(|(parameter, fused)| {
+                let name = format!("{experts}.{parameter}");
+                config.names_parameter(&name)
+                    || (present && config.targets_parameter(&experts, parameter, fused))
+            });
+            let slots = [
+                (&moe.gate_up_proj, &mut moe.gate_up_proj_lora),
+                (&moe.down_proj, &mut moe.down_proj_lora),
+            ];
+            for (index, (weight, slot)) in slots.into_iter().enumerate() {
+                if adapted[index] {
+                    let module = peft_wrapper_module(&experts, adapted, index);
+                    let dims = weight.val().dims();
+                    *slot = Some(source.parameter(&module, dims, config, &device)?);
+                    parameters.push(format!("{experts}.{}", FUSED_EXPERT_PARAMETERS[index].0));
+                    attached += 1;
+                }
+            }
+        }
+        if let Some(entry) = config.target_parameters.iter().find(|t| {
+            !parameters
+                .iter()
+                .any(|p| p == *t || p.ends_with(&format!(".{t}")))
+        }) {
+            return Err(BridgeError::config(
+                "target_parameters",
+                format!(
+                    "{entry:?} matches no adaptable parameter of this model (only GPT-OSS's \
+                     fused experts mlp.experts.gate_up_proj / mlp.experts.down_proj are \
+                     adapted as parameters)"
+                ),
+            ));
+        }
         if attached == 0 {
             return Err(BridgeError::config(
                 "target_modules",
@@ -344,8 +451,10 @@ impl CausalLm {
     }
 
     /// Attaches adapters with the values of PEFT-named tensors
-    /// (`base_model.model.<module>.lora_A.weight`, routed experts per expert) to the modules
-    /// `config` targets; every targeted module needs its tensors and every tensor a targeted
+    /// (`base_model.model.<module>.lora_A.weight`, routed experts per expert, GPT-OSS's fused
+    /// experts under PEFT's wrapper names) to the modules `config` targets (GPT-OSS's fused
+    /// experts: those `target_parameters` names, and those `target_modules` reaches when the
+    /// tensors hold adapters on that layer's experts); every targeted module needs its tensors and every tensor a targeted
     /// module (else [`BridgeError::MissingTensor`] / [`BridgeError::UnexpectedTensor`]).
     ///
     /// For a vision-language checkpoint (Qwen3.5's release layout) the text model's modules
@@ -402,7 +511,58 @@ impl CausalLm {
         self.lora.as_ref()
     }
 
-    /// Names of the adapted modules, in a fixed order.
+    /// GPT-OSS's adapted fused expert parameters
+    /// (`model.layers.{l}.mlp.experts.{gate_up_proj,down_proj}`), in a fixed order.
+    pub fn lora_parameters(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (l, layer) in self.model.layers.iter().enumerate() {
+            if let FeedForward::BiasedMoe(moe) = &layer.mlp {
+                let slots = [
+                    moe.gate_up_proj_lora.is_some(),
+                    moe.down_proj_lora.is_some(),
+                ];
+                for ((parameter, _), adapted) in FUSED_EXPERT_PARAMETERS.iter().zip(slots) {
+                    if adapted {
+                        out.push(format!("model.layers.{l}.mlp.experts.{parameter}"));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// PEFT's key of the adapter tensor `name` (as [`Self::visit_lora_params`] names a 2-D
+    /// one): `base_model.model.<name>`, for GPT-OSS's fused experts the name of PEFT's
+    /// wrapper on `mlp.experts` (see [`crate::lora`]). Stacked routed-expert tensors are split
+    /// per expert and a vision-language checkpoint's text modules renamed by
+    /// [`Self::lora_to_peft_tensors`], not here.
+    pub fn peft_tensor_name(&self, name: &str) -> String {
+        let fused = (|| {
+            let (module, tensor) = name.rsplit_once(".lora_")?;
+            let (experts, parameter) = module.rsplit_once('.')?;
+            let index = FUSED_EXPERT_PARAMETERS
+                .iter()
+                .position(|(p, _)| *p == parameter)?;
+            let layer: usize = experts
+                .strip_prefix("model.layers.")?
+                .strip_suffix(".mlp.experts")?
+                .parse()
+                .ok()?;
+            let FeedForward::BiasedMoe(moe) = &self.model.layers.get(layer)?.mlp else {
+                return None;
+            };
+            let adapted = [
+                moe.gate_up_proj_lora.is_some(),
+                moe.down_proj_lora.is_some(),
+            ];
+            let wrapper = peft_wrapper_module(experts, adapted, index);
+            Some(format!("{PEFT_PREFIX}{wrapper}.lora_{tensor}"))
+        })();
+        fused.unwrap_or_else(|| format!("{PEFT_PREFIX}{name}"))
+    }
+
+    /// Names of the adapted modules, in a fixed order (GPT-OSS's adapted fused expert
+    /// parameters among them, as `model.layers.{l}.mlp.experts.<parameter>`).
     pub fn lora_modules(&self) -> Vec<String> {
         let mut out = Vec::new();
         self.visit_lora_params(&mut |name, _| {
@@ -415,7 +575,10 @@ impl CausalLm {
 
     /// Calls `f(name, parameter)` for every adapter tensor, in a fixed order; names are
     /// `<module>.lora_A.weight` / `<module>.lora_B.weight` (routed experts stacked:
-    /// `model.layers.{l}.mlp.experts.<proj>.lora_A.weight`, `[E, r, in]`).
+    /// `model.layers.{l}.mlp.experts.<proj>.lora_A.weight`, `[E, r, in]`; GPT-OSS's fused
+    /// experts `model.layers.{l}.mlp.experts.{gate_up_proj,down_proj}.lora_A.weight` in PEFT's
+    /// layout, `[E·r, in]` / `[out, r·E]`, which PEFT's file names after its wrappers: see
+    /// [`crate::lora`]).
     pub fn visit_lora_params(&self, f: &mut ParamVisitor<'_>) {
         for (name, linear) in self.linears() {
             if let Some(lora) = &linear.lora {
@@ -424,6 +587,16 @@ impl CausalLm {
             }
         }
         for (l, layer) in self.model.layers.iter().enumerate() {
+            if let FeedForward::BiasedMoe(moe) = &layer.mlp {
+                let slots = [&moe.gate_up_proj_lora, &moe.down_proj_lora];
+                for ((parameter, _), slot) in FUSED_EXPERT_PARAMETERS.iter().zip(slots) {
+                    if let Some(lora) = slot {
+                        let m = format!("model.layers.{l}.mlp.experts.{parameter}");
+                        f(&format!("{m}.lora_A.weight"), ParamRef::R2(&lora.lora_a));
+                        f(&format!("{m}.lora_B.weight"), ParamRef::R2(&lora.lora_b));
+                    }
+                }
+            }
             let FeedForward::Moe(moe) = &layer.mlp else {
                 continue;
             };
@@ -456,6 +629,16 @@ impl CausalLm {
             }
         }
         for layer in &mut self.model.layers {
+            if let FeedForward::BiasedMoe(moe) = &mut layer.mlp {
+                for (weight, slot) in [
+                    (&mut moe.gate_up_proj, &mut moe.gate_up_proj_lora),
+                    (&mut moe.down_proj, &mut moe.down_proj_lora),
+                ] {
+                    if let Some(lora) = slot.take() {
+                        *weight = merged_param(weight, lora.delta());
+                    }
+                }
+            }
             let FeedForward::Moe(moe) = &mut layer.mlp else {
                 continue;
             };
@@ -486,7 +669,8 @@ impl CausalLm {
 
     /// The adapters as PEFT-named host tensors in `dtype`
     /// (`base_model.model.<module>.lora_A.weight` `[r, in]` / `lora_B.weight` `[out, r]`;
-    /// routed experts split into `…mlp.experts.{e}.<proj>.lora_A.weight`; a vision-language
+    /// routed experts split into `…mlp.experts.{e}.<proj>.lora_A.weight`; GPT-OSS's fused
+    /// experts under PEFT's wrapper names, [`Self::peft_tensor_name`]; a vision-language
     /// checkpoint's text modules under `base_model.model.model.language_model.*`, the names
     /// PEFT gives them on the checkpoint's own class). Empty without adapters.
     pub fn lora_to_peft_tensors(&self, dtype: DType) -> Result<NamedTensors, BridgeError> {
@@ -523,10 +707,7 @@ impl CausalLm {
                         }
                     }
                     _ => {
-                        out.insert(
-                            format!("{PEFT_PREFIX}{name}"),
-                            host(name, p.to_data(), dtype)?,
-                        );
+                        out.insert(self.peft_tensor_name(name), host(name, p.to_data(), dtype)?);
                     }
                 }
                 Ok(())
@@ -557,9 +738,11 @@ impl CausalLm {
 
     /// PEFT's `adapter_config.json` for the attached adapters (`None` without adapters).
     pub fn peft_adapter_config(&self) -> Option<serde_json::Value> {
-        self.lora
-            .as_ref()
-            .map(|c| c.to_peft_json(&self.lora_modules()))
+        let config = self.lora.as_ref()?;
+        let parameters = self.lora_parameters();
+        let mut modules = self.lora_modules();
+        modules.retain(|m| !parameters.contains(m));
+        Some(config.to_peft_json(&modules, &parameters))
     }
 
     /// Writes the adapters as a PEFT adapter directory (`adapter_model.safetensors` in `dtype`

@@ -9,13 +9,16 @@
 //! limit)`, `act = (u + 1) · g · sigmoid(alpha · g)`, `out = act · down_proj[e] +
 //! down_proj_bias[e]`, and the layer's output is `sum_k w_k out_{e_k}`. Every expert runs on
 //! every token and unchosen experts are weighted by zero (the dense dispatch of
-//! [`crate::nn::MoeBlock`]: static shapes, nothing read back to the host).
+//! [`crate::nn::MoeBlock`]: static shapes, nothing read back to the host). With LoRA
+//! attached to the fused expert parameters ([`ParamLora`], PEFT's `target_parameters`) the
+//! experts use `gate_up_proj + Δ` / `down_proj + Δ` (the merged form).
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{FloatDType, IndexingUpdateOp, Tensor};
 use miles_r3::{MoeLayerInfo, RouterHook};
 
 use crate::error::BridgeError;
+use crate::lora::ParamLora;
 use crate::nn::moe::MoeRouting;
 use crate::nn::param::{Builder, Init, ParamRef, ParamVisitor};
 use crate::profile::{self, OpClass};
@@ -35,6 +38,10 @@ pub struct BiasedMoeBlock {
     pub down_proj: Param<Tensor<3>>,
     /// `mlp.experts.down_proj_bias`, `[E, hidden]`.
     pub down_proj_bias: Param<Tensor<2>>,
+    /// LoRA on `gate_up_proj`, if attached.
+    pub gate_up_proj_lora: Option<ParamLora>,
+    /// LoRA on `down_proj`, if attached.
+    pub down_proj_lora: Option<ParamLora>,
     /// `swiglu_alpha`.
     pub alpha: f64,
     /// `swiglu_limit`.
@@ -90,12 +97,31 @@ impl BiasedMoeBlock {
                 [e, h],
                 Init::Zeros,
             )?,
+            gate_up_proj_lora: None,
+            down_proj_lora: None,
             alpha: s.alpha,
             limit: s.limit,
             layer_index: s.layer_index,
             moe_index: s.moe_index,
             top_k: s.top_k,
         })
+    }
+
+    fn effective(weight: &Param<Tensor<3>>, lora: &Option<ParamLora>) -> Tensor<3> {
+        match lora {
+            Some(lora) => weight.val() + lora.delta(),
+            None => weight.val(),
+        }
+    }
+
+    /// `gate_up_proj` with its adapter merged in, `[E, hidden, 2 I]`.
+    pub fn effective_gate_up_proj(&self) -> Tensor<3> {
+        Self::effective(&self.gate_up_proj, &self.gate_up_proj_lora)
+    }
+
+    /// `down_proj` with its adapter merged in, `[E, I, hidden]`.
+    pub fn effective_down_proj(&self) -> Tensor<3> {
+        Self::effective(&self.down_proj, &self.down_proj_lora)
     }
 
     /// Routes and applies the experts to `[tokens, hidden]` rows.
@@ -138,8 +164,7 @@ impl BiasedMoeBlock {
             let combine = Tensor::<2>::zeros([tokens, experts], (&device, weights.dtype()))
                 .scatter(1, chosen.clone(), weights.clone(), IndexingUpdateOp::Add);
             let gate_up = self
-                .gate_up_proj
-                .val()
+                .effective_gate_up_proj()
                 .swap_dims(0, 1)
                 .reshape([hidden, experts * two_inter]);
             let gate_up = x.matmul(gate_up)
@@ -159,9 +184,10 @@ impl BiasedMoeBlock {
                 .clamp(-self.limit, self.limit);
             let glu = gate.clone() * sigmoid(gate * self.alpha);
             let act = (up + 1.0) * glu * combine.clone().unsqueeze_dim(2);
-            act.reshape([tokens, experts * inter])
-                .matmul(self.down_proj.val().reshape([experts * inter, hidden]))
-                + combine.matmul(self.down_proj_bias.val())
+            act.reshape([tokens, experts * inter]).matmul(
+                self.effective_down_proj()
+                    .reshape([experts * inter, hidden]),
+            ) + combine.matmul(self.down_proj_bias.val())
         });
         Ok((
             out,

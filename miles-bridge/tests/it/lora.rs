@@ -1,6 +1,7 @@
 //! LoRA on the HF-layout layers: PEFT adapters (saved by PEFT 0.21.2 on the tiny fixtures,
-//! see `fixtures/lora/SOURCES.md`; Qwen3.5 dense / MoE / text-only, GLM-4.7-Flash and GPT-OSS
-//! among them) give PEFT's log-probs and gradients and export under PEFT's names; a fresh adapter
+//! see `fixtures/lora/SOURCES.md`; Qwen3.5 dense / MoE / text-only, GLM-4.7-Flash and GPT-OSS,
+//! its fused experts through `target_parameters` included, among them) give PEFT's log-probs
+//! and gradients and export under PEFT's names; a fresh adapter
 //! (B = 0) leaves the forward bit-identical; the LoRA forward equals the forward of the merged
 //! HF weights; PEFT export round-trips; only adapters receive gradients.
 
@@ -16,8 +17,16 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures")
 }
 
+/// The model fixture a LoRA fixture was made on (`fixtures/lora/SOURCES.md`).
+fn model_of(name: &str) -> &str {
+    match name {
+        "gptoss-experts" | "gptoss-gate-up" => "gptoss-tiny",
+        other => other,
+    }
+}
+
 fn base(name: &str, device: &Device) -> CausalLm {
-    CausalLm::from_pretrained(root().join("models").join(name), device).unwrap()
+    CausalLm::from_pretrained(root().join("models").join(model_of(name)), device).unwrap()
 }
 
 fn inputs(name: &str) -> Vec<Vec<u32>> {
@@ -113,7 +122,7 @@ fn check_against_peft(name: &str) {
         model.visit_lora_params(&mut |pname, p| {
             let g = p.grad(&grads).expect("adapter without gradient");
             let g = g.convert::<f32>().try_to_vec::<f32>().unwrap();
-            let w = reference_grad(&want, pname);
+            let w = reference_grad(&want, &model.peft_tensor_name(pname));
             let bound = 1e-4 * w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
             let d = max_diff(&g, &w);
             assert!(
@@ -156,11 +165,13 @@ fn check_against_peft(name: &str) {
     }
 }
 
-/// The reference gradient of our adapter tensor `name`: keyed by PEFT's name, where a
-/// vision-language checkpoint's text modules are `model.language_model.*` when the fixture's
-/// adapter was saved on the checkpoint's own class (`qwen35-tiny`).
-fn reference_grad(want: &NamedTensors, name: &str) -> Vec<f32> {
-    let plain = format!("grad.{PEFT_PREFIX}{name}");
+/// The reference gradient of our adapter tensor whose PEFT key is `key`
+/// (`CausalLm::peft_tensor_name`), where a vision-language checkpoint's text modules are
+/// `model.language_model.*` when the fixture's adapter was saved on the checkpoint's own class
+/// (`qwen35-tiny`).
+fn reference_grad(want: &NamedTensors, key: &str) -> Vec<f32> {
+    let name = key.strip_prefix(PEFT_PREFIX).unwrap();
+    let plain = format!("grad.{key}");
     let wrapped = format!(
         "grad.{PEFT_PREFIX}{}",
         name.replacen("model.", "model.language_model.", 1)
@@ -192,16 +203,21 @@ fn peft_adapters_reproduce_peft_logprobs_and_gradients() {
 /// release's vision-language layout, adapter saved on `Qwen3_5ForConditionalGeneration`),
 /// Qwen3.5-MoE (the same plus the shared expert and its gate; adapter saved on the text-only
 /// `Qwen3_5MoeForCausalLM`), Qwen3.5 text-only with `all-linear`, GLM-4.7-Flash (the
-/// latent-attention projections) and GPT-OSS (attention with biases).
-const NEW_MODELS: [&str; 5] = [
+/// latent-attention projections) and GPT-OSS (attention with biases; its fused experts
+/// through PEFT's `target_parameters`: `gate_up_proj` and `down_proj` with the attention,
+/// nested wrappers, and `gate_up_proj` alone).
+const NEW_MODELS: [&str; 7] = [
     "qwen35-tiny",
     "qwen35moe-tiny",
     "qwen35-text",
     "glm47flash-tiny",
     "gptoss-tiny",
+    "gptoss-experts",
+    "gptoss-gate-up",
 ];
 
-/// PEFT's adapters on the projections of Qwen3.5 (dense and MoE), GLM-4.7-Flash and GPT-OSS.
+/// PEFT's adapters on the projections of Qwen3.5 (dense and MoE), GLM-4.7-Flash and GPT-OSS
+/// (attention and the fused experts).
 #[test]
 fn peft_adapters_on_qwen35_glm47_flash_and_gpt_oss_match_peft() {
     for name in NEW_MODELS {
@@ -274,6 +290,14 @@ fn peft_export_of_the_new_models_has_peft_names() {
             sorted(&peft["target_modules"]),
             "{name}"
         );
+        let parameters = |v: &serde_json::Value| {
+            if v.is_null() { Vec::new() } else { sorted(v) }
+        };
+        assert_eq!(
+            parameters(&json["target_parameters"]),
+            parameters(&peft["target_parameters"]),
+            "{name}"
+        );
         assert_eq!(json["r"].as_u64(), peft["r"].as_u64(), "{name}");
         assert_eq!(
             json["lora_alpha"].as_f64(),
@@ -283,29 +307,126 @@ fn peft_export_of_the_new_models_has_peft_names() {
     }
 }
 
-/// GPT-OSS's experts are fused parameters that PEFT adapts only through `target_parameters`
-/// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`): such an adapter is refused with a
-/// typed error, and `all-linear` adapts GPT-OSS's attention only, as PEFT 0.21.2's
-/// `all-linear` does (no module of its MLP is a linear layer).
+/// GPT-OSS's fused experts as a Miles user reaches them: `--target-modules
+/// gate_proj,up_proj,down_proj` (Miles' `run-gpt-oss-20B-megatron-moe-lora.sh`; Megatron's
+/// `linear_fc1` / `linear_fc2`) adapts `gate_up_proj` and `down_proj` of every layer and no
+/// attention, `gate_proj` alone the whole fused `gate_up_proj`, `all-linear` the attention
+/// and the experts; a fresh adapter leaves the logits bit-identical; the PEFT export has
+/// PEFT's own tensor names (those of the `gptoss-experts` fixture) and an
+/// `adapter_config.json` PEFT reads the same way (`target_modules` empty,
+/// `target_parameters`); a `target_parameters` entry that reaches nothing is a typed error.
 #[test]
-fn gpt_oss_expert_parameters_are_refused_and_all_linear_is_attention() {
+fn gpt_oss_experts_take_adapters_from_miles_target_modules() {
     let device = Device::flex();
-    let dir = root().join("lora").join("gptoss-tiny");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
-            .unwrap();
-    json["target_parameters"] =
-        serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]);
-    assert!(matches!(
-        LoraConfig::from_peft_json(&json),
-        Err(BridgeError::Config { field, .. }) if field == "target_parameters"
-    ));
-    let model = base("gptoss-tiny", &device)
+    let rows = inputs("gptoss-experts");
+    let want = logits(&base("gptoss-tiny", &device), &rows);
+    let miles = base("gptoss-tiny", &device)
+        .with_lora(&LoraConfig::new(
+            4,
+            8.0,
+            &["gate_proj", "up_proj", "down_proj"],
+        ))
+        .unwrap();
+    let experts: Vec<String> = (0..3)
+        .flat_map(|l| {
+            ["gate_up_proj", "down_proj"].map(|p| format!("model.layers.{l}.mlp.experts.{p}"))
+        })
+        .collect();
+    assert_eq!(miles.lora_modules(), experts);
+    assert_eq!(miles.lora_parameters(), experts);
+    assert_eq!(logits(&miles, &rows), want, "B = 0 must not change logits");
+    // PEFT's names and shapes: those of the fixture PEFT saved, less its attention adapters.
+    let peft = NamedTensors::from_safetensors_file(
+        &root()
+            .join("lora/gptoss-experts")
+            .join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let expected: Vec<(String, Vec<usize>)> = peft
+        .iter()
+        .filter(|(k, _)| k.contains(".mlp.experts."))
+        .map(|(k, t)| (k.to_string(), t.shape().to_vec()))
+        .collect();
+    let ours = miles.lora_to_peft_tensors(DType::F32).unwrap();
+    let got: Vec<(String, Vec<usize>)> = ours
+        .iter()
+        .map(|(k, t)| (k.to_string(), t.shape().to_vec()))
+        .collect();
+    assert_eq!(got, expected);
+    let json = miles.peft_adapter_config().unwrap();
+    assert_eq!(json["target_modules"], serde_json::json!([]));
+    assert_eq!(
+        json["target_parameters"],
+        serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    );
+    // Read back from that config: the same adapters.
+    let config = LoraConfig::from_peft_json(&json).unwrap();
+    let back = base("gptoss-tiny", &device)
+        .with_lora_tensors(&config, perturbed_adapters(&miles))
+        .unwrap();
+    assert_eq!(back.lora_parameters(), experts);
+    assert!(
+        max_diff(&logits(&back, &rows), &want) > 1e-3,
+        "adapters must matter"
+    );
+
+    let megatron = base("gptoss-tiny", &device)
+        .with_lora(&LoraConfig::new(4, 8.0, &["linear_fc1"]))
+        .unwrap();
+    let gate_up: Vec<String> = (0..3)
+        .map(|l| format!("model.layers.{l}.mlp.experts.gate_up_proj"))
+        .collect();
+    assert_eq!(megatron.lora_parameters(), gate_up);
+    let gate = base("gptoss-tiny", &device)
+        .with_lora(&LoraConfig::new(4, 8.0, &["gate_proj"]))
+        .unwrap();
+    assert_eq!(gate.lora_parameters(), gate_up);
+    // One wrapper: PEFT's `…mlp.experts.lora_A.weight`, `[E·r, hidden]`.
+    let one = gate.lora_to_peft_tensors(DType::F32).unwrap();
+    assert_eq!(
+        one[&format!("{PEFT_PREFIX}model.layers.1.mlp.experts.lora_A.weight")].shape(),
+        &[16, 32]
+    );
+
+    let all = base("gptoss-tiny", &device)
         .with_lora(&LoraConfig::new(4, 8.0, &["all-linear"]))
         .unwrap();
-    let modules = model.lora_modules();
-    assert_eq!(modules.len(), 3 * 4, "{modules:?}");
-    assert!(modules.iter().all(|m| m.contains(".self_attn.")));
+    assert_eq!(all.lora_modules().len(), 3 * 4 + 3 * 2);
+    assert_eq!(all.lora_parameters(), experts);
+    let json = all.peft_adapter_config().unwrap();
+    assert_eq!(
+        json["target_modules"],
+        serde_json::json!(["k_proj", "o_proj", "q_proj", "v_proj"])
+    );
+    let excluded = base("gptoss-tiny", &device)
+        .with_lora(&LoraConfig {
+            exclude_modules: vec!["up_proj".into()],
+            ..LoraConfig::new(4, 8.0, &["all-linear"])
+        })
+        .unwrap();
+    assert_eq!(
+        excluded.lora_parameters(),
+        (0..3)
+            .map(|l| format!("model.layers.{l}.mlp.experts.down_proj"))
+            .collect::<Vec<_>>()
+    );
+
+    for (model, entry) in [
+        ("gptoss-tiny", "mlp.experts.gate_up_proj_bias"),
+        ("qwen3-tiny", "mlp.experts.gate_up_proj"),
+    ] {
+        let config = LoraConfig {
+            target_parameters: vec![entry.into()],
+            ..LoraConfig::new(4, 8.0, &["q_proj"])
+        };
+        assert!(
+            matches!(
+                base(model, &device).with_lora(&config),
+                Err(BridgeError::Config { field, .. }) if field == "target_parameters"
+            ),
+            "{model} {entry}"
+        );
+    }
 }
 
 #[test]

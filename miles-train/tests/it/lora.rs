@@ -356,3 +356,87 @@ fn lora_flags_are_validated_and_adapters_load_from_a_path() {
     assert!(lora.targets("model.layers.0.self_attn.v_proj"));
     assert!(!lora.targets("model.layers.0.mlp.gate_proj"));
 }
+
+/// `miles train --lora-rank 4 --target-modules gate_proj,up_proj,down_proj` on GPT-OSS (what
+/// Miles' `run-gpt-oss-20B-megatron-moe-lora.sh` passes): the adapters sit on the fused
+/// experts (PEFT's `target_parameters` layout), GRPO moves only them, the merged export
+/// reproduces the LoRA policy bit for bit, and the PEFT export names them as PEFT does.
+#[test]
+fn gpt_oss_expert_lora_from_miles_flags() {
+    let gpt_oss = || {
+        CausalLm::from_pretrained(fixture().join("../gptoss-tiny"), &Device::flex().autodiff())
+            .unwrap()
+    };
+    let mk = |prompt: &[u32], response: &[u32], reward: f64, group: u64| Sample {
+        tokens: prompt.iter().chain(response).copied().collect(),
+        response_length: response.len(),
+        reward: Some(Reward::Scalar(reward)),
+        group_index: Some(group),
+        ..Sample::default()
+    };
+    let batch = vec![
+        mk(
+            &[5, 17, 42, 9],
+            &[100, 101, 102, 103, 104, 105, 106],
+            1.0,
+            0,
+        ),
+        mk(&[5, 17, 42, 9], &[20, 21, 22], 0.0, 0),
+    ];
+    let initial = gpt_oss().to_hf_tensors(DType::F32).unwrap();
+    let mut actor = Actor::new(
+        gpt_oss(),
+        TrainConfig {
+            target_modules: Some("gate_proj,up_proj,down_proj".into()),
+            ..config()
+        },
+    )
+    .unwrap();
+    let experts: Vec<String> = (0..3)
+        .flat_map(|l| {
+            ["gate_up_proj", "down_proj"].map(|p| format!("model.layers.{l}.mlp.experts.{p}"))
+        })
+        .collect();
+    assert_eq!(actor.model().lora_modules(), experts);
+    let mut rollout = batch;
+    for version in 0..2 {
+        let weights = actor.export_weights().unwrap();
+        let engine = engine(&weights, actor.model());
+        let policy = actor.model().valid();
+        for s in &mut rollout {
+            let (ours, theirs) = (logprobs(&policy, s), logprobs(&engine, s));
+            assert_eq!(ours, theirs, "version {version}: bit for bit");
+            s.rollout_log_probs = Some(theirs.iter().map(|&v| f64::from(v)).collect());
+        }
+        actor.train(version, &rollout).unwrap();
+    }
+    assert_eq!(base_tensors(&actor), initial, "base weights never move");
+    let merged = actor.export_weights().unwrap();
+    let moved = merged
+        .iter()
+        .filter(|(n, t)| *t != &initial[*n])
+        .map(|(n, _)| n.to_string())
+        .collect::<Vec<_>>();
+    assert_eq!(
+        moved,
+        (0..3)
+            .flat_map(|l| {
+                ["down_proj", "gate_up_proj"].map(|p| format!("model.layers.{l}.mlp.experts.{p}"))
+            })
+            .collect::<Vec<_>>(),
+        "only the adapted expert parameters change in the merged export"
+    );
+    let (tensors, json) = actor.export_lora_adapter(DType::F32).unwrap().unwrap();
+    assert_eq!(
+        json["target_parameters"],
+        serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    );
+    assert_eq!(
+        tensors["base_model.model.model.layers.2.mlp.experts.base_layer.lora_A.weight"].shape(),
+        &[16, 32]
+    );
+    assert_eq!(
+        tensors["base_model.model.model.layers.2.mlp.experts.lora_B.weight"].shape(),
+        &[32, 16]
+    );
+}
