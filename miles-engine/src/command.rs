@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use miles_bridge::CausalLm;
 use miles_core::{
-    GenerateOutput, GenerateRequest, InputLogprobRequest, InputLogprobs, PauseMode, RequestId,
-    WeightVersion,
+    GenerateOutput, GenerateRequest, InputLogprobRequest, InputLogprobs, MemoryTag, PauseMode,
+    RequestId, WeightVersion,
 };
 use tokio::sync::oneshot;
 
@@ -55,6 +55,8 @@ pub(crate) enum Cmd {
     Resume,
     Flush(oneshot::Sender<()>),
     Update(Box<CausalLm>, WeightVersion, oneshot::Sender<()>),
+    Release(Vec<MemoryTag>, oneshot::Sender<()>),
+    ResumeMemory(Vec<MemoryTag>, oneshot::Sender<Result<(), String>>),
     InputLogprobs(
         Box<InputLogprobRequest>,
         oneshot::Sender<miles_core::Result<InputLogprobs>>,
@@ -70,6 +72,10 @@ pub(crate) struct Pending {
 pub(crate) struct Shared {
     pub(crate) version: AtomicU64,
     pub(crate) alive: AtomicBool,
+    /// The scheduler has released its weights ([`crate::release`]).
+    pub(crate) weights_released: AtomicBool,
+    /// The scheduler has released its KV pool.
+    pub(crate) kv_released: AtomicBool,
     pub(crate) stats: Mutex<EngineStats>,
     /// SGLang-named Prometheus metrics the scheduler keeps current, once attached.
     pub(crate) metrics: OnceLock<Arc<miles_core::prometheus::SglangMetrics>>,

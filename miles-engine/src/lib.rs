@@ -83,6 +83,7 @@ mod config;
 mod engine;
 mod error;
 mod input_scoring;
+mod release;
 mod sampling;
 mod scheduler;
 pub mod serve;
