@@ -80,3 +80,21 @@ pub(crate) struct Shared {
     /// SGLang-named Prometheus metrics the scheduler keeps current, once attached.
     pub(crate) metrics: OnceLock<Arc<miles_core::prometheus::SglangMetrics>>,
 }
+
+/// What the engine has released ([`crate::release`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Released {
+    /// The served weights and decode copies are gone until the next weight update.
+    pub(crate) weights: bool,
+    /// The KV pool is shrunk to one block until a resume of `kv_cache`.
+    pub(crate) kv_cache: bool,
+    /// Rows (sequences, or a hybrid model's state slots) the full pool is allocated for.
+    pub(crate) pool_rows: usize,
+}
+
+impl Released {
+    /// Whether generation has to wait (weights or KV cache released).
+    pub(crate) fn holds_generation(self) -> bool {
+        self.weights || self.kv_cache
+    }
+}

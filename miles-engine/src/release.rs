@@ -24,24 +24,6 @@ use tokio::sync::oneshot;
 
 use crate::scheduler::Scheduler;
 
-/// What the engine has released.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Released {
-    /// The served weights and decode copies are gone until the next weight update.
-    pub(crate) weights: bool,
-    /// The KV pool is shrunk to one block until a resume of `kv_cache`.
-    pub(crate) kv_cache: bool,
-    /// Rows (sequences, or a hybrid model's state slots) the full pool is allocated for.
-    pub(crate) pool_rows: usize,
-}
-
-impl Released {
-    /// Whether generation has to wait (weights or KV cache released).
-    pub(crate) fn holds_generation(self) -> bool {
-        self.weights || self.kv_cache
-    }
-}
-
 /// Maps every float parameter to an empty tensor of its rank, dtype and device.
 struct Hollow;
 

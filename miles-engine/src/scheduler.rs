@@ -19,9 +19,8 @@ use rayon::prelude::*;
 use serde_json::Value;
 use tokio::sync::oneshot;
 
-use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
+use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Released, Shared};
 use crate::config::{EngineConfig, KvBudget, StateBudget, available_memory, valid_sampling};
-use crate::release::Released;
 use crate::sampling::sample_token;
 use crate::step::{KeepAwake, SequenceScorer, ids_row, read_step, step_model};
 use miles_core::rng::SplitMix64;

@@ -1470,21 +1470,10 @@ fn offload_rollout_changes_no_result() {
         ("keep", "--no-offload-rollout"),
     ] {
         let out = dir.join(name);
-        let output = run(miles()
+        run(miles()
             .arg("train")
             .args(train_flags(&model, &train, &held_out, &out))
             .args(["--num-rollout", "2", flag]));
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let plan = stderr
-            .lines()
-            .find(|l| l.contains("memory plan (GiB)"))
-            .unwrap_or_else(|| panic!("no memory plan line:\n{stderr}"));
-        // The default releases the engine's decode copies and pool for training.
-        assert_eq!(
-            plan.contains("releases 0.00"),
-            flag == "--no-offload-rollout",
-            "{plan}"
-        );
         finals.push(tensors_of(&out.join("final/model.safetensors")));
         let keys = [
             "rollout/raw_reward",
