@@ -160,6 +160,13 @@ def status(flag, group):
     if flag == "--save-debug-trajectory-data":
         return "supported", ("with `--agent-cmd`: each session's conversation rides on its sample as "
                              "`metadata.messages`, as Miles' session server does, and each rollout's rows go to the JSONL file at PATH")
+    if flag == "--offload-rollout":
+        return "supported", ("embedded engine, `train`: on by default (the engine shares the trainer's "
+                             "process, as Miles' `--colocate`, which turns it on); `--no-offload-rollout` "
+                             "keeps the engine's memory; `train-async` generates while it trains and "
+                             "never releases (see miles-cli/src/memory.rs)")
+    if flag == "--offload-rollout-level":
+        return "supported", "`kv_cache` and / or `weight` (default both)"
     if flag in ours:
         return "supported", ""
     if flag == "--session-sample-picker-path":
@@ -204,7 +211,9 @@ for flag, group in rows:
     out.append(f"| `{flag}` | {st} | {note} |")
 out += ["", "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
 # `--sglang-*` flags are SGLang's server arguments, which Miles passes through (not listed above).
-extra = sorted(f for f in ours - seen - {"--config"} if not f.startswith("--sglang-"))
+# `--no-X` of a Miles `BooleanOptionalAction` flag `--X` is Miles' own spelling.
+extra = sorted(f for f in ours - seen - {"--config"} if not f.startswith("--sglang-")
+               and not (f.startswith("--no-") and "--" + f[len("--no-"):] in seen))
 # Flags Miles had before the commit above and removed.
 HISTORICAL = {"--generate-multi-samples": "Miles' flag until b05a4f2a0 (2026-07-29)"}
 out += ["Flags of `miles` that Miles does not have: "

@@ -349,6 +349,54 @@ pub struct RolloutArgs {
     /// passes it), still bounded by --sglang-mem-fraction-static
     #[arg(long, value_name = "TOKENS", default_value_t = EngineConfig::default().kv_token_budget)]
     pub sglang_max_total_tokens: usize,
+    /// Embedded engine, train: release its memory (--offload-rollout-level) while the trainer
+    /// trains and take it back at the weight push (Miles' --offload-rollout; the default for
+    /// train, as Miles' --colocate sets it; train-async generates while it trains: never)
+    #[arg(long, overrides_with = "no_offload_rollout")]
+    pub offload_rollout: bool,
+    /// Keep the engine's weights and KV cache while the trainer trains
+    #[arg(long, overrides_with = "offload_rollout")]
+    pub no_offload_rollout: bool,
+    /// What --offload-rollout releases: kv_cache, weight (Miles' names; default both)
+    #[arg(long, value_name = "LEVEL", num_args = 1.., value_parser = ["kv_cache", "weight"])]
+    pub offload_rollout_level: Vec<String>,
+}
+
+impl RolloutArgs {
+    /// What the engine releases while the trainer trains (empty: nothing): Miles'
+    /// `--offload-rollout-level` (default `kv_cache weight`) for the synchronous loop unless
+    /// `--no-offload-rollout`; nothing for the fully async one, where an explicit
+    /// `--offload-rollout` is an error (it generates while it trains).
+    pub fn offload_rollout_tags(
+        &self,
+        asynchronous: bool,
+    ) -> Result<Vec<miles_core::MemoryTag>, String> {
+        if asynchronous {
+            return if self.offload_rollout {
+                Err(
+                    "--offload-rollout needs the synchronous loop (train): train-async keeps \
+                     generating while it trains, so its engine cannot release its memory"
+                        .into(),
+                )
+            } else {
+                Ok(Vec::new())
+            };
+        }
+        if self.no_offload_rollout {
+            return Ok(Vec::new());
+        }
+        let level: &[String] = &self.offload_rollout_level;
+        let mut tags = Vec::new();
+        for (name, tag) in [
+            ("kv_cache", miles_core::MemoryTag::KvCache),
+            ("weight", miles_core::MemoryTag::Weights),
+        ] {
+            if level.is_empty() || level.iter().any(|l| l == name) {
+                tags.push(tag);
+            }
+        }
+        Ok(tags)
+    }
 }
 
 /// Training.

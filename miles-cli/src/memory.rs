@@ -1,23 +1,33 @@
 //! The memory a `miles train` process plans to hold with the embedded engine, from the model's
 //! shape and the run's flags, printed at start (`memory plan: …`).
 //!
-//! Copies of the weights a `miles train` / `train-async` process holds (f32 training):
+//! Copies of the weights a `miles train` process holds (f32 training, embedded engine):
 //! 1. the trainer's parameters (f32 masters; the autodiff graph reads them, it does not copy
 //!    them);
 //! 2. the engine's served version: after a weight push the trainer's own buffers, handed over
-//!    in process ([`miles_core::InProcessWeights`]: no copy); the optimizer's next update then
-//!    writes the trainer's parameters into new buffers (copy-on-write), so from the AdamW step
-//!    to the next push the engine holds the previous version, a second full copy: what keeps
-//!    every rollout on exactly one weight version;
+//!    in process ([`miles_core::InProcessWeights`]: no copy);
 //! 3. the engine's decode copies: q / k / v and gate / up stacked into one matmul each, `o`,
 //!    `down`, the experts and `lm_head` packed into panels (`EngineConfig::specialised_path`),
-//!    about one more copy in the engine's precision.
+//!    about one more copy in the engine's precision, rebuilt at every push (one pass over the
+//!    weights, on every core).
+//!
+//! With `--offload-rollout` (Miles' flag; on by default for `miles train`, as Miles'
+//! `--colocate` sets it) the engine releases its served version, its decode copies and (level
+//! `kv_cache`) its KV pool before each training step that ends with a push, and takes them
+//! back at the push. The optimizer then updates the trainer's buffers in place, so the
+//! process holds **two** weight-sized copies at most: the trainer's parameters, and the decode
+//! copies while the engine generates (which the training pass does not hold). Without it
+//! (`--no-offload-rollout`, and always with `train-async`, which generates while it trains)
+//! the engine keeps its buffers through the training step: the optimizer's update writes the
+//! trainer's parameters into new buffers (copy-on-write), so from the AdamW step to the next
+//! push the engine holds the previous version, a **third** full copy (what keeps every rollout
+//! on exactly one weight version), beside the decode copies.
 //!
 //! Besides: the gradients (one f32 copy, accumulated over micro-batches), AdamW's two moments
 //! (two f32 copies), the KV pool (allocated once) and one micro-batch's activations. The
-//! peak is at the AdamW step (three weight copies, gradients, moments and pool) or during
-//! the backward pass (two weight copies, gradients, moments, pool and activations),
-//! whichever is larger.
+//! peak is the larger of generation / push (trainer's weights, gradients, moments, decode
+//! copies and pool) and the training step (the same less what the engine released, plus the
+//! larger of the activations and the engine's previous version).
 
 /// Bytes of one GiB.
 const GIB: f64 = (1u64 << 30) as f64;
@@ -43,6 +53,11 @@ pub struct MemoryInputs {
     pub engine_dtype_bytes: u64,
     /// Whether the engine keeps decode copies of its weights (`specialised_path`).
     pub engine_decode_copies: bool,
+    /// Whether the engine releases its weights (served version and decode copies) while the
+    /// trainer trains (`--offload-rollout` at level `weight`).
+    pub offload_weights: bool,
+    /// Whether it releases its KV pool too (level `kv_cache`).
+    pub offload_kv_cache: bool,
     /// Tokens the KV pool holds.
     pub kv_tokens: u64,
     /// Bytes one cached position takes in the pool (every layer's keys and values).
@@ -63,12 +78,16 @@ pub struct MemoryPlan {
     /// AdamW's moments: `params × 8`.
     pub optimizer: u64,
     /// The engine's previous version between the AdamW step and the next push:
-    /// `params × engine_dtype_bytes`.
+    /// `params × engine_dtype_bytes`; 0 when the engine releases its weights (the optimizer
+    /// then updates the trainer's buffers in place).
     pub engine_version: u64,
     /// The engine's decode copies: `params × engine_dtype_bytes` (0 without them).
     pub engine_decode_copies: u64,
     /// The KV pool: `kv_tokens × kv_bytes_per_token`.
     pub kv_pool: u64,
+    /// What the engine releases for the training step: its decode copies with
+    /// `offload_weights`, its pool with `offload_kv_cache`.
+    pub offloaded: u64,
     /// One micro-batch's activations kept for the backward pass, estimated as
     /// `tokens × layers × (6·hidden + 4·q_width + 4·kv_width + 4·intermediate) × 4` (norm
     /// inputs and outputs, residuals, projections before and after RoPE, attention output,
@@ -84,40 +103,51 @@ impl MemoryPlan {
         let per_token = 6 * i.hidden + 4 * i.q_width + 4 * i.kv_width + 4 * i.intermediate;
         let attention = i.micro_batch_seqs * i.heads * i.seq_len * i.seq_len * i.layers * 8;
         let engine_copy = i.params * i.engine_dtype_bytes;
+        let engine_decode_copies = if i.engine_decode_copies {
+            engine_copy
+        } else {
+            0
+        };
+        let kv_pool = i.kv_tokens * i.kv_bytes_per_token;
         Self {
             trainer_weights: i.params * 4,
             gradients: i.params * 4,
             optimizer: i.params * 8,
-            engine_version: engine_copy,
-            engine_decode_copies: if i.engine_decode_copies {
-                engine_copy
+            engine_version: if i.offload_weights { 0 } else { engine_copy },
+            engine_decode_copies,
+            kv_pool,
+            offloaded: if i.offload_weights {
+                engine_decode_copies
             } else {
                 0
-            },
-            kv_pool: i.kv_tokens * i.kv_bytes_per_token,
+            } + if i.offload_kv_cache { kv_pool } else { 0 },
             activations: tokens * i.layers * per_token * 4 + attention,
         }
     }
 
-    /// What is held at every moment of a step: the trainer's weights, gradients, moments,
-    /// the engine's decode copies and its pool.
-    pub fn resident(&self) -> u64 {
-        self.trainer_weights
-            + self.gradients
-            + self.optimizer
-            + self.engine_decode_copies
-            + self.kv_pool
+    /// What the engine holds while it generates and from the push on: its decode copies and
+    /// its pool.
+    pub fn engine(&self) -> u64 {
+        self.engine_decode_copies + self.kv_pool
     }
 
-    /// The planned peak: the resident part plus the larger of the activations (backward) and
-    /// the engine's previous version (AdamW step to push).
+    /// What is held at every moment of a step: the trainer's weights, gradients, moments,
+    /// and the engine's decode copies and pool less what it releases for training.
+    pub fn resident(&self) -> u64 {
+        self.trainer_weights + self.gradients + self.optimizer + self.engine() - self.offloaded
+    }
+
+    /// The planned peak: the larger of generation / push (the resident part plus what the
+    /// engine released) and the training step (the resident part plus the larger of the
+    /// activations, backward, and the engine's previous version, AdamW step to push).
     pub fn peak(&self) -> u64 {
-        self.resident() + self.activations.max(self.engine_version)
+        (self.resident() + self.activations.max(self.engine_version))
+            .max(self.resident() + self.offloaded)
     }
 
     /// What the trainer is sure to allocate after start (gradients, moments, the engine's
-    /// previous version from the AdamW step to the push): memory the engine's KV pool leaves
-    /// free before its fraction applies. The activations are not in it: their estimate is an
+    /// previous version from the AdamW step to the push when it keeps its weights): memory
+    /// the engine's KV pool leaves free before its fraction applies. The activations are not in it: their estimate is an
     /// upper bound (padded rows, the prompts' JSON bytes for their tokens) that can exceed the
     /// machine when the step fits; they live in the share the fraction leaves.
     pub fn trainer_growth(&self) -> u64 {
@@ -129,8 +159,8 @@ impl MemoryPlan {
         let g = |b: u64| format!("{:.2}", b as f64 / GIB);
         let mut line = format!(
             "memory plan (GiB): trainer weights {} + gradients {} + AdamW moments {} + engine \
-             decode copies {} + KV pool {} + max(activations {}, engine's previous version {}) \
-             = peak {}",
+             decode copies {} + KV pool {}; training adds max(activations {}, engine's previous \
+             version {}) and releases {} (--offload-rollout); peak {}",
             g(self.trainer_weights),
             g(self.gradients),
             g(self.optimizer),
@@ -138,6 +168,7 @@ impl MemoryPlan {
             g(self.kv_pool),
             g(self.activations),
             g(self.engine_version),
+            g(self.offloaded),
             g(self.peak()),
         );
         if let Some(available) = available {

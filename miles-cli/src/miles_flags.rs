@@ -25,8 +25,6 @@ pub const NOT_APPLICABLE: &[(&str, Arity)] = &[
     ("--colocate", Arity::Switch),
     ("--offload", Arity::Switch),
     ("--offload-train", Arity::Value),
-    ("--offload-rollout", Arity::Value),
-    ("--offload-rollout-level", Arity::Values),
     ("--offload-train-target", Arity::Value),
     ("--stream-optimizer-state-to-disk", Arity::Switch),
     ("--stream-optimizer-state-moment-dtype", Arity::Value),

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use miles_bridge::{CausalLm, Precision, RecomputeConfig};
 use miles_core::{
-    InferenceEngine, JsonlMetricsSink, MetricsSink, PolicyTrainer, RewardFn, SamplingParams,
+    InferenceEngine, JsonlMetricsSink, MemoryTag, MetricsSink, PolicyTrainer, RewardFn,
+    SamplingParams,
 };
 use miles_ops::device::DeviceSpec;
 use miles_ops::{AdvantageConfig, AdvantageEstimator};
@@ -394,6 +395,7 @@ fn memory_plan(
     model: &CausalLm,
     prompts: &[PromptRecord],
     precision: miles_bridge::Precision,
+    offload: &[miles_core::MemoryTag],
 ) -> crate::memory::MemoryPlan {
     let m = &model.config;
     let engine_bytes = precision.checkpoint_dtype().size() as u64;
@@ -417,6 +419,8 @@ fn memory_plan(
         kv_width: (m.num_key_value_heads * m.head_dim) as u64,
         engine_dtype_bytes: engine_bytes,
         engine_decode_copies: true,
+        offload_weights: offload.contains(&miles_core::MemoryTag::Weights),
+        offload_kv_cache: offload.contains(&miles_core::MemoryTag::KvCache),
         kv_tokens: a.rollout.sglang_max_total_tokens as u64,
         kv_bytes_per_token: kv_f32 / 4 * engine_bytes,
         micro_batch_seqs: a.train.micro_batch_size as u64,
@@ -432,7 +436,8 @@ fn memory_plan(
         kv_reserved_bytes: plan.trainer_growth(),
         ..miles_engine::EngineConfig::default()
     };
-    let available = miles_engine::available_memory().map(|b| b.saturating_sub(plan.engine_version));
+    let engine_weights = inputs.params * engine_bytes;
+    let available = miles_engine::available_memory().map(|b| b.saturating_sub(engine_weights));
     if let Ok(budget) =
         miles_engine::KvBudget::resolve(&config, inputs.kv_bytes_per_token as usize, available)
     {
@@ -838,7 +843,8 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     let n = rollout.n_samples_per_prompt;
     let recompute = train_config(a, n, use_r3, c.seed)?
         .needs_exact_rollout_log_probs(rollout.rollout_batch_size * n);
-    let plan = memory_plan(a, &model, &prompts, c.precision);
+    let offload = a.rollout.offload_rollout_tags(asynchronous)?;
+    let plan = memory_plan(a, &model, &prompts, c.precision, &offload);
     tracing::info!("{}", plan.line(miles_engine::available_memory()));
     let engine = engines(
         a,
@@ -955,6 +961,8 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         save_interval: a.model.save_interval,
         save: Some(save.clone()),
         keep_checkpoints: a.model.keep_checkpoints,
+        offload_rollout: !offload.is_empty(),
+        offload_rollout_level: offload,
         ..defaults
     };
     let eval_interval: Option<u64> = a.eval.eval_interval;
@@ -1022,6 +1030,11 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     {
         summary["eval_after"] = json!(after);
     }
+    // The engine is done: its decode copies and pool go back before the final checkpoint is
+    // exported (the export's host copy of the weights would otherwise come on top of them).
+    engine
+        .release_memory_occupation(&[MemoryTag::KvCache, MemoryTag::Weights])
+        .await?;
     let (weights, version) = {
         let guard = trainer
             .lock()

@@ -194,9 +194,8 @@ pub fn save_hf_checkpoint(
     dir: &Path,
 ) -> Result<(), crate::error::Error> {
     std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
-    let file = dir.join("model.safetensors");
-    std::fs::write(&file, weights.to_safetensors_bytes())
-        .map_err(|e| crate::error::Error::io(&file, e))?;
+    // Streamed to the file: no second in-memory image of the weights.
+    weights.write_safetensors_file(&dir.join("model.safetensors"))?;
     for name in crate::sft::TOKENIZER_FILES {
         let from = model_dir.join(name);
         if from.exists() {

@@ -272,6 +272,29 @@ pub enum PauseMode {
     Retract,
 }
 
+/// What an engine releases for the trainer while it trains and takes back afterwards (SGLang's
+/// `/release_memory_occupation` / `/resume_memory_occupation` `tags`; Miles'
+/// `--offload-rollout-level`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryTag {
+    /// The served weights and every copy the engine keeps of them (SGLang's `weights`; Miles'
+    /// level `weight`). They come back with the next weight update.
+    Weights,
+    /// The KV cache pool and the prefix cache (`kv_cache`).
+    KvCache,
+}
+
+impl MemoryTag {
+    /// SGLang's name of the tag (`weights`, `kv_cache`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Weights => "weights",
+            Self::KvCache => "kv_cache",
+        }
+    }
+}
+
 /// A request for the log-probs of a sequence's own tokens, without generating (SGLang's
 /// `/generate` with `max_new_tokens = 0`, `return_logprob` and `logprob_start_len`): what an
 /// on-policy-distillation teacher answers.
@@ -366,6 +389,26 @@ pub trait InferenceEngine: Send + Sync {
 
     /// The version of the weights currently loaded.
     async fn weight_version(&self) -> Result<WeightVersion>;
+
+    /// Frees the memory of `tags` until [`InferenceEngine::resume_memory_occupation`] (SGLang's
+    /// `/release_memory_occupation`, what Miles' `--offload-rollout` calls before training):
+    /// waits until nothing is generating, then drops the served weights (they come back with
+    /// the next weight update) and / or the KV cache. Generation requests sent meanwhile wait.
+    /// `Ok(false)` (the default) when this engine cannot release memory (nothing changed).
+    async fn release_memory_occupation(&self, tags: &[MemoryTag]) -> Result<bool> {
+        let _ = tags;
+        Ok(false)
+    }
+
+    /// Takes back the memory of `tags` released by
+    /// [`InferenceEngine::release_memory_occupation`] (SGLang's `/resume_memory_occupation`):
+    /// the KV cache is allocated again; released weights are back once a weight update has
+    /// loaded them (Miles' order: resume weights, update, resume the KV cache). `Ok(false)`
+    /// (the default) when this engine cannot release memory.
+    async fn resume_memory_occupation(&self, tags: &[MemoryTag]) -> Result<bool> {
+        let _ = tags;
+        Ok(false)
+    }
 
     /// Scores a sequence's own tokens without generating (see [`InputLogprobRequest`]). The
     /// default answers an `invalid_request` engine error: engines that can score override it.

@@ -69,7 +69,7 @@ mod weights;
 
 pub use engine::{
     FinishReason, GenerateOutput, GenerateRequest, InferenceEngine, InputLogprobRequest,
-    InputLogprobs, PauseMode, RequestId, SamplingParams, output_text,
+    InputLogprobs, MemoryTag, PauseMode, RequestId, SamplingParams, output_text,
 };
 pub use error::{EngineErrorKind, Error, Result};
 pub use message::{

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use miles_bridge::CausalLm;
 use miles_core::{
-    GenerateOutput, GenerateRequest, InputLogprobRequest, InputLogprobs, PauseMode, RequestId,
-    WeightVersion,
+    GenerateOutput, GenerateRequest, InputLogprobRequest, InputLogprobs, MemoryTag, PauseMode,
+    RequestId, WeightVersion,
 };
 use tokio::sync::oneshot;
 
@@ -58,6 +58,8 @@ pub(crate) enum Cmd {
     Resume,
     Flush(oneshot::Sender<()>),
     Update(Box<CausalLm>, WeightVersion, oneshot::Sender<()>),
+    Release(Vec<MemoryTag>, oneshot::Sender<()>),
+    ResumeMemory(Vec<MemoryTag>, oneshot::Sender<Result<(), String>>),
     InputLogprobs(
         Box<InputLogprobRequest>,
         oneshot::Sender<miles_core::Result<InputLogprobs>>,
@@ -73,7 +75,29 @@ pub(crate) struct Pending {
 pub(crate) struct Shared {
     pub(crate) version: AtomicU64,
     pub(crate) alive: AtomicBool,
+    /// The scheduler has released its weights ([`crate::release`]).
+    pub(crate) weights_released: AtomicBool,
+    /// The scheduler has released its KV pool.
+    pub(crate) kv_released: AtomicBool,
     pub(crate) stats: Mutex<EngineStats>,
     /// SGLang-named Prometheus metrics the scheduler keeps current, once attached.
     pub(crate) metrics: OnceLock<Arc<miles_core::prometheus::SglangMetrics>>,
+}
+
+/// What the engine has released ([`crate::release`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Released {
+    /// The served weights and decode copies are gone until the next weight update.
+    pub(crate) weights: bool,
+    /// The KV pool is shrunk to one block until a resume of `kv_cache`.
+    pub(crate) kv_cache: bool,
+    /// Rows (sequences, or a hybrid model's state slots) the full pool is allocated for.
+    pub(crate) pool_rows: usize,
+}
+
+impl Released {
+    /// Whether generation has to wait (weights or KV cache released).
+    pub(crate) fn holds_generation(self) -> bool {
+        self.weights || self.kv_cache
+    }
 }

@@ -12,8 +12,8 @@ use burn::tensor::Device;
 use miles_bridge::{CausalLm, ModelConfig, MoeDispatch, Precision};
 use miles_core::{
     DType, EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InProcessWeights,
-    InferenceEngine, InputLogprobRequest, InputLogprobs, NamedTensors, PauseMode, RequestId,
-    WeightVersion,
+    InferenceEngine, InputLogprobRequest, InputLogprobs, MemoryTag, NamedTensors, PauseMode,
+    RequestId, WeightVersion,
 };
 use tokio::sync::oneshot;
 
@@ -96,6 +96,8 @@ impl EngineBuilder {
         let shared = Arc::new(Shared {
             version: AtomicU64::new(c.initial_version.0),
             alive: AtomicBool::new(true),
+            weights_released: AtomicBool::new(false),
+            kv_released: AtomicBool::new(false),
             stats: Mutex::new(EngineStats::default()),
             metrics: OnceLock::new(),
         });
@@ -178,6 +180,19 @@ impl EmbeddedEngine {
     /// The version of the loaded weights.
     pub fn current_version(&self) -> WeightVersion {
         WeightVersion(self.shared.version.load(Ordering::SeqCst))
+    }
+
+    /// What the engine holds released now
+    /// ([`InferenceEngine::release_memory_occupation`]; empty while it serves).
+    pub fn released_memory(&self) -> Vec<MemoryTag> {
+        let mut tags = Vec::new();
+        if self.shared.weights_released.load(Ordering::SeqCst) {
+            tags.push(MemoryTag::Weights);
+        }
+        if self.shared.kv_released.load(Ordering::SeqCst) {
+            tags.push(MemoryTag::KvCache);
+        }
+        tags
     }
 
     /// Counters since start.
@@ -323,6 +338,28 @@ impl InferenceEngine for EmbeddedEngine {
             .map_err(|e| CoreError::engine(EngineErrorKind::WeightUpdate, e.to_string()))?;
         let model = self.build_model(tensors)?;
         self.swap_model(model, version).await
+    }
+
+    /// Releases the served weights (the trainer's buffers in process, and the decode copies)
+    /// and / or the KV pool once nothing generates (see the crate's `release` module docs).
+    async fn release_memory_occupation(&self, tags: &[MemoryTag]) -> miles_core::Result<bool> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::Release(tags.to_vec(), tx))?;
+        rx.await.map_err(|_| {
+            CoreError::engine(EngineErrorKind::Unavailable, "the engine has stopped")
+        })?;
+        Ok(true)
+    }
+
+    /// Allocates the KV pool again (after the weights are back: an `Internal` engine error
+    /// before); released weights come back with the next weight update.
+    async fn resume_memory_occupation(&self, tags: &[MemoryTag]) -> miles_core::Result<bool> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Cmd::ResumeMemory(tags.to_vec(), tx))?;
+        rx.await
+            .map_err(|_| CoreError::engine(EngineErrorKind::Unavailable, "the engine has stopped"))?
+            .map_err(|e| CoreError::engine(EngineErrorKind::Internal, e))?;
+        Ok(true)
     }
 
     async fn pause(&self, mode: PauseMode) -> miles_core::Result<()> {

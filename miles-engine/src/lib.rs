@@ -87,6 +87,8 @@ mod engine;
 mod error;
 mod input_scoring;
 mod prefill;
+
+mod release;
 mod sampling;
 mod scheduler;
 pub mod serve;

@@ -11,15 +11,15 @@ use burn::tensor::{Int, Tensor, TensorData};
 use miles_bridge::profile::{self, OpClass};
 use miles_bridge::{CausalLm, KvCache, ModelInput, PagedKvCache, RowId};
 use miles_core::{
-    EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, PauseMode, RoutedExperts,
-    WeightVersion,
+    EngineErrorKind, Error as CoreError, FinishReason, GenerateOutput, MemoryTag, PauseMode,
+    RoutedExperts, WeightVersion,
 };
 use miles_r3::Fallthrough;
 use rayon::prelude::*;
 use serde_json::Value;
 use tokio::sync::oneshot;
 
-use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Shared};
+use crate::command::{Cmd, Detokenizer, EngineStats, Pending, Released, Shared};
 use crate::config::{EngineConfig, KvBudget, StateBudget, available_memory, valid_sampling};
 use crate::sampling::sample_token;
 use crate::step::{KeepAwake, SequenceScorer, ids_row, read_step, step_model};
@@ -102,6 +102,10 @@ pub(crate) struct Scheduler {
     pub(crate) pool: PagedKvCache,
     pub(crate) paused: Option<PauseMode>,
     pub(crate) updates: VecDeque<(Box<CausalLm>, WeightVersion, oneshot::Sender<()>)>,
+    /// A release of memory waiting for generation to stop ([`crate::release`]).
+    pub(crate) pending_release: Option<(Vec<MemoryTag>, oneshot::Sender<()>)>,
+    /// What is released.
+    pub(crate) released: Released,
     /// Finished sequences whose log-probs are still to be recomputed, each with the weights
     /// (and their version) that generated it. They are answered one per scheduler iteration,
     /// so a burst of sequences finishing together never holds a pause or an update for long.
@@ -205,6 +209,8 @@ impl Scheduler {
             pool,
             paused: None,
             updates: VecDeque::new(),
+            pending_release: None,
+            released: Released::default(),
             finished: VecDeque::new(),
             prefix: Vec::new(),
             clock: 0,
@@ -227,7 +233,9 @@ impl Scheduler {
     pub(crate) fn run(mut self) {
         loop {
             let idle = self.running.is_empty()
-                && (self.waiting.is_empty() || self.paused.is_some())
+                && (self.waiting.is_empty()
+                    || self.paused.is_some()
+                    || self.released.holds_generation())
                 && self.updates.is_empty()
                 && self.finished.is_empty();
             let first = if idle {
@@ -250,7 +258,12 @@ impl Scheduler {
                     self.answer(seq, &model, version);
                 }
                 self.apply_updates();
-                if self.paused.is_none() && self.updates.is_empty() {
+                self.apply_release();
+                if self.paused.is_none()
+                    && self.updates.is_empty()
+                    && self.pending_release.is_none()
+                    && !self.released.holds_generation()
+                {
                     self.admit();
                 }
                 if self.paused.is_none() && !self.running.is_empty() {
@@ -347,6 +360,15 @@ impl Scheduler {
                 let _ = reply.send(());
             }
             Cmd::Update(model, version, reply) => self.updates.push_back((model, version, reply)),
+            Cmd::Release(tags, reply) => self.pending_release = Some((tags, reply)),
+            Cmd::ResumeMemory(tags, reply) => self.resume_memory(&tags, reply),
+            Cmd::InputLogprobs(_, reply) if self.released.weights => {
+                let _ = reply.send(Err(CoreError::engine(
+                    EngineErrorKind::Unavailable,
+                    "the engine's weights are released while the trainer trains; they come back \
+                     with the next weight update",
+                )));
+            }
             Cmd::InputLogprobs(request, reply) => {
                 // Scored between steps on the current weights (an update waits its turn).
                 let version = WeightVersion(self.shared.version.load(Ordering::SeqCst));
@@ -493,6 +515,8 @@ impl Scheduler {
         while let Some((model, version, reply)) = self.updates.pop_front() {
             self.model = Arc::new(*model);
             self.step = Arc::new(step_model(&self.model, self.config.specialised_path));
+            self.released.weights = false;
+            self.publish_released();
             self.shared.version.store(version.0, Ordering::SeqCst);
             let _ = reply.send(());
         }

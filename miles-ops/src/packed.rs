@@ -39,7 +39,8 @@
 use std::ops::Range;
 
 use burn::backend::{
-    Backend, Dispatch, DispatchDevice, Flex, backend_extension, tensor::FloatTensor,
+    Backend, BackendTensor, Dispatch, DispatchDevice, DispatchTensorKind, Flex, backend_extension,
+    tensor::FloatTensor,
 };
 use burn::tensor::{DType, Tensor, TensorData};
 use rayon::prelude::*;
@@ -85,6 +86,7 @@ pub fn panels(out: usize) -> usize {
 
 /// Packs `w` `[out, in]` row-major (HF layout) into panels: element `(i, c)` of the product
 /// matrix `wᵀ` at `(c / PANEL) · in · PANEL + i · PANEL + c % PANEL`; columns past `out` zero.
+/// Panels are written in parallel on the rayon pool ([`pack_rows`]).
 pub fn pack(w: &[f32], out: usize, k: usize) -> Vec<f32> {
     assert_eq!(
         w.len(),
@@ -92,13 +94,64 @@ pub fn pack(w: &[f32], out: usize, k: usize) -> Vec<f32> {
         "pack: {} values for [{out}, {k}]",
         w.len()
     );
-    let mut data = vec![0.0f32; panels(out) * k * PANEL];
-    for (c, row) in w.chunks_exact(k.max(1)).enumerate().take(out) {
-        let base = (c / PANEL) * k * PANEL + c % PANEL;
-        for (i, &v) in row.iter().enumerate() {
-            data[base + i * PANEL] = v;
-        }
+    pack_rows(&[rows_of(w, k)], k)
+}
+
+/// Packs several weights `[out_i, in]` (row-major, HF layout) stacked on the output axis, as
+/// [`pack`] packs their concatenation (`Σ out_i` outputs), without building it.
+///
+/// # Panics
+/// When a part's length is not a multiple of `k`.
+pub fn pack_stacked(parts: &[&[f32]], k: usize) -> Vec<f32> {
+    let mut rows = Vec::new();
+    for part in parts {
+        assert!(
+            k == 0 || part.len().is_multiple_of(k),
+            "pack: {} values for rows of {k}",
+            part.len()
+        );
+        rows.extend(rows_of(part, k));
     }
+    pack_rows(&[rows], k)
+}
+
+/// The rows of `w` (`k` values each).
+fn rows_of(w: &[f32], k: usize) -> Vec<&[f32]> {
+    if k == 0 {
+        return Vec::new();
+    }
+    w.chunks_exact(k).collect()
+}
+
+/// Input indices per tile when a panel is written: `PACK_TILE × PANEL` values (32 KiB) stay
+/// in L1 while the panel's rows are read in order.
+const PACK_TILE: usize = 256;
+
+/// Panels of `lists.len()` row lists of `n` rows each, interleaved (panel `j` of each list in
+/// turn; one list: [`pack`]'s layout, two: [`pack_glu`]'s), written straight into the one
+/// buffer that is returned: each panel reads its (at most [`PANEL`]) rows in order and writes
+/// its `[k, PANEL]` block tile by tile, panels in parallel on the rayon pool. Memory-bound: the
+/// weights are read once and the panels written once.
+fn pack_rows(lists: &[Vec<&[f32]>], k: usize) -> Vec<f32> {
+    let n = lists.first().map_or(0, Vec::len);
+    let width = lists.len();
+    let len = k * PANEL;
+    let mut data = vec![0.0f32; width * panels(n) * len];
+    if len == 0 {
+        return data;
+    }
+    data.par_chunks_mut(len).enumerate().for_each(|(q, dst)| {
+        let (list, j) = (&lists[q % width], q / width);
+        let rows = &list[j * PANEL..((j + 1) * PANEL).min(n)];
+        for i0 in (0..k).step_by(PACK_TILE) {
+            let i1 = (i0 + PACK_TILE).min(k);
+            for (c, row) in rows.iter().enumerate() {
+                for (i, &v) in row[i0..i1].iter().enumerate() {
+                    dst[(i0 + i) * PANEL + c] = v;
+                }
+            }
+        }
+    });
     data
 }
 
@@ -117,14 +170,15 @@ pub fn unpack(data: &[f32], out: usize, k: usize) -> Vec<f32> {
 /// Packs a gate and an up projection (`[inter, in]` each, HF layout) for the fused SwiGLU
 /// product ([`PackedMatrix::glu`]): gate panel `j` then up panel `j`, for each `j`.
 pub fn pack_glu(gate: &[f32], up: &[f32], inter: usize, k: usize) -> Vec<f32> {
-    let (g, u) = (pack(gate, inter, k), pack(up, inter, k));
-    let len = k * PANEL;
-    let mut data = Vec::with_capacity(2 * g.len());
-    for (gp, up) in g.chunks_exact(len.max(1)).zip(u.chunks_exact(len.max(1))) {
-        data.extend_from_slice(gp);
-        data.extend_from_slice(up);
+    for (what, w) in [("gate", gate), ("up", up)] {
+        assert_eq!(
+            w.len(),
+            inter * k,
+            "pack_glu: {} {what} values for [{inter}, {k}]",
+            w.len()
+        );
     }
-    data
+    pack_rows(&[rows_of(gate, k), rows_of(up, k)], k)
 }
 
 /// What a packed product computes.
@@ -209,30 +263,47 @@ impl PackedMatrix {
         Self::build(Product::Plain, vec![w])
     }
 
+    /// Packs weights `[out_i, in]` stacked on the output axis (`[Σ out_i, in]`, e.g. q / k / v
+    /// as one matmul) straight from their buffers, or `None` where the packed path does not
+    /// apply.
+    pub fn stacked(weights: Vec<Tensor<2>>) -> Option<Self> {
+        Self::build(Product::Plain, weights)
+    }
+
     /// Packs a gate and an up projection (`[inter, in]` each) for the fused product
     /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, or `None` where the packed path does not apply.
     pub fn glu(gate: Tensor<2>, up: Tensor<2>) -> Option<Self> {
         Self::build(Product::Glu, vec![gate, up])
     }
 
-    /// Packs `weights` (`product.width()` matrices of one shape and dtype) for `product`.
+    /// Packs `weights` for `product`: for [`Product::Plain`] one or more matrices of one input
+    /// width and dtype, stacked on the output axis; for [`Product::Glu`] two of one shape.
+    /// The panels are written from the weights' own buffers (borrowed, never copied first)
+    /// into the packed matrix's buffer, which becomes its tensor without a copy.
     fn build(product: Product, weights: Vec<Tensor<2>>) -> Option<Self> {
         let first = weights.first()?;
-        let (device, [n, k], dtype) = (first.device(), first.dims(), first.dtype());
-        if !applies(&device, dtype)
-            || weights.len() != product.width()
-            || weights
-                .iter()
-                .any(|w| w.dims() != [n, k] || w.dtype() != dtype)
-        {
+        let (device, [n0, k], dtype) = (first.device(), first.dims(), first.dtype());
+        let shapes_fit = match product {
+            Product::Plain => weights.iter().all(|w| w.dims()[1] == k),
+            Product::Glu => weights.len() == 2 && weights.iter().all(|w| w.dims() == [n0, k]),
+        };
+        if !applies(&device, dtype) || !shapes_fit || weights.iter().any(|w| w.dtype() != dtype) {
             return None;
         }
-        let host = weights
+        let n = match product {
+            Product::Plain => weights.iter().map(|w| w.dims()[0]).sum(),
+            Product::Glu => n0,
+        };
+        let primitives = weights
             .into_iter()
-            .map(host_f32)
+            .map(flex_primitive)
             .collect::<Option<Vec<_>>>()?;
-        let parts: Vec<&[f32]> = host.iter().map(Vec::as_slice).collect();
-        let data = product.pack(&parts, n, k);
+        let host: Vec<_> = primitives.iter().map(f32_data).collect();
+        let parts: Vec<&[f32]> = host.iter().map(|h| &h[..]).collect();
+        let data = match product {
+            Product::Plain => pack_stacked(&parts, k),
+            Product::Glu => pack_glu(parts[0], parts[1], n, k),
+        };
         let len = data.len();
         Some(Self {
             data: Tensor::from_data(TensorData::new(data, [len]), &device),
@@ -282,6 +353,14 @@ impl PackedMatrix {
         let w = self.product.unpack(&host, self.n, self.k);
         let rows = self.product.width() * self.n;
         Tensor::from_data(TensorData::new(w, [rows, self.k]), &self.data.device())
+    }
+}
+
+/// The flex primitive of a plain flex float tensor (`None` for any other), sharing its buffer.
+fn flex_primitive(t: Tensor<2>) -> Option<FloatTensor<Flex>> {
+    match t.into_dispatch().kind {
+        DispatchTensorKind::Flex(BackendTensor::Float(t)) => Some(t),
+        _ => None,
     }
 }
 
@@ -787,6 +866,54 @@ mod tests {
                 .iter()
                 .all(|&v| v == 0.0)
         );
+    }
+
+    #[test]
+    fn stacked_and_glu_packing_equal_their_definitions() {
+        // Stacked parts pack as their concatenation (q / k / v widths not multiples of a panel,
+        // so panels straddle the parts); a GLU pair as gate panel j then up panel j, each
+        // `pack`'s panel, whatever the parallel split. `pack` itself against the formula.
+        let k = 300;
+        let (q, kk, v) = (values(45 * k, 2), values(20 * k, 3), values(7 * k, 4));
+        let stacked = pack_stacked(&[&q, &kk, &v], k);
+        let all: Vec<f32> = [&q[..], &kk[..], &v[..]].concat();
+        let n = 72;
+        assert_eq!(stacked.len(), panels(n) * k * PANEL);
+        for c in 0..panels(n) * PANEL {
+            for i in 0..k {
+                let want = if c < n { all[c * k + i] } else { 0.0 };
+                assert_eq!(
+                    stacked[(c / PANEL) * k * PANEL + i * PANEL + c % PANEL],
+                    want
+                );
+            }
+        }
+        let (gate, up) = (values(40 * k, 5), values(40 * k, 6));
+        let glu = pack_glu(&gate, &up, 40, k);
+        let (pg, pu) = (pack(&gate, 40, k), pack(&up, 40, k));
+        let len = k * PANEL;
+        for j in 0..panels(40) {
+            assert_eq!(
+                glu[2 * j * len..(2 * j + 1) * len],
+                pg[j * len..(j + 1) * len]
+            );
+            assert_eq!(
+                glu[(2 * j + 1) * len..(2 * j + 2) * len],
+                pu[j * len..(j + 1) * len]
+            );
+        }
+        if runs_here() && crate::fused_ops_enabled() {
+            // Packed from tensors: the same panels, read from the weights' own buffers.
+            let device = burn::tensor::Device::flex();
+            let t = |w: &[f32], rows: usize| {
+                Tensor::<2>::from_data(TensorData::new(w.to_vec(), [rows, k]), &device)
+            };
+            let m = PackedMatrix::stacked(vec![t(&q, 45), t(&kk, 20), t(&v, 7)]).unwrap();
+            assert_eq!((m.n, m.k), (n, k));
+            assert_eq!(host_f32(m.data).unwrap(), stacked);
+            let m = PackedMatrix::glu(t(&gate, 40), t(&up, 40)).unwrap();
+            assert_eq!(host_f32(m.data).unwrap(), glu);
+        }
     }
 
     #[test]

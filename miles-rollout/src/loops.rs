@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use miles_core::{
-    InProcessWeights, InferenceEngine, Metrics, MetricsSink, PauseMode, PolicyTrainer, Sample,
-    WeightVersion,
+    InProcessWeights, InferenceEngine, MemoryTag, Metrics, MetricsSink, PauseMode, PolicyTrainer,
+    Sample, WeightVersion,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -69,6 +69,17 @@ pub struct LoopConfig {
     /// Keep only the newest this many checkpoints under `save` (`--keep-checkpoints`;
     /// `None` keeps all).
     pub keep_checkpoints: Option<usize>,
+    /// Synchronous loop only (Miles' `--offload-rollout`): before each training step that
+    /// ends with a weight push, the engines release what `offload_rollout_level` names
+    /// ([`InferenceEngine::release_memory_occupation`]) and take it back at the push. In
+    /// process this lets the optimizer update the trainer's buffers in place (the engine no
+    /// longer holds them) and frees the engine's decode copies and KV pool for the training
+    /// pass. The fully async loop generates while it trains and never releases. Off by
+    /// default here; `miles train` turns it on (an embedded engine is colocated).
+    pub offload_rollout: bool,
+    /// What `offload_rollout` releases (`--offload-rollout-level`; Miles' default: the KV
+    /// cache and the weights).
+    pub offload_rollout_level: Vec<MemoryTag>,
 }
 
 impl Default for LoopConfig {
@@ -85,6 +96,8 @@ impl Default for LoopConfig {
             train_threads: None,
             overlap_weight_updates: false,
             keep_checkpoints: None,
+            offload_rollout: false,
+            offload_rollout_level: vec![MemoryTag::KvCache, MemoryTag::Weights],
         }
     }
 }
@@ -362,8 +375,9 @@ impl RlLoop {
             sample_perf_metrics(&samples, rollout_time, &mut metrics);
             // The trainer waits for the whole rollout.
             metrics.insert("perf/train_wait_time".into(), rollout_time);
+            let offloaded = self.offload_rollout(rollout_id).await?;
             let version = self
-                .train_and_update(rollout_id, samples, &mut metrics, None, None)
+                .train_and_update(rollout_id, samples, &mut metrics, None, None, &offloaded)
                 .await?;
             // Nothing generates while the synchronous loop trains.
             metrics.insert("perf/overlap_ratio".into(), 0.0);
@@ -378,6 +392,24 @@ impl RlLoop {
             self.save_on_stop().await?;
         }
         Ok(())
+    }
+
+    /// With [`LoopConfig::offload_rollout`], when step `rollout_id` ends with a push, has the
+    /// engines release `offload_rollout_level` for the training step; returns what was released
+    /// (empty: nothing, e.g. an engine that cannot). Without a push this step the engines keep
+    /// everything: the next rollout needs the current weights.
+    async fn offload_rollout(&self, rollout_id: u64) -> Result<Vec<MemoryTag>> {
+        let pushes = (rollout_id + 1).is_multiple_of(self.config.update_weights_interval);
+        let level = &self.config.offload_rollout_level;
+        if !self.config.offload_rollout || !pushes || level.is_empty() {
+            return Ok(Vec::new());
+        }
+        let released = self
+            .manager
+            .engine()
+            .release_memory_occupation(level)
+            .await?;
+        Ok(if released { level.clone() } else { Vec::new() })
     }
 
     /// Runs `work` on a blocking thread, inside the trainer's pool when it has one.
@@ -416,7 +448,8 @@ impl RlLoop {
     /// loop's busy clock) it also logs `perf/overlap_ratio`: the share of the train time during
     /// which generation was running. With `background` (see
     /// [`LoopConfig::overlap_weight_updates`]) the push runs as a task left in the slot, after
-    /// the previous one has finished.
+    /// the previous one has finished. `offloaded`: what the engines released for this step
+    /// ([`RlLoop::offload_rollout`]), taken back right after the push.
     async fn train_and_update(
         &self,
         rollout_id: u64,
@@ -424,6 +457,7 @@ impl RlLoop {
         metrics: &mut Metrics,
         generation: Option<&BusyClock>,
         background: Option<&mut Option<PendingPush>>,
+        offloaded: &[MemoryTag],
     ) -> Result<WeightVersion> {
         let trainer = self.trainer.clone();
         let train_tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
@@ -467,7 +501,17 @@ impl RlLoop {
         if (rollout_id + 1).is_multiple_of(self.config.update_weights_interval) {
             let update_started = Instant::now();
             let version = match background {
-                None => self.push_weights().await?,
+                None => {
+                    // The released weights come back with the push; then the KV cache.
+                    let version = self.push_weights().await?;
+                    if !offloaded.is_empty() {
+                        self.manager
+                            .engine()
+                            .resume_memory_occupation(offloaded)
+                            .await?;
+                    }
+                    version
+                }
                 Some(slot) => {
                     settle(slot).await?;
                     let (weights, version) = self.export_weights().await?;
@@ -684,6 +728,7 @@ impl RlLoop {
                     &mut metrics,
                     Some(clock),
                     overlap.then_some(&mut *pending),
+                    &[],
                 )
                 .await?;
             metrics.insert("weight_version".into(), version.0 as f64);

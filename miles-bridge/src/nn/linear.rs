@@ -78,8 +78,9 @@ impl Linear {
 /// stacked on the output axis, `[Σ out, in]`, and their biases (zeros for a layer without
 /// one). Built once per weight version for inference (`CausalLm::fuse_projections`);
 /// one matmul then replaces one per layer, and no training code ever sees it. On flex the
-/// stacked weight is packed into [`miles_ops::packed`]'s panels (`f32` on an AVX-512F CPU)
-/// or else stored transposed, `[in, Σ out]` row-major, the layout `gemm` reads fastest at
+/// weights are packed into [`miles_ops::packed`]'s panels (`f32` on an AVX-512F CPU) straight
+/// from the layers' buffers (one pass over the weights, in parallel) or else stacked and stored
+/// transposed, `[in, Σ out]` row-major, the layout `gemm` reads fastest at
 /// decode row counts ([`miles_ops::linear_t`]).
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
@@ -121,15 +122,20 @@ impl FusedLinear {
                 .collect();
             Tensor::cat(parts, 0)
         });
-        let weight = if weights.len() == 1 {
-            weights.into_iter().next().expect("one weight")
-        } else {
-            Tensor::cat(weights, 0)
+        // Packed straight from the layers' weights where the panels apply (no stacked
+        // intermediate); else stacked once and stored as `from_weight` does.
+        let weight = match miles_ops::packed::PackedMatrix::stacked(weights.clone()) {
+            Some(packed) => FusedWeight::Packed(packed),
+            None => match <[Tensor<2>; 1]>::try_from(weights) {
+                Ok([weight]) => Self::from_weight(weight).weight,
+                Err(weights) => Self::from_weight(Tensor::cat(weights, 0)).weight,
+            },
         };
-        let mut fused = Self::from_weight(weight);
-        fused.bias = bias;
-        fused.widths = widths;
-        fused
+        Self {
+            weight,
+            bias,
+            widths,
+        }
     }
 
     /// A gate and an up projection as one SwiGLU product: on flex with AVX-512F (`f32`, no

@@ -1453,3 +1453,55 @@ fn recompute_flags_are_checked_as_megatron_checks_them() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Miles' `--offload-rollout` (on by default for `train`, as Miles' `--colocate` sets it): the
+/// embedded engine releases its weights and KV cache while the trainer trains and takes them
+/// back at each push, and nothing else changes: the trained checkpoint is byte for byte the
+/// one `--no-offload-rollout` trains, every step's losses, rewards and rollout / train
+/// log-prob difference equal. `train-async` generates while it trains: it refuses the flag.
+#[test]
+fn offload_rollout_changes_no_result() {
+    let dir = scratch("offload");
+    let (model, train, held_out) = setup(&dir);
+    let mut finals = Vec::new();
+    let mut results = Vec::new();
+    for (name, flag) in [
+        ("offload", "--offload-rollout"),
+        ("keep", "--no-offload-rollout"),
+    ] {
+        let out = dir.join(name);
+        run(miles()
+            .arg("train")
+            .args(train_flags(&model, &train, &held_out, &out))
+            .args(["--num-rollout", "2", flag]));
+        finals.push(tensors_of(&out.join("final/model.safetensors")));
+        let keys = [
+            "rollout/raw_reward",
+            "train/pg_loss",
+            "train/kl_loss",
+            "train/grad_norm",
+            "train/train_rollout_logprob_abs_diff",
+            "weight_version",
+        ];
+        results.push(
+            metric_rows(&out.join("metrics.jsonl"))
+                .iter()
+                .filter(|r| r.get("train/pg_loss").is_some())
+                .map(|r| keys.map(|k| r.get(k).cloned()))
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert_eq!(results[0].len(), 2);
+    assert_eq!(results[0], results[1]);
+    assert!(finals[0] == finals[1], "the trained weights differ");
+    let out = miles()
+        .arg("train-async")
+        .args(train_flags(&model, &train, &held_out, &dir.join("async")))
+        .args(["--num-rollout", "1", "--offload-rollout"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("needs the synchronous loop"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -2,6 +2,9 @@
 //! Qwen3-0.6B shape (issue 46: a real 0.6B step takes minutes, so the test checks the
 //! accounting that keeps it inside the machine; the bench's `qwen3_0_6b` rows run it).
 //! Every expected figure is computed here from the config by hand.
+//!
+//! `miles train` releases the engine's weights and KV pool while it trains by default
+//! (`--offload-rollout`); `--no-offload-rollout` (and `train-async`) keep them.
 
 use miles_cli::memory::{MemoryInputs, MemoryPlan};
 
@@ -18,6 +21,15 @@ const QWEN3_0_6B_PARAMS: u64 = 151_936 * 1_024
     + 1_024;
 
 fn qwen3_0_6b(engine_dtype_bytes: u64, kv_tokens: u64) -> MemoryInputs {
+    qwen3_0_6b_offload(engine_dtype_bytes, kv_tokens, false, false)
+}
+
+fn qwen3_0_6b_offload(
+    engine_dtype_bytes: u64,
+    kv_tokens: u64,
+    offload_weights: bool,
+    offload_kv_cache: bool,
+) -> MemoryInputs {
     MemoryInputs {
         params: QWEN3_0_6B_PARAMS,
         layers: 28,
@@ -28,6 +40,8 @@ fn qwen3_0_6b(engine_dtype_bytes: u64, kv_tokens: u64) -> MemoryInputs {
         kv_width: 8 * 128,
         engine_dtype_bytes,
         engine_decode_copies: true,
+        offload_weights,
+        offload_kv_cache,
         kv_tokens,
         // 28 layers × 8 KV heads × 128 channels × keys and values.
         kv_bytes_per_token: 28 * 8 * 128 * 2 * engine_dtype_bytes,
@@ -38,7 +52,7 @@ fn qwen3_0_6b(engine_dtype_bytes: u64, kv_tokens: u64) -> MemoryInputs {
 }
 
 #[test]
-fn a_qwen3_0_6b_step_fits_in_24_gib_with_headroom() {
+fn a_qwen3_0_6b_step_without_offload_fits_in_24_gib_with_headroom() {
     assert_eq!(QWEN3_0_6B_PARAMS, 596_049_920);
     let plan = MemoryPlan::new(&qwen3_0_6b(4, 4_096));
     assert_eq!(
@@ -51,6 +65,7 @@ fn a_qwen3_0_6b_step_fits_in_24_gib_with_headroom() {
             engine_decode_copies: 2_384_199_680,
             // 4,096 tokens × 229,376 bytes.
             kv_pool: 939_524_096,
+            offloaded: 0,
             // 1,536 tokens × 28 layers × 30,720 values × 4 bytes + 32 × 16 heads × 48² × 28
             // layers × 8 bytes.
             activations: 5_284_823_040 + 264_241_152,
@@ -72,6 +87,33 @@ fn a_qwen3_0_6b_step_fits_in_24_gib_with_headroom() {
     let line = plan.line(Some(20 * gib));
     assert!(line.contains("peak 17.15"), "{line}");
     assert!(line.contains("of 20.00 available"), "{line}");
+}
+
+#[test]
+fn offloading_the_rollout_drops_the_previous_version_and_the_decode_copies_while_training() {
+    // `miles train`'s default: the engine releases its weights (served version and decode
+    // copies) and its KV pool for the training step and takes them back at the push.
+    let plan = MemoryPlan::new(&qwen3_0_6b_offload(4, 4_096, true, true));
+    // No previous version: AdamW updates the trainer's buffers in place.
+    assert_eq!(plan.engine_version, 0);
+    assert_eq!(plan.engine_decode_copies, 2_384_199_680);
+    // Released for training: the decode copies and the 4,096-token pool.
+    assert_eq!(plan.offloaded, 2_384_199_680 + 939_524_096);
+    // Held throughout: the trainer's weights, gradients and two moments (4 f32 copies).
+    assert_eq!(plan.resident(), 4 * 2_384_199_680);
+    // Training: resident + activations (15,085,862,912); generation / push: resident + the
+    // engine's decode copies and pool (12,860,522,496): the peak is the training pass's,
+    // 3,323,723,776 bytes (3.10 GiB) under the plan without offload (18,409,586,688).
+    assert_eq!(plan.peak(), 9_536_798_720 + 5_549_064_192);
+    assert_eq!(plan.trainer_growth(), 2_384_199_680 + 4_768_399_360);
+    let line = plan.line(None);
+    assert!(line.contains("peak 14.05"), "{line}");
+    assert!(line.contains("releases 3.10"), "{line}");
+
+    // Weights only (`--offload-rollout-level weight`): the pool stays.
+    let weights_only = MemoryPlan::new(&qwen3_0_6b_offload(4, 4_096, true, false));
+    assert_eq!(weights_only.offloaded, 2_384_199_680);
+    assert_eq!(weights_only.peak(), 10_476_322_816 + 5_549_064_192);
 }
 
 #[test]

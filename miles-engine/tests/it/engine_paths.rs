@@ -12,8 +12,8 @@ use std::sync::Arc;
 use burn::tensor::Device;
 use miles_bridge::CausalLm;
 use miles_core::{
-    DType, GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors, SamplingParams,
-    TensorBytes, WeightVersion,
+    DType, EngineErrorKind, GenerateOutput, GenerateRequest, InProcessWeights, InferenceEngine,
+    InputLogprobRequest, MemoryTag, NamedTensors, SamplingParams, TensorBytes, WeightVersion,
 };
 use miles_engine::{EmbeddedEngine, EngineConfig};
 
@@ -184,5 +184,73 @@ async fn a_weight_update_reaches_the_specialised_path() {
                 "{name}: request {i}: log-probs after the update differ by {worst}"
             );
         }
+    }
+}
+
+/// Miles' `--offload-rollout` on the embedded engine: released weights and KV cache refuse
+/// scoring and hold generation until the weights come back with an update (in process, as
+/// the sync loop pushes them) and the KV cache with its resume; the engine then serves the
+/// pushed version as an engine that never released does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_memory_comes_back_with_the_next_update() {
+    let model = load("qwen3-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let live = engine(model.clone(), true);
+    let before = run_all(&live, requests(vocab)).await;
+    let both = [MemoryTag::KvCache, MemoryTag::Weights];
+    assert!(
+        live.release_memory_occupation(&both)
+            .await
+            .expect("release")
+    );
+    assert_eq!(
+        live.released_memory(),
+        vec![MemoryTag::Weights, MemoryTag::KvCache]
+    );
+    let scoring = live
+        .input_logprobs(InputLogprobRequest {
+            input_ids: vec![1, 2, 3],
+            ..InputLogprobRequest::default()
+        })
+        .await;
+    assert!(
+        matches!(
+            &scoring,
+            Err(miles_core::Error::Engine {
+                kind: EngineErrorKind::Unavailable,
+                ..
+            })
+        ),
+        "{scoring:?}"
+    );
+    // Sent while released: it waits for the weights and the pool.
+    let waiting = {
+        let (e, r) = (live.clone(), requests(vocab).remove(0));
+        tokio::spawn(async move { e.generate(r).await })
+    };
+    // The pool comes back after the weights only.
+    assert!(live.resume_memory_occupation(&both).await.is_err());
+    assert!(
+        live.update_weights_in_process(&InProcessWeights::new(model.clone()), WeightVersion(1))
+            .await
+            .expect("update")
+    );
+    assert_eq!(live.released_memory(), vec![MemoryTag::KvCache]);
+    assert!(live.resume_memory_occupation(&both).await.expect("resume"));
+    assert!(live.released_memory().is_empty());
+    let waited = waiting.await.expect("task").expect("generate");
+    assert_eq!(waited.weight_version, WeightVersion(1));
+    assert_eq!(waited.output_ids, before[0].output_ids);
+    let after = run_all(&live, requests(vocab)).await;
+    for (i, (a, b)) in before.iter().zip(&after).enumerate() {
+        assert_eq!(b.weight_version, WeightVersion(1));
+        assert_eq!(a.output_ids, b.output_ids, "request {i}");
+        let worst = a
+            .output_log_probs
+            .iter()
+            .zip(&b.output_log_probs)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-4, "request {i}: log-probs differ by {worst}");
     }
 }
