@@ -87,7 +87,6 @@ mod engine;
 mod error;
 mod input_scoring;
 mod prefill;
-
 mod release;
 mod sampling;
 mod scheduler;
