@@ -37,12 +37,17 @@ pub struct AdamWHyper {
     pub bias1: f64,
     /// `1 − β₂ᵗ`.
     pub bias2: f64,
+    /// The factor the gradient is multiplied by first (rounded to `f32` once): global-norm
+    /// clipping's coefficient, so the clipped gradient is never written out (`1` without
+    /// clipping: then `g` is used as it is).
+    pub grad_scale: f64,
 }
 
 impl AdamWHyper {
-    /// The `f32` scalars both paths use: decay factor, β₁, 1−β₁, β₂, 1−β₂, √(1−β₂ᵗ), ε and
-    /// the step size `lr/(1−β₁ᵗ)`, each rounded once from its `f64` value.
-    fn scalars(&self) -> [f32; 8] {
+    /// The `f32` scalars both paths use: decay factor, β₁, 1−β₁, β₂, 1−β₂, √(1−β₂ᵗ), ε,
+    /// the step size `lr/(1−β₁ᵗ)` and the gradient's scale, each rounded once from its `f64`
+    /// value.
+    fn scalars(&self) -> [f32; 9] {
         [
             (1.0 - self.lr * self.weight_decay) as f32,
             self.beta1 as f32,
@@ -52,6 +57,7 @@ impl AdamWHyper {
             self.bias2.sqrt() as f32,
             self.eps as f32,
             (self.lr / self.bias1) as f32,
+            self.grad_scale as f32,
         ]
     }
 }
@@ -111,7 +117,8 @@ pub fn adamw_update_reference(
     v: Tensor<1>,
     hyper: &AdamWHyper,
 ) -> (Tensor<1>, Tensor<1>, Tensor<1>) {
-    let [decay, b1, one_b1, b2, one_b2, sqrt_bias2, eps, step] = hyper.scalars();
+    let [decay, b1, one_b1, b2, one_b2, sqrt_bias2, eps, step, scale] = hyper.scalars();
+    let g = if scale == 1.0 { g } else { g * scale };
     let m = m * b1 + g.clone() * one_b1;
     let v = v * b2 + g.powi_scalar(2) * one_b2;
     let p = p * decay;
@@ -130,8 +137,11 @@ pub trait AdamWOps: Backend {
         g: FloatTensor<Self>,
         m: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        scalars: [f32; 8],
+        scalars: [f32; 9],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `Σ tᵢ²` of a `[n]` tensor as a `[1]` tensor, in one pass (no squared copy).
+    fn squared_norm(t: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 /// `t` as a contiguous `f32` tensor whose buffer holds exactly its values (copied when it is
@@ -148,8 +158,9 @@ fn dense(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
 
 /// One element's update: the new parameter, `m` and `v` written in place.
 #[inline(always)]
-fn update(p: f32, m: &mut f32, v: &mut f32, g: f32, s: &[f32; 8]) -> f32 {
-    let [decay, b1, one_b1, b2, one_b2, sqrt_bias2, eps, step] = *s;
+fn update(p: f32, m: &mut f32, v: &mut f32, g: f32, s: &[f32; 9]) -> f32 {
+    let [decay, b1, one_b1, b2, one_b2, sqrt_bias2, eps, step, scale] = *s;
+    let g = g * scale;
     let m1 = *m * b1 + g * one_b1;
     let v1 = *v * b2 + g * g * one_b2;
     *m = m1;
@@ -164,7 +175,7 @@ impl AdamWOps for Flex {
         g: FloatTensor<Self>,
         m: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        scalars: [f32; 8],
+        scalars: [f32; 9],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let g = as_f32(g);
         let g = f32_data(&g);
@@ -202,6 +213,36 @@ impl AdamWOps for Flex {
         };
         (p, m, v)
     }
+
+    fn squared_norm(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        let t = as_f32(t);
+        let data = f32_data(&t);
+        // Per-chunk sums in f64, added in chunk order: the same bits on any thread count.
+        let sums: Vec<f64> = data
+            .par_chunks(CHUNK)
+            .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+            .collect();
+        tensor(vec![sums.iter().sum::<f64>() as f32], &[1])
+    }
+}
+
+/// `Σ tᵢ²` of the flattened `t` (`[n]`) as a `[1]` tensor (a squared L2 norm, e.g. of a
+/// gradient for global-norm clipping): on flex for `f32` one pass summing in `f64` without
+/// a squared copy of `t`; elsewhere [`squared_norm_reference`].
+pub fn squared_norm(t: Tensor<1>) -> Tensor<1> {
+    if !(t.dtype() == DType::F32
+        && crate::device::is_flex(&t.device())
+        && crate::fused_ops_enabled()
+        && !t.is_autodiff())
+    {
+        return squared_norm_reference(t);
+    }
+    Tensor::from_dispatch(<Dispatch as AdamWOps>::squared_norm(t.into_dispatch()))
+}
+
+/// [`squared_norm`] with tensor ops: `t.powi_scalar(2).sum()`.
+pub fn squared_norm_reference(t: Tensor<1>) -> Tensor<1> {
+    t.powi_scalar(2).sum()
 }
 
 #[cfg(test)]
@@ -232,6 +273,7 @@ mod tests {
             eps: 1e-8,
             bias1: 1.0 - 0.9f64.powi(3),
             bias2: 1.0 - 0.98f64.powi(3),
+            grad_scale: 1.0,
         };
         let (rp, rm, rv) = adamw_update_reference(
             t(&p, &device),
@@ -270,6 +312,70 @@ mod tests {
     }
 
     #[test]
+    fn a_scaled_gradient_equals_the_gradient_scaled_first() {
+        // Clipping's coefficient applied inside the update gives the bits of the update of
+        // the gradient multiplied by it beforehand (`g · c` rounded to f32 either way).
+        let device = Device::flex();
+        let n = CHUNK + 5;
+        let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
+        let p: Vec<f32> = (0..n).map(|i| (i as f32 * 0.05).sin()).collect();
+        let coef = 0.123_456_789f64;
+        let scaled: Vec<f32> = g.iter().map(|&x| x * coef as f32).collect();
+        let hyper = |grad_scale| AdamWHyper {
+            lr: 1e-3,
+            weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            bias1: 0.1,
+            bias2: 0.001,
+            grad_scale,
+        };
+        let zeros = || t(&vec![0.0; n], &device);
+        let run = |grad: &[f32], scale| {
+            let (p, m, v) = adamw_update(
+                t(&p, &device),
+                t(grad, &device),
+                zeros(),
+                zeros(),
+                &hyper(scale),
+            )
+            .unwrap();
+            [p, m, v].map(|x| x.into_data().try_to_vec::<f32>().unwrap())
+        };
+        assert_eq!(run(&g, coef), run(&scaled, 1.0));
+        let (rp, _, _) = adamw_update_reference(
+            t(&p, &device),
+            t(&g, &device),
+            zeros(),
+            zeros(),
+            &hyper(coef),
+        );
+        let rp = rp.into_data().try_to_vec::<f32>().unwrap();
+        for (a, b) in run(&g, coef)[0].iter().zip(&rp) {
+            assert!((a - b).abs() <= f32::EPSILON * b.abs(), "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn squared_norm_is_the_sum_of_squares() {
+        let device = Device::flex();
+        let values: Vec<f32> = (0..3 * CHUNK + 7)
+            .map(|i| (i as f32 * 0.013).sin())
+            .collect();
+        let want: f64 = values.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let got: f32 = squared_norm(t(&values, &device)).into_scalar();
+        assert!(
+            (f64::from(got) - want).abs() < 1e-6 * want,
+            "{got} vs {want}"
+        );
+        let reference: f32 = squared_norm_reference(t(&values, &device)).into_scalar();
+        assert!((f64::from(reference) - want).abs() < 1e-4 * want);
+        let empty: f32 = squared_norm(t(&[], &device)).into_scalar();
+        assert_eq!(empty, 0.0);
+    }
+
+    #[test]
     fn sizes_must_agree() {
         let device = Device::flex();
         let hyper = AdamWHyper {
@@ -280,6 +386,7 @@ mod tests {
             eps: 1e-8,
             bias1: 0.1,
             bias2: 0.001,
+            grad_scale: 1.0,
         };
         let a = t(&[1.0, 2.0], &device);
         let b = t(&[1.0], &device);

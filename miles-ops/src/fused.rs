@@ -42,6 +42,11 @@ pub const DEFAULT_TOKEN_CHUNK: usize = 1024;
 /// Default number of vocabulary rows per chunk.
 pub const DEFAULT_VOCAB_CHUNK: usize = 8192;
 
+/// Largest `tokens × vocab` logits gradient the backward concatenates to compute
+/// `∂lm_head` in one matmul (when all tokens are one token chunk): 64 M elements (256 MiB,
+/// e.g. 420 scored tokens at a 151,936-token vocabulary).
+const WHOLE_HEAD_GRAD_ELEMENTS: usize = 64 << 20;
+
 /// Default [`FusedLogProbConfig::keep_logits_bytes`]: 1 GiB.
 pub const DEFAULT_KEEP_LOGITS_BYTES: usize = 1 << 30;
 
@@ -611,9 +616,18 @@ fn backward_with<B: Backend>(
     let row_stats = B::float_cat(vec![lse, expected_logit, grad], 1);
     let mut kept = kept.into_iter();
 
+    // With one token chunk of few rows (RL's scored response tokens), `∂lm_head` is one
+    // matmul over the chunk's whole logits gradient instead of a `[vocab_chunk, hidden]`
+    // product per vocabulary chunk and a concatenation of them: the vocabulary-sized
+    // gradient is written once.
+    let whole_head = tokens <= token_chunk
+        && tokens
+            .checked_mul(vocab)
+            .is_some_and(|n| n <= WHOLE_HEAD_GRAD_ELEMENTS);
     let mut d_hidden_chunks = Vec::new();
     let mut d_head_chunks: Vec<Option<FloatTensor<B>>> =
         (0..vocab.div_ceil(vocab_chunk)).map(|_| None).collect();
+    let mut coefs = Vec::new();
     for t0 in (0..tokens).step_by(token_chunk) {
         let t1 = (t0 + token_chunk).min(tokens);
         let h_c = rows::<B>(hidden.clone(), t0, t1);
@@ -632,6 +646,10 @@ fn backward_with<B: Backend>(
                 Some(acc) => B::float_add(acc, dh),
                 None => dh,
             });
+            if whole_head {
+                coefs.push(coef);
+                continue;
+            }
             let dw = B::float_matmul(B::float_transpose(coef), h_c.clone());
             d_head_chunks[k] = Some(match d_head_chunks[k].take() {
                 Some(acc) => B::float_add(acc, dw),
@@ -641,7 +659,12 @@ fn backward_with<B: Backend>(
         d_hidden_chunks.push(dh_c.expect("vocab is non-empty"));
     }
     let d_hidden = B::float_cat(d_hidden_chunks, 0);
-    let d_head = B::float_cat(d_head_chunks.into_iter().flatten().collect(), 0);
+    let d_head = if whole_head {
+        let coef = B::float_cat(coefs, 1);
+        B::float_matmul(B::float_transpose(coef), hidden.clone())
+    } else {
+        B::float_cat(d_head_chunks.into_iter().flatten().collect(), 0)
+    };
     // One-hot part: ∂hidden += g_lp·W[y], ∂lm_head[y] += g_lp·hidden.
     let g_lp_h = expand::<B>(g_lp, [tokens, h]);
     let w_y = B::float_select(lm_head, 0, targets.clone());

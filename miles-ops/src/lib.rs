@@ -25,7 +25,9 @@
 //! plain-op `*_reference` twin — native row loops on flex, CubeCL kernels on CubeCL devices:
 //! masked attention with grouped key/value heads ([`attention()`], with GPT-OSS's sinks and
 //! sliding window [`attention_with_sinks`]), [`rms_norm`], [`rope`],
-//! [`swiglu()`], one AdamW update per parameter in one pass ([`adamw_update`]), the grouped expert matmul ([`grouped_matmul`], over device offsets
+//! [`swiglu()`], one AdamW update per parameter in one pass ([`adamw_update`], clipping's
+//! coefficient applied inside it; a gradient's [`squared_norm`] in one pass), the token
+//! [`embedding()`] whose backward adds into a tied weight's gradient in place, the grouped expert matmul ([`grouped_matmul`], over device offsets
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]), the decode-step projections split over the cores
@@ -97,6 +99,7 @@ mod bucket;
 mod clipped;
 mod corrections;
 pub mod device;
+mod embedding;
 mod error;
 mod flex;
 pub mod fused;
@@ -122,7 +125,10 @@ pub use switch::{
 };
 
 // RL math.
-pub use adamw::{AdamWHyper, AdamWOps, adamw_update, adamw_update_reference};
+pub use adamw::{
+    AdamWHyper, AdamWOps, adamw_update, adamw_update_reference, squared_norm,
+    squared_norm_reference,
+};
 pub use advantages::{
     AdvantageCalculator, AdvantageConfig, AdvantageEstimator, AdvantageOutput, AdvantageSample,
     GROUP_STD_EPS, Grouping, WHITEN_EPS, whiten_advantages,
@@ -144,6 +150,7 @@ pub use attention::{
     attention_with_sinks_reference,
 };
 pub use bucket::{ExpertBucketOps, ExpertBuckets, HostBuckets, bucket_by_expert};
+pub use embedding::{EmbeddingOps, embedding, embedding_reference};
 pub use gated_delta::{
     ChunkedDeltaOps, DELTA_CHUNK, GatedDeltaOps, gated_delta_rule, gated_delta_rule_chunked,
     gated_delta_rule_recurrent, gated_delta_rule_reference, unit_lower_inverse,

@@ -43,17 +43,13 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::Device;
 use miles_bridge::{
-    CausalLm, ModelConfig, ModelInput, MoeDispatch, RecomputeConfig, RecomputeGranularity,
-    RecomputeMethod, ids_tensor,
+    CausalLm, ModelConfig, ModelInput, MoeDispatch, Precision, RecomputeConfig,
+    RecomputeGranularity, RecomputeMethod, ids_tensor,
 };
 use miles_core::{DType, PolicyTrainer, Reward, RoutedExperts, Sample};
 use miles_ops::AdvantageConfig;
 use miles_r3::Fallthrough;
 use miles_train::{Actor, BatchLayout, LrSchedule, TrainConfig};
-
-const BATCH: usize = 8;
-const SEQ: usize = 512;
-const PROMPT: usize = 32;
 
 fn glm_moe_88m() -> ModelConfig {
     ModelConfig::from_hf_json(
@@ -120,23 +116,82 @@ fn qwen35_moe_80m() -> ModelConfig {
     .expect("Qwen3.5-MoE config")
 }
 
-fn batch(vocab: u32) -> Vec<Sample> {
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % u64::from(vocab)) as u32
-    };
-    (0..BATCH)
+/// A batch shape: `batch` sequences of `seq` tokens, the first `prompt` of each the prompt.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    batch: usize,
+    seq: usize,
+    prompt: usize,
+}
+
+/// The shape of every model but the 0.6B one: 8 × 512 tokens.
+const SHAPE: Shape = Shape {
+    batch: 8,
+    seq: 512,
+    prompt: 32,
+};
+
+/// The Qwen3-0.6B shape's batch: 4 × 256 tokens (at 8 × 512 PyTorch's step does not fit in
+/// 24 GiB: killed by the OOM killer).
+const SHAPE_0_6B: Shape = Shape {
+    batch: 4,
+    seq: 256,
+    prompt: 32,
+};
+
+fn batch(vocab: u32, shape: Shape) -> Vec<Sample> {
+    let mut next = token_source(vocab);
+    (0..shape.batch)
         .map(|i| Sample {
-            tokens: (0..SEQ).map(|_| next()).collect(),
-            response_length: SEQ - PROMPT,
+            tokens: (0..shape.seq).map(|_| next()).collect(),
+            response_length: shape.seq - shape.prompt,
             reward: Some(Reward::Scalar((i % 2) as f64)),
             group_index: Some((i / 2) as u64),
             ..Sample::default()
         })
         .collect()
+}
+
+/// Deterministic pseudo-random token ids below `vocab` (xorshift).
+fn token_source(vocab: u32) -> impl FnMut() -> u32 {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % u64::from(vocab)) as u32
+    }
+}
+
+/// GRPO's shape (`MILES_BENCH_SHAPE=grpo`): [`GRPO_PROMPTS`] prompts of [`GRPO_PROMPT_LEN`]
+/// tokens, [`GRPO_GROUP`] responses of [`GRPO_RESPONSE`] tokens each, as `miles train` trains
+/// one rollout of the `grpo_step_vs_trl` bench (4 prompts × 8 samples, ≤ 8 new tokens).
+const GRPO_PROMPTS: usize = 4;
+/// Responses per prompt of the GRPO shape.
+const GRPO_GROUP: usize = 8;
+/// Prompt tokens of the GRPO shape (a chat-templated two-digit addition is about 30).
+const GRPO_PROMPT_LEN: usize = 30;
+/// Response tokens of the GRPO shape.
+const GRPO_RESPONSE: usize = 8;
+
+fn grpo_batch(vocab: u32) -> Vec<Sample> {
+    let mut next = token_source(vocab);
+    let mut out = Vec::new();
+    for g in 0..GRPO_PROMPTS {
+        let prompt: Vec<u32> = (0..GRPO_PROMPT_LEN).map(|_| next()).collect();
+        for k in 0..GRPO_GROUP {
+            let mut tokens = prompt.clone();
+            tokens.extend((0..GRPO_RESPONSE).map(|_| next()));
+            out.push(Sample {
+                tokens,
+                response_length: GRPO_RESPONSE,
+                reward: Some(Reward::Scalar((k % 2) as f64)),
+                group_index: Some(g as u64),
+                ..Sample::default()
+            });
+        }
+    }
+    out
 }
 
 fn peak_rss_mib() -> f64 {
@@ -183,46 +238,120 @@ fn attach_routing(model: &CausalLm, samples: &mut [Sample]) {
     }
 }
 
-/// Mean step time of `iters` training steps after one warm-up.
+/// How the measured steps train: layout, micro-batch and group size, routing replay,
+/// recomputation and the compute precision.
+#[derive(Debug, Clone)]
+struct Setup {
+    layout: BatchLayout,
+    micro_batch: usize,
+    group: usize,
+    replay: bool,
+    recompute: RecomputeConfig,
+    precision: Precision,
+}
+
+impl Setup {
+    /// The rows' setup: one padded micro-batch of `batch` sequences in groups of 2, f32.
+    fn padded(batch: usize) -> Self {
+        Self {
+            layout: BatchLayout::Padded,
+            micro_batch: batch,
+            group: 2,
+            replay: false,
+            recompute: RecomputeConfig::default(),
+            precision: Precision::F32,
+        }
+    }
+
+    /// GRPO's setup (`MILES_BENCH_SHAPE=grpo`): the whole rollout in one shared-prefix
+    /// micro-batch, as `miles train --batch-layout shared_prefix` trains it.
+    fn grpo() -> Self {
+        Self {
+            layout: BatchLayout::SharedPrefix,
+            micro_batch: GRPO_PROMPTS * GRPO_GROUP,
+            group: GRPO_GROUP,
+            ..Self::padded(GRPO_PROMPTS * GRPO_GROUP)
+        }
+    }
+}
+
+/// The measured steps' times: step, forward, backward and optimizer seconds of each.
+#[derive(Debug, Default)]
+struct Times {
+    step: Vec<f64>,
+    forward: Vec<f64>,
+    backward: Vec<f64>,
+    optimizer: Vec<f64>,
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+impl Times {
+    fn mean_step(&self) -> f64 {
+        mean(&self.step)
+    }
+
+    /// `forward a s, backward b s, optimizer c s` (means).
+    fn phases(&self) -> String {
+        format!(
+            "forward {:.3} s, backward {:.3} s, optimizer {:.3} s",
+            mean(&self.forward),
+            mean(&self.backward),
+            mean(&self.optimizer)
+        )
+    }
+}
+
+/// Step times of `iters` training steps after one warm-up, in the rows' setup.
 fn step_times(
     model: CausalLm,
     samples: &[Sample],
     replay: bool,
     iters: usize,
 ) -> (Vec<f64>, Actor) {
-    step_times_with(model, samples, replay, iters, RecomputeConfig::default())
+    let setup = Setup {
+        replay,
+        ..Setup::padded(samples.len())
+    };
+    let (times, actor) = step_times_with(model, samples, &setup, iters);
+    (times.step, actor)
 }
 
-/// [`step_times`] with activation recomputation set to `recompute`.
+/// Times of `iters` training steps after one warm-up, in `setup`.
 fn step_times_with(
     model: CausalLm,
     samples: &[Sample],
-    replay: bool,
+    setup: &Setup,
     iters: usize,
-    recompute: RecomputeConfig,
-) -> (Vec<f64>, Actor) {
+) -> (Times, Actor) {
     let cfg = TrainConfig {
         lr_schedule: LrSchedule {
             lr: 1e-5,
             ..LrSchedule::default()
         },
-        micro_batch_size: BATCH,
-        layout: BatchLayout::Padded,
-        advantage: AdvantageConfig::default().with_n_samples_per_prompt(2),
-        use_routing_replay: replay,
-        recompute,
+        micro_batch_size: setup.micro_batch,
+        layout: setup.layout,
+        advantage: AdvantageConfig::default().with_n_samples_per_prompt(setup.group),
+        use_routing_replay: setup.replay,
+        recompute: setup.recompute,
+        precision: setup.precision,
         ..TrainConfig::default()
     };
     let mut actor = Actor::new(model, cfg).expect("actor");
-    let mut steps = Vec::new();
+    let mut times = Times::default();
     for i in 0..=iters {
         let m = actor.train(i as u64, samples).expect("train");
         if i > 0 {
             // Warm-up excluded; the step time excludes the old-log-prob scoring pass.
-            steps.push(m["perf/step_time"]);
+            times.step.push(m["perf/step_time"]);
+            times.forward.push(m["perf/actor_forward_time"]);
+            times.backward.push(m["perf/actor_backward_time"]);
+            times.optimizer.push(m["perf/optimizer_time"]);
         }
     }
-    (steps, actor)
+    (times, actor)
 }
 
 /// The Python to measure PyTorch with: `MILES_TORCH_PYTHON`, else the workspace's
@@ -235,14 +364,18 @@ fn torch_python() -> Option<PathBuf> {
     venv.exists().then_some(venv)
 }
 
-/// PyTorch's tokens/s on `name`, measured now by `benches/torch_train_step.py` (the same
-/// model and batch, transformers on 2 threads), or `None` without a Python with torch.
-fn measure_torch(name: &str, iters: usize) -> Option<f64> {
+/// PyTorch's tokens/s and peak RSS (MiB) on `name`, measured now by
+/// `benches/torch_train_step.py` (the same model and batch `shape`, transformers on 2
+/// threads, `dtype` `f32` or `bf16`: autocast over f32 masters), or `None` without a Python
+/// with torch.
+fn measure_torch(name: &str, iters: usize, shape: Shape, dtype: &str) -> Option<(f64, f64)> {
     let python = torch_python()?;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/torch_train_step.py");
     let out = Command::new(&python)
         .arg(&script)
         .args(["--iters", &iters.to_string(), "--only", name])
+        .args(["--batch", &shape.batch.to_string()])
+        .args(["--seq", &shape.seq.to_string(), "--dtype", dtype])
         .output();
     let out = match out {
         Ok(out) if out.status.success() => out,
@@ -269,12 +402,14 @@ fn measure_torch(name: &str, iters: usize) -> Option<f64> {
     let line = text
         .lines()
         .find(|l| l.starts_with(&format!("torch-result: {name} ")))?;
-    let value = line
-        .split_whitespace()
-        .find_map(|f| f.strip_prefix("tokens_per_s="))?;
-    let tokens_per_s: f64 = value.parse().ok()?;
+    let field = |key: &str| {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(key))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let tokens_per_s = field("tokens_per_s=")?;
     println!("# {name}: PyTorch measured in this run: {line}");
-    Some(tokens_per_s)
+    Some((tokens_per_s, field("peak_rss_mib=").unwrap_or(f64::NAN)))
 }
 
 /// One model's rows; `reference_tokens_per_s` is the issue's PyTorch constant, used when
@@ -290,10 +425,10 @@ fn run(
     // PyTorch in the same run when it is available (just before ours), else the constant.
     let constant = reference_tokens_per_s.map_or("none".to_string(), |c| c.to_string());
     let (torch_tokens_per_s, baseline_note) = match (
-        measure_torch(name, iters),
+        measure_torch(name, iters, SHAPE, "f32"),
         reference_tokens_per_s,
     ) {
-        (Some(measured), _) => (
+        (Some((measured, _)), _) => (
             measured,
             format!(
                 "PyTorch CPU (transformers, 2 threads) measured in this run at {measured:.0} tokens/s (issue constant {constant})"
@@ -311,8 +446,8 @@ fn run(
     let device = Device::flex().autodiff();
     let model = CausalLm::init(&config, &device).expect("init");
     let params = model.num_params();
-    let mut samples = batch(config.vocab_size as u32);
-    let tokens = (BATCH * SEQ) as f64;
+    let mut samples = batch(config.vocab_size as u32, SHAPE);
+    let tokens = (SHAPE.batch * SHAPE.seq) as f64;
     let moe = config.has_moe();
     if moe {
         attach_routing(&model, &mut samples);
@@ -327,8 +462,10 @@ fn run(
     let mean = steps.iter().sum::<f64>() / steps.len() as f64;
     println!(
         "xtask-result: train_step_{name} ours={mean:.4}s baseline={baseline:.4}s target=<={target} \
-         note=fwd+bwd+AdamW, {BATCH}x{SEQ} tokens, {params} params, mean of {} steps; baseline: \
+         note=fwd+bwd+AdamW, {}x{} tokens, {params} params, mean of {} steps; baseline: \
          {baseline_note}",
+        SHAPE.batch,
+        SHAPE.seq,
         steps.len()
     );
     println!(
@@ -387,17 +524,42 @@ fn run(
 }
 
 /// A Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16 heads, 8 KV heads, head dim 128,
-/// vocabulary 151,936, tied embeddings), for the recomputation rows only (at this bench's
-/// 8 × 512 tokens PyTorch's step does not fit in 24 GiB: killed by the OOM killer).
+/// vocabulary 151,936, tied embeddings; 596 M parameters), trained at [`SHAPE_0_6B`].
+/// `MILES_BENCH_LAYERS=N` keeps N layers only (for profiling the vocabulary-sized parts in
+/// less memory; no row is recorded that way).
 fn qwen3_0_6b() -> ModelConfig {
-    ModelConfig::from_hf_json(
-        r#"{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
-        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+    let layers = std::env::var("MILES_BENCH_LAYERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(28);
+    ModelConfig::from_hf_json(&format!(
+        r#"{{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": {layers}, "num_attention_heads": 16,
         "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000.0,
         "attention_bias": false, "tie_word_embeddings": true, "rms_norm_eps": 1e-6,
-        "initializer_range": 0.02}"#,
-    )
+        "initializer_range": 0.02}}"#
+    ))
     .expect("Qwen3-0.6B config")
+}
+
+fn config_of(name: &str) -> ModelConfig {
+    match name {
+        "glm_moe_88m" => glm_moe_88m(),
+        "qwen3_25m" => qwen3_25m(),
+        "deepseek_v3_82m" => deepseek_v3_82m(),
+        "qwen35_moe_80m" => qwen35_moe_80m(),
+        "qwen3_0_6b" => qwen3_0_6b(),
+        other => panic!("unknown model {other}"),
+    }
+}
+
+/// The batch shape `name` is measured at in a child ([`SHAPE_0_6B`] for the 0.6B model).
+fn shape_of(name: &str) -> Shape {
+    if name == "qwen3_0_6b" {
+        SHAPE_0_6B
+    } else {
+        SHAPE
+    }
 }
 
 /// `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`
@@ -413,61 +575,87 @@ fn recompute_config(recompute: bool) -> RecomputeConfig {
     }
 }
 
-/// The recomputation child: one model's steps with or without recomputation, in a process
-/// of its own so its peak RSS is its own.
-fn recompute_child(spec: &str, iters: usize) {
+/// A child process: one model's steps in one mode, in a process of its own so its peak RSS
+/// is its own. `spec` is `MODEL:MODE`, the mode `off` / `on` (recomputation, f32), `f32`,
+/// `bf16` (`--bf16`: mixed precision over f32 masters) or `grpo` (GRPO's shape and layout,
+/// f32; see [`grpo_batch`]).
+fn child(spec: &str, iters: usize) {
     let (name, mode) = spec.split_once(':').expect("MODEL:MODE");
-    let config = match name {
-        "glm_moe_88m" => glm_moe_88m(),
-        "qwen3_25m" => qwen3_25m(),
-        "deepseek_v3_82m" => deepseek_v3_82m(),
-        "qwen35_moe_80m" => qwen35_moe_80m(),
-        "qwen3_0_6b" => qwen3_0_6b(),
-        other => panic!("unknown model {other}"),
-    };
+    let config = config_of(name);
     let model = CausalLm::init(&config, &Device::flex().autodiff()).expect("init");
-    let samples = batch(config.vocab_size as u32);
-    let (steps, _) = step_times_with(
-        model,
-        &samples,
-        false,
-        iters,
-        recompute_config(mode == "on"),
-    );
-    let mean = steps.iter().sum::<f64>() / steps.len() as f64;
+    let vocab = config.vocab_size as u32;
+    let (samples, setup) = match mode {
+        "grpo" => (grpo_batch(vocab), Setup::grpo()),
+        _ => {
+            let samples = batch(vocab, shape_of(name));
+            let setup = Setup {
+                recompute: recompute_config(mode == "on"),
+                precision: if mode == "bf16" {
+                    Precision::Bf16
+                } else {
+                    Precision::F32
+                },
+                ..Setup::padded(samples.len())
+            };
+            (samples, setup)
+        }
+    };
+    let (times, _) = step_times_with(model, &samples, &setup, iters);
+    println!("# {name} ({mode}): {}", times.phases());
     println!(
-        "recompute-child: secs={mean:.4} peak_rss_mib={:.0}",
+        "bench-child: secs={:.4} peak_rss_mib={:.0}",
+        times.mean_step(),
         peak_rss_mib()
     );
+}
+
+/// Runs [`child`] for `name` in `mode` in a child process: `(mean step seconds, peak RSS
+/// MiB)`, or `None` when it failed (its error printed).
+fn run_child(name: &str, mode: &str, iters: usize) -> Option<(f64, f64)> {
+    let out = Command::new(std::env::current_exe().ok()?)
+        .env("MILES_BENCH_CHILD", format!("{name}:{mode}"))
+        .env("MILES_BENCH_ITERS", iters.to_string())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in text.lines().filter(|l| l.starts_with("# ")) {
+        println!("{line}");
+    }
+    let Some(line) = text.lines().find(|l| l.starts_with("bench-child: ")) else {
+        eprintln!(
+            "# {name} ({mode}): the child failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        );
+        return None;
+    };
+    let field = |key: &str| {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(key))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    Some((field("secs=")?, field("peak_rss_mib=")?))
 }
 
 /// The recomputation rows of `name`: step time and peak RSS with full recomputation
 /// (uniform, one layer per group) against without, each in a child process, same run.
 fn recompute_rows(name: &str, iters: usize) {
-    let child = |mode: &str| -> Option<(f64, f64)> {
-        let out = Command::new(std::env::current_exe().ok()?)
-            .env("MILES_BENCH_RECOMPUTE_CHILD", format!("{name}:{mode}"))
-            .env("MILES_BENCH_ITERS", iters.to_string())
-            .output()
-            .ok()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let line = text.lines().find(|l| l.starts_with("recompute-child: "))?;
-        let field = |key: &str| {
-            line.split_whitespace()
-                .find_map(|f| f.strip_prefix(key))
-                .and_then(|v| v.parse::<f64>().ok())
-        };
-        Some((field("secs=")?, field("peak_rss_mib=")?))
-    };
-    let (Some((plain_s, plain_rss)), Some((re_s, re_rss))) = (child("off"), child("on")) else {
+    let shape = shape_of(name);
+    let (Some((plain_s, plain_rss)), Some((re_s, re_rss))) =
+        (run_child(name, "off", iters), run_child(name, "on", iters))
+    else {
         eprintln!("# {name}: a recomputation child failed");
         return;
     };
     println!(
         "xtask-result: train_step_recompute_{name} ours={re_s:.4}s baseline={plain_s:.4}s \
-         note=fwd+bwd+AdamW {BATCH}x{SEQ} tokens with --recompute-granularity full \
+         note=fwd+bwd+AdamW {}x{} tokens with --recompute-granularity full \
          --recompute-method uniform --recompute-num-layers 1 vs every activation kept, same \
-         run; peak RSS {re_rss:.0} MiB vs {plain_rss:.0} MiB"
+         run; peak RSS {re_rss:.0} MiB vs {plain_rss:.0} MiB",
+        shape.batch, shape.seq
     );
     println!(
         "xtask-result: train_step_recompute_{name}_peak_rss ours={re_rss:.0}MiB \
@@ -482,6 +670,49 @@ fn recompute_rows(name: &str, iters: usize) {
     );
 }
 
+/// The Qwen3-0.6B rows (issue 46): f32 and bf16 steps at [`SHAPE_0_6B`] against PyTorch in
+/// the same run (each side in a process of its own, one at a time, so each peak RSS is its
+/// own), target ≥ 1.5× PyTorch's tokens/s; then, with `MILES_BENCH_SHAPE=grpo`, our step
+/// at GRPO's shape (no PyTorch row).
+fn qwen3_0_6b_rows(iters: usize) {
+    let name = "qwen3_0_6b";
+    let shape = SHAPE_0_6B;
+    let tokens = (shape.batch * shape.seq) as f64;
+    for dtype in ["f32", "bf16"] {
+        let Some((torch_tps, torch_rss)) = measure_torch(name, iters, shape, dtype) else {
+            eprintln!("# {name} {dtype}: skipped (PyTorch not measured, no issue constant)");
+            continue;
+        };
+        let Some((secs, rss)) = run_child(name, dtype, iters) else {
+            continue;
+        };
+        let baseline = tokens / torch_tps;
+        let row = if dtype == "f32" {
+            format!("train_step_{name}")
+        } else {
+            format!("train_step_{name}_{dtype}")
+        };
+        println!(
+            "xtask-result: {row} ours={secs:.4}s baseline={baseline:.4}s target=<=0.6667 \
+             note=fwd+bwd+AdamW, {}x{} tokens, {dtype} (bf16: --bf16 over f32 masters; \
+             PyTorch autocast), mean of {iters} steps; baseline: PyTorch CPU (transformers, 2 \
+             threads) measured in this run at {torch_tps:.0} tokens/s; peak RSS {rss:.0} MiB vs \
+             {torch_rss:.0} MiB",
+            shape.batch, shape.seq
+        );
+        println!(
+            "xtask-result: {row}_peak_rss ours={rss:.0}MiB baseline={torch_rss:.0}MiB \
+             note=peak RSS of the training process, each side in a process of its own"
+        );
+        println!(
+            "# {name} {dtype}: {:.0} tokens/s vs PyTorch {torch_tps:.0} ({:.2}x), peak RSS \
+             {rss:.0} MiB vs {torch_rss:.0} MiB",
+            tokens / secs,
+            tokens / secs / torch_tps
+        );
+    }
+}
+
 fn main() {
     // As the reference binary (examples/glm_moe_grpo.rs) does.
     miles_train::retain_freed_memory();
@@ -489,12 +720,24 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    if let Ok(spec) = std::env::var("MILES_BENCH_RECOMPUTE_CHILD") {
-        recompute_child(&spec, iters);
+    if let Ok(spec) = std::env::var("MILES_BENCH_CHILD") {
+        child(&spec, iters);
         return;
     }
     let only = std::env::var("MILES_BENCH_ONLY").ok();
     let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    if std::env::var("MILES_BENCH_SHAPE").is_ok_and(|s| s == "grpo") {
+        // Ours only, GRPO's shape: the phases of one rollout's training step.
+        let name = only.as_deref().unwrap_or("qwen3_0_6b");
+        if let Some((secs, rss)) = run_child(name, "grpo", iters) {
+            println!(
+                "# {name} at GRPO's shape ({GRPO_PROMPTS} prompts x {GRPO_GROUP} samples, \
+                 {GRPO_PROMPT_LEN} + {GRPO_RESPONSE} tokens, shared prefix): {secs:.3} s/step, \
+                 peak RSS {rss:.0} MiB"
+            );
+        }
+        return;
+    }
     if std::env::var("MILES_BENCH_RECOMPUTE").is_ok() {
         // Only the recomputation rows; the 0.6B shape only when named.
         for name in ["glm_moe_88m", "qwen3_25m", "deepseek_v3_82m"] {
@@ -519,5 +762,9 @@ fn main() {
     // Only when named: HF's delta rule on the CPU makes its baseline take minutes a step.
     if only.as_deref() == Some("qwen35_moe_80m") {
         run("qwen35_moe_80m", qwen35_moe_80m(), None, 1.0, iters);
+    }
+    // Only when named: about 15 GiB a side, minutes a step.
+    if only.as_deref() == Some("qwen3_0_6b") {
+        qwen3_0_6b_rows(iters);
     }
 }

@@ -888,7 +888,9 @@ impl Actor {
                 step: step_no,
             });
         }
-        acc.clip_to_norm(grad_norm, self.config.clip_grad);
+        // Clipping's coefficient is applied inside the AdamW pass (same bits as scaling the
+        // gradients first).
+        let clip = GradAccumulator::clip_coefficient(grad_norm, self.config.clip_grad);
         if !grad_norm.is_finite() {
             return Err(Error::NonFinite {
                 what: "grad_norm",
@@ -897,7 +899,7 @@ impl Actor {
         }
         let lr = self.schedule.lr_at(self.optimizer.step_count());
         let model = self.model.clone();
-        self.model = self.optimizer.step(model, acc, lr);
+        self.model = self.optimizer.step_scaled(model, acc, lr, clip);
         times.optimizer += optimizer_started.elapsed().as_secs_f64();
         metrics.insert("train/grad_norm".into(), grad_norm);
         metrics.insert("train/lr".into(), lr);

@@ -10,7 +10,7 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use miles_bridge::CausalLm;
 use miles_bridge::nn::{ParamRef, ParamVisitor};
-use miles_ops::{AdamWHyper, adamw_update};
+use miles_ops::{AdamWHyper, adamw_update, squared_norm};
 
 use crate::config::AdamWConfig;
 use crate::{Error, Result};
@@ -107,11 +107,12 @@ impl GradAccumulator {
 
     /// The squared global L2 norm as a `[1]` tensor on the gradients' device, not read back
     /// (`None` without gradients): for a caller that reads it with other values at once.
+    /// Each gradient's sum of squares is one pass over it ([`miles_ops::squared_norm`]).
     pub fn global_norm_sq(&self) -> Option<Tensor<1>> {
         let device = self.grads.values().next()?.device();
         let mut total = Tensor::<1>::zeros([1], &device);
         for g in self.grads.values() {
-            total = total + g.clone().powi_scalar(2).sum();
+            total = total + squared_norm(g.clone());
         }
         Some(total)
     }
@@ -134,12 +135,24 @@ impl GradAccumulator {
     /// [`GradAccumulator::clip_global_norm`] with the norm already read (the square root of
     /// [`GradAccumulator::global_norm_sq`]).
     pub fn clip_to_norm(&mut self, norm: f64, clip: f64) {
+        let coef = Self::clip_coefficient(norm, clip);
+        if coef < 1.0 {
+            self.scale(coef);
+        }
+    }
+
+    /// The factor Megatron's global clipping multiplies the gradients by at global norm
+    /// `norm` with `--clip-grad` `clip`: `clip / (norm + 1e-6)` when that is below 1, else 1
+    /// (also for `clip ≤ 0` or a non-finite norm). [`AdamW::step_scaled`] applies it inside the
+    /// update instead of a pass of its own ([`GradAccumulator::clip_to_norm`]).
+    pub fn clip_coefficient(norm: f64, clip: f64) -> f64 {
         if clip > 0.0 && norm.is_finite() {
             let coef = clip / (norm + 1e-6);
             if coef < 1.0 {
-                self.scale(coef);
+                return coef;
             }
         }
+        1.0
     }
 }
 
@@ -183,6 +196,20 @@ impl AdamW {
     /// Applies one update with learning rate `lr` to every parameter of `model` that has an
     /// accumulated gradient, and returns the updated model.
     pub fn step<M: NamedParams>(&mut self, model: M, grads: GradAccumulator, lr: f64) -> M {
+        self.step_scaled(model, grads, lr, 1.0)
+    }
+
+    /// [`AdamW::step`] on the gradients multiplied by `grad_scale` (global-norm clipping's
+    /// [`GradAccumulator::clip_coefficient`]), applied in the update's own pass: the same bits
+    /// as [`GradAccumulator::clip_to_norm`] then [`AdamW::step`] (the product is rounded to
+    /// `f32` once either way), without writing the clipped gradients out.
+    pub fn step_scaled<M: NamedParams>(
+        &mut self,
+        model: M,
+        grads: GradAccumulator,
+        lr: f64,
+        grad_scale: f64,
+    ) -> M {
         self.step += 1;
         let mut names = HashMap::new();
         model.visit_named(&mut |name, p| {
@@ -207,6 +234,7 @@ impl AdamW {
                 eps: c.adam_eps,
                 bias1: 1.0 - c.adam_beta1.powi(t),
                 bias2: 1.0 - c.adam_beta2.powi(t),
+                grad_scale,
             },
         };
         model.map(&mut mapper)

@@ -3,7 +3,6 @@
 //! [`KvCache`] ([`CausalLm::forward_cached`]), all through one decoder loop that asks a
 //! [`RouterHook`] for every MoE layer's experts.
 
-use burn::tensor::module::embedding;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use miles_r3::RouterHook;
 
@@ -280,7 +279,7 @@ impl CausalLm {
     /// The token embeddings of `input`, `[batch, seq, hidden]`.
     pub(crate) fn embed(&self, input: &ModelInput) -> Tensor<3> {
         profile::time(OpClass::Embed, || {
-            embedding(self.model.embed_tokens.val(), input.input_ids.clone())
+            miles_ops::embedding(self.model.embed_tokens.val(), input.input_ids.clone())
         })
     }
 
