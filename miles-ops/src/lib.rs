@@ -29,7 +29,8 @@
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]), the decode-step projections split over the cores
-//! ([`linear()`], [`linear_t`]) and the gated delta rule of Qwen3.5's linear attention in
+//! ([`linear()`], [`linear_t`]), the training `bf16` linear layer on Intel AMX tiles
+//! ([`linear_bf16`], forward and both gradients) and the gated delta rule of Qwen3.5's linear attention in
 //! the chunked form ([`gated_delta_rule_chunked`]: native loops on flex, batched CubeCL
 //! tensor ops on CubeCL devices, the explicit backward on both); forward only, its recurrent
 //! form for decode steps ([`gated_delta_rule`]: a native loop or a CubeCL kernel).
@@ -106,6 +107,7 @@ mod grouped;
 pub mod kernels;
 mod kl;
 mod linear;
+mod linear_bf16;
 pub mod logprobs;
 mod norm;
 pub mod packed;
@@ -153,5 +155,6 @@ pub use grouped::{
     grouped_matmul_reference,
 };
 pub use linear::{DECODE_ROWS, LinearOps, linear, linear_reference, linear_t};
+pub use linear_bf16::{Bf16LinearOps, linear_bf16, runs_amx};
 pub use norm::{NormRopeOps, rms_norm, rms_norm_reference, rope, rope_reference};
 pub use swiglu::{SwiGluOps, swiglu, swiglu_reference};

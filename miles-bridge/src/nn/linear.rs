@@ -50,15 +50,16 @@ impl Linear {
         }
     }
 
-    /// Applies the layer to `[tokens, in]` rows.
+    /// Applies the layer to `[tokens, in]` rows. `x · Wᵀ` is [`miles_ops::linear_bf16`]: on
+    /// Intel AMX for `bf16` tensors on flex, `x.matmul(W.transpose())` otherwise.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.lora {
             Some(lora) if lora.mode == LoraForward::Factored => {
                 let low = x.clone().matmul(lora.lora_a.val().transpose());
-                x.matmul(self.weight.val().transpose())
+                miles_ops::linear_bf16(x, self.weight.val())
                     + low.matmul(lora.lora_b.val().transpose()) * lora.scaling
             }
-            _ => x.matmul(self.effective_weight().transpose()),
+            _ => miles_ops::linear_bf16(x, self.effective_weight()),
         };
         match &self.bias {
             Some(bias) => y + bias.val().unsqueeze_dim(0),
@@ -94,7 +95,8 @@ pub struct FusedLinear {
 /// How a [`FusedLinear`] stores its stacked weight.
 #[derive(Debug, Clone)]
 pub enum FusedWeight {
-    /// `[Σ out, in]` (devices other than flex).
+    /// `[Σ out, in]` (devices other than flex; stacked `bf16` projections on flex with AMX,
+    /// multiplied by [`miles_ops::linear_bf16`] as [`Linear::forward`] does).
     Hf(Tensor<2>),
     /// `[in, Σ out]` contiguous (flex without the packed kernels).
     Transposed(Tensor<2>),
@@ -126,7 +128,17 @@ impl FusedLinear {
         } else {
             Tensor::cat(weights, 0)
         };
-        let mut fused = Self::from_weight(weight);
+        // bf16 on flex with AMX: the HF layout through `linear_bf16`, the kernel the
+        // trainer's `Linear::forward` runs (same bits per output column).
+        let mut fused = if miles_ops::runs_amx(&weight) {
+            Self {
+                weight: FusedWeight::Hf(weight),
+                bias: None,
+                widths: Vec::new(),
+            }
+        } else {
+            Self::from_weight(weight)
+        };
         fused.bias = bias;
         fused.widths = widths;
         fused
@@ -187,6 +199,7 @@ impl FusedLinear {
         let y = match &self.weight {
             FusedWeight::Packed(packed) => packed.matmul(x),
             FusedWeight::Transposed(wt) => miles_ops::linear_t(x, wt.clone()),
+            FusedWeight::Hf(w) if miles_ops::runs_amx(w) => miles_ops::linear_bf16(x, w.clone()),
             FusedWeight::Hf(w) => miles_ops::linear(x, w.clone()),
         };
         match &self.bias {
