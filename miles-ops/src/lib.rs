@@ -27,15 +27,17 @@
 //! sliding window [`attention_with_sinks`]), [`rms_norm`], [`rope`],
 //! [`swiglu()`], one AdamW update per parameter in one pass ([`adamw_update`], clipping's
 //! coefficient applied inside it; a gradient's [`squared_norm`] in one pass), the token
-//! [`embedding()`] whose backward adds into a tied weight's gradient in place, the grouped expert matmul ([`grouped_matmul`], over device offsets
+//! [`embedding()`] whose backward adds into a tied weight's gradient in place, the grouped
+//! expert matmul ([`grouped_matmul`], over device offsets
 //! [`grouped_matmul_offsets`], over weights packed once per version [`PackedExperts`] /
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]), the decode-step projections split over the cores
-//! ([`linear()`], [`linear_t`]) and the gated delta rule of Qwen3.5's linear attention in
-//! the chunked form ([`gated_delta_rule_chunked`]: native loops on flex; on CubeCL devices
-//! batched tensor ops for the chunk-local products and one fused kernel for the scan over
-//! the chunks each way; the explicit backward on both); forward only, its recurrent
-//! form for decode steps ([`gated_delta_rule`]: a native loop or a CubeCL kernel).
+//! ([`linear()`], [`linear_t`]), the training `bf16` linear layer on Intel AMX tiles
+//! ([`linear_bf16`], forward and both gradients) and the gated delta rule of Qwen3.5's
+//! linear attention in the chunked form ([`gated_delta_rule_chunked`]: native loops on flex;
+//! on CubeCL devices batched tensor ops for the chunk-local products and one fused kernel
+//! for the scan over the chunks each way; the explicit backward on both); forward only, its
+//! recurrent form for decode steps ([`gated_delta_rule`]: a native loop or a CubeCL kernel).
 //! [`runs_fused`] says whether a device takes the fused path;
 //! [`fused_ops_enabled`] / [`set_fused_ops`] (also `MILES_FUSED_OPS=off`) is one
 //! process-wide switch that sends every fused op to its plain-op twin, to measure the two
@@ -110,6 +112,7 @@ mod grouped;
 pub mod kernels;
 mod kl;
 mod linear;
+mod linear_bf16;
 pub mod logprobs;
 mod norm;
 pub mod packed;
@@ -161,5 +164,6 @@ pub use grouped::{
     grouped_matmul_reference,
 };
 pub use linear::{DECODE_ROWS, LinearOps, linear, linear_reference, linear_t};
+pub use linear_bf16::{Bf16LinearOps, linear_bf16, runs_amx};
 pub use norm::{NormRopeOps, rms_norm, rms_norm_reference, rope, rope_reference};
 pub use swiglu::{SwiGluOps, swiglu, swiglu_reference};

@@ -50,15 +50,16 @@ impl Linear {
         }
     }
 
-    /// Applies the layer to `[tokens, in]` rows.
+    /// Applies the layer to `[tokens, in]` rows. `x · Wᵀ` is [`miles_ops::linear_bf16`]: on
+    /// Intel AMX for `bf16` tensors on flex, `x.matmul(W.transpose())` otherwise.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.lora {
             Some(lora) if lora.mode == LoraForward::Factored => {
                 let low = x.clone().matmul(lora.lora_a.val().transpose());
-                x.matmul(self.weight.val().transpose())
+                miles_ops::linear_bf16(x, self.weight.val())
                     + low.matmul(lora.lora_b.val().transpose()) * lora.scaling
             }
-            _ => x.matmul(self.effective_weight().transpose()),
+            _ => miles_ops::linear_bf16(x, self.effective_weight()),
         };
         match &self.bias {
             Some(bias) => y + bias.val().unsqueeze_dim(0),
@@ -95,7 +96,8 @@ pub struct FusedLinear {
 /// How a [`FusedLinear`] stores its stacked weight.
 #[derive(Debug, Clone)]
 pub enum FusedWeight {
-    /// `[Σ out, in]` (devices other than flex).
+    /// `[Σ out, in]` (devices other than flex; stacked `bf16` projections on flex with AMX,
+    /// multiplied by [`miles_ops::linear_bf16`] as [`Linear::forward`] does).
     Hf(Tensor<2>),
     /// `[in, Σ out]` contiguous (flex without the packed kernels).
     Transposed(Tensor<2>),
@@ -126,10 +128,19 @@ impl FusedLinear {
         // intermediate); else stacked once and stored as `from_weight` does.
         let weight = match miles_ops::packed::PackedMatrix::stacked(weights.clone()) {
             Some(packed) => FusedWeight::Packed(packed),
-            None => match <[Tensor<2>; 1]>::try_from(weights) {
-                Ok([weight]) => Self::from_weight(weight).weight,
-                Err(weights) => Self::from_weight(Tensor::cat(weights, 0)).weight,
-            },
+            None => {
+                let stacked = match <[Tensor<2>; 1]>::try_from(weights) {
+                    Ok([weight]) => weight,
+                    Err(weights) => Tensor::cat(weights, 0),
+                };
+                // bf16 on flex with AMX: the HF layout through `linear_bf16`, the kernel the
+                // trainer's `Linear::forward` runs (same bits per output column).
+                if miles_ops::runs_amx(&stacked) {
+                    FusedWeight::Hf(stacked)
+                } else {
+                    Self::from_weight(stacked).weight
+                }
+            }
         };
         Self {
             weight,
@@ -193,6 +204,7 @@ impl FusedLinear {
         let y = match &self.weight {
             FusedWeight::Packed(packed) => packed.matmul(x),
             FusedWeight::Transposed(wt) => miles_ops::linear_t(x, wt.clone()),
+            FusedWeight::Hf(w) if miles_ops::runs_amx(w) => miles_ops::linear_bf16(x, w.clone()),
             FusedWeight::Hf(w) => miles_ops::linear(x, w.clone()),
         };
         match &self.bias {

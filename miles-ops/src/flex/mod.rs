@@ -2,6 +2,8 @@
 //! parallel with rayon, behind the burn backend extensions whose `Flex` implementations live
 //! with each op (`attention.rs`, `norm.rs`, `swiglu.rs`, `grouped.rs`, …).
 //!
+//! - `amx`: `bf16` matrix products on Intel AMX tiles (`f32` accumulation), with the
+//!   `f32` `gemm` fallback on CPUs without AMX;
 //! - `attention`: masked softmax attention forward and backward, and the decode step over a
 //!   paged KV pool (with attention sinks and the sliding window's skipped keys);
 //! - `delta`: the gated delta rule's forward (the recurrent form, tasks per value columns);
@@ -13,6 +15,7 @@
 //! - `tensor`: flex tensor helpers (`f32` data, casts, shapes) and which dtypes and devices
 //!   the fused ops take.
 
+pub(crate) mod amx;
 pub(crate) mod attention;
 pub(crate) mod chunked;
 pub(crate) mod delta;
