@@ -27,6 +27,10 @@
 //!   default's share of the free memory). Only with `MILES_BENCH_ONLY=qwen3_0_6b` (its
 //!   weights take 2.4 GB on disk and a run minutes).
 //!
+//! The 32 × 8 rows pass `--sglang-max-total-tokens 16384` (the pool their rollout needs: 256
+//! sequences of ≤ 64 positions) for the same reason: `miles train` releases its engine's
+//! pool during each training step (`--offload-rollout`) and takes it back at the push.
+//!
 //! Each configuration runs as its own process (`/usr/bin/time` gives its peak RSS); a step's
 //! time is the loop's `perf/step_time` (rollout + training + weight update) for miles and
 //! `on_step_begin` → `on_step_end` (generation + scoring + training) for TRL, the first step
@@ -52,6 +56,10 @@ use miles_examples::toy::{ToyModelSpec, write_model_dir};
 
 type BoxError = Box<dyn std::error::Error>;
 
+/// The KV pool (`--sglang-max-total-tokens`) of the 32 × 8 rows: 256 sequences of ≤ 64
+/// positions, the rollout's need, instead of the default's 65,536 tokens (which `miles
+/// train`, releasing its pool during each training step, would take back every step).
+const POOL_32X8: &str = "16384";
 /// Prompts per step at the reference and 88 M shapes.
 const PROMPTS: usize = 32;
 /// Prompts per step at the 0.6B shape (issue 46's TRL measurement).
@@ -421,10 +429,16 @@ fn main() -> Result<(), BoxError> {
             "reference",
             reference.join("warm_start"),
             PROMPTS,
-            Vec::new(),
+            vec!["--sglang-max-total-tokens", POOL_32X8],
             true,
         ),
-        ("glm_moe_88m", big.clone(), PROMPTS, Vec::new(), true),
+        (
+            "glm_moe_88m",
+            big.clone(),
+            PROMPTS,
+            vec!["--sglang-max-total-tokens", POOL_32X8],
+            true,
+        ),
         (
             "qwen3_0_6b",
             qwen.clone(),
