@@ -47,11 +47,9 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::launch::cubes_x;
 use super::model::{block_size, elementwise_launch};
 use crate::attention::FusedAttentionOps;
-
-/// Most cubes launched along x (the WebGPU limit per dimension).
-const MAX_CUBES_X: usize = 65_535;
 
 /// Most units per cube (keys per tile).
 const MAX_BLOCK: u32 = 128;
@@ -564,10 +562,6 @@ fn attention_block(t: &CubeTensor) -> u32 {
     block_size(t).min(MAX_BLOCK)
 }
 
-fn cubes(n: usize) -> CubeCount {
-    CubeCount::Static(n.clamp(1, MAX_CUBES_X) as u32, 1, 1)
-}
-
 /// `∂sinks[h] = −Σ_{batch, rows} exp(sinks[h] − lse)·δ` (`lse`, `δ`: `[b, h, s]`).
 fn sink_grad(sinks: CubeTensor, lse: CubeTensor, delta: CubeTensor) -> CubeTensor {
     type B = CubeBackend;
@@ -632,7 +626,7 @@ impl FusedAttentionOps for CubeBackend {
         let sinks = sinks.map_or_else(|| q.clone(), into_contiguous);
         attention_forward_kernel::launch(
             &q.client.clone(),
-            cubes(rows),
+            cubes_x(rows),
             CubeDim::new_1d(block),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
@@ -702,7 +696,7 @@ impl FusedAttentionOps for CubeBackend {
         let uniform = if no_sinks { 1.0 / t as f32 } else { 0.0 };
         attention_backward_dq_kernel::launch(
             &client,
-            cubes(b * h * s),
+            cubes_x(b * h * s),
             CubeDim::new_1d(block),
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
@@ -726,7 +720,7 @@ impl FusedAttentionOps for CubeBackend {
         );
         attention_backward_dkv_kernel::launch(
             &client,
-            cubes(b * hk * t),
+            cubes_x(b * hk * t),
             CubeDim::new_1d(block),
             q.into_tensor_arg(),
             k.into_tensor_arg(),

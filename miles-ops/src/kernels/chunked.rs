@@ -37,14 +37,9 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::launch::column_geometry;
 use crate::gated_delta::ChunkedDeltaOps;
 use crate::gated_delta_tensor::{self as tensor_ops, Local};
-
-/// Most cubes launched along x (the WebGPU limit per dimension).
-const MAX_CUBES_X: usize = 65_535;
-
-/// Units (value columns) per cube.
-const COLUMNS: usize = 64;
 
 #[cube(launch)]
 fn chunk_scan_forward_kernel<F: Float>(
@@ -266,19 +261,6 @@ fn wrap<const D: usize>(x: FloatTensor<CubeBackend>) -> BurnTensor<D> {
     BurnTensor::from_primitive::<CubeBackend>(x)
 }
 
-/// The launch geometry of a scan over `rows` (batch · heads) state rows of `dv` columns:
-/// (cube count, units per cube, column blocks per row).
-fn geometry(rows: usize, dv: usize) -> (CubeCount, CubeDim, usize) {
-    let width = COLUMNS.min(dv).max(1);
-    let blocks = dv.div_ceil(width);
-    let cubes = (rows * blocks).clamp(1, MAX_CUBES_X) as u32;
-    (
-        CubeCount::Static(cubes, 1, 1),
-        CubeDim::new_1d(width as u32),
-        blocks,
-    )
-}
-
 /// The forward scan (`tensor_ops::forward`'s sequential part): the padded outputs
 /// `[b, h, n, c, dv]`, the final state and, with `keep`, the state entering every chunk
 /// `[b, h, n, dk, dv]` (else an empty tensor).
@@ -313,7 +295,7 @@ fn scan_forward(
     } else {
         [1, 1, 1, 1, 1]
     }));
-    let (count, dim, blocks) = geometry(b * h, dv);
+    let (count, dim, blocks) = column_geometry(b * h, dv);
     chunk_scan_forward_kernel::launch(
         &client,
         count,
@@ -372,7 +354,7 @@ fn scan_backward(
     let dvn = empty(Shape::from([b, h, n, c, dv]));
     let d_states = empty(Shape::from([b, h, n, dk, dv]));
     let d_initial = empty(Shape::from([b, h, dk, dv]));
-    let (count, dim, blocks) = geometry(b * h, dv);
+    let (count, dim, blocks) = column_geometry(b * h, dv);
     chunk_scan_backward_kernel::launch(
         &client,
         count,

@@ -23,13 +23,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use cubecl::prelude::*;
 
+use super::launch::column_geometry;
 use crate::gated_delta::GatedDeltaOps;
-
-/// Most cubes launched along x (the WebGPU limit per dimension).
-const MAX_CUBES_X: usize = 65_535;
-
-/// Units (value columns) per cube.
-const COLUMNS: usize = 64;
 
 #[cube(launch)]
 fn gated_delta_kernel<F: Float>(
@@ -141,13 +136,11 @@ impl GatedDeltaOps for CubeBackend {
         let out = empty_device_contiguous_dtype(client.clone(), device.clone(), out_shape, dtype);
         let state = empty_device_contiguous_dtype(client.clone(), device, state_shape, dtype);
         let initial = into_contiguous(initial);
-        let width = COLUMNS.min(dv);
-        let blocks = dv.div_ceil(width);
-        let cubes = (b * h * blocks).clamp(1, MAX_CUBES_X) as u32;
+        let (cubes, dim, blocks) = column_geometry(b * h, dv);
         gated_delta_kernel::launch(
             &client,
-            CubeCount::Static(cubes, 1, 1),
-            CubeDim::new_1d(width as u32),
+            cubes,
+            dim,
             q.into_tensor_arg(),
             k.into_tensor_arg(),
             v.into_tensor_arg(),

@@ -27,11 +27,9 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
+use super::launch::MAX_CUBES_X;
 use crate::clipped::ClippedPgLossOps;
 use crate::fused::{FusedLogProbOps, forward_chunked};
-
-/// Most cubes launched along x (the WebGPU limit per dimension).
-const MAX_CUBES_X: usize = 65_535;
 
 #[cube(launch)]
 fn logit_chunk_stats_kernel<F: Float>(

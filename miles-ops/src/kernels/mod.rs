@@ -28,6 +28,8 @@ mod chunked;
 mod delta;
 mod device;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod launch;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod loss;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod model;

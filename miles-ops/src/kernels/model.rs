@@ -31,13 +31,11 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::{calculate_cube_count_elemwise, prelude::*};
 
+use super::launch::MAX_CUBES_X;
 use crate::bucket::ExpertBucketOps;
 use crate::grouped::{GroupedMatmulOps, GroupedOffsetsOps};
 use crate::norm::NormRopeOps;
 use crate::swiglu::SwiGluOps;
-
-/// Most cubes launched along x (the WebGPU limit per dimension).
-const MAX_CUBES_X: usize = 65_535;
 
 /// Rows per partial sum of the RMSNorm weight gradient.
 const DW_ROWS: usize = 256;
