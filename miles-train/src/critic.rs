@@ -203,7 +203,8 @@ impl Critic {
         if !loss_sum.is_finite() {
             return Err(Error::NonFinite { what: "loss", step });
         }
-        let grad_norm = acc.clip_global_norm(config.clip_grad);
+        // Clipping's coefficient is applied inside the AdamW pass, as the actor's is.
+        let grad_norm = acc.global_norm();
         if !grad_norm.is_finite() {
             return Err(Error::NonFinite {
                 what: "grad_norm",
@@ -211,8 +212,9 @@ impl Critic {
             });
         }
         let lr = self.schedule.lr_at(self.optimizer.step_count());
+        let clip = GradAccumulator::clip_coefficient(grad_norm, config.clip_grad);
         let model = self.model.clone();
-        self.model = self.optimizer.step(model, acc, lr);
+        self.model = self.optimizer.step_scaled(model, acc, lr, clip);
         Ok(BTreeMap::from([
             ("train/value_loss".to_string(), loss_sum),
             ("train/value_clipfrac".to_string(), clip_sum),
