@@ -26,7 +26,8 @@
 //! ([`PagedKvCache::state_slots`]; [`PagedKvCache::state_bytes_per_row`] says what one costs).
 //! [`PagedKvCache::reserve`] takes a free slot beside the blocks (and refuses when none is
 //! free), zeroed; [`PagedKvCache::release`] returns it. A step runs each linear layer's
-//! recurrent form (one token per sequence) or chunked form (several) from the rows' slots and
+//! recurrent form (one token per sequence) or chunked form (several; a right-padded batch of
+//! prompts row by row over its real tokens) from the rows' slots and
 //! writes the states after the step back in place; [`PagedKvCache::load`] /
 //! [`PagedKvCache::export`] copy the states with the keys. A state cannot be cut back to a
 //! shorter prefix, so a cache moved out is reusable whole only (see [`KvCache::truncate`]).
@@ -607,20 +608,25 @@ impl PagedKvCache {
     }
 
     /// Linear-attention layer `l` over `x` `[rows, seq, hidden]` from the states in the slots
-    /// `index`, which then hold the states after the step.
+    /// `index`, which then hold the states after the step (with `lens`, after each row's
+    /// last real token: [`GatedDeltaNet::forward_ragged`]).
     fn linear_step(
         &mut self,
         l: usize,
         index: &Tensor<1, Int>,
         layer: &GatedDeltaNet,
         x: Tensor<3>,
+        lens: Option<&[usize]>,
     ) -> Tensor<3> {
         let Some(states) = self.states.get_mut(l).and_then(Option::as_mut) else {
             // `fits` checked that every linear layer has its slots.
             unreachable!("state slots for every linear-attention layer")
         };
         let mut state = states.read(index.clone());
-        let out = layer.forward(x, None, Some(&mut state));
+        let out = match lens {
+            Some(lens) => layer.forward_ragged(x, lens, Some(&mut state)),
+            None => layer.forward(x, None, Some(&mut state)),
+        };
         if let Some(state) = state {
             states.write(index.clone(), state);
         }
@@ -675,8 +681,9 @@ impl CausalLm {
     /// written past a row's real positions (so each row's blocks must hold `seq` more
     /// positions) but the row's length grows by its real count only: later steps overwrite
     /// them and never attend to them, and no real token attends to them (they come after it).
-    /// A model with linear-attention layers takes no padding (its recurrent states run along
-    /// the row): every length must then be `seq`.
+    /// A model with linear-attention layers runs each row's conv and delta rule over its real
+    /// tokens only ([`GatedDeltaNet::forward_ragged`]), so each state slot holds the state
+    /// after the row's last real token.
     pub fn forward_paged_hidden(
         &self,
         input_ids: Tensor<2, Int>,
@@ -693,17 +700,12 @@ impl CausalLm {
                 rows.len()
             )));
         }
-        if let Some(lens) = lens {
-            if lens.len() != batch || lens.iter().any(|&n| n == 0 || n > seq) {
-                return Err(BridgeError::input(format!(
-                    "paged step: real lengths {lens:?} for {batch} rows of {seq} tokens"
-                )));
-            }
-            if self.config.linear_attention.is_some() && lens.iter().any(|&n| n != seq) {
-                return Err(BridgeError::input(
-                    "paged step: a model with linear-attention layers takes no padding",
-                ));
-            }
+        if let Some(lens) = lens
+            && (lens.len() != batch || lens.iter().any(|&n| n == 0 || n > seq))
+        {
+            return Err(BridgeError::input(format!(
+                "paged step: real lengths {lens:?} for {batch} rows of {seq} tokens"
+            )));
         }
         if !cache.fits(self) {
             return Err(BridgeError::input(
@@ -720,7 +722,7 @@ impl CausalLm {
         });
         let HiddenOutput { hidden, routing } = self.decoder(hidden, hook, |l, attention, x| {
             if let (SelfAttention::Linear(linear), Some(index)) = (attention, &states) {
-                return cache.linear_step(l, index, linear, x);
+                return cache.linear_step(l, index, linear, x, lens);
             }
             // GPT-OSS: a sliding window on the layers `layer_types` marks, sinks on every
             // layer.

@@ -7,6 +7,11 @@
 //! has no per-position part: the slot's size does not depend on the sequence's length. A
 //! decode step gathers the slots of its rows, runs the layer's recurrent form from them and
 //! writes the states after the step back in place.
+//!
+//! The slots are stored flat (`[slots, window]` and `[slots, state]`, reshaped to a batch of
+//! states on read): flex assigns rows of a 2-d tensor by whole-row copies, but assigns into a
+//! tensor of more dimensions element by element with a division per dimension, which at 32
+//! decode rows cost more than the delta rule itself.
 
 use burn::tensor::{DType, Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
@@ -15,12 +20,16 @@ use crate::nn::gated_delta::{GatedDeltaNet, LinearState};
 /// One linear-attention layer's state slots.
 #[derive(Debug)]
 pub(crate) struct StateLayer {
-    /// `[slots, kernel - 1, conv_dim]` in the layer's compute dtype; `None` only while a
+    /// `[slots, (kernel - 1) · conv_dim]` in the layer's compute dtype; `None` only while a
     /// write holds it.
-    conv: Option<Tensor<3>>,
-    /// `[slots, value_heads, key_head_dim, value_head_dim]`, f32; `None` only while a write
+    conv: Option<Tensor<2>>,
+    /// `[slots, value_heads · key_head_dim · value_head_dim]`, f32; `None` only while a write
     /// holds it.
-    recurrent: Option<Tensor<4>>,
+    recurrent: Option<Tensor<2>>,
+    /// One slot's conv window `[kernel - 1, conv_dim]`.
+    conv_shape: [usize; 2],
+    /// One slot's recurrent state `[value_heads, key_head_dim, value_head_dim]`.
+    state_shape: [usize; 3],
 }
 
 /// The shapes of one slot of `layer`: the conv window `[kernel - 1, conv_dim]` and the
@@ -55,18 +64,19 @@ impl StateLayer {
     pub(crate) fn new(layer: &GatedDeltaNet, slots: usize, dtype: DType, device: &Device) -> Self {
         let ([a, b], [h, k, v]) = slot_shape(layer);
         Self {
-            conv: Some(Tensor::zeros([slots, a, b], (device, dtype))),
-            recurrent: Some(Tensor::zeros([slots, h, k, v], (device, DType::F32))),
+            conv: Some(Tensor::zeros([slots, a * b], (device, dtype))),
+            recurrent: Some(Tensor::zeros([slots, h * k * v], (device, DType::F32))),
+            conv_shape: [a, b],
+            state_shape: [h, k, v],
         }
     }
 
     /// Whether the slots have `layer`'s shapes.
     pub(crate) fn fits(&self, layer: &GatedDeltaNet) -> bool {
-        let ([a, b], [h, k, v]) = slot_shape(layer);
-        let conv = self.conv.as_ref().map(|t| t.dims());
-        let recurrent = self.recurrent.as_ref().map(|t| t.dims());
-        conv.is_some_and(|[_, x, y]| [x, y] == [a, b])
-            && recurrent.is_some_and(|[_, x, y, z]| [x, y, z] == [h, k, v])
+        let (conv, state) = slot_shape(layer);
+        self.conv.is_some()
+            && self.recurrent.is_some()
+            && (conv, state) == (self.conv_shape, self.state_shape)
     }
 
     /// Bytes of every slot.
@@ -81,33 +91,45 @@ impl StateLayer {
 
     /// The states of the slots `index` (in that order), as a batch.
     pub(crate) fn read(&self, index: Tensor<1, Int>) -> Option<LinearState> {
+        let n = index.dims()[0];
+        let ([a, b], [h, k, v]) = (self.conv_shape, self.state_shape);
         Some(LinearState {
-            conv: self.conv.as_ref()?.clone().select(0, index.clone()),
-            recurrent: self.recurrent.as_ref()?.clone().select(0, index),
+            conv: self
+                .conv
+                .as_ref()?
+                .clone()
+                .select(0, index.clone())
+                .reshape([n, a, b]),
+            recurrent: self
+                .recurrent
+                .as_ref()?
+                .clone()
+                .select(0, index)
+                .reshape([n, h, k, v]),
         })
     }
 
     /// Writes `state` (a batch of `index.len()` rows) into the slots `index`, in place.
     pub(crate) fn write(&mut self, index: Tensor<1, Int>, state: LinearState) {
         // Taken out so the pool is the only handle: burn then assigns in place.
+        let n = index.dims()[0];
         if let Some(t) = self.conv.take() {
-            let conv = state.conv.cast(t.dtype());
+            let conv = state.conv.cast(t.dtype()).reshape([n, t.dims()[1]]);
             self.conv = Some(t.select_assign(0, index.clone(), conv, IndexingUpdateOp::Assign));
         }
         if let Some(t) = self.recurrent.take() {
-            let recurrent = state.recurrent.cast(t.dtype());
+            let recurrent = state.recurrent.cast(t.dtype()).reshape([n, t.dims()[1]]);
             self.recurrent = Some(t.select_assign(0, index, recurrent, IndexingUpdateOp::Assign));
         }
     }
 
     /// Zeroes the slots `index` (a sequence that has seen no token yet).
     pub(crate) fn zero(&mut self, index: Tensor<1, Int>) {
-        let (Some(conv), Some(recurrent)) = (&self.conv, &self.recurrent) else {
+        let (Some(conv), Some(_)) = (&self.conv, &self.recurrent) else {
             return;
         };
         let n = index.dims()[0];
-        let [_, a, b] = conv.dims();
-        let [_, h, k, v] = recurrent.dims();
+        let ([a, b], [h, k, v]) = (self.conv_shape, self.state_shape);
         let device = conv.device();
         let state = LinearState {
             conv: Tensor::zeros([n, a, b], (&device, conv.dtype())),

@@ -6,8 +6,7 @@
 //! forward over them reads them once. The admitted sequences that need a forward
 //! ([`Candidate`]s) are sorted by the length of what is left to prefill after their cached
 //! prefix and cut into groups: at most [`MAX_PREFILL_TOKENS`] positions a forward, padding
-//! at most half the real tokens, and for a model with linear-attention layers (whose
-//! recurrent states run along the row) equal lengths only. A group of one runs the
+//! at most half the real tokens. A group of one runs the
 //! single-sequence prefill ([`Scheduler::prefill_from`]: a forward on a contiguous cache,
 //! exactly as before batching); a larger group loads each member's cached prefix into its
 //! pool row and runs one [`CausalLm::forward_paged_hidden`](miles_bridge::CausalLm) over
@@ -16,6 +15,16 @@
 //! those of its own prefill up to float rounding (matmuls of more rows may sum in another
 //! order); the rollout's log-probs do not depend on them (they are recomputed by the
 //! trainer's scorer), and greedy decoding equals HF `generate` as before.
+//!
+//! A model with linear-attention layers (Qwen3.5) batches prompts of different lengths the
+//! same way: each linear layer runs its conv and delta rule row by row over the row's real
+//! tokens only ([`GatedDeltaNet::forward_ragged`](miles_bridge::nn::GatedDeltaNet)), each row's
+//! delta rule on exactly the inputs its own prefill gives it, so the state slots hold each
+//! row's states after its last real token. With a prefix cache such a model prefills all of
+//! a fresh prompt but its last token, which the next decode step feeds
+//! ([`Scheduler::prefill_target`]): the cached entry is then reusable whole by a later copy
+//! of the prompt (a GRPO group's other members start from a copy of its conv and recurrent
+//! states instead of a prefill of their own).
 
 use burn::tensor::{Int, Tensor, TensorData};
 use miles_bridge::RowId;
@@ -30,7 +39,7 @@ pub(crate) const MAX_PREFILL_TOKENS: usize = 4096;
 
 /// Positions its prompt forward runs.
 fn rest(c: &Candidate) -> usize {
-    c.seq.cached_len() - c.hit
+    c.target - c.hit
 }
 
 impl Scheduler {
@@ -56,10 +65,7 @@ impl Scheduler {
                 let width = rest(first);
                 let padded = width * (group.len() + 1);
                 let room = self.pool.row_capacity(c.row) >= c.hit + width;
-                padded <= MAX_PREFILL_TOKENS
-                    && 2 * padded <= 3 * (real + n)
-                    && room
-                    && (!linear || n == width)
+                padded <= MAX_PREFILL_TOKENS && 2 * padded <= 3 * (real + n) && room
             });
             if !fits {
                 self.prefill_group(std::mem::take(&mut group));
@@ -78,6 +84,7 @@ impl Scheduler {
             row,
             cache,
             hit,
+            ..
         } = c;
         let loaded = self.prefill_from(&mut seq, cache, hit).and_then(|cache| {
             profile::time(OpClass::KvManage, || self.pool.load(row, &cache))
@@ -104,12 +111,14 @@ impl Scheduler {
         }
         let mut members: Vec<(Seq, RowId)> = Vec::with_capacity(group.len());
         let mut starts: Vec<usize> = Vec::with_capacity(group.len());
+        let mut targets: Vec<usize> = Vec::with_capacity(group.len());
         for c in group {
             let loaded = profile::time(OpClass::KvManage, || self.pool.load(c.row, &c.cache));
             match loaded {
                 Ok(()) => {
                     members.push((c.seq, c.row));
                     starts.push(c.hit);
+                    targets.push(c.target);
                 }
                 Err(e) => self.fail_admission(c.seq, c.row, e.to_string()),
             }
@@ -117,16 +126,19 @@ impl Scheduler {
         if members.is_empty() {
             return;
         }
-        let lens: Vec<usize> = members
+        let lens: Vec<usize> = targets
             .iter()
             .zip(&starts)
-            .map(|((s, _), &hit)| s.cached_len() - hit)
+            .map(|(&target, &hit)| target - hit)
             .collect();
+        // Fresh sequences sample their first token from their last position's logits, unless
+        // the next decode step feeds their last prompt token (`Scheduler::prefill_target`).
+        let samples = !self.defers_last_token();
         let width = lens.iter().copied().max().unwrap_or(1);
         let batch = members.len();
         let mut ids = Vec::with_capacity(batch * width);
-        for ((s, _), &hit) in members.iter().zip(&starts) {
-            let rest = &s.tokens[hit..s.cached_len()];
+        for (((s, _), &hit), &target) in members.iter().zip(&starts).zip(&targets) {
+            let rest = &s.tokens[hit..target];
             ids.extend(rest.iter().map(|&t| t as i32));
             ids.extend(std::iter::repeat_n(0, width - rest.len()));
         }
@@ -138,6 +150,14 @@ impl Scheduler {
             .forward_paged_hidden(input, &mut self.pool, &rows, Some(&lens), &Fallthrough)
             .map_err(|e| e.to_string())
             .and_then(|out| {
+                let routing: &[_] = if self.route_width > 0 {
+                    &out.routing
+                } else {
+                    &[]
+                };
+                if !samples {
+                    return read_step(None, routing);
+                }
                 let [_, m, hidden] = out.hidden.dims();
                 let last: Vec<i32> = lens
                     .iter()
@@ -146,11 +166,6 @@ impl Scheduler {
                     .collect();
                 let index = Tensor::<1, Int>::from_data(TensorData::new(last, [batch]), &device);
                 let last = out.hidden.reshape([batch * m, hidden]).select(0, index);
-                let routing: &[_] = if self.route_width > 0 {
-                    &out.routing
-                } else {
-                    &[]
-                };
                 read_step(Some(step.logits(last)), routing)
             });
         let (logits, routes) = match read {
@@ -172,13 +187,15 @@ impl Scheduler {
                 seq.routing
                     .extend_from_slice(&routes[from..from + lens[r] * width_routes]);
             }
-            let target = seq.cached_len();
+            let target = targets[r];
             if self.config.prefix_cache_tokens > 0
                 && let Ok(cache) = profile::time(OpClass::KvManage, || self.pool.export(row))
             {
                 self.insert_prefix(seq.tokens[..target].to_vec(), cache, seq.routing.clone());
             }
-            self.push_token(&mut seq, &logits[r * vocab..(r + 1) * vocab]);
+            if samples {
+                self.push_token(&mut seq, &logits[r * vocab..(r + 1) * vocab]);
+            }
             seq.row = Some(row);
             self.running.push(seq);
         }

@@ -74,6 +74,8 @@ pub(crate) struct Candidate {
     pub(crate) row: RowId,
     pub(crate) cache: KvCache,
     pub(crate) hit: usize,
+    /// Positions its prefill leaves cached ([`Scheduler::prefill_target`]).
+    pub(crate) target: usize,
 }
 
 /// A cached prefix: its tokens, KV cache and routing rows (the prefix cache keeps finished
@@ -533,9 +535,9 @@ impl Scheduler {
         let mut admitted = false;
         loop {
             let mut candidates: Vec<Candidate> = Vec::new();
-            // Only models without linear-attention layers reuse a prompt's cached prefix
-            // for a later copy of it (see `lookup_prefix`).
-            let reuses_prompts = self.state_tokens == 0 && self.config.prefix_cache_tokens > 0;
+            // A later copy of a prompt reuses the first copy's cached prefix (all of the
+            // prompt but its last token, whole for a hybrid model: `prefill_target`).
+            let reuses_prompts = self.config.prefix_cache_tokens > 0;
             // Copies of a collected prompt stay queued (in order, at the front) until the
             // next round, when its prefix is cached.
             let mut skipped = 0;
@@ -583,11 +585,13 @@ impl Scheduler {
                 self.reserved += need;
                 if seq.output_len() == 0 {
                     let (cache, hit) = self.take_prefix(&mut seq);
+                    let target = self.prefill_target(&seq);
                     candidates.push(Candidate {
                         seq,
                         row,
                         cache,
                         hit,
+                        target,
                     });
                     continue;
                 }
@@ -972,14 +976,38 @@ impl Scheduler {
     /// cached prompt tokens.
     pub(crate) fn take_prefix(&mut self, seq: &mut Seq) -> (KvCache, usize) {
         let resumed = seq.output_len() > 0;
-        let target = seq.cached_len();
-        let (cache, hit, hit_routing) = self.lookup_prefix(&seq.tokens[..target], !resumed);
+        let target = self.prefill_target(seq);
+        // A fresh sequence keeps its last prompt token out of a reused prefix (it needs the
+        // logits after it), unless its prefill leaves that token out already.
+        let keep_one = !resumed && target == seq.tokens.len();
+        let (cache, hit, hit_routing) = self.lookup_prefix(&seq.tokens[..target], keep_one);
         if !resumed {
             seq.cached_tokens = hit;
             self.stats.cached_prompt_tokens += hit as u64;
         }
         seq.routing = hit_routing;
         (cache, hit)
+    }
+
+    /// Whether a fresh sequence's prefill stops before its last prompt token, which the next
+    /// decode step then feeds (sampling the first token from its logits): a hybrid model
+    /// with a prefix cache. Its prefix entry is then all of the prompt but that token with
+    /// the linear layers' states after it, which a later copy of the prompt (a GRPO group's
+    /// other members) reuses whole — a copy of the conv and recurrent states instead of a
+    /// prefill of its own — as a model without linear layers reuses any prefix.
+    pub(crate) fn defers_last_token(&self) -> bool {
+        self.state_tokens > 0 && self.config.prefix_cache_tokens > 0
+    }
+
+    /// Positions `seq`'s prefill leaves cached: [`Seq::cached_len`], but for a fresh
+    /// sequence of a model that [`Self::defers_last_token`] all of its prompt but the last
+    /// token.
+    pub(crate) fn prefill_target(&self, seq: &Seq) -> usize {
+        if seq.output_len() == 0 && self.defers_last_token() {
+            seq.tokens.len().saturating_sub(1)
+        } else {
+            seq.cached_len()
+        }
     }
 
     /// [`Self::prefill`] after [`Self::take_prefix`] gave `cache` (`hit` positions): the one
@@ -991,10 +1019,13 @@ impl Scheduler {
         hit: usize,
     ) -> Result<KvCache, String> {
         let resumed = seq.output_len() > 0;
-        let target = seq.cached_len();
+        let target = self.prefill_target(seq);
+        // A fresh sequence samples its first token from its prefill's last logits, unless
+        // its last prompt token is left to the next decode step.
+        let samples = !resumed && target == seq.tokens.len();
         let rest = &seq.tokens[hit..target];
         if rest.is_empty() {
-            // Only a resumed sequence can get here (a fresh one always keeps one token).
+            // A resumed sequence, or a fresh one whose last token is left to the decode step.
             return Ok(cache);
         }
         // A fresh sequence whose whole prompt but its last token is cached (a GRPO group's
@@ -1022,7 +1053,7 @@ impl Scheduler {
         };
         // The last position's logits (a fresh sequence samples its first token from them)
         // and the routing of every token, in one read.
-        let last = (!resumed).then(|| {
+        let last = samples.then(|| {
             let [_, m, hidden] = out.hidden.dims();
             self.step
                 .logits(out.hidden.clone().narrow(1, m - 1, 1).reshape([1, hidden]))
@@ -1035,7 +1066,9 @@ impl Scheduler {
                 cache.clone(),
                 seq.routing.clone(),
             );
-            self.push_token(seq, &last);
+            if samples {
+                self.push_token(seq, &last);
+            }
         }
         Ok(cache)
     }

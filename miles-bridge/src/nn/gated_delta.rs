@@ -65,6 +65,78 @@ impl LinearState {
     }
 }
 
+/// The delta rule of one sequence of `q`, `k` `[1, key_heads, t, dk]`, `v` `[1, heads, t,
+/// dv]`, `decay`, `beta` `[1, heads, t]` as [`GatedDeltaNet::forward`] runs it: the chunked
+/// op for more than one token, the recurrent one for a single token (a decode step).
+fn delta_rule(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    decay: Tensor<3>,
+    beta: Tensor<3>,
+    initial: Option<Tensor<4>>,
+) -> (Tensor<4>, Tensor<4>) {
+    let seq = q.dims()[2];
+    // Shapes are ours: the fallback on an error only re-raises burn's own panic.
+    let run = if seq > 1 {
+        miles_ops::gated_delta_rule_chunked
+    } else {
+        miles_ops::gated_delta_rule
+    };
+    run(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        decay.clone(),
+        beta.clone(),
+        initial.clone(),
+    )
+    .unwrap_or_else(|_| miles_ops::gated_delta_rule_reference(q, k, v, decay, beta, initial))
+}
+
+/// The delta rule of a right-padded batch, row `r` over its first `lens[r]` tokens only (one
+/// [`delta_rule`] per row: what the row's own forward runs): the outputs `[batch, heads, seq,
+/// dv]` (zeros at padded positions) and each row's state after its last real token.
+fn ragged_delta_rule(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    decay: Tensor<3>,
+    beta: Tensor<3>,
+    initial: Option<Tensor<4>>,
+    lens: &[usize],
+) -> (Tensor<4>, Tensor<4>) {
+    let [_, heads, seq, dv] = v.dims();
+    let device = v.device();
+    let (outs, states): (Vec<_>, Vec<_>) = lens
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            let row4 = |t: &Tensor<4>| t.clone().narrow(0, r, 1).narrow(2, 0, n);
+            let row3 = |t: &Tensor<3>| t.clone().narrow(0, r, 1).narrow(2, 0, n);
+            let init = initial.as_ref().map(|s| s.clone().narrow(0, r, 1));
+            let (out, state) = delta_rule(
+                row4(&q),
+                row4(&k),
+                row4(&v),
+                row3(&decay),
+                row3(&beta),
+                init,
+            );
+            let out = if n < seq {
+                Tensor::cat(
+                    vec![out, Tensor::zeros([1, heads, seq - n, dv], &device)],
+                    2,
+                )
+            } else {
+                out
+            };
+            (out, state)
+        })
+        .unzip();
+    (Tensor::cat(outs, 0), Tensor::cat(states, 0))
+}
+
 /// Qwen3.5's Gated DeltaNet linear-attention layer (`linear_attn`), with HF's parameter names
 /// and layouts (see the module docs for the computation).
 #[derive(Module, Debug)]
@@ -172,6 +244,35 @@ impl GatedDeltaNet {
         valid: Option<Tensor<2, Bool>>,
         state: Option<&mut Option<LinearState>>,
     ) -> Tensor<3> {
+        self.forward_rows(x, valid, None, state)
+    }
+
+    /// [`Self::forward`] over a right-padded batch of sequences of different lengths (a
+    /// batched prefill): row `r` holds `lens[r]` real tokens (each in `1..=seq`), the rest
+    /// padding. Each row's conv window and delta rule run over its real tokens only — the
+    /// delta rule one call per row on exactly the inputs a forward of that row alone gives
+    /// it (the chunked op for more than one token, the recurrent one for one), so a row's
+    /// outputs and state equal its own forward's bit for bit given the same projections —
+    /// and `state` holds each row's state after its last real token. Outputs at padded
+    /// positions are those of zero delta-rule outputs (never to be read).
+    pub fn forward_ragged(
+        &self,
+        x: Tensor<3>,
+        lens: &[usize],
+        state: Option<&mut Option<LinearState>>,
+    ) -> Tensor<3> {
+        let [_, seq, _] = x.dims();
+        let ragged = lens.iter().any(|&n| n != seq);
+        self.forward_rows(x, None, ragged.then_some(lens), state)
+    }
+
+    fn forward_rows(
+        &self,
+        x: Tensor<3>,
+        valid: Option<Tensor<2, Bool>>,
+        lens: Option<&[usize]>,
+        state: Option<&mut Option<LinearState>>,
+    ) -> Tensor<3> {
         let [batch, seq, hidden] = x.dims();
         let dtype = x.dtype();
         let device = x.device();
@@ -221,7 +322,18 @@ impl GatedDeltaNet {
                     + padded.clone().narrow(1, j, seq)
                         * weight.clone().narrow(1, j, 1).reshape([1, 1, conv_dim]);
             }
-            (silu(out), padded.narrow(1, seq, self.kernel - 1))
+            // The window after each row's last real token.
+            let window = match lens {
+                None => padded.narrow(1, seq, self.kernel - 1),
+                Some(lens) => Tensor::cat(
+                    lens.iter()
+                        .enumerate()
+                        .map(|(r, &n)| padded.clone().narrow(0, r, 1).narrow(1, n, self.kernel - 1))
+                        .collect(),
+                    0,
+                ),
+            };
+            (silu(out), window)
         });
         let f32 = FloatDType::F32;
         let key_dim = nk * dk;
@@ -250,6 +362,9 @@ impl GatedDeltaNet {
         };
         let initial = previous.as_ref().map(|s| s.recurrent.clone());
         let (out, last) = profile::time(OpClass::DeltaRule, || {
+            if let Some(lens) = lens {
+                return ragged_delta_rule(q, k, v, decay, beta, initial, lens);
+            }
             // Shapes are ours: the fallback on an error only re-raises burn's own panic.
             if seq > 1 {
                 // Training, scoring, prefill and recomputed layers: the one chunked op, so

@@ -3,7 +3,8 @@
 //! decoded from the pool equals each sequence decoded alone through the contiguous cache;
 //! blocks are reserved and returned exactly; bad steps are typed errors that write nothing;
 //! a hybrid model's (Qwen3.5) linear-attention state slots are reserved, copied and returned
-//! exactly beside the blocks; GPT-OSS (attention sinks, a sliding window on alternate layers)
+//! exactly beside the blocks, and a ragged batch of its prompts prefilled together equals each
+//! prompt prefilled alone; GPT-OSS (attention sinks, a sliding window on alternate layers)
 //! decodes from the pool past its window as transformers does, tokens and log-probs.
 
 use std::path::Path;
@@ -500,4 +501,100 @@ fn hybrid_state_slots_are_reserved_copied_and_returned_exactly() {
     pool.clear();
     assert_eq!(pool.free_state_slots(), 2);
     assert_eq!(pool.free_tokens(), pool.capacity());
+}
+
+/// A right-padded batch of hybrid prompts of different lengths (70 tokens: two delta-rule
+/// chunks; 21; 5; one token) prefilled in one `forward_paged_hidden` with their real lengths:
+/// each row's conv window and delta-rule state in its slot, and the logits of its last real
+/// position, equal the row's own prefill through the contiguous cache (to the rounding of
+/// projections over more rows); a decode step from the pool then equals one from each row's
+/// own cache.
+#[test]
+fn hybrid_ragged_paged_prefill_equals_each_prompt_alone() {
+    let device = Device::flex();
+    let model = step_model(&fixture("qwen35moe-tiny"), &device);
+    let lens = [70usize, 21, 5, 1];
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            (0..n as u32)
+                .map(|t| (t * 13 + 7 * r as u32 + 3) % 128)
+                .collect()
+        })
+        .collect();
+    let width = lens[0];
+    let mut pool = PagedKvCache::new(&model, 8 * PagedKvCache::BLOCK * lens.len(), 4).unwrap();
+    let rows: Vec<RowId> = lens
+        .iter()
+        .map(|_| pool.reserve(width + 4).unwrap())
+        .collect();
+    let padded: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut p = p.clone();
+            p.resize(width, 0);
+            p
+        })
+        .collect();
+    let out = model
+        .forward_paged_hidden(
+            ids(&padded, &device),
+            &mut pool,
+            &rows,
+            Some(&lens),
+            &Fallthrough,
+        )
+        .unwrap();
+    let hidden = model.config.hidden_size;
+    let host3 = |t: Tensor<3>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let host4 = |t: Tensor<4>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let worst = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let mut caches = Vec::new();
+    for (r, (&n, &row)) in lens.iter().zip(&rows).enumerate() {
+        assert_eq!(pool.len(row), n);
+        let (cache, want) = prefill(&model, &prompts[r], &device);
+        let last = out.hidden.clone().narrow(0, r, 1).narrow(1, n - 1, 1);
+        let got = model.logits(last.reshape([1, hidden]));
+        let got = host3(got.unsqueeze_dim::<3>(0));
+        assert!(worst(&got, &want) < 1e-4, "row {r}: last logits");
+        let back = pool.export(row).unwrap();
+        for l in 0..model.model.layers.len() {
+            if let (Some(x), Some(y)) = (cache.linear_state(l), back.linear_state(l)) {
+                let conv = worst(&host3(x.conv.clone()), &host3(y.conv.clone()));
+                let state = worst(&host4(x.recurrent.clone()), &host4(y.recurrent.clone()));
+                assert!(
+                    conv < 1e-5 && state < 1e-5,
+                    "row {r} layer {l}: {conv} {state}"
+                );
+            }
+        }
+        caches.push(cache);
+    }
+    // One decode step of every row from the pool against each row's own cache.
+    let next: Vec<Vec<u32>> = (0..lens.len() as u32).map(|r| vec![11 + r]).collect();
+    let step = model
+        .forward_paged(ids(&next, &device), &mut pool, &rows, &Fallthrough)
+        .unwrap();
+    let got = rows_of(step.logits);
+    for (r, cache) in caches.iter_mut().enumerate() {
+        let want = model
+            .forward_cached(
+                &ModelInput::new(ids(&next[r..r + 1], &device)),
+                cache,
+                &Fallthrough,
+            )
+            .unwrap();
+        let want = rows_of(want.logits).remove(0);
+        assert!(
+            worst(&got[r], &want) < 1e-4,
+            "row {r}: decode step after the prefill"
+        );
+    }
 }

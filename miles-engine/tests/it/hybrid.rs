@@ -5,7 +5,8 @@
 //! `gen_qwen3_5.py`: prompts of 3, 21 and 70 tokens, the last past a 64-token delta-rule
 //! chunk); decode log-probs equal miles-bridge's full forward; an abort returns the slot; a
 //! weight update never mixes versions; the states' share of the budget makes requests wait;
-//! prefixes are reused whole only.
+//! prefixes are reused whole only; prompts of different lengths are prefilled together; a
+//! GRPO group's copies of a prompt start from a copy of the first copy's states.
 
 use std::sync::Arc;
 
@@ -237,8 +238,8 @@ async fn a_hybrid_weight_update_never_mixes_versions() {
 }
 
 /// A finished turn's states are a snapshot the next turn of the session continues from; a
-/// shorter prefix of a cached sequence (the same prompt again) cannot be cut from its states
-/// and is prefilled in full.
+/// shorter prefix of a cached sequence cannot be cut from its states, but the same prompt
+/// again reuses its prefill's snapshot (all of the prompt but its last token) whole.
 #[tokio::test]
 async fn hybrid_prefixes_are_reused_whole_only() {
     let name = "qwen35-tiny";
@@ -248,8 +249,17 @@ async fn hybrid_prefixes_are_reused_whole_only() {
     let p = prompts[1].clone();
     let first = engine.generate(request(p.clone(), 8, 1)).await.unwrap();
     assert_eq!(first.cached_tokens, 0);
+    // The same prompt again: the prefill's entry (all of the prompt but its last token, with
+    // the states after it) is reused whole; the last token is the first decode step's.
     let again = engine.generate(request(p.clone(), 8, 2)).await.unwrap();
-    assert_eq!(again.cached_tokens, 0);
+    assert_eq!(again.cached_tokens, p.len() - 1);
+    let tokens: Vec<u32> = p.iter().chain(&again.output_ids).copied().collect();
+    let (full, _) = full_forward(&model, &tokens, 8);
+    let diff = max_diff(&again.output_log_probs, &full);
+    assert!(
+        diff < 2e-4,
+        "log-probs from a reused prompt differ by {diff}"
+    );
     let mut turn2: Vec<u32> = p.iter().chain(&first.output_ids).copied().collect();
     turn2.extend(&prompts[0]);
     let second = engine.generate(request(turn2.clone(), 8, 3)).await.unwrap();
@@ -263,21 +273,76 @@ async fn hybrid_prefixes_are_reused_whole_only() {
     );
 }
 
-/// Prompts admitted together are prefilled in one forward (a hybrid model batches prompts
-/// of equal length: each row's conv and recurrent states come from its own tokens): the
-/// greedy tokens equal those of the same prompts prefilled one at a time, and the decode
-/// log-probs equal them to float rounding.
+/// Prompts admitted together are prefilled in one right-padded forward, of equal or
+/// different lengths (each row's conv and delta rule run over its own real tokens, so its
+/// states are its own): the greedy tokens equal those of the same prompts prefilled one at a
+/// time, and the decode log-probs equal them to float rounding.
 #[tokio::test]
 async fn hybrid_prompts_prefilled_together_decode_as_alone() {
     let name = "qwen35moe-tiny";
     let model = load(name);
     let Reference { prompts, .. } = reference(name);
     let vocab = model.config.vocab_size as u32;
-    // Four distinct prompts of 21 tokens (and one of 70, alone in its group).
-    let mut batch: Vec<Vec<u32>> = (0..4u32)
+    // Two distinct prompts of 21 tokens (and one of 70, alone in its group).
+    let mut batch: Vec<Vec<u32>> = (0..2u32)
         .map(|i| prompts[1].iter().map(|&t| (t + 7 * i) % vocab).collect())
         .collect();
     batch.push(prompts[2].clone());
-    let batched = crate::engine::prefilled_together_and_alone(model, &batch, 8).await;
-    assert_eq!(batched, 4);
+    // Prompts of 19, 16 and 2 tokens (the shortest a one-token row of the prefill).
+    for (i, n) in [19usize, 16, 2].into_iter().enumerate() {
+        let i = i as u32 + 2;
+        batch.push(
+            prompts[1][..n]
+                .iter()
+                .map(|&t| (t + 7 * i) % vocab)
+                .collect(),
+        );
+    }
+    let batched = crate::engine::prefilled_together_and_alone(model.clone(), &batch, 8).await;
+    assert!(batched >= 4, "prefilled {batched} prompts together");
+}
+
+/// A GRPO group's copies of one prompt admitted together: the first copy is prefilled (all of
+/// its prompt but the last token), the others start from a copy of its cached conv and
+/// recurrent states (no prefill of their own) and feed the last token to the same decode
+/// step: greedy tokens, routing and log-probs equal the first copy's, and the log-probs equal
+/// a full forward's to float rounding.
+#[tokio::test]
+async fn hybrid_group_copies_start_from_the_cached_states() {
+    let name = "qwen35moe-tiny";
+    let model = load(name);
+    let Reference { prompts, .. } = reference(name);
+    let p = prompts[1].clone();
+    let engine = Arc::new(EmbeddedEngine::new(model.clone(), config(false)).unwrap());
+    engine.pause(PauseMode::InPlace).await.unwrap();
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let e = engine.clone();
+            let r = greedy(p.clone(), 8);
+            tokio::spawn(async move { e.generate(r).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    engine.resume().await.unwrap();
+    let mut outs = Vec::new();
+    for h in handles {
+        outs.push(h.await.unwrap().unwrap());
+    }
+    let mut cached: Vec<usize> = outs.iter().map(|o| o.cached_tokens).collect();
+    cached.sort_unstable();
+    assert_eq!(cached, [0, p.len() - 1, p.len() - 1, p.len() - 1]);
+    // One prefill of the prompt but its last token, none for the copies.
+    assert_eq!(engine.stats().prefill_tokens, (p.len() - 1) as u64);
+    let first = &outs[0];
+    let tokens: Vec<u32> = p.iter().chain(&first.output_ids).copied().collect();
+    let (full, _) = full_forward(&model, &tokens, 8);
+    for o in &outs {
+        assert_eq!(o.output_ids, first.output_ids);
+        assert_eq!(o.routed_experts, first.routed_experts);
+        let diff = max_diff(&o.output_log_probs, &full);
+        assert!(
+            diff < 2e-4,
+            "a copy's log-probs differ from a full forward by {diff}"
+        );
+    }
 }
