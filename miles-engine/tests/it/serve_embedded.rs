@@ -540,10 +540,14 @@ async fn memory_release_and_resume_over_http() {
         }
     }
 
+    // A router whose every engine is down releases nothing, and says so (not an error).
+    let dead = miles_session::sglang::Router::over_http(&["http://127.0.0.1:9".into()], |_| {});
+    let both = [MemoryTag::Weights, MemoryTag::KvCache];
+    assert!(!dead.release_memory_occupation(&both).await.unwrap());
+
     // Released through a router over the server (fanned out), then again directly:
     // idempotent.
     let router = miles_session::sglang::Router::over_http(std::slice::from_ref(&base), |_| {});
-    let both = [MemoryTag::Weights, MemoryTag::KvCache];
     assert!(router.release_memory_occupation(&both).await.unwrap());
     assert!(client.release_memory_occupation(&both).await.unwrap());
     let (status, body) = post(&base, "/release_memory_occupation", &json!({"tags": null})).await;

@@ -605,13 +605,24 @@ impl InferenceEngine for Router {
     }
 
     /// Every engine in rotation releases `tags`, all at once (an engine that fails leaves the
-    /// rotation, as with a weight update); `Ok(true)` once one of them answered.
+    /// rotation, as with a weight update); `Ok(true)` once one of them did. None did (every
+    /// engine down or failing): `Ok(false)`, not an error: a dead engine holds no memory, and
+    /// the run goes on to the push, which waits for an engine to come back.
     async fn release_memory_occupation(&self, tags: &[MemoryTag]) -> CoreResult<bool> {
-        self.broadcast(FleetOp::Release(tags)).await.map(|()| true)
+        match self.broadcast(FleetOp::Release(tags)).await {
+            Ok(()) => Ok(true),
+            Err(error) => {
+                tracing::warn!(%error, "no engine released its memory");
+                Ok(false)
+            }
+        }
     }
 
-    /// Every engine in rotation takes `tags` back, all at once.
+    /// Every engine in rotation takes `tags` back, all at once, after waiting (up to the
+    /// unavailable wait) for one in rotation, as a weight update does.
     async fn resume_memory_occupation(&self, tags: &[MemoryTag]) -> CoreResult<bool> {
+        self.wait_for_rotation(tokio::time::Instant::now() + self.unavailable_wait)
+            .await;
         self.broadcast(FleetOp::ResumeMemory(tags))
             .await
             .map(|()| true)
