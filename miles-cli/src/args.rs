@@ -342,13 +342,17 @@ pub struct RolloutArgs {
     #[arg(long, value_name = "N", default_value_t = EngineConfig::default().max_running_requests)]
     pub max_running_requests: usize,
     /// Embedded engine: the share of the memory available once the weights are loaded that
-    /// its KV pool may take, on the CPU (SGLang's --mem-fraction-static, as Miles passes it)
-    #[arg(long, value_name = "F", default_value_t = DEFAULT_KV_MEMORY_FRACTION)]
-    pub sglang_mem_fraction_static: f64,
+    /// its KV pool may take, on the CPU (SGLang's --mem-fraction-static, as Miles passes it;
+    /// default 0.3)
+    #[arg(long, value_name = "F")]
+    pub sglang_mem_fraction_static: Option<f64>,
     /// Embedded engine: most tokens its KV pool holds (SGLang's --max-total-tokens, as Miles
-    /// passes it), still bounded by --sglang-mem-fraction-static
-    #[arg(long, value_name = "TOKENS", default_value_t = EngineConfig::default().kv_token_budget)]
-    pub sglang_max_total_tokens: usize,
+    /// passes it), still bounded by --sglang-mem-fraction-static. Default for train /
+    /// train-async without either flag: what the rollout can fill (its sequences running at
+    /// once, at most --max-running-requests, × the longest prompt in tokens +
+    /// --rollout-max-response-len); otherwise 65536
+    #[arg(long, value_name = "TOKENS")]
+    pub sglang_max_total_tokens: Option<usize>,
     /// Embedded engine, train: release its memory (--offload-rollout-level) while the trainer
     /// trains and take it back at the weight push (Miles' --offload-rollout; the default for
     /// train, as Miles' --colocate sets it; train-async generates while it trains: never)
@@ -363,6 +367,12 @@ pub struct RolloutArgs {
 }
 
 impl RolloutArgs {
+    /// `--sglang-mem-fraction-static`, else the engine's default share.
+    pub fn kv_memory_fraction(&self) -> f64 {
+        self.sglang_mem_fraction_static
+            .unwrap_or(DEFAULT_KV_MEMORY_FRACTION)
+    }
+
     /// What the engine releases while the trainer trains (empty: nothing): Miles'
     /// `--offload-rollout-level` (default `kv_cache weight`) for the synchronous loop unless
     /// `--no-offload-rollout`; nothing for the fully async one, where an explicit

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use miles_bridge::{CausalLm, Precision, RecomputeConfig};
 use miles_core::{
-    InferenceEngine, JsonlMetricsSink, MemoryTag, MetricsSink, PolicyTrainer, RewardFn,
+    InferenceEngine, JsonlMetricsSink, MemoryTag, MetricsSink, PolicyTrainer, RewardFn, Sample,
     SamplingParams,
 };
 use miles_ops::device::DeviceSpec;
@@ -28,8 +28,8 @@ use miles_ops::{AdvantageConfig, AdvantageEstimator};
 use miles_reward::{BuiltinReward, RemoteReward, RmHubReward, RmType};
 use miles_rollout::{
     AgentGenerator, ChatPromptEncoder, DataSource, DatasetKeys, DynamicFilter, EvalDatasetConfig,
-    EvalFlags, EvalSet, LoopConfig, PromptRecord, RlLoop, RolloutConfig, RolloutManager,
-    SharedTrainer, filter_long_prompts,
+    EvalFlags, EvalSet, LoopConfig, PromptEncoder, PromptRecord, RlLoop, RolloutConfig,
+    RolloutManager, SharedTrainer, filter_long_prompts,
 };
 use miles_rollout::{DatasetOptions, PromptDataPath, load_dataset};
 use miles_session::agent::{AgentDriverConfig, AgentReward};
@@ -351,21 +351,23 @@ fn sampling(a: &TrainArgs, eos_ids: &[u32]) -> SamplingParams {
 /// `recompute` (the trainer compares rollout log-probs with its per-sample scoring:
 /// `TrainConfig::needs_exact_rollout_log_probs`).
 /// `reserved`: bytes the embedded engine's KV pool leaves to the trainer
-/// (`EngineConfig::kv_reserved_bytes`, from the memory plan).
+/// (`EngineConfig::kv_reserved_bytes`, from the memory plan); `kv_tokens`: its token budget
+/// ([`kv_pool_tokens`]).
 fn engines(
     a: &TrainArgs,
     c: &Common,
     num_layers: Option<usize>,
     recompute: bool,
     reserved: u64,
+    kv_tokens: usize,
 ) -> Result<Arc<dyn InferenceEngine>, BoxError> {
     let urls = &a.rollout.engine_url;
     if urls.is_empty() {
         let model = CausalLm::from_pretrained(&c.hf, &c.rollout_device)?;
         let config = miles_engine::EngineConfig {
             max_running_requests: a.rollout.max_running_requests,
-            kv_memory_fraction: Some(a.rollout.sglang_mem_fraction_static),
-            kv_token_budget: a.rollout.sglang_max_total_tokens,
+            kv_memory_fraction: Some(a.rollout.kv_memory_fraction()),
+            kv_token_budget: kv_tokens,
             kv_reserved_bytes: reserved,
             eos_token_ids: c.eos_ids.clone(),
             seed: c.seed,
@@ -385,8 +387,133 @@ fn engines(
     Ok(router)
 }
 
+/// The longest of `prompts` in tokens, as the rollout encodes them (chat template, tools).
+fn longest_prompt_tokens(
+    encoder: &dyn PromptEncoder,
+    prompts: &[PromptRecord],
+) -> Result<usize, BoxError> {
+    let mut longest = 0;
+    for record in prompts {
+        let sample = Sample {
+            prompt: record.prompt.clone(),
+            label: record.label.clone(),
+            metadata: record.metadata.clone(),
+            ..Sample::default()
+        };
+        longest = longest.max(encoder.encode(&sample)?.len());
+    }
+    Ok(longest)
+}
+
+/// The embedded engine's KV token budget for `train` / `train-async`, and why:
+/// `--sglang-max-total-tokens` when given; the engine's default (65,536) when only
+/// `--sglang-mem-fraction-static` is (SGLang sizes its pool from the fraction alone) or when a
+/// multi-turn agent runs without `--rollout-max-context-len` (its conversations have no known
+/// bound); otherwise what the rollout can fill ([`miles_engine::RolloutKvNeed`]): the
+/// sequences it runs at once (`--over-sampling-batch-size`, else `--rollout-batch-size`, ×
+/// `--n-samples-per-prompt`, at most `--max-running-requests`) × its longest sequence (the
+/// longest prompt in tokens + `--rollout-max-response-len`, at most
+/// `--rollout-max-context-len`; the evaluation sets' longest when longer). The memory fraction
+/// bounds every choice when the engine starts.
+fn kv_pool_tokens(
+    a: &TrainArgs,
+    c: &Common,
+    model: &CausalLm,
+    prompts: &[PromptRecord],
+) -> Result<(usize, String), BoxError> {
+    let r = &a.rollout;
+    let default = miles_engine::EngineConfig::default().kv_token_budget;
+    if let Some(tokens) = r.sglang_max_total_tokens {
+        return Ok((tokens, "--sglang-max-total-tokens".into()));
+    }
+    if r.sglang_mem_fraction_static.is_some() {
+        return Ok((
+            default,
+            "the default budget, within the memory fraction given".into(),
+        ));
+    }
+    if a.agent.agent_cmd.is_some() && r.rollout_max_context_len.is_none() {
+        return Ok((
+            default,
+            "the default budget: a multi-turn agent's conversations have no bound without \
+             --rollout-max-context-len"
+                .into(),
+        ));
+    }
+    let within_context = |tokens: usize, context: Option<usize>| match context {
+        Some(context) => tokens.min(context),
+        None => tokens,
+    };
+    let prompt = longest_prompt_tokens(c.encoder.as_ref(), prompts)?;
+    let mut sequence = within_context(
+        prompt + r.rollout_max_response_len,
+        r.rollout_max_context_len,
+    );
+    let mut why_sequence = format!(
+        "longest prompt {prompt} + --rollout-max-response-len {}",
+        r.rollout_max_response_len
+    );
+    if sequence < prompt + r.rollout_max_response_len {
+        why_sequence.push_str(", within --rollout-max-context-len");
+    }
+    for d in eval_flags(a).resolve()? {
+        let records = load_prompts(a, &d.path, &eval_keys(&d))?;
+        let (records, _) =
+            filter_long_prompts(records, c.encoder.as_ref(), a.eval.eval_max_prompt_len)?;
+        let eval_prompt = longest_prompt_tokens(c.encoder.as_ref(), &records)?;
+        let response = d.max_response_len.unwrap_or(r.rollout_max_response_len);
+        let eval_sequence = within_context(
+            eval_prompt + response,
+            a.eval.eval_max_context_len.or(r.rollout_max_context_len),
+        );
+        if eval_sequence > sequence {
+            sequence = eval_sequence;
+            why_sequence = format!(
+                "eval {}: longest prompt {eval_prompt} + max response {response}",
+                d.name
+            );
+        }
+    }
+    let per_token = miles_bridge::PagedKvCache::bytes_per_token(model);
+    let state_bytes = miles_bridge::PagedKvCache::state_bytes_per_row(model);
+    let need = miles_engine::RolloutKvNeed {
+        requests: r
+            .over_sampling_batch_size
+            .unwrap_or(0)
+            .max(r.rollout_batch_size.unwrap_or(1))
+            .saturating_mul(r.n_samples_per_prompt),
+        max_running_requests: r.max_running_requests,
+        sequence_tokens: sequence,
+        state_tokens_per_slot: if state_bytes == 0 {
+            0
+        } else {
+            state_bytes.div_ceil(per_token.max(1))
+        },
+    };
+    let tokens = need.tokens();
+    Ok((
+        tokens,
+        format!(
+            "sized to the rollout: {} sequences at once ({} requests, --max-running-requests \
+             {}) × {sequence} tokens ({why_sequence}), in 16-token blocks{}; \
+             --sglang-max-total-tokens sets it",
+            need.concurrent(),
+            need.requests,
+            r.max_running_requests,
+            if need.state_tokens_per_slot > 0 {
+                format!(
+                    " + a linear-attention state slot each ({} tokens)",
+                    need.state_tokens_per_slot
+                )
+            } else {
+                String::new()
+            }
+        ),
+    ))
+}
+
 /// The run's [`crate::memory::MemoryPlan`]: the policy's shape, the engine's precision and
-/// KV pool (`--sglang-max-total-tokens`, the pool's bytes per position), and one padded
+/// KV pool (`kv_tokens`, the pool's bytes per position), and one padded
 /// micro-batch of `--micro-batch-size` sequences of `--rollout-max-context-len` tokens (else
 /// the longest prompt's JSON bytes, an upper bound of its tokens, plus 64 for the chat
 /// template, plus `--rollout-max-response-len`).
@@ -396,6 +523,7 @@ fn memory_plan(
     prompts: &[PromptRecord],
     precision: miles_bridge::Precision,
     offload: &[miles_core::MemoryTag],
+    kv_tokens: usize,
 ) -> crate::memory::MemoryPlan {
     let m = &model.config;
     let engine_bytes = precision.checkpoint_dtype().size() as u64;
@@ -421,7 +549,7 @@ fn memory_plan(
         engine_decode_copies: true,
         offload_weights: offload.contains(&miles_core::MemoryTag::Weights),
         offload_kv_cache: offload.contains(&miles_core::MemoryTag::KvCache),
-        kv_tokens: a.rollout.sglang_max_total_tokens as u64,
+        kv_tokens: kv_tokens as u64,
         kv_bytes_per_token: kv_f32 / 4 * engine_bytes,
         micro_batch_seqs: a.train.micro_batch_size as u64,
         seq_len: seq_len as u64,
@@ -431,8 +559,8 @@ fn memory_plan(
     // allocate (as the engine resolves it).
     let plan = crate::memory::MemoryPlan::new(&inputs);
     let config = miles_engine::EngineConfig {
-        kv_token_budget: a.rollout.sglang_max_total_tokens,
-        kv_memory_fraction: Some(a.rollout.sglang_mem_fraction_static),
+        kv_token_budget: kv_tokens,
+        kv_memory_fraction: Some(a.rollout.kv_memory_fraction()),
         kv_reserved_bytes: plan.trainer_growth(),
         ..miles_engine::EngineConfig::default()
     };
@@ -548,6 +676,17 @@ fn eval_sets(
         .collect()
 }
 
+/// An evaluation set's prompt keys (the dataset's, else the defaults).
+fn eval_keys(d: &EvalDatasetConfig) -> DatasetKeys {
+    let defaults = DatasetKeys::default();
+    DatasetKeys {
+        input_key: d.input_key.clone().unwrap_or(defaults.input_key),
+        label_key: d.label_key.clone(),
+        metadata_key: d.metadata_key.clone().unwrap_or(defaults.metadata_key),
+        tool_key: d.tool_key.clone().unwrap_or(defaults.tool_key),
+    }
+}
+
 fn eval_set(
     a: &TrainArgs,
     c: &Common,
@@ -563,13 +702,7 @@ fn eval_set(
         )
         .into());
     }
-    let defaults = DatasetKeys::default();
-    let keys = DatasetKeys {
-        input_key: d.input_key.clone().unwrap_or(defaults.input_key),
-        label_key: d.label_key.clone(),
-        metadata_key: d.metadata_key.clone().unwrap_or(defaults.metadata_key),
-        tool_key: d.tool_key.clone().unwrap_or(defaults.tool_key),
-    };
+    let keys = eval_keys(d);
     // A null in the file leaves the engine's own default, as SGLang does for Miles.
     let engine_defaults = SamplingParams::default();
     let mut sampling = base.sampling.clone();
@@ -844,7 +977,17 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
     let recompute = train_config(a, n, use_r3, c.seed)?
         .needs_exact_rollout_log_probs(rollout.rollout_batch_size * n);
     let offload = a.rollout.offload_rollout_tags(asynchronous)?;
-    let plan = memory_plan(a, &model, &prompts, c.precision, &offload);
+    let kv_tokens = if a.rollout.engine_url.is_empty() {
+        let (tokens, why) = kv_pool_tokens(a, &c, &model, &prompts)?;
+        tracing::info!("KV pool budget: {tokens} tokens ({why})");
+        tokens
+    } else {
+        // Remote engines size their own pools.
+        a.rollout
+            .sglang_max_total_tokens
+            .unwrap_or(miles_engine::EngineConfig::default().kv_token_budget)
+    };
+    let plan = memory_plan(a, &model, &prompts, c.precision, &offload, kv_tokens);
     tracing::info!("{}", plan.line(miles_engine::available_memory()));
     let engine = engines(
         a,
@@ -856,6 +999,7 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         } else {
             0
         },
+        kv_tokens,
     )?;
     let generator = agent_generator(a, &c, &engine, use_r3).await?;
     let num_rollout: u64 = match (a.rollout.num_rollout, a.data.num_epoch) {
@@ -1072,7 +1216,11 @@ async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
     let c = common(a)?;
     // Needed only by datasets without their own rm_type.
     let reward = reward(a, c.seed).map_err(|e| e.to_string());
-    let engine = engines(a, &c, None, true, 0)?;
+    let kv_tokens = a
+        .rollout
+        .sglang_max_total_tokens
+        .unwrap_or(miles_engine::EngineConfig::default().kv_token_budget);
+    let engine = engines(a, &c, None, true, 0, kv_tokens)?;
     let generator = agent_generator(a, &c, &engine, false).await?;
     let base = RolloutConfig {
         rollout_batch_size: 1,

@@ -64,6 +64,49 @@ impl KvBudget {
     }
 }
 
+/// The KV pool a rollout can need, the default budget of `miles train` / `train-async` when
+/// neither `--sglang-max-total-tokens` nor `--sglang-mem-fraction-static` is given (SGLang sizes
+/// its pool from the memory fraction alone; a pool larger than the rollout can fill costs its
+/// allocation and, with `--offload-rollout`, taking it back at every weight push).
+///
+/// Every sequence the rollout runs at once reserves its prompt plus its `max_new_tokens` (the
+/// engine admits a request only when its whole reservation fits), so a pool of
+/// [`RolloutKvNeed::concurrent`] × [`RolloutKvNeed::sequence_tokens`] positions runs them all
+/// together, and one of at least one sequence never rejects a request of the rollout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RolloutKvNeed {
+    /// Sequences the rollout submits at once (prompts × samples per prompt).
+    pub requests: usize,
+    /// Sequences the engine decodes together (`max_running_requests`).
+    pub max_running_requests: usize,
+    /// Positions one sequence reserves: the longest prompt in tokens plus `max_new_tokens`.
+    pub sequence_tokens: usize,
+    /// Budget positions one linear-attention state slot is charged as (a hybrid model's
+    /// [`StateBudget::tokens_per_slot`]; 0 for models without linear attention).
+    pub state_tokens_per_slot: usize,
+}
+
+impl RolloutKvNeed {
+    /// Sequences that run at once: the rollout's requests, at most `max_running_requests`, at
+    /// least one.
+    pub fn concurrent(&self) -> usize {
+        self.requests.min(self.max_running_requests).max(1)
+    }
+
+    /// The token budget: `concurrent × sequence_tokens` rounded up to 16-token blocks, plus
+    /// each running sequence's state slot for a hybrid model (and at least twice the slots'
+    /// share, as [`StateBudget::split`] gives the slots at most half the budget).
+    pub fn tokens(&self) -> usize {
+        let concurrent = self.concurrent();
+        let kv = concurrent
+            .saturating_mul(self.sequence_tokens.max(1))
+            .div_ceil(16)
+            .saturating_mul(16);
+        let states = concurrent.saturating_mul(self.state_tokens_per_slot);
+        kv.saturating_add(states).max(states.saturating_mul(2))
+    }
+}
+
 /// How a hybrid model's linear-attention states (Qwen3.5's Gated DeltaNet layers: a conv
 /// window and a delta-rule state per sequence and layer, of a fixed size) share the KV budget
 /// with the full-attention layers' cached positions.
@@ -332,6 +375,74 @@ mod tests {
         assert_eq!((split.slots, split.kv_tokens), (2, 58));
         let err = StateBudget::split(41, 256, 5_376, 32).unwrap_err();
         assert!(err.to_string().contains("linear-attention state"), "{err}");
+    }
+
+    #[test]
+    fn the_rollout_sizes_the_default_pool() {
+        // The 88 M GLM-4-MoE bench shape: 32 prompts × 8 samples, all running together, prompts
+        // of at most 40 tokens and 24 new tokens: 256 × 64 = 16,384 positions (what the bench
+        // passed by hand as --sglang-max-total-tokens).
+        let need = RolloutKvNeed {
+            requests: 32 * 8,
+            max_running_requests: 256,
+            sequence_tokens: 40 + 24,
+            state_tokens_per_slot: 0,
+        };
+        assert_eq!((need.concurrent(), need.tokens()), (256, 16_384));
+        // Qwen3-0.6B's shape under the engine's default of 32 running sequences: 4 × 8
+        // sequences of a 75-token prompt + 48 new tokens = 123, 3,936 positions, rounded up to
+        // 16-token blocks: 3,936 is 246 blocks exactly.
+        let need = RolloutKvNeed {
+            requests: 4 * 8,
+            max_running_requests: 32,
+            sequence_tokens: 75 + 48,
+            state_tokens_per_slot: 0,
+        };
+        assert_eq!(need.tokens(), 3_936);
+        // More requests than run at once: only the running ones need room (the rest wait);
+        // 32 × (130 + 1,024) = 36,928 positions = 2,308 blocks.
+        let need = RolloutKvNeed {
+            requests: 64 * 16,
+            sequence_tokens: 130 + 1_024,
+            ..need
+        };
+        assert_eq!((need.concurrent(), need.tokens()), (32, 36_928));
+        // One sequence of 17 positions still takes two whole blocks.
+        let one = RolloutKvNeed {
+            requests: 1,
+            max_running_requests: 32,
+            sequence_tokens: 17,
+            state_tokens_per_slot: 0,
+        };
+        assert_eq!(one.tokens(), 32);
+        // A budget resolved from it keeps the memory bound: 0.3 of 1 GiB holds 1,404
+        // positions of Qwen3-0.6B, fewer than the 36,928 the rollout could fill.
+        let config = EngineConfig {
+            kv_token_budget: need.tokens(),
+            ..EngineConfig::default()
+        };
+        let budget = KvBudget::resolve(&config, QWEN3_06B_BYTES_PER_TOKEN, Some(1 << 30)).unwrap();
+        assert_eq!(budget.tokens, 1_404);
+        // qwen35-tiny (21 positions per state slot): 32 sequences of 64 positions need 2,048
+        // positions for their caches and 32 × 21 = 672 for their states, and the split gives
+        // every running sequence its slot.
+        let hybrid = RolloutKvNeed {
+            requests: 32,
+            max_running_requests: 32,
+            sequence_tokens: 64,
+            state_tokens_per_slot: 21,
+        };
+        assert_eq!(hybrid.tokens(), 2_048 + 672);
+        let split = StateBudget::split(hybrid.tokens(), 256, 5_376, 32).unwrap();
+        assert_eq!((split.slots, split.kv_tokens), (32, 2_048));
+        // Short sequences: the slots' share sets the floor (twice it, as the split uses half).
+        let short = RolloutKvNeed {
+            sequence_tokens: 4,
+            ..hybrid
+        };
+        assert_eq!(short.tokens(), 2 * 672);
+        let split = StateBudget::split(short.tokens(), 256, 5_376, 32).unwrap();
+        assert_eq!(split.slots, 32);
     }
 
     #[test]

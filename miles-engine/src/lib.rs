@@ -17,7 +17,7 @@
 //! KV cache: one paged pool per layer ([`miles_bridge::PagedKvCache`]), allocated when the
 //! engine starts from `kv_token_budget` (on the CPU bounded by `kv_memory_fraction` of the
 //! memory available then, see [`KvBudget`]; plus one block per running sequence for rounding)
-//! and never grown. An admitted request takes blocks for its whole reservation (prompt +
+//! and never grown ([`RolloutKvNeed`]: the budget a rollout can fill, `miles train`'s default). An admitted request takes blocks for its whole reservation (prompt +
 //! `max_new_tokens`), its prefill is copied in, each decode step writes one slot per sequence
 //! in place, and the blocks return to the pool when it finishes (its cache is copied out to the
 //! prefix cache first). On flex (`f32`, AVX-512F) decode attention reads the pool directly.
@@ -95,8 +95,8 @@ mod step;
 
 pub use command::{Detokenizer, EngineStats};
 pub use config::{
-    DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_NEW_TOKENS, EngineConfig, KvBudget, StateBudget,
-    available_memory, eos_from_tokenizer_config, read_eos_ids,
+    DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_NEW_TOKENS, EngineConfig, KvBudget, RolloutKvNeed,
+    StateBudget, available_memory, eos_from_tokenizer_config, read_eos_ids,
 };
 pub use engine::{EmbeddedEngine, EngineBuilder};
 pub use error::{Error, Result};

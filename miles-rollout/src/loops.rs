@@ -502,13 +502,23 @@ impl RlLoop {
             let update_started = Instant::now();
             let version = match background {
                 None => {
-                    // The released weights come back with the push; then the KV cache.
-                    let version = self.push_weights().await?;
-                    if !offloaded.is_empty() {
-                        self.manager
-                            .engine()
-                            .resume_memory_occupation(offloaded)
+                    // Miles' order: resume the weights, push them, then the KV cache (a
+                    // remote SGLang must hold its weights' memory again before an update
+                    // writes into it; the embedded engine gets them back with the push).
+                    let engine = self.manager.engine();
+                    if offloaded.contains(&MemoryTag::Weights) {
+                        engine
+                            .resume_memory_occupation(&[MemoryTag::Weights])
                             .await?;
+                    }
+                    let version = self.push_weights().await?;
+                    let rest: Vec<MemoryTag> = offloaded
+                        .iter()
+                        .copied()
+                        .filter(|t| *t != MemoryTag::Weights)
+                        .collect();
+                    if !rest.is_empty() {
+                        engine.resume_memory_occupation(&rest).await?;
                     }
                     version
                 }

@@ -1470,10 +1470,38 @@ fn offload_rollout_changes_no_result() {
         ("keep", "--no-offload-rollout"),
     ] {
         let out = dir.join(name);
-        run(miles()
+        let output = run(miles()
             .arg("train")
             .args(train_flags(&model, &train, &held_out, &out))
             .args(["--num-rollout", "2", flag]));
+        // Without --sglang-max-total-tokens / --sglang-mem-fraction-static the pool is what
+        // the rollout can fill: 4 prompts × 4 samples at once (under 32 running) × the longest
+        // sequence, in 16-token blocks; the engine allocates that budget.
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let line = stderr
+            .lines()
+            .find(|l| l.contains("KV pool budget: "))
+            .unwrap_or_else(|| panic!("no KV pool budget line:\n{stderr}"));
+        let number_after = |text: &str, key: &str| -> usize {
+            text.split(key)
+                .nth(1)
+                .and_then(|rest| rest.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{key} in {text}"))
+        };
+        assert!(
+            line.contains("sized to the rollout: 16 sequences at once"),
+            "{line}"
+        );
+        let sequence = number_after(line, "at once (16 requests, --max-running-requests 32) × ");
+        let budget = number_after(line, "KV pool budget: ");
+        assert_eq!(budget, (16 * sequence).div_ceil(16) * 16, "{line}");
+        assert!(sequence > 6, "{line}");
+        let pool = stderr
+            .lines()
+            .find(|l| l.contains("KV pool allocated: "))
+            .unwrap_or_else(|| panic!("no KV pool line:\n{stderr}"));
+        assert_eq!(number_after(pool, "KV pool allocated: "), budget, "{pool}");
         finals.push(tensors_of(&out.join("final/model.safetensors")));
         let keys = [
             "rollout/raw_reward",

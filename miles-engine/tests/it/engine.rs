@@ -13,7 +13,7 @@ use miles_core::{
     InferenceEngine, NamedTensors, PauseMode, RequestId, SamplingParams, TensorBytes,
     WeightVersion,
 };
-use miles_engine::{Detokenizer, EmbeddedEngine, EngineConfig, PrefillScorer};
+use miles_engine::{Detokenizer, EmbeddedEngine, EngineConfig, PrefillScorer, RolloutKvNeed};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 
@@ -466,6 +466,65 @@ async fn the_kv_budget_makes_requests_wait_and_rejects_what_can_never_fit() {
                 ..
             }
         ),
+        "{err}"
+    );
+}
+
+/// A pool sized by [`RolloutKvNeed`] (what `miles train` chooses by default) for 6 sequences
+/// of an 8-token prompt and 24 new tokens runs them all without waiting for budget; a longer
+/// prompt than it was sized for still runs (it waits for room), and one that could never fit
+/// the pool is rejected at once with a typed error: an exhausted pool never hangs a request.
+#[tokio::test]
+async fn a_rollout_sized_pool_runs_the_rollout_and_rejects_what_can_never_fit() {
+    let model = load("qwen3-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let need = RolloutKvNeed {
+        requests: 6,
+        max_running_requests: 32,
+        sequence_tokens: 8 + 24,
+        state_tokens_per_slot: 0,
+    };
+    assert_eq!(need.tokens(), 192);
+    let engine = Arc::new(
+        EmbeddedEngine::new(
+            model,
+            EngineConfig {
+                kv_token_budget: need.tokens(),
+                ..config(false)
+            },
+        )
+        .unwrap(),
+    );
+    let mut reqs: Vec<_> = (0..6)
+        .map(|i| request(prompt(8, i, vocab), 24, i as u64))
+        .collect();
+    let outs = run_all(&engine, reqs.clone()).await;
+    assert!(outs.iter().all(|o| o.output_ids.len() == 24));
+    assert_eq!(engine.stats().budget_waits, 0, "{:?}", engine.stats());
+    // The rollout again beside a 100-token prompt (100 + 24 > 32, < 192): all finish.
+    reqs.push(request(prompt(100, 9, vocab), 24, 9));
+    let outs = tokio::time::timeout(std::time::Duration::from_secs(60), run_all(&engine, reqs))
+        .await
+        .expect("a prompt longer than the pool was sized for waits for room, then runs");
+    assert!(outs.iter().all(|o| o.output_ids.len() == 24));
+    // 100 + 100 > 192: never admissible, rejected without waiting.
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        engine.generate(request(prompt(100, 9, vocab), 100, 9)),
+    )
+    .await
+    .expect("rejected at once")
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CoreError::Engine {
+                kind: EngineErrorKind::InvalidRequest,
+                ..
+            }
+        ) && err
+            .to_string()
+            .contains("exceeds the KV budget of 192 tokens"),
         "{err}"
     );
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use miles_core::{
-    FinishReason, GenerateRequest, InferenceEngine, NamedTensors, Sample, SampleStatus,
+    FinishReason, GenerateRequest, InferenceEngine, MemoryTag, NamedTensors, Sample, SampleStatus,
     SamplingParams, TokenId, WeightVersion,
 };
 use miles_engine::serve::{ServeOptions, server_info};
@@ -500,4 +500,107 @@ async fn input_logprobs_on_the_wire_match_transformers() {
         assert_eq!(status, 400, "{body}");
         assert!(body.to_string().contains(why), "{body}");
     }
+}
+
+/// `/release_memory_occupation` and `/resume_memory_occupation` over loopback HTTP, through
+/// miles-session's SGLang client and its router, in Miles' order (release all; resume the
+/// weights, update them, resume the KV cache and CUDA graphs): bad tags are 400s, a release is
+/// idempotent, generation while released is a 400 naming what is missing (not a wait), and
+/// greedy generation after the resume equals before, tokens and log-probs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_release_and_resume_over_http() {
+    let dir = fixture("serve/qwen3-tiny-chat");
+    let base = serve(&dir).await;
+    let client = SglangEngine::new(SglangConfig::new(&base));
+    let greedy = || {
+        GenerateRequest::new(
+            vec![5, 6, 7, 8],
+            SamplingParams {
+                temperature: 0.0,
+                max_new_tokens: Some(8),
+                ..SamplingParams::default()
+            },
+        )
+    };
+    let before = client.generate(greedy()).await.unwrap();
+    assert_eq!(before.output_ids.len(), 8);
+
+    for bad in [
+        json!({"tags": ["gpu"]}),
+        json!({"tags": "weights"}),
+        json!({"tags": [1]}),
+    ] {
+        for route in ["/release_memory_occupation", "/resume_memory_occupation"] {
+            let (status, body) = post(&base, route, &bad).await;
+            assert_eq!(status, 400, "{route} {bad}: {body}");
+            assert!(
+                body["error"]["message"].as_str().unwrap().contains("tag"),
+                "{body}"
+            );
+        }
+    }
+
+    // A router whose every engine is down releases nothing, and says so (not an error).
+    let dead = miles_session::sglang::Router::over_http(&["http://127.0.0.1:9".into()], |_| {});
+    let both = [MemoryTag::Weights, MemoryTag::KvCache];
+    assert!(!dead.release_memory_occupation(&both).await.unwrap());
+
+    // Released through a router over the server (fanned out), then again directly:
+    // idempotent.
+    let router = miles_session::sglang::Router::over_http(std::slice::from_ref(&base), |_| {});
+    assert!(router.release_memory_occupation(&both).await.unwrap());
+    assert!(client.release_memory_occupation(&both).await.unwrap());
+    let (status, body) = post(&base, "/release_memory_occupation", &json!({"tags": null})).await;
+    assert_eq!((status, &body["success"]), (200, &json!(true)), "{body}");
+
+    // Generating while released: a clear error at once.
+    let (status, body) = tokio::time::timeout(
+        Duration::from_secs(10),
+        post(&base, "/generate", &json!({"input_ids": [5, 6, 7]})),
+    )
+    .await
+    .expect("answered, not queued");
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("released") && message.contains("update_weights_from_disk"),
+        "{message}"
+    );
+    let err = tokio::time::timeout(Duration::from_secs(10), client.generate(greedy()))
+        .await
+        .expect("answered, not queued")
+        .unwrap_err();
+    assert!(err.to_string().contains("released"), "{err}");
+    // The KV cache cannot come back before the weights.
+    let err = client
+        .resume_memory_occupation(&[MemoryTag::KvCache])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("after the weights"), "{err}");
+
+    // Miles' order: resume the weights, update them, resume the KV cache (with cuda_graph).
+    let (status, body) = post(
+        &base,
+        "/resume_memory_occupation",
+        &json!({"tags": ["weights"]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    client
+        .update_weights_from_disk(&fixture("models/qwen3-tiny"), WeightVersion(1))
+        .await
+        .unwrap();
+    let (status, body) = post(
+        &base,
+        "/resume_memory_occupation",
+        &json!({"tags": ["kv_cache", "cuda_graph"]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(router.resume_memory_occupation(&both).await.unwrap());
+
+    let after = client.generate(greedy()).await.unwrap();
+    assert_eq!(after.output_ids, before.output_ids);
+    assert_eq!(after.output_log_probs, before.output_log_probs);
+    assert_eq!(after.weight_version, WeightVersion(1));
 }

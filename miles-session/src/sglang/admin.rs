@@ -7,7 +7,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use miles_core::{GenerateRequest, PauseMode, RequestId, SamplingParams, WeightVersion};
+use miles_core::{GenerateRequest, MemoryTag, PauseMode, RequestId, SamplingParams, WeightVersion};
 use serde_json::{Value, json};
 
 use super::info::ServerInfo;
@@ -52,6 +52,13 @@ pub(super) async fn health_generate(State(state): AppStateRef) -> Response {
     let mut request = GenerateRequest::new(vec![0], params);
     request.return_logprob = false;
     request.request_id = Some(RequestId::new(state.fresh_id("health-")));
+    if let Err(error) = state.check_serving() {
+        return ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: error.message,
+        }
+        .into_response();
+    }
     let checked = async {
         state.engine.health().await?;
         state.engine.generate(request).await
@@ -336,6 +343,9 @@ pub(super) async fn update_weights_from_disk(
         Ok::<_, miles_core::Error>(())
     }
     .await;
+    if updated.is_ok() {
+        state.update_released(|r| r.weights = false);
+    }
     match updated {
         Ok(()) => axum::Json(json!({
             "success": true,
@@ -357,4 +367,111 @@ pub(super) async fn get_weight_version(State(state): AppStateRef) -> Response {
             .await
             .map(|v| json!({"weight_version": v.to_string()})),
     )
+}
+
+/// The `tags` of a `/release_memory_occupation` or `/resume_memory_occupation` body (SGLang's
+/// `ReleaseMemoryOccupationReqInput.tags`): `weights`, `kv_cache`, and `cuda_graph`, which
+/// Miles sends with `kv_cache` and this server has nothing for; null or absent: all of them.
+fn memory_tags(body: &Value) -> ApiResult<Vec<MemoryTag>> {
+    let expected = "expected a list of \"weights\", \"kv_cache\", \"cuda_graph\" or null";
+    let items = match body.get("tags") {
+        None | Some(Value::Null) => return Ok(vec![MemoryTag::Weights, MemoryTag::KvCache]),
+        Some(Value::Array(items)) => items,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!("tags {other}: {expected}")));
+        }
+    };
+    let mut tags = Vec::new();
+    for item in items {
+        let tag = match item.as_str() {
+            Some("weights") => MemoryTag::Weights,
+            Some("kv_cache") => MemoryTag::KvCache,
+            Some("cuda_graph") => continue,
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown memory tag {item}: {expected}"
+                )));
+            }
+        };
+        if !tags.contains(&tag) {
+            tags.push(tag);
+        }
+    }
+    Ok(tags)
+}
+
+fn tag_names(tags: &[MemoryTag]) -> String {
+    if tags.is_empty() {
+        return "nothing".into();
+    }
+    tags.iter()
+        .map(|t| t.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// SGLang's `/release_memory_occupation`: the engine frees `tags` once nothing generates
+/// (idempotent); generation is refused until they are back.
+pub(super) async fn release_memory_occupation(
+    State(state): AppStateRef,
+    request: Request,
+) -> Response {
+    let result = async {
+        let body = read_json(&state, request, true).await?;
+        let tags = memory_tags(&body)?;
+        if !tags.is_empty() {
+            let released = state
+                .engine
+                .release_memory_occupation(&tags)
+                .await
+                .map_err(ApiError::from_engine)?;
+            if !released {
+                return Err(ApiError::bad_request(
+                    "this server's engine cannot release its memory",
+                ));
+            }
+            state.update_released(|r| {
+                r.weights |= tags.contains(&MemoryTag::Weights);
+                r.kv_cache |= tags.contains(&MemoryTag::KvCache);
+            });
+        }
+        Ok(json!({"success": true, "message": format!("released {}", tag_names(&tags))}))
+    }
+    .await;
+    json_response(result)
+}
+
+/// SGLang's `/resume_memory_occupation`: the KV cache is allocated again (after the weights
+/// are back); released weights come back with the next `/update_weights_from_disk` (Miles'
+/// order: resume `weights`, update the weights, resume `kv_cache`). Idempotent.
+pub(super) async fn resume_memory_occupation(
+    State(state): AppStateRef,
+    request: Request,
+) -> Response {
+    let result = async {
+        let body = read_json(&state, request, true).await?;
+        let tags = memory_tags(&body)?;
+        if !tags.is_empty() {
+            let resumed = state
+                .engine
+                .resume_memory_occupation(&tags)
+                .await
+                .map_err(ApiError::from_engine)?;
+            if !resumed {
+                return Err(ApiError::bad_request(
+                    "this server's engine cannot release its memory",
+                ));
+            }
+            if tags.contains(&MemoryTag::KvCache) {
+                state.update_released(|r| r.kv_cache = false);
+            }
+        }
+        let mut message = format!("resumed {}", tag_names(&tags));
+        if state.released().weights {
+            message.push_str("; the weights come back with /update_weights_from_disk");
+        }
+        Ok(json!({"success": true, "message": message}))
+    }
+    .await;
+    json_response(result)
 }

@@ -22,6 +22,7 @@ use super::state::{ApiError, ApiResult, AppState, AppStateRef, now_secs, read_js
 pub(super) async fn chat_completions(State(state): AppStateRef, request: Request) -> Response {
     let headers = request.headers().clone();
     let result = async {
+        state.check_serving()?;
         let body = read_json(&state, request, false).await?;
         chat_inner(&state, &headers, body).await
     }

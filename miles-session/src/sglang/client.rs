@@ -1,5 +1,6 @@
 //! An [`InferenceEngine`] that talks to an SGLang-compatible server over HTTP (SGLang's HTTP API): `/generate` with `input_ids`, `sampling_params`, `return_logprob`,
-//! `return_routed_experts`; pause / continue / flush / abort; `update_weights_from_disk`.
+//! `return_routed_experts`; pause / continue / flush / abort; `update_weights_from_disk`;
+//! `release_memory_occupation` / `resume_memory_occupation` (Miles' `--offload-rollout`).
 //!
 //! Every malformed answer is an [`miles_core::Error::Engine`] of kind `Protocol`, transport
 //! failures and timeouts are `Unavailable`, an HTTP 400 is `InvalidRequest`.
@@ -12,8 +13,8 @@ use std::time::Duration;
 
 use hyper::Method;
 use miles_core::{
-    DType, EngineErrorKind, GenerateOutput, GenerateRequest, InferenceEngine, NamedTensors,
-    PauseMode, RequestId, RoutedExperts, TokenId, WeightVersion, async_trait,
+    DType, EngineErrorKind, GenerateOutput, GenerateRequest, InferenceEngine, MemoryTag,
+    NamedTensors, PauseMode, RequestId, RoutedExperts, TokenId, WeightVersion, async_trait,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -609,6 +610,47 @@ impl SglangEngine {
         self.call(method, path, body, self.config.control_timeout, &[])
             .await
     }
+
+    /// `POST path` with `{"tags": [...]}` (SGLang's `release_memory_occupation` /
+    /// `resume_memory_occupation`): `Ok(false)` when the server has no such route (404: it
+    /// cannot release), an error when it answers another failure or `"success": false`.
+    async fn memory_occupation(&self, path: &str, tags: &[MemoryTag]) -> miles_core::Result<bool> {
+        let url = self.url(path);
+        let names: Vec<&str> = tags.iter().map(|t| t.as_str()).collect();
+        let body =
+            serde_json::to_vec(&json!({ "tags": names })).map_err(miles_core::Error::from)?;
+        let response = self
+            .http
+            .send_with_timeout(
+                Method::POST,
+                &url,
+                &[],
+                Some(("application/json", body)),
+                self.config.control_timeout,
+            )
+            .await
+            .map_err(to_engine_error)?;
+        if response.status.as_u16() == 404 {
+            tracing::warn!(%url, "the server has no {path}: its memory stays in use");
+            return Ok(false);
+        }
+        if !response.status.is_success() {
+            return Err(status_error(&url, &response));
+        }
+        // SGLang answers `null`, newer servers `{"success", "message"}`.
+        let value: Value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
+        if value.get("success").and_then(Value::as_bool) == Some(false) {
+            let message = value
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("no message");
+            return Err(miles_core::Error::engine(
+                EngineErrorKind::Internal,
+                format!("{url}: {message}"),
+            ));
+        }
+        Ok(true)
+    }
 }
 
 #[async_trait]
@@ -736,6 +778,20 @@ impl InferenceEngine for SglangEngine {
 
     async fn health(&self) -> miles_core::Result<()> {
         self.control(Method::GET, "/health", None).await.map(drop)
+    }
+
+    /// `POST /release_memory_occupation {"tags": [...]}` (`Ok(false)`: the server has no such
+    /// route).
+    async fn release_memory_occupation(&self, tags: &[MemoryTag]) -> miles_core::Result<bool> {
+        self.memory_occupation("/release_memory_occupation", tags)
+            .await
+    }
+
+    /// `POST /resume_memory_occupation {"tags": [...]}` (`Ok(false)`: the server has no such
+    /// route).
+    async fn resume_memory_occupation(&self, tags: &[MemoryTag]) -> miles_core::Result<bool> {
+        self.memory_occupation("/resume_memory_occupation", tags)
+            .await
     }
 
     async fn weight_version(&self) -> miles_core::Result<WeightVersion> {

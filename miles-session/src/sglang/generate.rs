@@ -537,6 +537,7 @@ pub(super) fn routing_key(headers: &HeaderMap) -> Option<String> {
 pub(super) async fn generate(State(state): AppStateRef, request: Request) -> Response {
     let headers = request.headers().clone();
     let result = async {
+        state.check_serving()?;
         let body = read_json(&state, request, false).await?;
         generate_inner(&state, &headers, body).await
     }

@@ -8,6 +8,9 @@
 //! [`Router::spawn_health_checker`] runs [`Router::check_health`] periodically, the way Miles'
 //! router polls `/health` every `--rollout-health-check-interval` seconds.
 //!
+//! Weight updates, pause / resume, cache flushes, aborts and memory release / resume
+//! (`release_memory_occupation`, Miles' `--offload-rollout`) reach every engine in rotation.
+//!
 //! With every engine out of rotation, a request (and a weight update, pause or resume) waits
 //! up to [`Router::with_unavailable_wait`] for the health checker to re-admit one (an engine
 //! restarted by its supervisor), then fails `Unavailable` naming the engines; without a wait
@@ -29,7 +32,8 @@ use std::time::Duration;
 use super::client::{SglangConfig, SglangEngine};
 use miles_core::{
     EngineErrorKind, Error as CoreError, GenerateOutput, GenerateRequest, InferenceEngine,
-    NamedTensors, PauseMode, RequestId, Result as CoreResult, WeightVersion, async_trait,
+    MemoryTag, NamedTensors, PauseMode, RequestId, Result as CoreResult, WeightVersion,
+    async_trait,
 };
 
 /// Re-creates an engine that died (in-process engines); `None` for engines that come back
@@ -455,6 +459,8 @@ enum FleetOp<'a> {
     Flush,
     Abort(&'a RequestId),
     AbortAll,
+    Release(&'a [MemoryTag]),
+    ResumeMemory(&'a [MemoryTag]),
 }
 
 /// The engine answered and could not load the weights (bad path, bad checkpoint, refused
@@ -483,6 +489,8 @@ impl FleetOp<'_> {
             Self::Flush => "flush_cache",
             Self::Abort(_) => "abort",
             Self::AbortAll => "abort_all",
+            Self::Release(_) => "release_memory_occupation",
+            Self::ResumeMemory(_) => "resume_memory_occupation",
         }
     }
 
@@ -495,6 +503,8 @@ impl FleetOp<'_> {
             Self::Flush => engine.flush_cache().await,
             Self::Abort(id) => engine.abort(id).await,
             Self::AbortAll => engine.abort_all().await,
+            Self::Release(tags) => engine.release_memory_occupation(tags).await.map(drop),
+            Self::ResumeMemory(tags) => engine.resume_memory_occupation(tags).await.map(drop),
         }
     }
 }
@@ -592,6 +602,30 @@ impl InferenceEngine for Router {
 
     async fn abort_all(&self) -> CoreResult<()> {
         self.broadcast(FleetOp::AbortAll).await
+    }
+
+    /// Every engine in rotation releases `tags`, all at once (an engine that fails leaves the
+    /// rotation, as with a weight update); `Ok(true)` once one of them did. None did (every
+    /// engine down or failing): `Ok(false)`, not an error: a dead engine holds no memory, and
+    /// the run goes on to the push, which waits for an engine to come back.
+    async fn release_memory_occupation(&self, tags: &[MemoryTag]) -> CoreResult<bool> {
+        match self.broadcast(FleetOp::Release(tags)).await {
+            Ok(()) => Ok(true),
+            Err(error) => {
+                tracing::warn!(%error, "no engine released its memory");
+                Ok(false)
+            }
+        }
+    }
+
+    /// Every engine in rotation takes `tags` back, all at once, after waiting (up to the
+    /// unavailable wait) for one in rotation, as a weight update does.
+    async fn resume_memory_occupation(&self, tags: &[MemoryTag]) -> CoreResult<bool> {
+        self.wait_for_rotation(tokio::time::Instant::now() + self.unavailable_wait)
+            .await;
+        self.broadcast(FleetOp::ResumeMemory(tags))
+            .await
+            .map(|()| true)
     }
 
     async fn health(&self) -> CoreResult<()> {

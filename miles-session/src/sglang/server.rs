@@ -6,14 +6,17 @@
 //! Routes (see [`sglang_router`]): `/generate`, `/v1/chat/completions`, `/v1/models`, `/health`,
 //! `/health_generate`, `/model_info` (and the older `/get_model_info`), `/get_server_info`
 //! (`/server_info`), `/flush_cache`, `/pause_generation`, `/continue_generation`,
-//! `/abort_request`, `/update_weights_from_disk`, `/get_weight_version`.
+//! `/abort_request`, `/update_weights_from_disk`, `/get_weight_version`,
+//! `/release_memory_occupation`, `/resume_memory_occupation` (body `{"tags": [...]}`, SGLang's
+//! `weights`, `kv_cache`, `cuda_graph`; null or absent: all; generation is refused with a 400
+//! while memory is released).
 //!
 //! Bad input is answered with a 4xx status and an OpenAI-shaped JSON body
 //! `{"error": {"message", "type", "code"}}`; nothing a client sends can panic the server.
 //! A request whose client disconnects is aborted in the engine, as SGLang does.
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router as HttpRouter;
@@ -23,7 +26,8 @@ use miles_core::InferenceEngine;
 
 use super::admin::{
     abort_request, continue_generation, flush_cache, get_weight_version, health, health_generate,
-    list_models, model_info, pause_generation, server_info, update_weights_from_disk,
+    list_models, model_info, pause_generation, release_memory_occupation, resume_memory_occupation,
+    server_info, update_weights_from_disk,
 };
 use super::chat::chat_completions;
 use super::generate::generate;
@@ -51,6 +55,7 @@ pub fn sglang_router(engine: Arc<dyn InferenceEngine>, info: ServerInfo) -> Http
         info,
         next_id: AtomicU64::new(0),
         started,
+        released: Mutex::default(),
     });
     let router = HttpRouter::new()
         .route("/generate", post(generate))
@@ -67,6 +72,14 @@ pub fn sglang_router(engine: Arc<dyn InferenceEngine>, info: ServerInfo) -> Http
         .route("/continue_generation", post(continue_generation))
         .route("/abort_request", post(abort_request))
         .route("/update_weights_from_disk", post(update_weights_from_disk))
+        .route(
+            "/release_memory_occupation",
+            get(release_memory_occupation).post(release_memory_occupation),
+        )
+        .route(
+            "/resume_memory_occupation",
+            get(resume_memory_occupation).post(resume_memory_occupation),
+        )
         .route("/get_weight_version", get(get_weight_version))
         .route("/weight_version", get(get_weight_version))
         .fallback(not_found)

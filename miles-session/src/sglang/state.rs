@@ -1,8 +1,8 @@
 //! The server's shared state and its error answers: `{"error": {"message", "type", "code"}}`
 //! with a 4xx / 5xx status.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -19,9 +19,48 @@ pub(super) struct AppState {
     pub(super) info: ServerInfo,
     pub(super) next_id: AtomicU64,
     pub(super) started: u64,
+    /// What `/release_memory_occupation` released and is not back yet.
+    pub(super) released: Mutex<Released>,
+}
+
+/// The memory the server's engine holds released: generation is refused until it is back.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Released {
+    /// Released weights: back with the next successful `/update_weights_from_disk`.
+    pub(super) weights: bool,
+    /// Released KV cache: back with `/resume_memory_occupation` of `kv_cache`.
+    pub(super) kv_cache: bool,
 }
 
 impl AppState {
+    pub(super) fn released(&self) -> Released {
+        *self.released.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn update_released(&self, change: impl FnOnce(&mut Released)) {
+        change(&mut self.released.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// A 400 naming what is released and how it comes back, while the engine's memory is
+    /// released (a request would otherwise wait for it).
+    pub(super) fn check_serving(&self) -> ApiResult<()> {
+        let released = self.released();
+        let mut missing = Vec::new();
+        if released.weights {
+            missing.push("the weights (back with /update_weights_from_disk)");
+        }
+        if released.kv_cache {
+            missing.push("the KV cache (back with /resume_memory_occupation of kv_cache)");
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(ApiError::bad_request(format!(
+            "the engine's memory is released (/release_memory_occupation): {} first",
+            missing.join(", then ")
+        )))
+    }
+
     pub(super) fn fresh_id(&self, prefix: &str) -> String {
         format!(
             "{prefix}{:x}{:08x}",
