@@ -55,8 +55,8 @@
 //! side. TRL stops there (`--stop-reward`); miles runs its budget and the crossing is read
 //! from its metrics by the same rule. The warm-start scores about 0.6 on these prompts
 //! (frozen, lr 0, its 5-step mean stays at or under 0.64 over the 60 steps); trained, TRL and
-//! `miles train` pass 0.72 after about 25 steps, `train-async` (its rollouts one weight
-//! version behind) a step or a few later. Round `r` seeds TRL with `1 + r` and miles'
+//! `miles train` pass 0.72 after 24–25 steps, `train-async` (its rollouts one weight version
+//! behind) after 25–35 (the runs so far). Round `r` seeds TRL with `1 + r` and miles'
 //! sampling (`--rollout-seed`) with `42 + 1,000,000 r`: the rounds differ in their samples,
 //! and the note gives every round's steps, seconds and reward (first window → the window that
 //! reached). A side that misses the threshold in a round has no figure: its row says so
