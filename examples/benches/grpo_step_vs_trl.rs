@@ -1,6 +1,6 @@
-//! The loop a user runs, side by side with TRL: seconds per GRPO step and peak RSS of
-//! `miles train` (sync) and `miles train-async` against TRL's `GRPOTrainer` (CPU, its HF
-//! `generate` rollouts), in the same run, on the same HF checkpoint directory, prompts,
+//! The loop a user runs, side by side with TRL: seconds per GRPO step, peak RSS and time to
+//! reward of `miles train` (sync) and `miles train-async` against TRL's `GRPOTrainer` (CPU,
+//! its HF `generate` rollouts), in the same run, on the same HF checkpoint directory, prompts,
 //! reward, group size, batch sizes, response length, learning rate and steps.
 //!
 //! The shape is RL's: 32 prompts × 8 samples (4 × 8 at the 0.6B shape), ≤ 8 new tokens, one
@@ -38,13 +38,42 @@
 //! the mean of the rounds with every round's figure in the note (the spread, never only the
 //! best).
 //!
+//! **Time to reward** (`grpo_time_to_reward_reference_sync` / `_async`): on the reference
+//! warm-start with the step rows' hyperparameters (32 × 8, ≤ 8 new tokens, lr 1e-4, no KL,
+//! one optimizer step per rollout), the prompts are the 2,800 training problems the
+//! warm-start did not demonstrate (`data/undemonstrated.jsonl`, written from `train.jsonl`:
+//! the prompts `glm_moe_grpo`'s GRPO samples; on the first 1,000 of `train.jsonl`, the
+//! demonstrated ones, the warm-start already scores about 0.7 and the batch-to-batch spread
+//! hides the rise), in file order on both sides. Each round runs TRL, `miles train` and
+//! `miles train-async` for up to 60 steps (`MILES_BENCH_REWARD_STEPS`) and records each
+//! step's mean reward (miles' `rollout/raw_reward` in `metrics.jsonl`, TRL's logged `reward`:
+//! both the mean exact-match reward of the step's rollout, before its update) and time. The
+//! figure is the seconds from the first step's start until the mean reward of 5 consecutive
+//! steps (`MILES_BENCH_REWARD_WINDOW`) first reaches 0.72 (`MILES_BENCH_REWARD_THRESHOLD`):
+//! the sum of the step times (the clocks above, first step included) up to and including the
+//! step that completes the window; process start-up and model loading are counted on neither
+//! side. TRL stops there (`--stop-reward`); miles runs its budget and the crossing is read
+//! from its metrics by the same rule. The warm-start scores about 0.6 on these prompts
+//! (frozen, lr 0, its 5-step mean stays at or under 0.64 over the 60 steps); trained, TRL and
+//! `miles train` pass 0.72 after 24–25 steps, `train-async` (its rollouts one weight version
+//! behind) after 25–35 (the runs so far). Round `r` seeds TRL with `1 + r` and miles'
+//! sampling (`--rollout-seed`) with `42 + 1,000,000 r`: the rounds differ in their samples,
+//! and the note gives every round's steps, seconds and reward (first window → the window that
+//! reached). A side that misses the threshold in a round has no figure: its row says so
+//! (`baseline=-`, or `ours` missing) with what the run reached instead. The time-to-reward
+//! rows run in the default run (after the step rows) and alone with
+//! `MILES_BENCH_ONLY=reward`.
+//!
 //! Needs: the `miles` binary and the `glm_moe_grpo` example, built in the same target dir
 //! (`cargo build --release --bin miles --example glm_moe_grpo`; or `MILES_BIN`,
 //! `MILES_GRPO_EXAMPLE`), and a Python with torch, transformers and trl
 //! (`MILES_TORCH_PYTHON`, or `.venv-ref/bin/python` at the workspace root). Without them the
 //! rows are skipped with a note. `MILES_BENCH_ONLY=reference` (or `glm_moe_88m`,
-//! `qwen3_0_6b`) runs one model (the first two run without it); `MILES_BENCH_STEPS` (default 3) sets the steps of each run; `MILES_BENCH_QUICK=1`:
-//! 2 steps, one round. Work files go to `target/grpo_step_vs_trl/`.
+//! `qwen3_0_6b`) runs one model's step rows, `MILES_BENCH_ONLY=reward` the time-to-reward rows
+//! (without it: the first two models' step rows, then the time-to-reward rows);
+//! `MILES_BENCH_STEPS` (default 3) sets the steps of each step-row run; `MILES_BENCH_ROUNDS`
+//! (default 2) the rounds of both; `MILES_BENCH_QUICK=1`: 2 steps, one round. Work files go to
+//! `target/grpo_step_vs_trl/`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -67,8 +96,23 @@ const PROMPTS_0_6B: usize = 4;
 const GROUP: usize = 8;
 const MAX_NEW: usize = 8;
 const LR: &str = "1e-4";
+/// Time to reward: the step budget of each run (`MILES_BENCH_REWARD_STEPS`).
+const REWARD_STEPS: usize = 60;
+/// Time to reward: the steps the reward is averaged over (`MILES_BENCH_REWARD_WINDOW`).
+const REWARD_WINDOW: usize = 5;
+/// Time to reward: the threshold on that mean (`MILES_BENCH_REWARD_THRESHOLD`). The
+/// warm-start scores about 0.6 on these prompts; frozen (lr 0), its 5-step mean stays at or
+/// under 0.64 over the 60 steps; trained, both trainers pass 0.72 after about 25 steps.
+const REWARD_THRESHOLD: f64 = 0.72;
 
 fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn env_f64(name: &str, default: f64) -> f64 {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -227,6 +271,37 @@ fn write_reference(example: &Path, out: &Path) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// The training problems the warm-start did not demonstrate, in `train.jsonl`'s order: the
+/// prompts `glm_moe_grpo`'s GRPO samples (`--grpo-prompts undemonstrated`), where the reward
+/// has room to rise (the first 1,000 of `train.jsonl` are the warm-start's demonstrations).
+fn write_undemonstrated(reference: &Path) -> Result<PathBuf, BoxError> {
+    let out = reference.join("data/undemonstrated.jsonl");
+    if out.exists() {
+        return Ok(out);
+    }
+    let input = |line: &str| -> Result<String, BoxError> {
+        let row: serde_json::Value = serde_json::from_str(line)?;
+        Ok(row["input"].to_string())
+    };
+    let shown = std::fs::read_to_string(reference.join("data/warm_start.jsonl"))?
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(input)
+        .collect::<Result<std::collections::HashSet<_>, _>>()?;
+    let mut text = String::new();
+    for line in std::fs::read_to_string(reference.join("data/train.jsonl"))?.lines() {
+        if !line.trim().is_empty() && !shown.contains(&input(line)?) {
+            text.push_str(line);
+            text.push('\n');
+        }
+    }
+    if text.is_empty() {
+        return Err("every training problem of the reference run is demonstrated".into());
+    }
+    std::fs::write(&out, text)?;
+    Ok(out)
+}
+
 /// Runs `cmd` under `/usr/bin/time`; returns its stdout and peak RSS (MiB).
 fn run_measured(mut cmd: Command, rss_file: &Path) -> Result<(String, f64), BoxError> {
     let out = cmd.output()?;
@@ -267,10 +342,10 @@ fn mean(v: &[f64]) -> f64 {
 /// Mean seconds per step, peak RSS (MiB) and the mean of each phase's `perf/…` figure.
 type MilesRun = (f64, f64, Vec<(String, f64)>);
 
-/// One `miles train` / `train-async` run: mean seconds per step (first left out), peak RSS
-/// and the mean of the phases' `perf/…` figures over the same steps.
+/// One `miles train` / `train-async` run: its per-step records of `metrics.jsonl` (those
+/// with `perf/step_time`, in step order) and its peak RSS (MiB).
 #[allow(clippy::too_many_arguments)]
-fn run_miles(
+fn miles_records(
     miles: &Path,
     subcommand: &str,
     model: &Path,
@@ -279,7 +354,7 @@ fn run_miles(
     steps: usize,
     prompts: usize,
     extra: &[&str],
-) -> Result<MilesRun, BoxError> {
+) -> Result<(Vec<serde_json::Value>, f64), BoxError> {
     let out = work.join(subcommand);
     let _ = std::fs::remove_dir_all(&out);
     let rss = work.join(format!("{subcommand}.rss"));
@@ -315,6 +390,24 @@ fn run_miles(
         .filter_map(|l| serde_json::from_str(l).ok())
         .filter(|v: &serde_json::Value| v.get("perf/step_time").is_some())
         .collect();
+    Ok((records, peak))
+}
+
+/// One `miles train` / `train-async` run: mean seconds per step (first left out), peak RSS
+/// and the mean of the phases' `perf/…` figures over the same steps.
+#[allow(clippy::too_many_arguments)]
+fn run_miles(
+    miles: &Path,
+    subcommand: &str,
+    model: &Path,
+    data: &Path,
+    work: &Path,
+    steps: usize,
+    prompts: usize,
+    extra: &[&str],
+) -> Result<MilesRun, BoxError> {
+    let (records, peak) =
+        miles_records(miles, subcommand, model, data, work, steps, prompts, extra)?;
     let measured = &records[records.len().min(1)..];
     if measured.is_empty() {
         return Err(format!("{subcommand}: fewer than 2 steps in metrics.jsonl").into());
@@ -343,15 +436,17 @@ fn run_miles(
     Ok((get("perf/step_time"), peak, phases))
 }
 
-/// One TRL run: mean seconds per step (first left out) and peak RSS.
-fn run_trl(
+/// One run of `trl_grpo_step.py` (`extra`: its further flags): its result line and peak RSS
+/// (MiB).
+fn trl_result(
     python: &Path,
     model: &Path,
     data: &Path,
     work: &Path,
     steps: usize,
     prompts: usize,
-) -> Result<(f64, f64), BoxError> {
+    extra: &[String],
+) -> Result<(serde_json::Value, f64), BoxError> {
     let rss = work.join("trl.rss");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/trl_grpo_step.py");
     let mut cmd = timed(python, &rss);
@@ -364,6 +459,7 @@ fn run_trl(
         .args(["--group", &GROUP.to_string()])
         .args(["--max-new-tokens", &MAX_NEW.to_string()])
         .args(["--lr", LR, "--steps", &steps.to_string(), "--threads", "2"])
+        .args(extra)
         .arg("--output-dir")
         .arg(work.join("trl"));
     let (stdout, peak) = run_measured(cmd, &rss)?;
@@ -372,7 +468,19 @@ fn run_trl(
         .rev()
         .find(|l| l.starts_with('{'))
         .ok_or("no result line from trl_grpo_step.py")?;
-    let v: serde_json::Value = serde_json::from_str(line)?;
+    Ok((serde_json::from_str(line)?, peak))
+}
+
+/// One TRL run: mean seconds per step (first left out) and peak RSS.
+fn run_trl(
+    python: &Path,
+    model: &Path,
+    data: &Path,
+    work: &Path,
+    steps: usize,
+    prompts: usize,
+) -> Result<(f64, f64), BoxError> {
+    let (v, peak) = trl_result(python, model, data, work, steps, prompts, &[])?;
     let secs: Vec<f64> = v["step_seconds"]
         .as_array()
         .ok_or("no step_seconds")?
@@ -384,6 +492,191 @@ fn run_trl(
         return Err("trl: fewer than 2 steps".into());
     }
     Ok((mean(measured), peak))
+}
+
+/// One time-to-reward run: each step's seconds (rollout + training + weight update) and mean
+/// reward, in step order.
+struct Curve {
+    secs: Vec<f64>,
+    rewards: Vec<f64>,
+}
+
+impl Curve {
+    /// From `miles`' per-step records: `perf/step_time` and `rollout/raw_reward`.
+    fn from_miles(records: &[serde_json::Value]) -> Result<Self, BoxError> {
+        let series = |key: &str| -> Result<Vec<f64>, BoxError> {
+            records
+                .iter()
+                .map(|r| {
+                    r.get(key)
+                        .and_then(serde_json::Value::as_f64)
+                        .ok_or_else(|| format!("a step without {key} in metrics.jsonl").into())
+                })
+                .collect()
+        };
+        Ok(Self {
+            secs: series("perf/step_time")?,
+            rewards: series("rollout/raw_reward")?,
+        })
+    }
+
+    /// From `trl_grpo_step.py`'s result line: `step_seconds` and `rewards`.
+    fn from_trl(result: &serde_json::Value) -> Result<Self, BoxError> {
+        let series = |key: &str| -> Result<Vec<f64>, BoxError> {
+            result[key]
+                .as_array()
+                .ok_or_else(|| format!("no {key} from trl_grpo_step.py"))?
+                .iter()
+                .map(|v| {
+                    v.as_f64()
+                        .ok_or_else(|| format!("{key}: {v} is not a number").into())
+                })
+                .collect()
+        };
+        let secs = series("step_seconds")?;
+        let rewards = series("rewards")?;
+        if secs.len() != rewards.len() {
+            return Err(format!(
+                "trl_grpo_step.py: {} step times but {} rewards",
+                secs.len(),
+                rewards.len()
+            )
+            .into());
+        }
+        Ok(Self { secs, rewards })
+    }
+
+    /// The mean reward of each `window` consecutive steps, the window ending at step `k`
+    /// (1-based) at index `k - window`.
+    fn rolling(&self, window: usize) -> Vec<f64> {
+        self.rewards.windows(window).map(mean).collect()
+    }
+
+    /// The steps until the mean reward of the last `window` steps first reaches `threshold`,
+    /// and the seconds of those steps from the first step's start; `None` when it does not
+    /// in the run.
+    fn reached(&self, window: usize, threshold: f64) -> Option<(usize, f64)> {
+        let k = self.rolling(window).iter().position(|&r| r >= threshold)? + window;
+        Some((k, self.secs[..k].iter().sum()))
+    }
+
+    /// `25 steps 2.41s (0.62->0.73)`: steps and seconds to the threshold, the mean reward of
+    /// the first `window` steps and of the `window` that reached it; or what the run did
+    /// instead.
+    fn summary(&self, window: usize, threshold: f64) -> String {
+        let rolling = self.rolling(window);
+        let first = rolling.first().copied().unwrap_or(f64::NAN);
+        match self.reached(window, threshold) {
+            Some((k, secs)) => format!(
+                "{k} steps {secs:.2}s ({first:.2}->{:.2})",
+                rolling[k - window]
+            ),
+            None => format!(
+                "not reached in {} steps {:.2}s ({first:.2}, best {:.2})",
+                self.rewards.len(),
+                self.secs.iter().sum::<f64>(),
+                rolling.iter().copied().fold(f64::NAN, f64::max)
+            ),
+        }
+    }
+}
+
+/// The time-to-reward rows (`grpo_time_to_reward_reference_{sync,async}`): TRL, `miles train`
+/// and `miles train-async` on the reference warm-start and its undemonstrated prompts, each
+/// round with its own seeds, up to `MILES_BENCH_REWARD_STEPS` steps; the seconds until the
+/// mean reward of `MILES_BENCH_REWARD_WINDOW` consecutive steps first reaches
+/// `MILES_BENCH_REWARD_THRESHOLD`.
+fn time_to_reward(
+    miles: &Path,
+    python: &Path,
+    reference: &Path,
+    work: &Path,
+    rounds: usize,
+    cpu: &str,
+) -> Result<(), BoxError> {
+    let steps = env_usize("MILES_BENCH_REWARD_STEPS", REWARD_STEPS).max(1);
+    let window = env_usize("MILES_BENCH_REWARD_WINDOW", REWARD_WINDOW).clamp(1, steps);
+    let threshold = env_f64("MILES_BENCH_REWARD_THRESHOLD", REWARD_THRESHOLD);
+    let data = write_undemonstrated(reference)?;
+    let problems = std::fs::read_to_string(&data)?.lines().count();
+    let model = reference.join("warm_start");
+    let dir = work.join("runs_reward");
+    std::fs::create_dir_all(&dir)?;
+    let (mut trl, mut sync, mut asyn) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        // TRL stops at the threshold; miles runs its whole budget (cheap) and the crossing is
+        // read from its metrics, by the same rule.
+        let stop: Vec<String> = [
+            "--seed".to_string(),
+            (1 + round).to_string(),
+            "--stop-reward".to_string(),
+            threshold.to_string(),
+            "--stop-window".to_string(),
+            window.to_string(),
+        ]
+        .into();
+        let (result, _) = trl_result(python, &model, &data, &dir, steps, PROMPTS, &stop)?;
+        let curve = Curve::from_trl(&result)?;
+        println!(
+            "time to reward round {round}: TRL {}",
+            curve.summary(window, threshold)
+        );
+        trl.push(curve);
+        let seed = (42 + 1_000_000 * round).to_string();
+        let extra = [
+            "--sglang-max-total-tokens",
+            POOL_32X8,
+            "--rollout-seed",
+            &seed,
+        ];
+        for (sub, curves) in [("train", &mut sync), ("train-async", &mut asyn)] {
+            let (records, _) =
+                miles_records(miles, sub, &model, &data, &dir, steps, PROMPTS, &extra)?;
+            let curve = Curve::from_miles(&records)?;
+            println!(
+                "time to reward round {round}: miles {sub} {}",
+                curve.summary(window, threshold)
+            );
+            curves.push(curve);
+        }
+    }
+    // The mean seconds over the rounds when every round reached the threshold.
+    let seconds = |curves: &[Curve]| -> Option<f64> {
+        let secs: Option<Vec<f64>> = curves
+            .iter()
+            .map(|c| c.reached(window, threshold).map(|(_, s)| s))
+            .collect();
+        secs.map(|s| mean(&s))
+    };
+    let runs = |curves: &[Curve]| -> String {
+        curves
+            .iter()
+            .map(|c| c.summary(window, threshold))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let baseline = seconds(&trl).map_or_else(|| "-".to_string(), |s| format!("{s:.3}s"));
+    for (label, curves) in [("sync", &sync), ("async", &asyn)] {
+        let name = format!("grpo_time_to_reward_reference_{label}");
+        // A side that misses the threshold in a round has no figure: its runs say so.
+        let ours =
+            seconds(curves).map_or_else(|| format!("@{name}/not_reached"), |s| format!("{s:.3}s"));
+        println!(
+            "xtask-result: {name} ours={ours} baseline={baseline} target=<=0.333 note=seconds \
+             from the first step's start until the mean reward of {window} consecutive steps \
+             first reaches {threshold} (the sum of the step times up to that step: rollout + \
+             training + weight update; start-up and model loading not counted), mean of \
+             {rounds} rounds of <= {steps} steps; miles {label} {} vs TRL GRPOTrainer {} (per \
+             round: steps and seconds to the threshold, reward over the first {window} steps \
+             -> over the {window} that reached it); the reference warm-start on its {problems} \
+             undemonstrated addition prompts in order, exact match, {PROMPTS}x{GROUP} samples, \
+             <= {MAX_NEW} new tokens, lr {LR}, no KL, one optimizer step per rollout; round r \
+             seeds TRL with 1+r, miles' sampling with 42+1000000r; ratio < 1 is faster; {cpu}",
+            runs(curves),
+            runs(&trl),
+        );
+    }
+    Ok(())
 }
 
 fn list(v: &[f64], unit: &str) -> String {
@@ -513,6 +806,10 @@ fn main() -> Result<(), BoxError> {
                 list(&trl_rss, "MiB"),
             );
         }
+    }
+    // The time-to-reward rows: in the default run and with `MILES_BENCH_ONLY=reward`.
+    if matches!(only.as_deref(), None | Some("reward")) {
+        time_to_reward(&miles, &python, &reference, &work, rounds, &cpu)?;
     }
     Ok(())
 }

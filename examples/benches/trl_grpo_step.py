@@ -10,10 +10,16 @@ accumulation, `num_iterations` 1: TRL then uses the training forward's own log-p
 old ones). `beta` 0 (no reference model), as `miles train` without `--use-kl-loss`.
 
 Prints one JSON line: seconds of every optimizer step (generation included), the peak RSS
-of the process (MiB) and the mean reward of each step.
+of the process (MiB) and the mean reward of each step (TRL's logged `reward`: the mean
+exact-match reward of the step's generations, before its update).
+
+With `--stop-reward R` (the bench's time-to-reward rows) training stops after the first step
+at which the mean reward of the last `--stop-window` steps is at least R (or at `--steps`).
+`--seed` seeds TRL (sampling included).
 
 Run: `python trl_grpo_step.py --model DIR --data train.jsonl --prompts 32 --group 8
---max-new-tokens 8 --lr 1e-4 --steps 3 --threads 2`
+--max-new-tokens 8 --lr 1e-4 --steps 3 --threads 2` (add `--steps 60 --stop-reward 0.8
+--stop-window 3` for a time-to-reward run)
 """
 
 import argparse
@@ -34,6 +40,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--output-dir", default="/tmp/trl_grpo_step")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--stop-reward", type=float, default=None)
+    ap.add_argument("--stop-window", type=int, default=3)
     args = ap.parse_args()
 
     import torch
@@ -85,7 +94,7 @@ def main():
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        seed=1,
+        seed=args.seed,
         shuffle_dataset=False,
         chat_template_kwargs={"enable_thinking": False},
         dataloader_num_workers=0,
@@ -104,9 +113,17 @@ def main():
         def on_step_end(self, *_, **__):
             self.steps.append(time.perf_counter() - self.started)
 
-        def on_log(self, _args, _state, _control, logs=None, **__):
+        def on_log(self, _args, _state, control, logs=None, **__):
             if logs and "reward" in logs:
                 self.rewards.append(logs["reward"])
+                window = self.rewards[-args.stop_window :]
+                if (
+                    args.stop_reward is not None
+                    and len(window) == args.stop_window
+                    and sum(window) / len(window) >= args.stop_reward
+                ):
+                    # The trainer checks this after the step's logging: no further step.
+                    control.should_training_stop = True
 
     clock = Clock()
     trainer = GRPOTrainer(
