@@ -239,6 +239,9 @@ impl Scheduler {
                     || self.paused.is_some()
                     || self.released.holds_generation())
                 && self.updates.is_empty()
+                // A release that waits for the running sequences is applied on the step after
+                // the last of them finishes: not idle until then (else it is never answered).
+                && self.pending_release.is_none()
                 && self.finished.is_empty();
             let first = if idle {
                 match self.commands.recv() {

@@ -254,3 +254,60 @@ async fn released_memory_comes_back_with_the_next_update() {
         assert!(worst < 1e-4, "request {i}: log-probs differ by {worst}");
     }
 }
+
+/// A release sent while sequences still decode (what `train-async` does at its end: its
+/// generation worker is gone, the engine still finishes the requests it had) waits for them,
+/// then releases and answers: the engine must not go idle with the release unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_sent_while_sequences_decode_is_answered_once_they_finish() {
+    let model = load("qwen3-tiny");
+    let vocab = model.config.vocab_size as u32;
+    let live = engine(model, true);
+    const NEW: usize = 240;
+    let running: Vec<_> = (0..8u32)
+        .map(|i| {
+            let mut r = GenerateRequest::new(
+                (0..4).map(|t| (t * 31 + i * 97 + 5) % vocab).collect(),
+                SamplingParams {
+                    temperature: 0.0,
+                    max_new_tokens: Some(NEW),
+                    min_new_tokens: NEW,
+                    ..SamplingParams::default()
+                },
+            );
+            r.return_logprob = true;
+            let e = live.clone();
+            tokio::spawn(async move { e.generate(r).await })
+        })
+        .collect();
+    // Bounded wait for the first decode step.
+    for _ in 0..30_000 {
+        if live.stats().decode_steps > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let generated = live.stats().generated_tokens;
+    assert!(
+        generated > 0 && generated < 8 * NEW as u64,
+        "the release must be sent mid-decode ({generated} tokens generated)"
+    );
+    let both = [MemoryTag::KvCache, MemoryTag::Weights];
+    let released = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        live.release_memory_occupation(&both),
+    )
+    .await
+    .expect("the release is answered once the running sequences finish")
+    .expect("release");
+    assert!(released);
+    assert_eq!(
+        live.released_memory(),
+        vec![MemoryTag::Weights, MemoryTag::KvCache]
+    );
+    for handle in running {
+        let out = handle.await.expect("task").expect("generate");
+        assert_eq!(out.output_ids.len(), NEW);
+        assert_eq!(out.output_log_probs.len(), NEW);
+    }
+}

@@ -618,12 +618,12 @@ impl InferenceEngine for Router {
         }
     }
 
-    /// Every engine in rotation takes `tags` back, all at once, after waiting (up to the
-    /// unavailable wait) for one in rotation, as a weight update does.
+    /// Every engine in rotation takes `tags` back, all at once, waiting (up to the unavailable
+    /// wait) for one in rotation before and, when every engine failed it, after, as a weight
+    /// update does: an engine that died mid-call and is re-admitted comes back holding its
+    /// memory (a restarted server allocates it at start), so nothing is recorded for it.
     async fn resume_memory_occupation(&self, tags: &[MemoryTag]) -> CoreResult<bool> {
-        self.wait_for_rotation(tokio::time::Instant::now() + self.unavailable_wait)
-            .await;
-        self.broadcast(FleetOp::ResumeMemory(tags))
+        self.change_fleet(FleetOp::ResumeMemory(tags), |_| {})
             .await
             .map(|()| true)
     }
