@@ -22,13 +22,12 @@
 //!   head dim 128, intermediate 3072, vocabulary 151,936, tied embeddings: 596 M parameters,
 //!   random weights made by the bench, f32) with Qwen3's tokenizer and chat template
 //!   (`fixtures/tokenizers/qwen3`), at **4 prompts × 8 samples** (the batch issue 46 measured
-//!   TRL at: 27 s a step, 11.7 GB), `miles` with `--sglang-max-total-tokens 4096` (the KV pool
-//!   a 32-sequence rollout of short prompts needs, 0.9 GiB at this shape, instead of the
-//!   default's share of the free memory). Only with `MILES_BENCH_ONLY=qwen3_0_6b` (its
+//!   TRL at: 27 s a step, 11.7 GB). Only with `MILES_BENCH_ONLY=qwen3_0_6b` (its
 //!   weights take 2.4 GB on disk and a run minutes).
 //!
-//! The 32 × 8 rows pass `--sglang-max-total-tokens 16384` (the pool their rollout needs: 256
-//! sequences of ≤ 64 positions) for the same reason: `miles train` releases its engine's
+//! `miles` runs with its default KV pool, which `miles train` sizes to the rollout (the
+//! sequences it runs at once × the longest prompt plus the response limit: 256 × 64 = 16,384
+//! positions at 32 × 8 here) rather than SGLang's memory fraction: it releases its engine's
 //! pool during each training step (`--offload-rollout`) and takes it back at the push.
 //!
 //! Each configuration runs as its own process (`/usr/bin/time` gives its peak RSS); a step's
@@ -85,10 +84,6 @@ use miles_examples::toy::{ToyModelSpec, write_model_dir};
 
 type BoxError = Box<dyn std::error::Error>;
 
-/// The KV pool (`--sglang-max-total-tokens`) of the 32 × 8 rows: 256 sequences of ≤ 64
-/// positions, the rollout's need, instead of the default's 65,536 tokens (which `miles
-/// train`, releasing its pool during each training step, would take back every step).
-const POOL_32X8: &str = "16384";
 /// Prompts per step at the reference and 88 M shapes.
 const PROMPTS: usize = 32;
 /// Prompts per step at the 0.6B shape (issue 46's TRL measurement).
@@ -623,12 +618,7 @@ fn time_to_reward(
         );
         trl.push(curve);
         let seed = (42 + 1_000_000 * round).to_string();
-        let extra = [
-            "--sglang-max-total-tokens",
-            POOL_32X8,
-            "--rollout-seed",
-            &seed,
-        ];
+        let extra = ["--rollout-seed", &seed];
         for (sub, curves) in [("train", &mut sync), ("train-async", &mut asyn)] {
             let (records, _) =
                 miles_records(miles, sub, &model, &data, &dir, steps, PROMPTS, &extra)?;
@@ -722,23 +712,11 @@ fn main() -> Result<(), BoxError> {
             "reference",
             reference.join("warm_start"),
             PROMPTS,
-            vec!["--sglang-max-total-tokens", POOL_32X8],
+            vec![],
             true,
         ),
-        (
-            "glm_moe_88m",
-            big.clone(),
-            PROMPTS,
-            vec!["--sglang-max-total-tokens", POOL_32X8],
-            true,
-        ),
-        (
-            "qwen3_0_6b",
-            qwen.clone(),
-            PROMPTS_0_6B,
-            vec!["--sglang-max-total-tokens", "4096"],
-            false,
-        ),
+        ("glm_moe_88m", big.clone(), PROMPTS, vec![], true),
+        ("qwen3_0_6b", qwen.clone(), PROMPTS_0_6B, vec![], false),
     ];
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
