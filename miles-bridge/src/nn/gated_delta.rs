@@ -77,7 +77,10 @@ fn delta_rule(
     initial: Option<Tensor<4>>,
 ) -> (Tensor<4>, Tensor<4>) {
     let seq = q.dims()[2];
-    // Shapes are ours: the fallback on an error only re-raises burn's own panic.
+    // Training, scoring, prefill and recomputed layers run the one chunked op, so that the
+    // trainer's scoring function (the rollout's log-probs) and a recomputed layer compute bit
+    // for bit what the training forward computes; a decode step the recurrent op. Shapes are
+    // ours: the fallback on an error only re-raises burn's own panic.
     let run = if seq > 1 {
         miles_ops::gated_delta_rule_chunked
     } else {
@@ -365,35 +368,7 @@ impl GatedDeltaNet {
             if let Some(lens) = lens {
                 return ragged_delta_rule(q, k, v, decay, beta, initial, lens);
             }
-            // Shapes are ours: the fallback on an error only re-raises burn's own panic.
-            if seq > 1 {
-                // Training, scoring, prefill and recomputed layers: the one chunked op, so
-                // that the trainer's scoring function (the rollout's log-probs) and a
-                // recomputed layer compute bit for bit what the training forward computes.
-                return miles_ops::gated_delta_rule_chunked(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    decay.clone(),
-                    beta.clone(),
-                    initial.clone(),
-                )
-                .unwrap_or_else(|_| {
-                    miles_ops::gated_delta_rule_reference(q, k, v, decay, beta, initial)
-                });
-            }
-            // A decode step: the recurrent forward op.
-            miles_ops::gated_delta_rule(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                decay.clone(),
-                beta.clone(),
-                initial.clone(),
-            )
-            .unwrap_or_else(|_| {
-                miles_ops::gated_delta_rule_reference(q, k, v, decay, beta, initial)
-            })
+            delta_rule(q, k, v, decay, beta, initial)
         });
         if let Some(slot) = state {
             let mut next = LinearState {
