@@ -25,6 +25,16 @@
 //!   TRL at: 27 s a step, 11.7 GB). Only with `MILES_BENCH_ONLY=qwen3_0_6b` (its
 //!   weights take 2.4 GB on disk and a run minutes).
 //!
+//! TRL runs with its `GRPOConfig` defaults, which the bench keeps: `gradient_checkpointing`
+//! on (each decoder layer's activations recomputed in the backward) and `bf16` on (on CPU,
+//! accelerate's bf16 autocast: the training pass's matmuls in bf16, the weights and AdamW in
+//! f32). miles trains in f32 (its `--bf16` falls back to flex's bf16 matmul on a CPU without
+//! AMX, slower here). At the 0.6B shape, where memory binds, miles runs with the same
+//! activation checkpointing, under Megatron's names (`--recompute-granularity full
+//! --recompute-method uniform --recompute-num-layers 1`: every layer's activations recomputed
+//! in the backward); at the two small shapes without it (their peak RSS is well under TRL's
+//! either way).
+//!
 //! `miles` runs with its default KV pool, which `miles train` sizes to the rollout (the
 //! sequences it runs at once × the longest prompt plus the response limit: 256 × 64 = 16,384
 //! positions at 32 × 8 here) rather than SGLang's memory fraction: it releases its engine's
@@ -676,6 +686,17 @@ fn list(v: &[f64], unit: &str) -> String {
         .join("/")
 }
 
+/// TRL's default `gradient_checkpointing=True` under Megatron's flags: every decoder layer
+/// recomputed in the backward.
+const RECOMPUTE: [&str; 6] = [
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+];
+
 fn main() -> Result<(), BoxError> {
     let quick = std::env::var("MILES_BENCH_QUICK").is_ok_and(|v| v == "1");
     let steps = env_usize("MILES_BENCH_STEPS", if quick { 2 } else { 3 }).max(2);
@@ -716,7 +737,14 @@ fn main() -> Result<(), BoxError> {
             true,
         ),
         ("glm_moe_88m", big.clone(), PROMPTS, vec![], true),
-        ("qwen3_0_6b", qwen.clone(), PROMPTS_0_6B, vec![], false),
+        // TRL's activation checkpointing (its GRPOConfig default), where memory binds.
+        (
+            "qwen3_0_6b",
+            qwen.clone(),
+            PROMPTS_0_6B,
+            RECOMPUTE.to_vec(),
+            false,
+        ),
     ];
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -765,13 +793,21 @@ fn main() -> Result<(), BoxError> {
             }
         }
         let base = mean(&trl);
+        let flags = if extra.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; miles {} (TRL: gradient_checkpointing, its default)",
+                extra.join(" ")
+            )
+        };
         for (label, secs, rss) in [("sync", &sync, &sync_rss), ("async", &asyn, &async_rss)] {
             let ours = mean(secs);
             println!(
                 "xtask-result: grpo_step_vs_trl_{name}_{label} ours={ours:.3}s baseline={base:.3}s \
                  target=<=0.333 note=miles {} s/step vs TRL GRPOTrainer {} s/step over {rounds} \
                  rounds ({steps} steps each, first left out); {prompts}x{GROUP} samples, <= {MAX_NEW} \
-                 new tokens, lr {LR}, one optimizer step per rollout in one shared-prefix micro-batch; ratio < 1 is faster; {cpu}",
+                 new tokens, lr {LR}, one optimizer step per rollout in one shared-prefix micro-batch{flags}; ratio < 1 is faster; {cpu}",
                 list(secs, ""),
                 list(&trl, ""),
             );

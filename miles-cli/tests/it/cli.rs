@@ -1533,3 +1533,33 @@ fn offload_rollout_changes_no_result() {
     assert!(stderr.contains("needs the synchronous loop"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `miles` tunes mimalloc before `main` (arena memory committed on demand, freed pages purged
+/// after 500 ms), unless the user set mimalloc's own variable: `MIMALLOC_PURGE_DELAY=-1`
+/// (keep freed pages) must reach mimalloc. Read from mimalloc's option listing
+/// (`MIMALLOC_VERBOSE=1`, printed when it initialises).
+#[test]
+#[cfg(target_os = "linux")]
+fn the_allocator_tuning_yields_to_mimalloc_environment_variables() {
+    let options = |env: &[(&str, &str)]| {
+        let out = run(miles()
+            .arg("--help")
+            .env("MIMALLOC_VERBOSE", "1")
+            .env_remove("MIMALLOC_PURGE_DELAY")
+            .env_remove("MIMALLOC_ARENA_EAGER_COMMIT")
+            .envs(env.iter().copied()));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let default = options(&[]);
+    assert!(default.contains("option 'purge_delay': 500"), "{default}");
+    assert!(
+        default.contains("option 'arena_eager_commit': 0"),
+        "{default}"
+    );
+    let user = options(&[
+        ("MIMALLOC_PURGE_DELAY", "-1"),
+        ("MIMALLOC_ARENA_EAGER_COMMIT", "1"),
+    ]);
+    assert!(user.contains("option 'purge_delay': -1"), "{user}");
+    assert!(user.contains("option 'arena_eager_commit': 1"), "{user}");
+}
