@@ -43,6 +43,14 @@ fn without_weights(model: &CausalLm) -> CausalLm {
 }
 
 impl Scheduler {
+    /// Drops the served version (its weights and decode copies), keeping its configuration;
+    /// only while nothing generates.
+    pub(crate) fn drop_served_weights(&mut self) {
+        let hollow = Arc::new(without_weights(&self.model));
+        self.step = hollow.clone();
+        self.model = hollow;
+    }
+
     /// Applies a pending release once nothing generates and every finished sequence is
     /// answered (the updates queued before it are applied first).
     pub(crate) fn apply_release(&mut self) {
@@ -74,9 +82,7 @@ impl Scheduler {
             }
         }
         if tags.contains(&MemoryTag::Weights) && !self.released.weights {
-            let hollow = Arc::new(without_weights(&self.model));
-            self.step = hollow.clone();
-            self.model = hollow;
+            self.drop_served_weights();
             self.released.weights = true;
         }
         self.publish_released();

@@ -518,6 +518,10 @@ impl Scheduler {
             }
         }
         while let Some((model, version, reply)) = self.updates.pop_front() {
+            // Nothing generates now: the previous version (its decode copies, and the weights
+            // an optimizer's copy-on-write left to it) goes before the new decode copies are
+            // built, so an update never holds two versions' copies at once.
+            self.drop_served_weights();
             self.model = Arc::new(*model);
             self.step = Arc::new(step_model(&self.model, self.config.specialised_path));
             self.released.weights = false;
