@@ -4,8 +4,9 @@
 //! Copies of the weights a `miles train` process holds (f32 training, embedded engine):
 //! 1. the trainer's parameters (f32 masters; the autodiff graph reads them, it does not copy
 //!    them);
-//! 2. the engine's served version: after a weight push the trainer's own buffers, handed over
-//!    in process ([`miles_core::InProcessWeights`]: no copy);
+//! 2. the engine's served version: the trainer's own buffers, handed over in process at each
+//!    weight push ([`miles_core::InProcessWeights`]: no copy) and shared from the start when
+//!    the engine runs on the trainer's device (a separate rollout device loads its own);
 //! 3. the engine's decode copies: q / k / v and gate / up stacked into one matmul each, `o`,
 //!    `down`, the experts and `lm_head` packed into panels (`EngineConfig::specialised_path`),
 //!    about one more copy in the engine's precision, rebuilt at every push (one pass over the

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use burn::module::Module;
 use miles_bridge::{CausalLm, Precision, RecomputeConfig};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MemoryTag, MetricsSink, PolicyTrainer, RewardFn, Sample,
@@ -352,7 +353,9 @@ fn sampling(a: &TrainArgs, eos_ids: &[u32]) -> SamplingParams {
 /// `TrainConfig::needs_exact_rollout_log_probs`).
 /// `reserved`: bytes the embedded engine's KV pool leaves to the trainer
 /// (`EngineConfig::kv_reserved_bytes`, from the memory plan); `kv_tokens`: its token budget
-/// ([`kv_pool_tokens`]).
+/// ([`kv_pool_tokens`]); `initial`: the embedded engine's first weights when the caller has
+/// them on the rollout device (else they are loaded from `--hf-checkpoint`).
+#[allow(clippy::too_many_arguments)]
 fn engines(
     a: &TrainArgs,
     c: &Common,
@@ -360,10 +363,14 @@ fn engines(
     recompute: bool,
     reserved: u64,
     kv_tokens: usize,
+    initial: Option<CausalLm>,
 ) -> Result<Arc<dyn InferenceEngine>, BoxError> {
     let urls = &a.rollout.engine_url;
     if urls.is_empty() {
-        let model = CausalLm::from_pretrained(&c.hf, &c.rollout_device)?;
+        let model = match initial {
+            Some(model) => model,
+            None => CausalLm::from_pretrained(&c.hf, &c.rollout_device)?,
+        };
         let config = miles_engine::EngineConfig {
             max_running_requests: a.rollout.max_running_requests,
             kv_memory_fraction: Some(a.rollout.kv_memory_fraction()),
@@ -1000,6 +1007,10 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
             0
         },
         kv_tokens,
+        // The engine starts on the trainer's own buffers when both use one device, as a weight
+        // push hands them over: the same weights, not a second copy loaded from disk (which
+        // `train-async`, never releasing, held through its whole first step).
+        (c.rollout_device == c.device).then(|| model.valid()),
     )?;
     let generator = agent_generator(a, &c, &engine, use_r3).await?;
     let num_rollout: u64 = match (a.rollout.num_rollout, a.data.num_epoch) {
@@ -1220,7 +1231,7 @@ async fn eval(a: &TrainArgs) -> Result<Value, BoxError> {
         .rollout
         .sglang_max_total_tokens
         .unwrap_or(miles_engine::EngineConfig::default().kv_token_budget);
-    let engine = engines(a, &c, None, true, 0, kv_tokens)?;
+    let engine = engines(a, &c, None, true, 0, kv_tokens, None)?;
     let generator = agent_generator(a, &c, &engine, false).await?;
     let base = RolloutConfig {
         rollout_batch_size: 1,
