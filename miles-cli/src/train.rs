@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use burn::module::Module;
 use miles_bridge::{CausalLm, Precision, RecomputeConfig};
 use miles_core::{
-    InferenceEngine, JsonlMetricsSink, MemoryTag, MetricsSink, PolicyTrainer, RewardFn, Sample,
+    InferenceEngine, JsonlMetricsSink, MemoryTag, MetricsSink, PolicyTrainer, RewardFn,
     SamplingParams,
 };
 use miles_ops::device::DeviceSpec;
@@ -401,13 +401,7 @@ fn longest_prompt_tokens(
 ) -> Result<usize, BoxError> {
     let mut longest = 0;
     for record in prompts {
-        let sample = Sample {
-            prompt: record.prompt.clone(),
-            label: record.label.clone(),
-            metadata: record.metadata.clone(),
-            ..Sample::default()
-        };
-        longest = longest.max(encoder.encode(&sample)?.len());
+        longest = longest.max(encoder.encode(&record.to_sample())?.len());
     }
     Ok(longest)
 }

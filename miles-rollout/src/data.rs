@@ -181,12 +181,7 @@ impl DataSource {
             self.cursor.sample_group_index += 1;
             let mut group = Vec::with_capacity(self.n_samples_per_prompt);
             for _ in 0..self.n_samples_per_prompt {
-                let mut sample = Sample {
-                    prompt: record.prompt.clone(),
-                    label: record.label.clone(),
-                    metadata: record.metadata.clone(),
-                    ..Sample::default()
-                };
+                let mut sample = record.to_sample();
                 sample.group_index = Some(group_index);
                 sample.index = Some(self.cursor.sample_index);
                 self.cursor.sample_index += 1;

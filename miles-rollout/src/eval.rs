@@ -120,13 +120,7 @@ pub fn filter_long_prompts(
     let total = prompts.len();
     let mut kept = Vec::with_capacity(total);
     for record in prompts {
-        let sample = Sample {
-            prompt: record.prompt.clone(),
-            label: record.label.clone(),
-            metadata: record.metadata.clone(),
-            ..Sample::default()
-        };
-        if encoder.encode(&sample)?.len() <= max_len {
+        if encoder.encode(&record.to_sample())?.len() <= max_len {
             kept.push(record);
         }
     }

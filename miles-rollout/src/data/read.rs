@@ -6,7 +6,7 @@ use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use miles_core::{Message, Prompt};
+use miles_core::{Message, Prompt, Sample};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -57,6 +57,16 @@ pub struct PromptRecord {
 }
 
 impl PromptRecord {
+    /// A fresh sample of this prompt: its prompt, label and metadata, nothing generated.
+    pub fn to_sample(&self) -> Sample {
+        Sample {
+            prompt: self.prompt.clone(),
+            label: self.label.clone(),
+            metadata: self.metadata.clone(),
+            ..Sample::default()
+        }
+    }
+
     /// A text prompt with a label.
     pub fn text(prompt: impl Into<String>, label: impl Into<String>) -> Self {
         Self {
