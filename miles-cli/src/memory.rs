@@ -7,10 +7,13 @@
 //! 2. the engine's served version: the trainer's own buffers, handed over in process at each
 //!    weight push ([`miles_core::InProcessWeights`]: no copy) and shared from the start when
 //!    the engine runs on the trainer's device (a separate rollout device loads its own);
-//! 3. the engine's decode copies: q / k / v and gate / up stacked into one matmul each, `o`,
-//!    `down`, the experts and `lm_head` packed into panels (`EngineConfig::specialised_path`),
-//!    about one more copy in the engine's precision, rebuilt at every push (one pass over the
-//!    weights, on every core).
+//! 3. the engine's decode copies (`EngineConfig::specialised_path`): on flex in `f32` with
+//!    AVX-512F every projection, the experts and `lm_head` packed into panels, about one more
+//!    copy; with AVX2 and FMA only, the routed experts of MoE layers alone (the dense
+//!    projections and `lm_head` are multiplied where they lie, q / k / v and gate / up read
+//!    as one matmul each: a dense model has none); elsewhere q / k / v and gate / up stacked
+//!    and the projections stored transposed, about one more copy in the engine's precision.
+//!    Rebuilt at every push.
 //!
 //! With `--offload-rollout` (Miles' flag; on by default for `miles train`, as Miles'
 //! `--colocate` sets it) the engine releases its served version, its decode copies and (level
@@ -52,8 +55,9 @@ pub struct MemoryInputs {
     pub kv_width: u64,
     /// Bytes per element of the engine's weights and KV cache (4 for f32, 2 for bf16 / fp16).
     pub engine_dtype_bytes: u64,
-    /// Whether the engine keeps decode copies of its weights (`specialised_path`).
-    pub engine_decode_copies: bool,
+    /// Parameters the engine copies into decode layouts
+    /// ([`miles_bridge::CausalLm::decode_copy_params`]; 0 without `specialised_path`).
+    pub engine_decode_copy_params: u64,
     /// Whether the engine releases its weights (served version and decode copies) while the
     /// trainer trains (`--offload-rollout` at level `weight`).
     pub offload_weights: bool,
@@ -82,7 +86,7 @@ pub struct MemoryPlan {
     /// `params × engine_dtype_bytes`; 0 when the engine releases its weights (the optimizer
     /// then updates the trainer's buffers in place).
     pub engine_version: u64,
-    /// The engine's decode copies: `params × engine_dtype_bytes` (0 without them).
+    /// The engine's decode copies: `engine_decode_copy_params × engine_dtype_bytes`.
     pub engine_decode_copies: u64,
     /// The KV pool: `kv_tokens × kv_bytes_per_token`.
     pub kv_pool: u64,
@@ -104,11 +108,7 @@ impl MemoryPlan {
         let per_token = 6 * i.hidden + 4 * i.q_width + 4 * i.kv_width + 4 * i.intermediate;
         let attention = i.micro_batch_seqs * i.heads * i.seq_len * i.seq_len * i.layers * 8;
         let engine_copy = i.params * i.engine_dtype_bytes;
-        let engine_decode_copies = if i.engine_decode_copies {
-            engine_copy
-        } else {
-            0
-        };
+        let engine_decode_copies = i.engine_decode_copy_params * i.engine_dtype_bytes;
         let kv_pool = i.kv_tokens * i.kv_bytes_per_token;
         Self {
             trainer_weights: i.params * 4,

@@ -523,6 +523,7 @@ fn memory_plan(
     model: &CausalLm,
     prompts: &[PromptRecord],
     precision: miles_bridge::Precision,
+    engine_on_trainer_device: bool,
     offload: &[miles_core::MemoryTag],
     kv_tokens: usize,
 ) -> crate::memory::MemoryPlan {
@@ -547,7 +548,13 @@ fn memory_plan(
         q_width: (m.num_attention_heads * m.head_dim) as u64,
         kv_width: (m.num_key_value_heads * m.head_dim) as u64,
         engine_dtype_bytes: engine_bytes,
-        engine_decode_copies: true,
+        // The trainer's model is f32 on the trainer's device; an engine in another precision
+        // or on another device is counted as copying everything.
+        engine_decode_copy_params: if engine_bytes == 4 && engine_on_trainer_device {
+            model.decode_copy_params() as u64
+        } else {
+            model.num_params() as u64
+        },
         offload_weights: offload.contains(&miles_core::MemoryTag::Weights),
         offload_kv_cache: offload.contains(&miles_core::MemoryTag::KvCache),
         kv_tokens: kv_tokens as u64,
@@ -988,7 +995,15 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
             .sglang_max_total_tokens
             .unwrap_or(miles_engine::EngineConfig::default().kv_token_budget)
     };
-    let plan = memory_plan(a, &model, &prompts, c.precision, &offload, kv_tokens);
+    let plan = memory_plan(
+        a,
+        &model,
+        &prompts,
+        c.precision,
+        c.rollout_device == c.device,
+        &offload,
+        kv_tokens,
+    );
     tracing::info!("{}", plan.line(miles_engine::available_memory()));
     let engine = engines(
         a,

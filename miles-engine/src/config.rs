@@ -211,9 +211,11 @@ pub struct EngineConfig {
     /// the in-process counterpart of giving rollout and training separate GPUs.
     pub compute_threads: Option<usize>,
     /// Runs the forward steps on the path specialised for inference and the device: q / k / v
-    /// and gate / up projections fused into one matmul each over weights stacked once per
-    /// weight version (`CausalLm::fuse_projections`; on flex, small matmuls split over both
-    /// cores), and on flex MoE layers apply only the chosen experts at every step (decode
+    /// and gate / up projections fused into one matmul each (`CausalLm::fuse_projections`: on
+    /// flex in `f32` packed into panels once per weight version with AVX-512F, over the served
+    /// weights in place with AVX2 only, elsewhere stacked once per weight version; on flex,
+    /// small matmuls split over both cores), and on
+    /// flex MoE layers apply only the chosen experts at every step (decode
     /// included, where the generic `Auto` dispatch runs every expert on every token). Log-prob recompute
     /// (the [`super::SequenceScorer`]) always sees the model as loaded, so recomputed
     /// log-probs stay the trainer's. `false`: the generic path every device runs; both give

@@ -4,11 +4,12 @@
 //!
 //! A release waits, as a weight update does, until no sequence is generating and every
 //! finished one is answered; then, for [`MemoryTag::Weights`], the scheduler drops its served
-//! version and the step model's decode copies (stacked and packed weights), keeping only the
-//! model's configuration: in process, the served version is the trainer's own buffers, so
-//! once the engine lets go of them the optimizer updates them in place instead of copying
-//! them. For [`MemoryTag::KvCache`] it shrinks the KV pool to one block and drops the prefix
-//! cache. Generation requests sent meanwhile wait in the queue, and input scoring is refused.
+//! version and the step model's decode copies (stacked or packed weights where it has them),
+//! keeping only the model's configuration: in process, the served version is the trainer's
+//! own buffers, so once the engine lets go of them the optimizer updates them in place
+//! instead of copying them. For [`MemoryTag::KvCache`] it shrinks the KV pool to one block
+//! and drops the prefix cache. Generation requests sent meanwhile wait in the queue, and
+//! input scoring is refused.
 //! The weights come back with the next weight update (built as every update is: no step ever
 //! runs on a previous version), the pool with a resume of `kv_cache`, which needs the weights
 //! back first (Miles' order: resume the weights, update them, resume the KV cache).

@@ -100,13 +100,16 @@ impl CausalLm {
 
     /// Prepares the model for inference on its current weights: each attention's q / k / v
     /// projections and each SwiGLU MLP's (dense and shared experts) gate / up projections
-    /// become one matmul over weights stacked once here ([`FusedLinear`], adapters
-    /// merged), and those, the output / down projections and `lm_head` run through
-    /// [`miles_ops::linear()`] (small matmuls split over both cores on flex). The
-    /// stacked copies do not follow later changes to the parameters: call this on a model
-    /// whose weights no longer change (the embedded engine builds its step model anew from
-    /// every weight version), never on one being trained. MoE layers get their routed
-    /// experts packed for the sparse dispatch ([`PackedMoe`]). Grouped-query attention
+    /// become one matmul ([`FusedLinear`], adapters merged): on flex in `f32` packed once here
+    /// into panels with AVX-512F, or with AVX2 only over the layers' own buffers, read in
+    /// place ([`miles_ops::rows`], `o` / `down` / `lm_head` too: no copy, see
+    /// [`CausalLm::decode_copy_params`]); elsewhere over weights stacked once here, run with
+    /// the output / down projections and `lm_head` through [`miles_ops::linear()`] (small
+    /// matmuls split over both cores on flex). The fused layers do not follow later changes
+    /// to the parameters (an optimizer step writes shared buffers anew, copy-on-write): call
+    /// this on a model whose weights no longer change (the embedded engine builds its step
+    /// model anew from every weight version), never on one being trained. MoE layers get
+    /// their routed experts packed for the sparse dispatch ([`PackedMoe`]). Grouped-query attention
     /// layers, and Gated DeltaNet layers (their four input projections as one matmul,
     /// `out_proj` through one); latent-attention layers keep their projections.
     pub fn fuse_projections(&mut self) {
@@ -135,6 +138,33 @@ impl CausalLm {
                 FeedForward::BiasedMoe(_) => {}
             }
         }
+    }
+
+    /// Parameters [`CausalLm::fuse_projections`] copies into decode layouts instead of reading
+    /// them in place. On flex in `f32` with AVX2 and FMA but not AVX-512F the dense
+    /// projections, linear attention's and `lm_head` are multiplied where they lie
+    /// ([`miles_ops::rows`]), so only the routed experts of MoE layers are copied (strided
+    /// per expert); elsewhere every parameter is counted (packed panels with AVX-512F; an
+    /// upper bound on other devices: projections stacked or stored transposed).
+    pub fn decode_copy_params(&self) -> usize {
+        let w = self.lm_head_weight();
+        if miles_ops::packed::applies(&w.device(), w.dtype())
+            || !miles_ops::rows::applies(&w.device(), w.dtype())
+        {
+            return self.num_params();
+        }
+        let size = |p: &Param<Tensor<3>>| p.val().dims().iter().product::<usize>();
+        self.model
+            .layers
+            .iter()
+            .map(|layer| match &layer.mlp {
+                FeedForward::Moe(moe) => {
+                    let e = &moe.experts;
+                    size(&e.gate_proj) + size(&e.up_proj) + size(&e.down_proj)
+                }
+                FeedForward::Dense(_) | FeedForward::BiasedMoe(_) => 0,
+            })
+            .sum()
     }
 
     /// Sets how every MoE layer applies its routed experts (default [`MoeDispatch::Auto`]).

@@ -1,5 +1,5 @@
 //! HF-layout linear layers: [`Linear`] (`y = x Wᵀ + b`, `W: [out, in]`, optionally with a LoRA
-//! adapter) and [`FusedLinear`], several of them stacked once for inference.
+//! adapter) and [`FusedLinear`], several of them read as one for inference.
 
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
@@ -78,11 +78,13 @@ impl Linear {
 /// Several linear layers reading the same input as one: their weights (adapters merged)
 /// stacked on the output axis, `[Σ out, in]`, and their biases (zeros for a layer without
 /// one). Built once per weight version for inference (`CausalLm::fuse_projections`);
-/// one matmul then replaces one per layer, and no training code ever sees it. On flex the
-/// weights are packed into [`miles_ops::packed`]'s panels (`f32` on an AVX-512F CPU) straight
-/// from the layers' buffers (one pass over the weights, in parallel) or else stacked and stored
-/// transposed, `[in, Σ out]` row-major, the layout `gemm` reads fastest at
-/// decode row counts ([`miles_ops::linear_t`]).
+/// one matmul then replaces one per layer, and no training code ever sees it. On flex in
+/// `f32` with AVX-512F the weights are packed into [`miles_ops::packed`]'s panels straight
+/// from the layers' buffers (one pass over the weights, in parallel); with AVX2 and FMA only,
+/// the layers' own buffers are multiplied in place by [`miles_ops::rows`]' kernels (no copy:
+/// the stacked matrix is their rows read in turn); elsewhere on flex the weights are stacked
+/// and stored transposed, `[in, Σ out]` row-major, the layout `gemm` reads fastest at decode
+/// row counts ([`miles_ops::linear_t`]).
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
     /// The stacked weight.
@@ -99,10 +101,13 @@ pub enum FusedWeight {
     /// `[Σ out, in]` (devices other than flex; stacked `bf16` projections on flex with AMX,
     /// multiplied by [`miles_ops::linear_bf16`] as [`Linear::forward`] does).
     Hf(Tensor<2>),
-    /// `[in, Σ out]` contiguous (flex without the packed kernels).
+    /// `[in, Σ out]` contiguous (flex without the AVX-512F or AVX2 kernels).
     Transposed(Tensor<2>),
     /// Panels for the packed decode kernel (flex, `f32`, AVX-512F).
     Packed(miles_ops::packed::PackedMatrix),
+    /// The layers' weights as they are, multiplied in place (flex, `f32`, AVX2 and FMA
+    /// without AVX-512F).
+    Rows(miles_ops::rows::RowsMatrix),
 }
 
 impl FusedLinear {
@@ -124,10 +129,16 @@ impl FusedLinear {
                 .collect();
             Tensor::cat(parts, 0)
         });
-        // Packed straight from the layers' weights where the panels apply (no stacked
-        // intermediate); else stacked once and stored as `from_weight` does.
-        let weight = match miles_ops::packed::PackedMatrix::stacked(weights.clone()) {
-            Some(packed) => FusedWeight::Packed(packed),
+        // Packed straight from the layers' weights where the panels apply, else the weights
+        // read in place where the in-place kernels do (no stacked intermediate either way);
+        // else stacked once and stored as `from_weight` does.
+        let fused = miles_ops::packed::PackedMatrix::stacked(weights.clone())
+            .map(FusedWeight::Packed)
+            .or_else(|| {
+                miles_ops::rows::RowsMatrix::stacked(weights.clone()).map(FusedWeight::Rows)
+            });
+        let weight = match fused {
+            Some(fused) => fused,
             None => {
                 let stacked = match <[Tensor<2>; 1]>::try_from(weights) {
                     Ok([weight]) => weight,
@@ -149,28 +160,38 @@ impl FusedLinear {
         }
     }
 
-    /// A gate and an up projection as one SwiGLU product: on flex with AVX-512F (`f32`, no
-    /// biases) [`FusedLinear::forward_all`] returns `silu(x · gateᵀ) ⊙ (x · upᵀ)` directly
-    /// ([`miles_ops::packed::PackedMatrix::glu`]); elsewhere the two stacked as
-    /// [`FusedLinear::new`] does ([`FusedLinear::is_glu`] tells which).
+    /// A gate and an up projection as one SwiGLU product: on flex with AVX-512F or AVX2
+    /// (`f32`, no biases) [`FusedLinear::forward_all`] returns `silu(x · gateᵀ) ⊙ (x · upᵀ)`
+    /// directly ([`miles_ops::packed::PackedMatrix::glu`], or
+    /// [`miles_ops::rows::RowsMatrix::glu`] over the two weights in place); elsewhere the two
+    /// stacked as [`FusedLinear::new`] does ([`FusedLinear::is_glu`] tells which).
     pub fn glu(gate: &Linear, up: &Linear) -> Self {
-        if gate.bias.is_none()
-            && up.bias.is_none()
-            && let Some(packed) =
-                miles_ops::packed::PackedMatrix::glu(gate.effective_weight(), up.effective_weight())
-        {
-            return Self {
-                widths: vec![packed.n],
-                weight: FusedWeight::Packed(packed),
-                bias: None,
-            };
+        if gate.bias.is_none() && up.bias.is_none() {
+            let (g, u) = (gate.effective_weight(), up.effective_weight());
+            let fused = miles_ops::packed::PackedMatrix::glu(g.clone(), u.clone())
+                .map(|p| (p.n, FusedWeight::Packed(p)))
+                .or_else(|| {
+                    miles_ops::rows::RowsMatrix::glu(g, u).map(|r| (r.n, FusedWeight::Rows(r)))
+                });
+            if let Some((n, weight)) = fused {
+                return Self {
+                    widths: vec![n],
+                    weight,
+                    bias: None,
+                };
+            }
         }
         Self::new(&[gate, up])
     }
 
     /// Whether [`FusedLinear::forward_all`] returns SwiGLU activations ([`FusedLinear::glu`]).
     pub fn is_glu(&self) -> bool {
-        matches!(&self.weight, FusedWeight::Packed(p) if p.product == miles_ops::packed::Product::Glu)
+        use miles_ops::packed::Product;
+        match &self.weight {
+            FusedWeight::Packed(p) => p.product == Product::Glu,
+            FusedWeight::Rows(r) => r.product == Product::Glu,
+            FusedWeight::Hf(_) | FusedWeight::Transposed(_) => false,
+        }
     }
 
     /// One layer without bias over `weight` `[out, in]` (e.g. tied embeddings as `lm_head`).
@@ -181,6 +202,8 @@ impl FusedLinear {
             FusedWeight::Hf(weight)
         } else if let Some(packed) = miles_ops::packed::PackedMatrix::new(weight.clone()) {
             FusedWeight::Packed(packed)
+        } else if let Some(rows) = miles_ops::rows::RowsMatrix::new(weight.clone()) {
+            FusedWeight::Rows(rows)
         } else {
             // A contiguous copy of the transposed view (one per weight version), in the
             // weight's own dtype.
@@ -198,11 +221,12 @@ impl FusedLinear {
     }
 
     /// All outputs side by side, `[tokens, Σ out]`, for `[tokens, in]` rows: one matmul
-    /// (the packed kernel, or split over both cores on flex at decode row counts or when
-    /// small, [`miles_ops::linear_t`]).
+    /// (the packed or in-place kernel, or split over both cores on flex at decode row counts
+    /// or when small, [`miles_ops::linear_t`]).
     pub fn forward_all(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.weight {
             FusedWeight::Packed(packed) => packed.matmul(x),
+            FusedWeight::Rows(rows) => rows.matmul(x),
             FusedWeight::Transposed(wt) => miles_ops::linear_t(x, wt.clone()),
             FusedWeight::Hf(w) if miles_ops::runs_amx(w) => miles_ops::linear_bf16(x, w.clone()),
             FusedWeight::Hf(w) => miles_ops::linear(x, w.clone()),

@@ -272,3 +272,79 @@ fn qwen2_window_on_but_unused_matches_transformers() {
         other => panic!("a sliding-window layer loaded: {other:?}"),
     }
 }
+
+/// The engine's decode layouts (`fuse_projections`) on flex in f32 with AVX2 (no AVX-512F)
+/// read a dense model's weights where they lie: q / k / v, gate / up, o, down and the tied
+/// `lm_head` are the layers' own buffers, and the model counts no decode copies; an MoE model
+/// copies its routed experts only. With AVX-512F they are packed panels (every parameter
+/// counted), as they are counted off these kernels.
+#[test]
+fn fused_projections_read_dense_weights_in_place() {
+    use miles_bridge::nn::{FeedForward, FusedWeight, SelfAttention};
+    let device = Device::flex();
+    let mut model = CausalLm::from_pretrained(fixture("qwen3-tiny"), &device).unwrap();
+    let before = model.num_params();
+    model.fuse_projections();
+    if miles_ops::packed::supported() && miles_ops::fused_ops_enabled() {
+        // AVX-512F: packed panels, one more copy.
+        let SelfAttention::Grouped(a) = &model.model.layers[0].self_attn else {
+            panic!("qwen3 attention")
+        };
+        assert!(matches!(
+            a.fused_qkv.as_ref().unwrap().weight,
+            FusedWeight::Packed(_)
+        ));
+        assert_eq!(model.decode_copy_params(), before);
+        return;
+    }
+    if !miles_ops::rows::supported() || !miles_ops::fused_ops_enabled() {
+        assert!(
+            std::env::var_os("MILES_REQUIRE_KERNEL_TESTS").is_none(),
+            "MILES_REQUIRE_KERNEL_TESTS is set but this CPU has neither AVX-512F nor AVX2"
+        );
+        assert_eq!(model.decode_copy_params(), before);
+        return;
+    }
+    assert_eq!(model.decode_copy_params(), 0);
+    let reads =
+        |fused: &Option<miles_bridge::nn::FusedLinear>, w: &burn::tensor::Tensor<2>| match &fused
+            .as_ref()
+            .expect("fused")
+            .weight
+        {
+            FusedWeight::Rows(rows) => rows.reads(w),
+            other => panic!("expected weights read in place, got {other:?}"),
+        };
+    for layer in &model.model.layers {
+        let SelfAttention::Grouped(a) = &layer.self_attn else {
+            panic!("qwen3 attention")
+        };
+        for w in [&a.q_proj, &a.k_proj, &a.v_proj] {
+            assert!(reads(&a.fused_qkv, &w.weight.val()));
+        }
+        assert!(reads(&a.packed_o, &a.o_proj.weight.val()));
+        let FeedForward::Dense(mlp) = &layer.mlp else {
+            panic!("qwen3 mlp")
+        };
+        assert!(mlp.fused_gate_up.as_ref().unwrap().is_glu());
+        assert!(reads(&mlp.fused_gate_up, &mlp.gate_proj.weight.val()));
+        assert!(reads(&mlp.fused_gate_up, &mlp.up_proj.weight.val()));
+        assert!(reads(&mlp.packed_down, &mlp.down_proj.weight.val()));
+    }
+    assert!(reads(&model.packed_lm_head, &model.lm_head_weight()));
+
+    // Qwen3-MoE: the routed experts of its MoE layers are the copies.
+    let moe = CausalLm::from_pretrained(fixture("qwen3moe-tiny"), &device).unwrap();
+    let c = &moe.config;
+    let moe_layers = moe
+        .model
+        .layers
+        .iter()
+        .filter(|l| matches!(l.mlp, FeedForward::Moe(_)))
+        .count();
+    assert!(moe_layers > 0);
+    assert_eq!(
+        moe.decode_copy_params(),
+        moe_layers * c.n_routed_experts * 3 * c.moe_intermediate_size * c.hidden_size
+    );
+}

@@ -39,7 +39,9 @@ fn qwen3_0_6b_offload(
         q_width: 16 * 128,
         kv_width: 8 * 128,
         engine_dtype_bytes,
-        engine_decode_copies: true,
+        // An engine that copies every weight for decoding (packed panels with AVX-512F;
+        // with AVX2 only, a dense model has none: see below).
+        engine_decode_copy_params: QWEN3_0_6B_PARAMS,
         offload_weights,
         offload_kv_cache,
         kv_tokens,
@@ -127,4 +129,24 @@ fn a_bf16_engine_halves_its_copies_and_its_pool() {
         plan.trainer_weights + plan.gradients + plan.optimizer,
         9_536_798_720
     );
+}
+
+#[test]
+fn a_dense_engine_reading_the_trainers_weights_in_place_holds_no_decode_copies() {
+    // Flex in f32 with AVX2 and no AVX-512F: the engine multiplies the weights it serves where they lie,
+    // so a dense model's plan has no decode copies. `train-async` (no offload) then holds the
+    // trainer's weights, gradients and moments, the pool, and from the AdamW step to the push
+    // the engine's previous version: 5 weight-sized f32 copies instead of 6.
+    let mut inputs = qwen3_0_6b(4, 4_096);
+    inputs.engine_decode_copy_params = 0;
+    let plan = MemoryPlan::new(&inputs);
+    assert_eq!(plan.engine_decode_copies, 0);
+    assert_eq!(plan.engine(), 939_524_096);
+    assert_eq!(plan.resident(), 4 * 2_384_199_680 + 939_524_096);
+    // The training step's activations (5,549,064,192) exceed the previous version.
+    assert_eq!(plan.peak(), 4 * 2_384_199_680 + 939_524_096 + 5_549_064_192);
+    // With offload nothing but the pool is released.
+    inputs.offload_weights = true;
+    inputs.offload_kv_cache = true;
+    assert_eq!(MemoryPlan::new(&inputs).offloaded, 939_524_096);
 }

@@ -124,7 +124,9 @@ async fn failures_become_failed_samples_and_sessions_are_deleted() {
     let http = HttpClient::new(Duration::from_secs(10));
     let params = SamplingParams::default();
     let mut config = AgentDriverConfig::new(&url);
-    config.agent_timeout = Some(Duration::from_millis(200));
+    // Well past any agent here that finishes (a loaded CI machine must not turn a crash into
+    // a timeout); the sleeping agent gets a short one of its own below.
+    config.agent_timeout = Some(Duration::from_secs(10));
     let input = input_sample();
 
     let failing = WeatherAgent {
@@ -140,7 +142,9 @@ async fn failures_become_failed_samples_and_sessions_are_deleted() {
     );
     assert_eq!(out.tokens, input.tokens);
 
-    let out = generate(&SleepyAgent, &input, &params, &config, &http).await;
+    let mut short = config.clone();
+    short.agent_timeout = Some(Duration::from_millis(200));
+    let out = generate(&SleepyAgent, &input, &params, &short, &http).await;
     assert_eq!(out.status, SampleStatus::Failed);
     assert!(
         out.metadata["failure"]
