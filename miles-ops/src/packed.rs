@@ -73,10 +73,15 @@ pub fn supported() -> bool {
 /// Whether weights on `device` in `dtype` get packed: plain flex (no autodiff), `f32`, the
 /// fused ops on ([`crate::fused_ops_enabled`]) and [`supported`].
 pub fn applies(device: &burn::tensor::Device, dtype: DType) -> bool {
+    flex_f32_fused(device, dtype) && supported()
+}
+
+/// Plain flex (no autodiff), `f32`, the fused ops on: what the decode kernels here and in
+/// [`crate::rows`] need besides the CPU's instructions.
+pub(crate) fn flex_f32_fused(device: &burn::tensor::Device, dtype: DType) -> bool {
     matches!(device.as_dispatch(), DispatchDevice::Flex(_))
         && dtype == DType::F32
         && crate::fused_ops_enabled()
-        && supported()
 }
 
 /// Number of panels of an `out`-wide weight.
@@ -812,11 +817,11 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// `Σ_i x[r, i] · w[c, i]` accumulated in `f64`.
-    fn exact(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+    pub(crate) fn exact(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
         let mut y = vec![0.0; m * n];
         for r in 0..m {
             for c in 0..n {
@@ -828,7 +833,7 @@ mod tests {
         y
     }
 
-    fn values(len: usize, seed: u64) -> Vec<f32> {
+    pub(crate) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
@@ -856,7 +861,7 @@ mod tests {
     }
 
     /// Every `got[i]` within `1e-5` (relative, plus absolute) of `want(i)`.
-    fn assert_close(what: &str, got: &[f32], want: impl Fn(usize) -> f64) {
+    pub(crate) fn assert_close(what: &str, got: &[f32], want: impl Fn(usize) -> f64) {
         for (i, &got) in got.iter().enumerate() {
             let want = want(i);
             assert!(

@@ -34,7 +34,7 @@
 //! parameters handed to the engine stay one copy (an optimizer step that finds them shared
 //! writes new buffers, so the engine keeps serving the version it holds).
 
-use burn::backend::{BackendTensor, DispatchDevice, DispatchTensorKind, Flex, tensor::FloatTensor};
+use burn::backend::{BackendTensor, DispatchTensorKind, Flex, tensor::FloatTensor};
 use burn::tensor::{DType, Tensor};
 use rayon::prelude::*;
 
@@ -383,10 +383,7 @@ pub fn supported() -> bool {
 /// Whether weights on `device` in `dtype` are multiplied in place: plain flex (no autodiff),
 /// `f32`, the fused ops on ([`crate::fused_ops_enabled`]) and [`supported`].
 pub fn applies(device: &burn::tensor::Device, dtype: DType) -> bool {
-    matches!(device.as_dispatch(), DispatchDevice::Flex(_))
-        && dtype == DType::F32
-        && crate::fused_ops_enabled()
-        && supported()
+    crate::packed::flex_f32_fused(device, dtype) && supported()
 }
 
 /// `acc[r][j] = x[r] · w[j]` for `r < rows`, `j < weights` (`rows ≤` the ISA's row block,
@@ -606,31 +603,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
-
-    /// `Σ_i x[r, i] · w[c, i]` accumulated in `f64`.
-    fn exact(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
-        let mut y = vec![0.0; m * n];
-        for r in 0..m {
-            for c in 0..n {
-                y[r * n + c] = (0..k)
-                    .map(|i| x[r * k + i] as f64 * w[c * k + i] as f64)
-                    .sum();
-            }
-        }
-        y
-    }
+    use crate::packed::tests::{assert_close, exact, values};
 
     /// The ISAs this CPU runs (AVX-512F CPUs run the AVX2 kernels too). The kernels need
     /// AVX2 and FMA at least; without them the tests say so, and fail where
@@ -649,16 +622,6 @@ mod tests {
             eprintln!("rows kernel tests skipped: this CPU has neither AVX-512F nor AVX2");
         }
         isas
-    }
-
-    fn assert_close(what: &str, got: &[f32], want: impl Fn(usize) -> f64) {
-        for (i, &got) in got.iter().enumerate() {
-            let want = want(i);
-            assert!(
-                (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                "{what} element {i}: {got} vs {want}"
-            );
-        }
     }
 
     #[test]
