@@ -108,6 +108,7 @@ pub use model::forward::{HiddenOutput, ModelInput, ModelOutput, ids_tensor};
 pub use model::recompute::{
     RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputePlan, RecomputedForward,
 };
+pub use nn::linear::DecodeWeights;
 pub use nn::moe::{MoeDispatch, MoeRouting};
 pub use paged::{PagedKvCache, RowId};
 pub use precision::Precision;

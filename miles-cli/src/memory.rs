@@ -7,13 +7,14 @@
 //! 2. the engine's served version: the trainer's own buffers, handed over in process at each
 //!    weight push ([`miles_core::InProcessWeights`]: no copy) and shared from the start when
 //!    the engine runs on the trainer's device (a separate rollout device loads its own);
-//! 3. the engine's decode copies (`EngineConfig::specialised_path`): on flex in `f32` with
-//!    AVX-512F every projection, the experts and `lm_head` packed into panels, about one more
-//!    copy; with AVX2 and FMA only, the routed experts of MoE layers alone (the dense
-//!    projections and `lm_head` are multiplied where they lie, q / k / v and gate / up read
-//!    as one matmul each: a dense model has none); elsewhere q / k / v and gate / up stacked
-//!    and the projections stored transposed, about one more copy in the engine's precision.
-//!    Rebuilt at every push.
+//! 3. the engine's decode copies (`EngineConfig::specialised_path`; `miles train` sets
+//!    `EngineConfig::decode_weights` to `DecodeWeights::InPlace`): on flex in `f32` with
+//!    AVX-512F or AVX2 and FMA, the routed experts of MoE layers alone (the dense projections
+//!    and `lm_head` are multiplied where they lie, q / k / v and gate / up read as one matmul
+//!    each: a dense model has none); elsewhere q / k / v and gate / up stacked and the
+//!    projections stored transposed, about one more copy in the engine's precision. Rebuilt
+//!    at every push. (A standalone engine, `miles serve`, packs the dense weights into
+//!    panels with AVX-512F instead: one more copy, the faster decode above a few rows.)
 //!
 //! With `--offload-rollout` (Miles' flag; on by default for `miles train`, as Miles'
 //! `--colocate` sets it) the engine releases its served version, its decode copies and (level

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use miles_bridge::{CausalLm, Precision, RecomputeConfig};
+use miles_bridge::{CausalLm, DecodeWeights, Precision, RecomputeConfig};
 use miles_core::{
     InferenceEngine, JsonlMetricsSink, MemoryTag, MetricsSink, PolicyTrainer, RewardFn,
     SamplingParams,
@@ -380,6 +380,9 @@ fn engines(
             seed: c.seed,
             precision: c.precision,
             recompute_logprobs_via_prefill: recompute,
+            // The engine serves the trainer's own buffers: its decode matmuls read them in
+            // place (no copy held beside the trainer's weights, nothing rebuilt at a push).
+            decode_weights: DecodeWeights::InPlace,
             ..miles_engine::EngineConfig::default()
         };
         return Ok(crate::wiring::embedded_engine_with(model, &c.hf, config)?);
@@ -551,7 +554,7 @@ fn memory_plan(
         // The trainer's model is f32 on the trainer's device; an engine in another precision
         // or on another device is counted as copying everything.
         engine_decode_copy_params: if engine_bytes == 4 && engine_on_trainer_device {
-            model.decode_copy_params() as u64
+            model.decode_copy_params(DecodeWeights::InPlace) as u64
         } else {
             model.num_params() as u64
         },

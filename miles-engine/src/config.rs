@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use miles_bridge::Precision;
+use miles_bridge::{DecodeWeights, Precision};
 use miles_core::WeightVersion;
 use serde_json::Value;
 
@@ -212,8 +212,9 @@ pub struct EngineConfig {
     pub compute_threads: Option<usize>,
     /// Runs the forward steps on the path specialised for inference and the device: q / k / v
     /// and gate / up projections fused into one matmul each (`CausalLm::fuse_projections`: on
-    /// flex in `f32` packed into panels once per weight version with AVX-512F, over the served
-    /// weights in place with AVX2 only, elsewhere stacked once per weight version; on flex,
+    /// flex in `f32` packed into panels once per weight version with AVX-512F or read in place,
+    /// as [`EngineConfig::decode_weights`] says, over the served weights in place with AVX2
+    /// only, elsewhere stacked once per weight version; on flex,
     /// small matmuls split over both cores), and on
     /// flex MoE layers apply only the chosen experts at every step (decode
     /// included, where the generic `Auto` dispatch runs every expert on every token). Log-prob recompute
@@ -222,6 +223,15 @@ pub struct EngineConfig {
     /// the same greedy tokens and log-probs equal to float rounding (tested on every
     /// architecture).
     pub specialised_path: bool,
+    /// Where the specialised path's decode matmuls read dense weights from on flex in `f32`
+    /// (`CausalLm::fuse_projections_with`): [`DecodeWeights::Packed`] (default) packs them
+    /// into panels with AVX-512F, one more copy of every dense weight, rebuilt at every
+    /// update, the faster decode above a few rows; [`DecodeWeights::InPlace`] multiplies
+    /// the served weights where they lie (AVX-512F or AVX2), what an engine sharing the
+    /// trainer's buffers wants (`miles train` / `train-async` set it: no weight copy held
+    /// while the trainer trains, and a weight update rebuilds nothing). With AVX2 only both
+    /// read in place.
+    pub decode_weights: DecodeWeights,
     /// The dtype the engine holds its weights in and computes with (Miles' `--bf16` /
     /// `--fp16`; default f32): the model handed to the builder is cast once, every weight
     /// update is loaded straight into it, and the fused / packed copies and the KV cache
@@ -229,6 +239,13 @@ pub struct EngineConfig {
     /// this precision, so with the trainer's scoring and the same precision on the trainer,
     /// recomputed log-probs equal the trainer's.
     pub precision: Precision,
+}
+
+impl EngineConfig {
+    /// The specialised path's decode layout, `None` for the generic path.
+    pub(crate) fn specialised(&self) -> Option<DecodeWeights> {
+        self.specialised_path.then_some(self.decode_weights)
+    }
 }
 
 impl Default for EngineConfig {
@@ -246,6 +263,7 @@ impl Default for EngineConfig {
             initial_version: WeightVersion(0),
             compute_threads: None,
             specialised_path: true,
+            decode_weights: DecodeWeights::Packed,
             precision: Precision::F32,
         }
     }

@@ -143,7 +143,7 @@ impl Scheduler {
             .filter(|&l| c.is_moe_layer(l))
             .count();
         let route_width = moe_layers * c.num_experts_per_tok;
-        let step = step_model(&model, config.specialised_path);
+        let step = step_model(&model, config.specialised());
         let mut config = config;
         let per_token = PagedKvCache::bytes_per_token(&step);
         let device = step.lm_head_weight().device();
@@ -523,7 +523,7 @@ impl Scheduler {
             // built, so an update never holds two versions' copies at once.
             self.drop_served_weights();
             self.model = Arc::new(*model);
-            self.step = Arc::new(step_model(&self.model, self.config.specialised_path));
+            self.step = Arc::new(step_model(&self.model, self.config.specialised()));
             self.released.weights = false;
             self.publish_released();
             self.shared.version.store(version.0, Ordering::SeqCst);

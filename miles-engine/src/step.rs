@@ -2,7 +2,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
-use miles_bridge::{CausalLm, ModelInput, MoeDispatch};
+use miles_bridge::{CausalLm, DecodeWeights, ModelInput, MoeDispatch};
 use miles_ops::fused::FusedLogProbConfig;
 use miles_r3::Fallthrough;
 
@@ -160,14 +160,15 @@ pub(crate) fn read_step(
 }
 
 /// The model the engine's forward steps run for `model`'s weights (sharing them). With the
-/// specialised path: q / k / v and gate / up projections fused into one matmul each over
-/// weights stacked here ([`CausalLm::fuse_projections`]), and on flex MoE layers dispatch
-/// sparsely at every batch size. Built anew from every weight version, so no step ever runs
-/// on a previous version's weights (or their stacked copies).
-pub(crate) fn step_model(model: &CausalLm, specialised: bool) -> CausalLm {
+/// specialised path (`Some(decode)`): q / k / v and gate / up projections fused into one
+/// matmul each ([`CausalLm::fuse_projections_with`]: packed panels or the weights read in
+/// place, as `decode` says), and on flex MoE layers dispatch sparsely at every batch size.
+/// Built anew from every weight version, so no step ever runs on a previous version's
+/// weights (or their packed copies).
+pub(crate) fn step_model(model: &CausalLm, specialised: Option<DecodeWeights>) -> CausalLm {
     let mut step = model.clone();
-    if specialised {
-        step.fuse_projections();
+    if let Some(decode) = specialised {
+        step.fuse_projections_with(decode);
         if miles_ops::device::is_flex(&model.lm_head_weight().device()) {
             step.set_moe_dispatch(MoeDispatch::Sparse);
         }

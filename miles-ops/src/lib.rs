@@ -52,8 +52,9 @@
 //!   vectorised host row passes (log-sum-exp, tempered weights, greedy pick);
 //! - [`packed`]: forward-only decode matmuls on flex with AVX-512F over weights packed once per
 //!   weight version into 32-column panels (projections, `lm_head`, MoE experts);
-//! - [`rows`]: forward-only decode matmuls on flex with AVX-512F or AVX2 over weights read in
-//!   place in their HF layout (no copy; the engine's path where [`packed`] does not apply);
+//! - [`rows`]: forward-only decode matmuls on flex with AVX-512F (and VL) or AVX2 over weights
+//!   read in place in their HF layout (no copy; the engine's path where [`packed`] does not
+//!   apply, or where it is asked to copy nothing, as `miles train`'s engine is);
 //! - [`paged`]: decode attention over a paged KV pool;
 //! - [`device`]: the one `--device` parser (`flex`, `wgpu[:N]`, `wgpu-cpu`, `cuda[:N]`);
 //! - [`kernels`]: the CubeCL kernels (feature `wgpu`, or `cuda`) are registered as burn

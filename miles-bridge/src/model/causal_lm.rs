@@ -20,7 +20,7 @@ use crate::nn::attention::{Attention, AttentionShape};
 use crate::nn::biased_moe::{BiasedMoeBlock, BiasedMoeShape};
 use crate::nn::gated_delta::GatedDeltaNet;
 use crate::nn::layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};
-use crate::nn::linear::{FusedLinear, Linear};
+use crate::nn::linear::{DecodeWeights, FusedLinear, Linear};
 use crate::nn::mla::LatentAttention;
 use crate::nn::mlp::Mlp;
 use crate::nn::moe::{Experts, MoeBlock, MoeDispatch, PackedMoe, TopkRouter};
@@ -101,10 +101,11 @@ impl CausalLm {
     /// Prepares the model for inference on its current weights: each attention's q / k / v
     /// projections and each SwiGLU MLP's (dense and shared experts) gate / up projections
     /// become one matmul ([`FusedLinear`], adapters merged): on flex in `f32` packed once here
-    /// into panels with AVX-512F, or with AVX2 only over the layers' own buffers, read in
-    /// place ([`miles_ops::rows`], `o` / `down` / `lm_head` too: no copy, see
-    /// [`CausalLm::decode_copy_params`]); elsewhere over weights stacked once here, run with
-    /// the output / down projections and `lm_head` through [`miles_ops::linear()`] (small
+    /// into panels with AVX-512F ([`DecodeWeights::Packed`], what this method chooses), or
+    /// over the layers' own buffers, read in place ([`miles_ops::rows`], `o` / `down` /
+    /// `lm_head` too: no copy, see [`CausalLm::decode_copy_params`]) with AVX2 only or with
+    /// [`DecodeWeights::InPlace`] ([`CausalLm::fuse_projections_with`]); elsewhere over
+    /// weights stacked once here, run with the output / down projections and `lm_head` through [`miles_ops::linear()`] (small
     /// matmuls split over both cores on flex). The fused layers do not follow later changes
     /// to the parameters (an optimizer step writes shared buffers anew, copy-on-write): call
     /// this on a model whose weights no longer change (the embedded engine builds its step
@@ -113,18 +114,23 @@ impl CausalLm {
     /// layers, and Gated DeltaNet layers (their four input projections as one matmul,
     /// `out_proj` through one); latent-attention layers keep their projections.
     pub fn fuse_projections(&mut self) {
-        self.packed_lm_head = Some(FusedLinear::from_weight(self.lm_head_weight()));
+        self.fuse_projections_with(DecodeWeights::default());
+    }
+
+    /// [`CausalLm::fuse_projections`] with the dense weights' decode layout chosen by `decode`.
+    pub fn fuse_projections_with(&mut self, decode: DecodeWeights) {
+        self.packed_lm_head = Some(FusedLinear::from_weight(self.lm_head_weight(), decode));
         for layer in &mut self.model.layers {
             match &mut layer.self_attn {
-                SelfAttention::Grouped(a) => a.fuse(),
-                SelfAttention::Linear(linear) => linear.fuse(),
+                SelfAttention::Grouped(a) => a.fuse(decode),
+                SelfAttention::Linear(linear) => linear.fuse(decode),
                 SelfAttention::Latent(_) => {}
             }
             match &mut layer.mlp {
-                FeedForward::Dense(mlp) => mlp.fuse(),
+                FeedForward::Dense(mlp) => mlp.fuse(decode),
                 FeedForward::Moe(moe) => {
                     if let Some(shared) = &mut moe.shared_experts {
-                        shared.fuse();
+                        shared.fuse(decode);
                     }
                     moe.packed = Some(PackedMoe {
                         gate_up: miles_ops::PackedExperts::glu(
@@ -140,17 +146,19 @@ impl CausalLm {
         }
     }
 
-    /// Parameters [`CausalLm::fuse_projections`] copies into decode layouts instead of reading
-    /// them in place. On flex in `f32` with AVX2 and FMA but not AVX-512F the dense
-    /// projections, linear attention's and `lm_head` are multiplied where they lie
-    /// ([`miles_ops::rows`]), so only the routed experts of MoE layers are copied (strided
-    /// per expert); elsewhere every parameter is counted (packed panels with AVX-512F; an
-    /// upper bound on other devices: projections stacked or stored transposed).
-    pub fn decode_copy_params(&self) -> usize {
+    /// Parameters [`CausalLm::fuse_projections_with`]`(decode)` copies into decode layouts
+    /// instead of reading them in place. Where the in-place kernels run (flex, `f32`, AVX2 and
+    /// FMA or AVX-512F) and are chosen (always with AVX2 only; with AVX-512F for
+    /// [`DecodeWeights::InPlace`]) the dense projections, linear attention's and `lm_head`
+    /// are multiplied where they lie ([`miles_ops::rows`]), so only the routed experts of
+    /// MoE layers are copied (strided per expert); elsewhere every parameter is counted
+    /// (packed panels; an upper bound on other devices: projections stacked or stored
+    /// transposed).
+    pub fn decode_copy_params(&self, decode: DecodeWeights) -> usize {
         let w = self.lm_head_weight();
-        if miles_ops::packed::applies(&w.device(), w.dtype())
-            || !miles_ops::rows::applies(&w.device(), w.dtype())
-        {
+        let packs =
+            decode == DecodeWeights::Packed && miles_ops::packed::applies(&w.device(), w.dtype());
+        if packs || !miles_ops::rows::applies(&w.device(), w.dtype()) {
             return self.num_params();
         }
         let size = |p: &Param<Tensor<3>>| p.val().dims().iter().product::<usize>();

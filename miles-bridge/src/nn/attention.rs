@@ -8,7 +8,7 @@ use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
 use crate::error::BridgeError;
 use crate::kv_cache::LayerCache;
 use crate::kv_pool::LayerStep;
-use crate::nn::linear::{FusedLinear, Linear};
+use crate::nn::linear::{DecodeWeights, FusedLinear, Linear};
 use crate::nn::norm::RmsNorm;
 use crate::nn::param::{Builder, ParamVisitor};
 use crate::nn::rope::Rope;
@@ -227,13 +227,12 @@ impl Attention {
     }
 
     /// Fuses `q_proj`, `k_proj` and `v_proj` for inference (see [`FusedLinear`]).
-    pub fn fuse(&mut self) {
-        self.fused_qkv = Some(FusedLinear::new(&[
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-        ]));
-        self.packed_o = Some(FusedLinear::new(&[&self.o_proj]));
+    pub fn fuse(&mut self, decode: DecodeWeights) {
+        self.fused_qkv = Some(FusedLinear::new(
+            &[&self.q_proj, &self.k_proj, &self.v_proj],
+            decode,
+        ));
+        self.packed_o = Some(FusedLinear::new(&[&self.o_proj], decode));
     }
 
     fn heads(&self, x: Tensor<2>, batch: usize, seq: usize, heads: usize) -> Tensor<4> {

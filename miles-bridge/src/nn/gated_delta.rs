@@ -28,7 +28,7 @@ use burn::tensor::{Bool, DType, FloatDType, Tensor};
 
 use crate::config::LinearAttentionConfig;
 use crate::error::BridgeError;
-use crate::nn::linear::{FusedLinear, Linear};
+use crate::nn::linear::{DecodeWeights, FusedLinear, Linear};
 use crate::nn::norm::RmsNorm;
 use crate::nn::param::{Builder, Init, ParamRef, ParamVisitor};
 use crate::profile::{self, OpClass};
@@ -222,14 +222,17 @@ impl GatedDeltaNet {
 
     /// Stacks the input projections into one [`FusedLinear`] and puts `out_proj` through
     /// one, for inference on weights that no longer change (`CausalLm::fuse_projections`).
-    pub(crate) fn fuse(&mut self) {
-        self.fused_in = Some(FusedLinear::new(&[
-            &self.in_proj_qkv,
-            &self.in_proj_z,
-            &self.in_proj_b,
-            &self.in_proj_a,
-        ]));
-        self.packed_out = Some(FusedLinear::new(&[&self.out_proj]));
+    pub(crate) fn fuse(&mut self, decode: DecodeWeights) {
+        self.fused_in = Some(FusedLinear::new(
+            &[
+                &self.in_proj_qkv,
+                &self.in_proj_z,
+                &self.in_proj_b,
+                &self.in_proj_a,
+            ],
+            decode,
+        ));
+        self.packed_out = Some(FusedLinear::new(&[&self.out_proj], decode));
     }
 
     fn conv_dim(&self) -> usize {

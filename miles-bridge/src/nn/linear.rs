@@ -95,6 +95,26 @@ pub struct FusedLinear {
     pub widths: Vec<usize>,
 }
 
+/// Where the engine's decode matmuls read dense weights from, on flex in `f32` (what
+/// [`crate::CausalLm::fuse_projections_with`] asks of every [`FusedLinear`]).
+///
+/// On a CPU with AVX-512F both kernels run: the packed panels are the faster decode at batch
+/// rows above a few (at Qwen3-0.6B's shapes, 32 rows: the in-place kernels take about 1.25x
+/// the panels' time; 8 rows and fewer: about the same, both bound by reading the weights) but are
+/// one more copy of every dense weight, built at every weight update; the in-place kernels
+/// copy nothing. With AVX2 only the in-place kernels are the only ones, whatever is asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeWeights {
+    /// Packed panels where they apply (AVX-512F), else in place (AVX2): the fastest decode,
+    /// for an engine that holds its weights alone (`miles serve`).
+    #[default]
+    Packed,
+    /// Read in place wherever the in-place kernels apply (AVX-512F or AVX2): no copy of a
+    /// dense weight and nothing rebuilt at a weight update, for an engine that serves the
+    /// trainer's own buffers (`miles train`, `miles train-async`).
+    InPlace,
+}
+
 /// How a [`FusedLinear`] stores its stacked weight.
 #[derive(Debug, Clone)]
 pub enum FusedWeight {
@@ -103,16 +123,16 @@ pub enum FusedWeight {
     Hf(Tensor<2>),
     /// `[in, Σ out]` contiguous (flex without the AVX-512F or AVX2 kernels).
     Transposed(Tensor<2>),
-    /// Panels for the packed decode kernel (flex, `f32`, AVX-512F).
+    /// Panels for the packed decode kernel (flex, `f32`, AVX-512F, [`DecodeWeights::Packed`]).
     Packed(miles_ops::packed::PackedMatrix),
     /// The layers' weights as they are, multiplied in place (flex, `f32`, AVX2 and FMA
-    /// without AVX-512F).
+    /// without AVX-512F, or AVX-512F with [`DecodeWeights::InPlace`]).
     Rows(miles_ops::rows::RowsMatrix),
 }
 
 impl FusedLinear {
-    /// Stacks `layers` (all with the same input width).
-    pub fn new(layers: &[&Linear]) -> Self {
+    /// Stacks `layers` (all with the same input width), the decode weights as `decode` says.
+    pub fn new(layers: &[&Linear], decode: DecodeWeights) -> Self {
         let weights: Vec<Tensor<2>> = layers.iter().map(|l| l.effective_weight()).collect();
         let widths: Vec<usize> = weights.iter().map(|w| w.dims()[0]).collect();
         let bias = layers.iter().any(|l| l.bias.is_some()).then(|| {
@@ -132,7 +152,9 @@ impl FusedLinear {
         // Packed straight from the layers' weights where the panels apply, else the weights
         // read in place where the in-place kernels do (no stacked intermediate either way);
         // else stacked once and stored as `from_weight` does.
-        let fused = miles_ops::packed::PackedMatrix::stacked(weights.clone())
+        let fused = packs(decode)
+            .then(|| miles_ops::packed::PackedMatrix::stacked(weights.clone()))
+            .flatten()
             .map(FusedWeight::Packed)
             .or_else(|| {
                 miles_ops::rows::RowsMatrix::stacked(weights.clone()).map(FusedWeight::Rows)
@@ -149,7 +171,7 @@ impl FusedLinear {
                 if miles_ops::runs_amx(&stacked) {
                     FusedWeight::Hf(stacked)
                 } else {
-                    Self::from_weight(stacked).weight
+                    Self::from_weight(stacked, decode).weight
                 }
             }
         };
@@ -165,10 +187,12 @@ impl FusedLinear {
     /// directly ([`miles_ops::packed::PackedMatrix::glu`], or
     /// [`miles_ops::rows::RowsMatrix::glu`] over the two weights in place); elsewhere the two
     /// stacked as [`FusedLinear::new`] does ([`FusedLinear::is_glu`] tells which).
-    pub fn glu(gate: &Linear, up: &Linear) -> Self {
+    pub fn glu(gate: &Linear, up: &Linear, decode: DecodeWeights) -> Self {
         if gate.bias.is_none() && up.bias.is_none() {
             let (g, u) = (gate.effective_weight(), up.effective_weight());
-            let fused = miles_ops::packed::PackedMatrix::glu(g.clone(), u.clone())
+            let fused = packs(decode)
+                .then(|| miles_ops::packed::PackedMatrix::glu(g.clone(), u.clone()))
+                .flatten()
                 .map(|p| (p.n, FusedWeight::Packed(p)))
                 .or_else(|| {
                     miles_ops::rows::RowsMatrix::glu(g, u).map(|r| (r.n, FusedWeight::Rows(r)))
@@ -181,7 +205,7 @@ impl FusedLinear {
                 };
             }
         }
-        Self::new(&[gate, up])
+        Self::new(&[gate, up], decode)
     }
 
     /// Whether [`FusedLinear::forward_all`] returns SwiGLU activations ([`FusedLinear::glu`]).
@@ -195,12 +219,15 @@ impl FusedLinear {
     }
 
     /// One layer without bias over `weight` `[out, in]` (e.g. tied embeddings as `lm_head`).
-    pub fn from_weight(weight: Tensor<2>) -> Self {
+    pub fn from_weight(weight: Tensor<2>, decode: DecodeWeights) -> Self {
         let widths = vec![weight.dims()[0]];
         let device = weight.device();
         let weight = if !miles_ops::device::is_flex(&device) {
             FusedWeight::Hf(weight)
-        } else if let Some(packed) = miles_ops::packed::PackedMatrix::new(weight.clone()) {
+        } else if let Some(packed) = packs(decode)
+            .then(|| miles_ops::packed::PackedMatrix::new(weight.clone()))
+            .flatten()
+        {
             FusedWeight::Packed(packed)
         } else if let Some(rows) = miles_ops::rows::RowsMatrix::new(weight.clone()) {
             FusedWeight::Rows(rows)
@@ -253,4 +280,9 @@ impl FusedLinear {
             })
             .collect()
     }
+}
+
+/// Whether `decode` lets a [`FusedLinear`] try the packed panels first.
+fn packs(decode: DecodeWeights) -> bool {
+    decode == DecodeWeights::Packed
 }

@@ -4,7 +4,7 @@ use burn::module::Module;
 use burn::tensor::Tensor;
 
 use crate::error::BridgeError;
-use crate::nn::linear::{FusedLinear, Linear};
+use crate::nn::linear::{DecodeWeights, FusedLinear, Linear};
 use crate::nn::param::{Builder, ParamVisitor};
 
 /// `silu(gate) * up`: one fused op on flex, tensor ops elsewhere (equal shapes by
@@ -69,9 +69,9 @@ impl Mlp {
     }
 
     /// Fuses `gate_proj` and `up_proj` for inference (see [`FusedLinear::glu`]).
-    pub fn fuse(&mut self) {
-        self.fused_gate_up = Some(FusedLinear::glu(&self.gate_proj, &self.up_proj));
-        self.packed_down = Some(FusedLinear::new(&[&self.down_proj]));
+    pub fn fuse(&mut self, decode: DecodeWeights) {
+        self.fused_gate_up = Some(FusedLinear::glu(&self.gate_proj, &self.up_proj, decode));
+        self.packed_down = Some(FusedLinear::new(&[&self.down_proj], decode));
     }
 
     /// Drops the inference-only fused copies ([`Mlp::fuse`]).

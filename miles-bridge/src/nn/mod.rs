@@ -23,7 +23,7 @@ pub use attention::{
 pub use biased_moe::BiasedMoeBlock;
 pub use gated_delta::{DELTA_CHUNK, GatedDeltaNet, LinearState};
 pub use layer::{DecoderLayer, DecoderModel, FeedForward, SelfAttention};
-pub use linear::{FusedLinear, FusedWeight, Linear};
+pub use linear::{DecodeWeights, FusedLinear, FusedWeight, Linear};
 pub use mla::LatentAttention;
 pub use mlp::Mlp;
 pub use moe::{Experts, MoeBlock, PackedMoe, TopkRouter};

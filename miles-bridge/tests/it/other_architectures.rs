@@ -273,39 +273,47 @@ fn qwen2_window_on_but_unused_matches_transformers() {
     }
 }
 
-/// The engine's decode layouts (`fuse_projections`) on flex in f32 with AVX2 (no AVX-512F)
-/// read a dense model's weights where they lie: q / k / v, gate / up, o, down and the tied
-/// `lm_head` are the layers' own buffers, and the model counts no decode copies; an MoE model
-/// copies its routed experts only. With AVX-512F they are packed panels (every parameter
-/// counted), as they are counted off these kernels.
+/// The engine's decode layouts on flex in f32 with the in-place kernels (AVX-512F or AVX2):
+/// with `DecodeWeights::InPlace` (what `miles train` asks for), and with the default on a CPU
+/// without AVX-512F, q / k / v, gate / up, o, down and the tied `lm_head` are the layers' own
+/// buffers, and the model counts no decode copies; an MoE model copies its routed experts
+/// only. The default with AVX-512F packs panels (every parameter counted), as every parameter
+/// is counted off these kernels.
 #[test]
 fn fused_projections_read_dense_weights_in_place() {
+    use miles_bridge::DecodeWeights;
     use miles_bridge::nn::{FeedForward, FusedWeight, SelfAttention};
     let device = Device::flex();
-    let mut model = CausalLm::from_pretrained(fixture("qwen3-tiny"), &device).unwrap();
-    let before = model.num_params();
-    model.fuse_projections();
-    if miles_ops::packed::supported() && miles_ops::fused_ops_enabled() {
-        // AVX-512F: packed panels, one more copy.
-        let SelfAttention::Grouped(a) = &model.model.layers[0].self_attn else {
-            panic!("qwen3 attention")
-        };
-        assert!(matches!(
-            a.fused_qkv.as_ref().unwrap().weight,
-            FusedWeight::Packed(_)
-        ));
-        assert_eq!(model.decode_copy_params(), before);
-        return;
-    }
+    let loaded = CausalLm::from_pretrained(fixture("qwen3-tiny"), &device).unwrap();
+    let before = loaded.num_params();
     if !miles_ops::rows::supported() || !miles_ops::fused_ops_enabled() {
         assert!(
             std::env::var_os("MILES_REQUIRE_KERNEL_TESTS").is_none(),
             "MILES_REQUIRE_KERNEL_TESTS is set but this CPU has neither AVX-512F nor AVX2"
         );
-        assert_eq!(model.decode_copy_params(), before);
+        assert_eq!(loaded.decode_copy_params(DecodeWeights::InPlace), before);
         return;
     }
-    assert_eq!(model.decode_copy_params(), 0);
+    let first_qkv = |model: &CausalLm| {
+        let SelfAttention::Grouped(a) = &model.model.layers[0].self_attn else {
+            panic!("qwen3 attention")
+        };
+        a.fused_qkv.as_ref().unwrap().weight.clone()
+    };
+    let mut default = loaded.clone();
+    default.fuse_projections();
+    if miles_ops::packed::supported() {
+        // AVX-512F, the default: packed panels, one more copy.
+        assert!(matches!(first_qkv(&default), FusedWeight::Packed(_)));
+        assert_eq!(default.decode_copy_params(DecodeWeights::Packed), before);
+    } else {
+        // AVX2 only: in place whatever is asked.
+        assert!(matches!(first_qkv(&default), FusedWeight::Rows(_)));
+        assert_eq!(default.decode_copy_params(DecodeWeights::Packed), 0);
+    }
+    let mut model = loaded;
+    model.fuse_projections_with(DecodeWeights::InPlace);
+    assert_eq!(model.decode_copy_params(DecodeWeights::InPlace), 0);
     let reads =
         |fused: &Option<miles_bridge::nn::FusedLinear>, w: &burn::tensor::Tensor<2>| match &fused
             .as_ref()
@@ -344,7 +352,7 @@ fn fused_projections_read_dense_weights_in_place() {
         .count();
     assert!(moe_layers > 0);
     assert_eq!(
-        moe.decode_copy_params(),
+        moe.decode_copy_params(DecodeWeights::InPlace),
         moe_layers * c.n_routed_experts * 3 * c.moe_intermediate_size * c.hidden_size
     );
 }

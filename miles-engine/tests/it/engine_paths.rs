@@ -4,13 +4,15 @@
 //! in parallel) against the generic path every other device runs, on every architecture
 //! fixture in `fixtures/models/` (DeepSeek-V3 MLA included); and weight updates reaching the
 //! specialised path (a swapped version never decodes with the previous version's weights or
-//! their stacked copies).
+//! their stacked copies). On a CPU with AVX-512F the specialised path runs twice, its dense
+//! weights packed into panels (the default) and read in place (`DecodeWeights::InPlace`, what
+//! `miles train` asks for); elsewhere the two are the same path.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use miles_bridge::CausalLm;
+use miles_bridge::{CausalLm, DecodeWeights};
 use miles_core::{
     DType, EngineErrorKind, GenerateOutput, GenerateRequest, InProcessWeights, InferenceEngine,
     InputLogprobRequest, MemoryTag, NamedTensors, SamplingParams, TensorBytes, WeightVersion,
@@ -38,14 +40,16 @@ fn load(name: &str) -> CausalLm {
     CausalLm::from_pretrained(&dir, &Device::flex()).expect("fixture loads")
 }
 
-fn engine(model: CausalLm, specialised: bool) -> Arc<EmbeddedEngine> {
+/// An engine on the specialised path with `decode` weights, or on the generic path (`None`).
+fn engine(model: CausalLm, specialised: Option<DecodeWeights>) -> Arc<EmbeddedEngine> {
     Arc::new(
         EmbeddedEngine::new(
             model,
             EngineConfig {
                 recompute_logprobs_via_prefill: false,
                 prefix_cache_tokens: 0,
-                specialised_path: specialised,
+                specialised_path: specialised.is_some(),
+                decode_weights: specialised.unwrap_or_default(),
                 ..EngineConfig::default()
             },
         )
@@ -92,11 +96,19 @@ async fn run_all(engine: &Arc<EmbeddedEngine>, reqs: Vec<GenerateRequest>) -> Ve
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_specialised_path_equals_the_generic_one_on_every_architecture() {
-    for name in ARCHITECTURES {
+    let mut layouts = vec![DecodeWeights::Packed];
+    if miles_ops::packed::supported() && miles_ops::rows::supported() {
+        layouts.push(DecodeWeights::InPlace);
+    }
+    for (name, decode) in ARCHITECTURES
+        .iter()
+        .flat_map(|name| layouts.iter().map(move |d| (*name, *d)))
+    {
         let model = load(name);
         let vocab = model.config.vocab_size as u32;
-        let fast = run_all(&engine(model.clone(), true), requests(vocab)).await;
-        let generic = run_all(&engine(model, false), requests(vocab)).await;
+        let fast = run_all(&engine(model.clone(), Some(decode)), requests(vocab)).await;
+        let generic = run_all(&engine(model, None), requests(vocab)).await;
+        let name = format!("{name} ({decode:?})");
         for (i, (a, b)) in fast.iter().zip(&generic).enumerate() {
             assert_eq!(a.output_ids, b.output_ids, "{name}: request {i} tokens");
             assert_eq!(a.output_ids.len(), 10 + i, "{name}: request {i} length");
@@ -132,10 +144,15 @@ fn scaled_weights(model: &CausalLm, factor: f32) -> NamedTensors {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_weight_update_reaches_the_specialised_path() {
-    for name in ["glm4moe-tiny", "qwen3-tiny", "dsv3-tiny"] {
+    for (name, decode) in [
+        ("glm4moe-tiny", DecodeWeights::Packed),
+        ("qwen3-tiny", DecodeWeights::Packed),
+        ("qwen3-tiny", DecodeWeights::InPlace),
+        ("dsv3-tiny", DecodeWeights::Packed),
+    ] {
         let model = load(name);
         let vocab = model.config.vocab_size as u32;
-        let live = engine(model.clone(), true);
+        let live = engine(model.clone(), Some(decode));
         let before = run_all(&live, requests(vocab)).await;
         let weights = scaled_weights(&model, 1.7);
         live.update_weights(&weights, WeightVersion(1))
@@ -157,7 +174,7 @@ async fn a_weight_update_reaches_the_specialised_path() {
             &Device::flex(),
         )
         .expect("new model");
-        let fresh = run_all(&engine(new_model, true), requests(vocab)).await;
+        let fresh = run_all(&engine(new_model, Some(decode)), requests(vocab)).await;
         assert!(
             before
                 .iter()
@@ -195,7 +212,7 @@ async fn a_weight_update_reaches_the_specialised_path() {
 async fn released_memory_comes_back_with_the_next_update() {
     let model = load("qwen3-tiny");
     let vocab = model.config.vocab_size as u32;
-    let live = engine(model.clone(), true);
+    let live = engine(model.clone(), Some(DecodeWeights::Packed));
     let before = run_all(&live, requests(vocab)).await;
     let both = [MemoryTag::KvCache, MemoryTag::Weights];
     assert!(
@@ -262,7 +279,7 @@ async fn released_memory_comes_back_with_the_next_update() {
 async fn a_release_sent_while_sequences_decode_is_answered_once_they_finish() {
     let model = load("qwen3-tiny");
     let vocab = model.config.vocab_size as u32;
-    let live = engine(model, true);
+    let live = engine(model, Some(DecodeWeights::InPlace));
     const NEW: usize = 240;
     let running: Vec<_> = (0..8u32)
         .map(|i| {
