@@ -2,7 +2,7 @@
 //! (flex, `f32`, CPUs with AVX-512F and AVX-512VL, or AVX2 and FMA): no copy of the weights,
 //! where [`crate::packed`]'s panels are one more copy of the model. At Qwen3-0.6B's shapes on
 //! an Intel Xeon (Sapphire Rapids) the panels are faster from about 8 input rows (32 rows:
-//! these kernels take about 1.3x their time) and equal below (both read the weights at the
+//! these kernels take 1.3–1.5x their time) and equal at one (both read the weights at the
 //! memory's speed).
 //!
 //! [`crate::packed`] packs each weight once per weight version into column panels, which

@@ -99,8 +99,9 @@ pub struct FusedLinear {
 /// [`crate::CausalLm::fuse_projections_with`] asks of every [`FusedLinear`]).
 ///
 /// On a CPU with AVX-512F both kernels run: the packed panels are the faster decode at batch
-/// rows above a few (at Qwen3-0.6B's shapes, 32 rows: the in-place kernels take about 1.25x
-/// the panels' time; 8 rows and fewer: about the same, both bound by reading the weights) but are
+/// rows above a few (at Qwen3-0.6B's shapes on an Intel Xeon, 32 rows: the in-place kernels
+/// take 1.3–1.5x the panels' time, 8 rows 1.05–1.2x, one row the same: both are bound by
+/// reading the weights there) but are
 /// one more copy of every dense weight, built at every weight update; the in-place kernels
 /// copy nothing. With AVX2 only the in-place kernels are the only ones, whatever is asked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

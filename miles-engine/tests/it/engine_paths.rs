@@ -297,14 +297,18 @@ async fn a_release_sent_while_sequences_decode_is_answered_once_they_finish() {
             tokio::spawn(async move { e.generate(r).await })
         })
         .collect();
-    // Bounded wait for the first decode step.
+    // Bounded wait until all 8 decode together: a request that reaches the engine after the
+    // release is held until a resume (as `miles train` wants), which this test never sends,
+    // so releasing before the last task's request arrived would leave it waiting.
     for _ in 0..30_000 {
-        if live.stats().decode_steps > 0 {
+        if live.stats().max_batch == 8 {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
-    let generated = live.stats().generated_tokens;
+    let stats = live.stats();
+    assert_eq!(stats.max_batch, 8, "the 8 sequences never decoded together");
+    let generated = stats.generated_tokens;
     assert!(
         generated > 0 && generated < 8 * NEW as u64,
         "the release must be sent mid-decode ({generated} tokens generated)"
@@ -323,7 +327,11 @@ async fn a_release_sent_while_sequences_decode_is_answered_once_they_finish() {
         vec![MemoryTag::Weights, MemoryTag::KvCache]
     );
     for handle in running {
-        let out = handle.await.expect("task").expect("generate");
+        let out = tokio::time::timeout(std::time::Duration::from_secs(120), handle)
+            .await
+            .expect("a sequence running at the release finishes")
+            .expect("task")
+            .expect("generate");
         assert_eq!(out.output_ids.len(), NEW);
         assert_eq!(out.output_log_probs.len(), NEW);
     }
