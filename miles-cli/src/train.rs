@@ -1198,10 +1198,12 @@ async fn train(a: &TrainArgs, asynchronous: bool) -> Result<Outcome, BoxError> {
         summary["eval_after"] = json!(after);
     }
     // The engine is done: its decode copies and pool go back before the final checkpoint is
-    // exported (the export's host copy of the weights would otherwise come on top of them).
+    // exported (the export's host copy of the weights would otherwise come on top of them),
+    // and so do the gradient buffers the trainer kept for its next step.
     engine
         .release_memory_occupation(&[MemoryTag::KvCache, MemoryTag::Weights])
         .await?;
+    miles_ops::drop_result_buffers();
     let (weights, version) = {
         let guard = trainer
             .lock()

@@ -267,6 +267,8 @@ pub fn write_final_outputs(
     out: &Path,
     eval_key: &str,
 ) -> Result<u64, crate::error::Error> {
+    // The gradient buffers the trainer kept for a next step are not needed any more.
+    miles_ops::drop_result_buffers();
     let (weights, version) = {
         let guard = trainer
             .lock()

@@ -7,11 +7,14 @@
 //! flex (`f32`) [`adamw_update`] is one backend op ([`AdamWOps`]) that reads the gradient once
 //! and updates the parameter and both moments in place (when nothing else holds their
 //! buffers; a shared buffer is copied first, so a tensor held elsewhere never changes), split
-//! over the cores with rayon. Both round the same way: every product, sum, square root and
+//! over the cores with rayon. The gradient's buffer then goes to [`crate::recycle`] (kept for
+//! the next step's gradient within the limit a trainer set), or, when the parameter is held
+//! elsewhere (an engine serving this version), it becomes the new parameter's buffer. Both round the same way: every product, sum, square root and
 //! quotient in `f32`, in the order written above, with the scalars rounded from `f64` once.
 
-use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
-use burn::tensor::{DType, Tensor};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::{Backend, Dispatch, Flex, Shape, backend_extension, tensor::FloatTensor};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use rayon::prelude::*;
 
 use crate::flex::tensor::{as_f32, dims, f32_data, tensor};
@@ -109,6 +112,19 @@ pub fn adamw_update(
     ))
 }
 
+/// A zero moment `[n]` (`f32`) for a parameter's first update, on `device`. On flex a zeroed
+/// `f32` buffer taken as it is: flex's own zeros allocate a second, aligned buffer and copy
+/// the zeros into it on the calling thread (two weight-sized writes per moment), while fresh
+/// pages from the allocator are zero without a write and [`adamw_update`] first touches them
+/// on the cores it runs on. Elsewhere `Tensor::zeros`.
+pub fn adamw_zero_moment(n: usize, device: &Device) -> Tensor<1> {
+    if crate::device::is_flex(device) {
+        Tensor::from_data(TensorData::new(vec![0.0f32; n], [n]), device)
+    } else {
+        Tensor::zeros([n], device)
+    }
+}
+
 /// [`adamw_update`] with tensor ops (one pass and one fresh buffer per operation).
 pub fn adamw_update_reference(
     p: Tensor<1>,
@@ -178,30 +194,52 @@ impl AdamWOps for Flex {
         scalars: [f32; 9],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let g = as_f32(g);
-        let g = f32_data(&g);
         let (p, mut m, mut v) = (dense(p), dense(m), dense(v));
         // The moments are the optimizer's own (copied first if anything else holds them).
         let (ms, vs) = (m.storage_mut::<f32>(), v.storage_mut::<f32>());
-        let moments = ms
-            .par_chunks_mut(CHUNK)
-            .zip(vs.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK));
+        let moments = ms.par_chunks_mut(CHUNK).zip(vs.par_chunks_mut(CHUNK));
+        let n = p.layout().num_elements();
         let p = if p.is_unique() {
             let mut p = p;
+            {
+                let gs = f32_data(&g);
+                moments
+                    .zip(gs.par_chunks(CHUNK))
+                    .zip(p.storage_mut::<f32>().par_chunks_mut(CHUNK))
+                    .for_each(|(((m, v), g), p)| {
+                        for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                            *p = update(*p, m, v, g, &scalars);
+                        }
+                    });
+            }
+            // The gradient's buffer may serve the next step's gradient ([`crate::recycle`]).
+            crate::matmul::recycle_flex(g);
+            p
+        } else if g.is_unique()
+            && g.layout().contiguous_offsets() == Some((0, n))
+            && g.bytes().len() == n * 4
+        {
+            // Held elsewhere too (the engine serving this version): the new values go into
+            // the gradient's own buffer, read and written in the same pass, instead of a new
+            // buffer of the parameter's size.
+            let shape = dims(&p);
+            let mut out = g;
             moments
-                .zip(p.storage_mut::<f32>().par_chunks_mut(CHUNK))
-                .for_each(|(((m, v), g), p)| {
-                    for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
-                        *p = update(*p, m, v, g, &scalars);
+                .zip(out.storage_mut::<f32>().par_chunks_mut(CHUNK))
+                .zip(p.storage::<f32>().par_chunks(CHUNK))
+                .for_each(|(((m, v), out), p)| {
+                    for (((out, &p), m), v) in out.iter_mut().zip(p).zip(m).zip(v) {
+                        *out = update(p, m, v, *out, &scalars);
                     }
                 });
-            p
+            <Flex as FloatTensorOps<Flex>>::float_reshape(out, Shape::from(shape))
         } else {
-            // Held elsewhere too (the engine serving this version): the new values go to a
-            // new buffer in the same pass instead of a copy first.
+            // Held elsewhere, and so is the gradient: a new buffer, written in the same pass.
             let shape = dims(&p);
-            let mut out = vec![0.0f32; g.len()];
+            let gs = f32_data(&g);
+            let mut out = vec![0.0f32; gs.len()];
             moments
+                .zip(gs.par_chunks(CHUNK))
                 .zip(out.par_chunks_mut(CHUNK))
                 .zip(p.storage::<f32>().par_chunks(CHUNK))
                 .for_each(|((((m, v), g), out), p)| {
@@ -287,11 +325,18 @@ mod tests {
             .map(|x| x.into_data().try_to_vec::<f32>().unwrap())
             .collect();
         // Once with buffers nothing else holds (updated in place), once with the parameter and
-        // the moments also held here (new buffers; the held ones must not change).
-        for shared in [false, true] {
+        // the moments also held here (the new parameter written into the gradient's buffer,
+        // new moments; the held ones must not change), once with the gradient held too (a new
+        // buffer; the held gradient must not change either).
+        for (shared, grad_held) in [(false, false), (true, false), (true, true)] {
             let (p0, m0, v0) = (t(&p, &device), t(&m, &device), t(&v, &device));
             let held = shared.then(|| (p0.clone(), m0.clone(), v0.clone()));
-            let (fp, fm, fv) = adamw_update(p0, t(&g, &device), m0, v0, &hyper).unwrap();
+            let g0 = t(&g, &device);
+            let g_held = grad_held.then(|| g0.clone());
+            let (fp, fm, fv) = adamw_update(p0, g0, m0, v0, &hyper).unwrap();
+            if let Some(g0) = g_held {
+                assert_eq!(g0.into_data().try_to_vec::<f32>().unwrap(), g);
+            }
             for (fused, reference) in [fp, fm, fv].into_iter().zip(&reference) {
                 let fused = fused.into_data().try_to_vec::<f32>().unwrap();
                 // The same operations in the same order: equal up to how the backend's

@@ -19,9 +19,9 @@ use burn::backend::autodiff::{
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::ops::ModuleOps;
+use burn::backend::ops::{FloatTensorOps, ModuleOps};
 use burn::backend::{
-    Backend, Dispatch, Shape, TensorMetadata, backend_extension,
+    AutodiffBackend, Backend, Dispatch, Shape, TensorMetadata, backend_extension,
     tensor::{FloatTensor, IntTensor},
 };
 use burn::tensor::{IndexingUpdateOp, Int, Tensor};
@@ -52,11 +52,26 @@ pub fn embedding_reference(weight: Tensor<2>, ids: Tensor<2, Int>) -> Tensor<3> 
 pub trait EmbeddingOps: Backend {
     /// `[batch, seq, hidden]` rows of `weight` `[vocab, hidden]` at `ids` `[batch, seq]`.
     fn embedding_rows(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self>;
+
+    /// A zero gradient of `shape` (`[vocab, hidden]`) in `like`'s dtype and device, for the
+    /// backward to add rows into when no gradient is registered for the weight. On flex for
+    /// `f32` a zeroed `f32` buffer as it is: no second, aligned copy as flex's own zeros
+    /// make, and fresh pages from the allocator are zero without being written, so only the
+    /// rows added into are touched. On autodiff backends a constant.
+    fn embedding_grad_zeros(like: FloatTensor<Self>, shape: [usize; 2]) -> FloatTensor<Self>;
 }
 
 impl EmbeddingOps for burn::backend::Flex {
     fn embedding_rows(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
         Self::embedding(weight, ids)
+    }
+
+    fn embedding_grad_zeros(like: FloatTensor<Self>, shape: [usize; 2]) -> FloatTensor<Self> {
+        if like.dtype() == burn::backend::DType::F32 {
+            crate::flex::tensor::tensor(vec![0.0f32; shape[0] * shape[1]], &shape)
+        } else {
+            Self::float_zeros(Shape::from(shape), &like.device(), like.dtype().into())
+        }
     }
 }
 
@@ -64,6 +79,10 @@ impl EmbeddingOps for burn::backend::Flex {
 impl EmbeddingOps for burn_cubecl::CubeBackend {
     fn embedding_rows(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
         Self::embedding(weight, ids)
+    }
+
+    fn embedding_grad_zeros(like: FloatTensor<Self>, shape: [usize; 2]) -> FloatTensor<Self> {
+        Self::float_zeros(Shape::from(shape), &like.device(), like.dtype().into())
     }
 }
 
@@ -73,7 +92,7 @@ struct EmbeddingBackward;
 /// The weight (to find its registered gradient), its node, the ids and the weight's shape.
 type EmbeddingState<B> = (FloatTensor<Autodiff<B>>, NodeId, IntTensor<B>, [usize; 2]);
 
-impl<B: Backend> Backward<B, 1> for EmbeddingBackward {
+impl<B: EmbeddingOps> Backward<B, 1> for EmbeddingBackward {
     type State = EmbeddingState<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -88,13 +107,9 @@ impl<B: Backend> Backward<B, 1> for EmbeddingBackward {
         let ids = B::int_reshape(ids, Shape::from([n]));
         let rows = B::float_reshape(grad, Shape::from([n, hidden]));
         // The gradient the output projection registered for a tied weight, else zeros.
-        let base = weight.grad_remove(grads).unwrap_or_else(|| {
-            B::float_zeros(
-                Shape::from([vocab, hidden]),
-                &rows.device(),
-                rows.dtype().into(),
-            )
-        });
+        let base = weight
+            .grad_remove(grads)
+            .unwrap_or_else(|| B::embedding_grad_zeros(rows.clone(), [vocab, hidden]));
         let out = B::float_select_assign(base, 0, ids, rows, IndexingUpdateOp::Add);
         grads.register::<B>(parent.id, out);
     }
@@ -122,6 +137,10 @@ impl<B: Backend + EmbeddingOps, C: CheckpointStrategy> EmbeddingOps for Autodiff
                 prep.finish(B::embedding_rows(primitive, ids))
             }
         }
+    }
+
+    fn embedding_grad_zeros(like: FloatTensor<Self>, shape: [usize; 2]) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::embedding_grad_zeros(like.into_primitive(), shape))
     }
 }
 

@@ -35,6 +35,7 @@ use burn::backend::{
 use burn::tensor::{IndexingUpdateOp, Int, Tensor};
 
 use crate::flex::steps;
+use crate::matmul::MatmulOps;
 use crate::{OpsError, Result};
 
 /// Default number of tokens per chunk.
@@ -546,12 +547,16 @@ pub fn backward_reference<B: Backend>(
         vocab_chunk,
         Vec::new(),
         logit_chunk_grad_reference::<B>,
+        B::float_matmul,
     )
 }
 
-/// Chunked backward with the backend's own per-chunk step ([`FusedLogProbOps::logit_chunk_grad`]).
+/// Chunked backward with the backend's own per-chunk step
+/// ([`FusedLogProbOps::logit_chunk_grad`]); `∂lm_head`, vocabulary-sized, is written once by
+/// [`MatmulOps::dense_matmul`] (on flex the same bits as `float_matmul`, without its second
+/// buffer and copy).
 #[allow(clippy::too_many_arguments)]
-pub fn backward_chunked<B: FusedLogProbOps>(
+pub fn backward_chunked<B: FusedLogProbOps + MatmulOps>(
     hidden: FloatTensor<B>,
     lm_head: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -570,13 +575,14 @@ pub fn backward_chunked<B: FusedLogProbOps>(
         vocab_chunk,
         Vec::new(),
         B::logit_chunk_grad,
+        B::dense_matmul,
     )
 }
 
 /// [`backward_chunked`] reusing the forward's logit chunks ([`ForwardState::logits`] of
 /// [`forward_chunked_keeping`]) instead of recomputing them; with no chunks it recomputes.
 #[allow(clippy::too_many_arguments)]
-pub fn backward_chunked_from<B: FusedLogProbOps>(
+pub fn backward_chunked_from<B: FusedLogProbOps + MatmulOps>(
     hidden: FloatTensor<B>,
     lm_head: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -594,6 +600,7 @@ pub fn backward_chunked_from<B: FusedLogProbOps>(
         vocab_chunk,
         forward.logits,
         B::logit_chunk_grad,
+        B::dense_matmul,
     )
 }
 
@@ -607,6 +614,7 @@ fn backward_with<B: Backend>(
     vocab_chunk: usize,
     kept: Vec<FloatTensor<B>>,
     step: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+    head_matmul: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let tokens = hidden.shape()[0];
     let h = hidden.shape()[1];
@@ -650,7 +658,7 @@ fn backward_with<B: Backend>(
                 coefs.push(coef);
                 continue;
             }
-            let dw = B::float_matmul(B::float_transpose(coef), h_c.clone());
+            let dw = head_matmul(B::float_transpose(coef), h_c.clone());
             d_head_chunks[k] = Some(match d_head_chunks[k].take() {
                 Some(acc) => B::float_add(acc, dw),
                 None => dw,
@@ -661,7 +669,7 @@ fn backward_with<B: Backend>(
     let d_hidden = B::float_cat(d_hidden_chunks, 0);
     let d_head = if whole_head {
         let coef = B::float_cat(coefs, 1);
-        B::float_matmul(B::float_transpose(coef), hidden.clone())
+        head_matmul(B::float_transpose(coef), hidden.clone())
     } else {
         B::float_cat(d_head_chunks.into_iter().flatten().collect(), 0)
     };
@@ -682,7 +690,7 @@ fn backward_with<B: Backend>(
 #[derive(Debug)]
 struct FusedBackward;
 
-impl<B: FusedLogProbOps> Backward<B, 2> for FusedBackward {
+impl<B: FusedLogProbOps + MatmulOps> Backward<B, 2> for FusedBackward {
     type State = (
         FloatTensor<B>,
         FloatTensor<B>,
@@ -707,7 +715,9 @@ impl<B: FusedLogProbOps> Backward<B, 2> for FusedBackward {
     }
 }
 
-impl<B: Backend + FusedLogProbOps, C: CheckpointStrategy> FusedLogProbOps for Autodiff<B, C> {
+impl<B: Backend + FusedLogProbOps + MatmulOps, C: CheckpointStrategy> FusedLogProbOps
+    for Autodiff<B, C>
+{
     fn fused_log_prob_entropy(
         hidden: FloatTensor<Self>,
         lm_head: FloatTensor<Self>,

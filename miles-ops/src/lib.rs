@@ -33,11 +33,15 @@
 //! [`grouped_matmul_packed`]), the expert bucketing of a sparse MoE dispatch on the ids'
 //! device ([`bucket_by_expert`]), the decode-step projections split over the cores
 //! ([`linear()`], [`linear_t`]), the training `bf16` linear layer on Intel AMX tiles
-//! ([`linear_bf16`], forward and both gradients) and the gated delta rule of Qwen3.5's
-//! linear attention in the chunked form ([`gated_delta_rule_chunked`]: native loops on flex;
-//! on CubeCL devices batched tensor ops for the chunk-local products and one fused kernel
-//! for the scan over the chunks each way; the explicit backward on both); forward only, its
-//! recurrent form for decode steps ([`gated_delta_rule`]: a native loop or a CubeCL kernel).
+//! ([`linear_bf16`], forward and both gradients), the training `f32` linear layer whose
+//! gradients are each written once, `∂W` in `W`'s layout ([`linear_train`], with the 2-D
+//! product of the backward passes, [`MatmulOps::dense_matmul`], and the gradient buffers a
+//! trainer keeps for its next step: [`keep_result_buffers`], [`recycle`]) and the gated
+//! delta rule of Qwen3.5's linear attention in the chunked form
+//! ([`gated_delta_rule_chunked`]: native loops on flex; on CubeCL devices batched tensor ops
+//! for the chunk-local products and one fused kernel for the scan over the chunks each way;
+//! the explicit backward on both); forward only, its recurrent form for decode steps
+//! ([`gated_delta_rule`]: a native loop or a CubeCL kernel).
 //! [`runs_fused`] says whether a device takes the fused path;
 //! [`fused_ops_enabled`] / [`set_fused_ops`] (also `MILES_FUSED_OPS=off`) is one
 //! process-wide switch that sends every fused op to its plain-op twin, to measure the two
@@ -117,6 +121,7 @@ mod kl;
 mod linear;
 mod linear_bf16;
 pub mod logprobs;
+mod matmul;
 mod norm;
 pub mod packed;
 pub mod paged;
@@ -133,7 +138,7 @@ pub use switch::{
 
 // RL math.
 pub use adamw::{
-    AdamWHyper, AdamWOps, adamw_update, adamw_update_reference, squared_norm,
+    AdamWHyper, AdamWOps, adamw_update, adamw_update_reference, adamw_zero_moment, squared_norm,
     squared_norm_reference,
 };
 pub use advantages::{
@@ -169,5 +174,8 @@ pub use grouped::{
 };
 pub use linear::{DECODE_ROWS, LinearOps, linear, linear_reference, linear_t};
 pub use linear_bf16::{Bf16LinearOps, linear_bf16, runs_amx};
+pub use matmul::{
+    MatmulOps, drop_result_buffers, keep_result_buffers, linear_train, recycle, result_buffer_limit,
+};
 pub use norm::{NormRopeOps, rms_norm, rms_norm_reference, rope, rope_reference};
 pub use swiglu::{SwiGluOps, swiglu, swiglu_reference};

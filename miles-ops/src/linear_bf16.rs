@@ -8,7 +8,9 @@
 //! `bf16`, as flex's own `bf16` matmul returns them up to summation order (AMX also treats
 //! `bf16` subnormal inputs as zero). Other dtypes, other devices, CPUs without AMX,
 //! `MILES_NO_AMX=1` or the fused ops switched off ([`crate::fused_ops_enabled`]) take
-//! `x.matmul(w.transpose())` ([`crate::linear_reference`]) unchanged.
+//! [`crate::linear_train`]: for `f32` autodiff tensors on flex (with the fused ops on) the
+//! plain forward with gradients each written once, else `x.matmul(w.transpose())`
+//! ([`crate::linear_reference`]) unchanged.
 
 use std::borrow::Cow;
 
@@ -26,15 +28,15 @@ use burn::tensor::{Tensor, TensorData, bf16};
 
 use crate::flex::amx::{self, MatrixView, matmul_bf16};
 use crate::flex::tensor::{as_f32, dims, f32_data};
-use crate::linear::linear_reference;
 
 /// `x · wᵀ` for `x` `[rows, in]` and `w` `[out, in]`; panics on mismatched widths as
 /// `matmul` does. `bf16` on flex with AMX: [`Bf16LinearOps`] (see the module docs);
-/// otherwise `x.matmul(w.transpose())`.
+/// otherwise [`crate::linear_train`] (`f32` autodiff tensors on flex: the plain forward, its
+/// gradients each written once; else `x.matmul(w.transpose())`).
 pub fn linear_bf16(x: Tensor<2>, w: Tensor<2>) -> Tensor<2> {
     let x_takes = x.dtype() == burn::tensor::DType::BF16 && on_flex(&x);
     if x.dims()[1] != w.dims()[1] || !x_takes || !runs_amx(&w) {
-        return linear_reference(x, w);
+        return crate::matmul::linear_train(x, w);
     }
     Tensor::from_dispatch(<Dispatch as Bf16LinearOps>::linear_bf16(
         x.into_dispatch(),

@@ -27,7 +27,7 @@ use crate::checkpoint;
 use crate::config::{LossType, TrainConfig};
 use crate::critic::Critic;
 use crate::opd;
-use crate::optim::{AdamW, GradAccumulator};
+use crate::optim::{AdamW, GradAccumulator, ModelSlot};
 use crate::scoring::{HookFn, sample_error, score_batch, score_batch_with};
 use crate::{Error, LrSchedule, Result};
 
@@ -99,7 +99,7 @@ pub struct StepReport {
 /// `perf/actor_backward_time` and `perf/optimizer_time` split the optimizer steps.
 pub struct Actor {
     config: TrainConfig,
-    model: CausalLm,
+    model: ModelSlot<CausalLm>,
     reference: Option<CausalLm>,
     teacher: Option<CausalLm>,
     critic: Option<Critic>,
@@ -259,6 +259,7 @@ impl Actor {
                          shared; use padded or packed",
             });
         }
+        crate::optim::keep_gradient_buffers(model.num_params());
         let reference = config.needs_ref().then(|| model.valid());
         let model = match config.lora_config() {
             Some(_) if model.lora_config().is_some() => {
@@ -293,7 +294,7 @@ impl Actor {
             loss: config.policy_loss.clone().init()?,
             advantages: config.advantage.clone().init()?,
             config,
-            model,
+            model: ModelSlot::new(model),
             reference,
             teacher: None,
             critic: None,
@@ -856,13 +857,13 @@ impl Actor {
                     // over micro-batches adds what the plain path adds.
                     let mut local = GradAccumulator::new();
                     for grads in r.backward(loss)? {
-                        local.accumulate(&self.model, &grads);
+                        local.accumulate(&*self.model, &grads);
                     }
                     acc.merge(local);
                 }
                 None => {
                     let grads = loss.backward();
-                    acc.accumulate(&self.model, &grads);
+                    acc.accumulate(&*self.model, &grads);
                 }
             }
             times.backward += backward_started.elapsed().as_secs_f64();
@@ -898,8 +899,10 @@ impl Actor {
             });
         }
         let lr = self.schedule.lr_at(self.optimizer.step_count());
-        let model = self.model.clone();
-        self.model = self.optimizer.step_scaled(model, acc, lr, clip);
+        // By value: the update writes each parameter in place ([`ModelSlot`]).
+        let optimizer = &mut self.optimizer;
+        self.model
+            .update(|model| optimizer.step_scaled(model, acc, lr, clip));
         times.optimizer += optimizer_started.elapsed().as_secs_f64();
         metrics.insert("train/grad_norm".into(), grad_norm);
         metrics.insert("train/lr".into(), lr);
@@ -1006,7 +1009,7 @@ impl Actor {
         rollouts_trained: u64,
         reference: Option<CausalLm>,
     ) {
-        self.model = model;
+        self.model = ModelSlot::new(model);
         self.optimizer = optimizer;
         self.version = version;
         self.rollouts_trained = rollouts_trained;
@@ -1073,6 +1076,9 @@ impl PolicyTrainer for Actor {
     }
 
     fn save_checkpoint(&self, dir: &Path) -> miles_core::Result<()> {
+        // The gradient buffers kept for the next step would come on top of the checkpoint's
+        // host copies.
+        miles_ops::drop_result_buffers();
         Ok(checkpoint::save(
             &self.model,
             &self.optimizer,

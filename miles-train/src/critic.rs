@@ -13,7 +13,7 @@ use miles_ops::{LossAggregation, Reducer};
 use miles_r3::RouterHook;
 
 use crate::batch::{TrainItem, pad_row, pad_rows, step_normalizer};
-use crate::optim::{AdamW, GradAccumulator, NamedParams};
+use crate::optim::{AdamW, GradAccumulator, ModelSlot, NamedParams};
 use crate::{Error, LrSchedule, Result, TrainConfig};
 
 /// Transformer + value head `[1, hidden]` (HF name `value_head.weight`).
@@ -78,7 +78,7 @@ impl ValueModel {
 /// The critic: value model, its own AdamW and LR schedule (`--critic-lr`).
 #[derive(Debug)]
 pub struct Critic {
-    model: ValueModel,
+    model: ModelSlot<ValueModel>,
     optimizer: AdamW,
     schedule: LrSchedule,
 }
@@ -98,8 +98,9 @@ impl Critic {
         if let Some(lr) = config.critic_lr {
             schedule.lr = lr;
         }
+        crate::optim::keep_gradient_buffers(lm.num_params());
         Ok(Self {
-            model: ValueModel::new(lm),
+            model: ModelSlot::new(ValueModel::new(lm)),
             optimizer: AdamW::new(config.optimizer),
             schedule: schedule.validate()?,
         })
@@ -196,7 +197,7 @@ impl Critic {
             loss_sum += f64::from(loss.clone().into_scalar::<f32>());
             clip_sum += f64::from(clipfrac.into_scalar::<f32>()) / f64::from(normalizer);
             let grads = loss.backward();
-            acc.accumulate(&self.model, &grads);
+            acc.accumulate(&*self.model, &grads);
         }
         acc.retain_trainable(|name| config.is_frozen(name));
         let step = self.optimizer.step_count() + 1;
@@ -213,8 +214,10 @@ impl Critic {
         }
         let lr = self.schedule.lr_at(self.optimizer.step_count());
         let clip = GradAccumulator::clip_coefficient(grad_norm, config.clip_grad);
-        let model = self.model.clone();
-        self.model = self.optimizer.step_scaled(model, acc, lr, clip);
+        // By value: the update writes each parameter in place ([`ModelSlot`]).
+        let optimizer = &mut self.optimizer;
+        self.model
+            .update(|model| optimizer.step_scaled(model, acc, lr, clip));
         Ok(BTreeMap::from([
             ("train/value_loss".to_string(), loss_sum),
             ("train/value_clipfrac".to_string(), clip_sum),

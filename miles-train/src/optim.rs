@@ -10,7 +10,7 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use miles_bridge::CausalLm;
 use miles_bridge::nn::{ParamRef, ParamVisitor};
-use miles_ops::{AdamWHyper, adamw_update, squared_norm};
+use miles_ops::{AdamWHyper, adamw_update, adamw_zero_moment, squared_norm};
 
 use crate::config::AdamWConfig;
 use crate::{Error, Result};
@@ -153,6 +153,55 @@ impl GradAccumulator {
             }
         }
         1.0
+    }
+}
+
+/// A trainer's model, handed to [`AdamW::step_scaled`] by value for the update
+/// ([`ModelSlot::update`]): while the update runs nothing else holds the parameters' buffers,
+/// so it writes each parameter in place. (A `model.clone()` kept beside the update would hold
+/// every old buffer until the update returns, and the update would write the whole model
+/// anew into fresh pages: one more weight-sized buffer per step.)
+#[derive(Debug)]
+pub(crate) struct ModelSlot<M>(Option<M>);
+
+/// Why a [`ModelSlot`] can be empty: only inside [`ModelSlot::update`].
+const AWAY: &str = "the model is away only during its optimizer update, which panicked";
+
+impl<M> ModelSlot<M> {
+    pub(crate) fn new(model: M) -> Self {
+        Self(Some(model))
+    }
+
+    /// Replaces the model by `f(model)`, passing it on by value.
+    pub(crate) fn update(&mut self, f: impl FnOnce(M) -> M) {
+        let model = self.0.take().expect(AWAY);
+        self.0 = Some(f(model));
+    }
+}
+
+impl<M> std::ops::Deref for ModelSlot<M> {
+    type Target = M;
+
+    fn deref(&self) -> &M {
+        self.0.as_ref().expect(AWAY)
+    }
+}
+
+impl<M> std::ops::DerefMut for ModelSlot<M> {
+    fn deref_mut(&mut self) -> &mut M {
+        self.0.as_mut().expect(AWAY)
+    }
+}
+
+/// Lets the optimizer's updates keep their gradients' buffers for the next backward to write
+/// into ([`miles_ops::recycle`]): raises the process's limit to the `f32` size of `params`
+/// values if it is lower. A step's weight gradients are weight-sized new buffers; freed at the
+/// update, their pages would go back to the kernel before the next backward and every
+/// gradient would be faulted in anew (2.4 GB a step at Qwen3-0.6B).
+pub(crate) fn keep_gradient_buffers(params: usize) {
+    let bytes = params.saturating_mul(std::mem::size_of::<f32>());
+    if bytes > miles_ops::result_buffer_limit() {
+        miles_ops::keep_result_buffers(bytes);
     }
 }
 
@@ -354,8 +403,8 @@ impl ModuleMapper for Update<'_> {
         let device = p.device();
         // The moments are taken out of the state so that the update can write them in place.
         let Moments { m, v } = self.state.remove(name).unwrap_or_else(|| Moments {
-            m: Tensor::zeros(g.dims(), &device),
-            v: Tensor::zeros(g.dims(), &device),
+            m: adamw_zero_moment(g.dims()[0], &device),
+            v: adamw_zero_moment(g.dims()[0], &device),
         });
         // Optimizer state is plain data: moments restored from a checkpoint on the trainer's
         // (autodiff) device, and gradients, are taken off the graph.
@@ -363,6 +412,9 @@ impl ModuleMapper for Update<'_> {
         let (g, m, v) = (plain(g), plain(m), plain(v));
         // Shapes agree by construction (the gradient and moments of this parameter); an error
         // here is a broken invariant.
+        // On flex the update recycles the gradient's buffer for the next backward (within
+        // the limit the trainer set), or writes the new parameter into it when the old one is
+        // still served.
         let (p, m, v) = adamw_update(p, g, m, v, &self.hyper)
             .unwrap_or_else(|e| panic!("AdamW update of {name}: {e}"));
         self.state.insert(name.clone(), Moments { m, v });

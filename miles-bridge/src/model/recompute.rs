@@ -17,9 +17,9 @@ use std::str::FromStr;
 use std::sync::Mutex;
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::module::embedding;
 use burn::tensor::{FloatDType, Gradients, Int, Tensor};
 use miles_core::NamedTensors;
+use miles_ops::embedding;
 use miles_r3::{MoeLayerInfo, R3Error, RouterHook};
 use serde::{Deserialize, Serialize};
 

@@ -51,7 +51,9 @@ impl Linear {
     }
 
     /// Applies the layer to `[tokens, in]` rows. `x · Wᵀ` is [`miles_ops::linear_bf16`]: on
-    /// Intel AMX for `bf16` tensors on flex, `x.matmul(W.transpose())` otherwise.
+    /// Intel AMX for `bf16` tensors on flex; for `f32` training on flex
+    /// [`miles_ops::linear_train`] (the same forward, `∂W` written once in `W`'s layout);
+    /// `x.matmul(W.transpose())` otherwise.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.lora {
             Some(lora) if lora.mode == LoraForward::Factored => {

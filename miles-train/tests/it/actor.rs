@@ -144,6 +144,70 @@ fn sft_loss_falls_and_grpo_moves_probability_towards_rewarded_responses() {
     }
 }
 
+/// Every parameter's buffer start and values (flex), by HF name.
+fn param_buffers(model: &CausalLm) -> Vec<(String, usize, Vec<f32>)> {
+    use burn::backend::{BackendTensor, DispatchTensorKind};
+    use miles_bridge::nn::ParamRef;
+    fn buffer<const D: usize>(t: burn::tensor::Tensor<D>) -> (usize, Vec<f32>) {
+        let t = if t.is_autodiff() { t.inner() } else { t };
+        let start = match t.clone().into_dispatch().kind {
+            DispatchTensorKind::Flex(BackendTensor::Float(f)) => {
+                f.as_slice::<f32>().map_or(0, |s| s.as_ptr() as usize)
+            }
+            _ => 0,
+        };
+        let values = t
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap();
+        (start, values)
+    }
+    let mut out = Vec::new();
+    model.visit_params(&mut |name, p| {
+        let (start, values) = match p {
+            ParamRef::R1(p) => buffer(p.val()),
+            ParamRef::R2(p) => buffer(p.val()),
+            ParamRef::R3(p) => buffer(p.val()),
+        };
+        out.push((name.to_string(), start, values));
+    });
+    out
+}
+
+/// The optimizer writes each parameter in place: after a step, every parameter with a
+/// gradient holds new values in the buffer it had before (the actor hands its model to the
+/// update by value; a second handle would make AdamW write the whole model into new buffers).
+#[test]
+fn the_optimizer_updates_the_weights_in_place() {
+    let batch = samples();
+    let mut actor = Actor::new(model(), config()).unwrap();
+    // The first step's parameters may be views of the loaded file's buffers (copied once).
+    actor.train(0, &batch).unwrap();
+    let before = param_buffers(actor.model());
+    actor.train(1, &batch).unwrap();
+    let after = param_buffers(actor.model());
+    assert_eq!(before.len(), after.len());
+    let mut updated = 0;
+    for ((name, start, values), (name_after, start_after, values_after)) in
+        before.iter().zip(&after)
+    {
+        assert_eq!(name, name_after);
+        if values == values_after {
+            // No gradient (e.g. `e_score_correction_bias`): not updated.
+            continue;
+        }
+        updated += 1;
+        assert!(*start != 0, "{name}: not a flex f32 buffer");
+        assert_eq!(start, start_after, "{name}: updated into a new buffer");
+    }
+    assert!(
+        updated * 10 >= before.len() * 9,
+        "only {updated} of {} parameters changed",
+        before.len()
+    );
+}
+
 #[test]
 fn log_probs_are_batch_invariant_bit_for_bit() {
     let m = model();
