@@ -259,7 +259,13 @@ impl Actor {
                          shared; use padded or packed",
             });
         }
-        crate::optim::keep_gradient_buffers(model.num_params());
+        if config
+            .recompute
+            .plan(model.config.num_hidden_layers)
+            .is_some()
+        {
+            crate::optim::keep_gradient_buffers(model.num_params());
+        }
         let reference = config.needs_ref().then(|| model.valid());
         let model = match config.lora_config() {
             Some(_) if model.lora_config().is_some() => {

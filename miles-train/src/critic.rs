@@ -98,7 +98,9 @@ impl Critic {
         if let Some(lr) = config.critic_lr {
             schedule.lr = lr;
         }
-        crate::optim::keep_gradient_buffers(lm.num_params());
+        if config.recompute.plan(lm.config.num_hidden_layers).is_some() {
+            crate::optim::keep_gradient_buffers(lm.num_params());
+        }
         Ok(Self {
             model: ModelSlot::new(ValueModel::new(lm)),
             optimizer: AdamW::new(config.optimizer),

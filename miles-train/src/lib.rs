@@ -20,7 +20,9 @@
 //!    samples, each step into micro-batches ([`plan_micro_batches`], fixed size or a token
 //!    budget), gradients accumulated over micro-batches, **global** gradient-norm clipping
 //!    (`clip_grad`), then decoupled-weight-decay AdamW ([`AdamW`]) at the scheduled LR
-//!    ([`LrSchedule`]);
+//!    ([`LrSchedule`]), which on flex updates the weights in place and, with full activation
+//!    recomputation, keeps each gradient's buffer for the next step's backward to write into
+//!    (up to the model's `f32` size: [`miles_ops::keep_result_buffers`]);
 //! 5. metrics under Miles' names (`train/loss`, `train/pg_loss`, `train/grad_norm`, `train/lr`,
 //!    …) are returned and traced.
 //!
