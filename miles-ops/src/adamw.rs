@@ -9,8 +9,9 @@
 //! buffers; a shared buffer is copied first, so a tensor held elsewhere never changes), split
 //! over the cores with rayon. The gradient's buffer then goes to [`crate::recycle`] (kept for
 //! the next step's gradient within the limit a trainer set), or, when the parameter is held
-//! elsewhere (an engine serving this version), it becomes the new parameter's buffer. Both round the same way: every product, sum, square root and
-//! quotient in `f32`, in the order written above, with the scalars rounded from `f64` once.
+//! elsewhere (an engine serving this version), it becomes the new parameter's buffer. Both
+//! paths round the same way: every product, sum, square root and quotient in `f32`, in the
+//! order written above, with the scalars rounded from `f64` once.
 
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::{Backend, Dispatch, Flex, Shape, backend_extension, tensor::FloatTensor};

@@ -6,21 +6,21 @@
 //! zeroed byte buffer and then, to align it, a second one that the zeros are copied into, on
 //! the calling thread while the other cores wait. For the weight-sized gradients of a
 //! training step (Qwen3-0.6B: 596 M values, a 622 MB tied vocabulary matrix among them) that
-//! is two fresh buffers and a serial copy per gradient, and autodiff's `x.matmul(w.transpose())`
-//! adds a third: `∂w` arrives as the transpose of `xᵀ · ∂y`, a strided view that the
+//! is two fresh buffers and a serial copy per gradient, and autodiff's
+//! `x.matmul(w.transpose())` adds a third: `∂w` arrives as the transpose of `xᵀ · ∂y`, a strided view that the
 //! optimizer's flattening copies. On flex in `f32`, [`MatmulOps::dense_matmul`] runs the same
 //! `gemm` call flex runs (same operands, strides, parallelism and scalars, so the same bits)
-//! into one `f32` buffer that the product writes once (on the threads computing it), and [`linear_train`]'s backward
-//! computes `∂w = ∂yᵀ · x` in `w`'s own `[out, in]` layout. Other devices and dtypes run
-//! `float_matmul`.
+//! into one `f32` buffer that the product writes once (on the threads computing it), and
+//! [`linear_train`]'s backward computes `∂w = ∂yᵀ · x` in `w`'s own `[out, in]` layout. Other
+//! devices and dtypes run `float_matmul`.
 //!
 //! A trainer can also have the next step's gradients written into this step's buffers:
 //! [`keep_result_buffers`] sets how many bytes of finished results [`recycle`] may keep, and
 //! [`MatmulOps::dense_matmul`] writes into a kept buffer of its result's size before it
-//! allocates one (`miles_train`'s actor and critic keep up to their model's size and recycle
-//! each gradient after its AdamW update). The pages then stay mapped from step to step instead
-//! of being returned to the kernel and faulted in anew (on the KVM machines measured here, a
-//! GiB of fresh pages costs 0.4–1.3 s of kernel time).
+//! allocates one (with full activation recomputation `miles_train`'s actor and critic keep up
+//! to their model's size, and AdamW recycles each gradient after its update). The pages then
+//! stay mapped from step to step instead of being returned to the kernel and faulted in anew
+//! (on the KVM machines measured here, a GiB of fresh pages costs 0.4–1.3 s of kernel time).
 
 use burn::backend::autodiff::{
     Autodiff,
