@@ -63,14 +63,17 @@ static RECYCLE_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::Atomic
 pub fn keep_result_buffers(bytes: usize) {
     RECYCLE_LIMIT.store(bytes, std::sync::atomic::Ordering::Relaxed);
     if let Ok(mut kept) = RECYCLED.lock() {
-        let mut held: usize = kept.iter().map(|v| v.capacity() * 4).sum();
-        while held > bytes {
-            match kept.pop() {
-                Some(v) => held -= v.capacity() * 4,
-                None => break,
-            }
+        while held(&kept) > bytes {
+            kept.pop();
         }
     }
+}
+
+/// The bytes the kept buffers hold.
+fn held(kept: &[Vec<f32>]) -> usize {
+    kept.iter()
+        .map(|v| v.capacity() * std::mem::size_of::<f32>())
+        .sum()
 }
 
 /// Drops every kept buffer (the limit stays): before a phase that needs the memory more, e.g.
@@ -90,12 +93,7 @@ pub fn result_buffer_limit() -> usize {
 /// plain (non-autodiff) `f32` flex tensor of at least 1 MiB that nothing else holds and the
 /// kept buffers stay within [`keep_result_buffers`]' limit; otherwise drops it.
 pub fn recycle<const D: usize>(t: Tensor<D>) {
-    if t.is_autodiff() || !crate::device::is_flex(&t.device()) {
-        return;
-    }
-    if let burn::backend::DispatchTensorKind::Flex(burn::backend::BackendTensor::Float(flex)) =
-        t.into_dispatch().kind
-    {
+    if let Some(flex) = crate::packed::flex_primitive(t) {
         recycle_flex(flex);
     }
 }
@@ -125,8 +123,7 @@ pub(crate) fn recycle_flex(flex: FloatTensor<Flex>) {
     let Ok(mut kept) = RECYCLED.lock() else {
         return;
     };
-    let held: usize = kept.iter().map(|v| v.capacity() * 4).sum();
-    if held + values.capacity() * 4 <= limit {
+    if held(&kept) + values.capacity() * std::mem::size_of::<f32>() <= limit {
         kept.push(values);
     }
 }
@@ -348,21 +345,10 @@ mod tests {
     use super::*;
     use burn::tensor::Device;
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        // A fixed, sign-mixed sequence with a spread of magnitudes (no RNG crate needed).
-        (0..n)
-            .map(|i| {
-                let h = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-                (h % 20_011) as f32 / 10_005.5 - 1.0
-            })
-            .collect()
-    }
+    use crate::packed::tests::values;
 
     fn host(t: Tensor<2>) -> Vec<f32> {
-        t.into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .unwrap()
+        crate::packed::host_f32(t).unwrap()
     }
 
     /// The product flex's own `matmul` returns, bit for bit, for contiguous and transposed
@@ -458,12 +444,8 @@ mod tests {
                 }
             }
             // Written once in w's layout: a dense [out, in] buffer, no strided view.
-            let dense = match dw_tensor.into_dispatch().kind {
-                burn::backend::DispatchTensorKind::Flex(burn::backend::BackendTensor::Float(t)) => {
-                    t.layout().contiguous_offsets() == Some((0, d_out * d_in))
-                }
-                _ => false,
-            };
+            let dense = crate::packed::flex_primitive(dw_tensor)
+                .is_some_and(|t| t.layout().contiguous_offsets() == Some((0, d_out * d_in)));
             assert!(dense, "∂w is not a contiguous [out, in] tensor");
         }
     }
@@ -483,11 +465,9 @@ mod tests {
                 rhs.clone().into_dispatch(),
             ))
         };
-        let start = |t: &Tensor<2>| match t.clone().into_dispatch().kind {
-            burn::backend::DispatchTensorKind::Flex(burn::backend::BackendTensor::Float(f)) => {
-                f.as_slice::<f32>().map(|s| s.as_ptr() as usize)
-            }
-            _ => None,
+        let start = |t: &Tensor<2>| {
+            crate::packed::flex_primitive(t.clone())
+                .and_then(|f| f.as_slice::<f32>().map(|s| s.as_ptr() as usize))
         };
         let expected = host(lhs.clone().matmul(rhs.clone()));
         let kept_len = || {

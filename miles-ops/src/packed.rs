@@ -376,7 +376,7 @@ impl PackedMatrix {
 }
 
 /// The flex primitive of a plain flex float tensor (`None` for any other), sharing its buffer.
-pub(crate) fn flex_primitive(t: Tensor<2>) -> Option<FloatTensor<Flex>> {
+pub(crate) fn flex_primitive<const D: usize>(t: Tensor<D>) -> Option<FloatTensor<Flex>> {
     match t.into_dispatch().kind {
         DispatchTensorKind::Flex(BackendTensor::Float(t)) => Some(t),
         _ => None,
